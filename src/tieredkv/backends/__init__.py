@@ -1,0 +1,21 @@
+"""Storage tiers: the :class:`Tier` protocol and its implementations, one per module."""
+
+from __future__ import annotations
+
+from .base import AddressableTier as AddressableTier
+from .base import SegmentKey as SegmentKey
+from .base import Tier as Tier
+from .base import TierStats as TierStats
+from .memory import HostMemoryTier as HostMemoryTier
+from .mmap import MmapTier as MmapTier
+from .ssd import SSDTier as SSDTier
+
+__all__ = [
+    "AddressableTier",
+    "HostMemoryTier",
+    "MmapTier",
+    "SSDTier",
+    "SegmentKey",
+    "Tier",
+    "TierStats",
+]

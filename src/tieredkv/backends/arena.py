@@ -1,0 +1,284 @@
+"""A byte arena with its own allocator, and the tier built on it.
+
+Host memory and mmap tiers are both one large preallocated buffer carved into 4 KiB-aligned
+slots, one per segment. Slots are aligned so that an O_DIRECT read from the SSD tier can
+land straight in the arena, and an O_DIRECT write can leave straight from it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+import anyio
+import numpy as np
+import torch
+
+from ..errors import ClosedError
+from ..payload import ALIGN, SegmentHeader, align_up
+from .base import SegmentKey, TierStats
+
+__all__ = ["ArenaAllocator", "ArenaTier"]
+
+
+class ArenaAllocator:
+    """First-fit allocator over ``[0, capacity)`` with coalescing of neighbouring free blocks.
+
+    Offsets and sizes are multiples of ``granularity``. State: free blocks by offset (a
+    sorted list plus a dict of sizes). ``allocate`` is O(free blocks), ``free`` is
+    O(log free blocks) plus a list insertion.
+    """
+
+    __slots__ = ("_free_offsets", "_free_sizes", "_granularity", "_used", "capacity")
+
+    def __init__(self, capacity: int, granularity: int = ALIGN) -> None:
+        if capacity < 0 or capacity % granularity:
+            raise ValueError(
+                f"capacity {capacity} must be a non-negative multiple of {granularity}"
+            )
+        self.capacity = capacity
+        self._granularity = granularity
+        self._free_offsets: list[int] = [0] if capacity else []
+        self._free_sizes: dict[int, int] = {0: capacity} if capacity else {}
+        self._used = 0
+
+    @property
+    def used(self) -> int:
+        """Bytes allocated."""
+        return self._used
+
+    @property
+    def largest_free(self) -> int:
+        """Size of the largest free block."""
+        return max(self._free_sizes.values(), default=0)
+
+    def allocate(self, size: int) -> int | None:
+        """Offset of a new block of ``size`` bytes (rounded up), or ``None`` if none fits."""
+        size = align_up(max(size, 1), self._granularity)
+        for i, offset in enumerate(self._free_offsets):
+            block = self._free_sizes[offset]
+            if block >= size:
+                del self._free_sizes[offset]
+                if block == size:
+                    del self._free_offsets[i]
+                else:
+                    self._free_offsets[i] = offset + size
+                    self._free_sizes[offset + size] = block - size
+                self._used += size
+                return offset
+        return None
+
+    def free(self, offset: int, size: int) -> None:
+        """Return a block obtained from :meth:`allocate` (same ``size`` as asked)."""
+        size = align_up(max(size, 1), self._granularity)
+        self._used -= size
+        i = bisect.bisect_left(self._free_offsets, offset)
+        if i < len(self._free_offsets) and self._free_offsets[i] == offset:
+            raise ValueError(f"double free of arena block at {offset}")
+        # merge with the following block
+        if i < len(self._free_offsets) and self._free_offsets[i] == offset + size:
+            size += self._free_sizes.pop(self._free_offsets[i])
+            del self._free_offsets[i]
+        # merge with the preceding block
+        if i > 0:
+            prev = self._free_offsets[i - 1]
+            if prev + self._free_sizes[prev] == offset:
+                self._free_sizes[prev] += size
+                return
+        self._free_offsets.insert(i, offset)
+        self._free_sizes[offset] = size
+
+
+class _Slot:
+    __slots__ = ("committed", "length", "offset")
+
+    def __init__(self, offset: int, length: int) -> None:
+        self.offset = offset
+        self.length = length
+        self.committed = False
+
+
+class ArenaTier:
+    """A tier over one contiguous writable buffer; subclasses provide and release the buffer.
+
+    Copies of at most ``inline_copy_limit`` bytes run on the event loop (they take
+    microseconds); larger ones run in a worker thread under the tier's capacity limiter.
+    """
+
+    kind = "arena"
+    inline_copy_limit = 256 * 1024
+
+    def __init__(self, name: str, capacity: int, *, max_threads: int = 2) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a tier needs a non-empty name, not {name!r}")
+        if capacity <= 0:
+            raise ValueError(f"tier {name!r}: capacity must be positive, not {capacity}")
+        self.name = name
+        self._capacity = align_up(capacity)
+        self._alloc = ArenaAllocator(self._capacity)
+        self._slots: dict[SegmentKey, _Slot] = {}
+        self._buf: memoryview | None = None
+        self._bytes: torch.Tensor | None = None
+        self._max_threads = max_threads
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._committed = 0
+        self._counters: dict[str, int] = {
+            "bytes_read": 0,
+            "bytes_written": 0,
+            "reads": 0,
+            "writes": 0,
+        }
+
+    # -- subclass hooks ------------------------------------------------------------------
+    def _acquire_buffer(self) -> memoryview:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _release_buffer(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _extra_stats(self) -> dict[str, Any]:
+        return {}
+
+    # -- lifecycle -----------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def used(self) -> int:
+        return self._alloc.used
+
+    @property
+    def persistent(self) -> bool:
+        return False
+
+    async def open(self) -> list[SegmentHeader]:
+        if self._buf is None:
+            self._limiter = anyio.CapacityLimiter(self._max_threads)
+            self._buf = await anyio.to_thread.run_sync(self._acquire_buffer, limiter=self._limiter)
+            self._bytes = torch.frombuffer(self._buf, dtype=torch.uint8)
+        return []
+
+    async def aclose(self) -> None:
+        if self._buf is None:
+            return
+        self._slots.clear()
+        self._alloc = ArenaAllocator(self._capacity)
+        self._committed = 0
+        self._bytes = None
+        self._buf = None
+        await anyio.to_thread.run_sync(self._release_buffer)
+
+    async def __aenter__(self) -> ArenaTier:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def _arena(self) -> memoryview:
+        if self._buf is None:
+            raise ClosedError(f"tier {self.name!r}")
+        return self._buf
+
+    # -- space ---------------------------------------------------------------------------
+    def reserve(self, key: SegmentKey, length: int) -> bool:
+        self._arena()
+        if key in self._slots:
+            raise ValueError(f"tier {self.name!r} already holds or reserves segment {key[1]}")
+        offset = self._alloc.allocate(length)
+        if offset is None:
+            return False
+        self._slots[key] = _Slot(offset, length)
+        return True
+
+    def release(self, key: SegmentKey) -> None:
+        slot = self._slots.get(key)
+        if slot is not None and not slot.committed:
+            del self._slots[key]
+            self._alloc.free(slot.offset, slot.length)
+
+    def view(self, key: SegmentKey) -> memoryview:
+        slot = self._slots[key]
+        return self._arena()[slot.offset : slot.offset + slot.length]
+
+    def commit(self, key: SegmentKey) -> None:
+        slot = self._slots[key]
+        if not slot.committed:
+            slot.committed = True
+            self._committed += 1
+            self._counters["writes"] += 1
+            self._counters["bytes_written"] += slot.length
+
+    # -- data ----------------------------------------------------------------------------
+    async def _copy(self, dst: memoryview, src: memoryview) -> None:
+        if len(dst) != len(src):
+            raise ValueError(f"copy of {len(src)} bytes into a buffer of {len(dst)}")
+        if len(src) <= self.inline_copy_limit:
+            dst[:] = src
+        else:
+            await anyio.to_thread.run_sync(_copy_bytes, dst, src, limiter=self._limiter)
+
+    async def write(self, key: SegmentKey, data: memoryview) -> None:
+        slot = self._slots[key]
+        if slot.committed:
+            raise ValueError(f"segment {key[1]} is already committed in tier {self.name!r}")
+        await self._copy(self.view(key), data)
+        self.commit(key)
+
+    async def read_into(self, key: SegmentKey, out: memoryview) -> None:
+        slot = self._slots.get(key)
+        if slot is None or not slot.committed:
+            raise KeyError(key)
+        await self._copy(out, self.view(key))
+        self._counters["reads"] += 1
+        self._counters["bytes_read"] += slot.length
+
+    def note_read(self, nbytes: int) -> None:
+        """Count a read the cache did in place through :meth:`view`."""
+        self._counters["reads"] += 1
+        self._counters["bytes_read"] += nbytes
+
+    async def delete(self, key: SegmentKey) -> None:
+        self.discard(key)
+
+    def discard(self, key: SegmentKey) -> None:
+        """Synchronous :meth:`delete` (freeing arena space needs no I/O)."""
+        slot = self._slots.pop(key, None)
+        if slot is not None:
+            if slot.committed:
+                self._committed -= 1
+            self._alloc.free(slot.offset, slot.length)
+
+    def contains(self, key: SegmentKey) -> bool:
+        slot = self._slots.get(key)
+        return slot is not None and slot.committed
+
+    def length(self, key: SegmentKey) -> int:
+        slot = self._slots.get(key)
+        if slot is None or not slot.committed:
+            raise KeyError(key)
+        return slot.length
+
+    def stats(self) -> TierStats:
+        return TierStats(
+            name=self.name,
+            kind=self.kind,
+            capacity=self._capacity,
+            used=self.used,
+            segments=self._committed,
+            bytes_read=self._counters["bytes_read"],
+            bytes_written=self._counters["bytes_written"],
+            reads=self._counters["reads"],
+            writes=self._counters["writes"],
+            **self._extra_stats(),
+        )
+
+
+def _copy_bytes(dst: memoryview, src: memoryview) -> None:
+    # torch and numpy copies release the GIL, unlike memoryview slice assignment; torch also
+    # splits a large copy over threads but wants a writable source
+    if src.readonly:
+        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+    else:
+        torch.frombuffer(dst, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))

@@ -1,0 +1,152 @@
+"""The Tier protocol: what a storage layer must do for :class:`tieredkv.TieredKVCache`.
+
+A tier stores *segments*: immutable byte strings (see :mod:`tieredkv.payload`) named by a
+:data:`SegmentKey` ``(session, seq)``. It knows nothing about policies or other tiers.
+
+Writing is two-phase so that space decisions stay with the cache and a cancelled or failed
+write leaks nothing:
+
+1. ``reserve(key, length)`` (synchronous) sets aside room for ``length`` bytes, or returns
+   ``False`` if the tier has no room now (the cache then evicts and asks again);
+2. ``await write(key, data)`` fills and commits the reservation. On any error (or
+   cancellation) the reservation is still held and the caller ``release``-s it.
+
+Addressable tiers (host memory, mmap) also offer ``view(key)``, a writable memoryview of a
+reserved or committed slot, and ``commit(key)``: the cache serializes a new segment or reads
+a lower tier's bytes straight into the slot, with no intermediate copy.
+
+``read_into`` must deliver exactly the bytes written, or raise
+:class:`~tieredkv.errors.CorruptSegmentError` after taking the damaged segment out of
+service. Persistent tiers list what survived a restart from :meth:`Tier.open`.
+
+Blocking work (file I/O, large copies) runs in worker threads, never on the event loop.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import msgspec
+
+from ..payload import SegmentHeader
+
+__all__ = ["AddressableTier", "SegmentKey", "Tier", "TierStats"]
+
+SegmentKey = tuple[str, int]
+"""``(session, seq)``: a session's ``seq``-th segment (one per appended turn)."""
+
+
+class TierStats(msgspec.Struct, kw_only=True):
+    """Counters and facts about one tier.
+
+    :param name: the tier's name
+    :param kind: ``"memory"``, ``"mmap"``, ``"ssd"`` or a third-party kind
+    :param capacity: bytes the tier may hold
+    :param used: bytes held, reservations included
+    :param segments: committed segments
+    :param bytes_read: bytes read out of the tier
+    :param bytes_written: bytes written into the tier
+    :param reads: segment reads
+    :param writes: segment writes
+    :param pinned: host memory is page-locked for fast device copies (``None``: not memory)
+    :param direct_io: files bypass the page cache with O_DIRECT (``None``: no files)
+    :param corrupt: segments found damaged and taken out of service
+    :param notes: anything a user should know (fallbacks taken, ...)
+    """
+
+    name: str
+    kind: str
+    capacity: int
+    used: int
+    segments: int
+    bytes_read: int = 0
+    bytes_written: int = 0
+    reads: int = 0
+    writes: int = 0
+    pinned: bool | None = None
+    direct_io: bool | None = None
+    corrupt: int = 0
+    notes: tuple[str, ...] = ()
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """A storage layer holding segments. See the module docstring for the write protocol."""
+
+    name: str
+    """Unique among the cache's tiers; appears in metadata and events."""
+
+    @property
+    def capacity(self) -> int:
+        """Bytes the tier may hold."""
+        ...
+
+    @property
+    def used(self) -> int:
+        """Bytes held, reservations included; never above :attr:`capacity`."""
+        ...
+
+    @property
+    def persistent(self) -> bool:
+        """Whether committed segments survive a restart."""
+        ...
+
+    async def open(self) -> list[SegmentHeader]:
+        """Prepare the tier; return the headers of the segments recovered from a previous run.
+
+        :raises TierIOError: if the tier cannot be used (for example, a directory that cannot
+            be written), with a message that says what to fix
+        """
+        ...
+
+    async def aclose(self) -> None:
+        """Release the tier's resources. Committed segments of a persistent tier remain."""
+        ...
+
+    def reserve(self, key: SegmentKey, length: int) -> bool:
+        """Set aside ``length`` bytes for ``key``; ``False`` if there is no room now."""
+        ...
+
+    def release(self, key: SegmentKey) -> None:
+        """Give back a reservation that was not committed (no-op if there is none)."""
+        ...
+
+    async def write(self, key: SegmentKey, data: memoryview) -> None:
+        """Fill the reservation for ``key`` with ``data`` and commit it (atomically)."""
+        ...
+
+    async def read_into(self, key: SegmentKey, out: memoryview) -> None:
+        """Copy the committed segment into ``out`` (exactly its length)."""
+        ...
+
+    async def delete(self, key: SegmentKey) -> None:
+        """Remove a committed segment and free its space (no-op if absent)."""
+        ...
+
+    def contains(self, key: SegmentKey) -> bool:
+        """Whether ``key`` is committed here."""
+        ...
+
+    def length(self, key: SegmentKey) -> int:
+        """Stored length of a committed segment.
+
+        :raises KeyError: if absent
+        """
+        ...
+
+    def stats(self) -> TierStats:
+        """Counters and facts, as a Struct."""
+        ...
+
+
+@runtime_checkable
+class AddressableTier(Tier, Protocol):
+    """A tier whose slots are memory the cache can read and write in place."""
+
+    def view(self, key: SegmentKey) -> memoryview:
+        """Writable view of the reserved or committed slot for ``key``."""
+        ...
+
+    def commit(self, key: SegmentKey) -> None:
+        """Mark a reservation filled through :meth:`view` as committed."""
+        ...

@@ -1,0 +1,86 @@
+"""A file-backed memory map as a capacity tier.
+
+One file of ``capacity`` bytes, mapped shared into the process and carved up like the host
+arena. The kernel pages it in and out, so it can hold more than free RAM at memory speed
+for the part that is resident. It is a volatile tier: the file is recreated at open and
+removed at close (``keep_file=True`` leaves it for inspection); use the SSD tier for KV that
+must survive a restart. Every copy runs in a worker thread, since touching a page that is
+not resident is a blocking disk read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import TierIOError
+from .arena import ArenaTier
+
+__all__ = ["MmapTier"]
+
+
+class MmapTier(ArenaTier):
+    """A tier in a memory-mapped file.
+
+    :param path: the backing file (created or truncated; its directory must exist)
+    :param capacity: the byte budget and file size (rounded up to 4 KiB)
+    :param name: the tier's name in metadata and events
+    :param keep_file: leave the file in place at close
+    :param max_threads: worker threads for copies
+    """
+
+    kind = "mmap"
+    inline_copy_limit = 0
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        capacity: int,
+        *,
+        name: str = "mmap",
+        keep_file: bool = False,
+        max_threads: int = 2,
+    ) -> None:
+        super().__init__(name, capacity, max_threads=max_threads)
+        self.path = Path(path)
+        self._keep = keep_file
+        self._mmap: mmap.mmap | None = None
+
+    def _acquire_buffer(self) -> memoryview:
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise TierIOError(
+                self.name,
+                f"create its file {str(self.path)!r} (check the directory exists and is writable)",
+                exc,
+            ) from exc
+        try:
+            # reserve the blocks now so a full disk fails here, not as SIGBUS on first write
+            os.posix_fallocate(fd, 0, self._capacity)
+            self._mmap = mmap.mmap(fd, self._capacity, flags=mmap.MAP_SHARED)
+        except OSError as exc:
+            os.close(fd)
+            self._remove_file()
+            raise TierIOError(
+                self.name, f"map {self._capacity:,} bytes of {self.path}", exc
+            ) from exc
+        os.close(fd)
+        return memoryview(self._mmap)
+
+    def _remove_file(self) -> None:
+        if not self._keep:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    def _release_buffer(self) -> None:
+        if self._mmap is not None:
+            self._mmap.close()
+            self._mmap = None
+        self._remove_file()
+
+    def _extra_stats(self) -> dict[str, Any]:
+        return {"notes": (f"file-backed map at {self.path}",)}

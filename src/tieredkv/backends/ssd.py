@@ -1,0 +1,527 @@
+"""SSD: the persistent capacity tier. One file per segment under a directory.
+
+Layout under ``directory``::
+
+    LOCK                      flock-ed while a process has the tier open
+    segments/ab/<hash>.<seq>.seg   one segment; <hash> = BLAKE2b-128 of the session key
+    tmp/                      segments being written (removed at open)
+    quarantine/               damaged segments moved aside, never served
+
+File names derive from a hash of the session key, so no key (``/``, ``..``, NUL, 10 kB of
+text, any script) can escape or break the directory; the key itself lives in the segment
+header, which is how the index is rebuilt after a restart.
+
+Writes are atomic: the bytes go to a temporary file, are ``fsync``-ed, and the file is
+renamed into place (then the directory is ``fsync``-ed). A process killed at any moment
+therefore leaves each segment either whole or absent. Data is read and written with
+``O_DIRECT`` and 4 KiB-aligned buffers, so the page cache cannot turn the "SSD" into a
+second memory tier; where the filesystem refuses ``O_DIRECT`` (tmpfs, some overlay
+filesystems) the tier falls back to buffered I/O, drops the pages it touched with
+``posix_fadvise(DONTNEED)``, and says so in :meth:`SSDTier.stats`.
+
+Reads verify the header CRC and the body's xxh3 hash while the data streams in (the hash of
+one chunk overlaps the read of the next, in a second thread). A segment that fails is moved
+to ``quarantine/`` and reported as :class:`~tieredkv.errors.CorruptSegmentError`; the cache
+treats it as a miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import logging
+import mmap
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import anyio
+import numpy as np
+import xxhash
+
+from ..errors import ClosedError, CorruptSegmentError, TierIOError
+from ..payload import ALIGN, PREFIX, SegmentHeader, parse_header
+from .base import SegmentKey, TierStats
+
+__all__ = ["SSDTier", "segment_file_name"]
+
+_log = logging.getLogger(__name__)
+
+_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+
+
+def segment_file_name(key: SegmentKey) -> str:
+    """Relative path of a segment's file: ``<2 hex>/<32 hex>.<seq>.seg``."""
+    digest = hashlib.blake2b(key[0].encode("utf-8"), digest_size=16).hexdigest()
+    return f"{digest[:2]}/{digest}.{key[1]}.seg"
+
+
+def _address(buf: memoryview) -> int:
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+
+
+def _aligned(buf: memoryview) -> bool:
+    return len(buf) % ALIGN == 0 and _address(buf) % ALIGN == 0
+
+
+class SSDTier:
+    """Segment files on a local filesystem (meant for an SSD), with O_DIRECT and checksums.
+
+    :param directory: where the tier keeps its files (created if missing)
+    :param capacity: the byte budget for segment files
+    :param name: the tier's name in metadata and events
+    :param direct_io: ``None`` (default) uses O_DIRECT where the filesystem supports it and
+        falls back otherwise; ``True`` requires it; ``False`` never uses it
+    :param fsync: make every write durable before it counts as committed
+    :param max_threads: concurrent file operations (the per-tier thread limiter)
+    :param chunk_size: bytes per read call; reading one chunk overlaps hashing the previous
+    """
+
+    kind = "ssd"
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        capacity: int,
+        *,
+        name: str = "ssd",
+        direct_io: bool | None = None,
+        fsync: bool = True,
+        max_threads: int = 4,
+        chunk_size: int = 8 << 20,
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a tier needs a non-empty name, not {name!r}")
+        if capacity <= 0:
+            raise ValueError(f"tier {name!r}: capacity must be positive, not {capacity}")
+        if chunk_size <= 0 or chunk_size % ALIGN:
+            raise ValueError(f"chunk_size must be a positive multiple of {ALIGN}")
+        self.name = name
+        self.directory = Path(directory)
+        self._capacity = capacity
+        self._want_direct = direct_io
+        self._direct = False
+        self._fsync = fsync
+        self._max_threads = max_threads
+        self._chunk = chunk_size
+        self._index: dict[SegmentKey, int] = {}
+        self._reserved: dict[SegmentKey, int] = {}
+        self._used = 0
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._hasher: ThreadPoolExecutor | None = None
+        self._lock_fd: int | None = None
+        self._notes: list[str] = []
+        self._counters: dict[str, int] = {
+            "bytes_read": 0,
+            "bytes_written": 0,
+            "reads": 0,
+            "writes": 0,
+            "corrupt": 0,
+        }
+
+    # -- properties ----------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    @property
+    def persistent(self) -> bool:
+        return True
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether files are read and written with O_DIRECT."""
+        return self._direct
+
+    def _path(self, key: SegmentKey) -> Path:
+        return self.directory / "segments" / segment_file_name(key)
+
+    def _check_open(self) -> anyio.CapacityLimiter:
+        if self._limiter is None:
+            raise ClosedError(f"tier {self.name!r}")
+        return self._limiter
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def open(self) -> list[SegmentHeader]:
+        if self._limiter is not None:
+            return []
+        limiter = anyio.CapacityLimiter(self._max_threads)
+        headers = await anyio.to_thread.run_sync(self._open_sync, limiter=limiter)
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix=f"tieredkv-{self.name}-hash")
+        self._limiter = limiter
+        return headers
+
+    def _open_sync(self) -> list[SegmentHeader]:
+        try:
+            for sub in ("segments", "tmp", "quarantine"):
+                (self.directory / sub).mkdir(parents=True, exist_ok=True)
+            lock_fd = os.open(self.directory / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise TierIOError(
+                self.name,
+                f"use directory {str(self.directory)!r} (it must be a writable directory; fix "
+                f"its permissions or pass another one)",
+                exc,
+            ) from exc
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(lock_fd)
+            raise TierIOError(
+                self.name,
+                f"lock {str(self.directory)!r}: another process has this SSD tier open; give "
+                f"each process its own directory",
+                exc,
+            ) from exc
+        try:
+            self._probe_write()
+            for leftover in (self.directory / "tmp").iterdir():
+                leftover.unlink(missing_ok=True)
+            headers = self._scan()
+        except BaseException:
+            os.close(lock_fd)
+            raise
+        self._lock_fd = lock_fd
+        return headers
+
+    def _probe_write(self) -> None:
+        probe = self.directory / "tmp" / f"probe-{uuid.uuid4().hex}"
+        block = mmap.mmap(-1, ALIGN)
+        try:
+            if self._want_direct is not False and _O_DIRECT:
+                try:
+                    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o600)
+                    try:
+                        os.pwrite(fd, block, 0)
+                    finally:
+                        os.close(fd)
+                    self._direct = True
+                except OSError as exc:
+                    if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                        raise
+                    if self._want_direct:
+                        raise TierIOError(
+                            self.name,
+                            f"use O_DIRECT in {str(self.directory)!r} (the filesystem refuses "
+                            f"it); pass direct_io=None to fall back to buffered I/O",
+                            exc,
+                        ) from exc
+                    probe.unlink(missing_ok=True)
+            if not self._direct:
+                fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                try:
+                    os.pwrite(fd, block, 0)
+                finally:
+                    os.close(fd)
+                reason = "disabled" if self._want_direct is False else "unsupported here"
+                self._notes.append(
+                    f"O_DIRECT {reason}: buffered I/O with posix_fadvise(DONTNEED) after each "
+                    f"access"
+                )
+                _log.warning("tier %r: %s", self.name, self._notes[-1])
+        except TierIOError:
+            raise
+        except OSError as exc:
+            raise TierIOError(
+                self.name,
+                f"write in {str(self.directory)!r} (it must be writable; fix its permissions "
+                f"or pass another directory)",
+                exc,
+            ) from exc
+        finally:
+            block.close()
+            probe.unlink(missing_ok=True)
+
+    def _scan(self) -> list[SegmentHeader]:
+        headers: list[SegmentHeader] = []
+        root = self.directory / "segments"
+        for path in sorted(root.glob("*/*.seg")):
+            rel = f"{path.parent.name}/{path.name}"
+            try:
+                header, size = self._read_header(path)
+                if segment_file_name((header.session, header.seq)) != rel:
+                    raise CorruptSegmentError(rel, "file name does not match its header")
+                if size != header.length:
+                    raise CorruptSegmentError(
+                        rel, f"file is {size} bytes, header says {header.length} (torn write)"
+                    )
+            except CorruptSegmentError as exc:
+                self._quarantine_path(path, str(exc))
+                continue
+            self._index[(header.session, header.seq)] = size
+            self._used += size
+            headers.append(header)
+        return headers
+
+    @staticmethod
+    def _read_header(path: Path) -> tuple[SegmentHeader, int]:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            head = os.pread(fd, ALIGN, 0)
+            if len(head) >= PREFIX.size:
+                _, hlen, _, _ = PREFIX.unpack_from(head, 0)
+                need = PREFIX.size + hlen
+                if need > len(head) and need <= size:
+                    head = os.pread(fd, need, 0)
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        header, _ = parse_header(memoryview(head), str(path.name))
+        return header, size
+
+    async def aclose(self) -> None:
+        if self._limiter is None:
+            return
+        self._limiter = None
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=True)
+            self._hasher = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # also releases the flock
+            self._lock_fd = None
+        self._index.clear()
+        self._reserved.clear()
+        self._used = 0
+
+    async def __aenter__(self) -> SSDTier:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # -- space ---------------------------------------------------------------------------
+    def reserve(self, key: SegmentKey, length: int) -> bool:
+        self._check_open()
+        if key in self._reserved or key in self._index:
+            raise ValueError(f"tier {self.name!r} already holds or reserves segment {key[1]}")
+        if length % ALIGN:
+            raise ValueError(f"segment length {length} is not a multiple of {ALIGN}")
+        if self._used + length > self._capacity:
+            return False
+        self._reserved[key] = length
+        self._used += length
+        return True
+
+    def release(self, key: SegmentKey) -> None:
+        length = self._reserved.pop(key, None)
+        if length is not None:
+            self._used -= length
+
+    # -- data ----------------------------------------------------------------------------
+    async def write(self, key: SegmentKey, data: memoryview) -> None:
+        limiter = self._check_open()
+        length = self._reserved.get(key)
+        if length is None:
+            raise ValueError(f"segment {key[1]} has no reservation in tier {self.name!r}")
+        if len(data) != length:
+            raise ValueError(f"reserved {length} bytes, asked to write {len(data)}")
+        await anyio.to_thread.run_sync(self._write_sync, key, data, limiter=limiter)
+        del self._reserved[key]
+        self._index[key] = length
+        self._counters["writes"] += 1
+        self._counters["bytes_written"] += length
+
+    def _write_sync(self, key: SegmentKey, data: memoryview) -> None:
+        final = self._path(key)
+        tmp = self.directory / "tmp" / f"{final.name}.{uuid.uuid4().hex}.tmp"
+        bounce: mmap.mmap | None = None
+        try:
+            if self._direct and not _aligned(data):
+                bounce = mmap.mmap(-1, len(data))
+                memoryview(bounce)[:] = data
+                data = memoryview(bounce)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+            fd = os.open(tmp, flags | (_O_DIRECT if self._direct else 0), 0o644)
+            try:
+                done = 0
+                while done < len(data):
+                    done += os.pwrite(fd, data[done:], done)
+                if self._fsync:
+                    os.fsync(fd)
+                if not self._direct:
+                    with contextlib.suppress(OSError):
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            final.parent.mkdir(exist_ok=True)
+            os.replace(tmp, final)
+            if self._fsync:
+                _fsync_dir(final.parent)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise TierIOError(
+                self.name, f"write segment {key[1]} ({len(data):,} bytes)", exc
+            ) from exc
+        finally:
+            if bounce is not None:
+                data.release()
+                bounce.close()
+
+    async def read_into(self, key: SegmentKey, out: memoryview) -> None:
+        limiter = self._check_open()
+        length = self._index.get(key)
+        if length is None:
+            raise KeyError(key)
+        if len(out) != length:
+            raise ValueError(f"segment is {length} bytes, the buffer {len(out)}")
+        try:
+            await anyio.to_thread.run_sync(self._read_sync, key, out, limiter=limiter)
+        except CorruptSegmentError:
+            await self._quarantine(key)
+            raise
+        self._counters["reads"] += 1
+        self._counters["bytes_read"] += length
+
+    def _read_sync(self, key: SegmentKey, out: memoryview) -> None:
+        rel = segment_file_name(key)
+        bounce: mmap.mmap | None = None
+        target = out
+        if self._direct and not _aligned(out):
+            bounce = mmap.mmap(-1, len(out))
+            target = memoryview(bounce)
+        try:
+            try:
+                fd = os.open(
+                    self._path(key), os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if self._direct else 0)
+                )
+            except FileNotFoundError as exc:
+                raise CorruptSegmentError(rel, "file is missing") from exc
+            except OSError as exc:
+                raise TierIOError(self.name, f"open segment {key[1]}", exc) from exc
+            try:
+                self._read_verify(fd, key, target, rel)
+            except OSError as exc:
+                raise TierIOError(self.name, f"read segment {key[1]}", exc) from exc
+            finally:
+                if not self._direct:
+                    with contextlib.suppress(OSError):
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+            if bounce is not None:
+                out[:] = target
+        finally:
+            if bounce is not None:
+                target.release()
+                bounce.close()
+
+    def _read_verify(self, fd: int, key: SegmentKey, out: memoryview, rel: str) -> None:
+        """Read the file into ``out`` chunk by chunk, hashing the body as it arrives."""
+        assert self._hasher is not None
+        size = len(out)
+        hasher = xxhash.xxh3_64()
+        pending: list[Future[None]] = []
+        header: SegmentHeader | None = None
+        expected = 0
+        done = 0
+        hashed = 0  # body bytes handed to the hasher so far (absolute offset)
+        while done < size:
+            n = os.preadv(fd, [out[done : min(size, done + self._chunk)]], done)
+            if n == 0:
+                raise CorruptSegmentError(rel, f"file ends at {done} of {size} bytes (truncated)")
+            done += n
+            if header is None:
+                if done < PREFIX.size:
+                    continue
+                _, hlen, _, _ = PREFIX.unpack_from(out, 0)
+                if PREFIX.size + hlen > done and done < size:
+                    continue
+                header, expected = parse_header(out[:done], rel)
+                if (header.session, header.seq) != key:
+                    raise CorruptSegmentError(rel, "header names another segment")
+                if header.length != size:
+                    raise CorruptSegmentError(
+                        rel, f"header says {header.length} bytes, file {size}"
+                    )
+                hashed = header.body_offset
+            body_end = header.body_offset + header.body_len
+            upto = min(done, body_end)
+            if upto > hashed:
+                pending.append(self._hasher.submit(hasher.update, out[hashed:upto]))
+                hashed = upto
+        for f in pending:
+            f.result()
+        if header is None or hasher.intdigest() != expected:
+            raise CorruptSegmentError(rel, "body checksum mismatch")
+
+    async def delete(self, key: SegmentKey) -> None:
+        limiter = self._check_open()
+        length = self._index.get(key)
+        if length is None:
+            return
+        try:
+            await anyio.to_thread.run_sync(self._path(key).unlink, True, limiter=limiter)
+        except OSError as exc:
+            raise TierIOError(self.name, f"delete segment {key[1]}", exc) from exc
+        if self._index.pop(key, None) is not None:
+            self._used -= length
+
+    async def _quarantine(self, key: SegmentKey) -> None:
+        length = self._index.pop(key, None)
+        if length is None:
+            return
+        self._used -= length
+        self._counters["corrupt"] += 1
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(
+                self._quarantine_path, self._path(key), "failed verification on read"
+            )
+
+    def _quarantine_path(self, path: Path, why: str) -> None:
+        dest = self.directory / "quarantine" / f"{path.name}.{time.time_ns()}"
+        try:
+            os.replace(path, dest)
+        except FileNotFoundError:
+            return
+        except OSError:
+            _log.exception("tier %r: could not move %s aside; deleting it", self.name, path)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return
+        _log.warning("tier %r: moved damaged segment %s to %s (%s)", self.name, path, dest, why)
+
+    def contains(self, key: SegmentKey) -> bool:
+        return key in self._index
+
+    def length(self, key: SegmentKey) -> int:
+        return self._index[key]
+
+    def keys(self) -> Iterator[SegmentKey]:
+        """Committed segment keys."""
+        return iter(tuple(self._index))
+
+    def stats(self) -> TierStats:
+        return TierStats(
+            name=self.name,
+            kind=self.kind,
+            capacity=self._capacity,
+            used=self._used,
+            segments=len(self._index),
+            direct_io=self._direct,
+            notes=tuple(self._notes),
+            bytes_read=self._counters["bytes_read"],
+            bytes_written=self._counters["bytes_written"],
+            reads=self._counters["reads"],
+            writes=self._counters["writes"],
+            corrupt=self._counters["corrupt"],
+        )
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,107 @@
+"""One exception hierarchy for tieredkv.
+
+Every exception raised on purpose by the library derives from :class:`TieredKVError`, and
+each specific one also derives from the matching built-in, so ``except KeyError`` or
+``except OSError`` in existing code keeps working. Messages are built in ``__init__`` and
+say what to do about the problem.
+
+"No victim found" is not an error: eviction policies return ``None`` for it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CapacityError",
+    "ClosedError",
+    "CorruptSegmentError",
+    "SchemaMismatchError",
+    "SessionNotFoundError",
+    "TierIOError",
+    "TieredKVError",
+    "UnknownPolicyError",
+]
+
+
+class TieredKVError(Exception):
+    """Base class of every error raised on purpose by tieredkv."""
+
+
+class SessionNotFoundError(TieredKVError, KeyError):
+    """The session has no KV in any tier (never appended, dropped, or lost to eviction)."""
+
+    def __init__(self, session: str) -> None:
+        self.session = session
+        shown = session if len(session) <= 80 else session[:77] + "..."
+        super().__init__(
+            f"session {shown!r} has no KV in any tier: append() a segment first, or "
+            f"recompute its history if it was evicted"
+        )
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+class CapacityError(TieredKVError, ValueError):
+    """A segment (or a whole session) cannot fit in any tier, even with everything else evicted."""
+
+    def __init__(self, what: str, nbytes: int, largest: int) -> None:
+        self.nbytes = nbytes
+        self.largest = largest
+        super().__init__(
+            f"{what} needs {nbytes:,} bytes but the largest tier holds {largest:,}: "
+            f"give a tier more capacity or store smaller segments"
+        )
+
+
+class SchemaMismatchError(TieredKVError, ValueError):
+    """A segment's tensor names, dtypes or non-token shape differ from the session's earlier."""
+
+    def __init__(self, session: str, detail: str) -> None:
+        self.session = session
+        shown = session if len(session) <= 80 else session[:77] + "..."
+        super().__init__(
+            f"segment for session {shown!r} does not match its earlier segments: {detail}; "
+            f"every turn must store the same tensor names and dtypes, with shapes that differ "
+            f"only along the token dimension"
+        )
+
+
+class TierIOError(TieredKVError, OSError):
+    """A tier failed to read, write or delete (disk full, I/O error, permissions)."""
+
+    def __init__(self, tier: str, action: str, cause: OSError | str) -> None:
+        self.tier = tier
+        self.action = action
+        errno = cause.errno if isinstance(cause, OSError) else None
+        reason = cause.strerror or str(cause) if isinstance(cause, OSError) else cause
+        super().__init__(errno, f"tier {tier!r} could not {action}: {reason}")
+        self.__cause__ = cause if isinstance(cause, OSError) else None
+
+    def __str__(self) -> str:
+        return str(self.args[1])
+
+
+class CorruptSegmentError(TieredKVError, ValueError):
+    """A stored segment failed its checksum or header check: never served, moved aside."""
+
+    def __init__(self, where: str, detail: str) -> None:
+        self.where = where
+        super().__init__(f"corrupt segment {where}: {detail}")
+
+
+class ClosedError(TieredKVError, RuntimeError):
+    """The cache or tier was used outside ``async with`` (not opened yet, or already closed)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"{what} is not open: use it inside 'async with' (or call open() first)")
+
+
+class UnknownPolicyError(TieredKVError, KeyError):
+    """A policy name that the registry does not know."""
+
+    def __init__(self, kind: str, name: str, known: list[str]) -> None:
+        self.name = name
+        super().__init__(f"unknown {kind} policy {name!r}; known: {', '.join(sorted(known))}")
+
+    def __str__(self) -> str:
+        return str(self.args[0])

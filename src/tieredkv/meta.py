@@ -1,0 +1,276 @@
+"""The metadata channel: what compute and storage know about each conversation.
+
+Bidaw's "bidirectional awareness" is one shared view: the scheduler reads where a
+session's KV lives and how big it is (to order loads), and the eviction policy reads the
+previous answer length (to predict the next reuse distance). :class:`MetadataChannel` is
+that view. The cache (or the simulator) writes it; policies and the engine read it.
+
+Everything here is pure Python with no clock and no asyncio, so the same channel runs
+inside :class:`tieredkv.TieredKVCache` and inside the simulator under a virtual clock.
+
+Per-session metadata is a frozen :class:`KVMeta` Struct, replaced (never mutated) on every
+change. Changes are announced as :data:`Event` values (a msgspec tagged union: encode them
+with ``msgspec.json.encode`` for tracing) to subscribers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Literal, Protocol
+
+import msgspec
+
+from .errors import SessionNotFoundError
+
+__all__ = [
+    "Demoted",
+    "Dropped",
+    "Event",
+    "Evicted",
+    "KVMeta",
+    "Loaded",
+    "MetadataChannel",
+    "MetadataView",
+    "Promoted",
+    "Stored",
+    "TierInfo",
+    "Transfer",
+]
+
+_log = logging.getLogger(__name__)
+
+
+class Transfer(msgspec.Struct, frozen=True, kw_only=True):
+    """A move of a session's KV between tiers that has started and not finished.
+
+    :param kind: ``"promote"`` (toward the performance tier), ``"demote"`` (away from it),
+        or ``"write-through"`` (a background copy in inclusive mode)
+    :param src: name of the tier read from
+    :param dst: name of the tier written to
+    :param nbytes: bytes being moved
+    :param started: time the transfer started (the caller's clock)
+    """
+
+    kind: Literal["promote", "demote", "write-through"]
+    src: str
+    dst: str
+    nbytes: int
+    started: float
+
+
+class KVMeta(msgspec.Struct, frozen=True, kw_only=True):
+    """What the channel knows about one session's history KV.
+
+    :param session: the session key
+    :param tier: name of the tier that serves loads (holds the complete history), or
+        ``None`` when the KV is stored nowhere (lost to eviction: it must be recomputed)
+    :param copies: names of every tier holding a complete copy, ``tier`` first
+    :param nbytes: stored bytes of the whole history (one copy)
+    :param tokens: tokens in the stored history
+    :param turns: segments stored (one per :meth:`~tieredkv.TieredKVCache.append`)
+    :param prev_answer_tokens: the model's answer length in the latest turn (Bidaw's
+        eviction signal)
+    :param last_access: time of the latest append or load (the caller's clock)
+    :param created: time of the first append
+    :param accesses: appends and loads so far
+    :param in_flight: a transfer under way, if any
+    :param next_access: an oracle's next access time (the simulator fills it in for
+        Belady); ``None`` when unknown
+    """
+
+    session: str
+    tier: str | None
+    copies: tuple[str, ...] = ()
+    nbytes: int = 0
+    tokens: int = 0
+    turns: int = 0
+    prev_answer_tokens: int = 0
+    last_access: float = 0.0
+    created: float = 0.0
+    accesses: int = 0
+    in_flight: Transfer | None = None
+    next_access: float | None = None
+
+
+class TierInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A tier as policies see it: its name, position and byte capacity."""
+
+    name: str
+    level: int
+    capacity: int
+
+
+class _EventBase(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    session: str
+    time: float
+    nbytes: int
+
+
+class Stored(_EventBase, frozen=True, kw_only=True):
+    """A segment was appended to ``tier``."""
+
+    tier: str
+    tokens: int
+
+
+class Loaded(_EventBase, frozen=True, kw_only=True):
+    """A session's history was served from ``tier``; ``hit`` if that is the top tier."""
+
+    tier: str
+    hit: bool
+
+
+class Promoted(_EventBase, frozen=True, kw_only=True):
+    """A session's history moved up from ``src`` to ``dst``."""
+
+    src: str
+    dst: str
+
+
+class Demoted(_EventBase, frozen=True, kw_only=True):
+    """A session's history moved down from ``src`` to ``dst`` (or its copy there became primary)."""
+
+    src: str
+    dst: str
+
+
+class Evicted(_EventBase, frozen=True, kw_only=True):
+    """A copy of a session's history was removed from ``tier`` to make room.
+
+    ``lost`` is true when no other tier holds it: the KV must be recomputed.
+    """
+
+    tier: str
+    lost: bool
+
+
+class Dropped(_EventBase, frozen=True, kw_only=True):
+    """The application dropped the session; every copy is gone."""
+
+
+Event = Stored | Loaded | Promoted | Demoted | Evicted | Dropped
+"""Tagged union of every event the channel emits."""
+
+
+class MetadataView(Protocol):
+    """Read-only access to the channel, as handed to policies."""
+
+    def get(self, session: str) -> KVMeta | None:
+        """The session's metadata, or ``None``."""
+        ...
+
+    @property
+    def waiting(self) -> tuple[str, ...]:
+        """Sessions of the requests waiting in the scheduler, in run order."""
+        ...
+
+    @property
+    def tiers(self) -> tuple[TierInfo, ...]:
+        """The tiers, top (performance) first."""
+        ...
+
+
+class MetadataChannel:
+    """Per-session :class:`KVMeta` plus the scheduler's waiting queue, with event fan-out.
+
+    Writers (the cache, the simulator, the engine) use :meth:`put`, :meth:`update`,
+    :meth:`remove`, :meth:`publish_waiting` and :meth:`emit`; readers (policies) use
+    :meth:`get`, iteration, :attr:`waiting` and :attr:`tiers`.
+    """
+
+    __slots__ = ("_meta", "_subscribers", "_tiers", "_waiting")
+
+    def __init__(self, tiers: Iterable[TierInfo] = ()) -> None:
+        self._meta: dict[str, KVMeta] = {}
+        self._subscribers: list[Callable[[Event], None]] = []
+        self._waiting: tuple[str, ...] = ()
+        self._tiers: tuple[TierInfo, ...] = tuple(tiers)
+
+    # -- reading -----------------------------------------------------------------------
+    def get(self, session: str) -> KVMeta | None:
+        """The session's metadata, or ``None`` if unknown (never seen, or dropped)."""
+        return self._meta.get(session)
+
+    def __getitem__(self, session: str) -> KVMeta:
+        try:
+            return self._meta[session]
+        except KeyError:
+            raise SessionNotFoundError(session) from None
+
+    def __contains__(self, session: object) -> bool:
+        return session in self._meta
+
+    def __len__(self) -> int:
+        return len(self._meta)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._meta)
+
+    def values(self) -> Iterator[KVMeta]:
+        """Every session's metadata."""
+        return iter(self._meta.values())
+
+    @property
+    def waiting(self) -> tuple[str, ...]:
+        """Sessions of the requests waiting in the scheduler, in the order they will run."""
+        return self._waiting
+
+    @property
+    def tiers(self) -> tuple[TierInfo, ...]:
+        """The tiers, top (performance) first."""
+        return self._tiers
+
+    # -- writing -----------------------------------------------------------------------
+    def set_tiers(self, tiers: Iterable[TierInfo]) -> None:
+        """Describe the tiers (done once by the cache or the simulator)."""
+        self._tiers = tuple(tiers)
+
+    def put(self, meta: KVMeta) -> None:
+        """Insert or replace a session's metadata."""
+        self._meta[meta.session] = meta
+
+    def update(self, session: str, **changes: Any) -> KVMeta:
+        """Replace fields of a session's metadata and return the new Struct.
+
+        :raises SessionNotFoundError: if the channel does not know the session
+        """
+        new = msgspec.structs.replace(self[session], **changes)
+        self._meta[session] = new
+        return new
+
+    def remove(self, session: str) -> KVMeta | None:
+        """Forget a session; returns what was known, or ``None``."""
+        return self._meta.pop(session, None)
+
+    def hint_next_access(self, session: str, when: float | None) -> None:
+        """Record an oracle's next access time for a session (used by Belady)."""
+        if session in self._meta:
+            self.update(session, next_access=when)
+
+    def publish_waiting(self, sessions: Iterable[str]) -> None:
+        """Publish the scheduler's waiting queue (sessions in the order they will run)."""
+        self._waiting = tuple(sessions)
+
+    # -- events ------------------------------------------------------------------------
+    def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
+        """Call ``callback`` with every event from now on; returns a function that unsubscribes.
+
+        Callbacks run synchronously where the change happens and must not block. An
+        exception in a callback is logged and does not affect the cache.
+        """
+        self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            if callback in self._subscribers:
+                self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    def emit(self, event: Event) -> None:
+        """Deliver ``event`` to every subscriber."""
+        for callback in tuple(self._subscribers):
+            try:
+                callback(event)
+            except Exception:  # a metrics hook must never break storage
+                _log.exception("tieredkv event subscriber %r failed on %r", callback, event)

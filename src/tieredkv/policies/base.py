@@ -1,0 +1,71 @@
+"""Protocols for the pure decision makers: eviction (and, in its own module, scheduling).
+
+A policy is a synchronous object with no I/O, no clock and no asyncio: time comes in as
+``now``, and what it knows about sessions comes from the metadata channel
+(:class:`tieredkv.meta.MetadataView`) and from the notifications below. The same object
+therefore runs inside :class:`tieredkv.TieredKVCache` (wall clock) and inside the
+simulator (virtual clock), and a test can drive it with plain numbers.
+
+Eviction, phase by phase, for one tier:
+
+1. ``on_access(session, meta, now)`` for *every* access (append or load) of any session,
+   resident in this tier or not, with the metadata as it stands after the access. Learning
+   policies (Bidaw) observe reuse here; recency policies (LRU) refresh resident entries.
+2. ``on_admit(session, meta, now)`` when the session's complete history becomes resident
+   in this tier, or when its resident size changes (an append); ``meta.nbytes`` is the
+   size to account.
+3. ``victims(need, now, view, protected)`` when the tier needs ``need`` more free bytes.
+   The answer is atomic: a list of resident sessions, none of them in ``protected``, whose
+   sizes add up to at least ``need``; or ``None`` (and nothing changes) when that is
+   impossible. Choosing victims does not remove them: the cache moves each one and then
+   calls ``on_remove``. A victim it could not move stays resident.
+4. ``on_remove(session)`` when the session is no longer resident in this tier (demoted,
+   promoted away in exclusive mode, evicted, dropped). Unknown sessions are ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Set
+from typing import Protocol, runtime_checkable
+
+from ..meta import KVMeta, MetadataView
+
+__all__ = ["Eviction"]
+
+
+@runtime_checkable
+class Eviction(Protocol):
+    """Chooses which sessions leave a tier when it needs room. See the module docstring."""
+
+    name: str
+    """Registry name of the policy (``"lru"``, ``"bidaw"``, ...)."""
+
+    def on_access(self, session: str, meta: KVMeta, now: float) -> None:
+        """Observe an access (append or load) of any session."""
+        ...
+
+    def on_admit(self, session: str, meta: KVMeta, now: float) -> None:
+        """The session is resident in this tier with ``meta.nbytes`` bytes (insert or resize)."""
+        ...
+
+    def on_remove(self, session: str) -> None:
+        """The session left this tier (no-op if it was not resident)."""
+        ...
+
+    def victims(
+        self, need: int, now: float, view: MetadataView, protected: Set[str] = frozenset()
+    ) -> list[str] | None:
+        """Resident sessions, outside ``protected``, whose bytes add up to ``need`` or more.
+
+        :returns: the sessions to move out, in eviction order; ``None`` if no choice frees
+            enough (the policy's state is then unchanged)
+        """
+        ...
+
+    def __len__(self) -> int:
+        """Resident sessions tracked."""
+        ...
+
+    def resident_bytes(self) -> int:
+        """Bytes of the resident sessions tracked."""
+        ...

@@ -1,0 +1,82 @@
+"""Shared fixtures. The autouse ``no_blocking_io`` fixture fails any test in which tieredkv
+performs a blocking file-system call on the event loop's thread."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_BLOCKING = (
+    "open",
+    "read",
+    "write",
+    "pread",
+    "pwrite",
+    "preadv",
+    "pwritev",
+    "fsync",
+    "fdatasync",
+    "replace",
+    "rename",
+    "unlink",
+    "mkdir",
+    "scandir",
+    "listdir",
+    "posix_fallocate",
+    "ftruncate",
+)
+_PKG = os.sep + "tieredkv" + os.sep
+
+
+def _caller_in_tieredkv() -> list[str] | None:
+    stack = traceback.extract_stack()[:-2]
+    if any(_PKG in frame.filename and "tests" + os.sep not in frame.filename for frame in stack):
+        return traceback.format_list(stack[-6:])
+    return None
+
+
+@pytest.fixture(autouse=True)
+def no_blocking_io(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Record tieredkv's blocking os.* calls made on a thread that runs an event loop."""
+    violations: list[str] = []
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            if asyncio._get_running_loop() is not None:
+                where = _caller_in_tieredkv()
+                if where is not None:
+                    violations.append(f"os.{name} on the event loop:\n" + "".join(where))
+            return fn(*args, **kwargs)
+
+        return guarded
+
+    for name in _BLOCKING:
+        if hasattr(os, name):
+            monkeypatch.setattr(os, name, wrap(name, getattr(os, name)))
+    yield violations
+    if violations:
+        pytest.fail(
+            f"tieredkv blocked the event loop {len(violations)} time(s); first:\n{violations[0]}",
+            pytrace=False,
+        )
+
+
+@pytest.fixture
+def ssd_dir(tmp_path: Path) -> Path:
+    """A directory for an SSD tier (on the same filesystem as the test's tmp_path)."""
+    d = tmp_path / "ssd"
+    d.mkdir()
+    return d
+
+
+def pytest_report_header() -> str:
+    return f"tieredkv tests on Python {sys.version.split()[0]}"
