@@ -25,6 +25,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import mmap
 import time
@@ -34,7 +35,6 @@ from types import TracebackType
 from typing import Any, Literal, Self
 
 import anyio
-import anyio.abc
 import msgspec
 import torch
 
@@ -212,7 +212,7 @@ class TieredKVCache:
         self._sessions: dict[str, _Session] = {}
         self._busy: Counter[str] = Counter()
         self._stats = CacheStats()
-        self._tg: anyio.abc.TaskGroup | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
         self._open = False
         self._pending = 0
         self._idle_event: anyio.Event | None = None  # created on open (needs a running loop)
@@ -248,8 +248,6 @@ class TieredKVCache:
         self.channel.set_tiers(
             TierInfo(name=t.name, level=i, capacity=t.capacity) for i, t in enumerate(self._tiers)
         )
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
         self._open = True
         self._idle_event = anyio.Event()
         self._idle_event.set()
@@ -257,10 +255,7 @@ class TieredKVCache:
             await self._recover(recovered)
 
     async def aclose(self) -> None:
-        """Finish background write-through, then close every tier.
-
-        Call it from the task that opened the cache (``async with`` does).
-        """
+        """Finish background write-through, then close every tier."""
         if not self._open:
             return
         try:
@@ -268,20 +263,16 @@ class TieredKVCache:
                 await self.flush()
         finally:
             self._open = False
-            tg, self._tg = self._tg, None
-            try:
-                if tg is not None:
-                    tg.cancel_scope.cancel()
-                    await tg.__aexit__(None, None, None)
-            finally:
-                with anyio.CancelScope(shield=True):
-                    for tier in self._tiers:
-                        try:
-                            await tier.aclose()
-                        except Exception:
-                            _log.exception("closing tier %r failed", tier.name)
-                self._sessions.clear()
-                self._busy.clear()
+            for task in tuple(self._tasks):  # none unless flush was interrupted
+                task.cancel()
+            with anyio.CancelScope(shield=True):
+                for tier in self._tiers:
+                    try:
+                        await tier.aclose()
+                    except Exception:
+                        _log.exception("closing tier %r failed", tier.name)
+            self._sessions.clear()
+            self._busy.clear()
 
     async def flush(self) -> None:
         """Wait until every background write-through started so far has finished."""
@@ -439,7 +430,7 @@ class TieredKVCache:
             )
         )
         if self._mode == "inclusive" and t + 1 < len(self._tiers):
-            self._start_write_through(s, t, t + 1, plan.header.seq)
+            self._start_write_through(s, t + 1)
         return meta
 
     async def _write_new(
@@ -729,8 +720,14 @@ class TieredKVCache:
             self.channel.emit(Dropped(session=session, time=self._clock(), nbytes=nbytes))
 
     # -- making room ---------------------------------------------------------------------
-    async def _reserve(self, t: int, key: SegmentKey, length: int, protect: set[str]) -> bool:
-        """Reserve ``length`` bytes in tier ``t``, evicting unprotected sessions as needed."""
+    async def _reserve(
+        self, t: int, key: SegmentKey, length: int, protect: set[str], *, lossless: bool = False
+    ) -> bool:
+        """Reserve ``length`` bytes in tier ``t``, evicting unprotected sessions as needed.
+
+        With ``lossless``, only victims that keep a copy somewhere are moved (a background
+        copy must never cost another session its only copy).
+        """
         tier = self._tiers[t]
         if length > tier.capacity:
             return False
@@ -750,6 +747,8 @@ class TieredKVCache:
                     continue
                 if victim in self._busy:
                     continue
+                if lossless and vs.primary == t and t + 1 >= len(self._tiers):
+                    continue
                 try:
                     vs.cond.acquire_nowait()
                 except anyio.WouldBlock:
@@ -758,11 +757,13 @@ class TieredKVCache:
                 try:
                     with anyio.CancelScope(shield=True):
                         if vs.primary == t and t + 1 < len(self._tiers):
-                            await self._demote(vs, t)
+                            await self._demote(vs, t, may_lose=not lossless)
                         else:  # last tier, or a (possibly partial) lower copy
                             await self._evict_copy(vs, t)
                 except CorruptSegmentError:
                     pass  # the victim turned out damaged; it is gone, and so is its space
+                except CapacityError:
+                    pass  # lossless, and the victim has nowhere to go: it stays
                 finally:
                     _unbusy(self._busy, victim)
                     vs.cond.release()
@@ -884,51 +885,62 @@ class TieredKVCache:
         self._policies[t].on_remove(s.key)
 
     # -- write-through -------------------------------------------------------------------
-    def _start_write_through(self, s: _Session, src: int, dst: int, seq: int) -> None:
-        assert self._tg is not None
+    def _start_write_through(self, s: _Session, dst: int) -> None:
+        """Make sure a background pump is copying ``s``'s missing segments into ``dst``."""
+        if s.inflight:  # the running pump picks up the new segment
+            return
+        # A plain asyncio task rather than a task group: the cache may be opened and closed
+        # from different tasks (e.g. a framework's startup and shutdown hooks).
         s.inflight += 1
         self._busy[s.key] += 1
         self._pending += 1
         if self._pending == 1:
             self._idle_event = anyio.Event()
-        self._tg.start_soon(self._write_through, s, src, dst, seq)
+        task = asyncio.get_running_loop().create_task(self._write_through(s, dst))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
-    async def _write_through(self, s: _Session, src: int, dst: int, seq: int) -> None:
-        key = (s.key, seq)
+    async def _write_through(self, s: _Session, dst: int) -> None:
+        """Copy ``s``'s segments into ``dst`` in order, until its copy there is complete.
+
+        The copy is built as a prefix, so a copy that cannot be completed (no room, an I/O
+        error) is removed rather than left to waste space.
+        """
+        to = self._tiers[dst]
         try:
             with anyio.CancelScope(shield=True):
-                if s.dropped or not self._tiers[src].contains(key) or seq in s.held[dst]:
-                    return
-                length = self._tiers[src].length(key)
-                try:
-                    stored = await self._reserve(dst, key, length, {s.key})
-                    if stored:
-                        try:
-                            await self._copy_segment(s, src, dst, key, length)
-                        finally:
-                            self._tiers[dst].release(key)
-                    else:
-                        _log.info(
-                            "write-through of %.80r seq %d skipped: tier %r is full",
-                            s.key,
-                            seq,
-                            self._tiers[dst].name,
-                        )
-                except (TierIOError, CorruptSegmentError):
-                    self._stats.errors += 1
-                    _log.exception("write-through of %.80r seq %d failed", s.key, seq)
-                    stored = False
-                if not stored:  # the lower copy can never be complete now: free its space
-                    await self._remove_copy(s, dst)
-                    return
-                if s.dropped or seq >= len(s.segs):
-                    await self._tiers[dst].delete(key)
-                    return
-                s.held[dst].add(seq)
-                self._stats.write_through += 1
-                if s.complete(dst):
-                    now = self._clock()
-                    self._policies[dst].on_admit(s.key, self._publish(s, now), now)
+                while not s.dropped and s.primary is not None and s.primary < dst:
+                    src = s.primary
+                    seg = next((g for g in s.segs if g.header.seq not in s.held[dst]), None)
+                    if seg is None:
+                        break
+                    key = (s.key, seg.header.seq)
+                    try:
+                        stored = await self._reserve(dst, key, seg.length, {s.key}, lossless=True)
+                        if stored:
+                            try:
+                                await self._copy_segment(s, src, dst, key, seg.length)
+                            finally:
+                                to.release(key)
+                        else:
+                            _log.info(
+                                "write-through of %.80r stopped: tier %r is full", s.key, to.name
+                            )
+                    except (TierIOError, CorruptSegmentError):
+                        self._stats.errors += 1
+                        _log.exception("write-through of %.80r failed", s.key)
+                        stored = False
+                    if not stored:  # this copy can never be completed now: free its space
+                        await self._remove_copy(s, dst)
+                        break
+                    if s.dropped or seg not in s.segs:  # dropped or reset meanwhile
+                        await to.delete(key)
+                        break
+                    s.held[dst].add(seg.header.seq)
+                    self._stats.write_through += 1
+                    if s.complete(dst):
+                        now = self._clock()
+                        self._policies[dst].on_admit(s.key, self._publish(s, now), now)
         finally:
             s.inflight -= 1
             _unbusy(self._busy, s.key)

@@ -1,0 +1,167 @@
+"""A Hypothesis state machine drives a real two-tier cache (tiny budgets, real files) side by
+side with a plain dict model, and checks after every step that every load equals what was
+appended, that no tier exceeds its budget, and that no tier leaks space."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, ClassVar
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from tieredkv import CapacityError, HostMemoryTier, SessionNotFoundError, SSDTier, TieredKVCache
+
+SESSIONS = st.sampled_from(["a", "b", "c", "d", "e/..", "é"])
+
+
+def segment(tokens: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"kv": torch.randint(0, 256, (tokens, 1000), dtype=torch.uint8, generator=g)}
+
+
+class CacheMachine(RuleBasedStateMachine):
+    mode: ClassVar[str] = "exclusive"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="tieredkv-stateful-"))
+        self._portal_cm: AbstractContextManager[BlockingPortal] = start_blocking_portal()
+        self.portal = self._portal_cm.__enter__()
+        self.model: dict[str, list[dict[str, torch.Tensor]]] = {}
+        self.cache: TieredKVCache | None = None
+        self.lost_seen = 0
+
+    @initialize()
+    def open_cache(self) -> None:
+        self._open()
+
+    def _open(self) -> None:
+        # host: four 4 KiB blocks; SSD: twelve. A 1..6-token segment takes 1 or 2 blocks.
+        tiers = [HostMemoryTier(16 << 10), SSDTier(self.dir, 48 << 10, fsync=False)]
+        self.cache = TieredKVCache(tiers, mode=self.mode)  # type: ignore[arg-type]
+        self.portal.call(self.cache.open)
+        self.lost_seen = 0
+
+    def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        async def run() -> Any:
+            return await fn(*args, **kwargs)
+
+        return self.portal.call(run)
+
+    def _sync_losses(self) -> None:
+        """Sessions the cache evicted from its last tier are gone: the model forgets them."""
+        assert self.cache is not None
+        lost = self.cache.stats().lost
+        for key in list(self.model):
+            if not self.cache.contains(key):
+                assert lost > self.lost_seen, f"{key!r} vanished without being counted as lost"
+                del self.model[key]
+        self.lost_seen = lost
+
+    @rule(session=SESSIONS, tokens=st.integers(1, 6), seed=st.integers(0, 2**16))
+    def append(self, session: str, tokens: int, seed: int) -> None:
+        assert self.cache is not None
+        seg = segment(tokens, seed)
+        try:
+            self.call(self.cache.append, session, seg, answer_tokens=tokens)
+        except CapacityError:
+            assert self.cache.where(session) is None or session in self.model
+            self._sync_losses()
+            return
+        self._sync_losses()
+        if session not in self.model:  # new, or lost and started afresh
+            self.model[session] = []
+        meta = self.cache.channel[session]
+        if meta.turns == 1:
+            self.model[session] = []
+        self.model[session].append(seg)
+        assert meta.turns == len(self.model[session])
+
+    @rule(session=SESSIONS)
+    def load(self, session: str) -> None:
+        assert self.cache is not None
+        try:
+            got = self.call(self.cache.load, session)
+        except SessionNotFoundError:
+            assert session not in self.model
+            return
+        expected = torch.cat([s["kv"] for s in self.model[session]])
+        assert torch.equal(got["kv"], expected)
+        self._sync_losses()
+
+    @rule(session=SESSIONS)
+    def prefetch(self, session: str) -> None:
+        assert self.cache is not None
+        try:
+            self.call(self.cache.prefetch, session)
+        except SessionNotFoundError:
+            assert session not in self.model
+        self._sync_losses()
+
+    @rule(session=SESSIONS)
+    def drop(self, session: str) -> None:
+        assert self.cache is not None
+        try:
+            self.call(self.cache.drop, session)
+        except SessionNotFoundError:
+            assert session not in self.model
+            return
+        self.model.pop(session, None)
+
+    @rule()
+    def restart(self) -> None:
+        """Close and reopen on the same directory: what the SSD holds comes back whole."""
+        assert self.cache is not None
+        on_ssd = {k for k in self.model if "ssd" in self.cache.channel[k].copies}
+        self.call(self.cache.aclose)
+        self._open()
+        assert self.cache is not None
+        assert set(self.cache.sessions()) == on_ssd
+        for key in list(self.model):
+            if key not in on_ssd:
+                del self.model[key]
+
+    @invariant()
+    def budgets_hold_and_nothing_leaks(self) -> None:
+        if self.cache is None:
+            return
+        self.call(self.cache.flush)
+        self._sync_losses()
+        stats = self.cache.stats()
+        for tier in stats.tiers:
+            assert tier.used <= tier.capacity
+            held = sum(m.nbytes for m in self.cache.channel.values() if tier.name in m.copies)
+            assert tier.used == held, f"{tier.name}: {tier.used} used, {held} accounted"
+        assert set(self.cache.sessions()) == set(self.model)
+
+    def teardown(self) -> None:
+        try:
+            if self.cache is not None:
+                self.call(self.cache.aclose)
+        finally:
+            self._portal_cm.__exit__(None, None, None)
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class InclusiveCacheMachine(CacheMachine):
+    mode = "inclusive"
+
+
+_settings = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+CacheMachine.TestCase.settings = _settings
+InclusiveCacheMachine.TestCase.settings = _settings
+TestExclusiveCache = pytest.mark.timeout(300)(CacheMachine.TestCase)
+TestInclusiveCache = pytest.mark.timeout(300)(InclusiveCacheMachine.TestCase)
