@@ -591,15 +591,16 @@ class TieredKVCache:
         try:
             await self._tiers[t].read_into(key, out)
         except CorruptSegmentError:
-            self._stats.corrupt += 1
-            _log.warning(
-                "session %.80r: segment %d in tier %r is damaged",
-                s.key,
-                key[1],
-                self._tiers[t].name,
-            )
-            await self._forget_copy(s, t, lost_reason=True)
+            with anyio.CancelScope(shield=True):
+                await self._drop_damaged(s, t, key)
             raise
+
+    async def _drop_damaged(self, s: _Session, t: int, key: SegmentKey) -> None:
+        self._stats.corrupt += 1
+        _log.warning(
+            "session %.80r: segment %d in tier %r is damaged", s.key, key[1], self._tiers[t].name
+        )
+        await self._forget_copy(s, t)
 
     # -- prefetch ------------------------------------------------------------------------
     async def prefetch(self, session: str) -> str | None:
@@ -659,10 +660,11 @@ class TieredKVCache:
                 if self._mode == "exclusive":
                     await self._remove_copy(s, src)
         finally:
-            for key in reserved:
-                top.release(key)
-                if top.contains(key) and key[1] not in s.held[0]:
-                    await top.delete(key)
+            with anyio.CancelScope(shield=True):  # cleanup must finish even when cancelled
+                for key in reserved:
+                    top.release(key)
+                    if top.contains(key) and key[1] not in s.held[0]:
+                        await top.delete(key)
             self._set_transfer(s, None)
         self._stats.promotions += 1
         now = self._clock()
@@ -774,8 +776,13 @@ class TieredKVCache:
 
         If the next tier cannot make room, the copy in ``t`` is evicted (and the session
         lost) when ``may_lose``, else :class:`CapacityError` is raised and nothing changes.
-        On an I/O error the session stays in ``t`` and the error propagates.
+        On an I/O error the session stays in ``t`` and the error propagates. A move is
+        atomic: it runs shielded from cancellation (which lands once it is done).
         """
+        with anyio.CancelScope(shield=True):
+            await self._demote_shielded(s, t, may_lose)
+
+    async def _demote_shielded(self, s: _Session, t: int, may_lose: bool) -> None:
         total = s.nbytes()
         now = self._clock()
         for u in range(t + 1, len(self._tiers)):
@@ -851,7 +858,7 @@ class TieredKVCache:
     async def _evict_copy(self, s: _Session, t: int) -> None:
         """Remove ``s``'s copy from tier ``t`` to make room (lost if it was the last one)."""
         nbytes = s.nbytes()
-        lost = await self._forget_copy(s, t, lost_reason=False)
+        lost = await self._forget_copy(s, t)
         self._stats.evictions += 1
         self.channel.emit(
             Evicted(
@@ -863,7 +870,7 @@ class TieredKVCache:
             )
         )
 
-    async def _forget_copy(self, s: _Session, t: int, *, lost_reason: bool) -> bool:
+    async def _forget_copy(self, s: _Session, t: int) -> bool:
         """Remove the copy in ``t``; re-elect the primary; return whether the session is lost."""
         await self._remove_copy(s, t)
         if s.primary == t:

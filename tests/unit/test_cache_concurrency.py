@@ -32,6 +32,16 @@ def accounted(cache: TieredKVCache) -> list[tuple[int, int]]:
     return out
 
 
+def describe(cache: TieredKVCache) -> str:
+    """Per tier: used bytes, and each session's copy as the channel reports it."""
+    tiers = [f"{t.name}: used {t.used} in {t.segments} segments" for t in cache.stats().tiers]
+    sessions = [
+        f"  {m.session}: {m.nbytes} B, {m.turns} turns, copies {m.copies}"
+        for m in cache.channel.values()
+    ]
+    return "\n".join(tiers + sessions)
+
+
 async def cancel_after(delay: int | float, op: Callable[[], Awaitable[object]]) -> bool:
     """Run ``op``, cancelling it after ``delay`` (int: scheduler passes; float: seconds).
 
@@ -101,7 +111,7 @@ async def test_cancelling_append_or_load_at_any_await_leaks_nothing(
             outcomes[finished] += 1
             await cache.flush()
             for tier_used, held in accounted(cache):
-                assert tier_used == held
+                assert tier_used == held, (step, delay, mode, describe(cache))
             for name, turns in model.items():
                 assert cache.contains(name)
                 got = await cache.load(name)

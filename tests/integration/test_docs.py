@@ -1,0 +1,36 @@
+"""Every Python code block in docs/tutorials and docs/how-to runs, in order, per page."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+PAGES = sorted([*DOCS.glob("tutorials/*.md"), *DOCS.glob("how-to/*.md")])
+_BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
+
+
+def test_there_are_pages_with_code() -> None:
+    assert any(_BLOCK.search(p.read_text()) for p in PAGES)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_page_code_runs(page: Path, tmp_path: Path) -> None:
+    blocks = _BLOCK.findall(page.read_text())
+    if not blocks:
+        pytest.skip("no python code on this page")
+    script = tmp_path / "page.py"
+    script.write_text("\n\n".join(blocks))
+    # a subprocess: a page runs as a reader would run it, with its own event loop
+    result = subprocess.run(
+        [sys.executable, "-W", "error", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
