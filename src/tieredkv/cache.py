@@ -26,11 +26,12 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import mmap
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, Self
 
@@ -38,6 +39,7 @@ import anyio
 import msgspec
 import torch
 
+from .backends.arena import close_mapping
 from .backends.base import AddressableTier, SegmentKey, Tier, TierStats
 from .errors import (
     CapacityError,
@@ -441,14 +443,9 @@ class TieredKVCache:
             await _run(fill, tier.view(key), big=length > _INLINE_COPY)
             tier.commit(key)
             return
-        buf = mmap.mmap(-1, length)
-        view = memoryview(buf)
-        try:
+        with _scratch(length) as view:
             await _run(fill, view, big=length > _INLINE_COPY)
             await tier.write(key, view)
-        finally:
-            view.release()
-            buf.close()
 
     # -- load ----------------------------------------------------------------------------
     async def load(self, session: str) -> dict[str, torch.Tensor]:
@@ -574,14 +571,9 @@ class TieredKVCache:
                 if note is not None:
                     note(seg.length)
             else:
-                buf = mmap.mmap(-1, seg.length)
-                view = memoryview(buf)
-                try:
+                with _scratch(seg.length) as view:
                     await self._read(s, s.primary, key, view)
                     await _run(_scatter, view, seg.header, out, dim, offset, False, big=True)
-                finally:
-                    view.release()
-                    buf.close()
             offset += tokens
         if cuda:
             await anyio.to_thread.run_sync(torch.cuda.synchronize)
@@ -687,14 +679,9 @@ class TieredKVCache:
         elif isinstance(frm, AddressableTier):
             await to.write(key, frm.view(key))
         else:
-            buf = mmap.mmap(-1, length)
-            view = memoryview(buf)
-            try:
+            with _scratch(length) as view:
                 await self._read(s, src, key, view)
                 await to.write(key, view)
-            finally:
-                view.release()
-                buf.close()
 
     # -- drop ----------------------------------------------------------------------------
     async def drop(self, session: str) -> None:
@@ -1123,6 +1110,19 @@ def _scatter(
     # non_blocking only from the pinned arena, which stays valid until the final synchronize
     for name, view in segment_tensors(buf, header).items():
         out[name].narrow(dim, offset, header.tokens).copy_(view, non_blocking=non_blocking)
+
+
+@contextlib.contextmanager
+def _scratch(length: int) -> Iterator[memoryview]:
+    """A page-aligned temporary buffer (O_DIRECT-capable), unmapped when done."""
+    buf = mmap.mmap(-1, length)
+    view = memoryview(buf)
+    try:
+        yield view
+    finally:
+        with contextlib.suppress(BufferError):  # a view still alive: freed with it
+            view.release()
+        close_mapping(buf, "scratch buffer")
 
 
 async def _run(fn: Callable[..., None], *args: Any, big: bool) -> None:

@@ -86,6 +86,7 @@ class CorruptSegmentError(TieredKVError, ValueError):
 
     def __init__(self, where: str, detail: str) -> None:
         self.where = where
+        self.detail = detail
         super().__init__(f"corrupt segment {where}: {detail}")
 
 

@@ -9,15 +9,16 @@ Layout (all integers little-endian)::
     0   8  magic  b"TKVSEG\\x00\\x01"
     8   4  header length H
     12  4  CRC-32 of (header bytes + body hash)
-    16  8  body hash: xxh3-64 of the body
+    16  8  body hash: xxh3-64 of every byte after the header (padding included)
     24  H  header: msgpack of :class:`SegmentHeader`
     ... zero padding up to body_offset (a multiple of 64)
     body: each tensor's bytes at its offset (each a multiple of 64 from body_offset)
     ... zero padding up to a multiple of :data:`ALIGN` (4096): the stored length
 
 The header CRC catches a torn or damaged header cheaply (a restart scans only headers);
-the body hash (xxh3, over 10 GB/s on one core) catches damaged data on read. Both are
-checked before a segment read from a capacity tier is served.
+the body hash (xxh3, over 10 GB/s on one core) covers everything after the header, so a
+flipped byte anywhere in a segment is caught on read. Both are checked before a segment
+read from a capacity tier is served.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ __all__ = [
     "TensorSpec",
     "align_up",
     "hash_body",
+    "hashed_from",
     "parse_header",
     "plan_segment",
     "segment_tensors",
@@ -205,7 +207,7 @@ class SegmentPlan:
                 dest[at : at + spec.nbytes].copy_(_as_bytes(tensor))
             cursor = at + spec.nbytes
         dest[cursor:].zero_()
-        body_hash = hash_body(buf[h.body_offset : h.body_offset + h.body_len])
+        body_hash = hash_body(buf[start:])
         crc = zlib.crc32(self.header_bytes + body_hash.to_bytes(8, "little"))
         PREFIX.pack_into(buf, 0, MAGIC, len(self.header_bytes), crc, body_hash)
 
@@ -216,8 +218,14 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def hash_body(body: memoryview | bytes) -> int:
-    """xxh3-64 of a segment body."""
+    """xxh3-64 of a segment's bytes after its header (see :func:`hashed_from`)."""
     return int(xxhash.xxh3_64_intdigest(body))
+
+
+def hashed_from(buf: memoryview | bytes) -> int:
+    """Offset where the hashed part of a segment starts: right after its header."""
+    _, hlen, _, _ = PREFIX.unpack_from(buf, 0)
+    return int(PREFIX.size + hlen)
 
 
 def _to_tensor(name: str, value: Any) -> torch.Tensor:
@@ -384,7 +392,7 @@ def verify_segment(buf: memoryview, where: str) -> SegmentHeader:
         raise CorruptSegmentError(
             where, f"segment is {len(buf)} bytes, its header says {header.length}"
         )
-    if hash_body(buf[header.body_offset : header.body_offset + header.body_len]) != body_hash:
+    if hash_body(buf[hashed_from(buf) :]) != body_hash:
         raise CorruptSegmentError(where, "body checksum mismatch")
     return header
 

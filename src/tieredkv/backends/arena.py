@@ -8,6 +8,9 @@ land straight in the arena, and an O_DIRECT write can leave straight from it.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import logging
+import mmap
 from typing import Any
 
 import anyio
@@ -18,7 +21,9 @@ from ..errors import ClosedError
 from ..payload import ALIGN, SegmentHeader, align_up
 from .base import SegmentKey, TierStats
 
-__all__ = ["ArenaAllocator", "ArenaTier"]
+__all__ = ["ArenaAllocator", "ArenaTier", "close_mapping"]
+
+_log = logging.getLogger(__name__)
 
 
 class ArenaAllocator:
@@ -118,7 +123,6 @@ class ArenaTier:
         self._alloc = ArenaAllocator(self._capacity)
         self._slots: dict[SegmentKey, _Slot] = {}
         self._buf: memoryview | None = None
-        self._bytes: torch.Tensor | None = None
         self._max_threads = max_threads
         self._limiter: anyio.CapacityLimiter | None = None
         self._committed = 0
@@ -156,7 +160,6 @@ class ArenaTier:
         if self._buf is None:
             self._limiter = anyio.CapacityLimiter(self._max_threads)
             self._buf = await anyio.to_thread.run_sync(self._acquire_buffer, limiter=self._limiter)
-            self._bytes = torch.frombuffer(self._buf, dtype=torch.uint8)
         return []
 
     async def aclose(self) -> None:
@@ -165,8 +168,12 @@ class ArenaTier:
         self._slots.clear()
         self._alloc = ArenaAllocator(self._capacity)
         self._committed = 0
-        self._bytes = None
-        self._buf = None
+        buf, self._buf = self._buf, None
+        # Release our view now rather than whenever the garbage collector frees its last
+        # reference (the worker thread's future that returned it, say): the buffer can only
+        # be unmapped once no view of it is left.
+        with contextlib.suppress(BufferError):
+            buf.release()
         await anyio.to_thread.run_sync(self._release_buffer)
 
     async def __aenter__(self) -> ArenaTier:
@@ -198,12 +205,21 @@ class ArenaTier:
             del self._slots[key]
             self._alloc.free(slot.offset, slot.length)
 
+    def _slot(self, key: SegmentKey) -> _Slot:
+        self._arena()
+        slot = self._slots.get(key)
+        if slot is None:
+            raise ValueError(
+                f"segment {key[1]} has no reservation in tier {self.name!r}; reserve() it first"
+            )
+        return slot
+
     def view(self, key: SegmentKey) -> memoryview:
-        slot = self._slots[key]
+        slot = self._slot(key)
         return self._arena()[slot.offset : slot.offset + slot.length]
 
     def commit(self, key: SegmentKey) -> None:
-        slot = self._slots[key]
+        slot = self._slot(key)
         if not slot.committed:
             slot.committed = True
             self._committed += 1
@@ -220,13 +236,14 @@ class ArenaTier:
             await anyio.to_thread.run_sync(_copy_bytes, dst, src, limiter=self._limiter)
 
     async def write(self, key: SegmentKey, data: memoryview) -> None:
-        slot = self._slots[key]
+        slot = self._slot(key)
         if slot.committed:
             raise ValueError(f"segment {key[1]} is already committed in tier {self.name!r}")
         await self._copy(self.view(key), data)
         self.commit(key)
 
     async def read_into(self, key: SegmentKey, out: memoryview) -> None:
+        self._arena()
         slot = self._slots.get(key)
         if slot is None or not slot.committed:
             raise KeyError(key)
@@ -240,6 +257,7 @@ class ArenaTier:
         self._counters["bytes_read"] += nbytes
 
     async def delete(self, key: SegmentKey) -> None:
+        self._arena()
         self.discard(key)
 
     def discard(self, key: SegmentKey) -> None:
@@ -282,3 +300,19 @@ def _copy_bytes(dst: memoryview, src: memoryview) -> None:
         np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
     else:
         torch.frombuffer(dst, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
+
+
+def close_mapping(mm: mmap.mmap, name: str) -> None:
+    """Unmap ``mm`` now, or (while a caller still holds a view of it) when its last view goes.
+
+    Unmapping memory that a live view points at would crash the process; ``mmap.close``
+    refuses with BufferError instead, and the mapping then lives until it is unreferenced.
+    """
+    try:
+        mm.close()
+    except BufferError:
+        _log.warning(
+            "tier %r closed while views of its memory are still alive; the memory is freed "
+            "when the last one is released",
+            name,
+        )

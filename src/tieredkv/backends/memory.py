@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import TierIOError
-from .arena import ArenaTier
+from .arena import ArenaTier, close_mapping
 
 __all__ = ["HostMemoryTier"]
 
@@ -118,8 +118,8 @@ class HostMemoryTier(ArenaTier):
     def _release_buffer(self) -> None:
         self._unregister()
         if self._mmap is not None:
-            self._mmap.close()
-            self._mmap = None
+            mm, self._mmap = self._mmap, None
+            close_mapping(mm, self.name)
 
     def _extra_stats(self) -> dict[str, Any]:
         return {"pinned": self.pinned, "notes": tuple(self._notes)}

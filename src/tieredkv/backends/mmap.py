@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TierIOError
-from .arena import ArenaTier
+from .arena import ArenaTier, close_mapping
 
 __all__ = ["MmapTier"]
 
@@ -78,8 +78,8 @@ class MmapTier(ArenaTier):
 
     def _release_buffer(self) -> None:
         if self._mmap is not None:
-            self._mmap.close()
-            self._mmap = None
+            mm, self._mmap = self._mmap, None
+            close_mapping(mm, self.name)
         self._remove_file()
 
     def _extra_stats(self) -> dict[str, Any]:

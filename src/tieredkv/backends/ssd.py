@@ -19,8 +19,9 @@ second memory tier; where the filesystem refuses ``O_DIRECT`` (tmpfs, some overl
 filesystems) the tier falls back to buffered I/O, drops the pages it touched with
 ``posix_fadvise(DONTNEED)``, and says so in :meth:`SSDTier.stats`.
 
-Reads verify the header CRC and the body's xxh3 hash while the data streams in (the hash of
-one chunk overlaps the read of the next, in a second thread). A segment that fails is moved
+Reads verify the header CRC and the body's xxh3 hash while the data streams in: two chunk
+reads are kept in flight, and the hash of each chunk (in a second thread; xxh3 releases the
+GIL) overlaps the reads of the next ones. A segment that fails is moved
 to ``quarantine/`` and reported as :class:`~tieredkv.errors.CorruptSegmentError`; the cache
 treats it as a miss.
 """
@@ -36,9 +37,11 @@ import mmap
 import os
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -53,6 +56,8 @@ __all__ = ["SSDTier", "segment_file_name"]
 _log = logging.getLogger(__name__)
 
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+_READ_DEPTH = 2
+"""Chunk reads of one segment in flight at once."""
 
 
 def segment_file_name(key: SegmentKey) -> str:
@@ -114,6 +119,7 @@ class SSDTier:
         self._used = 0
         self._limiter: anyio.CapacityLimiter | None = None
         self._hasher: ThreadPoolExecutor | None = None
+        self._readers: ThreadPoolExecutor | None = None
         self._lock_fd: int | None = None
         self._notes: list[str] = []
         self._counters: dict[str, int] = {
@@ -157,6 +163,9 @@ class SSDTier:
         limiter = anyio.CapacityLimiter(self._max_threads)
         headers = await anyio.to_thread.run_sync(self._open_sync, limiter=limiter)
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix=f"tieredkv-{self.name}-hash")
+        self._readers = ThreadPoolExecutor(
+            self._max_threads * _READ_DEPTH, thread_name_prefix=f"tieredkv-{self.name}-read"
+        )
         self._limiter = limiter
         return headers
 
@@ -284,9 +293,10 @@ class SSDTier:
         if self._limiter is None:
             return
         self._limiter = None
-        if self._hasher is not None:
-            self._hasher.shutdown(wait=True)
-            self._hasher = None
+        for pool in (self._readers, self._hasher):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._readers = self._hasher = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # also releases the flock
             self._lock_fd = None
@@ -337,6 +347,7 @@ class SSDTier:
         final = self._path(key)
         tmp = self.directory / "tmp" / f"{final.name}.{uuid.uuid4().hex}.tmp"
         bounce: mmap.mmap | None = None
+        renamed = False
         try:
             if self._direct and not _aligned(data):
                 bounce = mmap.mmap(-1, len(data))
@@ -357,11 +368,15 @@ class SSDTier:
                 os.close(fd)
             final.parent.mkdir(exist_ok=True)
             os.replace(tmp, final)
+            renamed = True
             if self._fsync:
                 _fsync_dir(final.parent)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
+            if renamed:  # not durable, so not committed: a restart must not find it either
+                with contextlib.suppress(OSError):
+                    final.unlink(missing_ok=True)
             raise TierIOError(
                 self.name, f"write segment {key[1]} ({len(data):,} bytes)", exc
             ) from exc
@@ -387,74 +402,122 @@ class SSDTier:
 
     def _read_sync(self, key: SegmentKey, out: memoryview) -> None:
         rel = segment_file_name(key)
+        failure = self._read_checked(key, out, rel)
+        # Raised here, outside any except block: the original exception's traceback would
+        # keep views of ``out`` alive, and the caller could then not free its buffer.
+        if failure is not None:
+            detail, code, reason = failure
+            if code is None:
+                raise CorruptSegmentError(rel, detail)
+            raise TierIOError(self.name, detail, OSError(code, reason))
+
+    def _read_checked(
+        self, key: SegmentKey, out: memoryview, rel: str
+    ) -> tuple[str, int | None, str] | None:
+        """Read and verify; ``None``, or (detail, errno or None if corrupt, reason)."""
         bounce: mmap.mmap | None = None
         target = out
         if self._direct and not _aligned(out):
             bounce = mmap.mmap(-1, len(out))
             target = memoryview(bounce)
+        failure: tuple[str, int | None, str] | None = None
         try:
             try:
-                fd = os.open(
-                    self._path(key), os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if self._direct else 0)
-                )
-            except FileNotFoundError as exc:
-                raise CorruptSegmentError(rel, "file is missing") from exc
+                flags = os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if self._direct else 0)
+                fd = os.open(self._path(key), flags)
+            except FileNotFoundError:
+                return ("file is missing", None, "")
             except OSError as exc:
-                raise TierIOError(self.name, f"open segment {key[1]}", exc) from exc
+                return (f"open segment {key[1]}", exc.errno or 0, exc.strerror or str(exc))
             try:
                 self._read_verify(fd, key, target, rel)
+            except CorruptSegmentError as exc:
+                failure = (exc.detail, None, "")
             except OSError as exc:
-                raise TierIOError(self.name, f"read segment {key[1]}", exc) from exc
+                failure = (f"read segment {key[1]}", exc.errno or 0, exc.strerror or str(exc))
             finally:
                 if not self._direct:
                     with contextlib.suppress(OSError):
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 os.close(fd)
-            if bounce is not None:
+            if failure is None and bounce is not None:
                 out[:] = target
         finally:
             if bounce is not None:
                 target.release()
                 bounce.close()
+        return failure
 
     def _read_verify(self, fd: int, key: SegmentKey, out: memoryview, rel: str) -> None:
-        """Read the file into ``out`` chunk by chunk, hashing the body as it arrives."""
+        """Read the file into ``out`` chunk by chunk, hashing it as it arrives.
+
+        Two chunk reads are in flight at any time (in the reader threads), so the device
+        queue never drains between chunks; each chunk's body bytes are hashed in the hasher
+        thread while later chunks are read, so only the last chunk's hash adds to the
+        latency. Every read and hash has finished when this returns or raises: ``out`` is
+        never touched afterwards, and no view of it outlives the call.
+        """
         assert self._hasher is not None
+        assert self._readers is not None
+        readers, hasher_pool = self._readers, self._hasher
         size = len(out)
+        spans = [(at, min(size, at + self._chunk)) for at in range(0, size, self._chunk)]
+        reads: deque[tuple[int, int, Future[int]]] = deque()
+        hashes: list[Future[None]] = []
         hasher = xxhash.xxh3_64()
-        pending: list[Future[None]] = []
         header: SegmentHeader | None = None
         expected = 0
-        done = 0
-        hashed = 0  # body bytes handed to the hasher so far (absolute offset)
-        while done < size:
-            n = os.preadv(fd, [out[done : min(size, done + self._chunk)]], done)
-            if n == 0:
-                raise CorruptSegmentError(rel, f"file ends at {done} of {size} bytes (truncated)")
-            done += n
-            if header is None:
-                if done < PREFIX.size:
-                    continue
-                _, hlen, _, _ = PREFIX.unpack_from(out, 0)
-                if PREFIX.size + hlen > done and done < size:
-                    continue
-                header, expected = parse_header(out[:done], rel)
-                if (header.session, header.seq) != key:
-                    raise CorruptSegmentError(rel, "header names another segment")
-                if header.length != size:
+        hashed = 0  # bytes handed to the hasher so far (absolute offset)
+        issued = 0
+
+        def issue() -> None:
+            nonlocal issued
+            start, end = spans[issued]
+            issued += 1
+            reads.append((start, end, readers.submit(_pread_full, fd, out[start:end], start)))
+
+        try:
+            while issued < min(_READ_DEPTH, len(spans)):
+                issue()
+            while reads:
+                start, end, future = reads.popleft()
+                n = future.result()
+                if n < end - start:
                     raise CorruptSegmentError(
-                        rel, f"header says {header.length} bytes, file {size}"
+                        rel, f"file ends at {start + n} of {size} bytes (truncated)"
                     )
-                hashed = header.body_offset
-            body_end = header.body_offset + header.body_len
-            upto = min(done, body_end)
-            if upto > hashed:
-                pending.append(self._hasher.submit(hasher.update, out[hashed:upto]))
-                hashed = upto
-        for f in pending:
-            f.result()
-        if header is None or hasher.intdigest() != expected:
-            raise CorruptSegmentError(rel, "body checksum mismatch")
+                if issued < len(spans):
+                    issue()
+                if header is None:
+                    if end < PREFIX.size:
+                        continue
+                    _, hlen, _, _ = PREFIX.unpack_from(out, 0)
+                    if PREFIX.size + hlen > end and end < size:
+                        continue  # the header spans several chunks
+                    header, expected = parse_header(out[:end], rel)
+                    if (header.session, header.seq) != key:
+                        raise CorruptSegmentError(rel, "header names another segment")
+                    if header.length != size:
+                        raise CorruptSegmentError(
+                            rel, f"header says {header.length} bytes, file {size}"
+                        )
+                    hashed = PREFIX.size + hlen  # everything after the header is hashed
+                upto = end
+                if upto > hashed:
+                    hashes.append(hasher_pool.submit(hasher.update, out[hashed:upto]))
+                    hashed = upto
+            for h in hashes:
+                h.result()
+            if header is None or hasher.intdigest() != expected:
+                raise CorruptSegmentError(rel, "body checksum mismatch")
+        finally:
+            # on error, let in-flight work finish before the caller reuses or frees ``out``
+            pending: list[Future[Any]] = [r[2] for r in reads] + hashes
+            reads.clear()
+            hashes.clear()
+            for f in pending:
+                with contextlib.suppress(Exception):
+                    f.result()
 
     async def delete(self, key: SegmentKey) -> None:
         limiter = self._check_open()
@@ -517,6 +580,20 @@ class SSDTier:
             writes=self._counters["writes"],
             corrupt=self._counters["corrupt"],
         )
+
+
+def _pread_full(fd: int, view: memoryview, offset: int) -> int:
+    """Read ``len(view)`` bytes at ``offset``; fewer only at the end of the file."""
+    got = 0
+    with view:
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n == 0:
+                break
+            got += n
+            if got % ALIGN:  # the file ends here (O_DIRECT cannot continue unaligned)
+                break
+    return got
 
 
 def _fsync_dir(path: Path) -> None:

@@ -1,0 +1,76 @@
+"""Real segments for tier tests: built with :func:`tieredkv.payload.plan_segment`.
+
+A :class:`Segment` owns an anonymous ``mmap`` (page-aligned, as the cache's buffers are)
+holding the serialized segment, and remembers its exact bytes so a test can compare what a
+tier gives back byte for byte.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from tieredkv.backends.base import SegmentKey
+from tieredkv.payload import SegmentHeader, plan_segment
+
+__all__ = ["Segment", "aligned_buffer", "make_segment", "unaligned_buffer"]
+
+TOKEN_BYTES = 2 * 64 * 2
+"""Bytes per token of :func:`make_segment`'s two int16 tensors of width 64."""
+
+
+class Segment:
+    """One serialized segment in an anonymous mmap, plus its expected bytes."""
+
+    def __init__(self, session: str, seq: int, tokens: int, *, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        tensors = {
+            name: torch.randint(-(2**15), 2**15, (tokens, 64), dtype=torch.int16, generator=gen)
+            for name in ("k", "v")
+        }
+        plan = plan_segment(session, seq, tensors, token_dim=0, answer_tokens=seq + 1)
+        self.key: SegmentKey = (session, seq)
+        self.header: SegmentHeader = plan.header
+        self.length = plan.length
+        self._mm = mmap.mmap(-1, plan.length)
+        self.view = memoryview(self._mm)
+        plan.write_into(self.view)
+        self.data = bytes(self.view)
+
+    def close(self) -> None:
+        self.view.release()
+        self._mm.close()
+
+
+def make_segment(session: str, seq: int, tokens: int, *, seed: int = 0) -> Segment:
+    """A segment of ``tokens`` tokens (``TOKEN_BYTES`` each) with seeded random content."""
+    return Segment(session, seq, tokens, seed=seed)
+
+
+@contextmanager
+def aligned_buffer(length: int) -> Iterator[memoryview]:
+    """A page-aligned, zeroed, writable buffer of ``length`` bytes."""
+    mm = mmap.mmap(-1, length)
+    view = memoryview(mm)
+    try:
+        yield view
+    finally:
+        view.release()
+        mm.close()
+
+
+@contextmanager
+def unaligned_buffer(length: int) -> Iterator[memoryview]:
+    """A writable buffer of ``length`` bytes that starts 1 byte past a page boundary."""
+    mm = mmap.mmap(-1, length + 4096)
+    whole = memoryview(mm)
+    view = whole[1 : 1 + length]
+    try:
+        yield view
+    finally:
+        view.release()
+        whole.release()
+        mm.close()
