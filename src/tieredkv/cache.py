@@ -1044,6 +1044,7 @@ class TieredKVCache:
             accesses=(old.accesses if old else 0) + (1 if access else 0),
             in_flight=old.in_flight if old else None,
             next_access=old.next_access if old else None,
+            codec=s.schema.codec if s.schema is not None else "kv",
         )
         self.channel.put(meta)
         return meta

@@ -77,6 +77,8 @@ class KVMeta(msgspec.Struct, frozen=True, kw_only=True):
     :param in_flight: a transfer under way, if any
     :param next_access: an oracle's next access time (the simulator fills it in for
         Belady); ``None`` when unknown
+    :param codec: what the stored tensors hold (``"kv"``, or a storage-efficient codec's
+        name, as given to :meth:`~tieredkv.TieredKVCache.append`)
     """
 
     session: str
@@ -91,6 +93,7 @@ class KVMeta(msgspec.Struct, frozen=True, kw_only=True):
     accesses: int = 0
     in_flight: Transfer | None = None
     next_access: float | None = None
+    codec: str = "kv"
 
 
 class TierInfo(msgspec.Struct, frozen=True, kw_only=True):
