@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tieredkv import HostMemoryTier, SSDTier, TieredKVCache
+from tieredkv import HostMemoryTier, SSDTier, Tier, TieredKVCache
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -41,7 +41,7 @@ async def test_arena_is_registered_once_in_chunks() -> None:
 async def test_device_tensors_round_trip_through_pinned_memory_and_ssd(ssd_dir: Path) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     turns = [torch.randn(2, 8, n, 64, device="cuda", generator=g).half() for n in (17, 5, 9)]
-    tiers = [HostMemoryTier(64 << 10, pin=True), SSDTier(ssd_dir, 16 << 20)]
+    tiers: list[Tier] = [HostMemoryTier(64 << 10, pin=True), SSDTier(ssd_dir, 16 << 20)]
     async with TieredKVCache(tiers, token_dim=2) as cache:
         for i, kv in enumerate(turns):
             await cache.append("gpu", {"kv": kv}, answer_tokens=i)
