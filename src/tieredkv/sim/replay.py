@@ -1,0 +1,212 @@
+"""Eviction-only replay: a turn stream through one eviction policy and a host byte budget.
+
+Each turn of a conversation is one access of its history KV. If the conversation's KV is
+resident in host memory the access is a *hit*, else a *miss* (first turns have no
+history and count as neither). After the turn its history (capped at ``history_cap``
+tokens, ``bytes_per_token`` each) is admitted to host memory, evicting the policy's
+victims to fit; the conversation itself is protected while it is admitted. A policy that
+cannot free enough leaves the conversation out of host memory.
+
+The replay plays the roles the live system plays for the policy:
+
+- the *oracle*: every access carries ``KVMeta.next_access``, the time of the same user's
+  next turn (``None`` after the last one), which is what :class:`~tieredkv.policies.Belady`
+  reads;
+- the *scheduler's queue*: ``view.waiting`` holds the sessions of the next ``window``
+  turns of the stream, approximating the requests already queued (as the Bidaw authors'
+  artifact does), which is what :class:`~tieredkv.policies.QueueEnhanced` reads;
+- the *tiers*: ``view.tiers[0]`` is the host tier with ``host_bytes`` of capacity.
+
+Time is virtual (the trace's timestamps); nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ..meta import KVMeta, TierInfo
+from ..policies.base import Eviction
+from .trace import Turns
+
+__all__ = ["OPT_13B_BYTES_PER_TOKEN", "ReplayResult", "replay"]
+
+OPT_13B_BYTES_PER_TOKEN = 819_200
+"""KV bytes per token of OPT-13B in fp16: 40 layers x 5120 x 2 (K, V) x 2 bytes."""
+
+_HOST = "host"
+
+
+class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
+    """Counts from one replay.
+
+    :param policy: the policy's registry name
+    :param host_bytes: the host budget
+    :param turns: turns replayed
+    :param hits: counted accesses whose KV was resident
+    :param misses: counted accesses whose KV was not
+    :param hit_bytes: history bytes of the hits (what host memory served)
+    :param miss_bytes: history bytes of the misses (what must come from SSD or be recomputed)
+    :param evictions: sessions evicted
+    :param rejected: admissions the policy could not make room for
+    """
+
+    policy: str
+    host_bytes: int
+    turns: int
+    hits: int
+    misses: int
+    hit_bytes: int
+    miss_bytes: int
+    evictions: int
+    rejected: int
+
+    @property
+    def accesses(self) -> int:
+        """Counted accesses (turns after a conversation's first, past the warm-up)."""
+        return self.hits + self.misses
+
+    @property
+    def hit_ratio(self) -> float:
+        """Hits over counted accesses (0 when there are none)."""
+        return self.hits / self.accesses if self.accesses else 0.0
+
+    @property
+    def miss_ratio(self) -> float:
+        """Misses over counted accesses (0 when there are none)."""
+        return self.misses / self.accesses if self.accesses else 0.0
+
+    @property
+    def byte_hit_ratio(self) -> float:
+        """Hit bytes over the history bytes of all counted accesses (0 when none)."""
+        total = self.hit_bytes + self.miss_bytes
+        return self.hit_bytes / total if total else 0.0
+
+
+class _View:
+    """The replay's metadata view: metas, the upcoming sessions, the tiers."""
+
+    __slots__ = ("_i", "_metas", "_sessions", "_window", "tiers")
+
+    def __init__(self, sessions: list[str], window: int, tiers: tuple[TierInfo, ...]) -> None:
+        self._sessions = sessions
+        self._window = window
+        self._metas: dict[str, KVMeta] = {}
+        self._i = 0
+        self.tiers = tiers
+
+    def get(self, session: str) -> KVMeta | None:
+        return self._metas.get(session)
+
+    @property
+    def waiting(self) -> tuple[str, ...]:
+        # Computed on demand: only QueueEnhanced asks, and only when evicting.
+        i = self._i + 1
+        return tuple(self._sessions[i : i + self._window])
+
+
+def replay(
+    turns: Turns,
+    policy: Eviction,
+    *,
+    host_bytes: int,
+    bytes_per_token: int = OPT_13B_BYTES_PER_TOKEN,
+    history_cap: int = 2048,
+    window: int = 30,
+    warmup: int = 0,
+) -> ReplayResult:
+    """Replay ``turns`` through ``policy`` with ``host_bytes`` of host memory.
+
+    :param turns: the turn stream (sorted by time)
+    :param policy: a fresh eviction policy (it is driven, not reset)
+    :param host_bytes: host-memory budget for history KV
+    :param bytes_per_token: KV bytes per token of history
+    :param history_cap: tokens of history kept per conversation at most
+    :param window: upcoming turns published as ``view.waiting``
+    :param warmup: leading turns replayed but not counted
+    :raises ValueError: on a non-positive budget, size or cap, or a negative window/warmup
+    """
+    if host_bytes <= 0 or bytes_per_token <= 0 or history_cap <= 0:
+        raise ValueError("host_bytes, bytes_per_token and history_cap must be positive")
+    if window < 0 or warmup < 0:
+        raise ValueError("window and warmup must be >= 0")
+    users = turns.user.tolist()
+    names = {u: f"u{u}" for u in set(users)}
+    sessions = [names[u] for u in users]
+    times = turns.time.tolist()
+    answers = turns.answer.tolist()
+    rounds = turns.round_index.tolist()
+    tokens = [min(c, history_cap) for c in turns.context_after().tolist()]
+    nxt = turns.next_index().tolist()
+    tiers = (
+        TierInfo(name=_HOST, level=0, capacity=host_bytes),
+        TierInfo(name="ssd", level=1, capacity=2**62),
+    )
+    view = _View(sessions, window, tiers)
+    metas = view._metas
+    resident: dict[str, int] = {}
+    history: dict[str, int] = {}  # session -> bytes of its history after its latest turn
+    used = hits = misses = hit_bytes = miss_bytes = evictions = rejected = 0
+    on_access = policy.on_access
+    on_admit = policy.on_admit
+    on_remove = policy.on_remove
+    victims = policy.victims
+    for i, session in enumerate(sessions):
+        now = times[i]
+        held = resident.get(session)
+        if rounds[i] and i >= warmup:
+            # The history this turn needs is what the previous turn left behind.
+            if held is None:
+                misses += 1
+                miss_bytes += history[session]
+            else:
+                hits += 1
+                hit_bytes += held
+        n = nxt[i]
+        nbytes = tokens[i] * bytes_per_token
+        history[session] = nbytes
+        meta = KVMeta(
+            session=session,
+            tier=_HOST,
+            copies=(_HOST,),
+            nbytes=nbytes,
+            tokens=tokens[i],
+            turns=rounds[i] + 1,
+            prev_answer_tokens=answers[i],
+            last_access=now,
+            accesses=rounds[i] + 1,
+            next_access=times[n] if n >= 0 else None,
+        )
+        metas[session] = meta
+        view._i = i
+        on_access(session, meta, now)
+        old = held or 0
+        need = used - old + nbytes - host_bytes
+        if need > 0:
+            chosen = (
+                victims(need, now, view, frozenset((session,))) if nbytes <= host_bytes else None
+            )
+            if chosen is None:
+                rejected += 1
+                if held is not None:  # it cannot grow in place: it leaves host memory
+                    del resident[session]
+                    used -= held
+                    on_remove(session)
+                continue
+            for victim in chosen:
+                used -= resident.pop(victim)
+                on_remove(victim)
+            evictions += len(chosen)
+        resident[session] = nbytes
+        used += nbytes - old
+        on_admit(session, meta, now)
+    return ReplayResult(
+        policy=policy.name,
+        host_bytes=host_bytes,
+        turns=len(sessions),
+        hits=hits,
+        misses=misses,
+        hit_bytes=hit_bytes,
+        miss_bytes=miss_bytes,
+        evictions=evictions,
+        rejected=rejected,
+    )

@@ -1,0 +1,122 @@
+"""Scenarios from the Bidaw paper: FCFS blocks behind a load, the dual queue does not."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tieredkv.meta import KVMeta, MetadataChannel, TierInfo
+from tieredkv.policies import FCFS, BidawScheduler, Request
+
+
+def channel(**where: tuple[str, int]) -> MetadataChannel:
+    ch = MetadataChannel(
+        [
+            TierInfo(name="host", level=0, capacity=10**9),
+            TierInfo(name="ssd", level=1, capacity=10**12),
+        ]
+    )
+    for session, (tier, nbytes) in where.items():
+        ch.put(KVMeta(session=session, tier=tier, copies=(tier,), nbytes=nbytes))
+    return ch
+
+
+def submit_all(sched: FCFS | BidawScheduler, view: MetadataChannel, sessions: str) -> None:
+    for i, s in enumerate(sessions, 1):
+        sched.submit(Request(id=f"r{i}", session=s, arrival=float(i)), float(i), view)
+
+
+def test_fcfs_head_of_line_blocks_behind_a_load() -> None:
+    """req1 and req2 wait on SSD, req3..req5 are in memory: FCFS runs nothing until req1's
+    KV lands, then exactly req1."""
+    view = channel(a=("ssd", 10**8), b=("ssd", 10**6), c=("host", 1), d=("host", 1), e=("host", 1))
+    sched = FCFS()
+    submit_all(sched, view, "abcde")
+    assert [r.session for r in sched.start_loads(5.0)] == ["a"]  # arrival order
+    assert sched.pop_ready(5.0) is None
+    assert sched.next_batch(5.0, 10**6) == []
+    sched.load_finished("a", 6.0)
+    assert sched.pop_ready(6.0) == Request(id="r1", session="a", arrival=1.0)
+    assert sched.pop_ready(6.0) is None  # b still blocks the rest
+    assert sched.waiting() == ["b", "c", "d", "e"]
+
+
+def test_bidaw_runs_memory_requests_while_ssd_loads_proceed() -> None:
+    view = channel(a=("ssd", 10**8), b=("ssd", 10**6), c=("host", 1), d=("host", 1), e=("host", 1))
+    sched = BidawScheduler()
+    submit_all(sched, view, "abcde")
+    assert [r.session for r in sched.start_loads(5.0)] == ["b"]  # small KV first
+    assert [r.session for r in sched.next_batch(5.0, 10**6)] == ["c", "d", "e"]
+    assert sched.waiting() == ["b", "a"]  # the load in flight lands first
+    assert sched.loads_in_flight == 1
+
+
+def test_bidaw_promoted_request_rejoins_at_its_arrival_position() -> None:
+    view = channel(a=("ssd", 10**6), c=("host", 1), d=("host", 1))
+    sched = BidawScheduler()
+    submit_all(sched, view, "acd")  # a arrived first
+    sched.start_loads(3.0)
+    assert sched.pop_ready(3.0) == Request(id="r2", session="c", arrival=2.0)
+    sched.load_finished("a", 4.0)
+    assert sched.ready_sessions() == {"a", "d"}
+    first, second = sched.pop_ready(4.0), sched.pop_ready(4.0)
+    assert first is not None
+    assert second is not None
+    assert [first.session, second.session] == ["a", "d"]
+
+
+def edge(nbytes: int) -> float:
+    """The size the scheduler ranks by: rounded down to its 1/16-octave class."""
+    return float(2 ** (math.floor(math.log2(nbytes) * 16) / 16))
+
+
+@pytest.mark.parametrize(("small_arrival", "first"), [(990.0, "small"), (999.9, "big")])
+def test_disk_hrrn_trades_size_against_waiting_time(small_arrival: float, first: str) -> None:
+    """At t=1000 the 1 MB load has waited 1000 s (ratio ~1.001); a 1 kB load that waited
+    10 s has ratio ~1.01 and goes first, one that waited 0.1 s (~1.0001) does not."""
+    view = channel(big=("ssd", 1_000_000), small=("ssd", 1_000))
+    sched = BidawScheduler()
+    sched.submit(Request(id="1", session="big", arrival=0.0), 0.0, view)
+    sched.submit(Request(id="2", session="small", arrival=small_arrival), small_arrival, view)
+    assert sched.response_ratio("big", 1000.0) == pytest.approx(1 + 1000 / edge(1_000_000))
+    assert sched.response_ratio("small", 1000.0) == pytest.approx(
+        1 + (1000 - small_arrival) / edge(1_000)
+    )
+    assert [r.session for r in sched.start_loads(1000.0)] == [first]
+    assert sched.response_ratio(first, 1000.0) is None  # started: no longer queued
+
+
+def test_disk_hrrn_with_fixed_latency_favours_the_longer_wait() -> None:
+    """When a fixed per-load latency dwarfs transfer time, every load costs about the same
+    and the longer wait wins, although by bytes alone the small load would."""
+    view = channel(x=("ssd", 1_000), y=("ssd", 2_000_000))
+    by_bytes = BidawScheduler()
+    by_time = BidawScheduler(bandwidth=1e9, latency=10.0)
+    for sched in (by_bytes, by_time):
+        sched.submit(Request(id="1", session="y", arrival=0.0), 0.0, view)
+        sched.submit(Request(id="2", session="x", arrival=1.0), 1.0, view)
+    assert by_time.response_ratio("y", 3.0) == pytest.approx(1 + 3 / (10 + edge(2_000_000) / 1e9))
+    assert by_time.response_ratio("x", 3.0) == pytest.approx(1 + 2 / (10 + edge(1_000) / 1e9))
+    assert [r.session for r in by_bytes.start_loads(3.0)] == ["x"]
+    assert [r.session for r in by_time.start_loads(3.0)] == ["y"]
+
+
+def test_scheduler_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="bandwidth"):
+        BidawScheduler(bandwidth=0)
+    with pytest.raises(ValueError, match="latency"):
+        BidawScheduler(latency=-1)
+    with pytest.raises(ValueError, match="classes_per_octave"):
+        BidawScheduler(classes_per_octave=0)
+    with pytest.raises(ValueError, match="max_loads"):
+        FCFS(max_loads=0)
+
+
+def test_no_tiers_described_means_everything_is_ready() -> None:
+    view = MetadataChannel()
+    view.put(KVMeta(session="a", tier="ssd", nbytes=10))
+    for sched in (FCFS(), BidawScheduler()):
+        sched.submit(Request(id="1", session="a", arrival=0.0), 0.0, view)
+        assert sched.start_loads(0.0) == []
+        assert sched.pop_ready(0.0) is not None
