@@ -64,6 +64,7 @@ from .meta import (
 from .payload import Schema, SegmentHeader, dtype_of, plan_segment, segment_tensors
 from .policies.base import Eviction
 from .policies.lru import LRU
+from .policies.registry import make_eviction
 
 __all__ = ["CacheStats", "TieredKVCache"]
 
@@ -151,8 +152,9 @@ class TieredKVCache:
 
     :param tiers: the tiers, performance tier first (e.g. ``[HostMemoryTier(...),
         SSDTier(...)]``); names must be unique
-    :param eviction: the policy that chooses what leaves tier 0 (default :class:`LRU`), or
-        one policy per tier; lower tiers default to LRU
+    :param eviction: the policy that chooses what leaves tier 0 (default :class:`LRU`), as
+        an object or a registry name (``"bidaw"``, ``"queue-enhanced"``, ...), or one policy
+        per tier; lower tiers default to LRU
     :param mode: ``"exclusive"`` (a session's KV is in exactly one tier; moving down writes
         it) or ``"inclusive"`` (write-through: every segment is also copied to the next tier
         in the background, so evicting from memory costs no write on the critical path, and
@@ -173,7 +175,7 @@ class TieredKVCache:
         self,
         tiers: Sequence[Tier],
         *,
-        eviction: Eviction | Sequence[Eviction] | None = None,
+        eviction: Eviction | str | Sequence[Eviction | str] | None = None,
         mode: Literal["exclusive", "inclusive"] = "exclusive",
         token_dim: int = 0,
         clock: Callable[[], float] = time.monotonic,
@@ -190,15 +192,16 @@ class TieredKVCache:
             raise ValueError(f"tier names must be unique, got {names}")
         if mode not in ("exclusive", "inclusive"):
             raise ValueError(f"mode must be 'exclusive' or 'inclusive', not {mode!r}")
-        if isinstance(eviction, Sequence):
-            policies = list(eviction)
+        if isinstance(eviction, Sequence) and not isinstance(eviction, str):
+            policies = [make_eviction(p) if isinstance(p, str) else p for p in eviction]
             if len(policies) != len(tiers):
                 raise ValueError(
                     f"got {len(policies)} eviction policies for {len(tiers)} tiers; pass one "
                     f"policy (for tier 0) or one per tier"
                 )
         else:
-            policies = [eviction or LRU()] + [LRU() for _ in tiers[1:]]
+            top = make_eviction(eviction) if isinstance(eviction, str) else eviction or LRU()
+            policies = [top] + [LRU() for _ in tiers[1:]]
         for policy in policies:
             if not isinstance(policy, Eviction):
                 raise TypeError(f"{policy!r} does not implement the Eviction protocol")
