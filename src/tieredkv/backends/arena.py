@@ -19,7 +19,7 @@ import torch
 
 from ..errors import ClosedError
 from ..payload import ALIGN, SegmentHeader, align_up
-from .base import SegmentKey, TierStats
+from .base import AddressableTier, SegmentKey, TierStats
 
 __all__ = ["ArenaAllocator", "ArenaTier", "close_mapping"]
 
@@ -103,7 +103,7 @@ class _Slot:
         self.committed = False
 
 
-class ArenaTier:
+class ArenaTier(AddressableTier):
     """A tier over one contiguous writable buffer; subclasses provide and release the buffer.
 
     Copies of at most ``inline_copy_limit`` bytes run on the event loop (they take

@@ -49,7 +49,7 @@ import xxhash
 
 from ..errors import ClosedError, CorruptSegmentError, TierIOError
 from ..payload import ALIGN, PREFIX, SegmentHeader, parse_header
-from .base import SegmentKey, TierStats
+from .base import SegmentKey, Tier, TierStats
 
 __all__ = ["SSDTier", "segment_file_name"]
 
@@ -74,7 +74,7 @@ def _aligned(buf: memoryview) -> bool:
     return len(buf) % ALIGN == 0 and _address(buf) % ALIGN == 0
 
 
-class SSDTier:
+class SSDTier(Tier):
     """Segment files on a local filesystem (meant for an SSD), with O_DIRECT and checksums.
 
     :param directory: where the tier keeps its files (created if missing)
