@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from ..meta import KVMeta
 from .scheduling import Request
 
-__all__ = ["Entry", "Load"]
+__all__ = ["Entry", "Load", "LoadQueue"]
 
 
 class Entry:
@@ -41,3 +42,61 @@ def check_max_loads(max_loads: int) -> int:
             f"max_loads must be at least 1 (got {max_loads}): it bounds loads in flight"
         )
     return max_loads
+
+
+class LoadQueue:
+    """What both schedulers share: unique request ids, per-session pending loads, and at
+    most ``max_loads`` of them in flight. Subclasses choose which queued load starts next
+    (:meth:`_next_load`) and where requests go once their load lands."""
+
+    def __init__(self, max_loads: int) -> None:
+        self.max_loads = check_max_loads(max_loads)
+        self._loads: dict[str, Load] = {}  # session -> pending load (queued or in flight)
+        self._ids: set[str] = set()
+        self._in_flight = 0
+        self._seq = 0
+
+    def _new_entry(self, request: Request) -> Entry:
+        if request.id in self._ids:
+            raise ValueError(f"request id {request.id!r} is already queued: ids must be unique")
+        self._ids.add(request.id)
+        self._seq += 1
+        return Entry(request, self._seq)
+
+    def _join_load(self, entry: Entry, meta: KVMeta) -> Load | None:
+        """Attach ``entry`` to its session's pending load; return the load if it is new."""
+        session = entry.request.session
+        load = self._loads.get(session)
+        created = load is None
+        if load is None:
+            load = Load(session, meta.nbytes, entry.request.arrival, self._seq)
+            self._loads[session] = load
+        load.entries.append(entry)
+        entry.load = load
+        return load if created else None
+
+    def _next_load(self, now: float) -> Load | None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def start_loads(self, now: float) -> list[Request]:
+        started: list[Request] = []
+        while self._in_flight < self.max_loads:
+            load = self._next_load(now)
+            if load is None:
+                break
+            load.started = True
+            self._in_flight += 1
+            started.append(load.entries[0].request)
+        return started
+
+    def _finish_load(self, session: str) -> Load | None:
+        """Retire ``session``'s load; its requests may run (without KV they recompute)."""
+        load = self._loads.pop(session, None)
+        if load is None:
+            return None
+        if load.started:
+            self._in_flight -= 1
+        load.done = True  # a queued copy in a heap is now stale
+        for entry in load.entries:
+            entry.load = None
+        return load

@@ -8,13 +8,13 @@ from collections import Counter
 from collections.abc import Set
 
 from ..meta import MetadataView
-from ._loads import Entry, Load, check_max_loads
+from ._loads import Entry, Load, LoadQueue
 from .scheduling import Request, kv_needs_load
 
 __all__ = ["BidawScheduler"]
 
 
-class BidawScheduler:
+class BidawScheduler(LoadQueue):
     """Dual-queue scheduling: only requests whose KV is in host memory run.
 
     State and flow:
@@ -62,7 +62,7 @@ class BidawScheduler:
             raise ValueError(f"latency must be >= 0 seconds (got {latency})")
         if classes_per_octave < 1:
             raise ValueError(f"classes_per_octave must be >= 1 (got {classes_per_octave})")
-        self.max_loads = check_max_loads(max_loads)
+        super().__init__(max_loads)
         self.bandwidth = bandwidth
         self.latency = latency
         self.classes_per_octave = classes_per_octave
@@ -70,57 +70,32 @@ class BidawScheduler:
         # size class -> heap of queued (not started) loads by (arrival, seq)
         self._classes: dict[int, list[tuple[tuple[float, int], Load]]] = {}
         self._cost: dict[int, float] = {}
-        self._loads: dict[str, Load] = {}  # session -> pending load (queued or in flight)
-        self._ids: set[str] = set()
         self._ready_sessions: Counter[str] = Counter()
         self._pending = 0  # requests waiting for a load
-        self._in_flight = 0
-        self._seq = 0
 
     # -- engine interface ---------------------------------------------------------------
     def submit(self, request: Request, now: float, view: MetadataView) -> None:
-        if request.id in self._ids:
-            raise ValueError(f"request id {request.id!r} is already queued: ids must be unique")
-        self._ids.add(request.id)
-        self._seq += 1
-        entry = Entry(request, self._seq)
+        entry = self._new_entry(request)
         meta = view.get(request.session)
         if not kv_needs_load(meta, view):
             self._push_ready(entry)
             return
         assert meta is not None
-        load = self._loads.get(request.session)
-        if load is None:
-            load = Load(request.session, meta.nbytes, request.arrival, self._seq)
-            self._loads[request.session] = load
+        load = self._join_load(entry, meta)
+        if load is not None:
             cls = self._class_of(meta.nbytes)
             heapq.heappush(self._classes.setdefault(cls, []), ((load.arrival, load.seq), load))
-        load.entries.append(entry)
-        entry.load = load
         self._pending += 1
 
-    def start_loads(self, now: float) -> list[Request]:
-        started: list[Request] = []
-        while self._in_flight < self.max_loads:
-            load = self._pop_best(now)
-            if load is None:
-                break
-            load.started = True
-            self._in_flight += 1
-            started.append(load.entries[0].request)
-        return started
+    def _next_load(self, now: float) -> Load | None:
+        return self._pop_best(now)
 
     def load_finished(self, session: str, now: float, *, ok: bool = True) -> list[Request]:
-        load = self._loads.pop(session, None)
+        load = self._finish_load(session)
         if load is None:
             return []
-        if load.started:
-            self._in_flight -= 1
-        load.done = True  # a queued copy in its class heap is now stale
         self._pending -= len(load.entries)
-        # Failed or not, the requests may run now: without KV the engine recomputes it.
         for entry in load.entries:
-            entry.load = None
             self._push_ready(entry)
         return [entry.request for entry in load.entries]
 

@@ -7,13 +7,13 @@ from collections import Counter
 from collections.abc import Set
 
 from ..meta import MetadataView
-from ._loads import Entry, Load, check_max_loads
+from ._loads import Entry, Load, LoadQueue
 from .scheduling import Request, kv_needs_load
 
 __all__ = ["FCFS"]
 
 
-class FCFS:
+class FCFS(LoadQueue):
     """Run requests strictly in arrival order; a request waiting for its KV blocks the line.
 
     State: one queue of every request in arrival order (a heap keyed by arrival time, then
@@ -29,56 +29,34 @@ class FCFS:
     name = "fcfs"
 
     def __init__(self, max_loads: int = 1) -> None:
-        self.max_loads = check_max_loads(max_loads)
+        super().__init__(max_loads)
         self._queue: list[tuple[tuple[float, int], Entry]] = []
         self._load_queue: list[tuple[tuple[float, int], Load]] = []
-        self._loads: dict[str, Load] = {}
-        self._ids: set[str] = set()
         self._ready: Counter[str] = Counter()
-        self._in_flight = 0
-        self._seq = 0
 
     def submit(self, request: Request, now: float, view: MetadataView) -> None:
-        if request.id in self._ids:
-            raise ValueError(f"request id {request.id!r} is already queued: ids must be unique")
-        self._ids.add(request.id)
-        self._seq += 1
-        entry = Entry(request, self._seq)
+        entry = self._new_entry(request)
         meta = view.get(request.session)
         if kv_needs_load(meta, view):
             assert meta is not None
-            load = self._loads.get(request.session)
-            if load is None:
-                load = Load(request.session, meta.nbytes, request.arrival, self._seq)
-                self._loads[request.session] = load
+            load = self._join_load(entry, meta)
+            if load is not None:
                 heapq.heappush(self._load_queue, ((request.arrival, self._seq), load))
-            load.entries.append(entry)
-            entry.load = load
         else:
             self._ready[request.session] += 1
         heapq.heappush(self._queue, (entry.key, entry))
 
-    def start_loads(self, now: float) -> list[Request]:
-        started: list[Request] = []
-        while self._in_flight < self.max_loads and self._load_queue:
+    def _next_load(self, now: float) -> Load | None:
+        while self._load_queue:
             _, load = heapq.heappop(self._load_queue)
-            if load.done:  # finished before we started it (reported early)
-                continue
-            load.started = True
-            self._in_flight += 1
-            started.append(load.entries[0].request)
-        return started
+            if not load.done:  # else finished before we started it (reported early)
+                return load
+        return None
 
     def load_finished(self, session: str, now: float, *, ok: bool = True) -> list[Request]:
-        load = self._loads.pop(session, None)
+        load = self._finish_load(session)
         if load is None:
             return []
-        if load.started:
-            self._in_flight -= 1
-        load.done = True
-        # A failed load leaves the history to be recomputed: the request may run either way.
-        for entry in load.entries:
-            entry.load = None
         self._ready[session] += len(load.entries)
         return [entry.request for entry in load.entries]
 

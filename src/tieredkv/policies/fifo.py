@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Set
 
 from ..meta import KVMeta, MetadataView
@@ -23,7 +24,9 @@ class FIFO:
     name = "fifo"
 
     def __init__(self) -> None:
-        self._sizes: dict[str, int] = {}
+        # an OrderedDict, not a dict: walking a dict from the front after many deletions
+        # there skips every deleted slot until the next resize
+        self._sizes: OrderedDict[str, int] = OrderedDict()
         self._bytes = 0
 
     def on_access(self, session: str, meta: KVMeta, now: float) -> None:
