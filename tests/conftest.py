@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+pytest_plugins = ["tests.segments"]  # the ``seg`` fixture: real segments for tier tests
+
 _BLOCKING = (
     "open",
     "read",

@@ -8,15 +8,25 @@ tier gives back byte for byte.
 from __future__ import annotations
 
 import mmap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import pytest
 import torch
 
-from tieredkv.backends.base import SegmentKey
+from tieredkv.backends.base import SegmentKey, Tier
 from tieredkv.payload import SegmentHeader, plan_segment
 
-__all__ = ["Segment", "aligned_buffer", "make_segment", "unaligned_buffer"]
+__all__ = [
+    "Segment",
+    "SegmentFactory",
+    "aligned_buffer",
+    "make_segment",
+    "read_back",
+    "seg",
+    "store",
+    "unaligned_buffer",
+]
 
 TOKEN_BYTES = 2 * 64 * 2
 """Bytes per token of :func:`make_segment`'s two int16 tensors of width 64."""
@@ -74,3 +84,35 @@ def unaligned_buffer(length: int) -> Iterator[memoryview]:
         view.release()
         whole.release()
         mm.close()
+
+
+SegmentFactory = Callable[..., Segment]
+
+
+@pytest.fixture
+def seg() -> Iterator[SegmentFactory]:
+    """Build real segments; their buffers are closed after the test."""
+    made: list[Segment] = []
+
+    def make(session: str = "s", seq: int = 0, tokens: int = 8, seed: int = 0) -> Segment:
+        s = make_segment(session, seq, tokens, seed=seed)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+async def store(tier: Tier, s: Segment) -> None:
+    """Reserve and write ``s`` (the reservation must succeed)."""
+    assert tier.reserve(s.key, s.length)
+    await tier.write(s.key, s.view)
+
+
+async def read_back(tier: Tier, s: Segment, *, aligned: bool = True) -> bytes:
+    """The bytes ``tier`` holds for ``s``, read into an aligned or unaligned buffer."""
+    buffer = aligned_buffer if aligned else unaligned_buffer
+    with buffer(tier.length(s.key)) as out:
+        await tier.read_into(s.key, out)
+        return bytes(out)

@@ -6,20 +6,24 @@ exactly. Tier-specific facts (pinned memory, O_DIRECT) are at the end of the mod
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
 import pytest
 import torch
 
-from tests.segments import Segment, aligned_buffer, make_segment, unaligned_buffer
+from tests.segments import (
+    SegmentFactory,
+    aligned_buffer,
+    read_back,
+    store,
+)
 from tieredkv.backends import AddressableTier, HostMemoryTier, MmapTier, SSDTier, Tier
 from tieredkv.errors import ClosedError
 
 CAPACITY = 4 << 20
 KINDS = ["host", "mmap", "ssd-direct", "ssd-buffered"]
-SegmentFactory = Callable[..., Segment]
 
 
 def new_tier(kind: str, root: Path, capacity: int = CAPACITY) -> Tier:
@@ -48,33 +52,6 @@ async def tier(kind: str, tmp_path: Path) -> AsyncIterator[Tier]:
     assert await t.open() == []
     yield t
     await t.aclose()
-
-
-@pytest.fixture
-def seg() -> Iterator[SegmentFactory]:
-    """Build real segments; their buffers are closed after the test."""
-    made: list[Segment] = []
-
-    def make(session: str = "s", seq: int = 0, tokens: int = 8, seed: int = 0) -> Segment:
-        s = make_segment(session, seq, tokens, seed=seed)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
-
-
-async def store(tier: Tier, s: Segment) -> None:
-    assert tier.reserve(s.key, s.length)
-    await tier.write(s.key, s.view)
-
-
-async def read_back(tier: Tier, s: Segment, *, aligned: bool = True) -> bytes:
-    buffer = aligned_buffer if aligned else unaligned_buffer
-    with buffer(tier.length(s.key)) as out:
-        await tier.read_into(s.key, out)
-        return bytes(out)
 
 
 def test_every_tier_implements_the_protocol(tier: Tier, kind: str) -> None:

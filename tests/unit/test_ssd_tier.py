@@ -5,46 +5,25 @@ from __future__ import annotations
 import errno
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.segments import Segment, aligned_buffer, make_segment, unaligned_buffer
+from tests.segments import (
+    SegmentFactory,
+    aligned_buffer,
+    read_back,
+    store,
+    unaligned_buffer,
+)
 from tieredkv.backends import SSDTier
 from tieredkv.backends.ssd import segment_file_name
 from tieredkv.errors import CorruptSegmentError, TierIOError
 
 CAPACITY = 64 << 20
-SegmentFactory = Callable[..., Segment]
 NAME = re.compile(r"[0-9a-f]{2}/[0-9a-f]{32}\.\d+\.seg")
-
-
-@pytest.fixture
-def seg() -> Iterator[SegmentFactory]:
-    """Build real segments; their buffers are closed after the test."""
-    made: list[Segment] = []
-
-    def make(session: str = "s", seq: int = 0, tokens: int = 8, seed: int = 0) -> Segment:
-        s = make_segment(session, seq, tokens, seed=seed)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
-
-
-async def store(tier: SSDTier, s: Segment) -> None:
-    assert tier.reserve(s.key, s.length)
-    await tier.write(s.key, s.view)
-
-
-async def read_back(tier: SSDTier, s: Segment) -> bytes:
-    with aligned_buffer(tier.length(s.key)) as out:
-        await tier.read_into(s.key, out)
-        return bytes(out)
 
 
 def files_under(root: Path) -> list[Path]:
