@@ -1,0 +1,415 @@
+"""The transformers adapter on tiny random-weight models, through real tiers (host + SSD).
+
+Lossless means: a multi-turn greedy chat whose history is restored from tieredkv answers
+token for token what a model recomputing the whole conversation from its tokens answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import (
+    DynamicCache,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from tieredkv import HostMemoryTier, SessionNotFoundError, SSDTier, TieredKVCache
+from tieredkv.integrations.transformers import (
+    HistoryMismatchError,
+    TransformersAdapter,
+    TransformersMissingError,
+    UnsupportedModelError,
+)
+from tieredkv.payload import plan_segment
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def tiny(config: Any, **kw: Any) -> Any:
+    """A config of ``config``'s class for a 2-layer model of width 64 (4 heads)."""
+    return config(
+        hidden_size=64,
+        num_hidden_layers=kw.pop("num_hidden_layers", 2),
+        num_attention_heads=4,
+        vocab_size=128,
+        max_position_embeddings=256,
+        **kw,
+    )
+
+
+def _randomize_biases(model: Any) -> Any:
+    # random init leaves biases at zero: make them count, so a re-projection that forgot
+    # them would be caught
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("k_proj.bias", "v_proj.bias", "q_proj.bias")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model.eval()
+
+
+def opt(layers: int = 2, dtype: torch.dtype = torch.float32) -> Any:
+    torch.manual_seed(0)
+    cfg = tiny(OPTConfig, num_hidden_layers=layers, ffn_dim=128)
+    return _randomize_biases(OPTForCausalLM(cfg)).to(dtype)
+
+
+def llama(kv_heads: int = 4, dtype: torch.dtype = torch.float32) -> Any:
+    torch.manual_seed(0)
+    cfg = tiny(LlamaConfig, num_key_value_heads=kv_heads, intermediate_size=128)
+    model: Any = LlamaForCausalLM(cfg)
+    return model.eval().to(dtype)
+
+
+def qwen2(dtype: torch.dtype = torch.float32) -> Any:
+    torch.manual_seed(0)
+    cfg = tiny(Qwen2Config, num_key_value_heads=4, intermediate_size=128)
+    return _randomize_biases(Qwen2ForCausalLM(cfg)).to(dtype)
+
+
+MODELS: dict[str, Callable[[], Any]] = {
+    "opt": opt,
+    "llama-mha": llama,
+    "llama-gqa": lambda: llama(kv_heads=1),
+    "qwen2": qwen2,
+}
+
+
+@pytest.fixture
+async def cache(ssd_dir: Path) -> AsyncIterator[TieredKVCache]:
+    """A host tier that holds about one small conversation, over an SSD tier."""
+    async with TieredKVCache([HostMemoryTier(48 << 10), SSDTier(ssd_dir, 16 << 20)]) as c:
+        yield c
+
+
+def recompute_greedy(model: Any, tokens: list[int], n: int) -> list[int]:
+    """Greedy answer computed from the tokens alone, with no cache at all."""
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.tensor([tokens + out], device=model.device)
+            out.append(int(model(input_ids=ids, use_cache=False).logits[0, -1].argmax()))
+    return out
+
+
+def full_cache(model: Any, tokens: list[int]) -> DynamicCache:
+    """The model's cache after prefilling ``tokens`` in one pass."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([tokens], device=model.device), cache=cache, use_cache=True)
+    return cache
+
+
+def layer_kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    layers: list[Any] = list(cache.layers)
+    return [(layer.keys, layer.values) for layer in layers]
+
+
+def assert_same_kv(a: DynamicCache, b: DynamicCache, *, atol: float, rtol: float) -> None:
+    assert a.get_seq_length() == b.get_seq_length()
+    ka, kb = layer_kv(a), layer_kv(b)
+    assert len(ka) == len(kb)
+    for (k1, v1), (k2, v2) in zip(ka, kb, strict=True):
+        torch.testing.assert_close(k1, k2, atol=atol, rtol=rtol)
+        torch.testing.assert_close(v1, v2, atol=atol, rtol=rtol)
+
+
+def queries(n: int, length: int = 5, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (length,), generator=g).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("codec", ["kv", "act"])
+@pytest.mark.parametrize("arch", sorted(MODELS))
+async def test_multi_turn_greedy_chat_is_lossless(arch: str, codec: str, ssd_dir: Path) -> None:
+    model = MODELS[arch]()
+    adapter = TransformersAdapter(model, codec=codec)  # type: ignore[arg-type]
+    # a turn stores 5 + 4 tokens; the host tier holds two and a half such segments, so the
+    # two conversations take turns there, and from the third turn on are served from the SSD
+    segment = plan_segment("x", 0, adapter_layout(adapter, 9), token_dim=0, answer_tokens=4)
+    host = HostMemoryTier(segment.length * 5 // 2 // 4096 * 4096)
+    histories: dict[str, list[int]] = {"alice": [], "bob": []}
+    async with TieredKVCache([host, SSDTier(ssd_dir, 16 << 20)]) as cache:
+        for turn, qs in enumerate(zip(*(queries(3, seed=s) for s in (1, 2)), strict=True)):
+            for (user, history), query in zip(histories.items(), qs, strict=True):
+                result = await adapter.chat_turn(
+                    cache, user, query, max_new_tokens=4, history=history
+                )
+                assert list(result.answer) == recompute_greedy(model, history + query, 4)
+                assert result.restored_tokens == len(history)
+                assert result.recomputed_tokens == 0
+                assert result.stored_tokens == len(query) + 4
+                history += query + list(result.answer)
+                assert result.history_tokens == len(history) == cache.channel[user].tokens
+                assert cache.channel[user].prev_answer_tokens == 4
+                assert cache.channel[user].turns == turn + 1
+        stats = cache.stats()
+        assert stats.demotions > 0
+        assert stats.promotions > 0
+        assert stats.misses > 0
+        assert stats.tiers[1].bytes_read > 0
+        for user, history in histories.items():
+            restored = await adapter.restore(cache, user, expected_tokens=len(history))
+            assert_same_kv(restored, full_cache(model, history), atol=1e-5, rtol=1e-4)
+
+
+def adapter_layout(adapter: TransformersAdapter, tokens: int) -> dict[str, torch.Tensor]:
+    """Zero tensors shaped like one segment of ``tokens`` tokens of ``adapter``'s codec."""
+    dtype = getattr(torch, adapter.spec.dtype)
+    return {
+        name: torch.zeros(tuple(tokens if d == -1 else d for d in shape), dtype=dtype)
+        for name, shape in adapter.codec.layout(adapter.spec).items()
+    }
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"]
+)
+async def test_activation_codec_rebuilds_the_models_kv(
+    arch: str, dtype: torch.dtype, tol: float, cache: TieredKVCache
+) -> None:
+    model = MODELS[arch]().to(dtype)
+    adapter = TransformersAdapter(model, codec="act")
+    ids = torch.tensor([queries(1, length=24)[0]])
+    model_cache = DynamicCache(config=model.config)
+    with torch.no_grad(), adapter.capture() as capture:
+        model(input_ids=ids, cache=model_cache, use_cache=True)
+    await adapter.store(cache, "s", model_cache, start=0, answer_tokens=0, capture=capture)
+    assert cache.channel["s"].nbytes >= adapter.bytes_per_token * 24
+    restored = await adapter.restore(cache, "s", expected_tokens=24)
+    # one matrix multiplication's rounding, at the model's precision
+    assert_same_kv(restored, model_cache, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(
+    ("arch", "chosen", "kv_bytes", "act_bytes"),
+    [
+        ("opt", "act", 2 * 2 * 64 * 4, 2 * 64 * 4),
+        ("llama-mha", "act", 2 * 2 * 64 * 4, 2 * 64 * 4),
+        ("qwen2", "act", 2 * 2 * 64 * 4, 2 * 64 * 4),
+        ("llama-gqa", "kv", 2 * 2 * 16 * 4, 2 * 64 * 4),
+    ],
+)
+def test_auto_chooses_activation_for_mha_and_kv_for_gqa(
+    arch: str, chosen: str, kv_bytes: int, act_bytes: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="tieredkv.integrations.transformers"):
+        adapter = TransformersAdapter(MODELS[arch]())
+    assert adapter.codec.name == chosen
+    assert adapter.bytes_per_token == min(kv_bytes, act_bytes)
+    assert adapter.token_dim == (0 if chosen == "act" else 1)
+    assert f"storing codec {chosen!r}" in caplog.text
+    assert f"K/V {kv_bytes}, activation {act_bytes}" in caplog.text
+
+
+def test_codec_string_carries_the_model_fingerprint() -> None:
+    assert TransformersAdapter(opt()).codec_id == "act/opt-L2-d64-h4-kv4-hd16-float32"
+    assert TransformersAdapter(llama(kv_heads=1)).codec_id == "kv/llama-L2-d64-h4-kv1-hd16-float32"
+    tagged = TransformersAdapter(opt(), codec="kv", tag="facebook/opt-125m@main")
+    assert tagged.codec_id == "kv/opt-L2-d64-h4-kv4-hd16-float32@facebook/opt-125m@main"
+
+
+def test_unknown_architecture_is_refused_with_the_supported_list() -> None:
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128))
+    with pytest.raises(UnsupportedModelError, match=r"'gpt2'.*llama, opt, qwen2"):
+        TransformersAdapter(gpt2)
+
+
+def test_sliding_window_attention_is_refused() -> None:
+    cfg = tiny(
+        Qwen2Config,
+        intermediate_size=128,
+        use_sliding_window=True,
+        sliding_window=16,
+        max_window_layers=0,
+    )
+    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+        TransformersAdapter(Qwen2ForCausalLM(cfg))
+
+
+@pytest.mark.parametrize(
+    ("other", "why"),
+    [
+        (lambda: opt(layers=3), "opt-L3-"),
+        (lambda: opt(dtype=torch.bfloat16), "bfloat16"),
+        (lambda: llama(), "llama-L2-"),
+    ],
+    ids=["layers", "dtype", "architecture"],
+)
+async def test_a_history_from_another_model_is_refused_and_nothing_is_used(
+    other: Callable[[], Any], why: str, cache: TieredKVCache
+) -> None:
+    first = TransformersAdapter(opt())
+    query = queries(1)[0]
+    result = await first.chat_turn(cache, "s", query, max_new_tokens=3)
+    history = query + list(result.answer)
+    before = cache.channel["s"]
+    adapter = TransformersAdapter(other())
+    with pytest.raises(HistoryMismatchError, match=why) as info:
+        await adapter.restore(cache, "s")
+    assert "act/opt-L2-d64-h4-kv4-hd16-float32" in str(info.value)
+    with pytest.raises(HistoryMismatchError):
+        await adapter.chat_turn(cache, "s", query, max_new_tokens=3, history=history)
+    after = cache.channel["s"]
+    assert (after.tokens, after.turns, after.accesses) == (
+        before.tokens,
+        before.turns,
+        before.accesses,
+    )
+
+
+async def test_the_same_shape_with_another_codec_is_refused(cache: TieredKVCache) -> None:
+    await TransformersAdapter(opt(), codec="kv").chat_turn(cache, "s", [5, 6], max_new_tokens=2)
+    with pytest.raises(HistoryMismatchError, match="stored as 'kv/opt"):
+        await TransformersAdapter(opt(), codec="act").restore(cache, "s")
+
+
+async def test_a_token_count_that_disagrees_is_refused(cache: TieredKVCache) -> None:
+    adapter = TransformersAdapter(qwen2())
+    query = queries(1)[0]
+    result = await adapter.chat_turn(cache, "s", query, max_new_tokens=3)
+    history = query + list(result.answer)
+    with pytest.raises(HistoryMismatchError, match="holds 8 tokens, the conversation has 7"):
+        await adapter.chat_turn(cache, "s", [9], max_new_tokens=2, history=history[:-1])
+    with pytest.raises(HistoryMismatchError, match="holds 8 tokens, the conversation has 9"):
+        await adapter.restore(cache, "s", expected_tokens=9)
+    assert cache.channel["s"].tokens == 8
+    assert cache.channel["s"].turns == 1
+
+
+async def test_a_lost_history_is_recomputed_from_its_tokens(cache: TieredKVCache) -> None:
+    model = llama()
+    adapter = TransformersAdapter(model)
+    q1, q2 = queries(2)
+    first = await adapter.chat_turn(cache, "s", q1, max_new_tokens=4)
+    history = q1 + list(first.answer)
+    await cache.drop("s")  # as if evicted from the last tier
+    with pytest.raises(SessionNotFoundError):
+        await adapter.restore(cache, "s")
+    second = await adapter.chat_turn(cache, "s", q2, max_new_tokens=4, history=history)
+    assert second.restored_tokens == 0
+    assert second.recomputed_tokens == len(history)
+    assert list(second.answer) == recompute_greedy(model, history + q2, 4)
+    assert cache.channel["s"].tokens == len(history) + len(q2) + 4
+
+
+async def test_a_history_lost_to_eviction_is_never_silently_restarted() -> None:
+    model = opt()
+    adapter = TransformersAdapter(model)
+    # one tier, room for the recomputed turn (9 + 5 + 4 tokens) but not for two 9-token turns
+    segment = plan_segment("x", 0, adapter_layout(adapter, 18), token_dim=0, answer_tokens=4)
+    q1, q2, q3 = queries(3)
+    async with TieredKVCache([HostMemoryTier(segment.length)]) as cache:
+        first = await adapter.chat_turn(cache, "alice", q1, max_new_tokens=4)
+        await adapter.chat_turn(cache, "bob", q2, max_new_tokens=4)  # alice is evicted: lost
+        assert "alice" not in cache
+        assert cache.channel["alice"].tier is None
+        with pytest.raises(SessionNotFoundError):
+            await adapter.chat_turn(cache, "alice", q3, max_new_tokens=4)
+        history = q1 + list(first.answer)
+        again = await adapter.chat_turn(cache, "alice", q3, max_new_tokens=4, history=history)
+    assert again.recomputed_tokens == len(history)
+    assert list(again.answer) == recompute_greedy(model, history + q3, 4)
+
+
+async def test_eos_ends_the_answer_and_is_stored(cache: TieredKVCache) -> None:
+    model = opt()
+    query = queries(1)[0]
+    expected = recompute_greedy(model, query, 6)
+    adapter = TransformersAdapter(model)
+    result = await adapter.chat_turn(cache, "s", query, max_new_tokens=6, eos_token_id=expected[2])
+    stop = expected.index(expected[2]) + 1
+    assert list(result.answer) == expected[:stop]
+    assert cache.channel["s"].tokens == len(query) + stop
+    assert cache.channel["s"].prev_answer_tokens == stop
+
+
+async def test_generate_then_store_and_restore(cache: TieredKVCache) -> None:
+    """The manual path with ``model.generate``: feed the last token, store, restore."""
+    model = qwen2()
+    adapter = TransformersAdapter(model)
+    history: list[int] = []
+    for query in queries(2):
+        prompt = torch.tensor([history + query])
+        past = (
+            await adapter.restore(cache, "s", expected_tokens=len(history))
+            if history
+            else DynamicCache(config=model.config)
+        )
+        with torch.no_grad(), adapter.capture() as capture:
+            out = model.generate(
+                prompt,
+                cache=past,
+                max_new_tokens=3,
+                min_new_tokens=3,
+                do_sample=False,
+                return_dict_in_generate=True,
+            )
+            answer = out.sequences[0, prompt.shape[1] :].tolist()
+            # generate() sampled the last token but never fed it: feed it
+            model(input_ids=out.sequences[:, -1:], cache=out.cache, use_cache=True)
+        await adapter.store(
+            cache, "s", out.cache, start=len(history), answer_tokens=3, capture=capture
+        )
+        history += query + answer
+        assert cache.channel["s"].tokens == len(history)
+    restored = await adapter.restore(cache, "s", expected_tokens=len(history))
+    assert_same_kv(restored, full_cache(model, history), atol=1e-5, rtol=1e-4)
+
+
+def test_missing_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(TransformersMissingError, match=r"pip install tieredkv\[transformers\]"):
+        TransformersAdapter(object())
+    assert issubclass(TransformersMissingError, ImportError)
+
+
+async def test_bad_arguments_are_clear_errors(cache: TieredKVCache) -> None:
+    with pytest.raises(ValueError, match="codec must be"):
+        TransformersAdapter(opt(), codec="zip")  # type: ignore[arg-type]
+    model = opt()
+    adapter = TransformersAdapter(model)
+    model.train()
+    with pytest.raises(ValueError, match=r"model\.eval\(\)"):
+        await adapter.chat_turn(cache, "s", [5, 6], max_new_tokens=2)
+    model.eval()
+    with pytest.raises(ValueError, match="at least 1"):
+        await adapter.chat_turn(cache, "s", [5, 6], max_new_tokens=0)
+    with pytest.raises(ValueError, match="query is empty"):
+        await adapter.chat_turn(cache, "s", [], max_new_tokens=2)
+    assert "s" not in cache
+    model_cache = full_cache(model, [5, 6, 7])
+    with pytest.raises(ValueError, match="needs the turn's activations"):
+        adapter.extract(model_cache, start=0)
+    with pytest.raises(ValueError, match="none after 3"):
+        adapter.extract(model_cache, start=3)
+
+
+@pytest.mark.cuda
+@requires_cuda
+async def test_chat_on_cuda_restores_through_device_tensors(cache: TieredKVCache) -> None:
+    model = opt().cuda()
+    adapter = TransformersAdapter(model)
+    assert adapter.codec.name == "act"
+    history: list[int] = []
+    for query in queries(3):
+        result = await adapter.chat_turn(cache, "s", query, max_new_tokens=4, history=history)
+        assert list(result.answer) == recompute_greedy(model, history + query, 4)
+        history += query + list(result.answer)
+    restored = await adapter.restore(cache, "s", expected_tokens=len(history))
+    assert layer_kv(restored)[0][0].device.type == "cuda"
+    assert_same_kv(restored, full_cache(model, history), atol=1e-4, rtol=1e-3)
