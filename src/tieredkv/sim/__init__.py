@@ -1,5 +1,13 @@
-"""Trace-driven simulation: turn streams (read from a trace file or generated), the
-synthetic interactive workload, and replays of policies over them under a virtual clock.
+"""Trace-driven simulation: turn streams (read from a trace file or a dataset, or
+generated), eviction-only replays, and a discrete-event serving simulator that runs the
+library's policy objects under a virtual clock.
+
+- :mod:`.trace`, :mod:`.synthetic`, :mod:`.workloads`: workloads;
+- :mod:`.costmodel`: model and GPU presets, step times, cost efficiency;
+- :mod:`.systems`: serving systems (vLLM, CachedAttention, FlashGen, Bidaw, ideal);
+- :mod:`.engine`: the serving simulator; :mod:`.replay`: eviction-only replay;
+- :mod:`.analysis`: reuse distances and the paper's other workload analyses;
+- :mod:`.sweep`, :mod:`.report`: many runs, the throughput metric, ``tieredkv reproduce``.
 
 The policies simulated are the very objects the live cache uses
 (:mod:`tieredkv.policies`); the simulator only feeds them time and metadata.

@@ -1,0 +1,547 @@
+"""``tieredkv reproduce``: the paper's experiments on one workload, as a Markdown report
+with PNG plots (plots need matplotlib: ``pip install 'tieredkv[plots]'``).
+
+Experiments (each a section, a table and a figure):
+
+1. mean response latency vs arrival rate, per system, and the throughput at the SLO;
+2. host-memory hit ratio per eviction policy (eviction-only replay);
+3. queueing time per system vs arrival rate (FCFS vs Bidaw's dual queue);
+4. ablation: CachedAttention, then Bidaw's mechanisms one by one;
+5. sensitivity to host-memory size, and 6. to SSD bandwidth (throughput);
+7. weighted reuse distance vs previous answer length (lower bounds, Spearman), the share
+   of accesses beyond host memory, and the KV load-time variation.
+
+The *reference rate* of the single-rate experiments is, unless given, the lowest swept
+rate at which host memory holds under half of the mean live KV (K/V bytes): the pressure
+the paper studies.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from ..policies import make_eviction
+from .analysis import answer_groups, live_kv, reuse_distances, share_beyond
+from .costmodel import get_model
+from .engine import SimConfig, SimResult
+from .replay import replay
+from .sweep import Job, run_jobs, throughput
+from .systems import ABLATIONS, SystemSpec, get_system
+from .workloads import WorkloadSpec
+
+__all__ = ["ReproduceOptions", "ReproduceReport", "reproduce", "summary_table"]
+
+REPLAY_POLICIES = ("fifo", "lru", "lfu", "queue-enhanced", "bidaw", "belady")
+
+
+class ReproduceOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``tieredkv reproduce`` runs.
+
+    :param workload: the workload
+    :param config: model, GPU, host memory, SSD and engine settings
+    :param systems: system presets of the main comparison
+    :param rates: arrival rates swept, users per minute
+    :param rate: reference rate of the single-rate experiments (``None``: see the module)
+    :param slo: mean-latency SLO of the throughput metric, seconds
+    :param host_sizes: host-memory sizes of the sensitivity experiment, GB
+    :param ssd_bandwidths: SSD bandwidths of the sensitivity experiment, GB/s
+    :param sensitivity_systems: systems of the sensitivity experiments
+    :param workers: worker processes (``None``: one per core)
+    """
+
+    workload: WorkloadSpec = msgspec.field(default_factory=WorkloadSpec)
+    config: SimConfig = msgspec.field(default_factory=SimConfig)
+    systems: tuple[str, ...] = ("vllm", "cachedattention", "flashgen", "bidaw", "ideal")
+    rates: tuple[float, ...] = (10, 15, 20, 25, 30, 35, 40)
+    rate: float | None = None
+    slo: float = 5.0
+    host_sizes: tuple[float, ...] = (120, 160, 200)
+    ssd_bandwidths: tuple[float, ...] = (1.5, 5.0)
+    sensitivity_systems: tuple[str, ...] = ("flashgen", "bidaw")
+    workers: int | None = None
+
+
+class ReproduceReport(msgspec.Struct, kw_only=True):
+    """Everything ``reproduce`` measured (the Markdown is rendered from it).
+
+    :param options: what ran
+    :param reference_rate: the single-rate experiments' rate, users per minute
+    :param live: per rate, (mean live KV bytes, host bytes / mean live KV)
+    :param sweep: per system name, one result per rate (``options.rates`` order)
+    :param throughputs: per system name, users per minute at the SLO
+    :param replay_hits: per eviction policy, (hit ratio, byte hit ratio)
+    :param ablation: per step name, (result at the reference rate, throughput)
+    :param host_memory: per system name, per host size, throughput
+    :param ssd_bandwidth: per system name, per bandwidth, throughput
+    :param groups: previous-answer groups: (answer tokens, lower bound bytes, count)
+    :param spearman: Spearman correlation of answer length and lower bound
+    :param beyond_host: share of accesses whose reuse distance exceeds host memory
+    :param load_cv: per system name, KV load-time CV at the reference rate
+    :param seconds: wall time of the run
+    :param plots: figure file names written (empty without matplotlib)
+    """
+
+    options: ReproduceOptions
+    reference_rate: float
+    live: dict[float, tuple[float, float]]
+    sweep: dict[str, list[SimResult]]
+    throughputs: dict[str, float]
+    replay_hits: dict[str, tuple[float, float]]
+    ablation: dict[str, tuple[SimResult, float]]
+    host_memory: dict[str, dict[float, float]]
+    ssd_bandwidth: dict[str, dict[float, float]]
+    groups: list[tuple[int, float, int]]
+    spearman: float
+    beyond_host: float
+    load_cv: dict[str, float]
+    seconds: float = 0.0
+    plots: list[str] = msgspec.field(default_factory=list)
+
+
+def _measure(config: SimConfig, workload: WorkloadSpec) -> SimConfig:
+    """Count the steady state of a generated workload only (not its ramp-up and -down)."""
+    if workload.kind in ("synthetic", "sharegpt") and config.warmup == 0 and config.until is None:
+        end = workload.minutes * 60.0
+        return msgspec.structs.replace(config, warmup=0.375 * end, until=end)
+    return config
+
+
+def reproduce(
+    options: ReproduceOptions, *, progress: Callable[[float], None] | None = None
+) -> ReproduceReport:
+    """Run every experiment of the module docstring and return the measurements."""
+    started = time.monotonic()
+    opts = options
+    wl = opts.workload
+    base = _measure(opts.config, wl)
+    model = get_model(base.model)
+    kv_bpt = model.kv_bytes_per_token
+    host_bytes = base.host_gb * 1e9
+    rates = tuple(sorted(opts.rates))
+    if not rates:
+        raise ValueError("give at least one arrival rate")
+
+    # live KV per rate (cheap: generation only), and the reference rate
+    live: dict[float, tuple[float, float]] = {}
+    for r in rates:
+        t, v = live_kv(wl.turns(r), kv_bpt, base.history_cap)
+        window = (t >= base.warmup) & (t <= (base.until if base.until is not None else np.inf))
+        mean_live = float(v[window].mean()) if window.any() else float(v.mean())
+        live[r] = (mean_live, host_bytes / mean_live if mean_live > 0 else float("inf"))
+    ref = opts.rate
+    if ref is None:
+        under = [r for r in rates if live[r][1] < 0.5]
+        ref = under[0] if under else rates[-1]
+
+    # every simulation, deduplicated (a preset and an equal ablation step run once)
+    jobs: dict[bytes, Job] = {}
+
+    def job(system: SystemSpec, rate: float, config: SimConfig) -> bytes:
+        key = msgspec.json.encode((msgspec.structs.replace(system, name=""), rate, config, wl))
+        if key not in jobs:
+            jobs[key] = Job(workload=wl, rate=rate, system=system, config=config)
+        return key
+
+    sweep_keys = {name: [job(get_system(name), r, base) for r in rates] for name in opts.systems}
+    rate_set = sorted({*rates, ref})
+    ablation_keys = {s.name: [job(s, r, base) for r in rate_set] for s in ABLATIONS}
+    host_keys = {
+        name: {
+            gb: [job(get_system(name), r, msgspec.structs.replace(base, host_gb=gb)) for r in rates]
+            for gb in opts.host_sizes
+        }
+        for name in opts.sensitivity_systems
+    }
+    ssd_keys = {
+        name: {
+            bw: [
+                job(get_system(name), r, msgspec.structs.replace(base, ssd_gbps=bw)) for r in rates
+            ]
+            for bw in opts.ssd_bandwidths
+        }
+        for name in opts.sensitivity_systems
+    }
+    keys = list(jobs)
+    sim_share = 0.9
+
+    def sim_progress(f: float) -> None:
+        if progress is not None:
+            progress(sim_share * f)
+
+    results = dict(
+        zip(keys, run_jobs([jobs[k] for k in keys], workers=opts.workers, progress=sim_progress),
+            strict=True)
+    )  # fmt: skip
+
+    def tput(ks: Sequence[bytes], rs: Sequence[float]) -> float:
+        return throughput(rs, [results[k].latency_mean for k in ks], opts.slo)
+
+    sweep = {name: [results[k] for k in ks] for name, ks in sweep_keys.items()}
+    throughputs = {name: tput(ks, rates) for name, ks in sweep_keys.items()}
+    ablation = {
+        name: (results[ks[rate_set.index(ref)]], tput(ks, rate_set))
+        for name, ks in ablation_keys.items()
+    }
+    host_memory = {
+        name: {gb: tput(ks, rates) for gb, ks in per.items()} for name, per in host_keys.items()
+    }
+    ssd_bandwidth = {
+        name: {bw: tput(ks, rates) for bw, ks in per.items()} for name, per in ssd_keys.items()
+    }
+    load_cv = {
+        name: results[job(get_system(name), ref, base)].load_time_cv
+        for name in opts.systems
+        if job(get_system(name), ref, base) in results
+    }
+
+    # eviction-only replay and the reuse-distance analysis at the reference rate
+    turns = wl.turns(ref)
+    replay_hits: dict[str, tuple[float, float]] = {}
+    first = int(np.searchsorted(turns.time, base.warmup))
+    for name in REPLAY_POLICIES:
+        rr = replay(
+            turns,
+            make_eviction(name),
+            host_bytes=int(host_bytes),
+            bytes_per_token=kv_bpt,
+            history_cap=base.history_cap,
+            warmup=first,
+        )
+        replay_hits[name] = (rr.hit_ratio, rr.byte_hit_ratio)
+    if progress is not None:
+        progress(0.95)
+    d, pa = reuse_distances(
+        turns,
+        kv_bpt,
+        base.history_cap,
+        start=base.warmup,
+        end=base.until if base.until is not None else np.inf,
+    )
+    g = answer_groups(d, pa)
+    if progress is not None:
+        progress(1.0)
+    return ReproduceReport(
+        options=opts,
+        reference_rate=ref,
+        live=live,
+        sweep=sweep,
+        throughputs=throughputs,
+        replay_hits=replay_hits,
+        ablation=ablation,
+        host_memory=host_memory,
+        ssd_bandwidth=ssd_bandwidth,
+        groups=list(zip(g.answer, g.lower_bound, g.count, strict=True)),
+        spearman=g.spearman,
+        beyond_host=share_beyond(d, host_bytes),
+        load_cv=load_cv,
+        seconds=time.monotonic() - started,
+    )
+
+
+# -- rendering ------------------------------------------------------------------------
+def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    def cell(v: object) -> str:
+        if isinstance(v, float):
+            if not np.isfinite(v):
+                return "-"
+            return f"{v:,.3f}" if abs(v) < 10 else f"{v:,.1f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def summary_table(report: ReproduceReport) -> str:
+    """The report's summary: per system, throughput at the SLO and latency at the
+    reference rate (Markdown)."""
+    ref = report.reference_rate
+    rates = sorted(report.options.rates)
+    rows: list[list[object]] = []
+    bidaw_tp = report.throughputs.get("bidaw")
+    for name, results in report.sweep.items():
+        r = results[rates.index(ref)] if ref in rates else results[-1]
+        tp = report.throughputs[name]
+        rel = f"{bidaw_tp / tp:.2f}x" if bidaw_tp and tp > 0 and name != "bidaw" else "-"
+        rows.append(
+            [
+                name,
+                tp,
+                rel,
+                r.latency_mean,
+                r.latency_p90,
+                r.latency_p99,
+                r.queueing_mean,
+                r.ttft_mean,
+                r.host_hit_ratio if r.accesses else float("nan"),
+                r.gpu_busy,
+            ]
+        )
+    return _table(
+        [
+            "system",
+            f"throughput (users/min, mean latency <= {report.options.slo:g} s)",
+            "bidaw's throughput over it",
+            f"mean latency @ {ref:g}/min (s)",
+            "P90 (s)",
+            "P99 (s)",
+            "queueing (s)",
+            "TTFT (s)",
+            "host hit ratio",
+            "GPU busy",
+        ],
+        rows,
+    )
+
+
+def render_markdown(report: ReproduceReport, command: str) -> str:
+    """The report as Markdown (figures referenced by file name, if any were written)."""
+    o = report.options
+    c = _measure(o.config, o.workload)
+    ref = report.reference_rate
+    rates = sorted(o.rates)
+    plots = set(report.plots)
+
+    def fig(name: str, caption: str) -> str:
+        return f"\n![{caption}]({name})\n" if name in plots else ""
+
+    out: list[str] = []
+    out.append("# tieredkv reproduce: Bidaw (FAST'26) experiments in simulation\n")
+    out.append(f"Command: `{command}` ({report.seconds:.0f} s wall time).\n")
+    if not plots:
+        out.append(
+            "Plots were not drawn: matplotlib is not installed "
+            "(`pip install 'tieredkv[plots]'` and run again). Tables only.\n"
+        )
+    wl = o.workload
+    source = wl.kind if not wl.paths else f"{wl.kind} ({', '.join(wl.paths)})"
+    out.append("## Setup\n")
+    out.append(
+        _table(
+            ["setting", "value"],
+            [
+                ["workload", source],
+                ["minutes of arrivals (generated workloads)", wl.minutes],
+                ["seed", wl.seed],
+                ["model", c.model],
+                ["GPU", c.gpu],
+                ["host memory (GB)", c.host_gb],
+                ["SSD bandwidth (GB/s)", c.ssd_gbps],
+                ["history cap (tokens)", c.history_cap],
+                ["turns counted from / to (s)", f"{c.warmup:g} / {c.until if c.until else 'end'}"],
+                ["latency SLO of the throughput metric (s)", o.slo],
+                ["reference rate (users/min)", ref],
+            ],
+        )
+    )
+    out.append("\nLoad: mean live KV (K/V bytes of every active conversation) per rate.\n")
+    out.append(
+        _table(
+            ["rate (users/min)", "mean live KV (GB)", "host memory / live KV"],
+            [[r, report.live[r][0] / 1e9, report.live[r][1]] for r in rates],
+        )
+    )
+    out.append("\n## Summary\n")
+    out.append(summary_table(report))
+
+    out.append("\n\n## 1. Response latency vs arrival rate\n")
+    out.append(fig("latency_vs_rate.png", "mean latency vs arrival rate"))
+    out.append(
+        _table(
+            ["rate (users/min)", *report.sweep],
+            [
+                [r, *(report.sweep[s][i].latency_mean for s in report.sweep)]
+                for i, r in enumerate(rates)
+            ],
+        )
+    )
+    out.append("\nTail latency at the reference rate (s):\n")
+    out.append(
+        _table(
+            ["system", "mean", "P50", "P90", "P95", "P99"],
+            [
+                [s, x.latency_mean, x.latency_p50, x.latency_p90, x.latency_p95, x.latency_p99]
+                for s, res in report.sweep.items()
+                for x in [res[rates.index(ref)] if ref in rates else res[-1]]
+            ],
+        )
+    )
+
+    out.append("\n\n## 2. Host-memory hit ratio per eviction policy\n")
+    out.append(
+        f"Eviction-only replay at {ref:g} users/min, {c.host_gb:g} GB of host memory, "
+        "K/V bytes (turns before the warm-up not counted).\n"
+    )
+    out.append(fig("hit_ratio.png", "hit ratio per policy"))
+    out.append(
+        _table(
+            ["policy", "hit ratio", "byte hit ratio"],
+            [[p, h, b] for p, (h, b) in report.replay_hits.items()],
+        )
+    )
+
+    out.append("\n\n## 3. Queueing time\n")
+    out.append(fig("queueing.png", "queueing time vs arrival rate"))
+    out.append(
+        _table(
+            ["rate (users/min)", *report.sweep],
+            [
+                [r, *(report.sweep[s][i].queueing_mean for s in report.sweep)]
+                for i, r in enumerate(rates)
+            ],
+        )
+    )
+
+    out.append("\n\n## 4. Ablation\n")
+    out.append(fig("ablation.png", "ablation"))
+    steps = list(report.ablation.items())
+    base_tp = steps[0][1][1] if steps else 0.0
+    out.append(
+        _table(
+            [
+                "configuration",
+                f"mean latency @ {ref:g}/min (s)",
+                "queueing (s)",
+                "host hit ratio",
+                "throughput (users/min)",
+                "vs CachedAttention",
+            ],
+            [
+                [
+                    name,
+                    r.latency_mean,
+                    r.queueing_mean,
+                    r.host_hit_ratio,
+                    tp,
+                    f"{tp / base_tp:.2f}x" if base_tp > 0 else "-",
+                ]
+                for name, (r, tp) in steps
+            ],
+        )
+    )
+
+    out.append("\n\n## 5. Host-memory size\n")
+    out.append(fig("host_memory.png", "throughput vs host memory"))
+    out.append(
+        _table(
+            ["system", *(f"{gb:g} GB" for gb in o.host_sizes)],
+            [[s, *per.values()] for s, per in report.host_memory.items()],
+        )
+    )
+    out.append("\n\n## 6. SSD bandwidth\n")
+    out.append(fig("ssd_bandwidth.png", "throughput vs SSD bandwidth"))
+    out.append(
+        _table(
+            ["system", *(f"{bw:g} GB/s" for bw in o.ssd_bandwidths)],
+            [[s, *per.values()] for s, per in report.ssd_bandwidth.items()],
+        )
+    )
+
+    out.append("\n\n## 7. Reuse distance vs previous answer length\n")
+    out.append(fig("reuse_distance.png", "reuse distance lower bound vs answer length"))
+    out.append(
+        f"At {ref:g} users/min: Spearman correlation of previous answer length and the "
+        f"lower bound of the weighted reuse distance **{report.spearman:.3f}** "
+        f"(paper: 0.94-0.98); accesses whose reuse distance exceeds {c.host_gb:g} GB "
+        f"of host memory: **{report.beyond_host:.1%}** (paper: 80%). KV load-time "
+        "coefficient of variation per system: "
+        + ", ".join(f"{s} {v:.0%}" for s, v in report.load_cv.items())
+        + " (paper: > 90%).\n"
+    )
+    out.append(
+        _table(
+            ["previous answer (tokens, group start)", "lower bound (GB)", "accesses"],
+            [[a, lb / 1e9, n] for a, lb, n in report.groups],
+        )
+    )
+    out.append("")
+    return "\n".join(out)
+
+
+def write_report(report: ReproduceReport, out_dir: str | os.PathLike[str], command: str) -> Path:
+    """Write ``report.md`` (and PNG figures when matplotlib is available) into
+    ``out_dir``; returns the Markdown file's path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report.plots = _plots(report, out)
+    path = out / "report.md"
+    path.write_text(render_markdown(report, command), encoding="utf-8")
+    return path
+
+
+def _plots(report: ReproduceReport, out: Path) -> list[str]:
+    try:
+        import matplotlib  # type: ignore[import-not-found, unused-ignore]
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        return []
+    o = report.options
+    rates = sorted(o.rates)
+    written: list[str] = []
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(name)
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, results in report.sweep.items():
+        ax.plot(rates, [r.latency_mean for r in results], marker="o", label=name)
+    ax.axhline(o.slo, color="grey", linestyle="--", linewidth=1, label=f"SLO {o.slo:g} s")
+    ax.set_yscale("log")
+    ax.set_xlabel("arrival rate (users per minute)")
+    ax.set_ylabel("mean response latency (s)")
+    ax.legend()
+    save(fig, "latency_vs_rate.png")
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    names = list(report.replay_hits)
+    ax.bar(names, [report.replay_hits[n][0] for n in names], color="tab:blue")
+    ax.set_ylabel("host-memory hit ratio")
+    ax.set_ylim(0, 1)
+    save(fig, "hit_ratio.png")
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, results in report.sweep.items():
+        ax.plot(rates, [max(r.queueing_mean, 1e-3) for r in results], marker="o", label=name)
+    ax.set_yscale("log")
+    ax.set_xlabel("arrival rate (users per minute)")
+    ax.set_ylabel("mean queueing time (s)")
+    ax.legend()
+    save(fig, "queueing.png")
+
+    fig, ax = plt.subplots(figsize=(7.2, 3.8))
+    steps = list(report.ablation)
+    ax.barh(steps[::-1], [report.ablation[s][1] for s in steps][::-1], color="tab:green")
+    ax.set_xlabel(f"throughput (users/min, mean latency <= {o.slo:g} s)")
+    save(fig, "ablation.png")
+
+    for fname, data, xlabel in (
+        ("host_memory.png", report.host_memory, "host memory (GB)"),
+        ("ssd_bandwidth.png", report.ssd_bandwidth, "SSD bandwidth (GB/s)"),
+    ):
+        fig, ax = plt.subplots(figsize=(6.0, 3.8))
+        for name, per in data.items():
+            ax.plot(list(per), list(per.values()), marker="o", label=name)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("throughput (users/min)")
+        ax.legend()
+        save(fig, fname)
+
+    fig, ax = plt.subplots(figsize=(6.0, 3.8))
+    ax.plot([a for a, _, _ in report.groups], [lb / 1e9 for _, lb, _ in report.groups], marker="o")
+    ax.set_xlabel("previous answer length (tokens)")
+    ax.set_ylabel("reuse distance lower bound (GB)")
+    ax.set_title(f"Spearman {report.spearman:.2f}")
+    save(fig, "reuse_distance.png")
+    return written

@@ -1,0 +1,155 @@
+"""The paper's findings, reproduced by the serving simulator on the synthetic workload,
+and the ``tieredkv simulate`` / ``reproduce`` commands.
+
+Scenario: 500 users arriving at 20 per minute for 25 minutes (about 11k turns), OPT-13B on
+an A800, 1.5 GB/s SSD, and 60 GB of host memory: in the steady state (the turns counted)
+host memory holds under half of the live KV, the pressure the paper studies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from tieredkv.cli import main
+from tieredkv.sim.analysis import answer_groups, live_kv, reuse_distances
+from tieredkv.sim.engine import SimConfig, SimResult, simulate
+from tieredkv.sim.synthetic import SyntheticWorkload
+from tieredkv.sim.systems import SYSTEMS, get_system
+from tieredkv.sim.trace import Turns
+
+RATE, MINUTES, HOST_GB = 20.0, 25.0, 60.0
+END = MINUTES * 60
+CFG = SimConfig(host_gb=HOST_GB, warmup=0.375 * END, until=END)
+
+
+@pytest.fixture(scope="module")
+def turns() -> Turns:
+    return SyntheticWorkload(users=int(RATE * MINUTES), arrival_rate=RATE / 60, seed=1).generate()
+
+
+@pytest.fixture(scope="module")
+def results(turns: Turns) -> dict[str, SimResult]:
+    out = {name: simulate(turns, system, CFG) for name, system in SYSTEMS.items()}
+    out["bidaw, fcfs"] = simulate(turns, get_system("bidaw", scheduler="fcfs"), CFG)
+    return out
+
+
+def test_host_memory_holds_under_half_of_the_live_kv(turns: Turns) -> None:
+    t, live = live_kv(turns, 819_200)
+    steady = live[(t >= CFG.warmup) & (t <= END)]
+    assert 0.5 * steady.mean() > HOST_GB * 1e9
+
+
+def test_latency_order_ideal_bidaw_then_the_two_tier_baselines(
+    results: dict[str, SimResult],
+) -> None:
+    lat = {name: r.latency_mean for name, r in results.items()}
+    assert lat["ideal"] <= lat["bidaw"]
+    assert lat["bidaw"] < lat["cachedattention"]
+    assert lat["bidaw"] < lat["flashgen"]
+    assert results["bidaw"].host_hit_ratio > results["cachedattention"].host_hit_ratio
+
+
+def test_dual_queue_cuts_queueing_time_by_40_percent(results: dict[str, SimResult]) -> None:
+    bidaw, fcfs = results["bidaw"].queueing_mean, results["bidaw, fcfs"].queueing_mean
+    assert bidaw <= 0.6 * fcfs, f"queueing {bidaw:.2f} s vs FCFS {fcfs:.2f} s"
+
+
+def test_vllm_is_worst_past_its_saturation() -> None:
+    """With the paper's 200 GB of host memory, at 20 users per minute: the GPU cannot
+    recompute every history any more, while the cache still serves most of them."""
+    turns = SyntheticWorkload(users=400, arrival_rate=20 / 60, seed=0).generate()
+    cfg = SimConfig(warmup=450, until=1200)
+    lat = {n: simulate(turns, SYSTEMS[n], cfg).latency_mean for n in SYSTEMS}
+    assert max(lat, key=lambda n: lat[n]) == "vllm"
+    assert lat["vllm"] > 2 * lat["ideal"]
+
+
+def test_reuse_distance_lower_bound_grows_with_the_answer(turns: Turns) -> None:
+    d, prev = reuse_distances(turns, 819_200, start=CFG.warmup, end=END)
+    groups = answer_groups(d, prev)
+    assert len(groups.answer) >= 10
+    assert groups.spearman > 0.9
+
+
+def test_same_seed_same_numbers(turns: Turns, results: dict[str, SimResult]) -> None:
+    again = simulate(turns, SYSTEMS["bidaw"], CFG)
+    assert again == results["bidaw"]
+    assert msgspec.json.encode(again) == msgspec.json.encode(results["bidaw"])
+
+
+def test_simulate_command_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        [
+            "simulate",
+            "--minutes",
+            "5",
+            "--rate",
+            "10",
+            "--systems",
+            "ideal,bidaw",
+            "--host-mem",
+            "20",
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "system" in out
+    assert "bidaw" in out
+    assert "ideal" in out
+    assert main(["simulate", "--minutes", "3", "--rate", "10", "--systems", "ideal", "--json"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert msgspec.json.decode(line)["system"] == "ideal"
+
+
+def test_simulate_command_refuses_unknown_names(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--model", "gpt-9"])
+    assert exc.value.code == 2
+    assert "unknown model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("plots", [True, False], ids=["plots", "no-matplotlib"])
+def test_reproduce_writes_the_report(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    plots: bool,
+) -> None:
+    if plots:
+        pytest.importorskip("matplotlib")
+    else:
+        import builtins
+
+        real_import = builtins.__import__
+
+        def no_matplotlib(name: str, *args: object, **kwargs: object) -> object:
+            if name.startswith("matplotlib"):
+                raise ImportError(name)
+            return real_import(name, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    out = tmp_path / "report"
+    code = main(
+        [
+            "reproduce", "--minutes", "6", "--rates", "10,30", "--host-mem", "30",
+            "--systems", "vllm,bidaw,ideal", "--jobs", "1", "--no-progress", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    text = (out / "report.md").read_text()
+    for section in ("## Summary", "## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6.", "## 7."):
+        assert section in text
+    assert "Spearman" in text
+    assert "tieredkv reproduce --minutes 6" in text
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    if plots:
+        assert len(pngs) == 7
+        assert "latency_vs_rate.png" in text
+    else:
+        assert pngs == []
+        assert "pip install 'tieredkv[plots]'" in text
+    assert "| bidaw |" in capsys.readouterr().out
