@@ -32,6 +32,7 @@ import mmap
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from types import TracebackType
 from typing import Any, Literal, Self
 
@@ -218,6 +219,7 @@ class TieredKVCache:
         self._busy: Counter[str] = Counter()
         self._stats = CacheStats()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._protected: Callable[[], AbstractSet[str]] = frozenset
         self._open = False
         self._pending = 0
         self._idle_event: anyio.Event | None = None  # created on open (needs a running loop)
@@ -288,6 +290,15 @@ class TieredKVCache:
     def _check_open(self) -> None:
         if not self._open:
             raise ClosedError("TieredKVCache")
+
+    def set_protected(self, sessions: Callable[[], AbstractSet[str]] | None) -> None:
+        """Never evict the sessions ``sessions()`` returns (asked at each eviction).
+
+        An engine passes its scheduler's ready sessions (``scheduler.ready_sessions``), so
+        KV that was just loaded for a request about to run is not evicted before it runs.
+        ``None`` removes the hook.
+        """
+        self._protected = sessions if sessions is not None else frozenset
 
     # -- public queries ------------------------------------------------------------------
     @property
@@ -727,7 +738,7 @@ class TieredKVCache:
         while not tier.reserve(key, length):
             short = max(length - (tier.capacity - tier.used), 1)
             victims = self._policies[t].victims(
-                short, self._clock(), self.channel, skip | self._busy.keys()
+                short, self._clock(), self.channel, skip | self._busy.keys() | self._protected()
             )
             if not victims:
                 return False

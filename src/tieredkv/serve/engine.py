@@ -1,0 +1,296 @@
+"""A multi-turn serving loop over a real model, real tiers and the library's policies.
+
+:class:`ServingEngine` accepts concurrent multi-turn requests and runs them one at a time on
+one model (one "GPU"; on CPU here), with:
+
+* a :class:`~tieredkv.policies.scheduling.Scheduler` that decides which request runs next
+  and which KV loads (SSD -> host memory, through :meth:`TieredKVCache.prefetch`) start,
+  as Bidaw's compute engine does: the engine only ever runs *ready* requests;
+* a :class:`~tieredkv.TieredKVCache` over real tiers whose eviction policy reads the same
+  metadata channel (and never evicts the scheduler's ready sessions);
+* a :class:`~tieredkv.integrations.transformers.TransformersAdapter` that restores each
+  conversation's history from the cache, prefills the query, decodes the answer greedily
+  and stores the turn's new KV (or, in ``recompute`` mode, prefills the whole history every
+  turn, as a server without a KV cache does).
+
+Each request's timeline is measured on the wall clock: arrival (when the load generator
+submits it), start (when the model begins it), end (last token). Queueing time is
+start - arrival; latency is end - arrival.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import msgspec
+import numpy as np
+import torch
+
+from ..cache import TieredKVCache
+from ..errors import SessionNotFoundError, TieredKVError
+from ..policies.scheduling import Request, Scheduler
+
+__all__ = ["ServedTurn", "ServingEngine", "TurnRequest"]
+
+
+class TurnRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """One turn to serve.
+
+    :param session: the conversation
+    :param query: the new query's token ids
+    :param answer_tokens: how many tokens the model generates
+    :param last: the conversation ends after this turn (its KV is dropped)
+    """
+
+    session: str
+    query: tuple[int, ...]
+    answer_tokens: int
+    last: bool = False
+
+
+class ServedTurn(msgspec.Struct, frozen=True, kw_only=True):
+    """What happened to one request (times in seconds on the engine's clock).
+
+    :param session: the conversation
+    :param arrival: when it was submitted
+    :param start: when the model began it
+    :param end: when its last answer token was produced and its KV stored
+    :param host_hit: its history was in the performance tier at arrival (``None``: no
+        history, a first turn)
+    :param restored_tokens: history tokens restored from the cache
+    :param recomputed_tokens: history tokens recomputed (no cache, or KV lost)
+    :param answer: the generated token ids
+    """
+
+    session: str
+    arrival: float
+    start: float
+    end: float
+    host_hit: bool | None
+    restored_tokens: int
+    recomputed_tokens: int
+    answer: tuple[int, ...]
+
+    @property
+    def queueing(self) -> float:
+        """Seconds from arrival to start."""
+        return self.start - self.arrival
+
+    @property
+    def latency(self) -> float:
+        """Seconds from arrival to the last token."""
+        return self.end - self.arrival
+
+
+class ServingEngine:
+    """Serve multi-turn requests with a scheduler, a tiered cache and a transformers model.
+
+    :param adapter: the model adapter (``TransformersAdapter``)
+    :param cache: the tiered cache (open it before :meth:`run`)
+    :param scheduler: decides what runs and what loads, e.g. ``FCFS()`` or
+        ``BidawScheduler()``
+    :param recompute: never restore KV: prefill the whole history every turn (the
+        no-cache baseline); the cache is then only used to hold nothing
+    :param clock: time source (``time.monotonic``)
+    :param lookahead: how many waiting sessions to publish on the metadata channel (for
+        queue-aware eviction)
+    """
+
+    def __init__(
+        self,
+        adapter: Any,
+        cache: TieredKVCache,
+        scheduler: Scheduler,
+        *,
+        recompute: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+        lookahead: int = 30,
+    ) -> None:
+        self.adapter = adapter
+        self.cache = cache
+        self.scheduler = scheduler
+        self.recompute = recompute
+        self._clock = clock
+        self._lookahead = lookahead
+        self._history: dict[str, list[int]] = {}
+        self._pending: dict[str, tuple[TurnRequest, float, bool | None]] = {}
+        self._events: dict[str, anyio.Event] = {}
+        self._results: list[ServedTurn] = []
+        self._changed = anyio.Event()
+        self._busy = False
+        self._ids = 0
+        self.ssd_loads = 0
+        """Prefetches that moved a history up from a lower tier."""
+
+    def _notify(self) -> None:
+        self._changed.set()
+
+    async def run(self, arrivals: Sequence[tuple[float, TurnRequest]]) -> list[ServedTurn]:
+        """Replay ``arrivals`` ((offset in seconds from now, request), sorted by offset).
+
+        A conversation's next turn is submitted no earlier than its previous turn's end (a
+        user reads the answer before asking again): its arrival is then that end.
+        :returns: one :class:`ServedTurn` per request, in completion order
+        """
+        if not arrivals:
+            return []
+        self.cache.set_protected(self.scheduler.ready_sessions)
+        start = self._clock()
+        total = len(arrivals)
+        self._results = []
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._arrive, arrivals, start)
+                while len(self._results) < total:
+                    now = self._clock()
+                    for request in self.scheduler.start_loads(now):
+                        tg.start_soon(self._load, request.session)
+                    self.cache.channel.publish_waiting(self.scheduler.waiting(self._lookahead))
+                    if not self._busy:
+                        ready = self.scheduler.pop_ready(now)
+                        if ready is not None:
+                            self._busy = True
+                            tg.start_soon(self._serve, ready)
+                            continue
+                    await self._changed.wait()
+                    self._changed = anyio.Event()
+        finally:
+            self.cache.set_protected(None)
+        return self._results
+
+    async def _arrive(self, arrivals: Sequence[tuple[float, TurnRequest]], start: float) -> None:
+        busy: dict[str, anyio.Event] = {}
+        for offset, turn in arrivals:
+            delay = start + offset - self._clock()
+            if delay > 0:
+                await anyio.sleep(delay)
+            previous = busy.get(turn.session)
+            if previous is not None and not previous.is_set():
+                await previous.wait()  # this user is still reading the last answer
+            busy[turn.session] = done = anyio.Event()
+            self._submit(turn, done)
+
+    def _submit(self, turn: TurnRequest, done: anyio.Event) -> None:
+        now = self._clock()
+        where = self.cache.where(turn.session)
+        hit = (
+            None
+            if where is None and turn.session not in self._history
+            else where == (self.cache.tiers[0].name)
+        )
+        self._ids += 1
+        rid = str(self._ids)
+        self._pending[rid] = (turn, now, hit)
+        self._events[rid] = done
+        tokens = len(self._history.get(turn.session, ())) + len(turn.query)
+        self.scheduler.submit(
+            Request(id=rid, session=turn.session, arrival=now, tokens=tokens),
+            now,
+            self.cache.channel,
+        )
+        self._notify()
+
+    async def _load(self, session: str) -> None:
+        ok = True
+        try:
+            before = self.cache.where(session)
+            after = await self.cache.prefetch(session)
+            if before != after:
+                self.ssd_loads += 1
+        except (SessionNotFoundError, TieredKVError, OSError):
+            ok = False  # the request will recompute its history
+        self.scheduler.load_finished(session, self._clock(), ok=ok)
+        self._notify()
+
+    async def _serve(self, request: Request) -> None:
+        turn, arrival, hit = self._pending.pop(request.id)
+        began = self._clock()
+        history = self._history.setdefault(turn.session, [])
+        try:
+            if self.recompute:
+                answer, restored, recomputed = await self._recompute(turn, history)
+            else:
+                result = await self.adapter.chat_turn(
+                    self.cache,
+                    turn.session,
+                    list(turn.query),
+                    max_new_tokens=turn.answer_tokens,
+                    history=history,
+                )
+                answer = tuple(result.answer)
+                restored, recomputed = result.restored_tokens, result.recomputed_tokens
+            history.extend(turn.query)
+            history.extend(answer)
+            if turn.last:
+                self._history.pop(turn.session, None)
+                if turn.session in self.cache.channel:
+                    await self.cache.drop(turn.session)
+            end = self._clock()
+            self._results.append(
+                ServedTurn(
+                    session=turn.session,
+                    arrival=arrival,
+                    start=began,
+                    end=end,
+                    host_hit=hit,
+                    restored_tokens=restored,
+                    recomputed_tokens=recomputed,
+                    answer=answer,
+                )
+            )
+        finally:
+            self._busy = False
+            self._events.pop(request.id).set()
+            self._notify()
+
+    async def _recompute(
+        self, turn: TurnRequest, history: list[int]
+    ) -> tuple[tuple[int, ...], int, int]:
+        """Prefill history + query with no cache, decode; nothing is stored."""
+        ids = torch.tensor(history + list(turn.query), dtype=torch.long)
+        answer = await anyio.to_thread.run_sync(
+            greedy_generate, self.adapter.model, ids, turn.answer_tokens
+        )
+        return answer, 0, len(history)
+
+
+def greedy_generate(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[int, ...]:
+    """Greedy decoding from token ids with no prior cache (prefill, then one token a step)."""
+    import transformers
+
+    device = next(model.parameters()).device
+    # transformers 5 names the argument ``cache`` (``past_key_values`` is deprecated)
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = transformers.DynamicCache(config=model.config)
+    answer: list[int] = []
+    with torch.inference_mode():
+        out = model(input_ids=ids.to(device)[None], use_cache=True, **{kw: cache})
+        for step in range(new_tokens):
+            token = out.logits[0, -1].argmax()
+            answer.append(int(token))
+            if step + 1 < new_tokens:
+                out = model(input_ids=token.view(1, 1), use_cache=True, **{kw: cache})
+    return tuple(answer)
+
+
+def summarize(results: Sequence[ServedTurn]) -> dict[str, float]:
+    """Mean/percentile latency and queueing, and the host hit ratio at arrival."""
+    if not results:
+        return {}
+    lat = np.array([r.latency for r in results])
+    queue = np.array([r.queueing for r in results])
+    hits = [r.host_hit for r in results if r.host_hit is not None]
+    return {
+        "requests": float(len(results)),
+        "latency_mean": float(lat.mean()),
+        "latency_p50": float(np.percentile(lat, 50)),
+        "latency_p90": float(np.percentile(lat, 90)),
+        "latency_p99": float(np.percentile(lat, 99)),
+        "queueing_mean": float(queue.mean()),
+        "host_hit_ratio": float(sum(hits) / len(hits)) if hits else math.nan,
+    }
