@@ -56,7 +56,7 @@ __all__ = ["SSDTier", "segment_file_name"]
 _log = logging.getLogger(__name__)
 
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
-_READ_DEPTH = 2
+_READ_DEPTH = 4
 """Chunk reads of one segment in flight at once."""
 
 
@@ -451,7 +451,7 @@ class SSDTier(Tier):
     def _read_verify(self, fd: int, key: SegmentKey, out: memoryview, rel: str) -> None:
         """Read the file into ``out`` chunk by chunk, hashing it as it arrives.
 
-        Two chunk reads are in flight at any time (in the reader threads), so the device
+        Up to four chunk reads are in flight (in the reader threads), so the device
         queue never drains between chunks; each chunk's body bytes are hashed in the hasher
         thread while later chunks are read, so only the last chunk's hash adds to the
         latency. Every read and hash has finished when this returns or raises: ``out`` is
