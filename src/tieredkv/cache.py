@@ -565,30 +565,23 @@ class TieredKVCache:
         tier = self._tiers[s.primary]
         dim = s.schema.token_dim
         cuda = any(t.is_cuda for t in out.values())
-        offset = 0
-        for seg in s.segs:
-            key = (s.key, seg.header.seq)
-            tokens = seg.header.tokens
-            if isinstance(tier, AddressableTier):
-                view = tier.view(key)
-                await _run(
-                    _scatter,
-                    view,
-                    seg.header,
-                    out,
-                    dim,
-                    offset,
-                    cuda,
-                    big=seg.length > _INLINE_COPY,
-                )
-                note = getattr(tier, "note_read", None)
-                if note is not None:
+        if isinstance(tier, AddressableTier):
+            # every segment in one worker-thread hop: a history has one segment per turn, and
+            # each hop waits for the event loop (and the GIL) on a busy server
+            parts = [(tier.view((s.key, seg.header.seq)), seg.header) for seg in s.segs]
+            total = s.nbytes()
+            await _run(_scatter_all, parts, out, dim, cuda, big=total > _INLINE_COPY)
+            note = getattr(tier, "note_read", None)
+            if note is not None:
+                for seg in s.segs:
                     note(seg.length)
-            else:
+        else:
+            offset = 0
+            for seg in s.segs:
                 with _scratch(seg.length) as view:
-                    await self._read(s, s.primary, key, view)
+                    await self._read(s, s.primary, (s.key, seg.header.seq), view)
                     await _run(_scatter, view, seg.header, out, dim, offset, False, big=True)
-            offset += tokens
+                offset += seg.header.tokens
         if cuda:
             await anyio.to_thread.run_sync(torch.cuda.synchronize)
 
@@ -1138,6 +1131,18 @@ def _scratch(length: int) -> Iterator[memoryview]:
         with contextlib.suppress(BufferError):  # a view still alive: freed with it
             view.release()
         close_mapping(buf, "scratch buffer")
+
+
+def _scatter_all(
+    parts: list[tuple[memoryview, SegmentHeader]],
+    out: dict[str, torch.Tensor],
+    dim: int,
+    non_blocking: bool,
+) -> None:
+    offset = 0
+    for buf, header in parts:
+        _scatter(buf, header, out, dim, offset, non_blocking)
+        offset += header.tokens
 
 
 async def _run(fn: Callable[..., None], *args: Any, big: bool) -> None:
