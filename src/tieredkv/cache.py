@@ -591,14 +591,12 @@ class TieredKVCache:
             await self._tiers[t].read_into(key, out)
         except CorruptSegmentError:
             with anyio.CancelScope(shield=True):
-                await self._drop_damaged(s, t, key)
+                await self._drop_damaged(s, t, f"segment {key[1]}")
             raise
 
-    async def _drop_damaged(self, s: _Session, t: int, key: SegmentKey) -> None:
+    async def _drop_damaged(self, s: _Session, t: int, where: str) -> None:
         self._stats.corrupt += 1
-        _log.warning(
-            "session %.80r: segment %d in tier %r is damaged", s.key, key[1], self._tiers[t].name
-        )
+        _log.warning("session %.80r: %s in tier %r is damaged", s.key, where, self._tiers[t].name)
         await self._forget_copy(s, t)
 
     # -- prefetch ------------------------------------------------------------------------
@@ -650,8 +648,7 @@ class TieredKVCache:
                 self._stats.errors += 1
                 return False  # room could not be made: serve from where it is
             with anyio.CancelScope(shield=True):
-                for key, seg in zip(keys, s.segs, strict=True):
-                    await self._copy_segment(s, src, 0, key, seg.length)
+                await self._copy_history(s, src, keys)
                 for key in keys:
                     s.held[0].add(key[1])
                 reserved.clear()
@@ -673,6 +670,23 @@ class TieredKVCache:
             Promoted(session=s.key, time=now, nbytes=total, src=self._tiers[src].name, dst=top.name)
         )
         return True
+
+    async def _copy_history(self, s: _Session, src: int, keys: list[SegmentKey]) -> None:
+        """Copy ``s``'s segments from tier ``src`` into tier 0's reservations (and commit)."""
+        top, frm = self._tiers[0], self._tiers[src]
+        read_many = getattr(frm, "read_many_into", None)
+        if not isinstance(top, AddressableTier) or read_many is None:
+            for key in keys:
+                await self._copy_segment(s, src, 0, key, frm.length(key))
+            return
+        try:  # the whole history in one tier call (one worker-thread hop)
+            await read_many([(key, top.view(key)) for key in keys])
+        except CorruptSegmentError as exc:
+            with anyio.CancelScope(shield=True):
+                await self._drop_damaged(s, src, exc.where)
+            raise
+        for key in keys:
+            top.commit(key)
 
     async def _copy_segment(
         self, s: _Session, src: int, dst: int, key: SegmentKey, length: int

@@ -493,3 +493,35 @@ async def test_reserve_of_unaligned_length_is_refused(ssd_dir: Path) -> None:
         with pytest.raises(ValueError, match="multiple"):
             tier.reserve(("s", 0), 1000)
         assert tier.used == 0
+
+
+async def test_read_many_into_reads_in_order_and_stops_at_damage(
+    ssd_dir: Path, seg: SegmentFactory
+) -> None:
+    """A history read in one call: every segment byte-exact; a damaged one in the middle
+    stops the read there (the ones before it are complete), is quarantined and raised, and
+    the ones after it stay in service."""
+    segs = [seg(seq=i, tokens=300 + i, seed=i) for i in range(3)]
+    async with SSDTier(ssd_dir, CAPACITY) as tier:
+        for s in segs:
+            await store(tier, s)
+        with aligned_buffer(sum(s.length for s in segs)) as out:
+            views, at = [], 0
+            for s in segs:
+                views.append(out[at : at + s.length])
+                at += s.length
+            await tier.read_many_into([(s.key, v) for s, v in zip(segs, views, strict=True)])
+            assert [bytes(v) for v in views] == [s.data for s in segs]
+            assert tier.stats().reads == 3
+            flip_byte(ssd_dir / "segments" / segment_file_name(segs[1].key), 5000)
+            for v in views:
+                v[:] = bytes(len(v))
+            with pytest.raises(CorruptSegmentError):
+                await tier.read_many_into([(s.key, v) for s, v in zip(segs, views, strict=True)])
+            assert bytes(views[0]) == segs[0].data
+            for v in views:
+                v.release()
+        assert not tier.contains(segs[1].key)
+        assert tier.contains(segs[2].key)
+        assert await read_back(tier, segs[2]) == segs[2].data
+        assert tier.stats().corrupt == 1

@@ -38,7 +38,7 @@ import os
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -386,30 +386,45 @@ class SSDTier(Tier):
                 bounce.close()
 
     async def read_into(self, key: SegmentKey, out: memoryview) -> None:
-        limiter = self._check_open()
-        length = self._index.get(key)
-        if length is None:
-            raise KeyError(key)
-        if len(out) != length:
-            raise ValueError(f"segment is {length} bytes, the buffer {len(out)}")
-        try:
-            await anyio.to_thread.run_sync(self._read_sync, key, out, limiter=limiter)
-        except CorruptSegmentError:
-            await self._quarantine(key)
-            raise
-        self._counters["reads"] += 1
-        self._counters["bytes_read"] += length
+        await self.read_many_into([(key, out)])
 
-    def _read_sync(self, key: SegmentKey, out: memoryview) -> None:
-        rel = segment_file_name(key)
-        failure = self._read_checked(key, out, rel)
-        # Raised here, outside any except block: the original exception's traceback would
-        # keep views of ``out`` alive, and the caller could then not free its buffer.
+    async def read_many_into(self, items: Sequence[tuple[SegmentKey, memoryview]]) -> None:
+        """Read several committed segments, in order, in one worker-thread call.
+
+        A promotion reads a whole history (one segment per turn) this way: one hop to a
+        worker thread instead of one per segment. Stops at the first segment that fails;
+        the ones before it are complete. A damaged one is quarantined and raised as
+        :class:`~tieredkv.errors.CorruptSegmentError`.
+        """
+        limiter = self._check_open()
+        for key, out in items:
+            length = self._index.get(key)
+            if length is None:
+                raise KeyError(key)
+            if len(out) != length:
+                raise ValueError(f"segment is {length} bytes, the buffer {len(out)}")
+        done, failure = await anyio.to_thread.run_sync(self._read_many_sync, items, limiter=limiter)
+        for _, out in items[:done]:
+            self._counters["reads"] += 1
+            self._counters["bytes_read"] += len(out)
         if failure is not None:
+            key = items[done][0]
+            # raised here, outside any except block: the original exception's traceback
+            # would keep views of the caller's buffers alive
             detail, code, reason = failure
             if code is None:
-                raise CorruptSegmentError(rel, detail)
+                await self._quarantine(key)
+                raise CorruptSegmentError(segment_file_name(key), detail)
             raise TierIOError(self.name, detail, OSError(code, reason))
+
+    def _read_many_sync(
+        self, items: Sequence[tuple[SegmentKey, memoryview]]
+    ) -> tuple[int, tuple[str, int | None, str] | None]:
+        for i, (key, out) in enumerate(items):
+            failure = self._read_checked(key, out, segment_file_name(key))
+            if failure is not None:
+                return i, failure
+        return len(items), None
 
     def _read_checked(
         self, key: SegmentKey, out: memoryview, rel: str
