@@ -178,11 +178,8 @@ class ServingEngine:
     def _submit(self, turn: TurnRequest, done: anyio.Event) -> None:
         now = self._clock()
         where = self.cache.where(turn.session)
-        hit = (
-            None
-            if where is None and turn.session not in self._history
-            else where == (self.cache.tiers[0].name)
-        )
+        first_turn = where is None and turn.session not in self._history
+        hit = None if first_turn else where == self.cache.tiers[0].name
         self._ids += 1
         rid = str(self._ids)
         self._pending[rid] = (turn, now, hit)
