@@ -23,7 +23,6 @@ read from a capacity tier is served.
 
 from __future__ import annotations
 
-import math
 import struct
 import zlib
 from collections.abc import Mapping
@@ -193,8 +192,7 @@ class SegmentPlan:
         if len(buf) != self.length:
             raise ValueError(f"buffer holds {len(buf)} bytes, segment needs {self.length}")
         h = self.header
-        dest = torch.frombuffer(buf, dtype=torch.uint8) if self.length else None
-        assert dest is not None
+        dest = torch.frombuffer(buf, dtype=torch.uint8)  # length >= ALIGN: never empty
         start = PREFIX.size + len(self.header_bytes)
         buf[PREFIX.size : start] = self.header_bytes
         dest[start : h.body_offset].zero_()
@@ -414,8 +412,3 @@ def segment_tensors(buf: memoryview, header: SegmentHeader) -> dict[str, torch.T
 def dtype_of(name: str) -> torch.dtype:
     """The torch dtype for a stored dtype name."""
     return _DTYPES[name]
-
-
-def numel(shape: tuple[int, ...]) -> int:
-    """Elements in a tensor of ``shape``."""
-    return math.prod(shape)

@@ -118,8 +118,8 @@ class ServingEngine:
         self._clock = clock
         self._lookahead = lookahead
         self._history: dict[str, list[int]] = {}
-        self._pending: dict[str, tuple[TurnRequest, float, bool | None]] = {}
-        self._events: dict[str, anyio.Event] = {}
+        # request id -> (turn, arrival, host hit, set when it is done)
+        self._pending: dict[str, tuple[TurnRequest, float, bool | None, anyio.Event]] = {}
         self._results: list[ServedTurn] = []
         self._changed = anyio.Event()
         self._busy = False
@@ -182,8 +182,7 @@ class ServingEngine:
         hit = None if first_turn else where == self.cache.tiers[0].name
         self._ids += 1
         rid = str(self._ids)
-        self._pending[rid] = (turn, now, hit)
-        self._events[rid] = done
+        self._pending[rid] = (turn, now, hit, done)
         tokens = len(self._history.get(turn.session, ())) + len(turn.query)
         self.scheduler.submit(
             Request(id=rid, session=turn.session, arrival=now, tokens=tokens),
@@ -205,7 +204,7 @@ class ServingEngine:
         self._notify()
 
     async def _serve(self, request: Request) -> None:
-        turn, arrival, hit = self._pending.pop(request.id)
+        turn, arrival, hit, done = self._pending.pop(request.id)
         began = self._clock()
         history = self._history.setdefault(turn.session, [])
         try:
@@ -242,7 +241,7 @@ class ServingEngine:
             )
         finally:
             self._busy = False
-            self._events.pop(request.id).set()
+            done.set()
             self._notify()
 
     async def _recompute(
