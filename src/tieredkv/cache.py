@@ -40,7 +40,7 @@ import anyio
 import msgspec
 import torch
 
-from .backends.arena import close_mapping
+from .backends.arena import INLINE_COPY, close_mapping
 from .backends.base import AddressableTier, SegmentKey, Tier, TierStats
 from .errors import (
     CapacityError,
@@ -70,9 +70,6 @@ from .policies.registry import make_eviction
 __all__ = ["CacheStats", "TieredKVCache"]
 
 _log = logging.getLogger(__name__)
-
-_INLINE_COPY = 256 * 1024
-"""Copies up to this many bytes run on the event loop; larger ones in a worker thread."""
 
 
 class CacheStats(msgspec.Struct, kw_only=True):
@@ -454,11 +451,11 @@ class TieredKVCache:
     ) -> None:
         tier = self._tiers[t]
         if isinstance(tier, AddressableTier):
-            await _run(fill, tier.view(key), big=length > _INLINE_COPY)
+            await _run(fill, tier.view(key), big=length > INLINE_COPY)
             tier.commit(key)
             return
         with _scratch(length) as view:
-            await _run(fill, view, big=length > _INLINE_COPY)
+            await _run(fill, view, big=length > INLINE_COPY)
             await tier.write(key, view)
 
     # -- load ----------------------------------------------------------------------------
@@ -570,7 +567,7 @@ class TieredKVCache:
             # each hop waits for the event loop (and the GIL) on a busy server
             parts = [(tier.view((s.key, seg.header.seq)), seg.header) for seg in s.segs]
             total = s.nbytes()
-            await _run(_scatter_all, parts, out, dim, cuda, big=total > _INLINE_COPY)
+            await _run(_scatter_all, parts, out, dim, cuda, big=total > INLINE_COPY)
             note = getattr(tier, "note_read", None)
             if note is not None:
                 for seg in s.segs:

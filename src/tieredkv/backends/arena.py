@@ -21,7 +21,11 @@ from ..errors import ClosedError
 from ..payload import ALIGN, SegmentHeader, align_up
 from .base import AddressableTier, SegmentKey, TierStats
 
-__all__ = ["ArenaAllocator", "ArenaTier", "close_mapping"]
+__all__ = ["INLINE_COPY", "ArenaAllocator", "ArenaTier", "close_mapping"]
+
+INLINE_COPY = 256 * 1024
+"""Copies up to this many bytes run on the event loop (microseconds); larger ones in a
+worker thread."""
 
 _log = logging.getLogger(__name__)
 
@@ -111,7 +115,7 @@ class ArenaTier(AddressableTier):
     """
 
     kind = "arena"
-    inline_copy_limit = 256 * 1024
+    inline_copy_limit = INLINE_COPY
 
     def __init__(self, name: str, capacity: int, *, max_threads: int = 2) -> None:
         if not isinstance(name, str) or not name:
