@@ -282,6 +282,9 @@ class TransformersAdapter:
     :param tag: appended to the model fingerprint (``"...@tag"``), e.g. the checkpoint name
         and revision, so that a history stored with other weights of the same shape is
         refused too
+    :param recycle_bytes: host buffers (K/V of finished turns on a CPU model) kept for the
+        next turns' restores, at most; 0 to allocate afresh every turn (see
+        :class:`~tieredkv.integrations._inplace.BufferPool`)
     :raises UnsupportedModelError: for an unsupported architecture
     :raises TransformersMissingError: (an ``ImportError``) without transformers installed
     """
@@ -292,6 +295,7 @@ class TransformersAdapter:
         *,
         codec: Literal["auto", "kv", "act"] | Codec = "auto",
         tag: str | None = None,
+        recycle_bytes: int = 512 << 20,
     ) -> None:
         _require_transformers()
         self.model = model
@@ -331,6 +335,11 @@ class TransformersAdapter:
         self._cache_kw = "cache" if "cache" in forward else "past_key_values"
         self._keep_logits = "logits_to_keep" in forward
         self._turn_lock = threading.Lock()
+        if recycle_bytes < 0:
+            raise ValueError(f"recycle_bytes must be >= 0, not {recycle_bytes}")
+        from ._inplace import BufferPool
+
+        self._pool: BufferPool | None = BufferPool(recycle_bytes) if recycle_bytes else None
 
     # -- facts -----------------------------------------------------------------------------
     @property
@@ -454,49 +463,129 @@ class TransformersAdapter:
                 session, f"{tokens} tokens exceed the model's {limit} learned positions"
             )
 
-    def rebuild(self, stored: Mapping[str, torch.Tensor], *, start: int = 0) -> DynamicCache:
+    def rebuild(
+        self, stored: Mapping[str, torch.Tensor], *, start: int = 0, room: int = 0
+    ) -> DynamicCache:
         """A ``DynamicCache`` from stored tensors (decoding them with the codec).
 
+        Its layers keep K/V in buffers with ``room`` free positions after the history, so
+        the next turn's forward passes append in place (see :class:`InPlaceLayer
+        <tieredkv.integrations._inplace.InPlaceLayer>`; beyond ``room`` a buffer doubles).
         Runs the activation codec's re-projection, so call it from a worker thread in async
         code (as :meth:`restore` does).
         """
-        transformers = _require_transformers()
+        if room < 0:
+            raise ValueError(f"room must be a number of token positions >= 0, not {room}")
         with torch.no_grad():
             kv = self.codec.decode(stored, self._access, start=start)
-        cache: DynamicCache = transformers.DynamicCache(
-            ddp_cache_data=[(k.unsqueeze(0), v.unsqueeze(0)) for k, v in kv],
-            config=self.model.config,
+        return self._model_cache(kv, room, adopt=False)
+
+    def _model_cache(
+        self, kv: list[tuple[torch.Tensor, torch.Tensor]], room: int, *, adopt: bool
+    ) -> DynamicCache:
+        """``kv`` (per layer ``[kv_heads, tokens, head_dim]``) as a cache with at least
+        ``room`` free positions after the history. With ``adopt``, K/V that are the leading
+        positions of ``[kv_heads, capacity, head_dim]`` buffers with that room become the
+        cache's buffers (no copy; the caller gives them up); otherwise they are copied."""
+        transformers = _require_transformers()
+        from ._inplace import InPlaceLayer, in_place_cache
+
+        layers: list[InPlaceLayer] = []
+        for k, v in kv:
+            tokens = k.shape[1]
+            kb, vb = (_buffer_of(k), _buffer_of(v)) if adopt else (None, None)
+            if kb is None or vb is None or kb.shape[1] < tokens + room:
+                kb = k.new_empty((k.shape[0], tokens + room, k.shape[2]))
+                vb = v.new_empty((v.shape[0], tokens + room, v.shape[2]))
+                kb[:, :tokens].copy_(k)
+                vb[:, :tokens].copy_(v)
+            layers.append(InPlaceLayer(keys=kb[None], values=vb[None], length=tokens))
+        cache = in_place_cache(self.model.config, layers)
+        if cache is None:  # a layer kind the in-place buffers do not model: the usual way
+            cache = transformers.DynamicCache(
+                ddp_cache_data=[(k.unsqueeze(0), v.unsqueeze(0)) for k, v in kv],
+                config=self.model.config,
+            )
+        return cache
+
+    def new_model_cache(self, room: int = 0) -> DynamicCache:
+        """An empty model cache whose layers append in place, sized for ``room`` tokens."""
+        from ._inplace import InPlaceLayer, in_place_cache
+
+        cache = in_place_cache(
+            self.model.config, [InPlaceLayer(room) for _ in range(self.spec.layers)]
         )
+        if cache is None:
+            cache = _require_transformers().DynamicCache(config=self.model.config)
         return cache
 
     async def restore(
-        self, cache: TieredKVCache, session: str, *, expected_tokens: int | None = None
+        self,
+        cache: TieredKVCache,
+        session: str,
+        *,
+        expected_tokens: int | None = None,
+        room: int = 0,
     ) -> DynamicCache:
         """The session's history as a ``DynamicCache`` on the model's device.
 
         Checks first (:meth:`check_history`), then loads straight into tensors on the
-        model's device (``cache.load_into``) and decodes them in a worker thread.
+        model's device (``cache.load_into``) and decodes them in a worker thread. With the
+        K/V codec the loaded tensors *are* the model cache's buffers (one copy, from the
+        tier); ``room`` free positions after the history let the coming turn's tokens
+        (query + answer) be appended without reallocating.
 
         :raises SessionNotFoundError: if the cache holds no history for the session
         :raises HistoryMismatchError: if it does not fit the model (nothing is loaded)
         """
+        if room < 0:
+            raise ValueError(f"room must be a number of token positions >= 0, not {room}")
         meta = self.check_history(cache, session, expected_tokens=expected_tokens)
-        out = self._allocate(meta.tokens)
+        in_place = isinstance(self.codec, KVCodec)
+        out = self._allocate(meta.tokens + (room if in_place else 0))
         tokens = await cache.load_into(session, out)
         if tokens != meta.tokens:
             raise HistoryMismatchError(
                 session, f"it holds {tokens} tokens where its metadata said {meta.tokens}"
             )
-        return await anyio.to_thread.run_sync(self.rebuild, out)
+        if in_place:
+            kv = [
+                (out[f"layers.{i}.k"][:, :tokens], out[f"layers.{i}.v"][:, :tokens])
+                for i in range(self.spec.layers)
+            ]
+            return await anyio.to_thread.run_sync(lambda: self._model_cache(kv, room, adopt=True))
+        dims = {name: shape.index(-1) for name, shape in self.codec.layout(self.spec).items()}
+        stored = {name: t.narrow(dims[name], 0, tokens) for name, t in out.items()}
+        model_cache = await anyio.to_thread.run_sync(lambda: self.rebuild(stored, room=room))
+        if self._pool is not None:
+            self._pool.give(out.values())  # decoded into new K/V: the loaded tensors are spare
+        return model_cache
 
     def _allocate(self, tokens: int) -> dict[str, torch.Tensor]:
+        """Tensors for ``tokens`` positions (or more) of every stored name, from the pool."""
         dtype = getattr(torch, self.spec.dtype)
-        return {
-            name: torch.empty(
-                tuple(tokens if d == -1 else d for d in shape), dtype=dtype, device=self.device
-            )
-            for name, shape in self.codec.layout(self.spec).items()
-        }
+        device = self.device
+        out: dict[str, torch.Tensor] = {}
+        for name, shape in self.codec.layout(self.spec).items():
+            dim = shape.index(-1)
+            full = tuple(tokens if d == -1 else d for d in shape)
+            if self._pool is not None and device.type == "cpu":
+                out[name] = self._pool.take(full, dim, dtype, device)
+            else:
+                out[name] = torch.empty(full, dtype=dtype, device=device)
+        return out
+
+    def _recycle(self, model_cache: Any, *extra: torch.Tensor) -> None:
+        """Hand a finished turn's buffers to the pool (the turn owned them)."""
+        if self._pool is None:
+            return
+        from ._inplace import InPlaceLayer
+
+        buffers = list(extra)
+        for layer in getattr(model_cache, "layers", ()):
+            if isinstance(layer, InPlaceLayer):
+                buffers.extend(layer.release())
+        self._pool.give(buffers)
 
     # -- one chat turn ---------------------------------------------------------------------
     async def chat_turn(
@@ -535,7 +624,12 @@ class TransformersAdapter:
         model_cache: Any = None
         if session in cache:
             try:
-                model_cache = await self.restore(cache, session, expected_tokens=expected)
+                model_cache = await self.restore(
+                    cache,
+                    session,
+                    expected_tokens=expected,
+                    room=int(query_ids.numel()) + max_new_tokens,
+                )
             except SessionNotFoundError:  # lost or found damaged meanwhile
                 if history_ids is None:
                     raise
@@ -547,9 +641,9 @@ class TransformersAdapter:
             restored = int(model_cache.get_seq_length())
             prefill = query_ids
         else:
-            model_cache = _require_transformers().DynamicCache(config=self.model.config)
             restored = 0
             prefill = query_ids if history_ids is None else torch.cat([history_ids, query_ids])
+            model_cache = self.new_model_cache(int(prefill.numel()) + max_new_tokens)
         recomputed = prefill.numel() - query_ids.numel()
         self._check_positions(session, restored + prefill.numel() + max_new_tokens)
         answer, tensors = await anyio.to_thread.run_sync(
@@ -562,6 +656,8 @@ class TransformersAdapter:
             token_dim=self.token_dim,
             codec=self.codec_id,
         )
+        # the segment is stored (copied): this turn's buffers are free for the next one
+        self._recycle(model_cache)
         return ChatTurn(
             answer=tuple(answer),
             restored_tokens=restored,
@@ -606,6 +702,22 @@ class TransformersAdapter:
             kwargs["logits_to_keep"] = 1
         out = self.model(input_ids=ids.view(1, -1).to(self.device), **kwargs)
         return int(out.logits[0, -1].argmax())
+
+
+def _buffer_of(t: torch.Tensor) -> torch.Tensor | None:
+    """The ``[heads, capacity, dim]`` tensor of which ``t`` is the leading positions, if it
+    is such a view (``t`` itself when it is whole)."""
+    base = t._base if t._base is not None else t
+    if (
+        base.dim() == 3
+        and base.is_contiguous()
+        and base.shape[0] == t.shape[0]
+        and base.shape[2] == t.shape[2]
+        and t.data_ptr() == base.data_ptr()
+        and t.stride() == base.stride()
+    ):
+        return base
+    return None
 
 
 def _ids(ids: Sequence[int] | torch.Tensor, what: str) -> torch.Tensor:

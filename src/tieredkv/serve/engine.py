@@ -249,20 +249,28 @@ class ServingEngine:
     ) -> tuple[tuple[int, ...], int, int]:
         """Prefill history + query with no cache, decode; nothing is stored."""
         ids = torch.tensor(history + list(turn.query), dtype=torch.long)
+        # the same in-place model cache as a cached turn uses, so only the prefill differs
+        model_cache = self.adapter.new_model_cache(ids.numel() + turn.answer_tokens)
         answer = await anyio.to_thread.run_sync(
-            greedy_generate, self.adapter.model, ids, turn.answer_tokens
+            lambda: greedy_generate(self.adapter.model, ids, turn.answer_tokens, model_cache)
         )
         return answer, 0, len(history)
 
 
-def greedy_generate(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[int, ...]:
-    """Greedy decoding from token ids with no prior cache (prefill, then one token a step)."""
+def greedy_generate(
+    model: Any, ids: torch.Tensor, new_tokens: int, cache: Any = None
+) -> tuple[int, ...]:
+    """Greedy decoding from token ids with no prior cache (prefill, then one token a step).
+
+    :param cache: an empty transformers cache to fill (a ``DynamicCache`` by default)
+    """
     import transformers
 
     device = next(model.parameters()).device
     # transformers 5 names the argument ``cache`` (``past_key_values`` is deprecated)
     kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    cache = transformers.DynamicCache(config=model.config)
+    if cache is None:
+        cache = transformers.DynamicCache(config=model.config)
     answer: list[int] = []
     with torch.inference_mode():
         out = model(input_ids=ids.to(device)[None], use_cache=True, **{kw: cache})
