@@ -71,8 +71,15 @@ def test_a_filled_buffer_is_adopted_and_crop_and_release_work() -> None:
 def test_mismatched_buffers_are_refused() -> None:
     with pytest.raises(ValueError, match="both"):
         InPlaceLayer(keys=torch.zeros(1, 2, 8, 4))
-    with pytest.raises(ValueError, match="shape"):
-        InPlaceLayer(keys=torch.zeros(1, 2, 8, 4), values=torch.zeros(1, 2, 7, 4))
+    with pytest.raises(ValueError, match="head_dim"):
+        InPlaceLayer(keys=torch.zeros(1, 2, 8, 4), values=torch.zeros(1, 3, 8, 4))
+    uneven = InPlaceLayer(keys=torch.zeros(1, 2, 8, 4), values=torch.zeros(1, 2, 6, 4), length=2)
+    assert uneven.capacity == 6  # pooled buffers may differ in length: the shorter counts
+    k, v = kv(5, 1)
+    uneven.update(k, v)  # 7 > 6: both grow
+    assert uneven.capacity >= 7
+    assert uneven.keys is not None
+    assert torch.equal(uneven.keys[..., 2:, :], k)
     with pytest.raises(ValueError, match="does not fit"):
         InPlaceLayer(keys=torch.zeros(1, 2, 8, 4), values=torch.zeros(1, 2, 8, 4), length=9)
 

@@ -89,6 +89,7 @@ async def test_every_configuration_answers_exactly_like_recompute(
     assert len(reference) == len(requests())
     configs = {
         "fcfs+lru": {"scheduler": FCFS()},
+        "fcfs-on-demand": {"scheduler": FCFS(prefetch=False)},
         "fcfs+queue": {"scheduler": FCFS(), "eviction": "queue-enhanced"},
         "bidaw": {"scheduler": BidawScheduler(max_loads=2), "eviction": "bidaw"},
         "bidaw+act": {"scheduler": BidawScheduler(), "eviction": "bidaw", "codec": "act"},
@@ -133,3 +134,17 @@ def test_timed_requests_scales_samples_and_caps() -> None:
     assert sum(r.last for _, r in capped) == len({r.session for _, r in capped})
     with pytest.raises(ValueError, match="time_scale"):
         timed_requests(turns, vocab_size=VOCAB, time_scale=0)
+    with pytest.raises(ValueError, match="query_scale"):
+        timed_requests(turns, vocab_size=VOCAB, query_scale=-1)
+
+
+def test_timed_requests_moves_tokens_from_answers_to_queries() -> None:
+    turns = SyntheticWorkload(users=10, arrival_rate=1.0, seed=0).generate()
+    plain = timed_requests(turns, vocab_size=VOCAB, seed=0)
+    moved = timed_requests(turns, vocab_size=VOCAB, answer_scale=0.125, query_scale=2.0, seed=0)
+    assert len(plain) == len(moved)
+    for (t1, a), (t2, b) in zip(plain, moved, strict=True):
+        assert t1 == t2
+        assert a.session == b.session
+        assert len(b.query) == max(1, round(len(a.query) * 2.0))
+        assert b.answer_tokens == max(1, round(a.answer_tokens * 0.125))

@@ -108,6 +108,16 @@ def test_short_answers_earn_more_potential_than_long_ones() -> None:
     assert long[due_bin] > long[0] + 0.3
 
 
+def test_a_young_cache_learns_before_the_first_full_period() -> None:
+    p = BidawEviction(capacity=40 * GB)  # refresh_every=1024
+    learn(p, random.Random(3), 15)
+    assert p.table(p.bucket_of(5)) is None  # nothing learned yet: LRU order
+    learn(p, random.Random(3), 300)  # refreshed at 16, 32, ..., 256 accesses
+    short = p.table(p.bucket_of(5))
+    assert short is not None
+    assert short[0] > 0.5
+
+
 def test_potential_tables_are_unimodal() -> None:
     p = BidawEviction(capacity=40 * GB, refresh_every=64)
     learn(p, random.Random(2), 3000)

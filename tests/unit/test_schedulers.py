@@ -42,6 +42,26 @@ def test_fcfs_head_of_line_blocks_behind_a_load() -> None:
     assert sched.waiting() == ["b", "c", "d", "e"]
 
 
+def test_fcfs_without_prefetch_fetches_only_the_head_when_asked() -> None:
+    """I/O-oblivious: nothing loads ahead; when the engine asks for work and the head's KV
+    is on SSD, exactly that load starts (and the next only once b is at the head)."""
+    view = channel(a=("ssd", 10**8), b=("ssd", 10**6), c=("host", 1))
+    sched = FCFS(prefetch=False)
+    submit_all(sched, view, "abc")
+    assert sched.start_loads(3.0) == []  # queued, but no one asked
+    assert sched.pop_ready(3.0) is None
+    assert [r.session for r in sched.start_loads(3.0)] == ["a"]
+    assert sched.start_loads(3.5) == []  # one on-demand load at a time
+    sched.load_finished("a", 4.0)
+    assert sched.start_loads(4.0) == []  # b is not at the head yet: a is ready to run
+    assert sched.pop_ready(4.0) == Request(id="r1", session="a", arrival=1.0)
+    assert sched.start_loads(4.0) == []  # a runs; b's load waits until asked
+    assert sched.next_batch(5.0, 10**6) == []  # asked again: b heads the line
+    assert [r.session for r in sched.start_loads(5.0)] == ["b"]
+    sched.load_finished("b", 6.0)
+    assert [r.session for r in sched.next_batch(6.0, 10**6)] == ["b", "c"]
+
+
 def test_bidaw_runs_memory_requests_while_ssd_loads_proceed() -> None:
     view = channel(a=("ssd", 10**8), b=("ssd", 10**6), c=("host", 1), d=("host", 1), e=("host", 1))
     sched = BidawScheduler()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tieredkv.meta import KVMeta, MetadataView
-from tieredkv.policies import LRU
+from tieredkv.policies import FCFS, LRU
 from tieredkv.sim.engine import SimConfig, Simulator, simulate
 from tieredkv.sim.sweep import Job, run_jobs, throughput
 from tieredkv.sim.synthetic import SyntheticWorkload
@@ -63,6 +63,20 @@ def test_vllm_recomputes_every_history_and_ideal_always_hits() -> None:
     assert ideal.host_hit_ratio == 1.0
     assert ideal.accesses == int((turns.round_index > 0).sum())
     assert vllm.latency_mean > ideal.latency_mean
+
+
+def test_on_demand_fcfs_serves_everything_and_waits_longer_than_prefetching() -> None:
+    """FCFS(prefetch=False) fetches the head's KV only when the GPU asks for work: every
+    request is still served, and the loads sit on the critical path."""
+    turns = SyntheticWorkload(users=60, arrival_rate=0.5, seed=2).generate()
+    cfg = SimConfig(host_gb=20)
+    system = get_system("flashgen")
+    ahead = simulate(turns, system, cfg)
+    sim = Simulator(turns, system, cfg, scheduler=FCFS(prefetch=False))
+    on_demand = sim.run()
+    assert on_demand.turns == ahead.turns == len(turns)
+    assert on_demand.ssd_read_bytes > 0
+    assert on_demand.latency_mean > ahead.latency_mean
 
 
 class Spy(LRU):

@@ -57,13 +57,14 @@ class InPlaceLayer(DynamicLayer):  # type: ignore[no-untyped-call]
         self._v: torch.Tensor | None = values
         self._length = 0
         if keys is not None and values is not None:
-            if keys.shape != values.shape or keys.dim() != 4:
+            ks, vs = tuple(keys.shape), tuple(values.shape)
+            if keys.dim() != 4 or values.dim() != 4 or ks[:2] + ks[3:] != vs[:2] + vs[3:]:
                 raise ValueError(
-                    f"key and value buffers must share one [batch, heads, capacity, head_dim] "
-                    f"shape, got {tuple(keys.shape)} and {tuple(values.shape)}"
+                    f"key and value buffers must be [batch, heads, capacity, head_dim] with "
+                    f"the same batch, heads and head_dim, got {ks} and {vs}"
                 )
-            if not 0 <= length <= keys.shape[-2]:
-                raise ValueError(f"length {length} does not fit a buffer of {keys.shape[-2]}")
+            if not 0 <= length <= min(ks[2], vs[2]):
+                raise ValueError(f"length {length} does not fit a buffer of {min(ks[2], vs[2])}")
             self._length = length
             self.device = keys.device
             self.is_initialized = True
@@ -71,8 +72,11 @@ class InPlaceLayer(DynamicLayer):  # type: ignore[no-untyped-call]
 
     @property
     def capacity(self) -> int:
-        """Token positions allocated (0 before the first update of an empty layer)."""
-        return 0 if self._k is None else int(self._k.shape[-2])
+        """Token positions allocated (0 before the first update of an empty layer); the
+        key and value buffers may be longer or shorter than each other (pooled buffers)."""
+        if self._k is None or self._v is None:
+            return 0
+        return int(min(self._k.shape[-2], self._v.shape[-2]))
 
     def _expose(self) -> None:
         assert self._k is not None
@@ -86,7 +90,7 @@ class InPlaceLayer(DynamicLayer):  # type: ignore[no-untyped-call]
 
     def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         need = self._length + key_states.shape[-2]
-        if self._k is not None and need <= self._k.shape[-2]:
+        if need <= self.capacity:
             return
         size = max(need, self._capacity, 2 * self.capacity)
         shape = (*key_states.shape[:-2], size, key_states.shape[-1])

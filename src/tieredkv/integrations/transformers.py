@@ -494,9 +494,9 @@ class TransformersAdapter:
         for k, v in kv:
             tokens = k.shape[1]
             kb, vb = (_buffer_of(k), _buffer_of(v)) if adopt else (None, None)
-            if kb is None or vb is None or kb.shape[1] < tokens + room:
-                kb = k.new_empty((k.shape[0], tokens + room, k.shape[2]))
-                vb = v.new_empty((v.shape[0], tokens + room, v.shape[2]))
+            if kb is None or vb is None or min(kb.shape[1], vb.shape[1]) < tokens + room:
+                kb = self._buffer((k.shape[0], tokens + room, k.shape[2]), k)
+                vb = self._buffer((v.shape[0], tokens + room, v.shape[2]), v)
                 kb[:, :tokens].copy_(k)
                 vb[:, :tokens].copy_(v)
             layers.append(InPlaceLayer(keys=kb[None], values=vb[None], length=tokens))
@@ -507,6 +507,12 @@ class TransformersAdapter:
                 config=self.model.config,
             )
         return cache
+
+    def _buffer(self, shape: tuple[int, int, int], like: torch.Tensor) -> torch.Tensor:
+        """An uninitialized ``[heads, capacity, head_dim]`` buffer (from the pool on CPU)."""
+        if self._pool is not None and like.device.type == "cpu":
+            return self._pool.take(shape, 1, like.dtype, like.device)
+        return like.new_empty(shape)
 
     def new_model_cache(self, room: int = 0) -> DynamicCache:
         """An empty model cache whose layers append in place, sized for ``room`` tokens."""

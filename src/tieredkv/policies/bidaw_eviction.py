@@ -78,7 +78,9 @@ class BidawEviction:
     (``size_aware``, the default: hits count per access, and a long conversation holds
     twenty times the memory of a short one), or with the lowest potential
     (``size_aware=False``, the paper's order). Potentials depend only on (bucket, elapsed
-    bin), so they are tabulated per bucket every ``refresh_every`` accesses; each table is
+    bin), so they are tabulated per bucket every ``refresh_every`` accesses (and, while
+    the first period fills, after 16, 32, 64, ... accesses, so a young cache learns early);
+    each table is
     lowered to the largest function below it that rises to the peak of its first mode and
     then never rises again (once overdue, potential only falls). Residents are grouped by
     (bucket, power-of-two size class) and kept in access order within a group; elapsed
@@ -199,7 +201,9 @@ class BidawEviction:
         self.ghost.record(session, meta.nbytes, distance)
         self._sweep()
         self._accesses += 1
-        if self._accesses % self.refresh_every == 0:
+        n = self._accesses
+        # warm-up: first tables after 16 accesses, then at doubling counts up to the period
+        if n % self.refresh_every == 0 or (16 <= n < self.refresh_every and n & (n - 1) == 0):
             self._refresh()
 
     def on_admit(self, session: str, meta: KVMeta, now: float) -> None:

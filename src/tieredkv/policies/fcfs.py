@@ -23,13 +23,24 @@ class FCFS(LoadQueue):
     even if later requests are ready. That head-of-line blocking is what the Bidaw paper
     measures against (the engine idles while one large KV crawls in from SSD).
 
+    With ``prefetch=False`` the scheduler is I/O-oblivious in the strictest sense, as a
+    server that fetches a request's KV when it schedules it: no load starts until the
+    engine asks for work (:meth:`pop_ready`) and finds the head of the queue waiting for
+    its KV; only then does that one load start, and the engine idles until it lands. With
+    ``prefetch=True`` (the default) loads start in arrival order as soon as requests are
+    queued, so a queued request's load overlaps the running one (CachedAttention's
+    scheduler-aware prefetching); the head still blocks the line if its load is late.
+
     :param max_loads: loads in flight at most
+    :param prefetch: start the loads of queued requests ahead of time (else on demand)
     """
 
     name = "fcfs"
 
-    def __init__(self, max_loads: int = 1) -> None:
+    def __init__(self, max_loads: int = 1, *, prefetch: bool = True) -> None:
         super().__init__(max_loads)
+        self.prefetch = prefetch
+        self._wanted: Load | None = None  # on demand: the head's load, once asked for
         self._queue: list[tuple[tuple[float, int], Entry]] = []
         self._load_queue: list[tuple[tuple[float, int], Load]] = []
         self._ready: Counter[str] = Counter()
@@ -40,13 +51,16 @@ class FCFS(LoadQueue):
         if kv_needs_load(meta, view):
             assert meta is not None
             load = self._join_load(entry, meta)
-            if load is not None:
+            if load is not None and self.prefetch:
                 heapq.heappush(self._load_queue, ((request.arrival, self._seq), load))
         else:
             self._ready[request.session] += 1
         heapq.heappush(self._queue, (entry.key, entry))
 
     def _next_load(self, now: float) -> Load | None:
+        if not self.prefetch:
+            load, self._wanted = self._wanted, None
+            return load if load is not None and not load.done and not load.started else None
         while self._load_queue:
             _, load = heapq.heappop(self._load_queue)
             if not load.done:  # else finished before we started it (reported early)
@@ -61,7 +75,12 @@ class FCFS(LoadQueue):
         return [entry.request for entry in load.entries]
 
     def pop_ready(self, now: float) -> Request | None:
-        if not self._queue or self._queue[0][1].load is not None:
+        if not self._queue:
+            return None
+        waiting_for = self._queue[0][1].load
+        if waiting_for is not None:
+            if not self.prefetch:
+                self._wanted = waiting_for  # the engine is idle: fetch the head's KV now
             return None
         _, entry = heapq.heappop(self._queue)
         self._hand_out(entry.request)
@@ -75,6 +94,8 @@ class FCFS(LoadQueue):
         while self._queue and (max_requests is None or len(batch) < max_requests):
             entry = self._queue[0][1]
             if entry.load is not None:
+                if not self.prefetch:
+                    self._wanted = entry.load  # next in line: fetch its KV now
                 break
             if batch and used + entry.request.tokens > token_budget:
                 break

@@ -89,7 +89,12 @@ class Scheduler(Protocol):
         ...
 
     def start_loads(self, now: float) -> list[Request]:
-        """Loads to start now, one request per session to bring into the top tier."""
+        """Loads to start now, one request per session to bring into the top tier.
+
+        Engines call it whenever something changed (a submit, a finished load) *and* right
+        after :meth:`pop_ready` / :meth:`next_batch` found nothing to hand out: an on-demand
+        scheduler (``FCFS(prefetch=False)``) only starts the head's load once asked for work.
+        """
         ...
 
     def load_finished(self, session: str, now: float, *, ok: bool = True) -> list[Request]:

@@ -157,6 +157,9 @@ class ServingEngine:
                             self._busy = True
                             tg.start_soon(self._serve, ready)
                             continue
+                        # an on-demand scheduler starts its head's load once asked for work
+                        for request in self.scheduler.start_loads(now):
+                            tg.start_soon(self._load, request.session)
                     await self._changed.wait()
                     self._changed = anyio.Event()
         finally:

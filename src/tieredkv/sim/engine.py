@@ -494,6 +494,7 @@ class Simulator:
                     self._admit.append(row)
                     name = request.session
                     self._pinned[name] = self._pinned.get(name, 0) + 1
+                self._start_loads(now)  # an on-demand scheduler asks for its head's KV now
         batch: list[int] = []
         tokens = 0
         capacity = self.cost.gpu_kv_tokens
