@@ -26,7 +26,9 @@ codec. Bidaw's answer-length buckets are scaled like the answers.
 
 Prints a table, the host tier's share of the peak live KV, whether every configuration
 answered exactly like the first (recompute; greedy, float32), and the ratios against the
-targets: Bidaw's mean latency <= 0.67x FCFS + LRU's and <= 1.3x all-in-memory's.
+targets: Bidaw's mean latency <= 0.67x FCFS + LRU's and <= 1.3x all-in-memory's. This
+shared machine's noise moves a single run's latencies by tens of percent: ``--repeat N``
+runs N interleaved rounds and takes medians (of each column, and of each round's ratio).
 docs/explanation/serving-benchmark.md explains the setup and how the result depends on it.
 
     .venv/bin/python benchmarks/bench_serve.py            # about 13 minutes on 2 cores
@@ -45,6 +47,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import anyio
+import numpy as np
 import torch
 
 from tieredkv import HostMemoryTier, SSDTier, Tier, TieredKVCache
@@ -188,42 +191,51 @@ async def main(args: argparse.Namespace) -> int:
         f"{torch.get_num_threads()} torch thread(s)",
         flush=True,
     )
-    rows: list[tuple[str, dict[str, float]]] = []
+    # rounds[r][name]: one summary per configuration per round; configurations run
+    # interleaved, round after round, so a ratio compares runs made minutes apart
+    rounds: list[dict[str, dict[str, float]]] = []
     reference: dict[str, list[tuple[int, ...]]] | None = None
     identical = True
     root = Path(tempfile.mkdtemp(prefix="tieredkv-serve-", dir=args.dir))
+    chosen = [c for c in CONFIGS if not args.only or c.name in args.only]
     try:
-        chosen = [c for c in CONFIGS if not args.only or c.name in args.only]
-        for i, cfg in enumerate(chosen):
-            results, summary = await run_one(
-                cfg, model, requests, host_bytes, root / str(i), args.answer_scale
-            )
-            got = answers(results)
-            if reference is None:
-                reference = got
-            elif got != reference:
-                identical = False
-            rows.append((cfg.name, summary))
-            print(
-                f"  {cfg.name:<26} mean latency {summary['latency_mean']:.3f} s "
-                f"({summary['wall']:.0f} s)",
-                flush=True,
-            )
+        for r in range(args.repeat):
+            rounds.append({})
+            for i, cfg in enumerate(chosen):
+                results, summary = await run_one(
+                    cfg, model, requests, host_bytes, root / f"{r}-{i}", args.answer_scale
+                )
+                got = answers(results)
+                if reference is None:
+                    reference = got
+                elif got != reference:
+                    identical = False
+                rounds[-1][cfg.name] = summary
+                print(
+                    f"  {f'[{r + 1}/{args.repeat}] ' if args.repeat > 1 else ''}"
+                    f"{cfg.name:<26} mean latency {summary['latency_mean']:.3f} s "
+                    f"({summary['wall']:.0f} s)",
+                    flush=True,
+                )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print()
+    if args.repeat > 1:
+        print(f"median over {args.repeat} rounds of each column:")
     print(
         f"{'configuration':<26} {'mean s':>7} {'p50 s':>6} {'p90 s':>6} {'p99 s':>6} "
         f"{'queue s':>7} {'host hit':>8} {'SSD GB':>7} {'busy':>5}"
     )
-    for name, s in rows:
+    by: dict[str, dict[str, float]] = {}
+    for cfg in chosen:
+        runs = [rnd[cfg.name] for rnd in rounds]
+        s = by[cfg.name] = {k: float(np.median([x[k] for x in runs])) for k in runs[0]}
         hit = "-" if s["host_hit_ratio"] != s["host_hit_ratio"] else f"{s['host_hit_ratio']:.2f}"
         print(
-            f"{name:<26} {s['latency_mean']:>7.3f} {s['latency_p50']:>6.3f} "
+            f"{cfg.name:<26} {s['latency_mean']:>7.3f} {s['latency_p50']:>6.3f} "
             f"{s['latency_p90']:>6.3f} {s['latency_p99']:>6.3f} {s['queueing_mean']:>7.3f} "
             f"{hit:>8} {s['ssd_read_gb']:>7.2f} {s['busy']:>5.2f}"
         )
-    by = dict(rows)
     base = by.get("FCFS + LRU")
     if base is not None:
         peak = base["peak_live_mb"]
@@ -242,12 +254,15 @@ async def main(args: argparse.Namespace) -> int:
     ):
         if name not in by or other not in by:
             continue
-        ratio = by[name]["latency_mean"] / by[other]["latency_mean"]
+        each = [rnd[name]["latency_mean"] / rnd[other]["latency_mean"] for rnd in rounds]
+        ratio = float(np.median(each))
         verdict = ""
         if target is not None:
             met = ratio <= target
             ok = ok and met
             verdict = f"  (target <= {target:.2f}: {'ok' if met else 'MISSED'})"
+        if len(each) > 1:
+            verdict += f"  [rounds: {', '.join(f'{x:.2f}' for x in each)}]"
         label = f"ratio {name} / {other} mean latency"
         print(f"{label:<62} {ratio:.2f}{verdict}")
     return 0 if ok or args.no_check else 1
@@ -270,5 +285,11 @@ if __name__ == "__main__":
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dir", default=None, help="where the SSD tier's files go")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds of every configuration, interleaved; the table and ratios take medians",
+    )
     parser.add_argument("--no-check", action="store_true", help="report only, exit 0")
     sys.exit(anyio.run(main, parser.parse_args()))
