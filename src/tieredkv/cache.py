@@ -198,7 +198,10 @@ class TieredKVCache:
                     f"policy (for tier 0) or one per tier"
                 )
         else:
-            top = make_eviction(eviction) if isinstance(eviction, str) else eviction or LRU()
+            if isinstance(eviction, str):
+                top = make_eviction(eviction)
+            else:  # not `eviction or LRU()`: an empty policy may be falsy (it has __len__)
+                top = eviction if eviction is not None else LRU()
             policies = [top] + [LRU() for _ in tiers[1:]]
         for policy in policies:
             if not isinstance(policy, Eviction):

@@ -1,4 +1,4 @@
-"""The ``tieredkv`` command: ``demo``, ``simulate`` and ``reproduce``."""
+"""The ``tieredkv`` command: ``demo``, ``simulate``, ``reproduce`` and ``costs``."""
 
 from __future__ import annotations
 
@@ -60,6 +60,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     rep.add_argument("--jobs", type=int, help="worker processes (default: one per core)")
     rep.add_argument("--no-progress", action="store_true", help="draw no progress bar")
+
+    costs = sub.add_parser(
+        "costs",
+        help="cost efficiency (FLOPs saved per MB) of caching K/V or the activation, per model",
+    )
+    costs.add_argument(
+        "--model", action="append", help="a model preset (repeatable; default: every preset)"
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         import anyio
@@ -78,11 +86,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 0
     try:
+        if args.command == "costs":
+            return _costs(args.model)
         if args.command == "simulate":
             return _simulate(args)
         return _reproduce(args, argv)
     except (ValueError, ModuleNotFoundError, OSError) as exc:
         parser.exit(2, f"tieredkv {args.command}: error: {exc}\n")
+
+
+def _costs(names: Sequence[str] | None) -> int:
+    """Print the storage-efficient tensor table: bytes per token and GFLOP saved per MB of
+    each tensor, and the codec the transformers adapter would pick ("auto")."""
+    from .sim.costmodel import MODELS, cost_efficiency, get_model
+
+    models = [get_model(n) for n in names] if names else list(MODELS.values())
+    print(
+        "| model | attention | K/V bytes/token | activation bytes/token "
+        "| K/V GFLOP/MB | activation GFLOP/MB | cached (auto) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for m in models:
+        attention = "MHA" if m.mha else f"GQA {m.heads}:{m.kv_heads}"
+        kv, act = m.kv_bytes_per_token, m.activation_bytes_per_token
+        print(
+            f"| {m.name} | {attention} | {kv:,} | {act:,} | {cost_efficiency(m, 'kv'):.1f} "
+            f"| {cost_efficiency(m, 'act'):.1f} | {'activation' if act < kv else 'K/V'} |"
+        )
+    print(
+        "\nfp16; GFLOP/MB = linear-layer FLOPs a cached token saves (minus re-projecting K "
+        "and V for the activation) per 10^6 bytes it occupies."
+    )
+    return 0
 
 
 def _common(p: argparse.ArgumentParser) -> None:

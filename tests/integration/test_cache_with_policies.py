@@ -83,3 +83,14 @@ async def test_scheduler_drives_prefetch_through_the_channel(ssd_dir: Path) -> N
         while (request := sched.pop_ready(12.0)) is not None:
             order.append(request.session)
         assert on_ssd[0] in order
+
+
+@pytest.mark.parametrize("name", eviction_names())
+async def test_a_policy_object_is_used_even_while_empty(name: str, ssd_dir: Path) -> None:
+    """An empty policy is falsy (it has ``__len__``): the cache once swapped it for LRU."""
+    policy = make_eviction(name)
+    assert len(policy) == 0
+    tiers = [HostMemoryTier(1 << 20), SSDTier(ssd_dir, 16 << 20)]
+    async with TieredKVCache(tiers, eviction=policy, token_dim=0) as cache:
+        await cache.append("a", {"x": torch.zeros(4, 16)}, answer_tokens=1)
+        assert len(policy) == 1

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, Qwen2Config
 
 from tieredkv import HostMemoryTier, SSDTier, TieredKVCache
-from tieredkv.integrations._inplace import BufferPool, InPlaceLayer, in_place_cache
+from tieredkv.integrations.inplace import BufferPool, InPlaceLayer, in_place_cache
 from tieredkv.integrations.transformers import TransformersAdapter
 
 from .test_transformers_adapter import llama

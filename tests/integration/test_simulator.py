@@ -105,6 +105,23 @@ def test_simulate_command_prints_a_table(capsys: pytest.CaptureFixture[str]) -> 
     assert msgspec.json.decode(line)["system"] == "ideal"
 
 
+def test_costs_command_prints_the_cost_efficiency_table(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["costs"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split("|")[1].strip(): line for line in lines if line.startswith("|")}
+    # OPT-13B: 819,200 B/token of K/V; 30.7 vs 51.2 GFLOP/MB (the paper: 30.5 and 51.0)
+    assert "| 819,200 | 409,600 | 30.7 | 51.2 | activation |" in rows["opt-13b"]
+    assert "GQA 32:8" in rows["llama-3-8b"]
+    assert rows["llama-3-8b"].endswith("| K/V |")  # GQA: K/V is already the smaller
+    assert main(["costs", "--model", "OPT-6.7B"]) == 0
+    assert "opt-13b" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["costs", "--model", "gpt-9"])
+    assert "presets" in capsys.readouterr().err
+
+
 def test_simulate_command_refuses_unknown_names(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["simulate", "--model", "gpt-9"])

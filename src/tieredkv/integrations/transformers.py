@@ -284,7 +284,7 @@ class TransformersAdapter:
         refused too
     :param recycle_bytes: host buffers (K/V of finished turns on a CPU model) kept for the
         next turns' restores, at most; 0 to allocate afresh every turn (see
-        :class:`~tieredkv.integrations._inplace.BufferPool`)
+        :class:`~tieredkv.integrations.inplace.BufferPool`)
     :raises UnsupportedModelError: for an unsupported architecture
     :raises TransformersMissingError: (an ``ImportError``) without transformers installed
     """
@@ -337,7 +337,7 @@ class TransformersAdapter:
         self._turn_lock = threading.Lock()
         if recycle_bytes < 0:
             raise ValueError(f"recycle_bytes must be >= 0, not {recycle_bytes}")
-        from ._inplace import BufferPool
+        from .inplace import BufferPool
 
         self._pool: BufferPool | None = BufferPool(recycle_bytes) if recycle_bytes else None
 
@@ -470,7 +470,7 @@ class TransformersAdapter:
 
         Its layers keep K/V in buffers with ``room`` free positions after the history, so
         the next turn's forward passes append in place (see :class:`InPlaceLayer
-        <tieredkv.integrations._inplace.InPlaceLayer>`; beyond ``room`` a buffer doubles).
+        <tieredkv.integrations.inplace.InPlaceLayer>`; beyond ``room`` a buffer doubles).
         Runs the activation codec's re-projection, so call it from a worker thread in async
         code (as :meth:`restore` does).
         """
@@ -488,7 +488,7 @@ class TransformersAdapter:
         positions of ``[kv_heads, capacity, head_dim]`` buffers with that room become the
         cache's buffers (no copy; the caller gives them up); otherwise they are copied."""
         transformers = _require_transformers()
-        from ._inplace import InPlaceLayer, in_place_cache
+        from .inplace import InPlaceLayer, in_place_cache
 
         layers: list[InPlaceLayer] = []
         for k, v in kv:
@@ -516,7 +516,7 @@ class TransformersAdapter:
 
     def new_model_cache(self, room: int = 0) -> DynamicCache:
         """An empty model cache whose layers append in place, sized for ``room`` tokens."""
-        from ._inplace import InPlaceLayer, in_place_cache
+        from .inplace import InPlaceLayer, in_place_cache
 
         cache = in_place_cache(
             self.model.config, [InPlaceLayer(room) for _ in range(self.spec.layers)]
@@ -585,7 +585,7 @@ class TransformersAdapter:
         """Hand a finished turn's buffers to the pool (the turn owned them)."""
         if self._pool is None:
             return
-        from ._inplace import InPlaceLayer
+        from .inplace import InPlaceLayer
 
         buffers = list(extra)
         for layer in getattr(model_cache, "layers", ()):
