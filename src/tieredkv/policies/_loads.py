@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import heapq
+from collections import Counter
+from collections.abc import Set
+
 from ..meta import KVMeta
 from .scheduling import Request
 
@@ -45,9 +49,11 @@ def check_max_loads(max_loads: int) -> int:
 
 
 class LoadQueue:
-    """What both schedulers share: unique request ids, per-session pending loads, and at
-    most ``max_loads`` of them in flight. Subclasses choose which queued load starts next
-    (:meth:`_next_load`) and where requests go once their load lands."""
+    """What both schedulers share: unique request ids, per-session pending loads, at most
+    ``max_loads`` of them in flight, the count of ready requests per session, and handing
+    out requests from the head of a queue. Subclasses choose which queued load starts next
+    (:meth:`_next_load`), where requests go once their load lands, and which queue
+    :meth:`next_batch` serves (through :meth:`_take_batch`)."""
 
     def __init__(self, max_loads: int) -> None:
         self.max_loads = check_max_loads(max_loads)
@@ -55,6 +61,55 @@ class LoadQueue:
         self._ids: set[str] = set()
         self._in_flight = 0
         self._seq = 0
+        self._ready_count: Counter[str] = Counter()  # session -> ready, not handed out
+
+    def next_batch(
+        self, now: float, token_budget: int, max_requests: int | None = None
+    ) -> list[Request]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def pop_ready(self, now: float) -> Request | None:
+        """The next request to run: a batch of one (the first is taken whatever its size)."""
+        batch = self.next_batch(now, 0, 1)
+        return batch[0] if batch else None
+
+    def ready_sessions(self) -> Set[str]:
+        return self._ready_count.keys()
+
+    def _runnable(self, entry: Entry) -> bool:
+        """May the head of the served queue be handed out now?"""
+        return True
+
+    def _take_batch(
+        self,
+        queue: list[tuple[tuple[float, int], Entry]],
+        token_budget: int,
+        max_requests: int | None,
+    ) -> list[Request]:
+        """Pop requests from the head of ``queue`` (a heap by arrival) while they are
+        :meth:`_runnable` and their ``tokens`` fit ``token_budget``; the first one is taken
+        even if it alone exceeds the budget (it would starve otherwise)."""
+        batch: list[Request] = []
+        used = 0
+        while queue and (max_requests is None or len(batch) < max_requests):
+            entry = queue[0][1]
+            if not self._runnable(entry):
+                break
+            if batch and used + entry.request.tokens > token_budget:
+                break
+            heapq.heappop(queue)
+            self._hand_out(entry.request)
+            batch.append(entry.request)
+            used += entry.request.tokens
+        return batch
+
+    def _hand_out(self, request: Request) -> None:
+        self._ids.discard(request.id)
+        left = self._ready_count[request.session] - 1
+        if left:
+            self._ready_count[request.session] = left
+        else:
+            del self._ready_count[request.session]
 
     def _new_entry(self, request: Request) -> Entry:
         if request.id in self._ids:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import Counter
-from collections.abc import Set
 
 from ..meta import MetadataView
 from ._loads import Entry, Load, LoadQueue
@@ -70,7 +68,6 @@ class BidawScheduler(LoadQueue):
         # size class -> heap of queued (not started) loads by (arrival, seq)
         self._classes: dict[int, list[tuple[tuple[float, int], Load]]] = {}
         self._cost: dict[int, float] = {}
-        self._ready_sessions: Counter[str] = Counter()
         self._pending = 0  # requests waiting for a load
 
     # -- engine interface ---------------------------------------------------------------
@@ -99,27 +96,10 @@ class BidawScheduler(LoadQueue):
             self._push_ready(entry)
         return [entry.request for entry in load.entries]
 
-    def pop_ready(self, now: float) -> Request | None:
-        if not self._ready:
-            return None
-        _, entry = heapq.heappop(self._ready)
-        self._hand_out(entry.request)
-        return entry.request
-
     def next_batch(
         self, now: float, token_budget: int, max_requests: int | None = None
     ) -> list[Request]:
-        batch: list[Request] = []
-        used = 0
-        while self._ready and (max_requests is None or len(batch) < max_requests):
-            request = self._ready[0][1].request
-            if batch and used + request.tokens > token_budget:
-                break
-            heapq.heappop(self._ready)
-            self._hand_out(request)
-            batch.append(request)
-            used += request.tokens
-        return batch
+        return self._take_batch(self._ready, token_budget, max_requests)
 
     def waiting(self, limit: int | None = None) -> list[str]:
         n = len(self) if limit is None else limit
@@ -134,9 +114,6 @@ class BidawScheduler(LoadQueue):
             )
             sessions.extend(session for _, _, session in pending[: n - len(sessions)])
         return sessions
-
-    def ready_sessions(self) -> Set[str]:
-        return self._ready_sessions.keys()
 
     def __len__(self) -> int:
         return len(self._ready) + self._pending
@@ -193,12 +170,4 @@ class BidawScheduler(LoadQueue):
 
     def _push_ready(self, entry: Entry) -> None:
         heapq.heappush(self._ready, (entry.key, entry))
-        self._ready_sessions[entry.request.session] += 1
-
-    def _hand_out(self, request: Request) -> None:
-        self._ids.discard(request.id)
-        left = self._ready_sessions[request.session] - 1
-        if left:
-            self._ready_sessions[request.session] = left
-        else:
-            del self._ready_sessions[request.session]
+        self._ready_count[entry.request.session] += 1

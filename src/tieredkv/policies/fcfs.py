@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import heapq
-from collections import Counter
-from collections.abc import Set
 
 from ..meta import MetadataView
 from ._loads import Entry, Load, LoadQueue
@@ -43,7 +41,6 @@ class FCFS(LoadQueue):
         self._wanted: Load | None = None  # on demand: the head's load, once asked for
         self._queue: list[tuple[tuple[float, int], Entry]] = []
         self._load_queue: list[tuple[tuple[float, int], Load]] = []
-        self._ready: Counter[str] = Counter()
 
     def submit(self, request: Request, now: float, view: MetadataView) -> None:
         entry = self._new_entry(request)
@@ -54,7 +51,7 @@ class FCFS(LoadQueue):
             if load is not None and self.prefetch:
                 heapq.heappush(self._load_queue, ((request.arrival, self._seq), load))
         else:
-            self._ready[request.session] += 1
+            self._ready_count[request.session] += 1
         heapq.heappush(self._queue, (entry.key, entry))
 
     def _next_load(self, now: float) -> Load | None:
@@ -71,54 +68,24 @@ class FCFS(LoadQueue):
         load = self._finish_load(session)
         if load is None:
             return []
-        self._ready[session] += len(load.entries)
+        self._ready_count[session] += len(load.entries)
         return [entry.request for entry in load.entries]
 
-    def pop_ready(self, now: float) -> Request | None:
-        if not self._queue:
-            return None
-        waiting_for = self._queue[0][1].load
-        if waiting_for is not None:
-            if not self.prefetch:
-                self._wanted = waiting_for  # the engine is idle: fetch the head's KV now
-            return None
-        _, entry = heapq.heappop(self._queue)
-        self._hand_out(entry.request)
-        return entry.request
+    def _runnable(self, entry: Entry) -> bool:
+        if entry.load is None:
+            return True
+        if not self.prefetch:
+            self._wanted = entry.load  # the engine asks for work: fetch the head's KV now
+        return False
 
     def next_batch(
         self, now: float, token_budget: int, max_requests: int | None = None
     ) -> list[Request]:
-        batch: list[Request] = []
-        used = 0
-        while self._queue and (max_requests is None or len(batch) < max_requests):
-            entry = self._queue[0][1]
-            if entry.load is not None:
-                if not self.prefetch:
-                    self._wanted = entry.load  # next in line: fetch its KV now
-                break
-            if batch and used + entry.request.tokens > token_budget:
-                break
-            heapq.heappop(self._queue)
-            self._hand_out(entry.request)
-            batch.append(entry.request)
-            used += entry.request.tokens
-        return batch
+        return self._take_batch(self._queue, token_budget, max_requests)
 
     def waiting(self, limit: int | None = None) -> list[str]:
         n = len(self._queue) if limit is None else limit
         return [entry.request.session for _, entry in heapq.nsmallest(n, self._queue)]
 
-    def ready_sessions(self) -> Set[str]:
-        return self._ready.keys()
-
     def __len__(self) -> int:
         return len(self._queue)
-
-    def _hand_out(self, request: Request) -> None:
-        self._ids.discard(request.id)
-        left = self._ready[request.session] - 1
-        if left:
-            self._ready[request.session] = left
-        else:
-            del self._ready[request.session]
