@@ -52,7 +52,7 @@ class InPlaceLayer(DynamicLayer):  # type: ignore[no-untyped-call]
         super().__init__()  # type: ignore[no-untyped-call]
         if (keys is None) != (values is None):
             raise ValueError("give both the key and the value buffer, or neither")
-        self._capacity = capacity
+        self._first_capacity = capacity  # what the first allocation reserves at least
         self._k: torch.Tensor | None = keys
         self._v: torch.Tensor | None = values
         self._length = 0
@@ -92,7 +92,7 @@ class InPlaceLayer(DynamicLayer):  # type: ignore[no-untyped-call]
         need = self._length + key_states.shape[-2]
         if need <= self.capacity:
             return
-        size = max(need, self._capacity, 2 * self.capacity)
+        size = max(need, self._first_capacity, 2 * self.capacity)
         shape = (*key_states.shape[:-2], size, key_states.shape[-1])
         k = torch.empty(shape, dtype=key_states.dtype, device=key_states.device)
         v = torch.empty(

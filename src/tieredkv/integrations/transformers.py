@@ -495,8 +495,8 @@ class TransformersAdapter:
             tokens = k.shape[1]
             kb, vb = (_buffer_of(k), _buffer_of(v)) if adopt else (None, None)
             if kb is None or vb is None or min(kb.shape[1], vb.shape[1]) < tokens + room:
-                kb = self._buffer((k.shape[0], tokens + room, k.shape[2]), k)
-                vb = self._buffer((v.shape[0], tokens + room, v.shape[2]), v)
+                kb = self._empty((k.shape[0], tokens + room, k.shape[2]), 1, k.dtype, k.device)
+                vb = self._empty((v.shape[0], tokens + room, v.shape[2]), 1, v.dtype, v.device)
                 kb[:, :tokens].copy_(k)
                 vb[:, :tokens].copy_(v)
             layers.append(InPlaceLayer(keys=kb[None], values=vb[None], length=tokens))
@@ -508,11 +508,14 @@ class TransformersAdapter:
             )
         return cache
 
-    def _buffer(self, shape: tuple[int, int, int], like: torch.Tensor) -> torch.Tensor:
-        """An uninitialized ``[heads, capacity, head_dim]`` buffer (from the pool on CPU)."""
-        if self._pool is not None and like.device.type == "cpu":
-            return self._pool.take(shape, 1, like.dtype, like.device)
-        return like.new_empty(shape)
+    def _empty(
+        self, shape: tuple[int, ...], dim: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """An uninitialized tensor with ``shape`` or more positions along ``dim`` (from the
+        pool on a CPU model)."""
+        if self._pool is not None and device.type == "cpu":
+            return self._pool.take(shape, dim, dtype, device)
+        return torch.empty(shape, dtype=dtype, device=device)
 
     def new_model_cache(self, room: int = 0) -> DynamicCache:
         """An empty model cache whose layers append in place, sized for ``room`` tokens."""
@@ -570,24 +573,20 @@ class TransformersAdapter:
     def _allocate(self, tokens: int) -> dict[str, torch.Tensor]:
         """Tensors for ``tokens`` positions (or more) of every stored name, from the pool."""
         dtype = getattr(torch, self.spec.dtype)
-        device = self.device
-        out: dict[str, torch.Tensor] = {}
-        for name, shape in self.codec.layout(self.spec).items():
-            dim = shape.index(-1)
-            full = tuple(tokens if d == -1 else d for d in shape)
-            if self._pool is not None and device.type == "cpu":
-                out[name] = self._pool.take(full, dim, dtype, device)
-            else:
-                out[name] = torch.empty(full, dtype=dtype, device=device)
-        return out
+        return {
+            name: self._empty(
+                tuple(tokens if d == -1 else d for d in shape), shape.index(-1), dtype, self.device
+            )
+            for name, shape in self.codec.layout(self.spec).items()
+        }
 
-    def _recycle(self, model_cache: Any, *extra: torch.Tensor) -> None:
+    def _recycle(self, model_cache: Any) -> None:
         """Hand a finished turn's buffers to the pool (the turn owned them)."""
         if self._pool is None:
             return
         from .inplace import InPlaceLayer
 
-        buffers = list(extra)
+        buffers: list[torch.Tensor] = []
         for layer in getattr(model_cache, "layers", ()):
             if isinstance(layer, InPlaceLayer):
                 buffers.extend(layer.release())
