@@ -433,9 +433,11 @@ class TieredKVCache:
         self._stats.appends += 1
         now = self._clock()
         meta = self._publish(s, now, access=True, answer=answer_tokens)
-        self._policies[t].on_admit(session, meta, now)
+        # the access first, then the admission (as the replay does): a policy must see a new
+        # session's first turn as its first access, not as a reuse at distance 0
         for policy in self._policies:
             policy.on_access(session, meta, now)
+        self._policies[t].on_admit(session, meta, now)
         self.channel.emit(
             Stored(
                 session=session,

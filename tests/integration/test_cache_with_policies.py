@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tieredkv import HostMemoryTier, SSDTier, TieredKVCache, UnknownPolicyError
-from tieredkv.policies import eviction_names, make_eviction
+from tieredkv.policies import BidawEviction, eviction_names, make_eviction
 from tieredkv.policies.scheduling import Request
 
 KIB = 1024
@@ -83,6 +83,21 @@ async def test_scheduler_drives_prefetch_through_the_channel(ssd_dir: Path) -> N
         while (request := sched.pop_ready(12.0)) is not None:
             order.append(request.session)
         assert on_ssd[0] in order
+
+
+async def test_bidaw_learns_the_think_gap_not_the_first_turn() -> None:
+    """The cache tells Bidaw about an append before admitting it: a session's first turn is
+    its first access (no reuse to record), and the gap before its second turn is the sample,
+    measured in the bytes of the other sessions stored meanwhile."""
+    policy = BidawEviction(capacity=1 << 20)
+    async with TieredKVCache([HostMemoryTier(1 << 20)], eviction=policy) as cache:
+        first = await cache.append("a", seg(8, 0), answer_tokens=3)
+        assert policy.observed(policy.bucket_of(3)) == []  # no fabricated reuse at distance 0
+        other = await cache.append("b", seg(8, 1), answer_tokens=50)  # another user meanwhile
+        await cache.load("a")  # a's second turn reuses its history after b's bytes
+        await cache.append("a", seg(8, 2), answer_tokens=3)
+        assert policy.observed(policy.bucket_of(3)) == [other.nbytes]
+        assert first.turns == 1
 
 
 @pytest.mark.parametrize("name", eviction_names())

@@ -74,6 +74,16 @@ def test_live_pattern_samples_only_the_think_time_gap() -> None:
     assert p.observed(p.bucket_of(300)) == []
 
 
+def test_session_first_seen_through_an_admission_takes_no_sample() -> None:
+    """A promotion of a session the policy had forgotten, then its load: the load is no
+    reuse the policy measured, so it must not be recorded as a think-time gap of 0."""
+    p = BidawEviction(capacity=100 * GB)
+    m = meta("x", 4096, answer=5, turns=3)
+    p.on_admit("x", m, 0.0)  # first seen through an admission (a promotion)
+    p.on_access("x", m, 0.0)  # its load
+    assert p.observed(p.bucket_of(5)) == []
+
+
 def learn(p: BidawEviction, rng: random.Random, rounds: int) -> None:
     """Users with short answers return after ~10 GB of other sessions (0.25 C at C = 40 GB),
     long answers after all ~120 others (3 C)."""

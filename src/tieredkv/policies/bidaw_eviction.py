@@ -214,6 +214,7 @@ class BidawEviction:
             self._tracker.access(session, meta.nbytes)
             bucket = bisect.bisect_right(self.answer_edges, meta.prev_answer_tokens)
             seen = self._seen[session] = _Seen(bucket, meta.turns)
+            seen.completing = False  # its next access (the load) is no reuse we measured
         old = self._resident.get(session)
         self._resident[session] = meta.nbytes
         self._bytes += meta.nbytes - (old or 0)

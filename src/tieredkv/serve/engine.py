@@ -123,6 +123,7 @@ class ServingEngine:
         self._results: list[ServedTurn] = []
         self._changed = anyio.Event()
         self._busy = False
+        self._running: set[str] = set()  # sessions of the turns the model is running
         self._ids = 0
         self.ssd_loads = 0
         """Prefetches that moved a history up from a lower tier."""
@@ -139,7 +140,9 @@ class ServingEngine:
         """
         if not arrivals:
             return []
-        self.cache.set_protected(self.scheduler.ready_sessions)
+        # ready requests' KV, and the running turns' (between their load and their append)
+        ready_sessions = self.scheduler.ready_sessions
+        self.cache.set_protected(lambda: ready_sessions() | self._running)
         start = self._clock()
         total = len(arrivals)
         self._results = []
@@ -210,6 +213,7 @@ class ServingEngine:
         turn, arrival, hit, done = self._pending.pop(request.id)
         began = self._clock()
         history = self._history.setdefault(turn.session, [])
+        self._running.add(turn.session)
         try:
             if self.recompute:
                 answer, restored, recomputed = await self._recompute(turn, history)
@@ -243,6 +247,7 @@ class ServingEngine:
                 )
             )
         finally:
+            self._running.discard(turn.session)
             self._busy = False
             done.set()
             self._notify()

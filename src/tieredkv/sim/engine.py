@@ -663,9 +663,9 @@ class Simulator:
             t = self._time[nxt]
             next_access = t if t > now else now
         meta = self._publish(s, now, access=True, answer=self._answer[row], next_access=next_access)
+        self.eviction.on_access(s.name, meta, now)
         if s.in_host:
             self.eviction.on_admit(s.name, meta, now)
-        self.eviction.on_access(s.name, meta, now)
 
     def _reserve(self, need: int, now: float) -> bool:
         """Make ``need`` bytes of host memory available (evicting) and take them."""
