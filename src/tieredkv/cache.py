@@ -738,14 +738,26 @@ class TieredKVCache:
         """Reserve ``length`` bytes in tier ``t``, evicting unprotected sessions as needed.
 
         With ``lossless``, only victims that keep a copy somewhere are moved (a background
-        copy must never cost another session its only copy).
+        copy must never cost another session its only copy). When enough bytes are free but
+        split into gaps, a tier that can (``defragment``, as the arena tiers) first moves
+        idle sessions' segments aside, so that no session is evicted for want of one gap.
         """
         tier = self._tiers[t]
         if length > tier.capacity:
             return False
         skip = set(protect)
+        defragment = getattr(tier, "defragment", None)
+        busy = self._busy
         while not tier.reserve(key, length):
-            short = max(length - (tier.capacity - tier.used), 1)
+            short = length - (tier.capacity - tier.used)
+            if (
+                short <= 0
+                and defragment is not None
+                and defragment(length, lambda k: k[0] not in busy) is not None
+                and tier.reserve(key, length)
+            ):
+                break
+            short = max(short, 1)
             victims = self._policies[t].victims(
                 short, self._clock(), self.channel, skip | self._busy.keys() | self._protected()
             )

@@ -11,6 +11,7 @@ import bisect
 import contextlib
 import logging
 import mmap
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -77,6 +78,30 @@ class ArenaAllocator:
                 return offset
         return None
 
+    def free_blocks(self) -> list[tuple[int, int]]:
+        """The free blocks as ``(offset, size)``, by offset."""
+        return [(offset, self._free_sizes[offset]) for offset in self._free_offsets]
+
+    def take(self, offset: int, size: int) -> None:
+        """Allocate exactly ``[offset, offset + size)`` (rounded up), which must be free."""
+        size = align_up(max(size, 1), self._granularity)
+        i = bisect.bisect_right(self._free_offsets, offset) - 1
+        start = self._free_offsets[i] if i >= 0 else -1
+        block = self._free_sizes.get(start, 0)
+        if i < 0 or offset % self._granularity or offset + size > start + block:
+            raise ValueError(f"arena range [{offset}, {offset + size}) is not free")
+        del self._free_offsets[i]
+        del self._free_sizes[start]
+        tail = start + block - (offset + size)
+        if offset > start:
+            self._free_offsets.insert(i, start)
+            self._free_sizes[start] = offset - start
+            i += 1
+        if tail:
+            self._free_offsets.insert(i, offset + size)
+            self._free_sizes[offset + size] = tail
+        self._used += size
+
     def free(self, offset: int, size: int) -> None:
         """Return a block obtained from :meth:`allocate` (same ``size`` as asked)."""
         size = align_up(max(size, 1), self._granularity)
@@ -135,6 +160,8 @@ class ArenaTier(AddressableTier):
             "bytes_written": 0,
             "reads": 0,
             "writes": 0,
+            "relocations": 0,
+            "relocated_bytes": 0,
         }
 
     # -- subclass hooks ------------------------------------------------------------------
@@ -218,6 +245,90 @@ class ArenaTier(AddressableTier):
             )
         return slot
 
+    def defragment(self, length: int, movable: Callable[[SegmentKey], bool]) -> int | None:
+        """Make one free block of ``length`` bytes by moving committed segments aside.
+
+        Free space splits into gaps as segments come and go; a reservation can then fail
+        with enough bytes free in all. This finds the window of the arena that is cheapest
+        to clear (fewest bytes of segments to move, none of them unmovable) and moves the
+        segments in it into free space elsewhere. Only committed segments whose key
+        ``movable`` accepts move: the caller promises that nobody holds a :meth:`view` of
+        them (the cache passes the segments of sessions no operation is using). The moves
+        are synchronous, so nothing can take a view meanwhile.
+
+        :returns: bytes moved (0 if a large enough block was already free), or ``None``
+            if no window can be cleared (too few bytes free, or unmovable segments in the
+            way): the caller must free space another way
+        """
+        buf = self._arena()
+        need = align_up(max(length, 1))
+        alloc = self._alloc
+        if need > self._capacity - alloc.used:
+            return None
+        if alloc.largest_free >= need:
+            return 0
+        # The arena in address order: free blocks (key None) and slots, each with its
+        # allocated size and whether it may move.
+        blocks: list[tuple[int, int, SegmentKey | None, bool]] = [
+            (offset, size, None, True) for offset, size in alloc.free_blocks()
+        ]
+        for key, slot in self._slots.items():
+            may = slot.committed and movable(key)
+            blocks.append((slot.offset, align_up(max(slot.length, 1)), key, may))
+        blocks.sort()
+        # Every run of movable blocks spanning ``need`` bytes, with the bytes to move out
+        windows: list[tuple[int, int, int]] = []  # (cost, first, last)
+        first = span = cost = 0
+        for last, (_, size, owner, may) in enumerate(blocks):
+            if not may:
+                first, span, cost = last + 1, 0, 0
+                continue
+            span += size
+            cost += size if owner is not None else 0
+            while span - blocks[first][1] >= need:
+                span -= blocks[first][1]
+                cost -= blocks[first][1] if blocks[first][2] is not None else 0
+                first += 1
+            if span >= need:
+                windows.append((cost, first, last))
+        windows.sort()
+        for _, first, last in windows[:8]:
+            moved = self._clear(buf, blocks[first : last + 1])
+            if moved is not None:
+                self._counters["relocations"] += 1
+                self._counters["relocated_bytes"] += moved
+                return moved
+        return None
+
+    def _clear(
+        self, buf: memoryview, window: list[tuple[int, int, SegmentKey | None, bool]]
+    ) -> int | None:
+        """Move the segments in ``window`` (adjacent blocks) out of it, or change nothing."""
+        alloc = self._alloc
+        held = [(offset, size) for offset, size, key, _ in window if key is None]
+        for offset, size in held:  # keep the moves out of the window's own free space
+            alloc.take(offset, size)
+        moves: list[tuple[SegmentKey, int, int, int]] = []  # key, from, to, size
+        try:
+            for offset, size, key, _ in sorted(window, key=lambda b: -b[1]):
+                if key is None:
+                    continue
+                to = alloc.allocate(size)
+                if to is None:
+                    for _, _, placed, n in moves:
+                        alloc.free(placed, n)
+                    return None
+                moves.append((key, offset, to, size))
+        finally:
+            for offset, size in held:
+                alloc.free(offset, size)
+        arena = np.frombuffer(buf, dtype=np.uint8)
+        for key, src, dst, size in moves:
+            np.copyto(arena[dst : dst + size], arena[src : src + size])
+            self._slots[key].offset = dst
+            alloc.free(src, size)
+        return sum(size for *_, size in moves)
+
     def view(self, key: SegmentKey) -> memoryview:
         slot = self._slot(key)
         return self._arena()[slot.offset : slot.offset + slot.length]
@@ -293,6 +404,8 @@ class ArenaTier(AddressableTier):
             bytes_written=self._counters["bytes_written"],
             reads=self._counters["reads"],
             writes=self._counters["writes"],
+            relocations=self._counters["relocations"],
+            relocated_bytes=self._counters["relocated_bytes"],
             **self._extra_stats(),
         )
 

@@ -51,6 +51,8 @@ class TierStats(msgspec.Struct, kw_only=True):
     :param pinned: host memory is page-locked for fast device copies (``None``: not memory)
     :param direct_io: files bypass the page cache with O_DIRECT (``None``: no files)
     :param corrupt: segments found damaged and taken out of service
+    :param relocations: times free space was defragmented by moving segments aside
+    :param relocated_bytes: bytes of segments moved to defragment free space
     :param notes: anything a user should know (fallbacks taken, ...)
     """
 
@@ -66,6 +68,8 @@ class TierStats(msgspec.Struct, kw_only=True):
     pinned: bool | None = None
     direct_io: bool | None = None
     corrupt: int = 0
+    relocations: int = 0
+    relocated_bytes: int = 0
     notes: tuple[str, ...] = ()
 
 
