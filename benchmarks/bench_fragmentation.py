@@ -59,10 +59,10 @@ from pathlib import Path
 import anyio
 import torch
 
+from bench_serve import bidaw_eviction  # the same scaled buckets as the serving run
 from tieredkv import HostMemoryTier, SSDTier, TieredKVCache
 from tieredkv.meta import Demoted, Event, Evicted
-from tieredkv.policies import LRU, BidawEviction, Eviction
-from tieredkv.policies.bidaw_eviction import DEFAULT_ANSWER_EDGES
+from tieredkv.policies import LRU, Eviction
 from tieredkv.serve import TurnRequest
 from tieredkv.serve.load import timed_requests
 from tieredkv.sim.synthetic import SyntheticWorkload
@@ -80,17 +80,10 @@ class FirstFitHostTier(HostMemoryTier):
     defragment = None  # type: ignore[assignment]
 
 
-def bidaw(*, size_aware: bool) -> Eviction:
-    """Bidaw's eviction with its answer-length buckets scaled like the answers (as
-    bench_serve.py's ``bidaw_eviction``)."""
-    edges = sorted({max(1, round(e * ANSWER_SCALE)) for e in DEFAULT_ANSWER_EDGES})
-    return BidawEviction(answer_edges=edges, size_aware=size_aware)
-
-
 POLICIES: list[tuple[str, Callable[[], Eviction]]] = [
     ("LRU", LRU),
-    ("Bidaw (paper order)", lambda: bidaw(size_aware=False)),
-    ("Bidaw (per-byte)", lambda: bidaw(size_aware=True)),
+    ("Bidaw (paper order)", lambda: bidaw_eviction(ANSWER_SCALE, size_aware=False)),
+    ("Bidaw (per-byte)", lambda: bidaw_eviction(ANSWER_SCALE, size_aware=True)),
 ]
 ALLOCATORS: list[tuple[str, type[HostMemoryTier]]] = [
     ("first fit", FirstFitHostTier),

@@ -210,6 +210,8 @@ def answers(results: list[ServedTurn]) -> dict[str, list[tuple[int, ...]]]:
 async def main(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         raise SystemExit(f"--repeat must be at least 1, not {args.repeat}")
+    if args.time_scale is not None and not args.time_scale > 0:
+        raise SystemExit(f"--time-scale must be positive, not {args.time_scale}")
     if not 0 < args.load < 1.5:
         raise SystemExit(f"--load must be in (0, 1.5), not {args.load}")
     torch.set_num_threads(args.threads)  # one core computes, the other moves data
@@ -235,26 +237,26 @@ async def main(args: argparse.Namespace) -> int:
         f"{torch.get_num_threads()} torch thread(s)",
         flush=True,
     )
-    if args.time_scale is not None:
-        time_scale = args.time_scale
-    else:
-        work = await calibrate(model, requests, root / "calibration")
-        time_scale = work / (args.load * requests[-1][0])
-        print(
-            f"calibration: serving every request with nothing else to wait for keeps the "
-            f"model busy {work:.1f} s; think times scaled by {time_scale:.3f} so that all "
-            f"in memory offers a load of {args.load:.2f} (model busy / arrival span)",
-            flush=True,
-        )
-    requests = [(offset * time_scale, request) for offset, request in requests]
-    print(f"arrivals span {requests[-1][0]:.1f} s", flush=True)
-    # rounds[r][name]: one summary per configuration per round; configurations run
-    # interleaved, round after round, so a ratio compares runs made minutes apart
-    rounds: list[dict[str, dict[str, float]]] = []
-    reference: dict[str, list[tuple[int, ...]]] | None = None
-    identical = True
-    chosen = [c for c in CONFIGS if not args.only or c.name in args.only]
-    try:
+    try:  # the temporary directory goes whatever happens
+        if args.time_scale is not None:
+            time_scale = args.time_scale
+        else:
+            work = await calibrate(model, requests, root / "calibration")
+            time_scale = work / (args.load * requests[-1][0])
+            print(
+                f"calibration: serving every request with nothing else to wait for keeps the "
+                f"model busy {work:.1f} s; think times scaled by {time_scale:.3f} so that all "
+                f"in memory offers a load of {args.load:.2f} (model busy / arrival span)",
+                flush=True,
+            )
+        requests = [(offset * time_scale, request) for offset, request in requests]
+        print(f"arrivals span {requests[-1][0]:.1f} s", flush=True)
+        # rounds[r][name]: one summary per configuration per round; configurations run
+        # interleaved, round after round, so a ratio compares runs made minutes apart
+        rounds: list[dict[str, dict[str, float]]] = []
+        reference: dict[str, list[tuple[int, ...]]] | None = None
+        identical = True
+        chosen = [c for c in CONFIGS if not args.only or c.name in args.only]
         for r in range(args.repeat):
             rounds.append({})
             for i, cfg in enumerate(chosen):

@@ -57,6 +57,10 @@ class ArenaAllocator:
         """Bytes allocated."""
         return self._used
 
+    def block_size(self, size: int) -> int:
+        """The bytes a request for ``size`` takes: at least one granule, rounded up."""
+        return align_up(max(size, 1), self._granularity)
+
     @property
     def largest_free(self) -> int:
         """Size of the largest free block."""
@@ -64,7 +68,7 @@ class ArenaAllocator:
 
     def allocate(self, size: int) -> int | None:
         """Offset of a new block of ``size`` bytes (rounded up), or ``None`` if none fits."""
-        size = align_up(max(size, 1), self._granularity)
+        size = self.block_size(size)
         for i, offset in enumerate(self._free_offsets):
             block = self._free_sizes[offset]
             if block >= size:
@@ -84,7 +88,7 @@ class ArenaAllocator:
 
     def take(self, offset: int, size: int) -> None:
         """Allocate exactly ``[offset, offset + size)`` (rounded up), which must be free."""
-        size = align_up(max(size, 1), self._granularity)
+        size = self.block_size(size)
         i = bisect.bisect_right(self._free_offsets, offset) - 1
         start = self._free_offsets[i] if i >= 0 else -1
         block = self._free_sizes.get(start, 0)
@@ -104,7 +108,7 @@ class ArenaAllocator:
 
     def free(self, offset: int, size: int) -> None:
         """Return a block obtained from :meth:`allocate` (same ``size`` as asked)."""
-        size = align_up(max(size, 1), self._granularity)
+        size = self.block_size(size)
         self._used -= size
         i = bisect.bisect_left(self._free_offsets, offset)
         if i < len(self._free_offsets) and self._free_offsets[i] == offset:
@@ -261,8 +265,8 @@ class ArenaTier(AddressableTier):
             way): the caller must free space another way
         """
         buf = self._arena()
-        need = align_up(max(length, 1))
         alloc = self._alloc
+        need = alloc.block_size(length)
         if need > self._capacity - alloc.used:
             return None
         if alloc.largest_free >= need:
@@ -274,7 +278,7 @@ class ArenaTier(AddressableTier):
         ]
         for key, slot in self._slots.items():
             may = slot.committed and movable(key)
-            blocks.append((slot.offset, align_up(max(slot.length, 1)), key, may))
+            blocks.append((slot.offset, alloc.block_size(slot.length), key, may))
         blocks.sort()
         # Every run of movable blocks spanning ``need`` bytes, with the bytes to move out
         windows: list[tuple[int, int, int]] = []  # (cost, first, last)
