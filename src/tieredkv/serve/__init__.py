@@ -9,6 +9,14 @@ from .engine import ServedTurn as ServedTurn
 from .engine import ServingEngine as ServingEngine
 from .engine import TurnRequest as TurnRequest
 from .engine import greedy_generate as greedy_generate
+from .engine import model_stall as model_stall
 from .engine import summarize as summarize
 
-__all__ = ["ServedTurn", "ServingEngine", "TurnRequest", "greedy_generate", "summarize"]
+__all__ = [
+    "ServedTurn",
+    "ServingEngine",
+    "TurnRequest",
+    "greedy_generate",
+    "model_stall",
+    "summarize",
+]

@@ -21,6 +21,7 @@ start - arrival; latency is end - arrival.
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -290,8 +291,30 @@ def greedy_generate(
     return tuple(answer)
 
 
+def model_stall(results: Sequence[ServedTurn]) -> float:
+    """Seconds the model sat idle while a submitted request waited.
+
+    With one turn at a time, a request waits either behind a running turn (queueing: the
+    model is busy) or for nothing the model can do: its history's load from a lower tier
+    (or, under FCFS, the head's load). This counts the second kind, summed over the run:
+    every stretch in which no turn ran and some request had arrived that had not started.
+    Loads that a scheduler hides behind other turns do not count; loads the model waits
+    for do.
+    """
+    served = sorted(results, key=lambda r: r.start)
+    # earliest arrival among the turns that start at or after each one
+    waiting_since = list(itertools.accumulate(reversed([r.arrival for r in served]), min))[::-1]
+    stall = 0.0
+    idle_from = -math.inf  # when the model last finished a turn
+    for r, since in zip(served, waiting_since, strict=True):
+        stall += max(0.0, r.start - max(idle_from, since))
+        idle_from = max(idle_from, r.end)
+    return stall
+
+
 def summarize(results: Sequence[ServedTurn]) -> dict[str, float]:
-    """Mean/percentile latency and queueing, and the host hit ratio at arrival."""
+    """Mean/percentile latency and queueing, the host hit ratio at arrival, and the
+    seconds the model stalled with requests waiting (:func:`model_stall`)."""
     if not results:
         return {}
     lat = np.array([r.latency for r in results])
@@ -305,4 +328,5 @@ def summarize(results: Sequence[ServedTurn]) -> dict[str, float]:
         "latency_p99": float(np.percentile(lat, 99)),
         "queueing_mean": float(queue.mean()),
         "host_hit_ratio": float(sum(hits) / len(hits)) if hits else math.nan,
+        "model_stall": model_stall(results),
     }
