@@ -183,6 +183,7 @@ async def run_one(
     summary["ssd_read_gb"] = stats.tiers[1].bytes_read / 1e9 if len(stats.tiers) > 1 else 0.0
     summary["peak_live_mb"] = peak_live / MiB
     summary["busy"] = sum(r.end - r.start for r in results) / wall
+    summary["service_mean"] = float(np.mean([r.end - r.start for r in results]))
     return results, summary
 
 
@@ -301,6 +302,17 @@ async def main(args: argparse.Namespace) -> int:
             f"{cfg.name:<26} {s['latency_mean']:>7.3f} {s['latency_p50']:>6.3f} "
             f"{s['latency_p90']:>6.3f} {s['latency_p99']:>6.3f} {s['queueing_mean']:>7.3f} "
             f"{hit:>8} {s['ssd_read_gb']:>7.2f} {s['busy']:>5.2f} {s['model_stall']:>7.1f}"
+        )
+    print(
+        "\nper turn, ms (service: the model's start to end; restore + compute + store, and"
+        " the engine's own steps)\n"
+        f"{'configuration':<26} {'service':>7} {'restore':>7} {'compute':>7} {'store':>7}"
+    )
+    for cfg in chosen:
+        s = by[cfg.name]
+        print(
+            f"{cfg.name:<26} {s['service_mean'] * 1e3:>7.1f} {s['restore_mean'] * 1e3:>7.1f} "
+            f"{s['compute_mean'] * 1e3:>7.1f} {s['store_mean'] * 1e3:>7.1f}"
         )
     base = by.get("FCFS + LRU")
     if base is not None:

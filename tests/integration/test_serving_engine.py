@@ -108,6 +108,13 @@ async def test_results_measure_queueing_and_hits(adapter_factory: object, tmp_pa
     for r in results:
         assert r.arrival <= r.start <= r.end
         assert r.queueing == pytest.approx(r.start - r.arrival)
+        # the turn's phases happen inside its service time (1 ms: two clocks' rounding)
+        assert r.compute > 0
+        assert r.store > 0
+        assert r.restore >= 0
+        assert r.restore + r.compute + r.store <= r.end - r.start + 1e-3
+        if r.restored_tokens:
+            assert r.restore > 0
     first_turns = [r for r in results if r.host_hit is None]
     assert first_turns  # first turns have no history to hit or miss
     summary = summarize(results)

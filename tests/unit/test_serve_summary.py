@@ -9,7 +9,9 @@ import pytest
 from tieredkv.serve import ServedTurn, model_stall, summarize
 
 
-def turn(session: str, arrival: float, start: float, end: float) -> ServedTurn:
+def turn(
+    session: str, arrival: float, start: float, end: float, phases: tuple[float, ...] = (0, 0, 0)
+) -> ServedTurn:
     return ServedTurn(
         session=session,
         arrival=arrival,
@@ -19,6 +21,9 @@ def turn(session: str, arrival: float, start: float, end: float) -> ServedTurn:
         restored_tokens=0,
         recomputed_tokens=0,
         answer=(),
+        restore=phases[0],
+        compute=phases[1],
+        store=phases[2],
     )
 
 
@@ -49,3 +54,11 @@ def test_summary_of_nothing_is_empty_and_no_hits_is_nan() -> None:
     assert summarize([]) == {}
     assert model_stall([]) == 0.0
     assert math.isnan(summarize([turn("a", 0.0, 0.0, 1.0)])["host_hit_ratio"])
+
+
+def test_summary_averages_the_phases_of_a_turn() -> None:
+    results = [turn("a", 0.0, 0.0, 1.0, (0.1, 0.7, 0.2)), turn("b", 0.0, 1.0, 1.5, (0, 0.4, 0.1))]
+    summary = summarize(results)
+    assert summary["restore_mean"] == pytest.approx(0.05)
+    assert summary["compute_mean"] == pytest.approx(0.55)
+    assert summary["store_mean"] == pytest.approx(0.15)

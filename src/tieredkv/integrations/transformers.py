@@ -43,6 +43,7 @@ import inspect
 import logging
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
@@ -261,6 +262,10 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
     :param history_tokens: tokens of the whole stored history after the turn
     :param codec: the codec string stored with the segment
     :param meta: the session's metadata after the append
+    :param restore_seconds: wall time from the call to the model's first step: checking
+        the stored history and restoring it into the model cache (about 0 with none)
+    :param compute_seconds: wall time of the model's prefill and decoding
+    :param store_seconds: wall time of appending the turn's segment to the cache
     """
 
     answer: tuple[int, ...]
@@ -270,6 +275,9 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
     history_tokens: int
     codec: str
     meta: KVMeta
+    restore_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    store_seconds: float = 0.0
 
 
 class TransformersAdapter:
@@ -627,6 +635,7 @@ class TransformersAdapter:
         history_ids = _ids(history, "history") if history is not None else None
         expected = int(history_ids.numel()) if history_ids is not None else None
         model_cache: Any = None
+        began = time.perf_counter()
         if session in cache:
             try:
                 model_cache = await self.restore(
@@ -651,9 +660,11 @@ class TransformersAdapter:
             model_cache = self.new_model_cache(int(prefill.numel()) + max_new_tokens)
         recomputed = prefill.numel() - query_ids.numel()
         self._check_positions(session, restored + prefill.numel() + max_new_tokens)
+        restored_at = time.perf_counter()
         answer, tensors = await anyio.to_thread.run_sync(
             self._compute_turn, model_cache, prefill, restored, max_new_tokens, eos_token_id
         )
+        computed_at = time.perf_counter()
         meta = await cache.append(
             session,
             tensors,
@@ -671,6 +682,9 @@ class TransformersAdapter:
             history_tokens=meta.tokens,
             codec=self.codec_id,
             meta=meta,
+            restore_seconds=restored_at - began,
+            compute_seconds=computed_at - restored_at,
+            store_seconds=time.perf_counter() - computed_at,
         )
 
     def _compute_turn(

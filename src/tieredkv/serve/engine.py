@@ -66,6 +66,9 @@ class ServedTurn(msgspec.Struct, frozen=True, kw_only=True):
     :param restored_tokens: history tokens restored from the cache
     :param recomputed_tokens: history tokens recomputed (no cache, or KV lost)
     :param answer: the generated token ids
+    :param restore: seconds of the turn spent restoring its history into the model cache
+    :param compute: seconds of the turn spent in the model (prefill and decoding)
+    :param store: seconds of the turn spent appending its KV to the cache
     """
 
     session: str
@@ -76,6 +79,9 @@ class ServedTurn(msgspec.Struct, frozen=True, kw_only=True):
     restored_tokens: int
     recomputed_tokens: int
     answer: tuple[int, ...]
+    restore: float = 0.0
+    compute: float = 0.0
+    store: float = 0.0
 
     @property
     def queueing(self) -> float:
@@ -216,8 +222,10 @@ class ServingEngine:
         history = self._history.setdefault(turn.session, [])
         self._running.add(turn.session)
         try:
+            phases = (0.0, 0.0, 0.0)  # restore, compute, store
             if self.recompute:
                 answer, restored, recomputed = await self._recompute(turn, history)
+                phases = (0.0, self._clock() - began, 0.0)
             else:
                 result = await self.adapter.chat_turn(
                     self.cache,
@@ -228,6 +236,7 @@ class ServingEngine:
                 )
                 answer = tuple(result.answer)
                 restored, recomputed = result.restored_tokens, result.recomputed_tokens
+                phases = (result.restore_seconds, result.compute_seconds, result.store_seconds)
             history.extend(turn.query)
             history.extend(answer)
             if turn.last:
@@ -245,6 +254,9 @@ class ServingEngine:
                     restored_tokens=restored,
                     recomputed_tokens=recomputed,
                     answer=answer,
+                    restore=phases[0],
+                    compute=phases[1],
+                    store=phases[2],
                 )
             )
         finally:
@@ -313,8 +325,9 @@ def model_stall(results: Sequence[ServedTurn]) -> float:
 
 
 def summarize(results: Sequence[ServedTurn]) -> dict[str, float]:
-    """Mean/percentile latency and queueing, the host hit ratio at arrival, and the
-    seconds the model stalled with requests waiting (:func:`model_stall`)."""
+    """Mean/percentile latency and queueing, the host hit ratio at arrival, the seconds
+    the model stalled with requests waiting (:func:`model_stall`), and the mean seconds a
+    turn spent restoring, computing and storing."""
     if not results:
         return {}
     lat = np.array([r.latency for r in results])
@@ -329,4 +342,7 @@ def summarize(results: Sequence[ServedTurn]) -> dict[str, float]:
         "queueing_mean": float(queue.mean()),
         "host_hit_ratio": float(sum(hits) / len(hits)) if hits else math.nan,
         "model_stall": model_stall(results),
+        "restore_mean": float(np.mean([r.restore for r in results])),
+        "compute_mean": float(np.mean([r.compute for r in results])),
+        "store_mean": float(np.mean([r.store for r in results])),
     }
