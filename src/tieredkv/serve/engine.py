@@ -68,7 +68,8 @@ class ServedTurn(msgspec.Struct, frozen=True, kw_only=True):
     :param answer: the generated token ids
     :param restore: seconds of the turn spent restoring its history into the model cache
     :param compute: seconds of the turn spent in the model (prefill and decoding)
-    :param store: seconds of the turn spent appending its KV to the cache
+    :param store: seconds of the turn spent appending its KV to the cache (the three as
+        the adapter's result reports them, ``restore_seconds`` and so on; 0 if it does not)
     """
 
     session: str
@@ -97,7 +98,10 @@ class ServedTurn(msgspec.Struct, frozen=True, kw_only=True):
 class ServingEngine:
     """Serve multi-turn requests with a scheduler, a tiered cache and a transformers model.
 
-    :param adapter: the model adapter (``TransformersAdapter``)
+    :param adapter: the model adapter (``TransformersAdapter``, or any object whose
+        ``await chat_turn(cache, session, query, max_new_tokens=, history=)`` returns the
+        answer, ``restored_tokens`` and ``recomputed_tokens``, and optionally the phase
+        timings ``restore_seconds``, ``compute_seconds``, ``store_seconds``)
     :param cache: the tiered cache (open it before :meth:`run`)
     :param scheduler: decides what runs and what loads, e.g. ``FCFS()`` or
         ``BidawScheduler()``
@@ -236,7 +240,12 @@ class ServingEngine:
                 )
                 answer = tuple(result.answer)
                 restored, recomputed = result.restored_tokens, result.recomputed_tokens
-                phases = (result.restore_seconds, result.compute_seconds, result.store_seconds)
+                # an adapter that does not time its phases leaves them at 0
+                phases = (
+                    float(getattr(result, "restore_seconds", 0.0)),
+                    float(getattr(result, "compute_seconds", 0.0)),
+                    float(getattr(result, "store_seconds", 0.0)),
+                )
             history.extend(turn.query)
             history.extend(answer)
             if turn.last:
