@@ -19,7 +19,10 @@ Blocks of 4 turns alternate background off / on (the first turn of a block is no
 counted, so a load that straddles a switch does not blur it), 12 blocks of each per duty
 cycle. It prints, per duty cycle, the median turn time without and with background loads
 and their ratio (the slowdown a hidden load inflicts), and the SSD throughput the loads
-got. It is a measurement, with no target: it exits non-zero only on an error.
+got. Then, the same way, turns over a host-only cache against turns over the host + SSD
+inclusive cache (each turn's segment written through to the SSD, fsync'd, in the
+background): what write-through costs a turn. It is a measurement, with no target: it
+exits non-zero only on an error.
 
     .venv/bin/python benchmarks/bench_interference.py   # about 2 minutes on 2 cores
 """
@@ -46,24 +49,54 @@ from tieredkv.integrations.transformers import TransformersAdapter
 MiB = 1 << 20
 
 
-async def measure(
+async def start_sessions(
+    adapter: TransformersAdapter, cache: TieredKVCache, names: list[str], rng: np.random.Generator
+) -> dict[str, list[int]]:
+    """An 800-token first turn for each session; returns their token histories."""
+    history: dict[str, list[int]] = {}
+    for s in names:
+        prompt = rng.integers(0, adapter.model.config.vocab_size, 800).tolist()
+        turn = await adapter.chat_turn(cache, s, prompt, max_new_tokens=2, history=[])
+        history[s] = prompt + list(turn.answer)
+    return history
+
+
+async def timed_turn(
+    adapter: TransformersAdapter,
+    cache: TieredKVCache,
+    session: str,
+    history: dict[str, list[int]],
+    rng: np.random.Generator,
+) -> float:
+    """One turn (70-token query, 6-token answer) of ``session``; its seconds."""
+    query = rng.integers(0, adapter.model.config.vocab_size, 70).tolist()
+    began = time.perf_counter()
+    turn = await adapter.chat_turn(
+        cache, session, query, max_new_tokens=6, history=history[session]
+    )
+    took = time.perf_counter() - began
+    history[session] += query + list(turn.answer)
+    return took
+
+
+def two_tier_cache(adapter: TransformersAdapter, ssd: SSDTier) -> TieredKVCache:
+    return TieredKVCache(
+        [HostMemoryTier(2 << 30, prefault=False), ssd],
+        eviction="lru",
+        token_dim=adapter.token_dim,
+        mode="inclusive",
+    )
+
+
+async def measure_loads(
     adapter: TransformersAdapter, directory: Path, duty: float, blocks: int, seed: int
 ) -> tuple[float, float, float]:
     """Median turn seconds without and with background loads, and the loads' GB/s."""
     rng = np.random.default_rng(seed)
     ssd = SSDTier(directory, 16 << 30)
-    async with TieredKVCache(
-        [HostMemoryTier(2 << 30, prefault=False), ssd],
-        eviction="lru",
-        token_dim=adapter.token_dim,
-        mode="inclusive",
-    ) as cache:
+    async with two_tier_cache(adapter, ssd) as cache:
         sessions = [f"user{i}" for i in range(8)]
-        history: dict[str, list[int]] = {}
-        for s in [*sessions, "background"]:
-            prompt = rng.integers(0, adapter.model.config.vocab_size, 800).tolist()
-            turn = await adapter.chat_turn(cache, s, prompt, max_new_tokens=2, history=[])
-            history[s] = prompt + list(turn.answer)
+        history = await start_sessions(adapter, cache, [*sessions, "background"], rng)
         await cache.flush()  # every history is on the SSD too (write-through)
         stored = ssd.keys()
         keys = sorted(k for k in stored if k[0] == "background")
@@ -90,20 +123,14 @@ async def measure(
         n = 0
         try:
             async with anyio.create_task_group() as tg:
-                if duty > 0:
-                    tg.start_soon(background)
+                tg.start_soon(background)
                 for block in range(2 * blocks):
-                    on = duty > 0 and block % 2 == 1
+                    on = block % 2 == 1
                     for j in range(4):
-                        s = sessions[n % len(sessions)]
-                        n += 1
-                        query = rng.integers(0, adapter.model.config.vocab_size, 70).tolist()
-                        began = time.perf_counter()
-                        turn = await adapter.chat_turn(
-                            cache, s, query, max_new_tokens=6, history=history[s]
+                        took = await timed_turn(
+                            adapter, cache, sessions[n % len(sessions)], history, rng
                         )
-                        took = time.perf_counter() - began
-                        history[s] += query + list(turn.answer)
+                        n += 1
                         if j > 0:
                             times[on].append(took)
                 on = False
@@ -113,9 +140,36 @@ async def measure(
                 v.release()
             for b in buffers:
                 b.close()
-    off = statistics.median(times[False])
-    with_loads = statistics.median(times[True]) if times[True] else off
-    return off, with_loads, (loaded / load_time / 1e9 if load_time else 0.0)
+    gbps = loaded / load_time / 1e9 if load_time else 0.0
+    return statistics.median(times[False]), statistics.median(times[True]), gbps
+
+
+async def measure_write_through(
+    adapter: TransformersAdapter, directory: Path, blocks: int, seed: int
+) -> tuple[float, float]:
+    """Median turn seconds over a host-only cache and over host + SSD (inclusive: every
+    turn's segment written through to the SSD in the background, with fsync)."""
+    rng = np.random.default_rng(seed)
+    host_only = TieredKVCache(
+        [HostMemoryTier(2 << 30, prefault=False)], token_dim=adapter.token_dim
+    )
+    async with host_only, two_tier_cache(adapter, SSDTier(directory, 16 << 30)) as both:
+        caches = (host_only, both)
+        names = [[f"m{i}" for i in range(8)], [f"s{i}" for i in range(8)]]
+        history = await start_sessions(adapter, host_only, names[0], rng)
+        history |= await start_sessions(adapter, both, names[1], rng)
+        await both.flush()
+        times: tuple[list[float], list[float]] = ([], [])
+        n = [0, 0]
+        for block in range(2 * blocks):
+            which = block % 2
+            for j in range(4):
+                session = names[which][n[which] % 8]
+                n[which] += 1
+                took = await timed_turn(adapter, caches[which], session, history, rng)
+                if j > 0:
+                    times[which].append(took)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 async def main(args: argparse.Namespace) -> int:
@@ -132,8 +186,15 @@ async def main(args: argparse.Namespace) -> int:
     print(f"{'SSD duty':>8} {'no loads ms':>11} {'loads ms':>9} {'slowdown':>8} {'load GB/s':>9}")
     try:
         for i, duty in enumerate(duties):
-            off, on, gbps = await measure(adapter, root / str(i), duty, args.blocks, args.seed)
+            off, on, gbps = await measure_loads(
+                adapter, root / str(i), duty, args.blocks, args.seed
+            )
             print(f"{duty:>8.2f} {off * 1e3:>11.1f} {on * 1e3:>9.1f} {on / off:>8.2f} {gbps:>9.2f}")
+        host, both = await measure_write_through(adapter, root / "wt", args.blocks, args.seed)
+        print(
+            f"write-through: host tier only {host * 1e3:.1f} ms, host + SSD (inclusive) "
+            f"{both * 1e3:.1f} ms, slowdown {both / host:.2f}"
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0
