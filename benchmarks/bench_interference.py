@@ -36,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
@@ -45,8 +46,6 @@ import torch
 from bench_serve import build_model  # the serving benchmark's model
 from tieredkv import HostMemoryTier, SSDTier, TieredKVCache
 from tieredkv.integrations.transformers import TransformersAdapter
-
-MiB = 1 << 20
 
 
 async def start_sessions(
@@ -77,6 +76,20 @@ async def timed_turn(
     took = time.perf_counter() - began
     history[session] += query + list(turn.answer)
     return took
+
+
+async def alternate(blocks: int, turn: Callable[[int], Awaitable[float]]) -> tuple[float, float]:
+    """``blocks`` blocks of 4 turns of each side, alternating side 0 and side 1
+    (``turn(side)`` runs one and returns its seconds); the first turn of a block is not
+    counted, so whatever straddles a switch does not blur it. Median seconds per side."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for block in range(2 * blocks):
+        side = block % 2
+        for j in range(4):
+            took = await turn(side)
+            if j > 0:
+                times[side].append(took)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def two_tier_cache(adapter: TransformersAdapter, ssd: SSDTier) -> TieredKVCache:
@@ -119,20 +132,18 @@ async def measure_loads(
                 load_time += took
                 await anyio.sleep(took * (1 / duty - 1))
 
-        times: dict[bool, list[float]] = {False: [], True: []}
         n = 0
+
+        async def turn(side: int) -> float:  # side 1: with background loads
+            nonlocal on, n
+            on = side == 1
+            n += 1
+            return await timed_turn(adapter, cache, sessions[n % len(sessions)], history, rng)
+
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(background)
-                for block in range(2 * blocks):
-                    on = block % 2 == 1
-                    for j in range(4):
-                        took = await timed_turn(
-                            adapter, cache, sessions[n % len(sessions)], history, rng
-                        )
-                        n += 1
-                        if j > 0:
-                            times[on].append(took)
+                off, with_loads = await alternate(blocks, turn)
                 on = False
                 tg.cancel_scope.cancel()
         finally:
@@ -141,7 +152,7 @@ async def measure_loads(
             for b in buffers:
                 b.close()
     gbps = loaded / load_time / 1e9 if load_time else 0.0
-    return statistics.median(times[False]), statistics.median(times[True]), gbps
+    return off, with_loads, gbps
 
 
 async def measure_write_through(
@@ -159,17 +170,14 @@ async def measure_write_through(
         history = await start_sessions(adapter, host_only, names[0], rng)
         history |= await start_sessions(adapter, both, names[1], rng)
         await both.flush()
-        times: tuple[list[float], list[float]] = ([], [])
         n = [0, 0]
-        for block in range(2 * blocks):
-            which = block % 2
-            for j in range(4):
-                session = names[which][n[which] % 8]
-                n[which] += 1
-                took = await timed_turn(adapter, caches[which], session, history, rng)
-                if j > 0:
-                    times[which].append(took)
-    return statistics.median(times[0]), statistics.median(times[1])
+
+        async def turn(side: int) -> float:  # side 0: host only, side 1: host + SSD
+            session = names[side][n[side] % 8]
+            n[side] += 1
+            return await timed_turn(adapter, caches[side], session, history, rng)
+
+        return await alternate(blocks, turn)
 
 
 async def main(args: argparse.Namespace) -> int:

@@ -112,7 +112,8 @@ async def test_results_measure_queueing_and_hits(adapter_factory: object, tmp_pa
         assert r.compute > 0
         assert r.store > 0
         assert r.restore >= 0
-        assert r.restore + r.compute + r.store <= r.end - r.start + 1e-3
+        assert r.service == pytest.approx(r.end - r.start)
+        assert r.restore + r.compute + r.store <= r.service + 1e-3
         if r.restored_tokens:
             assert r.restore > 0
     first_turns = [r for r in results if r.host_hit is None]

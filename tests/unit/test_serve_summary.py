@@ -59,6 +59,7 @@ def test_summary_of_nothing_is_empty_and_no_hits_is_nan() -> None:
 def test_summary_averages_the_phases_of_a_turn() -> None:
     results = [turn("a", 0.0, 0.0, 1.0, (0.1, 0.7, 0.2)), turn("b", 0.0, 1.0, 1.5, (0, 0.4, 0.1))]
     summary = summarize(results)
+    assert summary["service_mean"] == pytest.approx(0.75)
     assert summary["restore_mean"] == pytest.approx(0.05)
     assert summary["compute_mean"] == pytest.approx(0.55)
     assert summary["store_mean"] == pytest.approx(0.15)

@@ -94,6 +94,11 @@ class ServedTurn(msgspec.Struct, frozen=True, kw_only=True):
         """Seconds from arrival to the last token."""
         return self.end - self.arrival
 
+    @property
+    def service(self) -> float:
+        """Seconds from start to end: the time the model spent on this turn."""
+        return self.end - self.start
+
 
 class ServingEngine:
     """Serve multi-turn requests with a scheduler, a tiered cache and a transformers model.
@@ -226,10 +231,9 @@ class ServingEngine:
         history = self._history.setdefault(turn.session, [])
         self._running.add(turn.session)
         try:
-            phases = (0.0, 0.0, 0.0)  # restore, compute, store
             if self.recompute:
                 answer, restored, recomputed = await self._recompute(turn, history)
-                phases = (0.0, self._clock() - began, 0.0)
+                phases = (0.0, self._clock() - began, 0.0)  # restore, compute, store
             else:
                 result = await self.adapter.chat_turn(
                     self.cache,
@@ -336,7 +340,7 @@ def model_stall(results: Sequence[ServedTurn]) -> float:
 def summarize(results: Sequence[ServedTurn]) -> dict[str, float]:
     """Mean/percentile latency and queueing, the host hit ratio at arrival, the seconds
     the model stalled with requests waiting (:func:`model_stall`), and the mean seconds a
-    turn spent restoring, computing and storing."""
+    turn took (service) and spent restoring, computing and storing."""
     if not results:
         return {}
     lat = np.array([r.latency for r in results])
@@ -351,6 +355,7 @@ def summarize(results: Sequence[ServedTurn]) -> dict[str, float]:
         "queueing_mean": float(queue.mean()),
         "host_hit_ratio": float(sum(hits) / len(hits)) if hits else math.nan,
         "model_stall": model_stall(results),
+        "service_mean": float(np.mean([r.service for r in results])),
         "restore_mean": float(np.mean([r.restore for r in results])),
         "compute_mean": float(np.mean([r.compute for r in results])),
         "store_mean": float(np.mean([r.store for r in results])),
