@@ -184,6 +184,8 @@ async def main(args: argparse.Namespace) -> int:
     duties = [float(d) for d in args.duty.split(",")]
     if any(not 0 < d <= 1 for d in duties):
         raise SystemExit(f"--duty takes fractions in (0, 1], not {args.duty!r}")
+    if args.blocks < 1:
+        raise SystemExit(f"--blocks must be at least 1, not {args.blocks}")
     torch.set_num_threads(1)  # one core computes, the other moves data (as bench_serve)
     adapter = TransformersAdapter(build_model(args.seed), codec="kv")
     root = Path(tempfile.mkdtemp(prefix="tieredkv-interference-", dir=args.dir))
