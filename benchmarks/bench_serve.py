@@ -77,7 +77,9 @@ from tieredkv.sim.synthetic import SyntheticWorkload
 MiB = 1 << 20
 
 
-def build_model(seed: int, layers: int = 4, heads: int = 16, head_dim: int = 128) -> Any:
+def build_model(
+    seed: int, layers: int = 4, heads: int = 16, head_dim: int = 128, device: str = "cpu"
+) -> Any:
     import transformers
 
     torch.manual_seed(seed)
@@ -92,7 +94,7 @@ def build_model(seed: int, layers: int = 4, heads: int = 16, head_dim: int = 128
         max_position_embeddings=2048,
     )
     model: Any = transformers.LlamaForCausalLM(config)
-    return model.eval()
+    return model.to(device).eval()
 
 
 class Config:
@@ -158,7 +160,7 @@ async def run_one(
     adapter = TransformersAdapter(model, codec=cfg.codec)
     tiers: list[Tier]
     if cfg.all_in_memory:  # the ideal: one host tier that holds every conversation
-        tiers = [HostMemoryTier(8 << 30, prefault=False)]
+        tiers = [HostMemoryTier(every_kv_bytes(requests, adapter), prefault=False)]
     else:
         tiers = [HostMemoryTier(host_bytes, prefault=False), SSDTier(directory, 32 << 30)]
     eviction = cfg.eviction if isinstance(cfg.eviction, str) else cfg.eviction(answer_scale)
@@ -192,6 +194,14 @@ async def run_one(
     summary["loop_cpu"] = loop_cpu  # the event loop's thread: the cache's and policies' work
     summary["process_cpu"] = process_cpu
     return results, summary
+
+
+def every_kv_bytes(requests: list[tuple[float, TurnRequest]], adapter: Any) -> int:
+    """Room for every conversation's whole KV at once, in the adapter's codec, with slack
+    for the arena's per-segment alignment: the all-in-memory tier's size. (Sized to the
+    workload, not fixed, because with CUDA present the tier is pinned, all of it.)"""
+    tokens = sum(len(r.query) + r.answer_tokens for _, r in requests)
+    return int(tokens * adapter.bytes_per_token * 1.1) + len(requests) * (64 << 10) + (64 * MiB)
 
 
 async def calibrate(
@@ -233,9 +243,11 @@ async def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--time-scale must be positive, not {args.time_scale}")
     if not 0 < args.load < 1.5:
         raise SystemExit(f"--load must be in (0, 1.5), not {args.load}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: this machine has no CUDA device; use --device cpu")
     torch.set_num_threads(args.threads)  # one core computes, the other moves data
     logging.disable(logging.WARNING)
-    model = build_model(args.seed, args.layers, args.heads, args.head_dim)
+    model = build_model(args.seed, args.layers, args.heads, args.head_dim, args.device)
     turns = SyntheticWorkload(users=args.users, arrival_rate=args.user_rate, seed=args.seed)
     requests = timed_requests(
         turns.generate(),
@@ -252,8 +264,12 @@ async def main(args: argparse.Namespace) -> int:
     root = Path(tempfile.mkdtemp(prefix="tieredkv-serve-", dir=args.dir))
     print(
         f"tieredkv end-to-end serving benchmark: {len(requests)} requests from {sessions} "
-        f"conversations; host tier {args.host_mb:.0f} MiB; "
-        f"{torch.get_num_threads()} torch thread(s)",
+        f"conversations; host tier {args.host_mb:.0f} MiB; model on {args.device}"
+        + (
+            f" ({torch.cuda.get_device_name()})"
+            if args.device == "cuda"
+            else f", {torch.get_num_threads()} torch thread(s)"
+        ),
         flush=True,
     )
     try:  # the temporary directory goes whatever happens
@@ -389,6 +405,13 @@ if __name__ == "__main__":
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the model runs; with cuda the host tier is pinned and restores copy to "
+        "the device",
+    )
     parser.add_argument("--dir", default=None, help="where the SSD tier's files go")
     parser.add_argument(
         "--repeat",

@@ -40,7 +40,14 @@ def run_and_kill(directory: Path, mode: str, seed: int, log: Path) -> dict[int, 
             stdout=subprocess.PIPE,
             stderr=err,
             cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
+            # the repository (for ``tests``) ahead of any path the caller set (``tieredkv``
+            # may be importable only through it, e.g. PYTHONPATH=src without an install)
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(
+                    filter(None, (str(REPO), os.environ.get("PYTHONPATH")))
+                ),
+            },
         )
         assert proc.stdout is not None
         try:

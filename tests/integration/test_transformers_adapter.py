@@ -32,6 +32,7 @@ from tieredkv.integrations.transformers import (
     TransformersAdapter,
     TransformersMissingError,
     UnsupportedModelError,
+    cache_argument,
 )
 from tieredkv.payload import plan_segment
 
@@ -109,7 +110,8 @@ def full_cache(model: Any, tokens: list[int]) -> DynamicCache:
     """The model's cache after prefilling ``tokens`` in one pass."""
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=torch.tensor([tokens], device=model.device), cache=cache, use_cache=True)
+        ids = torch.tensor([tokens], device=model.device)
+        model(input_ids=ids, use_cache=True, **{cache_argument(model): cache})
     return cache
 
 
@@ -187,7 +189,7 @@ async def test_activation_codec_rebuilds_the_models_kv(
     ids = torch.tensor([queries(1, length=24)[0]])
     model_cache = DynamicCache(config=model.config)
     with torch.no_grad(), adapter.capture() as capture:
-        model(input_ids=ids, cache=model_cache, use_cache=True)
+        model(input_ids=ids, use_cache=True, **{cache_argument(model): model_cache})
     await adapter.store(cache, "s", model_cache, start=0, answer_tokens=0, capture=capture)
     assert cache.channel["s"].nbytes >= adapter.bytes_per_token * 24
     restored = await adapter.restore(cache, "s", expected_tokens=24)
@@ -350,21 +352,21 @@ async def test_generate_then_store_and_restore(cache: TieredKVCache) -> None:
             if history
             else DynamicCache(config=model.config)
         )
+        kw = cache_argument(model)
         with torch.no_grad(), adapter.capture() as capture:
             out = model.generate(
                 prompt,
-                cache=past,
                 max_new_tokens=3,
                 min_new_tokens=3,
                 do_sample=False,
                 return_dict_in_generate=True,
+                **{kw: past},
             )
             answer = out.sequences[0, prompt.shape[1] :].tolist()
-            # generate() sampled the last token but never fed it: feed it
-            model(input_ids=out.sequences[:, -1:], cache=out.cache, use_cache=True)
-        await adapter.store(
-            cache, "s", out.cache, start=len(history), answer_tokens=3, capture=capture
-        )
+            # generate() filled ``past`` in place; it sampled the last token but never fed
+            # it: feed it
+            model(input_ids=out.sequences[:, -1:], use_cache=True, **{kw: past})
+        await adapter.store(cache, "s", past, start=len(history), answer_tokens=3, capture=capture)
         history += query + answer
         assert cache.channel["s"].tokens == len(history)
     restored = await adapter.restore(cache, "s", expected_tokens=len(history))

@@ -30,11 +30,31 @@ async def test_without_cuda_the_arena_is_pageable_and_says_so() -> None:
 
 
 @cuda
-async def test_arena_is_registered_once_in_chunks() -> None:
-    async with HostMemoryTier(8 << 20, pin_chunk=2 << 20) as tier:
+async def test_arena_is_registered_once_whole() -> None:
+    tier = HostMemoryTier(8 << 20)
+    async with tier:
         stats = tier.stats()
         assert stats.pinned is True
-        assert any("4 cudaHostRegister chunk(s)" in note for note in stats.notes)
+        assert any(f"one cudaHostRegister of {8 << 20:,} bytes" in n for n in stats.notes)
+    assert tier.pinned is False  # unregistered at close
+
+
+@cuda
+async def test_device_copies_work_anywhere_in_a_full_pinned_arena() -> None:
+    """Entries fill the arena end to end, so some straddle every MiB boundary (with the
+    arena registered in pieces, CUDA refused such copies: cudaErrorInvalidValue)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    turns = {
+        f"s{i}": torch.randn(2, 4, 300 + 37 * i, 32, device="cuda", generator=g) for i in range(12)
+    }
+    async with TieredKVCache([HostMemoryTier(8 << 20)], token_dim=2) as cache:
+        for session, kv in turns.items():
+            await cache.append(session, {"kv": kv}, answer_tokens=1)
+        assert cache.stats().tiers[0].used > 5 << 20
+        for session, kv in turns.items():
+            out = {"kv": torch.empty_like(kv)}
+            assert await cache.load_into(session, out) == kv.shape[2]
+            assert torch.equal(out["kv"], kv)
 
 
 @cuda

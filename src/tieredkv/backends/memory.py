@@ -6,10 +6,12 @@ O_DIRECT reads from the SSD tier land in it directly) and carved up by
 the budget.
 
 When CUDA is present the arena is page-locked ("pinned") for fast, asynchronous
-host-to-device copies. It is registered with ``cudaHostRegister`` once, in chunks of
-``pin_chunk`` bytes, at open: never one pinned tensor per entry (PyTorch's pinned
-allocator rounds every allocation up to a power of two, and pinning per entry costs a
-system call each time). Without CUDA the arena is pageable and :meth:`stats` says so.
+host-to-device copies. It is registered with ``cudaHostRegister`` once, whole, at open:
+never one pinned tensor per entry (PyTorch's pinned allocator rounds every allocation up
+to a power of two, and pinning per entry costs a system call each time), and never in
+several pieces, because CUDA refuses a copy whose host range spans two registrations
+(``cudaErrorInvalidValue``), and an entry can sit anywhere in the arena. Without CUDA the
+arena is pageable and :meth:`stats` says so.
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ class HostMemoryTier(ArenaTier):
     :param name: the tier's name in metadata and events
     :param pin: page-lock the arena for CUDA copies; ``None`` (default) pins when CUDA is
         available, ``True`` requires it, ``False`` never pins
-    :param pin_chunk: bytes registered per ``cudaHostRegister`` call
     :param prefault: touch every page at open, so first writes do not page-fault
     :param max_threads: worker threads for large copies
     """
@@ -51,7 +52,6 @@ class HostMemoryTier(ArenaTier):
         *,
         name: str = "host",
         pin: bool | None = None,
-        pin_chunk: int = 1 << 30,
         prefault: bool = True,
         max_threads: int = 2,
     ) -> None:
@@ -62,16 +62,15 @@ class HostMemoryTier(ArenaTier):
                 f"to pin only when CUDA is present"
             )
         self._want_pin = torch.cuda.is_available() if pin is None else pin
-        self._pin_chunk = pin_chunk
         self._prefault = prefault
         self._mmap: mmap.mmap | None = None
-        self._pinned: list[tuple[int, int]] = []
+        self._pinned: int | None = None  # the registered address
         self._notes: list[str] = []
 
     @property
     def pinned(self) -> bool:
         """Whether the arena is page-locked."""
-        return bool(self._pinned)
+        return self._pinned is not None
 
     def _acquire_buffer(self) -> memoryview:
         try:
@@ -90,30 +89,23 @@ class HostMemoryTier(ArenaTier):
     def _register(self, view: memoryview) -> None:
         cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
         base = np.frombuffer(view, dtype=np.uint8).ctypes.data
-        for start in range(0, self._capacity, self._pin_chunk):
-            size = min(self._pin_chunk, self._capacity - start)
-            err = cudart.cudaHostRegister(base + start, size, _CUDA_HOST_REGISTER_DEFAULT)
-            if int(err) != 0:
-                self._unregister()
-                raise TierIOError(
-                    self.name,
-                    "pin host memory",
-                    f"cudaHostRegister failed with CUDA error {int(err)} after "
-                    f"{start:,} bytes; lower the capacity or raise the locked-memory limit "
-                    f"(ulimit -l)",
-                )
-            self._pinned.append((base + start, size))
-        self._notes.append(
-            f"pinned host memory ({len(self._pinned)} cudaHostRegister chunk(s) of up to "
-            f"{self._pin_chunk:,} bytes)"
-        )
+        err = cudart.cudaHostRegister(base, self._capacity, _CUDA_HOST_REGISTER_DEFAULT)
+        if int(err) != 0:
+            raise TierIOError(
+                self.name,
+                "pin host memory",
+                f"cudaHostRegister of {self._capacity:,} bytes failed with CUDA error "
+                f"{int(err)}; lower the capacity, raise the locked-memory limit (ulimit -l), "
+                f"or pass pin=False",
+            )
+        self._pinned = base
+        self._notes.append(f"pinned host memory (one cudaHostRegister of {self._capacity:,} bytes)")
 
     def _unregister(self) -> None:
-        if self._pinned:
+        if self._pinned is not None:
             cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-            for ptr, _ in self._pinned:
-                cudart.cudaHostUnregister(ptr)
-            self._pinned.clear()
+            cudart.cudaHostUnregister(self._pinned)
+            self._pinned = None
 
     def _release_buffer(self) -> None:
         self._unregister()

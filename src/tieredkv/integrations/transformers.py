@@ -69,6 +69,7 @@ __all__ = [
     "TransformersAdapter",
     "TransformersMissingError",
     "UnsupportedModelError",
+    "cache_argument",
     "model_spec",
 ]
 
@@ -132,6 +133,16 @@ def _decoder_layers(model: Any) -> Sequence[Any]:
     if layers is None:
         raise UnsupportedModelError(f"cannot find the decoder layers of {type(model).__name__}")
     return list(layers)
+
+
+def cache_argument(model: Any) -> str:
+    """The name of the keyword argument that passes a cache to ``model``'s forward pass
+    and to ``model.generate``: ``"cache"`` in recent transformers releases (5.24 has it,
+    and deprecates the old name), ``"past_key_values"`` before (5.17 has only that, and
+    silently ignores ``cache=``). Pass the cache as ``**{cache_argument(model): cache}``
+    to support both."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def model_spec(model: Any) -> ModelSpec:
@@ -339,8 +350,7 @@ class TransformersAdapter:
         self.codec_id = f"{chosen.name}/{self.spec.fingerprint}" + (f"@{tag}" if tag else "")
         """The codec string stored with every segment: ``codec/fingerprint[@tag]``."""
         forward = inspect.signature(model.forward).parameters
-        # transformers 5 calls it ``cache`` (``past_key_values`` is deprecated)
-        self._cache_kw = "cache" if "cache" in forward else "past_key_values"
+        self._cache_kw = cache_argument(model)
         self._keep_logits = "logits_to_keep" in forward
         self._turn_lock = threading.Lock()
         if recycle_bytes < 0:

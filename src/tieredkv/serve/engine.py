@@ -20,7 +20,6 @@ start - arrival; latency is end - arrival.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import math
 import time
@@ -300,9 +299,10 @@ def greedy_generate(
     """
     import transformers
 
+    from ..integrations.transformers import cache_argument
+
     device = next(model.parameters()).device
-    # transformers 5 names the argument ``cache`` (``past_key_values`` is deprecated)
-    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    kw = cache_argument(model)
     if cache is None:
         cache = transformers.DynamicCache(config=model.config)
     answer: list[int] = []

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The CUDA checks in one short script, for a machine with a CUDA device: the tests that
+# skip without CUDA (pinned arena, copies to and from the device, the activation codec's
+# re-projection on a low-priority stream, the adapter on the GPU), then the end-to-end
+# serving benchmark with the model on the GPU (FCFS + LRU, Bidaw and all in memory, one
+# round each of two workloads), then the whole test suite.
+#
+#     bash benchmarks/cuda_check.sh            # up to 9 minutes (each step is capped)
+#
+# Run it from the repository root with tieredkv importable (an installed venv, or
+# PYTHONPATH=src). Each step has its own time limit, so one step that hangs does not
+# take the others with it; the script's exit status is the first failing step's.
+set -u
+PY=${PYTHON:-python3}
+status=0
+step() {  # step SECONDS NAME COMMAND...: run with a time limit, report, keep the first failure
+    local limit=$1 name=$2 rc
+    shift 2
+    echo "=== $name (limit ${limit} s)"
+    local t0=$SECONDS
+    timeout "$limit" "$@"
+    rc=$?
+    echo "=== $name: exit $rc after $((SECONDS - t0)) s"
+    if [ "$rc" -ne 0 ] && [ "$status" -eq 0 ]; then status=$rc; fi
+}
+
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "no CUDA device: nothing to check here" >&2
+    exit 2
+fi
+nvidia-smi -L || true
+"$PY" -c "import torch, transformers; print('torch', torch.__version__, '| transformers', \
+transformers.__version__, '| CUDA', torch.version.cuda, '|', torch.cuda.get_device_name())"
+bench_dir=$(mktemp -d "$PWD/.cuda-check-XXXXXX")  # on the repository's filesystem, not tmpfs
+trap 'rm -rf "$bench_dir"' EXIT
+df -h "$bench_dir" | tail -1
+
+step 90 "CUDA tests" "$PY" -m pytest -q -rs -p no:cacheprovider \
+    tests/unit/test_cuda_paths.py tests/unit/test_codecs.py \
+    tests/integration/test_transformers_adapter.py tests/contract/test_tier_contract.py
+targets=(--only "FCFS + LRU" --only Bidaw --only "all in memory")
+# the benchmark's default workload (answers at 1/8 of the trace's, for a CPU's decode speed)
+step 150 "serving benchmark on the GPU: default workload, one round" "$PY" \
+    benchmarks/bench_serve.py --device cuda --repeat 1 --dir "$bench_dir" "${targets[@]}"
+# the trace's answer and query lengths, as a GPU decodes them (200 requests, to fit the time)
+step 200 "serving benchmark on the GPU: full-length answers, one round" "$PY" \
+    benchmarks/bench_serve.py --device cuda --repeat 1 --dir "$bench_dir" "${targets[@]}" \
+    --answer-scale 1 --query-scale 1 --requests 200
+step 120 "whole test suite with CUDA present" "$PY" -m pytest -q -p no:cacheprovider
+exit "$status"
