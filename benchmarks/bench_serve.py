@@ -377,7 +377,8 @@ async def main(args: argparse.Namespace) -> int:
     return 0 if ok or args.no_check else 1
 
 
-if __name__ == "__main__":
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``sys.argv`` by default)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--users", type=int, default=40)
     parser.add_argument("--user-rate", type=float, default=1.0, help="users arriving per second")
@@ -420,4 +421,8 @@ if __name__ == "__main__":
         help="rounds of every configuration, interleaved; the table and ratios take medians",
     )
     parser.add_argument("--no-check", action="store_true", help="report only, exit 0")
-    sys.exit(anyio.run(main, parser.parse_args()))
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(anyio.run(main, parse_args()))

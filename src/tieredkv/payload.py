@@ -202,17 +202,12 @@ class SegmentPlan:
             if at > cursor:
                 dest[cursor:at].zero_()
             if spec.nbytes:
-                dest[at : at + spec.nbytes].copy_(_as_bytes(tensor))
+                dest[at : at + spec.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
             cursor = at + spec.nbytes
         dest[cursor:].zero_()
         body_hash = hash_body(buf[start:])
         crc = zlib.crc32(self.header_bytes + body_hash.to_bytes(8, "little"))
         PREFIX.pack_into(buf, 0, MAGIC, len(self.header_bytes), crc, body_hash)
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.reshape(-1)
-    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
 def hash_body(body: memoryview | bytes) -> int:
@@ -248,7 +243,9 @@ def _to_tensor(name: str, value: Any) -> torch.Tensor:
         )
     if tensor.is_sparse or tensor.layout != torch.strided:
         raise TypeError(f"tensor {name!r} is not a dense (strided) tensor; pass a dense one")
-    return tensor if tensor.is_contiguous() else tensor.contiguous()
+    # a strided view (a slice of a model cache's buffer) is not copied here: write_into
+    # copies it once, straight into the segment, in the worker thread that writes it
+    return tensor
 
 
 def plan_segment(

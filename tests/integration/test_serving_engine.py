@@ -7,6 +7,7 @@ what the model says.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,56 @@ def test_timed_requests_moves_tokens_from_answers_to_queries() -> None:
         assert a.session == b.session
         assert len(b.query) == max(1, round(len(a.query) * 2.0))
         assert b.answer_tokens == max(1, round(a.answer_tokens * 0.125))
+
+
+async def test_an_ended_conversation_is_dropped_after_its_last_turn(
+    adapter_factory: object, tmp_path: Path
+) -> None:
+    """Dropping an ended conversation's KV (files deleted on the SSD tier, fsync'd) is not
+    part of its last turn: each Dropped event comes at or after that turn's end."""
+    from tieredkv.meta import Dropped, Event
+
+    adapter = adapter_factory("kv")  # type: ignore[operator]
+    tiers: list[Tier] = [HostMemoryTier(160 << 10), SSDTier(tmp_path / "ssd", 64 << 20)]
+    dropped: dict[str, float] = {}
+
+    def record(event: Event) -> None:
+        if isinstance(event, Dropped):
+            dropped[event.session] = event.time
+
+    async with TieredKVCache(
+        tiers, token_dim=adapter.token_dim, mode="inclusive", clock=time.monotonic
+    ) as cache:
+        cache.channel.subscribe(record)
+        engine = ServingEngine(adapter, cache, BidawScheduler(), clock=time.monotonic)
+        results = await engine.run(requests())
+        assert cache.sessions() == []
+    last = {r.session: r for r in sorted(results, key=lambda r: r.arrival)}
+    assert set(dropped) == set(last)
+    for session, r in last.items():
+        assert dropped[session] >= r.end
+
+
+async def test_a_name_reused_after_its_conversation_ended_starts_afresh(
+    adapter_factory: object, tmp_path: Path
+) -> None:
+    """A new conversation under an ended one's name, submitted as the old one's KV is being
+    dropped, is a first turn: nothing of the old history is restored, and it answers like
+    a model that never saw the old conversation."""
+    from tieredkv.serve.engine import greedy_generate
+
+    adapter = adapter_factory("kv")  # type: ignore[operator]
+    first = TurnRequest(session="a", query=(5, 6, 7, 8), answer_tokens=3, last=True)
+    again = TurnRequest(session="a", query=(9, 10, 11), answer_tokens=3, last=True)
+    tiers: list[Tier] = [HostMemoryTier(160 << 10), SSDTier(tmp_path / "ssd", 64 << 20)]
+    async with TieredKVCache(tiers, token_dim=adapter.token_dim, mode="inclusive") as cache:
+        engine = ServingEngine(adapter, cache, BidawScheduler())
+        results = await engine.run([(0.0, first), (0.0, again)])
+        assert cache.sessions() == []
+    one, two = sorted(results, key=lambda r: r.start)
+    assert one.host_hit is None
+    assert two.host_hit is None
+    assert two.restored_tokens == 0
+    assert two.recomputed_tokens == 0
+    expected = greedy_generate(adapter.model, torch.tensor(again.query), 3)
+    assert two.answer == expected

@@ -71,6 +71,35 @@ async def test_round_trip_is_byte_identical_across_dtypes(ssd_dir: Path) -> None
             assert_same(await c.load(f"s{i}"), joined(turns))
 
 
+async def test_strided_views_are_stored_byte_identical(ssd_dir: Path) -> None:
+    """Non-contiguous tensors (a model cache's slice, a transpose, a stepped slice, a
+    broadcast) are stored exactly, in every tier: write_into copies them strided."""
+    g = torch.Generator().manual_seed(3)
+    buffer = torch.randn(4, 40, 16, generator=g)  # [heads, capacity, head_dim]
+    turns = [
+        {
+            "sliced": buffer[:, 0:7],
+            "transposed": torch.randn(16, 7, 4, generator=g).transpose(0, 2),
+            "stepped": torch.randn(4, 14, 32, generator=g)[:, ::2, ::2],
+            "broadcast": torch.randn(4, 1, 16, generator=g).expand(4, 7, 16),
+        },
+        {
+            "sliced": buffer[:, 7:12],
+            "transposed": torch.randn(16, 5, 4, generator=g).transpose(0, 2),
+            "stepped": torch.randn(4, 10, 32, generator=g)[:, ::2, ::2],
+            "broadcast": torch.randn(4, 1, 16, generator=g).expand(4, 5, 16),
+        },
+    ]
+    assert not any(t.is_contiguous() for turn in turns for t in turn.values())
+    expected = {name: torch.cat([t[name] for t in turns], dim=1) for name in turns[0]}
+    for tiers in ([HostMemoryTier(1 << 20)], [SSDTier(ssd_dir, 8 << 20)]):
+        async with TieredKVCache(tiers, token_dim=1) as c:
+            for turn in turns:
+                await c.append("s", turn, answer_tokens=1)
+            assert_same(await c.load("s"), expected)
+            await c.drop("s")
+
+
 async def test_numpy_input_and_token_dim_minus_two(ssd_dir: Path) -> None:
     """Hugging Face layout [batch, heads, tokens, head_dim]: token_dim=-2; numpy arrays accepted."""
     rng = np.random.default_rng(0)

@@ -189,12 +189,15 @@ async def test_flipped_body_byte_is_detected_and_quarantined(
 @pytest.mark.parametrize(
     "where", ["hash field", "header", "gap before body", "body", "tail padding"]
 )
+@pytest.mark.parametrize("chunk_size", [4096, 8 << 20], ids=["pipelined chunks", "one read"])
 async def test_a_flipped_byte_anywhere_is_detected(
-    ssd_dir: Path, seg: SegmentFactory, where: str
+    ssd_dir: Path, seg: SegmentFactory, where: str, chunk_size: int
 ) -> None:
     """Every byte of a segment file is covered: the prefix and header by the CRC, everything
-    after the header (padding included) by the xxh3 hash."""
-    s = seg(tokens=3, seed=5)  # small: its body ends well before the 4 KiB padding does
+    after the header (padding included) by the xxh3 hash; on both read paths (a segment
+    larger than a chunk is read in pipelined chunks, a smaller one in one call)."""
+    s = seg(tokens=40, seed=5)  # its body ends well before the last 4 KiB page's end
+    assert s.length > 4096
     h = s.header
     offsets = {
         "hash field": 20,
@@ -204,7 +207,7 @@ async def test_a_flipped_byte_anywhere_is_detected(
         "tail padding": s.length - 1,
     }
     assert h.body_offset + h.body_len < s.length - 1
-    async with SSDTier(ssd_dir, CAPACITY) as tier:
+    async with SSDTier(ssd_dir, CAPACITY, chunk_size=chunk_size) as tier:
         await store(tier, s)
         flip_byte(ssd_dir / "segments" / segment_file_name(s.key), offsets[where])
         with aligned_buffer(s.length) as out, pytest.raises(CorruptSegmentError):

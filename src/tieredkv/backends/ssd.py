@@ -48,7 +48,7 @@ import numpy as np
 import xxhash
 
 from ..errors import ClosedError, CorruptSegmentError, TierIOError
-from ..payload import ALIGN, PREFIX, SegmentHeader, parse_header
+from ..payload import ALIGN, PREFIX, SegmentHeader, hash_body, hashed_from, parse_header
 from .base import SegmentKey, Tier, TierStats
 
 __all__ = ["SSDTier", "segment_file_name"]
@@ -464,6 +464,29 @@ class SSDTier(Tier):
         return failure
 
     def _read_verify(self, fd: int, key: SegmentKey, out: memoryview, rel: str) -> None:
+        """Read the file into ``out`` and verify it.
+
+        A segment of one chunk or less (most are: one turn's K/V) is read with one call
+        and hashed in this thread. A larger one is read chunk by chunk, pipelined
+        (:meth:`_read_verify_pipelined`). The small path hands nothing to other threads:
+        each hand-off is a wake-up that must take the GIL, and the model's thread, which
+        on a GPU spends most of a step in Python, waits for each
+        (``benchmarks/bench_interference.py --python-bound`` measures what loads cost such
+        a model).
+        """
+        size = len(out)
+        if size > self._chunk:
+            self._read_verify_pipelined(fd, key, out, rel)
+            return
+        with out[:] as whole:  # _pread_full releases the view it is given
+            n = _pread_full(fd, whole, 0)
+        if n < size:
+            raise CorruptSegmentError(rel, f"file ends at {n} of {size} bytes (truncated)")
+        _, expected = _check_header(out, key, rel)
+        if hash_body(out[hashed_from(out) :]) != expected:
+            raise CorruptSegmentError(rel, "body checksum mismatch")
+
+    def _read_verify_pipelined(self, fd: int, key: SegmentKey, out: memoryview, rel: str) -> None:
         """Read the file into ``out`` chunk by chunk, hashing it as it arrives.
 
         Up to four chunk reads are in flight (in the reader threads), so the device
@@ -509,13 +532,7 @@ class SSDTier(Tier):
                     _, hlen, _, _ = PREFIX.unpack_from(out, 0)
                     if PREFIX.size + hlen > end and end < size:
                         continue  # the header spans several chunks
-                    header, expected = parse_header(out[:end], rel)
-                    if (header.session, header.seq) != key:
-                        raise CorruptSegmentError(rel, "header names another segment")
-                    if header.length != size:
-                        raise CorruptSegmentError(
-                            rel, f"header says {header.length} bytes, file {size}"
-                        )
+                    header, expected = _check_header(out[:end], key, rel, size)
                     hashed = PREFIX.size + hlen  # everything after the header is hashed
                 upto = end
                 if upto > hashed:
@@ -595,6 +612,21 @@ class SSDTier(Tier):
             writes=self._counters["writes"],
             corrupt=self._counters["corrupt"],
         )
+
+
+def _check_header(
+    buf: memoryview, key: SegmentKey, rel: str, size: int | None = None
+) -> tuple[SegmentHeader, int]:
+    """Parse a segment's header from the start of ``buf`` (the file's ``size`` bytes, all of
+    ``buf`` by default) and check that it names ``key`` and that size; returns the header
+    and the body checksum it records."""
+    header, expected = parse_header(buf, rel)
+    if (header.session, header.seq) != key:
+        raise CorruptSegmentError(rel, "header names another segment")
+    size = len(buf) if size is None else size
+    if header.length != size:
+        raise CorruptSegmentError(rel, f"header says {header.length} bytes, file {size}")
+    return header, expected
 
 
 def _pread_full(fd: int, view: memoryview, offset: int) -> int:

@@ -187,7 +187,9 @@ class BufferPool:
             raise ValueError("max_bytes must be >= 0 and quantum >= 1")
         self.max_bytes = max_bytes
         self.quantum = quantum
-        self._free: list[torch.Tensor] = []
+        # each pooled tensor with its dtype, device, shape and bytes, read once: take() scans
+        # the pool on the event loop, and torch's attribute getters cost microseconds each
+        self._free: list[tuple[torch.dtype, torch.device, tuple[int, ...], int, torch.Tensor]] = []
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -207,23 +209,24 @@ class BufferPool:
         """A tensor with ``shape``'s other dims and at least ``shape[dim]`` positions along
         ``dim`` (contents undefined): a pooled one of at most twice that, or a new one."""
         need = shape[dim]
+        most = 2 * max(need, self.quantum)
         other = shape[:dim] + shape[dim + 1 :]
+        ndim = len(shape)
         with self._lock:
-            best = -1
-            for i, t in enumerate(self._free):
-                size = t.shape[dim]
+            best, best_size = -1, 0
+            for i, (t_dtype, t_device, t_shape, _, _) in enumerate(self._free):
+                if len(t_shape) != ndim or t_dtype != dtype or t_device != device:
+                    continue
+                size = t_shape[dim]
                 if (
-                    t.dtype == dtype
-                    and t.device == device
-                    and t.dim() == len(shape)
-                    and t.shape[:dim] + t.shape[dim + 1 :] == other
-                    and need <= size <= 2 * max(need, self.quantum)
-                    and (best < 0 or size < self._free[best].shape[dim])
+                    need <= size <= most
+                    and (best < 0 or size < best_size)
+                    and t_shape[:dim] + t_shape[dim + 1 :] == other
                 ):
-                    best = i
+                    best, best_size = i, size
             if best >= 0:
-                t = self._free.pop(best)
-                self._bytes -= t.nbytes
+                *_, nbytes, t = self._free.pop(best)
+                self._bytes -= nbytes
                 return t
         full = (*shape[:dim], self.capacity_for(need), *shape[dim + 1 :])
         return torch.empty(full, dtype=dtype, device=device)
@@ -234,12 +237,12 @@ class BufferPool:
             for t in tensors:
                 whole = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
                 if t.device.type == "cpu" and t.is_contiguous() and whole:
-                    self._free.append(t)
+                    self._free.append((t.dtype, t.device, tuple(t.shape), t.nbytes, t))
                     self._bytes += t.nbytes
             if self._bytes > self.max_bytes:
-                self._free.sort(key=lambda t: t.nbytes)
+                self._free.sort(key=lambda entry: entry[3])
                 while self._free and self._bytes > self.max_bytes:
-                    self._bytes -= self._free.pop().nbytes
+                    self._bytes -= self._free.pop()[3]
 
     def clear(self) -> None:
         """Drop every pooled buffer."""

@@ -21,12 +21,14 @@ start - arrival; latency is end - arrival.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
+import anyio.abc
 import msgspec
 import numpy as np
 import torch
@@ -36,6 +38,8 @@ from ..errors import SessionNotFoundError, TieredKVError
 from ..policies.scheduling import Request, Scheduler
 
 __all__ = ["ServedTurn", "ServingEngine", "TurnRequest"]
+
+_log = logging.getLogger(__name__)
 
 
 class TurnRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,7 +63,8 @@ class ServedTurn(msgspec.Struct, frozen=True, kw_only=True):
     :param session: the conversation
     :param arrival: when it was submitted
     :param start: when the model began it
-    :param end: when its last answer token was produced and its KV stored
+    :param end: when its last answer token was produced and its KV stored (after a
+        conversation's last turn its KV is dropped instead, in the background)
     :param host_hit: its history was in the performance tier at arrival (``None``: no
         history, a first turn)
     :param restored_tokens: history tokens restored from the cache
@@ -139,6 +144,8 @@ class ServingEngine:
         self._changed = anyio.Event()
         self._busy = False
         self._running: set[str] = set()  # sessions of the turns the model is running
+        self._dropping: dict[str, anyio.Event] = {}  # ended conversations' KV being dropped
+        self._tg: anyio.abc.TaskGroup | None = None
         self._ids = 0
         self.ssd_loads = 0
         """Prefetches that moved a history up from a lower tier."""
@@ -163,6 +170,7 @@ class ServingEngine:
         self._results = []
         try:
             async with anyio.create_task_group() as tg:
+                self._tg = tg
                 tg.start_soon(self._arrive, arrivals, start)
                 while len(self._results) < total:
                     now = self._clock()
@@ -181,6 +189,7 @@ class ServingEngine:
                     await self._changed.wait()
                     self._changed = anyio.Event()
         finally:
+            self._tg = None
             self.cache.set_protected(None)
         return self._results
 
@@ -198,7 +207,9 @@ class ServingEngine:
 
     def _submit(self, turn: TurnRequest, done: anyio.Event) -> None:
         now = self._clock()
-        where = self.cache.where(turn.session)
+        # a new conversation under the name of an ended one whose KV is still being dropped
+        ended = turn.session in self._dropping
+        where = None if ended else self.cache.where(turn.session)
         first_turn = where is None and turn.session not in self._history
         hit = None if first_turn else where == self.cache.tiers[0].name
         self._ids += 1
@@ -227,6 +238,9 @@ class ServingEngine:
     async def _serve(self, request: Request) -> None:
         turn, arrival, hit, done = self._pending.pop(request.id)
         began = self._clock()
+        dropping = self._dropping.get(turn.session)
+        if dropping is not None:  # a new conversation under an ended one's name
+            await dropping.wait()
         history = self._history.setdefault(turn.session, [])
         self._running.add(turn.session)
         try:
@@ -253,8 +267,11 @@ class ServingEngine:
             history.extend(answer)
             if turn.last:
                 self._history.pop(turn.session, None)
-                if turn.session in self.cache.channel:
-                    await self.cache.drop(turn.session)
+                if turn.session in self.cache.channel and self._tg is not None:
+                    # the answer is complete: drop the KV after the turn, not in it (an
+                    # SSD tier's drop deletes files, milliseconds the model need not wait)
+                    self._dropping[turn.session] = dropped = anyio.Event()
+                    self._tg.start_soon(self._drop, turn.session, dropped)
             end = self._clock()
             self._results.append(
                 ServedTurn(
@@ -276,6 +293,17 @@ class ServingEngine:
             self._busy = False
             done.set()
             self._notify()
+
+    async def _drop(self, session: str, dropped: anyio.Event) -> None:
+        try:
+            await self.cache.drop(session)
+        except (TieredKVError, OSError):
+            # the conversation has ended: its KV is garbage, and serving goes on
+            _log.warning("could not drop the KV of ended conversation %r", session, exc_info=True)
+        finally:
+            if self._dropping.get(session) is dropped:
+                del self._dropping[session]
+            dropped.set()
 
     async def _recompute(
         self, turn: TurnRequest, history: list[int]
