@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The CUDA checks in one short script, for a machine with a CUDA device: the tests that
 # skip without CUDA (pinned arena, copies to and from the device, the activation codec's
-# re-projection on a low-priority stream, the adapter on the GPU), then the end-to-end
-# serving benchmark with the model on the GPU (FCFS + LRU, Bidaw and all in memory, one
-# round each of two workloads), then the whole test suite.
+# re-projection on a low-priority stream, the adapter on the GPU), then one round of the
+# end-to-end serving benchmark with the model on the GPU (FCFS + LRU, Bidaw and all in
+# memory), then the whole test suite.
 #
 #     bash benchmarks/cuda_check.sh            # up to 9 minutes (each step is capped)
 #
 # Run it from the repository root with tieredkv importable (an installed venv, or
 # PYTHONPATH=src). Each step has its own time limit, so one step that hangs does not
-# take the others with it; the script's exit status is the first failing step's.
+# take the others with it; the script's exit status is the first failing step's (the
+# benchmark's step fails when a configuration answers differently or a target is missed,
+# as bench_serve.py does).
 set -u
 PY=${PYTHON:-python3}
 status=0
@@ -39,12 +41,9 @@ step 90 "CUDA tests" "$PY" -m pytest -q -rs -p no:cacheprovider \
     tests/unit/test_cuda_paths.py tests/unit/test_codecs.py \
     tests/integration/test_transformers_adapter.py tests/contract/test_tier_contract.py
 targets=(--only "FCFS + LRU" --only Bidaw --only "all in memory")
-# the benchmark's default workload (answers at 1/8 of the trace's, for a CPU's decode speed)
 step 150 "serving benchmark on the GPU: default workload, one round" "$PY" \
     benchmarks/bench_serve.py --device cuda --repeat 1 --dir "$bench_dir" "${targets[@]}"
-# the trace's answer and query lengths, as a GPU decodes them (200 requests, to fit the time)
-step 200 "serving benchmark on the GPU: full-length answers, one round" "$PY" \
-    benchmarks/bench_serve.py --device cuda --repeat 1 --dir "$bench_dir" "${targets[@]}" \
-    --answer-scale 1 --query-scale 1 --requests 200
-step 120 "whole test suite with CUDA present" "$PY" -m pytest -q -p no:cacheprovider
+# the crash tests start a Python process per kill round: on a CUDA build of torch each
+# import takes seconds, so the whole suite needs minutes there
+step 300 "whole test suite with CUDA present" "$PY" -m pytest -q -p no:cacheprovider
 exit "$status"

@@ -84,7 +84,9 @@ class SSDTier(Tier):
         falls back otherwise; ``True`` requires it; ``False`` never uses it
     :param fsync: make every write durable before it counts as committed
     :param max_threads: concurrent file operations (the per-tier thread limiter)
-    :param chunk_size: bytes per read call; reading one chunk overlaps hashing the previous
+    :param chunk_size: bytes per read call; a segment of at most this many bytes is read in
+        one call and hashed in the calling thread, a larger one in chunks of this size, read
+        ahead by reader threads while the hasher thread hashes the chunks already read
     """
 
     kind = "ssd"
