@@ -236,6 +236,7 @@ async def measure_python_bound(
         build_model(seed, layers=4, heads=2, head_dim=16, device=device), codec="kv"
     )
     rows = []
+    sessions = [f"user{i}" for i in range(8)]
     for name, tier in (
         ("one read per segment", SSDTier(directory / "one", 16 << 30)),
         ("pipelined threads", PipelinedSSDTier(directory / "pipelined", 16 << 30)),
@@ -248,7 +249,6 @@ async def measure_python_bound(
                 turn = await big.chat_turn(stored, "bg", query, max_new_tokens=2, history=hist)
                 hist += query + list(turn.answer)
             await stored.flush()
-            sessions = [f"user{i}" for i in range(8)]
             history = await start_sessions(small, fore, sessions, rng)
             on_disk = tier.keys()
             keys = sorted(k for k in on_disk if k[0] == "bg")
@@ -256,7 +256,7 @@ async def measure_python_bound(
             async def fore_turn(
                 n: int, fore: TieredKVCache = fore, history: Hist = history
             ) -> float:
-                return await timed_turn(small, fore, f"user{n % 8}", history, rng)
+                return await timed_turn(small, fore, sessions[n % len(sessions)], history, rng)
 
             for duty in duties:
                 off, on, gbps = await alternate_loads(tier, keys, duty, blocks, fore_turn)
@@ -270,8 +270,6 @@ async def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--duty takes fractions in (0, 1], not {args.duty!r}")
     if args.blocks < 1:
         raise SystemExit(f"--blocks must be at least 1, not {args.blocks}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: this machine has no CUDA device; use --device cpu")
     torch.set_num_threads(1)  # one core computes, the other moves data (as bench_serve)
     adapter = TransformersAdapter(build_model(args.seed, device=args.device), codec="kv")
     root = Path(tempfile.mkdtemp(prefix="tieredkv-interference-", dir=args.dir))

@@ -82,6 +82,8 @@ def build_model(
 ) -> Any:
     import transformers
 
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: this machine has no CUDA device; use --device cpu")
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
         hidden_size=128,
@@ -246,8 +248,6 @@ async def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--time-scale must be positive, not {args.time_scale}")
     if not 0 < args.load < 1.5:
         raise SystemExit(f"--load must be in (0, 1.5), not {args.load}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: this machine has no CUDA device; use --device cpu")
     torch.set_num_threads(args.threads)  # one core computes, the other moves data
     logging.disable(logging.WARNING)
     model = build_model(args.seed, args.layers, args.heads, args.head_dim, args.device)

@@ -145,7 +145,6 @@ class ServingEngine:
         self._busy = False
         self._running: set[str] = set()  # sessions of the turns the model is running
         self._dropping: dict[str, anyio.Event] = {}  # ended conversations' KV being dropped
-        self._tg: anyio.abc.TaskGroup | None = None
         self._ids = 0
         self.ssd_loads = 0
         """Prefetches that moved a history up from a lower tier."""
@@ -170,7 +169,6 @@ class ServingEngine:
         self._results = []
         try:
             async with anyio.create_task_group() as tg:
-                self._tg = tg
                 tg.start_soon(self._arrive, arrivals, start)
                 while len(self._results) < total:
                     now = self._clock()
@@ -181,7 +179,7 @@ class ServingEngine:
                         ready = self.scheduler.pop_ready(now)
                         if ready is not None:
                             self._busy = True
-                            tg.start_soon(self._serve, ready)
+                            tg.start_soon(self._serve, ready, tg)
                             continue
                         # an on-demand scheduler starts its head's load once asked for work
                         for request in self.scheduler.start_loads(now):
@@ -189,7 +187,6 @@ class ServingEngine:
                     await self._changed.wait()
                     self._changed = anyio.Event()
         finally:
-            self._tg = None
             self.cache.set_protected(None)
         return self._results
 
@@ -235,7 +232,8 @@ class ServingEngine:
         self.scheduler.load_finished(session, self._clock(), ok=ok)
         self._notify()
 
-    async def _serve(self, request: Request) -> None:
+    async def _serve(self, request: Request, tg: anyio.abc.TaskGroup) -> None:
+        """Run one turn; an ended conversation's KV is dropped in ``tg``, after the turn."""
         turn, arrival, hit, done = self._pending.pop(request.id)
         began = self._clock()
         dropping = self._dropping.get(turn.session)
@@ -267,11 +265,11 @@ class ServingEngine:
             history.extend(answer)
             if turn.last:
                 self._history.pop(turn.session, None)
-                if turn.session in self.cache.channel and self._tg is not None:
+                if turn.session in self.cache.channel:
                     # the answer is complete: drop the KV after the turn, not in it (an
                     # SSD tier's drop deletes files, milliseconds the model need not wait)
                     self._dropping[turn.session] = dropped = anyio.Event()
-                    self._tg.start_soon(self._drop, turn.session, dropped)
+                    tg.start_soon(self._drop, turn.session, dropped)
             end = self._clock()
             self._results.append(
                 ServedTurn(
