@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
+from types import EllipsisType
 from typing import Any, Literal, Protocol
 
 import msgspec
@@ -36,6 +37,7 @@ __all__ = [
     "Stored",
     "TierInfo",
     "Transfer",
+    "advance_meta",
 ]
 
 _log = logging.getLogger(__name__)
@@ -94,6 +96,51 @@ class KVMeta(msgspec.Struct, frozen=True, kw_only=True):
     in_flight: Transfer | None = None
     next_access: float | None = None
     codec: str = "kv"
+
+
+def advance_meta(
+    old: KVMeta | None,
+    *,
+    session: str,
+    tier: str | None,
+    copies: tuple[str, ...],
+    nbytes: int,
+    tokens: int,
+    turns: int,
+    now: float,
+    access: bool = False,
+    answer: int | None = None,
+    codec: str = "kv",
+    next_access: float | EllipsisType | None = ...,
+    restart: bool = False,
+) -> KVMeta:
+    """The session's next :class:`KVMeta`, from the previous one and what just changed.
+
+    The one rule by which the cache, the simulator and the replay advance a session's
+    metadata: placement and size are taken as given; ``access`` (an append or a load)
+    counts one more access at ``now``; ``answer`` (an append) replaces the previous answer
+    length; ``next_access`` replaces the oracle's hint (``...`` keeps it); the first
+    access time and an in-flight transfer carry over. ``restart`` starts the history's
+    clock afresh (a session rebuilt at open).
+    """
+    fresh = old is None or restart
+    return KVMeta(
+        session=session,
+        tier=tier,
+        copies=copies,
+        nbytes=nbytes,
+        tokens=tokens,
+        turns=turns,
+        prev_answer_tokens=(
+            answer if answer is not None else (old.prev_answer_tokens if old else 0)
+        ),
+        last_access=now if access or old is None else old.last_access,
+        created=now if fresh or old is None else old.created,
+        accesses=(old.accesses if old else 0) + (1 if access else 0),
+        in_flight=old.in_flight if old else None,
+        next_access=((old.next_access if old else None) if next_access is ... else next_access),
+        codec=codec,
+    )
 
 
 class TierInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -24,13 +24,22 @@ Blocking work (file I/O, large copies) runs in worker threads, never on the even
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import msgspec
 
 from ..payload import SegmentHeader
 
-__all__ = ["AddressableTier", "SegmentKey", "Tier", "TierStats"]
+__all__ = [
+    "AddressableTier",
+    "BatchReadTier",
+    "DefragmentingTier",
+    "ReadCountingTier",
+    "SegmentKey",
+    "Tier",
+    "TierStats",
+]
 
 SegmentKey = tuple[str, int]
 """``(session, seq)``: a session's ``seq``-th segment (one per appended turn)."""
@@ -153,4 +162,43 @@ class AddressableTier(Tier, Protocol):
 
     def commit(self, key: SegmentKey) -> None:
         """Mark a reservation filled through :meth:`view` as committed."""
+        ...
+
+
+# -- optional capabilities ---------------------------------------------------------------
+# The cache uses these where a tier declares them (checked with isinstance, once, when the
+# cache is built), and falls back to the plain Tier protocol elsewhere.
+
+
+@runtime_checkable
+class BatchReadTier(Tier, Protocol):
+    """A tier that reads several segments in one call (one worker-thread hop)."""
+
+    async def read_many_into(self, items: Sequence[tuple[SegmentKey, memoryview]]) -> None:
+        """Read each ``(key, out)`` in order; stop at the first failure.
+
+        The segments before a failure are complete; a damaged one is taken out of service
+        and raised as :class:`~tieredkv.errors.CorruptSegmentError`.
+        """
+        ...
+
+
+@runtime_checkable
+class DefragmentingTier(Tier, Protocol):
+    """A tier whose free space can be compacted so one large reservation fits."""
+
+    def defragment(self, length: int, movable: Callable[[SegmentKey], bool]) -> int | None:
+        """Make one free block of ``length`` bytes by moving segments ``movable`` accepts.
+
+        :returns: bytes moved, or ``None`` if no window could be cleared
+        """
+        ...
+
+
+@runtime_checkable
+class ReadCountingTier(AddressableTier, Protocol):
+    """An addressable tier that counts reads done in place through :meth:`view`."""
+
+    def note_read(self, nbytes: int) -> None:
+        """Count one read of ``nbytes`` done through a view."""
         ...

@@ -1,0 +1,148 @@
+"""Segments to tensors and back: filling a tier's slot, and scattering a history into outputs."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import anyio
+import torch
+
+from ..backends.arena import INLINE_COPY, close_mapping
+from ..backends.base import AddressableTier, ReadCountingTier, SegmentKey, Tier
+from ..payload import Schema, SegmentHeader, dtype_of, segment_tensors
+
+__all__ = [
+    "Target",
+    "check_into",
+    "copy_out_addressable",
+    "fresh",
+    "scatter",
+    "scratch",
+    "write_new",
+]
+
+Target = Callable[[Schema, int], dict[str, torch.Tensor]]
+"""Given a session's schema and token count, the tensors its history is copied into."""
+
+
+def fresh(out: dict[str, torch.Tensor]) -> Target:
+    """A target that allocates new host tensors (into ``out``) for the whole history."""
+
+    def alloc(schema: Schema, tokens: int) -> dict[str, torch.Tensor]:
+        for name, dt, shape in zip(schema.names, schema.dtypes, schema.shapes, strict=True):
+            full = tuple(tokens if d == -1 else d for d in shape)
+            out[name] = torch.empty(full, dtype=dtype_of(dt))
+        return out
+
+    return alloc
+
+
+def check_into(out: Mapping[str, torch.Tensor]) -> Target:
+    """A target that checks caller-provided tensors fit the history (raises ``ValueError``)."""
+
+    def check(schema: Schema, tokens: int) -> dict[str, torch.Tensor]:
+        if set(out) != set(schema.names):
+            raise ValueError(
+                f"out has tensors {sorted(out)}, the session stores {sorted(schema.names)}"
+            )
+        for name, dt, shape in zip(schema.names, schema.dtypes, schema.shapes, strict=True):
+            t = out[name]
+            want = dtype_of(dt)
+            if t.dtype != want:
+                raise ValueError(f"out[{name!r}] is {t.dtype}, the session stores {want}")
+            dim = schema.token_dim
+            got = tuple(-1 if i == dim else d for i, d in enumerate(t.shape))
+            if got != shape or t.shape[dim] < tokens:
+                raise ValueError(
+                    f"out[{name!r}] has shape {tuple(t.shape)}; it needs "
+                    f"{tuple(tokens if d == -1 else d for d in shape)} or more positions "
+                    f"along dim {dim}"
+                )
+        return dict(out)
+
+    return check
+
+
+async def write_new(
+    tier: Tier, key: SegmentKey, fill: Callable[[memoryview], None], length: int
+) -> None:
+    """Serialize a new segment straight into ``tier``'s reservation for ``key`` and commit it."""
+    if isinstance(tier, AddressableTier):
+        await run(fill, tier.view(key), big=length > INLINE_COPY)
+        tier.commit(key)
+        return
+    with scratch(length) as view:
+        await run(fill, view, big=length > INLINE_COPY)
+        await tier.write(key, view)
+
+
+async def copy_out_addressable(
+    tier: AddressableTier,
+    parts: list[tuple[SegmentKey, SegmentHeader]],
+    out: dict[str, torch.Tensor],
+    dim: int,
+) -> None:
+    """Scatter every segment from ``tier``'s slots into ``out`` in one worker-thread hop.
+
+    A history has one segment per turn, and each hop waits for the event loop (and the GIL)
+    on a busy server. The caller keeps the slots from being freed until this returns.
+    """
+    cuda = any(t.is_cuda for t in out.values())
+    views = [(tier.view(key), header) for key, header in parts]
+    total = sum(header.length for _, header in parts)
+    await run(_scatter_all, views, out, dim, cuda, big=total > INLINE_COPY)
+    if isinstance(tier, ReadCountingTier):
+        for _, header in parts:
+            tier.note_read(header.length)
+    if cuda:
+        await anyio.to_thread.run_sync(torch.cuda.synchronize)
+
+
+def scatter(
+    buf: memoryview,
+    header: SegmentHeader,
+    out: dict[str, torch.Tensor],
+    dim: int,
+    offset: int,
+    non_blocking: bool,
+) -> None:
+    """Copy one segment's tensors into ``out`` at token ``offset``."""
+    # non_blocking only from the pinned arena, which stays valid until the final synchronize
+    for name, view in segment_tensors(buf, header).items():
+        out[name].narrow(dim, offset, header.tokens).copy_(view, non_blocking=non_blocking)
+
+
+def _scatter_all(
+    parts: list[tuple[memoryview, SegmentHeader]],
+    out: dict[str, torch.Tensor],
+    dim: int,
+    non_blocking: bool,
+) -> None:
+    offset = 0
+    for buf, header in parts:
+        scatter(buf, header, out, dim, offset, non_blocking)
+        offset += header.tokens
+
+
+@contextlib.contextmanager
+def scratch(length: int) -> Iterator[memoryview]:
+    """A page-aligned temporary buffer (O_DIRECT-capable), unmapped when done."""
+    buf = mmap.mmap(-1, length)
+    view = memoryview(buf)
+    try:
+        yield view
+    finally:
+        with contextlib.suppress(BufferError):  # a view still alive: freed with it
+            view.release()
+        close_mapping(buf, "scratch buffer")
+
+
+async def run(fn: Callable[..., None], *args: Any, big: bool) -> None:
+    """Run ``fn`` in a worker thread when the work is large, inline otherwise."""
+    if big:
+        await anyio.to_thread.run_sync(fn, *args)
+    else:
+        fn(*args)

@@ -1,0 +1,380 @@
+"""Where a session's KV lives: reserving room, promoting, demoting, evicting, forgetting.
+
+Every function here runs inside :func:`~tieredkv._cache.atomic.settle` (no caller's
+cancellation reaches it) with the session's lock held, and keeps the invariants listed in
+:mod:`tieredkv._cache.state` whatever fails:
+
+* a copy becomes part of the index (``held``) only once every byte of it is committed in
+  the tier; a copy is taken out of the index before (not after) its space is reused;
+* what a failed step wrote is deleted again; a deletion that fails leaves its key in
+  :attr:`Core.orphans`, retried before the key is used again and at close, so a failed
+  cleanup never poisons later operations (of this session or any other);
+* an I/O error while moving a victim to make room leaves the victim where it was and
+  reaches the caller (whose operation then did nothing).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+
+from ..backends.base import (
+    AddressableTier,
+    BatchReadTier,
+    DefragmentingTier,
+    SegmentKey,
+)
+from ..errors import CapacityError, CorruptSegmentError, TierIOError
+from ..meta import Demoted, Evicted, Promoted
+from .gather import scratch
+from .state import Core, Session
+
+__all__ = [
+    "copy_segment",
+    "delete_or_orphan",
+    "demote",
+    "drop_damaged",
+    "evict_copy",
+    "forget_copy",
+    "promote",
+    "purge_orphans",
+    "remove_copy",
+    "reserve",
+]
+
+_log = logging.getLogger("tieredkv.cache")
+
+
+# -- deleting ---------------------------------------------------------------------------
+async def delete_or_orphan(core: Core, t: int, key: SegmentKey) -> bool:
+    """Delete ``key`` from tier ``t``; on an I/O error record it as an orphan. ``True`` if gone."""
+    try:
+        await core.tiers[t].delete(key)
+    except TierIOError:
+        core.stats.errors += 1
+        if (t, key) not in core.orphans:
+            core.orphans.add((t, key))
+            core.stats.orphans += 1
+        _log.warning(
+            "tier %r: could not delete segment %d of %.80r; will retry",
+            core.tiers[t].name,
+            key[1],
+            key[0],
+        )
+        return False
+    if (t, key) in core.orphans:
+        core.orphans.discard((t, key))
+        core.stats.orphans -= 1
+    return True
+
+
+async def purge_orphans(core: Core, session: str | None = None) -> None:
+    """Retry deleting the orphans (of ``session``, or all of them)."""
+    for t, key in sorted(core.orphans):
+        if session is None or key[0] == session:
+            await delete_or_orphan(core, t, key)
+
+
+async def remove_copy(core: Core, s: Session, t: int) -> bool:
+    """Take ``s``'s segments in tier ``t`` out of the index and delete them, highest first.
+
+    Highest first, so a crash part-way leaves a prefix (which recovery can use). A segment
+    that cannot be deleted becomes an orphan. Never raises for I/O: ``False`` if some
+    segment became an orphan.
+    """
+    clean = True
+    for seq in sorted(s.held[t], reverse=True):
+        s.held[t].discard(seq)
+        clean = await delete_or_orphan(core, t, (s.key, seq)) and clean
+    core.policies[t].on_remove(s.key)
+    return clean
+
+
+async def forget_copy(core: Core, s: Session, t: int) -> bool:
+    """Remove the copy in ``t``; re-elect the primary; return whether the session is lost."""
+    await remove_copy(core, s, t)
+    if s.primary == t:
+        s.primary = next((u for u in range(len(core.tiers)) if s.complete(u)), None)
+    if s.primary is None and s.segs:
+        for u in range(len(core.tiers)):
+            await remove_copy(core, s, u)  # partial copies are of no use
+        s.segs.clear()
+        core.stats.lost += 1
+    core.publish(s, core.clock())
+    return s.primary is None
+
+
+async def evict_copy(core: Core, s: Session, t: int) -> None:
+    """Remove ``s``'s copy from tier ``t`` to make room (lost if it was the last one)."""
+    nbytes = s.nbytes()
+    lost = await forget_copy(core, s, t)
+    core.stats.evictions += 1
+    core.channel.emit(
+        Evicted(session=s.key, time=core.clock(), nbytes=nbytes, tier=core.tiers[t].name, lost=lost)
+    )
+
+
+async def drop_damaged(core: Core, s: Session, t: int, where: str) -> None:
+    """A segment of ``s`` in tier ``t`` failed verification: that copy is gone."""
+    core.stats.corrupt += 1
+    _log.warning("session %.80r: %s in tier %r is damaged", s.key, where, core.tiers[t].name)
+    await forget_copy(core, s, t)
+
+
+# -- making room --------------------------------------------------------------------------
+async def reserve(
+    core: Core, t: int, key: SegmentKey, length: int, protect: set[str], *, lossless: bool = False
+) -> bool:
+    """Reserve ``length`` bytes in tier ``t``, evicting unprotected sessions as needed.
+
+    With ``lossless``, only victims that keep a copy somewhere are moved (a background
+    copy must never cost another session its only copy). When enough bytes are free but
+    split into gaps, a :class:`~tieredkv.backends.base.DefragmentingTier` first moves idle
+    sessions' segments aside, so that no session is evicted for want of one gap.
+
+    :returns: ``False`` if room cannot be made (no victim left)
+    :raises TierIOError: if moving a victim failed (it stays where it was), or an orphan
+        under ``key`` cannot be deleted
+    """
+    tier = core.tiers[t]
+    if length > tier.capacity:
+        return False
+    if (t, key) in core.orphans and not await delete_or_orphan(core, t, key):
+        raise TierIOError(tier.name, f"delete the stale segment {key[1]}", "still failing")
+    skip = set(protect)
+    busy = core.busy
+    while not tier.reserve(key, length):
+        short = length - (tier.capacity - tier.used)
+        if (
+            short <= 0
+            and isinstance(tier, DefragmentingTier)
+            and tier.defragment(length, lambda k: k[0] not in busy) is not None
+            and tier.reserve(key, length)
+        ):
+            break
+        victims = core.policies[t].victims(
+            max(short, 1), core.clock(), core.channel, skip | busy.keys() | core.protected()
+        )
+        if not victims:
+            return False
+        for victim in victims:
+            skip.add(victim)
+            try:
+                await _move_victim(core, victim, t, lossless)
+            except TierIOError:
+                core.stats.errors += 1  # the victim stays where it was
+                raise
+    return True
+
+
+async def _move_victim(core: Core, victim: str, t: int, lossless: bool) -> None:
+    vs = core.sessions.get(victim)
+    if vs is None or not vs.held[t]:
+        core.policies[t].on_remove(victim)  # stale entry
+        return
+    if victim in core.busy or (lossless and vs.primary == t and t + 1 >= len(core.tiers)):
+        return
+    try:
+        vs.cond.acquire_nowait()
+    except anyio.WouldBlock:
+        return
+    core.busy[victim] += 1
+    try:
+        if vs.primary == t and t + 1 < len(core.tiers):
+            await demote(core, vs, t, may_lose=not lossless)
+        else:  # last tier, or a (possibly partial) lower copy
+            await evict_copy(core, vs, t)
+    except CorruptSegmentError:
+        pass  # the victim turned out damaged; it is gone, and so is its space
+    except CapacityError:
+        pass  # lossless, and the victim has nowhere to go: it stays
+    finally:
+        core.unbusy(victim)
+        vs.cond.release()
+
+
+# -- moving down --------------------------------------------------------------------------
+async def demote(core: Core, s: Session, t: int, *, may_lose: bool = True) -> None:
+    """Move primary ``s`` (locked) out of tier ``t`` into the next tier.
+
+    If the next tier cannot make room, the copy in ``t`` is evicted (and the session lost)
+    when ``may_lose``, else :class:`CapacityError` is raised and nothing changes. On an I/O
+    error the session stays in ``t`` and the error propagates.
+    """
+    total = s.nbytes()
+    for u in range(t + 1, len(core.tiers)):
+        if s.complete(u):  # inclusive: the lower copy takes over, no write needed
+            s.primary = u
+            await remove_copy(core, s, t)
+            _after_demote(core, s, t, u, total)
+            return
+    u = t + 1
+    if u >= len(core.tiers):
+        if not may_lose:
+            raise CapacityError("the session", total, 0)
+        await evict_copy(core, s, t)
+        return
+    missing = [k for k in s.segment_keys() if k[1] not in s.held[u]]
+    core.set_transfer(s, core.transfer("demote", s, t, u))
+    try:
+        moved = await _reserve_all(core, s, u, missing)
+        if moved:
+            await _copy_into(core, s, t, u, missing)
+    finally:
+        core.set_transfer(s, None)
+    if moved:
+        s.primary = u
+        await remove_copy(core, s, t)
+        _after_demote(core, s, t, u, total)
+        return
+    # the next tier cannot take it: the session is lost from this tier
+    if not may_lose:
+        dst = core.tiers[u]
+        raise CapacityError("the session", total, dst.capacity - dst.used)
+    await evict_copy(core, s, t)
+
+
+def _after_demote(core: Core, s: Session, t: int, u: int, total: int) -> None:
+    core.stats.demotions += 1
+    now = core.clock()
+    meta = core.publish(s, now)
+    core.policies[u].on_admit(s.key, meta, now)
+    core.channel.emit(
+        Demoted(
+            session=s.key, time=now, nbytes=total, src=core.tiers[t].name, dst=core.tiers[u].name
+        )
+    )
+
+
+async def _reserve_all(core: Core, s: Session, dst: int, keys: list[SegmentKey]) -> bool:
+    """Reserve room for ``keys`` of ``s`` in ``dst``: all of them (``True``), or none."""
+    lengths = {seg.header.seq: seg.length for seg in s.segs}
+    reserved: list[SegmentKey] = []
+    try:
+        for key in keys:
+            if not await reserve(core, dst, key, lengths[key[1]], {s.key}):
+                break
+            reserved.append(key)
+        else:
+            reserved = []
+            return True
+        return False
+    finally:
+        for key in reserved:
+            core.tiers[dst].release(key)
+
+
+async def _copy_into(core: Core, s: Session, src: int, dst: int, keys: list[SegmentKey]) -> None:
+    """Copy ``keys`` of ``s`` from ``src`` into their reservations in ``dst``; add to ``held``.
+
+    All or nothing: on an error the reservations are released, what was written is deleted
+    again, and the error propagates.
+    """
+    to = core.tiers[dst]
+    pending = list(keys)  # reserved, not yet written
+    written: list[SegmentKey] = []
+    try:
+        if (
+            dst == 0
+            and isinstance(to, AddressableTier)
+            and isinstance(core.tiers[src], BatchReadTier)
+        ):
+            await _read_many(core, s, src, pending)
+            written, pending = pending, []
+        else:
+            for key in keys:
+                await copy_segment(core, s, src, dst, key)
+                pending.remove(key)
+                written.append(key)
+        for key in written:
+            s.held[dst].add(key[1])
+        written = []
+    finally:
+        for key in pending:
+            to.release(key)
+        for key in written:
+            await delete_or_orphan(core, dst, key)
+
+
+async def _read_many(core: Core, s: Session, src: int, keys: list[SegmentKey]) -> None:
+    """Read a whole history from ``src`` into tier 0's reservations in one tier call."""
+    top, frm = core.tiers[0], core.tiers[src]
+    assert isinstance(top, AddressableTier)
+    assert isinstance(frm, BatchReadTier)
+    try:
+        await frm.read_many_into([(key, top.view(key)) for key in keys])
+    except CorruptSegmentError as exc:
+        await drop_damaged(core, s, src, exc.where)
+        raise
+    for key in keys:
+        top.commit(key)
+
+
+async def copy_segment(core: Core, s: Session, src: int, dst: int, key: SegmentKey) -> None:
+    """Copy one committed segment into ``dst``'s reservation for it (and commit it there).
+
+    A segment found damaged in ``src`` costs ``s`` that copy (and raises).
+    """
+    to, frm = core.tiers[dst], core.tiers[src]
+    try:
+        if isinstance(to, AddressableTier):
+            await frm.read_into(key, to.view(key))
+            to.commit(key)
+        elif isinstance(frm, AddressableTier):
+            await to.write(key, frm.view(key))
+        else:
+            with scratch(frm.length(key)) as view:
+                await frm.read_into(key, view)
+                await to.write(key, view)
+    except CorruptSegmentError:
+        await drop_damaged(core, s, src, f"segment {key[1]}")
+        raise
+
+
+# -- moving up ----------------------------------------------------------------------------
+async def promote(core: Core, s: Session) -> bool:
+    """Move ``s`` (locked) into tier 0 if it fits; ``True`` if it moved.
+
+    The history is copied into fresh tier-0 slots, then becomes primary there in one step;
+    only then (exclusive mode) is the lower copy deleted. If room cannot be made (even
+    because of an I/O error elsewhere), loads are served from where it is.
+
+    :raises CorruptSegmentError: the lower copy was damaged (and is gone)
+    :raises TierIOError: reading the lower copy failed (it stays where it was)
+    """
+    assert s.primary is not None
+    src = s.primary
+    total = s.nbytes()
+    if src == 0 or total > core.tiers[0].capacity:
+        return False
+    missing = [k for k in s.segment_keys() if k[1] not in s.held[0]]
+    core.set_transfer(s, core.transfer("promote", s, src, 0))
+    try:
+        try:
+            if not await _reserve_all(core, s, 0, missing):
+                return False
+        except TierIOError:
+            core.stats.errors += 1
+            return False  # room could not be made: serve from where it is
+        try:
+            await _copy_into(core, s, src, 0, missing)
+        except TierIOError:
+            core.stats.errors += 1
+            raise
+    finally:
+        core.set_transfer(s, None)
+    s.primary = 0
+    core.stats.promotions += 1
+    now = core.clock()
+    meta = core.publish(s, now)
+    core.policies[0].on_admit(s.key, meta, now)
+    core.channel.emit(
+        Promoted(
+            session=s.key, time=now, nbytes=total, src=core.tiers[src].name, dst=core.tiers[0].name
+        )
+    )
+    if core.mode == "exclusive":
+        await remove_copy(core, s, src)
+        core.publish(s, core.clock())
+    return True

@@ -1,0 +1,80 @@
+"""Rebuilding the index at open from what persistent tiers kept.
+
+Per session, the longest run of segments ``0..n-1`` that some tier holds completely, with
+one schema throughout, is the history; each tier keeps its segments of that history only
+if it holds the whole of it (a partial copy is of no use). Everything else a tier listed
+(gaps, segments past a schema change, stale lengths) is deleted. A tier that shrank since
+the last run evicts down to its capacity.
+"""
+
+from __future__ import annotations
+
+from ..payload import SegmentHeader
+from .placement import delete_or_orphan, evict_copy, remove_copy
+from .state import Core, Seg, Session, schema_of
+
+__all__ = ["recover"]
+
+
+async def recover(core: Core, recovered: list[list[SegmentHeader]]) -> None:
+    """Index what each tier recovered (``recovered[t]``: tier ``t``'s headers)."""
+    ntiers = len(core.tiers)
+    by_session: dict[str, list[dict[int, SegmentHeader]]] = {}
+    for t, headers in enumerate(recovered):
+        for h in headers:
+            by_session.setdefault(h.session, [{} for _ in range(ntiers)])[t][h.seq] = h
+    now = core.clock()
+    for key, per_tier in by_session.items():
+        s = _rebuild(key, per_tier, ntiers)
+        for t, segs in enumerate(per_tier):
+            for seq in sorted(segs, reverse=True):
+                if seq not in s.held[t]:
+                    await delete_or_orphan(core, t, (key, seq))
+        if not any(s.complete(t) for t in range(ntiers)):
+            for t in range(ntiers):
+                await remove_copy(core, s, t)
+            continue
+        for t in range(ntiers):
+            if s.held[t] and not s.complete(t):
+                await remove_copy(core, s, t)
+        s.primary = next(t for t in range(ntiers) if s.complete(t))
+        core.sessions[key] = s
+        meta = core.publish(s, now, answer=s.segs[-1].header.answer_tokens, restart=True)
+        for t in range(ntiers):
+            if s.complete(t):
+                core.policies[t].on_admit(key, meta, now)
+    for t, tier in enumerate(core.tiers):  # a tier may have shrunk since the last run
+        if tier.used > tier.capacity:
+            victims = core.policies[t].victims(tier.used - tier.capacity, now, core.channel) or []
+            for victim in victims:
+                vs = core.sessions[victim]
+                async with core.hold(vs):
+                    await evict_copy(core, vs, t)
+
+
+def _rebuild(key: str, per_tier: list[dict[int, SegmentHeader]], ntiers: int) -> Session:
+    """The session's history: the longest gap-free prefix some tier holds, one schema."""
+    prefix: list[int] = []
+    for segs in per_tier:
+        n = 0
+        while n in segs:
+            n += 1
+        prefix.append(n)
+    n = max(prefix)
+    best = prefix.index(n)
+    headers = [per_tier[best][i] for i in range(n)]
+    schema = schema_of(headers[0]) if headers else None
+    good = 0
+    for h in headers:
+        if schema is None or schema_of(h) != schema:
+            break
+        good += 1
+    s = Session(key, ntiers)
+    s.segs = [Seg(h) for h in headers[:good]]
+    s.schema = schema
+    for t, segs in enumerate(per_tier):
+        keep = good if prefix[t] >= good else 0
+        for seq in segs:
+            if seq < keep and segs[seq].length == s.segs[seq].length:
+                s.held[t].add(seq)
+    return s

@@ -1,0 +1,293 @@
+"""Session state, its locking, the counters, and publishing to the metadata channel.
+
+The cache's index is one :class:`Session` per conversation: its segments (in order), which
+of them each tier holds (``held``), and which tier serves loads (``primary``). Invariants,
+checked by ``tests/invariants.py`` after every fault campaign:
+
+* ``primary`` is ``None`` exactly when no tier holds every segment; otherwise it names
+  such a tier (a *complete* copy);
+* ``held[t]`` is exactly the set of the session's segments committed in tier ``t`` (the
+  tier's own index agrees), except keys being moved under the session's lock;
+* the channel's :class:`~tieredkv.meta.KVMeta` for the session says the same (``tier``,
+  ``copies``, bytes, tokens, turns), and tier ``t``'s eviction policy tracks the session
+  when it holds a copy there;
+* a segment a tier holds that no session lists is an *orphan*: a cleanup that failed. It
+  is recorded in :attr:`Core.orphans` and deleted again before anything else uses its key.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
+
+import anyio
+import msgspec
+
+from ..backends.base import SegmentKey, Tier, TierStats
+from ..meta import KVMeta, MetadataChannel, Transfer, advance_meta
+from ..payload import Schema, SegmentHeader
+from ..policies.base import Eviction
+from ..policies.lru import LRU
+from ..policies.registry import make_eviction
+
+__all__ = [
+    "CacheStats",
+    "Core",
+    "Seg",
+    "Session",
+    "check_key",
+    "policies_per_tier",
+    "schema_of",
+]
+
+
+class CacheStats(msgspec.Struct, kw_only=True):
+    """Counters of a :class:`~tieredkv.TieredKVCache` since it was opened.
+
+    :param hits: loads served from the performance tier (tier 0)
+    :param misses: loads of a stored session served from a lower tier (promoted or not),
+        plus loads that found the history damaged
+    :param appends: segments stored
+    :param loads: successful loads
+    :param prefetches: prefetch calls that moved data up
+    :param promotions: sessions moved up to tier 0
+    :param demotions: sessions moved down a tier (or whose lower copy became primary)
+    :param evictions: copies removed from a tier to make room
+    :param lost: sessions whose last copy was evicted (their KV must be recomputed)
+    :param drops: sessions dropped by the application
+    :param corrupt: segments that failed verification (never served)
+    :param write_through: segments copied down in the background (inclusive mode)
+    :param errors: I/O errors reported while moving data (the data stayed where it was)
+    :param cancelled: operations cancelled by their caller (each rolled back)
+    :param orphans: segments whose cleanup failed, awaiting deletion
+    :param tiers: each tier's own counters, including bytes read and written
+    """
+
+    hits: int = 0
+    misses: int = 0
+    appends: int = 0
+    loads: int = 0
+    prefetches: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    evictions: int = 0
+    lost: int = 0
+    drops: int = 0
+    corrupt: int = 0
+    write_through: int = 0
+    errors: int = 0
+    cancelled: int = 0
+    orphans: int = 0
+    tiers: tuple[TierStats, ...] = ()
+
+    @property
+    def hit_ratio(self) -> float:
+        """hits / (hits + misses), or 0.0 before any load."""
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+class Seg:
+    """One committed segment of a session (its header, as written)."""
+
+    __slots__ = ("header", "length")
+
+    def __init__(self, header: SegmentHeader) -> None:
+        self.header = header
+        self.length = header.length
+
+
+class Session:
+    """A conversation in the index. Mutated only with :attr:`cond` held (see :meth:`Core.hold`)."""
+
+    __slots__ = (
+        "cond",
+        "dropped",
+        "held",
+        "inflight",
+        "key",
+        "primary",
+        "quiet",
+        "schema",
+        "segs",
+        "stopping",
+    )
+
+    def __init__(self, key: str, ntiers: int) -> None:
+        self.key = key
+        self.schema: Schema | None = None
+        self.segs: list[Seg] = []
+        self.held: list[set[int]] = [set() for _ in range(ntiers)]
+        self.primary: int | None = None
+        self.cond = anyio.Condition()
+        self.inflight = 0  # background copies under way (write-through)
+        self.quiet: anyio.Event | None = None  # set when inflight drops to 0
+        self.stopping = False  # a drop is waiting: background copies stop early
+        self.dropped = False
+
+    async def wait_quiet(self) -> None:
+        """Wait until no background copy of this session is under way (no lock needed)."""
+        while self.inflight and self.quiet is not None:
+            await self.quiet.wait()
+
+    def nbytes(self) -> int:
+        return sum(seg.length for seg in self.segs)
+
+    def tokens(self) -> int:
+        return sum(seg.header.tokens for seg in self.segs)
+
+    def complete(self, t: int) -> bool:
+        return bool(self.segs) and len(self.held[t]) == len(self.segs)
+
+    def segment_keys(self) -> list[SegmentKey]:
+        return [(self.key, seg.header.seq) for seg in self.segs]
+
+
+class Core:
+    """What every part of the cache shares: tiers, policies, channel, index and counters."""
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        policies: Sequence[Eviction],
+        channel: MetadataChannel,
+        mode: str,
+        clock: Callable[[], float],
+    ) -> None:
+        self.tiers = list(tiers)
+        self.policies = list(policies)
+        self.channel = channel
+        self.mode = mode
+        self.clock = clock
+        self.sessions: dict[str, Session] = {}
+        self.busy: Counter[str] = Counter()
+        self.stats = CacheStats()
+        self.protected: Callable[[], AbstractSet[str]] = frozenset
+        self.orphans: set[tuple[int, SegmentKey]] = set()
+
+    def hold(self, s: Session) -> Held:
+        """``async with``: hold ``s``'s lock and mark it busy (never chosen as a victim)."""
+        return Held(self, s)
+
+    def unbusy(self, key: str) -> None:
+        self.busy[key] -= 1
+        if self.busy[key] <= 0:
+            del self.busy[key]
+
+    def set_transfer(self, s: Session, transfer: Transfer | None) -> None:
+        if s.key in self.channel:
+            self.channel.update(s.key, in_flight=transfer)
+
+    def transfer(self, kind: str, s: Session, src: int, dst: int) -> Transfer:
+        return Transfer(
+            kind=kind,  # type: ignore[arg-type]
+            src=self.tiers[src].name,
+            dst=self.tiers[dst].name,
+            nbytes=s.nbytes(),
+            started=self.clock(),
+        )
+
+    def publish(
+        self,
+        s: Session,
+        now: float,
+        *,
+        access: bool = False,
+        answer: int | None = None,
+        restart: bool = False,
+    ) -> KVMeta:
+        """Write ``s``'s metadata (placement from the index) to the channel."""
+        copies = tuple(
+            self.tiers[t].name
+            for t in sorted(range(len(self.tiers)), key=lambda t: t != s.primary)
+            if s.complete(t)
+        )
+        meta = advance_meta(
+            self.channel.get(s.key),
+            session=s.key,
+            tier=None if s.primary is None else self.tiers[s.primary].name,
+            copies=copies,
+            nbytes=s.nbytes(),
+            tokens=s.tokens(),
+            turns=len(s.segs),
+            now=now,
+            access=access,
+            answer=answer,
+            codec=s.schema.codec if s.schema is not None else "kv",
+            restart=restart,
+        )
+        self.channel.put(meta)
+        return meta
+
+
+class Held:
+    """The context manager :meth:`Core.hold` returns."""
+
+    __slots__ = ("_core", "_s")
+
+    def __init__(self, core: Core, s: Session) -> None:
+        self._core = core
+        self._s = s
+
+    async def __aenter__(self) -> None:
+        await self._s.cond.acquire()
+        self._core.busy[self._s.key] += 1
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        # no await here: leaving can never be interrupted half-way
+        self._core.unbusy(self._s.key)
+        self._s.cond.release()
+
+
+def check_key(session: object) -> None:
+    """Refuse what cannot be a session key, saying what to use instead."""
+    if not isinstance(session, str):
+        raise TypeError(f"session keys are str, not {type(session).__name__}")
+    if not session:
+        raise ValueError("session key is empty; use any non-empty text")
+    try:
+        session.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"session key is not valid Unicode text ({exc.reason} at {exc.start}); "
+            f"remove lone surrogates"
+        ) from None
+
+
+def schema_of(h: SegmentHeader) -> Schema:
+    """The schema a segment's header implies (names, dtypes, non-token shapes, codec)."""
+    return Schema(
+        token_dim=h.token_dim,
+        codec=h.codec,
+        names=tuple(t.name for t in h.tensors),
+        dtypes=tuple(t.dtype for t in h.tensors),
+        shapes=tuple(
+            tuple(-1 if i == h.token_dim else d for i, d in enumerate(t.shape)) for t in h.tensors
+        ),
+    )
+
+
+def policies_per_tier(
+    eviction: Eviction | str | Sequence[Eviction | str] | None, ntiers: int
+) -> list[Eviction]:
+    """One eviction policy per tier, from what the caller gave."""
+    if isinstance(eviction, Sequence) and not isinstance(eviction, str):
+        policies = [make_eviction(p) if isinstance(p, str) else p for p in eviction]
+        if len(policies) != ntiers:
+            raise ValueError(
+                f"got {len(policies)} eviction policies for {ntiers} tiers; pass one "
+                f"policy (for tier 0) or one per tier"
+            )
+    else:
+        if isinstance(eviction, str):
+            top = make_eviction(eviction)
+        else:  # not `eviction or LRU()`: an empty policy may be falsy (it has __len__)
+            top = eviction if eviction is not None else LRU()
+        policies = [top] + [LRU() for _ in range(ntiers - 1)]
+    for policy in policies:
+        if not isinstance(policy, Eviction):
+            raise TypeError(f"{policy!r} does not implement the Eviction protocol")
+    if len({id(p) for p in policies}) != len(policies):
+        raise ValueError("each tier needs its own eviction policy instance")
+    return policies

@@ -1,0 +1,69 @@
+"""One turn's storage work: writing a new segment, and restoring a history into tensors.
+
+Each runs inside :func:`~tieredkv._cache.atomic.settle` with the session's lock held. The
+caller commits the result to the index (append) or the counters (load) only after it
+returns, with nothing awaited in between: that is the operation's point of no return.
+"""
+
+from __future__ import annotations
+
+import anyio
+import torch
+
+from ..backends.base import AddressableTier, SegmentKey
+from ..errors import CapacityError, CorruptSegmentError
+from ..payload import SegmentPlan
+from .gather import copy_out_addressable, scatter, scratch, write_new
+from .placement import demote, drop_damaged, promote, purge_orphans, reserve
+from .state import Core, Session
+
+__all__ = ["restore", "store"]
+
+
+async def store(core: Core, s: Session, plan: SegmentPlan) -> int:
+    """Write the planned segment into the highest tier that can take it; return the tier.
+
+    The segment is committed in that tier but not yet in the index.
+    """
+    await purge_orphans(core, s.key)
+    key: SegmentKey = (s.key, plan.header.seq)
+    t = 0 if s.primary is None else s.primary
+    try:
+        while not await reserve(core, t, key, plan.length, {s.key}):
+            if t + 1 >= len(core.tiers):
+                tier = core.tiers[t]
+                raise CapacityError("the segment", plan.length, tier.capacity - tier.used)
+            if s.primary == t:
+                # the session itself no longer fits here: move it down whole
+                await s.wait_quiet()
+                await demote(core, s, t, may_lose=False)
+            t += 1
+        await write_new(core.tiers[t], key, plan.write_into, plan.length)
+    finally:
+        core.tiers[t].release(key)
+    return t
+
+
+async def restore(core: Core, s: Session, out: dict[str, torch.Tensor]) -> None:
+    """Promote ``s`` if it is not in tier 0 (and fits), then copy it into ``out``."""
+    if s.primary != 0:
+        await promote(core, s)
+    assert s.primary is not None
+    assert s.schema is not None
+    t = s.primary
+    tier = core.tiers[t]
+    dim = s.schema.token_dim
+    if isinstance(tier, AddressableTier):
+        parts = [(k, g.header) for k, g in zip(s.segment_keys(), s.segs, strict=True)]
+        await copy_out_addressable(tier, parts, out, dim)
+        return
+    offset = 0
+    for seg in s.segs:
+        with scratch(seg.length) as view:
+            try:
+                await tier.read_into((s.key, seg.header.seq), view)
+            except CorruptSegmentError:
+                await drop_damaged(core, s, t, f"segment {seg.header.seq}")
+                raise
+            await anyio.to_thread.run_sync(scatter, view, seg.header, out, dim, offset, False)
+        offset += seg.header.tokens

@@ -1,0 +1,278 @@
+"""The project's own fault campaign: cancellation of every kind and I/O errors at the os
+calls, over many sessions at once, then an invariant check and a byte-for-byte check.
+
+Each session is driven by one task that runs random operations one after another (many
+sessions run at once), so the model of what is stored stays exact: an operation that
+returns is acknowledged; one that raises a cancellation or a :class:`TieredKVError` must
+have left no trace, which is checked right away (a drop that was cancelled either did
+nothing or completed). Afterwards ``tests.invariants.problems`` compares the cache's
+index, every tier's index, the files, the channel and the policies, every acknowledged
+byte is loaded back, and the cache is reopened on the same directory and checked again.
+
+The quick, seeded variant runs in the test command. A longer one is the same tests with
+``TIEREDKV_CAMPAIGN_SCALE`` set (documented in docs/explanation/architecture.md)::
+
+    TIEREDKV_CAMPAIGN_SCALE=20 .venv/bin/pytest tests/integration/test_fault_campaign.py -s
+
+Each test prints its counts: operations, faults injected, cancellations, wrong bytes,
+lost sessions, unexpected exceptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import random
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from tests.faults import FaultInjector
+from tests.invariants import Model, problems, wrong_bytes
+from tieredkv import HostMemoryTier, SSDTier, TieredKVCache, TieredKVError
+from tieredkv.errors import SessionNotFoundError
+
+KIB = 1024
+SCALE = int(os.environ.get("TIEREDKV_CAMPAIGN_SCALE", "1"))
+CANCELS = ("task.cancel", "asyncio.timeout", "wait_for", "anyio", "none")
+
+
+def turn(tokens: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    # 96 KiB per token: segments of 96-384 KiB, some copied in worker threads
+    return {
+        "k": torch.randint(0, 256, (tokens, 48 * KIB), dtype=torch.uint8, generator=g),
+        "v": torch.randint(0, 256, (tokens, 48 * KIB), dtype=torch.uint8, generator=g),
+    }
+
+
+def make_cache(directory: Path, mode: str, *, fsync: bool) -> TieredKVCache:
+    # a host tier that holds about four sessions: moves up and down all the time; an SSD
+    # tier large enough that nothing acknowledged is ever lost for want of room
+    tiers = [HostMemoryTier(1536 * KIB), SSDTier(directory, 512 << 20, fsync=fsync)]
+    return TieredKVCache(tiers, mode=mode)  # type: ignore[arg-type]
+
+
+async def cancellable(
+    kind: str, delay: float, op: Callable[[], Awaitable[Any]]
+) -> tuple[bool, Any]:
+    """Run ``op`` under one kind of cancellation after ``delay`` seconds: (completed, result)."""
+    if kind == "task.cancel":
+        task = asyncio.get_running_loop().create_task(_await(op))
+        await asyncio.sleep(delay)
+        task.cancel()
+        try:
+            return True, await task
+        except asyncio.CancelledError:
+            return False, None
+    if kind == "asyncio.timeout":
+        try:
+            async with asyncio.timeout(delay):
+                return True, await op()
+        except TimeoutError:
+            return False, None
+    if kind == "wait_for":
+        try:
+            return True, await asyncio.wait_for(_await(op), delay)
+        except TimeoutError:
+            return False, None
+    if kind == "anyio":
+        result = None
+        with anyio.move_on_after(delay) as scope:
+            result = await op()
+        return not scope.cancelled_caught, result
+    return True, await op()
+
+
+async def _await(op: Callable[[], Awaitable[Any]]) -> Any:
+    return await op()
+
+
+class Campaign:
+    """Drives random operations on many sessions and keeps the model of what is stored."""
+
+    def __init__(self, cache: TieredKVCache, seed: int, *, cancel: bool) -> None:
+        self.cache = cache
+        self.rng = random.Random(seed)
+        self.cancel = cancel
+        self.model: Model = {}
+        self.counts: Counter[str] = Counter()
+        self.unexpected: list[str] = []
+
+    def turns(self, session: str) -> int:
+        meta = self.cache.channel.get(session)
+        return meta.turns if meta is not None and meta.tier is not None else 0
+
+    async def drive(self, session: str, ops: int) -> None:
+        self.model.setdefault(session, [])
+        for i in range(ops):
+            await self.step(session, i)
+
+    async def step(self, session: str, i: int) -> None:
+        rng, cache, model = self.rng, self.cache, self.model
+        kind = rng.choice(CANCELS) if self.cancel else "none"
+        delay = rng.choice((0.0, 0.0005, 0.001, 0.002, 0.005, 0.02))
+        r = rng.random()
+        before = list(model[session])
+        self.counts["operations"] += 1
+        try:
+            if r < 0.5 or not before:
+                new = turn(rng.randint(1, 4), rng.randrange(1 << 30))
+                op = "append"
+                done, _ = await cancellable(
+                    kind, delay, lambda: cache.append(session, new, answer_tokens=i + 1)
+                )
+                if done:
+                    model[session].append(new)
+            elif r < 0.75:
+                op = "load"
+                done, got = await cancellable(kind, delay, lambda: cache.load(session))
+                if done:
+                    self.check_bytes(session, got)
+            elif r < 0.85:
+                op = "load_into"
+                tokens = sum(t["k"].shape[0] for t in before)
+                out = {n: torch.zeros(tokens + 3, 48 * KIB, dtype=torch.uint8) for n in "kv"}
+                done, n = await cancellable(kind, delay, lambda: cache.load_into(session, out))
+                if done:
+                    assert n == tokens
+                    self.check_bytes(session, {k: v[:tokens] for k, v in out.items()})
+            elif r < 0.95:
+                op = "prefetch"
+                done, _ = await cancellable(kind, delay, lambda: cache.prefetch(session))
+            else:
+                op = "drop"
+                done, _ = await cancellable(kind, delay, lambda: cache.drop(session))
+                if done or not cache.contains(session):
+                    model[session] = []
+        except SessionNotFoundError:
+            if before:
+                self.counts["lost"] += 1
+                self.unexpected.append(f"{session} lost after {len(before)} acknowledged turns")
+                model[session] = []
+            return
+        except TieredKVError as exc:  # an I/O error: the operation must have left no trace
+            self.counts[f"error:{type(exc).__name__}"] += 1
+            done = False
+        except Exception as exc:
+            self.unexpected.append(f"{op} of {session}: {type(exc).__name__}: {exc}")
+            return
+        if not done:
+            self.counts["cancelled"] += 1
+        if self.turns(session) != len(model[session]):
+            self.unexpected.append(
+                f"{op} of {session} ({'done' if done else 'not done'}, {kind}): cache has "
+                f"{self.turns(session)} turns, acknowledged {len(model[session])}"
+            )
+            model[session] = []  # resynchronise is impossible: stop checking this one
+            self.counts["mismatch"] += 1
+
+    def check_bytes(self, session: str, got: dict[str, torch.Tensor]) -> None:
+        for name in ("k", "v"):
+            want = torch.cat([t[name] for t in self.model[session]])
+            if not torch.equal(got[name], want):
+                self.counts["wrong bytes"] += 1
+                self.unexpected.append(f"{session}: loaded {name} differs")
+
+    async def run(self, sessions: int, ops: int) -> None:
+        async with anyio.create_task_group() as tg:
+            for i in range(sessions):
+                tg.start_soon(self.drive, f"s{i}", ops)
+
+
+async def settle_and_check(cache: TieredKVCache, campaign: Campaign) -> None:
+    await cache.flush()
+    found = problems(cache)
+    assert not found, "\n".join(found)
+    bad = await wrong_bytes(cache, campaign.model)
+    campaign.counts["wrong bytes"] += len(bad)
+    assert not bad, "\n".join(bad)
+
+
+async def reopen_and_check(directory: Path, mode: str, campaign: Campaign) -> None:
+    """After a clean close, what the SSD kept is exactly what was acknowledged."""
+    async with make_cache(directory, mode, fsync=False) as again:
+        assert list((directory / "tmp").iterdir()) == []  # cleared at open
+        found = problems(again)
+        assert not found, "\n".join(found)
+        for session in again.sessions():
+            turns = campaign.model.get(session, [])
+            meta = again.channel[session]
+            assert meta.turns == len(turns), (session, meta.turns, len(turns))
+        if mode == "inclusive":  # everything was written through before the close
+            assert sorted(again.sessions()) == sorted(k for k, v in campaign.model.items() if v)
+        assert not await wrong_bytes(
+            again, {k: v for k, v in campaign.model.items() if again.contains(k)}
+        )
+
+
+def report(name: str, campaign: Campaign, injector: FaultInjector | None = None) -> None:
+    counts = dict(campaign.counts)
+    if injector is not None:
+        counts["faults injected"] = injector.total_injected
+    counts["unexpected exceptions"] = len(campaign.unexpected)
+    print(f"\n{name}: {counts}")
+
+
+@pytest.mark.parametrize("mode", ["exclusive", "inclusive"])
+async def test_cancellation_storm_leaves_every_part_agreeing(ssd_dir: Path, mode: str) -> None:
+    """Native (task.cancel, asyncio.timeout, wait_for) and anyio cancellation at random
+    moments of appends, loads, prefetches and drops on 8 sessions at once: nothing
+    cancelled leaves a trace, nothing acknowledged is lost or served wrong."""
+    async with make_cache(ssd_dir, mode, fsync=False) as cache:
+        campaign = Campaign(cache, seed=hash(mode) % 1000, cancel=True)
+        await campaign.run(sessions=8, ops=20 * SCALE)
+        report(f"cancellation storm ({mode})", campaign)
+        assert not campaign.unexpected, "\n".join(campaign.unexpected[:10])
+        assert campaign.counts["cancelled"] >= 20  # really cancelled, many times
+        await settle_and_check(cache, campaign)
+    await reopen_and_check(ssd_dir, mode, campaign)
+
+
+@pytest.mark.parametrize("mode", ["exclusive", "inclusive"])
+async def test_random_io_errors_lose_nothing_acknowledged(ssd_dir: Path, mode: str) -> None:
+    """EIO and ENOSPC at 3% of the SSD tier's os calls (and cancellations) while 8 sessions
+    append, load, prefetch and drop: every failed operation left no trace, every
+    acknowledged byte loads back, and the parts of the cache agree."""
+    async with make_cache(ssd_dir, mode, fsync=True) as cache:
+        campaign = Campaign(cache, seed=7 + len(mode), cancel=True)
+        with FaultInjector(seed=11, rate=0.03, errnos=(errno.EIO, errno.ENOSPC)) as faults:
+            await campaign.run(sessions=8, ops=20 * SCALE)
+            faults.clear()
+            report(f"random I/O errors ({mode})", campaign, faults)
+            assert faults.total_injected >= 5
+            assert not campaign.unexpected, "\n".join(campaign.unexpected[:10])
+            await settle_and_check(cache, campaign)
+    await reopen_and_check(ssd_dir, mode, campaign)
+
+
+SITES = ("open", "pwrite", "fsync", "replace", "pread", "preadv", "unlink", "fstat")
+
+
+@pytest.mark.parametrize("site", SITES)
+async def test_an_io_error_at_each_call_of_a_site(tmp_path: Path, site: str) -> None:
+    """For one os call site, fail its 1st, 2nd, ... call in turn (one fresh cache each) under
+    a fixed script of appends, moves, loads and drops; after each, the parts agree and every
+    acknowledged byte is there, before and after a reopen."""
+    calls = 0
+    for n in range(1, 1 + 6 * SCALE):
+        directory = tmp_path / f"{site}-{n}"
+        directory.mkdir()
+        async with make_cache(directory, "exclusive", fsync=True) as cache:
+            campaign = Campaign(cache, seed=n, cancel=False)
+            with FaultInjector(seed=n) as faults:
+                faults.fail_nth(site, n)
+                await campaign.run(sessions=4, ops=6)
+                calls = max(calls, faults.calls[site])
+                faults.clear()
+            assert not campaign.unexpected, (n, campaign.unexpected[:5])
+            await settle_and_check(cache, campaign)
+        await reopen_and_check(directory, "exclusive", campaign)
+        if n > calls:  # the script makes fewer calls of this site than n
+            break

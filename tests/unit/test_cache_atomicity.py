@@ -1,0 +1,278 @@
+"""Regression tests, one per scenario in which the cache's state machine used to break
+under native asyncio cancellation or an I/O error (issue 12). Each names the scenario.
+
+Slow I/O is real I/O made slow: the SSD tier's own ``os`` calls sleep first (in the worker
+thread), so a cancellation lands while a thread still reads or writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+import tieredkv.backends.ssd as ssd_module
+from tests.invariants import problems
+from tieredkv import HostMemoryTier, SSDTier, TieredKVCache, TierIOError
+
+KIB = 1024
+
+
+def kv(tokens: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"kv": torch.randint(0, 256, (tokens, 64 * KIB), dtype=torch.uint8, generator=g)}
+
+
+@contextmanager
+def slow(
+    monkeypatch: pytest.MonkeyPatch, seconds: float, *names: str, calls: int = 1 << 30
+) -> Iterator[None]:
+    """The SSD tier's first ``calls`` os.<names> calls sleep ``seconds`` first (in their
+    worker thread)."""
+    proxy = ModuleType("os")
+    left = [calls]
+
+    def delayed(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if left[0] > 0:
+                left[0] -= 1
+                time.sleep(seconds)
+            return fn(*args, **kwargs)
+
+        return call
+
+    for attr in dir(os):
+        setattr(proxy, attr, getattr(os, attr))
+    for name in names:
+        setattr(proxy, name, delayed(getattr(os, name)))
+    with monkeypatch.context() as m:
+        m.setattr(ssd_module, "os", proxy)
+        yield
+
+
+def failing(monkeypatch: pytest.MonkeyPatch, name: str, *, times: int = 1 << 30) -> list[int]:
+    """os.<name> fails with EIO ``times`` times (everywhere); returns a call counter."""
+    real = getattr(os, name)
+    calls = [0]
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] <= times:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(os, name, call)
+    return calls
+
+
+async def cancel_natively(kind: str, op: Callable[[], Any], after: float) -> None:
+    """Run ``op`` and cancel it with ``kind`` after ``after`` seconds; it must not finish."""
+    if kind == "task.cancel":
+        task = asyncio.get_running_loop().create_task(op())
+        await asyncio.sleep(after)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    elif kind == "asyncio.timeout":
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(after):
+                await op()
+    else:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(op(), after)
+
+
+NATIVE = ["task.cancel", "asyncio.timeout", "wait_for"]
+
+
+def ssd_only(directory: Path, *, fsync: bool = True) -> TieredKVCache:
+    return TieredKVCache([SSDTier(directory, 64 << 20, fsync=fsync)])
+
+
+def two_tier(directory: Path, mode: str = "exclusive", host: int = 1024 * KIB) -> TieredKVCache:
+    return TieredKVCache(
+        [HostMemoryTier(host), SSDTier(directory, 64 << 20, fsync=True)],
+        mode=mode,  # type: ignore[arg-type]
+    )
+
+
+# -- native cancellation ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", NATIVE)
+async def test_cancelled_load_keeps_its_host_slots_until_the_reader_is_done(
+    ssd_dir: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A load promoting from SSD is cancelled while its reader thread fills host slots; a
+    session appended right after must not get those slots (it would load the first one's
+    bytes, unnoticed: host data carries no checksum)."""
+    async with two_tier(ssd_dir, host=600 * KIB) as cache:  # room for one of them
+        await cache.append("a", kv(8, 1), answer_tokens=1)  # 512 KiB
+        await cache.append("filler", kv(9, 2), answer_tokens=1)  # pushes "a" to the SSD
+        assert cache.where("a") == "ssd"
+        await cache.drop("filler")
+        with slow(monkeypatch, 0.2, "pread", "preadv", "readv"):
+            await cancel_natively(kind, lambda: cache.load("a"), after=0.05)
+            b = kv(8, 3)
+            await cache.append("b", b, answer_tokens=1)
+            await asyncio.sleep(0.3)  # a reader left running would have written by now
+        assert torch.equal((await cache.load("b"))["kv"], b["kv"])
+        assert torch.equal((await cache.load("a"))["kv"], kv(8, 1)["kv"])
+        assert problems(cache) == []
+
+
+@pytest.mark.parametrize("kind", NATIVE)
+async def test_cancelled_append_is_not_there_after_a_restart(
+    ssd_dir: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """An append reported as cancelled while its writer thread was renaming the file must
+    leave no trace, now or after a restart."""
+    async with ssd_only(ssd_dir) as cache:
+        await cache.append("s", kv(2, 1), answer_tokens=1)
+        with slow(monkeypatch, 0.2, "replace"):
+            await cancel_natively(kind, lambda: cache.append("s", kv(2, 2), answer_tokens=1), 0.05)
+        await asyncio.sleep(0.3)  # a writer thread left running would have renamed by now
+        assert cache.channel["s"].turns == 1
+        found = problems(cache)
+        stats = cache.stats()
+    async with ssd_only(ssd_dir) as again:
+        assert again.channel["s"].turns == 1
+        assert torch.equal((await again.load("s"))["kv"], kv(2, 1)["kv"])
+    assert found == []
+    assert stats.cancelled == 1
+
+
+async def test_cancelled_append_cannot_land_after_a_later_acknowledged_one(
+    ssd_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancelled append's rename used to land after a later, acknowledged append of the
+    same turn, and load then returned the cancelled data."""
+    async with ssd_only(ssd_dir) as cache:
+        with slow(monkeypatch, 0.2, "replace", calls=1):  # only the cancelled one is slow
+            task = asyncio.get_running_loop().create_task(
+                cache.append("s", kv(2, 1), answer_tokens=1)
+            )
+            await asyncio.sleep(0.05)
+            task.cancel()
+            await cache.append("s", kv(2, 2), answer_tokens=1)  # waits for the cancelled one
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(0.3)  # a writer thread left running would have renamed by now
+        assert torch.equal((await cache.load("s"))["kv"], kv(2, 2)["kv"])
+        assert problems(cache) == []
+    async with ssd_only(ssd_dir) as again:
+        assert torch.equal((await again.load("s"))["kv"], kv(2, 2)["kv"])
+
+
+@pytest.mark.parametrize("kind", [*NATIVE, "anyio"])
+async def test_cancelled_drop_in_inclusive_mode_leaves_the_session_whole(
+    ssd_dir: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A drop cancelled while it waits for write-through used to leave load raising
+    ValueError forever (native), or a 'dropped' flag that silently stopped write-through so
+    the session came back with 0 turns after a restart (anyio)."""
+    async with two_tier(ssd_dir, "inclusive", host=4096 * KIB) as cache:
+        with slow(monkeypatch, 0.05, "pwrite"):
+            for i in range(3):
+                await cache.append("s", kv(2, i), answer_tokens=1)
+            if kind == "anyio":
+                with anyio.move_on_after(0.02) as scope:
+                    await cache.drop("s")
+                assert scope.cancelled_caught
+            else:
+                await cancel_natively(kind, lambda: cache.drop("s"), after=0.02)
+            want = torch.cat([kv(2, i)["kv"] for i in range(3)])
+            assert torch.equal((await cache.load("s"))["kv"], want)
+            await cache.flush()
+        assert cache.channel["s"].copies == ("host", "ssd")
+        assert problems(cache) == []
+    async with two_tier(ssd_dir, "inclusive", host=4096 * KIB) as again:
+        assert again.channel["s"].turns == 3
+        assert torch.equal((await again.load("s"))["kv"], want)
+
+
+# -- I/O errors during moves ----------------------------------------------------------------
+
+
+async def test_failed_cleanup_after_failed_demotion_poisons_nothing(
+    ssd_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A demotion fails half-way and deleting what it wrote fails too: the key the SSD tier
+    keeps is an orphan, retried later; evicting that session again and unrelated appends
+    (561 of 720 used to fail) work once the disk does."""
+    async with two_tier(ssd_dir, host=1024 * KIB) as cache:
+        await cache.append("v", kv(4, 1), answer_tokens=1)
+        await cache.append("v", kv(4, 2), answer_tokens=1)  # two segments, 512 KiB
+        writes = [0]
+        real_pwrite = os.pwrite
+
+        def second_fails(*args: Any, **kwargs: Any) -> Any:
+            writes[0] += 1
+            if writes[0] == 2:
+                raise OSError(errno.EIO, "injected")
+            return real_pwrite(*args, **kwargs)
+
+        monkeypatch.setattr(os, "pwrite", second_fails)
+        failing(monkeypatch, "unlink")
+        with pytest.raises(TierIOError):
+            await cache.append("w", kv(10, 3), answer_tokens=1)  # must demote "v"
+        assert cache.where("v") == "host"
+        assert cache._core.orphans  # the first segment written could not be deleted
+        assert problems(cache) == []
+        monkeypatch.undo()
+        for i in range(6):  # fault-free appends, each evicting others
+            await cache.append(f"u{i}", kv(6, 10 + i), answer_tokens=1)
+        want = torch.cat([kv(4, 1)["kv"], kv(4, 2)["kv"]])
+        assert torch.equal((await cache.load("v"))["kv"], want)
+        assert not cache._core.orphans
+        assert problems(cache) == []
+
+
+async def test_failed_delete_after_promotion_keeps_channel_and_policy_truthful(
+    ssd_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deleting the SSD copy after a promotion fails: the channel used to keep saying "ssd"
+    and the session was never admitted to tier 0's eviction policy."""
+    async with two_tier(ssd_dir) as cache:
+        await cache.append("a", kv(8, 1), answer_tokens=1)
+        await cache.append("filler", kv(9, 2), answer_tokens=1)
+        await cache.drop("filler")
+        assert cache.where("a") == "ssd"
+        failing(monkeypatch, "unlink")
+        assert torch.equal((await cache.load("a"))["kv"], kv(8, 1)["kv"])
+        assert cache.where("a") == "host"
+        assert cache.channel["a"].copies == ("host",)
+        assert len(cache._core.policies[0]) == 1
+        assert problems(cache) == []
+        monkeypatch.undo()
+    assert list((ssd_dir / "segments").rglob("*.seg")) == []  # retried at close
+
+
+async def test_failed_drop_leaves_no_half_dropped_session(
+    ssd_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A drop whose deletions fail used to leave the session listed, its primary tier
+    pointing at missing segments."""
+    async with ssd_only(ssd_dir) as cache:
+        for i in range(3):
+            await cache.append("s", kv(2, i), answer_tokens=1)
+        failing(monkeypatch, "unlink", times=2)
+        await cache.drop("s")
+        assert not cache.contains("s")
+        assert "s" not in cache.channel
+        assert problems(cache) == []
+        await cache.append("s", kv(1, 9), answer_tokens=1)  # reuses seq 0: orphan purged first
+        assert torch.equal((await cache.load("s"))["kv"], kv(1, 9)["kv"])
+        assert problems(cache) == []
+    async with ssd_only(ssd_dir) as again:
+        assert again.channel["s"].turns == 1
