@@ -102,7 +102,7 @@ class Campaign:
         self.rng = random.Random(seed)
         self.cancel = cancel
         self.model: Model = {}
-        self.counts: Counter[str] = Counter()
+        self.counts: Counter[str] = Counter({"wrong bytes": 0, "lost": 0})
         self.unexpected: list[str] = []
 
     def turns(self, session: str) -> int:
@@ -121,6 +121,7 @@ class Campaign:
         r = rng.random()
         before = list(model[session])
         self.counts["operations"] += 1
+        failed = False
         try:
             if r < 0.5 or not before:
                 new = turn(rng.randint(1, 4), rng.randrange(1 << 30))
@@ -159,11 +160,11 @@ class Campaign:
             return
         except TieredKVError as exc:  # an I/O error: the operation must have left no trace
             self.counts[f"error:{type(exc).__name__}"] += 1
-            done = False
+            done, failed = False, True
         except Exception as exc:
             self.unexpected.append(f"{op} of {session}: {type(exc).__name__}: {exc}")
             return
-        if not done:
+        if not (done or failed):
             self.counts["cancelled"] += 1
         if self.turns(session) != len(model[session]):
             self.unexpected.append(

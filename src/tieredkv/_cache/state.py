@@ -37,6 +37,7 @@ __all__ = [
     "Seg",
     "Session",
     "check_key",
+    "check_tiers",
     "policies_per_tier",
     "schema_of",
 ]
@@ -266,6 +267,20 @@ def schema_of(h: SegmentHeader) -> Schema:
             tuple(-1 if i == h.token_dim else d for i, d in enumerate(t.shape)) for t in h.tensors
         ),
     )
+
+
+def check_tiers(tiers: Sequence[Tier]) -> list[Tier]:
+    """The tiers as a list, refused unless each implements the protocol under its own name."""
+    tiers = list(tiers)
+    if not tiers:
+        raise ValueError("TieredKVCache needs at least one tier")
+    for tier in tiers:
+        if not isinstance(tier, Tier):
+            raise TypeError(f"{tier!r} does not implement the Tier protocol")
+    names = [tier.name for tier in tiers]
+    if len(set(names)) != len(names):
+        raise ValueError(f"tier names must be unique, got {names}")
+    return tiers
 
 
 def policies_per_tier(

@@ -12,12 +12,13 @@ import torch
 
 from ..backends.base import AddressableTier, SegmentKey
 from ..errors import CapacityError, CorruptSegmentError
+from ..meta import KVMeta, Loaded, Stored
 from ..payload import SegmentPlan
 from .gather import copy_out_addressable, scatter, scratch, write_new
 from .placement import demote, drop_damaged, promote, purge_orphans, reserve
-from .state import Core, Session
+from .state import Core, Seg, Session
 
-__all__ = ["restore", "store"]
+__all__ = ["commit_append", "commit_load", "restore", "store"]
 
 
 async def store(core: Core, s: Session, plan: SegmentPlan) -> int:
@@ -67,3 +68,53 @@ async def restore(core: Core, s: Session, out: dict[str, torch.Tensor]) -> None:
                 raise
             await anyio.to_thread.run_sync(scatter, view, seg.header, out, dim, offset, False)
         offset += seg.header.tokens
+
+
+def commit_append(core: Core, s: Session, plan: SegmentPlan, t: int, answer_tokens: int) -> KVMeta:
+    """Make a stored segment part of the session: index, counters, channel, policies, event."""
+    s.segs.append(Seg(plan.header))
+    s.held[t].add(plan.header.seq)
+    s.schema = plan.schema
+    if s.primary is None:
+        s.primary = t
+    core.stats.appends += 1
+    now = core.clock()
+    meta = core.publish(s, now, access=True, answer=answer_tokens)
+    # the access first, then the admission (as the replay does): a policy must see a new
+    # session's first turn as its first access, not as a reuse at distance 0
+    for policy in core.policies:
+        policy.on_access(s.key, meta, now)
+    core.policies[t].on_admit(s.key, meta, now)
+    core.channel.emit(
+        Stored(
+            session=s.key,
+            time=now,
+            nbytes=plan.length,
+            tier=core.tiers[t].name,
+            tokens=plan.header.tokens,
+        )
+    )
+    return meta
+
+
+def commit_load(core: Core, s: Session, hit: bool) -> None:
+    """Count a served load and record it as an access (channel, policies, event)."""
+    now = core.clock()
+    if hit:
+        core.stats.hits += 1
+    else:
+        core.stats.misses += 1
+    core.stats.loads += 1
+    meta = core.publish(s, now, access=True)
+    for policy in core.policies:
+        policy.on_access(s.key, meta, now)
+    assert s.primary is not None
+    core.channel.emit(
+        Loaded(
+            session=s.key,
+            time=now,
+            nbytes=meta.nbytes,
+            tier=core.tiers[s.primary].name,
+            hit=hit,
+        )
+    )
