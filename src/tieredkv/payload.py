@@ -53,6 +53,7 @@ __all__ = [
     "SegmentPlan",
     "TensorSpec",
     "align_up",
+    "check_int",
     "hash_body",
     "hashed_from",
     "header_schema",
@@ -395,10 +396,30 @@ def plan_segment(
 
 
 def _check_count(what: str, value: object) -> None:
+    # a ValueError even for a wrong type: what plan_segment has always raised here
+    check_int(what, value, wrong_type=InvalidArgumentError)
+
+
+def check_int(
+    what: str,
+    value: object,
+    *,
+    minimum: int = 0,
+    maximum: int = MAX_COUNT,
+    wrong_type: type[InvalidArgumentError | InvalidTypeError] = InvalidTypeError,
+) -> int:
+    """``value`` if it is an int (not a bool) within ``[minimum, maximum]``.
+
+    :raises ~tieredkv.errors.InvalidTypeError: (or ``wrong_type``) for a float, a bool or
+        anything else that is not an int
+    :raises ~tieredkv.errors.InvalidArgumentError: for an int out of range
+    """
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgumentError(f"{what} must be an int, not {value!r}")
-    if not 0 <= value <= MAX_COUNT:
-        raise InvalidArgumentError(f"{what} must be from 0 to 2**63 - 1, not {value}")
+        raise wrong_type(f"{what} must be an int, not {value!r}")
+    if not minimum <= value <= maximum:
+        upper = "2**63 - 1" if maximum == MAX_COUNT else f"{maximum:,}"
+        raise InvalidArgumentError(f"{what} must be from {minimum:,} to {upper}, not {value:,}")
+    return value
 
 
 def header_schema(header: SegmentHeader) -> Schema:

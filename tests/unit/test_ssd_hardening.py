@@ -17,10 +17,16 @@ import torch
 
 from tests.faults import FaultInjector
 from tests.segments import Segment, SegmentFactory, aligned_buffer, forge, read_back, store
-from tieredkv import HostMemoryTier, SessionNotFoundError, SSDTier, TieredKVCache
+from tieredkv import HostMemoryTier, MmapTier, SessionNotFoundError, SSDTier, TieredKVCache
 from tieredkv.backends.base import Tier
 from tieredkv.backends.ssd import segment_file_name
-from tieredkv.errors import CorruptSegmentError, TierIOError
+from tieredkv.errors import (
+    CorruptSegmentError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    TieredKVError,
+    TierIOError,
+)
 from tieredkv.payload import TensorSpec, parse_header
 
 CAPACITY = 64 << 20
@@ -261,3 +267,43 @@ async def test_unlistable_directory_at_open_is_tier_io_error(ssd_dir: Path) -> N
         faults.clear()
         async with tier:
             assert tier.used == 0
+
+
+# -- constructor arguments (SSD, host and mmap tiers) ------------------------------------
+
+TIER_MAKERS: dict[str, Callable[..., Tier]] = {
+    "ssd": lambda tmp, capacity, **kw: SSDTier(tmp / "ssd", capacity, **kw),
+    "host": lambda tmp, capacity, **kw: HostMemoryTier(capacity, **kw),
+    "mmap": lambda tmp, capacity, **kw: MmapTier(tmp / "m.mmap", capacity, **kw),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TIER_MAKERS))
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"max_threads": 0}, InvalidArgumentError, "max_threads must be from 1"),
+        ({"max_threads": -3}, InvalidArgumentError, "max_threads must be from 1"),
+        ({"max_threads": 2.0}, InvalidTypeError, "max_threads must be an int"),
+        ({"max_threads": True}, InvalidTypeError, "max_threads must be an int"),
+        ({"capacity": 1.5e9}, InvalidTypeError, "capacity .bytes. must be an int"),
+        ({"capacity": True}, InvalidTypeError, "capacity .bytes. must be an int"),
+        ({"capacity": -4096}, InvalidArgumentError, "capacity .bytes. must be from 1"),
+        ({"capacity": 0}, InvalidArgumentError, "capacity .bytes. must be from 1"),
+    ],
+    ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else "",
+)
+def test_bad_tier_arguments_fail_at_construction(
+    tmp_path: Path, kind: str, kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    """max_threads of 0 (which made open() wait forever for a thread) or below, and a
+    capacity that is a float, a bool or not positive, are refused when the tier is built,
+    with a TieredKVError that is also a ValueError or TypeError and names the argument."""
+    kwargs = dict(kwargs)  # the parameter is shared by every kind
+    capacity = kwargs.pop("capacity", 1 << 20)
+    with pytest.raises(error, match=match) as info:
+        TIER_MAKERS[kind](tmp_path, capacity, **kwargs)
+    assert isinstance(info.value, TieredKVError)
+    assert isinstance(info.value, ValueError | TypeError)
+    assert not (tmp_path / "ssd").exists()
+    assert not (tmp_path / "m.mmap").exists()

@@ -63,8 +63,17 @@ import anyio
 import numpy as np
 import xxhash
 
-from ..errors import ClosedError, CorruptSegmentError, TierIOError
-from ..payload import ALIGN, PREFIX, SegmentHeader, hash_body, hashed_from, parse_header
+from ..errors import ClosedError, CorruptSegmentError, InvalidArgumentError, TierIOError
+from ..payload import (
+    ALIGN,
+    PREFIX,
+    SegmentHeader,
+    check_int,
+    hash_body,
+    hashed_from,
+    parse_header,
+)
+from .arena import check_tier_arguments
 from .base import SegmentKey, Tier, TierStats
 
 __all__ = ["SSDTier", "segment_file_name"]
@@ -120,12 +129,10 @@ class SSDTier(Tier):
         max_threads: int = 4,
         chunk_size: int = 8 << 20,
     ) -> None:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"a tier needs a non-empty name, not {name!r}")
-        if capacity <= 0:
-            raise ValueError(f"tier {name!r}: capacity must be positive, not {capacity}")
-        if chunk_size <= 0 or chunk_size % ALIGN:
-            raise ValueError(f"chunk_size must be a positive multiple of {ALIGN}")
+        check_tier_arguments(name, capacity, max_threads)
+        check_int(f"tier {name!r}: chunk_size", chunk_size, minimum=ALIGN)
+        if chunk_size % ALIGN:
+            raise InvalidArgumentError(f"chunk_size must be a positive multiple of {ALIGN}")
         self.name = name
         self.directory = Path(directory)
         self._capacity = capacity
