@@ -65,6 +65,8 @@ from .errors import (
     CapacityError,
     ClosedError,
     CorruptSegmentError,
+    InvalidArgumentError,
+    InvalidTypeError,
     SchemaMismatchError,
     SessionNotFoundError,
 )
@@ -113,9 +115,9 @@ class TieredKVCache:
     ) -> None:
         tiers = check_tiers(tiers)
         if mode not in ("exclusive", "inclusive"):
-            raise ValueError(f"mode must be 'exclusive' or 'inclusive', not {mode!r}")
+            raise InvalidArgumentError(f"mode must be 'exclusive' or 'inclusive', not {mode!r}")
         if isinstance(token_dim, bool) or not isinstance(token_dim, int):
-            raise TypeError(f"token_dim must be an int, not {type(token_dim).__name__}")
+            raise InvalidTypeError(f"token_dim must be an int, not {type(token_dim).__name__}")
         policies = policies_per_tier(eviction, len(tiers))
         self.channel = channel if channel is not None else MetadataChannel()
         """The metadata channel: per-session :class:`~tieredkv.meta.KVMeta` and events."""

@@ -12,6 +12,7 @@ import torch
 
 from ..backends.arena import INLINE_COPY, close_mapping
 from ..backends.base import AddressableTier, ReadCountingTier, SegmentKey, Tier
+from ..errors import InvalidArgumentError
 from ..payload import Schema, SegmentHeader, dtype_of, segment_tensors
 
 __all__ = [
@@ -45,18 +46,18 @@ def check_into(out: Mapping[str, torch.Tensor]) -> Target:
 
     def check(schema: Schema, tokens: int) -> dict[str, torch.Tensor]:
         if set(out) != set(schema.names):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"out has tensors {sorted(out)}, the session stores {sorted(schema.names)}"
             )
         for name, dt, shape in zip(schema.names, schema.dtypes, schema.shapes, strict=True):
             t = out[name]
             want = dtype_of(dt)
             if t.dtype != want:
-                raise ValueError(f"out[{name!r}] is {t.dtype}, the session stores {want}")
+                raise InvalidArgumentError(f"out[{name!r}] is {t.dtype}, the session stores {want}")
             dim = schema.token_dim
             got = tuple(-1 if i == dim else d for i, d in enumerate(t.shape))
             if got != shape or t.shape[dim] < tokens:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"out[{name!r}] has shape {tuple(t.shape)}; it needs "
                     f"{tuple(tokens if d == -1 else d for d in shape)} or more positions "
                     f"along dim {dim}"
