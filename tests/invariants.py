@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from tieredkv import SSDTier, TieredKVCache
-from tieredkv.backends.ssd import segment_file_name
 from tieredkv.backends.arena import ArenaTier
 from tieredkv.backends.base import SegmentKey, Tier
+from tieredkv.backends.ssd import segment_file_name
 
 Model = dict[str, list[dict[str, torch.Tensor]]]
 """What the test believes is stored: session -> the acknowledged turns, in order."""

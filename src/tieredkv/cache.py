@@ -184,6 +184,7 @@ class TieredKVCache:
             core.sessions.clear()
             core.busy.clear()
             core.orphans.clear()
+            core.staging.close()
 
     async def flush(self) -> None:
         """Wait until every background write-through started so far has finished."""

@@ -31,6 +31,7 @@ from ..payload import Schema, SegmentHeader
 from ..policies.base import Eviction
 from ..policies.lru import LRU
 from ..policies.registry import make_eviction
+from .gather import Staging
 
 __all__ = [
     "CacheStats",
@@ -167,6 +168,7 @@ class Core:
         self.stats = CacheStats()
         self.protected: Callable[[], AbstractSet[str]] = frozenset
         self.orphans: set[tuple[int, SegmentKey]] = set()
+        self.staging = Staging()
 
     def hold(self, s: Session) -> Held:
         """``async with``: hold ``s``'s lock and mark it busy (never chosen as a victim)."""
