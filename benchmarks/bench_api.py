@@ -204,13 +204,14 @@ def one_round(
     writes["safetensors"].append(timed(lambda: st_write(dirs["safetensors"], turns)))
     writes["torch"].append(timed(lambda: pt_write(dirs["torch"], turns)))
     n = len(turns)
-    for name, fn in [
+    systems: list[tuple[str, Callable[[], object]]] = [
         ("tieredkv load", lambda: anyio.run(tkv_load, dirs["tieredkv"])),
         ("tieredkv load_into", lambda: anyio.run(tkv_load_into, dirs["tieredkv"], out)),
         ("raw", lambda: raw_read(dirs["raw"], n, depth)),
         ("safetensors", lambda: st_read(dirs["safetensors"], n)),
         ("torch", lambda: pt_read(dirs["torch"], n)),
-    ]:
+    ]
+    for name, fn in systems:
         drop_page_cache()
         start = time.perf_counter()
         result = fn()
