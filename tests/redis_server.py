@@ -104,6 +104,8 @@ class RedisServer:
                 try:
                     if client.ping():
                         return True
+                except redis.AuthenticationError:
+                    return True  # it answers (and wants a password)
                 except redis.ConnectionError:
                     time.sleep(0.02)
             return False

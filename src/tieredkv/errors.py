@@ -118,7 +118,7 @@ class StaleWriterError(TieredKVError, RuntimeError):
     one may not add segments to it, so its write is refused and nothing of it is stored.
     """
 
-    def __init__(self, tier: str, session: str, token: int, current: int | str) -> None:
+    def __init__(self, tier: str, session: str, token: int, current: int) -> None:
         self.tier = tier
         self.session = session
         self.token = token

@@ -66,7 +66,7 @@ except ImportError as _exc:  # pragma: no cover - exercised only without the ext
 if TYPE_CHECKING:
     from redis.commands.core import AsyncScript
 
-__all__ = ["RedisTier", "conversation_tag"]
+__all__ = ["RedisTier", "conversation_tag", "driver_options"]
 
 _MIN_VALUE = 64 << 10
 _PUBLISH = """
@@ -100,12 +100,17 @@ local holder = redis.call('GET', KEYS[2])
 if holder and holder ~= ARGV[1] and ARGV[3] ~= '1' then
   return {-1, holder, redis.call('PTTL', KEYS[2])}
 end
-local token = redis.call('HINCRBY', KEYS[1], 'fence', 1)
-redis.call('HSET', KEYS[1], 'session', ARGV[4])
+local now = redis.call('TIME')
+local token = math.max(tonumber(redis.call('HGET', KEYS[1], 'fence') or '0') + 1,
+                       tonumber(now[1]) * 1000000 + tonumber(now[2]))
+token = string.format('%d', token)
+redis.call('HSET', KEYS[1], 'fence', token, 'session', ARGV[4])
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 return {token}
 """
-"""KEYS: manifest, lease; ARGV: owner, lease ms, force (1/0), session."""
+"""KEYS: manifest, lease; ARGV: owner, lease ms, force (1/0), session. The token is above
+the last one and at least the server's clock in microseconds, so it keeps growing even if
+the server evicts or loses the manifest that holds the last one."""
 
 _DELETE = """
 local function drop(seq)
@@ -307,7 +312,7 @@ class RedisTier(SharedTier):
         if isinstance(self._server, str):
             # the client looks its version up in package metadata (file I/O) for each
             # connection unless told: once, in a worker thread
-            options = {**await anyio.to_thread.run_sync(_driver_options), **self._client_options}
+            options = {**await anyio.to_thread.run_sync(driver_options), **self._client_options}
             pool = aioredis.BlockingConnectionPool.from_url(
                 self._server,
                 max_connections=self._max_connections,
@@ -499,18 +504,19 @@ class RedisTier(SharedTier):
         if token is None:
             token = await self.acquire(session)
         vs = self.value_size
+        views = [data[at : at + vs] for at in range(0, length, vs)]
         entry = _Entry(
             length=length,
             nonce=secrets.token_hex(8),
-            parts=-(-length // vs),
+            parts=len(views),
             value_size=vs,
             head=bytes(data[:head_len]),
         )
         parts = self._parts(key, entry)
         try:
             async with client.pipeline(transaction=False) as pipe:
-                for i, part in enumerate(parts):
-                    pipe.set(part, data[i * vs : (i + 1) * vs], px=self._part_ms)
+                for part, view in zip(parts, views, strict=True):
+                    pipe.set(part, view, px=self._part_ms)
                 await pipe.execute()
             base = self._base(session)
             reply = await self._scripts["publish"](
@@ -528,12 +534,23 @@ class RedisTier(SharedTier):
             )
         except (RedisError, OSError) as exc:
             raise self._io_error(f"write segment {seq} ({length:,} bytes)", exc) from exc
+        finally:
+            # the client may keep the command's arguments: let go of the caller's buffer
+            for view in views:
+                view.release()
         status = int(reply[0])
         if status == -1:
-            self._counters["refused"] += 1
             self._tokens.pop(session, None)
             current = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
-            raise StaleWriterError(self.name, session, token, current or "unset")
+            if not current:
+                raise TierIOError(
+                    self.name,
+                    f"write segment {seq} on {self.url}",
+                    "the server evicted the conversation's manifest during the write (it is "
+                    "out of memory: raise its maxmemory)",
+                )
+            self._counters["refused"] += 1
+            raise StaleWriterError(self.name, session, token, int(current))
         if status == -2:
             raise TierIOError(
                 self.name,
@@ -683,8 +700,14 @@ class RedisTier(SharedTier):
 
 
 @functools.cache
-def _driver_options() -> dict[str, Any]:
-    """How connections name the client in ``CLIENT SETINFO``: redis-py, used by tieredkv."""
+def driver_options() -> dict[str, Any]:
+    """Client options naming the client in ``CLIENT SETINFO`` (redis-py, used by tieredkv).
+
+    The tier passes them to the clients it builds; pass them to a client you build yourself
+    (``redis.asyncio.Redis.from_url(url, **driver_options())``), or its connections look
+    the client's version up in package metadata, on the event loop. The first call reads
+    that metadata: make it before the event loop runs, or in a worker thread.
+    """
     from .. import __version__
 
     try:
