@@ -36,20 +36,20 @@ def prefix() -> str:
     return new_prefix()
 
 
+def _replica(server: RedisServer, prefix: str, name: str) -> RedisTier:
+    return RedisTier(server.url, CAPACITY, prefix=prefix, value_size=SMALL_VALUES, name=name)
+
+
 @pytest.fixture
 async def tier(redis_server: RedisServer, prefix: str) -> AsyncIterator[RedisTier]:
-    async with RedisTier(
-        redis_server.url, CAPACITY, prefix=prefix, value_size=SMALL_VALUES, name="A"
-    ) as t:
+    async with _replica(redis_server, prefix, "A") as t:
         yield t
 
 
 @pytest.fixture
 async def peer(redis_server: RedisServer, prefix: str) -> AsyncIterator[RedisTier]:
     """A second replica's tier on the same server and prefix."""
-    async with RedisTier(
-        redis_server.url, CAPACITY, prefix=prefix, value_size=SMALL_VALUES, name="B"
-    ) as t:
+    async with _replica(redis_server, prefix, "B") as t:
         yield t
 
 

@@ -112,6 +112,12 @@ return {token}
 the last one and at least the server's clock in microseconds, so it keeps growing even if
 the server evicts or loses the manifest that holds the last one."""
 
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+"""KEYS: lease; ARGV: owner. Ends the lease if this replica holds it."""
+
 _DELETE = """
 local function drop(seq)
   local old = redis.call('HGET', KEYS[1], 'k:' .. seq)
@@ -344,6 +350,7 @@ class RedisTier(SharedTier):
             "publish": client.register_script(_PUBLISH),
             "acquire": client.register_script(_ACQUIRE),
             "delete": client.register_script(_DELETE),
+            "release": client.register_script(_RELEASE),
         }
         self._client = client
         if not self._recover:
@@ -412,12 +419,17 @@ class RedisTier(SharedTier):
         if client is None:
             return
         self._client = None
+        leases = [f"{self._base(session)}:lease" for session in self._tokens]
         self._index.clear()
         self._reserved.clear()
         self._tokens.clear()
         self._used = 0
-        if isinstance(self._server, str):
-            with anyio.CancelScope(shield=True):
+        with anyio.CancelScope(shield=True):
+            # hand the conversations this replica wrote over at once, not after lease_ttl
+            with contextlib.suppress(RedisError, OSError):
+                for lease in leases:
+                    await self._scripts["release"](keys=[lease], args=[self.owner])
+            if isinstance(self._server, str):
                 await client.aclose()
 
     async def __aenter__(self) -> RedisTier:
