@@ -391,3 +391,21 @@ async def test_open_recovers_published_conversations_only_when_asked(
     async with RedisTier(redis_server.url, CAPACITY, prefix=prefix, recover=False) as t:
         assert t.used == 0
         assert [h.seq for h in await t.lookup("u1")] == [0, 1]
+
+
+async def test_ensure_writer_takes_a_free_lease_and_detects_a_take_over(
+    tier: RedisTier, peer: RedisTier
+) -> None:
+    """ensure_writer() takes the lease of a new conversation, confirms it while it is
+    current, and raises StaleWriterError (one round trip, nothing written) once another
+    replica has taken the conversation over."""
+    token = await tier.ensure_writer("s")
+    assert token == tier.token("s")
+    assert await tier.ensure_writer("s") == token
+    with pytest.raises(LeaseHeldError):
+        await peer.ensure_writer("s")
+    newer = await peer.acquire("s", force=True)
+    with pytest.raises(StaleWriterError, match="another replica took it over"):
+        await tier.ensure_writer("s")
+    assert tier.token("s") is None
+    assert await peer.ensure_writer("s") == newer

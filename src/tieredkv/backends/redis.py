@@ -468,6 +468,33 @@ class RedisTier(SharedTier):
         self._tokens[session] = token
         return token
 
+    async def ensure_writer(self, session: str) -> int:
+        """Make sure this replica may append to ``session``; return its fencing token.
+
+        Takes the lease if this replica holds no token for ``session`` (a new conversation,
+        or one whose lease has expired); checks with the server that a token it holds is
+        still the conversation's current one.
+
+        :raises StaleWriterError: another replica took the conversation over since
+        :raises LeaseHeldError: this replica holds no token and another one's lease is live
+        :raises TierIOError: if the server cannot be reached
+        """
+        client = self._check_open()
+        token = self._tokens.get(session)
+        if token is None:
+            return await self.acquire(session)
+        try:
+            current = await client.hget(f"{self._base(session)}:m", "fence")
+        except (RedisError, OSError) as exc:
+            raise self._io_error("check a conversation's writer", exc) from exc
+        if current is None or int(current) != token:
+            self._tokens.pop(session, None)
+            if current is None:  # the manifest is gone (evicted, or the server restarted)
+                return await self.acquire(session)
+            self._counters["refused"] += 1
+            raise StaleWriterError(self.name, session, token, int(current))
+        return token
+
     def token(self, session: str) -> int | None:
         """This replica's fencing token for ``session`` (``None``: it is not the writer)."""
         return self._tokens.get(session)

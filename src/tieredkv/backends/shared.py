@@ -49,3 +49,14 @@ class SharedTier(Tier, Protocol):
         :raises TierIOError: if the store cannot be reached
         """
         ...
+
+    async def ensure_writer(self, session: str) -> int:
+        """Make sure this replica may append to ``session`` (taking a free lease); return
+        its fencing token.
+
+        :raises StaleWriterError: another replica took the conversation over since this one
+            acquired it
+        :raises LeaseHeldError: this replica holds no lease and another one's is live
+        :raises TierIOError: if the store cannot be reached
+        """
+        ...
