@@ -13,7 +13,12 @@ sizes (how the default was chosen). Starts its own ``redis-server`` (no persiste
 free port unless ``--url`` names one. Exits non-zero when a target is missed
 (``--no-check``: report only)::
 
-    .venv/bin/python benchmarks/bench_redis.py [--url URL] [--reps 7] [--sweep]
+    .venv/bin/python benchmarks/bench_redis.py [--url URL] [--reps 7] [--sweep] [--replicas]
+
+``--replicas`` also serves 8 conversations of 6 turns on two replicas, turns alternating:
+with a shared RedisTier each replica loads the history the other wrote; without one it
+must recompute it. It prints the cache's own work per turn and the bytes recomputed (the
+model time that recomputing costs is not measured here).
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import anyio
 import redis.asyncio as aioredis
 import torch
 
+from tieredkv import HostMemoryTier, TieredKVCache
+from tieredkv.backends.base import Tier
 from tieredkv.backends.redis import RedisTier, driver_options
 from tieredkv.payload import plan_segment
 
@@ -164,6 +171,56 @@ async def measure(url: str, h: History, value_size: int, reps: int, raw: bool) -
     return {k: statistics.median(v) for k, v in times.items() if v}
 
 
+def turn_kv(conv: int, i: int, tokens: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(conv * 1000 + i)
+    return {
+        n: torch.randint(-(2**15), 2**15, (tokens, WIDTH), dtype=torch.int16, generator=gen)
+        for n in ("k", "v")
+    }
+
+
+async def replicas(
+    url: str | None, conversations: int, turns: int, tokens: int
+) -> tuple[float, int, int]:
+    """Two replicas serve every conversation's turns alternately (turn i of conversation c
+    on replica (c + i) % 2). With ``url``, both have a host tier over one RedisTier; without,
+    only their own host tier, so a replica that did not serve the previous turn must
+    recompute the history: it drops its stale copy and stores the recomputed history as one
+    segment. Returns the mean seconds of a turn's cache work (load, append, write to the
+    shared tier), bytes recomputed, and loads whose bytes differed (must be 0)."""
+    host = 2 * conversations * turns * tokens * WIDTH * 2 * 2 + (64 << 20)
+
+    def cache(prefix: str) -> TieredKVCache:
+        tiers: list[Tier] = [HostMemoryTier(host)]
+        if url is not None:
+            tiers.append(RedisTier(url, host, prefix=prefix, recover=False))
+        return TieredKVCache(tiers, mode="inclusive")
+
+    prefix = f"serve{time.time_ns()}"
+    took: list[float] = []
+    recomputed = wrong = 0
+    async with cache(prefix) as a, cache(prefix) as b:
+        for i in range(turns):
+            for c in range(conversations):
+                r, key = (a, b)[(c + i) % 2], f"conv-{c}"
+                t0 = time.perf_counter()
+                if i and url is not None:
+                    got = await r.load(key)
+                    want = [turn_kv(c, j, tokens) for j in range(i)]
+                    wrong += not torch.equal(got["k"], torch.cat([w["k"] for w in want]))
+                elif i:  # no shared tier: the history is recomputed (its cost not counted)
+                    if r.contains(key):
+                        await r.drop(key)
+                    hist = [turn_kv(c, j, tokens) for j in range(i)]
+                    joined = {n: torch.cat([h[n] for h in hist]) for n in ("k", "v")}
+                    recomputed += sum(t.numel() * t.element_size() for t in joined.values())
+                    await r.append(key, joined, answer_tokens=10)
+                await r.append(key, turn_kv(c, i, tokens), answer_tokens=10)
+                await r.flush()
+                took.append(time.perf_counter() - t0)
+    return statistics.mean(took), recomputed, wrong
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--url", help="a running server (default: start one)")
@@ -173,6 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--sweep", action="store_true", help="also try other value sizes")
     parser.add_argument("--no-check", action="store_true", help="do not fail on a miss")
+    parser.add_argument(
+        "--replicas",
+        action="store_true",
+        help="also serve conversations on two replicas, turns alternating: shared tier or not",
+    )
     args = parser.parse_args(argv)
     h = History(args.mib * MiB, args.segments)
     gb = h.nbytes / 1e9
@@ -187,6 +249,16 @@ def main(argv: list[str] | None = None) -> int:
                     f"load {gb / m['load']:.2f} GB/s"
                 )
         m = anyio.run(measure, url, h, args.value_size * MiB, args.reps, True)
+        if args.replicas:
+            conv, turns, tokens = 8, 6, 512  # 4 MiB of K/V per turn
+            shared = anyio.run(replicas, url, conv, turns, tokens)
+            alone = anyio.run(replicas, None, conv, turns, tokens)
+            print(f"two replicas, {conv} conversations x {turns} turns of 4 MiB, alternating:")
+            for name, (mean, redone, wrong) in (("shared tier", shared), ("no shared", alone)):
+                print(
+                    f"  {name:<11}: cache work {mean * 1e3:6.1f} ms/turn, recomputed "
+                    f"{redone / MiB:6.0f} MiB, wrong loads {wrong}"
+                )
     store_ratio = m["set"] / m["store"]
     load_ratio = m["get"] / m["load"]
     print(
