@@ -19,6 +19,8 @@ _EXPORTS = {
     "HostMemoryTier": ".backends.memory",
     "MmapTier": ".backends.mmap",
     "SSDTier": ".backends.ssd",
+    "RedisTier": ".backends.redis",
+    "SharedTier": ".backends.shared",
     "CacheStats": ".cache",
     "TieredKVCache": ".cache",
     "CapacityError": ".errors",
@@ -28,6 +30,8 @@ _EXPORTS = {
     "SessionNotFoundError": ".errors",
     "TieredKVError": ".errors",
     "TierIOError": ".errors",
+    "LeaseHeldError": ".errors",
+    "StaleWriterError": ".errors",
     "UnknownPolicyError": ".errors",
     "Event": ".meta",
     "KVMeta": ".meta",
@@ -59,14 +63,18 @@ if TYPE_CHECKING:
     from .backends.base import TierStats as TierStats
     from .backends.memory import HostMemoryTier as HostMemoryTier
     from .backends.mmap import MmapTier as MmapTier
+    from .backends.redis import RedisTier as RedisTier
+    from .backends.shared import SharedTier as SharedTier
     from .backends.ssd import SSDTier as SSDTier
     from .cache import CacheStats as CacheStats
     from .cache import TieredKVCache as TieredKVCache
     from .errors import CapacityError as CapacityError
     from .errors import ClosedError as ClosedError
     from .errors import CorruptSegmentError as CorruptSegmentError
+    from .errors import LeaseHeldError as LeaseHeldError
     from .errors import SchemaMismatchError as SchemaMismatchError
     from .errors import SessionNotFoundError as SessionNotFoundError
+    from .errors import StaleWriterError as StaleWriterError
     from .errors import TieredKVError as TieredKVError
     from .errors import TierIOError as TierIOError
     from .errors import UnknownPolicyError as UnknownPolicyError

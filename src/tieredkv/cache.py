@@ -57,6 +57,7 @@ from ._cache.placement import (
     remove_all,
 )
 from ._cache.recovery import recover
+from ._cache.sharing import check_writer, discover, shared_tiers
 from ._cache.state import CacheStats, Core, Session, check_key, check_tiers, policies_per_tier
 from ._cache.turns import commit_append, commit_load, restore, store
 from ._cache.writethrough import WriteThrough
@@ -123,6 +124,7 @@ class TieredKVCache:
         """The metadata channel: per-session :class:`~tieredkv.meta.KVMeta` and events."""
         self._core = Core(tiers, policies, self.channel, mode, clock)
         self._pumps = WriteThrough(self._core)
+        self._sharing = bool(shared_tiers(self._core))  # replicas share a tier
         self._token_dim = token_dim
         self._open = False
 
@@ -280,6 +282,8 @@ class TieredKVCache:
                 async with self._core.hold(s):
                     if sessions.get(session) is not s:  # dropped while we waited
                         continue
+                    if self._sharing:  # one writer per conversation across replicas
+                        await check_writer(self._core, session)
                     return await self._append_locked(s, tensors, answer_tokens, dim, codec)
             finally:
                 # a first append that failed or was cancelled leaves no empty entry behind
@@ -353,6 +357,8 @@ class TieredKVCache:
     async def _load(self, session: str, target: Target) -> int:
         self._check_open()
         core = self._core
+        if self._sharing:  # another replica may have stored or extended it; loading it
+            await discover(core, session, take=True)  # makes this replica its writer
         s = core.sessions.get(session)
         if s is None:  # one being created: wait for its first append below
             raise SessionNotFoundError(session)
@@ -385,6 +391,8 @@ class TieredKVCache:
         """
         self._check_open()
         core = self._core
+        if self._sharing:
+            await discover(core, session, take=False)
         s = core.sessions.get(session)
         if s is None:  # one being created: wait for its first append below
             raise SessionNotFoundError(session)
@@ -402,6 +410,21 @@ class TieredKVCache:
                 if moved:
                     core.stats.prefetches += 1
             return self.where(session)
+
+    # -- sharing across replicas ---------------------------------------------------------
+    async def discover(self, session: str) -> bool:
+        """Ask the shared tiers (:class:`~tieredkv.backends.shared.SharedTier`) about
+        ``session``, taking in what other replicas stored; whether it is stored now.
+
+        :meth:`load` and :meth:`prefetch` do this themselves; :meth:`contains` (synchronous)
+        answers from what this cache knows, so call this first for a replica-wide answer.
+        Without a shared tier it is :meth:`contains`.
+        """
+        self._check_open()
+        check_key(session)
+        if self._sharing:
+            await discover(self._core, session, take=False)
+        return self.contains(session)
 
     # -- drop ----------------------------------------------------------------------------
     async def drop(self, session: str) -> None:

@@ -16,8 +16,10 @@ __all__ = [
     "CorruptSegmentError",
     "InvalidArgumentError",
     "InvalidTypeError",
+    "LeaseHeldError",
     "SchemaMismatchError",
     "SessionNotFoundError",
+    "StaleWriterError",
     "TierIOError",
     "TieredKVError",
     "UnknownPolicyError",
@@ -117,3 +119,41 @@ class InvalidArgumentError(TieredKVError, ValueError):
 class InvalidTypeError(TieredKVError, TypeError):
     """An argument has a type the library cannot use (a float where an int is needed, a
     tensor on a device without data)."""
+
+
+class StaleWriterError(TieredKVError, RuntimeError):
+    """A write into a shared tier was refused: another replica has taken the conversation over.
+
+    The shared tier (see :mod:`tieredkv.backends.redis`) gives one writer per conversation at
+    a time a fencing token; a replica whose token is older than the conversation's current
+    one may not add segments to it, so its write is refused and nothing of it is stored.
+    """
+
+    def __init__(self, tier: str, session: str, token: int, current: int) -> None:
+        self.tier = tier
+        self.session = session
+        self.token = token
+        self.current = current
+        shown = session if len(session) <= 80 else session[:77] + "..."
+        super().__init__(
+            f"tier {tier!r} refused a write to session {shown!r}: this replica's fencing token "
+            f"{token} is stale (the conversation's token is now {current}; another replica took "
+            f"it over); load the conversation again to take it back, or leave it to the "
+            f"replica that holds it"
+        )
+
+
+class LeaseHeldError(TieredKVError, RuntimeError):
+    """A conversation's writer lease in a shared tier is held by another replica."""
+
+    def __init__(self, tier: str, session: str, holder: str, expires_in: float) -> None:
+        self.tier = tier
+        self.session = session
+        self.holder = holder
+        self.expires_in = expires_in
+        shown = session if len(session) <= 80 else session[:77] + "..."
+        super().__init__(
+            f"tier {tier!r}: session {shown!r} is being written by replica {holder!r} (its "
+            f"lease expires in {expires_in:.1f} s); wait for it, or take the conversation "
+            f"over with acquire(session, force=True) if that replica is gone"
+        )

@@ -1,4 +1,5 @@
-"""The Tier contract, run against every tier: host memory, mmap file, SSD (O_DIRECT and buffered).
+"""The Tier contract, run against every tier: host memory, mmap file, SSD (O_DIRECT and
+buffered), and Redis (a real ``redis-server``, see :mod:`tests.redis_server`).
 
 Every test uses real segments (:func:`tieredkv.payload.plan_segment`) and compares bytes
 exactly. Tier-specific facts (pinned memory, O_DIRECT) are at the end of the module.
@@ -13,6 +14,8 @@ import anyio
 import pytest
 import torch
 
+from tests import redis_server as redis_testing
+from tests.redis_server import redis_server as redis_server  # the fixture
 from tests.segments import (
     SegmentFactory,
     aligned_buffer,
@@ -20,10 +23,13 @@ from tests.segments import (
     store,
 )
 from tieredkv.backends import AddressableTier, HostMemoryTier, MmapTier, SSDTier, Tier
+from tieredkv.backends.redis import RedisTier
 from tieredkv.errors import ClosedError
 
 CAPACITY = 4 << 20
-KINDS = ["host", "mmap", "ssd-direct", "ssd-buffered"]
+KINDS = ["host", "mmap", "ssd-direct", "ssd-buffered", "redis"]
+PERSISTENT = {"ssd-direct", "ssd-buffered", "redis"}
+STATS_KIND = {"host": "memory", "mmap": "mmap", "redis": "redis"}
 
 
 def new_tier(kind: str, root: Path, capacity: int = CAPACITY) -> Tier:
@@ -36,12 +42,17 @@ def new_tier(kind: str, root: Path, capacity: int = CAPACITY) -> Tier:
         return SSDTier(root / "ssd", capacity, direct_io=True)
     if kind == "ssd-buffered":
         return SSDTier(root / "ssd", capacity, direct_io=False)
+    if kind == "redis":  # on the session's server (the kind fixture starts it)
+        assert redis_testing.current is not None
+        return RedisTier(redis_testing.current.url, capacity, prefix=redis_testing.new_prefix())
     raise AssertionError(kind)
 
 
 @pytest.fixture(params=KINDS)
 def kind(request: pytest.FixtureRequest) -> str:
     value: str = request.param
+    if value == "redis":
+        request.getfixturevalue("redis_server")
     return value
 
 
@@ -55,9 +66,9 @@ async def tier(kind: str, tmp_path: Path) -> AsyncIterator[Tier]:
 
 
 def test_every_tier_implements_the_protocol(tier: Tier, kind: str) -> None:
-    """Each tier satisfies the runtime-checkable Tier protocol; only the SSD persists."""
+    """Each tier satisfies the runtime-checkable Tier protocol; only SSD and Redis persist."""
     assert isinstance(tier, Tier)
-    assert tier.persistent is kind.startswith("ssd")
+    assert tier.persistent is (kind in PERSISTENT)
     assert tier.capacity == CAPACITY
     assert tier.used == 0
 
@@ -234,7 +245,7 @@ async def test_stats_counters_are_exact(tier: Tier, seg: SegmentFactory, kind: s
     assert st.segments == 2
     assert st.used == a.length + b.length
     assert st.corrupt == 0
-    assert st.kind == {"host": "memory", "mmap": "mmap"}.get(kind, "ssd")
+    assert st.kind == STATS_KIND.get(kind, "ssd")
     await tier.delete(a.key)
     st = tier.stats()
     assert (st.segments, st.used, st.writes, st.reads) == (1, b.length, 2, 3)

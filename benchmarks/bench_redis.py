@@ -1,0 +1,282 @@
+"""RedisTier against the raw client on the same server, measured in one run.
+
+Stores and loads a 64 MiB history (``--segments`` segments of equal size, one per turn)
+through :class:`tieredkv.backends.redis.RedisTier` (values of ``--value-size``, manifest
+published by a Lua step, checksums verified on read) and, as the baseline, through raw
+``redis.asyncio``: a pipeline of ``SET`` (``GET``) of the same bytes in the same value
+sizes, with nothing published or verified. The ratio is raw time / tier time (1.0: the
+tier costs nothing over the client). Target: >= 0.8 for both load and store.
+
+Runs alternate (tier, raw, tier, raw, ...) so a noisy machine penalizes both alike; each
+figure is the median. ``--sweep`` also prints the tier's throughput for several value
+sizes (how the default was chosen). Starts its own ``redis-server`` (no persistence) on a
+free port unless ``--url`` names one. Exits non-zero when a target is missed
+(``--no-check``: report only)::
+
+    .venv/bin/python benchmarks/bench_redis.py [--url URL] [--reps 7] [--sweep] [--replicas]
+
+``--replicas`` also serves 8 conversations of 6 turns on two replicas, turns alternating:
+with a shared RedisTier each replica loads the history the other wrote; without one it
+must recompute it. It prints the cache's own work per turn and the bytes recomputed (the
+model time that recomputing costs is not measured here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import mmap
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+
+import anyio
+import redis.asyncio as aioredis
+import torch
+
+from tieredkv import HostMemoryTier, TieredKVCache
+from tieredkv.backends.base import Tier
+from tieredkv.backends.redis import RedisTier, driver_options
+from tieredkv.payload import plan_segment
+
+MiB = 1 << 20
+TARGET = 0.8
+WIDTH = 1024  # int16 elements per token per tensor
+
+
+class History:
+    """``segments`` real segments totalling ``total`` bytes, each in its own mmap buffer."""
+
+    def __init__(self, total: int, segments: int) -> None:
+        per = total // segments
+        tokens = (per - 4096) // (2 * WIDTH * 2)
+        self.keys: list[tuple[str, int]] = []
+        self.bufs: list[mmap.mmap] = []
+        for seq in range(segments):
+            gen = torch.Generator().manual_seed(seq)
+            tensors = {
+                n: torch.randint(-(2**15), 2**15, (tokens, WIDTH), dtype=torch.int16, generator=gen)
+                for n in ("k", "v")
+            }
+            plan = plan_segment("bench", seq, tensors, token_dim=0, answer_tokens=100)
+            buf = mmap.mmap(-1, plan.length)
+            plan.write_into(memoryview(buf))
+            self.keys.append(("bench", seq))
+            self.bufs.append(buf)
+        self.outs = [mmap.mmap(-1, len(b)) for b in self.bufs]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self.bufs)
+
+    def check(self) -> None:
+        for b, o in zip(self.bufs, self.outs, strict=True):
+            if b[:] != o[:]:
+                raise AssertionError("the tier returned other bytes than it was given")
+
+
+@contextlib.contextmanager
+def local_server() -> Iterator[str]:
+    """A ``redis-server`` on a free port, without persistence; its URL."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        sys.exit("redis-server is not on PATH: apt-get install -y redis-server, or pass --url")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as d:
+        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", d]
+        proc = subprocess.Popen([*args, "--appendonly", "no"], stdout=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)):
+                    break
+                if time.monotonic() > deadline:
+                    sys.exit("redis-server did not start")
+                time.sleep(0.05)
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
+async def timed(fn: Callable[[], Awaitable[object]]) -> float:
+    t0 = time.perf_counter()
+    await fn()
+    return time.perf_counter() - t0
+
+
+async def measure(url: str, h: History, value_size: int, reps: int, raw: bool) -> dict[str, float]:
+    """Median seconds of tier store/load (and raw set/get when ``raw``) of the history."""
+    options = await anyio.to_thread.run_sync(driver_options)
+    client = aioredis.Redis.from_url(url, **options)
+    times: dict[str, list[float]] = {"store": [], "load": [], "set": [], "get": []}
+    parts = [
+        [f"raw:{seq}:{at}" for at in range(0, len(buf), value_size)]
+        for seq, buf in enumerate(h.bufs)
+    ]
+    views = [memoryview(b) for b in h.bufs]
+    outs = [memoryview(o) for o in h.outs]
+
+    async def raw_set() -> None:
+        for names, view in zip(parts, views, strict=True):
+            async with client.pipeline(transaction=False) as pipe:
+                for i, name in enumerate(names):
+                    pipe.set(name, view[i * value_size : (i + 1) * value_size])
+                await pipe.execute()
+
+    async def raw_get() -> None:
+        async with client.pipeline(transaction=False) as pipe:
+            for name in (n for names in parts for n in names):
+                pipe.get(name)
+            await pipe.execute()
+
+    try:
+        async with RedisTier(
+            url, 2 * h.nbytes, prefix=f"bench{value_size}", value_size=value_size, recover=False
+        ) as tier:
+
+            async def store() -> None:
+                for key, view in zip(h.keys, views, strict=True):
+                    assert tier.reserve(key, len(view))
+                    await tier.write(key, view)
+
+            async def load() -> None:
+                await tier.read_many_into(list(zip(h.keys, outs, strict=True)))
+
+            for rep in range(reps + 1):  # the first round warms up and is not counted
+                for key in h.keys:
+                    await tier.delete(key)
+                took = {"store": await timed(store), "load": await timed(load)}
+                h.check()
+                if raw:
+                    await client.delete(*(n for names in parts for n in names))
+                    took["set"] = await timed(raw_set)
+                    took["get"] = await timed(raw_get)
+                if rep:
+                    for what, seconds in took.items():
+                        times[what].append(seconds)
+            for key in h.keys:
+                await tier.delete(key)
+    finally:
+        for view in (*views, *outs):
+            view.release()
+        await client.aclose()
+    return {k: statistics.median(v) for k, v in times.items() if v}
+
+
+def turn_kv(conv: int, i: int, tokens: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(conv * 1000 + i)
+    return {
+        n: torch.randint(-(2**15), 2**15, (tokens, WIDTH), dtype=torch.int16, generator=gen)
+        for n in ("k", "v")
+    }
+
+
+async def replicas(
+    url: str | None, conversations: int, turns: int, tokens: int
+) -> tuple[float, int, int]:
+    """Two replicas serve every conversation's turns alternately (turn i of conversation c
+    on replica (c + i) % 2). With ``url``, both have a host tier over one RedisTier; without,
+    only their own host tier, so a replica that did not serve the previous turn must
+    recompute the history: it drops its stale copy and stores the recomputed history as one
+    segment. Returns the mean seconds of a turn's cache work (load, append, write to the
+    shared tier), bytes recomputed, and loads whose bytes differed (must be 0)."""
+    host = 2 * conversations * turns * tokens * WIDTH * 2 * 2 + (64 << 20)
+
+    def cache(prefix: str) -> TieredKVCache:
+        tiers: list[Tier] = [HostMemoryTier(host)]
+        if url is not None:
+            tiers.append(RedisTier(url, host, prefix=prefix, recover=False))
+        return TieredKVCache(tiers, mode="inclusive")
+
+    prefix = f"serve{time.time_ns()}"
+    took: list[float] = []
+    recomputed = wrong = 0
+    async with cache(prefix) as a, cache(prefix) as b:
+        for i in range(turns):
+            for c in range(conversations):
+                r, key = (a, b)[(c + i) % 2], f"conv-{c}"
+                t0 = time.perf_counter()
+                if i and url is not None:
+                    got = await r.load(key)
+                    want = [turn_kv(c, j, tokens) for j in range(i)]
+                    wrong += not torch.equal(got["k"], torch.cat([w["k"] for w in want]))
+                elif i:  # no shared tier: the history is recomputed (its cost not counted)
+                    if r.contains(key):
+                        await r.drop(key)
+                    hist = [turn_kv(c, j, tokens) for j in range(i)]
+                    joined = {n: torch.cat([h[n] for h in hist]) for n in ("k", "v")}
+                    recomputed += sum(t.numel() * t.element_size() for t in joined.values())
+                    await r.append(key, joined, answer_tokens=10)
+                await r.append(key, turn_kv(c, i, tokens), answer_tokens=10)
+                await r.flush()
+                took.append(time.perf_counter() - t0)
+    return statistics.mean(took), recomputed, wrong
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--url", help="a running server (default: start one)")
+    parser.add_argument("--mib", type=int, default=64, help="history size (MiB)")
+    parser.add_argument("--segments", type=int, default=8, help="segments in the history")
+    parser.add_argument("--value-size", type=int, default=4, help="MiB per value")
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--sweep", action="store_true", help="also try other value sizes")
+    parser.add_argument("--no-check", action="store_true", help="do not fail on a miss")
+    parser.add_argument(
+        "--replicas",
+        action="store_true",
+        help="also serve conversations on two replicas, turns alternating: shared tier or not",
+    )
+    args = parser.parse_args(argv)
+    h = History(args.mib * MiB, args.segments)
+    gb = h.nbytes / 1e9
+    with contextlib.ExitStack() as stack:
+        url = args.url or stack.enter_context(local_server())
+        if args.sweep:
+            print(f"value size sweep: history {h.nbytes / MiB:.0f} MiB in {args.segments} segments")
+            for vs in (1, 2, 4, 8, 16):
+                m = anyio.run(measure, url, h, vs * MiB, max(3, args.reps // 2), False)
+                print(
+                    f"  {vs:>2} MiB values: store {gb / m['store']:.2f} GB/s, "
+                    f"load {gb / m['load']:.2f} GB/s"
+                )
+        m = anyio.run(measure, url, h, args.value_size * MiB, args.reps, True)
+        if args.replicas:
+            conv, turns, tokens = 8, 6, 512  # 4 MiB of K/V per turn
+            shared = anyio.run(replicas, url, conv, turns, tokens)
+            alone = anyio.run(replicas, None, conv, turns, tokens)
+            print(f"two replicas, {conv} conversations x {turns} turns of 4 MiB, alternating:")
+            for name, (mean, redone, wrong) in (("shared tier", shared), ("no shared", alone)):
+                print(
+                    f"  {name:<11}: cache work {mean * 1e3:6.1f} ms/turn, recomputed "
+                    f"{redone / MiB:6.0f} MiB, wrong loads {wrong}"
+                )
+    store_ratio = m["set"] / m["store"]
+    load_ratio = m["get"] / m["load"]
+    print(
+        f"history {h.nbytes / MiB:.0f} MiB in {args.segments} segments, "
+        f"{args.value_size} MiB values, median of {args.reps}"
+    )
+    print(f"  store: RedisTier {m['store'] * 1e3:7.1f} ms ({gb / m['store']:.2f} GB/s)")
+    print(f"         raw SET   {m['set'] * 1e3:7.1f} ms ({gb / m['set']:.2f} GB/s)")
+    print(f"         ratio {store_ratio:.2f}x (target >= {TARGET})")
+    print(f"  load:  RedisTier {m['load'] * 1e3:7.1f} ms ({gb / m['load']:.2f} GB/s)")
+    print(f"         raw GET   {m['get'] * 1e3:7.1f} ms ({gb / m['get']:.2f} GB/s)")
+    print(f"         ratio {load_ratio:.2f}x (target >= {TARGET})")
+    missed = [n for n, r in (("store", store_ratio), ("load", load_ratio)) if r < TARGET]
+    if missed and not args.no_check:
+        print(f"missed the target: {', '.join(missed)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

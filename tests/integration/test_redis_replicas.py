@@ -1,0 +1,191 @@
+"""Several TieredKVCache replicas sharing one RedisTier (a real redis-server).
+
+Turns of one conversation alternate between replicas: each load returns, byte for byte,
+every turn appended so far on whichever replica, and the metadata channel learns the
+conversation's size, tokens and previous answer length from the shared manifest. A
+replica that lost the conversation to another cannot append to it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from tests.redis_server import RedisServer, new_prefix, redis_server
+from tieredkv import HostMemoryTier, TieredKVCache
+from tieredkv.backends.redis import RedisTier
+from tieredkv.errors import SchemaMismatchError, SessionNotFoundError, StaleWriterError
+
+__all__ = ["redis_server"]  # the fixture, used below
+
+MiB = 1 << 20
+Replica = Callable[..., AbstractAsyncContextManager[TieredKVCache]]
+
+
+def turn(i: int, tokens: int = 48, width: int = 64) -> dict[str, torch.Tensor]:
+    """Turn ``i``'s K/V: seeded, so every process builds the same tensors."""
+    gen = torch.Generator().manual_seed(1000 + i)
+    return {n: torch.randn(tokens + i, width, generator=gen).to(torch.bfloat16) for n in ("k", "v")}
+
+
+def history(n: int) -> dict[str, torch.Tensor]:
+    """Turns 0..n-1 joined along the token dimension."""
+    turns = [turn(i) for i in range(n)]
+    return {n_: torch.cat([t[n_] for t in turns]) for n_ in ("k", "v")}
+
+
+def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.int16), b[k].view(torch.int16))
+        for k in a
+    )
+
+
+@pytest.fixture
+def replica(redis_server: RedisServer) -> Replica:
+    """Build a replica: its own host tier over the shared Redis tier (same prefix)."""
+    prefix = new_prefix()
+
+    def make(host: int = 8 * MiB, mode: str = "inclusive") -> TieredKVCache:
+        shared = RedisTier(redis_server.url, 64 * MiB, prefix=prefix, value_size=64 << 10)
+        return TieredKVCache([HostMemoryTier(host), shared], mode=mode)  # type: ignore[arg-type]
+
+    return make
+
+
+@pytest.fixture
+async def two(replica: Replica) -> AsyncIterator[tuple[TieredKVCache, TieredKVCache]]:
+    async with replica() as a, replica() as b:
+        yield a, b
+
+
+async def test_turns_alternating_replicas_load_every_turn_exactly(
+    two: tuple[TieredKVCache, TieredKVCache],
+) -> None:
+    """Six turns, alternating A, B, A, ...: each replica loads the whole history (turns
+    written by both) byte for byte, and its channel has the right size, tokens and answer
+    length before it appends."""
+    a, b = two
+    for i in range(6):
+        r = (a, b)[i % 2]
+        if i:
+            got = await r.load("chat")
+            assert same_bytes(got, history(i))
+            meta = r.channel.get("chat")
+            assert meta is not None
+            assert (meta.turns, meta.tokens) == (i, sum(48 + j for j in range(i)))
+            assert meta.prev_answer_tokens == 10 * i  # turn i-1's answer
+        await r.append("chat", turn(i), answer_tokens=10 * (i + 1))
+        await r.flush()  # the write-through into the shared tier
+    assert same_bytes(await a.load("chat"), history(6))
+    shared = b.tiers[1]
+    assert isinstance(shared, RedisTier)
+    assert [h.seq for h in await shared.lookup("chat")] == list(range(6))
+
+
+async def test_stale_replica_is_refused_and_nothing_is_corrupted(
+    two: tuple[TieredKVCache, TieredKVCache],
+) -> None:
+    """A writes turn 0; B loads the conversation (taking it over); A, not having seen that,
+    appends turn 1: StaleWriterError, nothing stored. B's turn 1 stands, and A's next load
+    takes B's history (dropping its own stale copy)."""
+    a, b = two
+    await a.append("chat", turn(0), answer_tokens=5)
+    await a.flush()
+    assert same_bytes(await b.load("chat"), history(1))
+    with pytest.raises(StaleWriterError, match="another replica took it over"):
+        await a.append("chat", turn(1), answer_tokens=6)
+    meta = a.channel.get("chat")
+    assert meta is not None
+    assert meta.turns == 1
+    await b.append("chat", turn(1), answer_tokens=6)
+    await b.flush()
+    assert same_bytes(await a.load("chat"), history(2))
+    assert a.where("chat") == a.tiers[0].name  # promoted from the shared tier
+    await a.append("chat", turn(2), answer_tokens=7)  # A took it back by loading it
+    await a.flush()
+    assert same_bytes(await b.load("chat"), history(3))
+
+
+async def test_discover_answers_for_other_replicas(replica: Replica) -> None:
+    """contains() knows only this replica; discover() asks the shared tier; a conversation
+    that exists nowhere stays unknown (load raises SessionNotFoundError)."""
+    async with replica() as a, replica(mode="exclusive") as b:
+        await a.append("chat", turn(0), answer_tokens=3)
+        await a.flush()
+        assert not b.contains("chat")
+        assert await b.discover("chat")
+        assert b.where("chat") == b.tiers[1].name
+        assert b.contains("chat")
+        assert await b.prefetch("chat") == b.tiers[0].name
+        assert not await b.discover("nobody")
+        with pytest.raises(SessionNotFoundError):
+            await b.load("nobody")
+        assert "nobody" not in b.sessions()
+
+
+async def test_another_model_under_the_same_key_is_refused(replica: Replica) -> None:
+    """A replica of another model (other tensor shapes) sharing the prefix finds the
+    conversation, but its append is refused with SchemaMismatchError, as for any segment
+    that does not match its session's earlier ones; the first replica's data is untouched."""
+    async with replica() as a, replica() as b:
+        await a.append("chat", turn(0), answer_tokens=3)
+        await a.flush()
+        assert same_bytes(await b.load("chat"), history(1))
+        other = {n: torch.zeros(40, 32, dtype=torch.bfloat16) for n in ("k", "v")}
+        with pytest.raises(SchemaMismatchError, match="non-token shape"):
+            await b.append("chat", other, answer_tokens=1)
+        assert same_bytes(await a.load("chat"), history(1))
+
+
+CHILD = """
+import sys, anyio, torch
+sys.path.insert(0, sys.argv[3])
+from tests.integration.test_redis_replicas import history, same_bytes, turn
+from tieredkv import HostMemoryTier, TieredKVCache
+from tieredkv.backends.redis import RedisTier
+
+async def main() -> None:
+    shared = RedisTier(sys.argv[1], 64 << 20, prefix=sys.argv[2], value_size=64 << 10)
+    async with TieredKVCache([HostMemoryTier(8 << 20), shared], mode="inclusive") as c:
+        assert same_bytes(await c.load("chat"), history(2))
+        await c.append("chat", turn(2), answer_tokens=30)
+        await c.flush()
+    print("child ok")
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.slow
+async def test_two_processes_share_a_conversation(redis_server: RedisServer) -> None:
+    """Turn 0 and 1 in this process, turn 2 in another process (its own cache), then this
+    process loads all three byte for byte."""
+    prefix = new_prefix()
+    root = str(Path(__file__).resolve().parents[2])
+    shared = RedisTier(redis_server.url, 64 * MiB, prefix=prefix, value_size=64 << 10)
+    async with TieredKVCache([HostMemoryTier(8 * MiB), shared], mode="inclusive") as c:
+        await c.append("chat", turn(0), answer_tokens=10)
+        await c.append("chat", turn(1), answer_tokens=20)
+        await c.flush()
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+        }
+        done = await anyio.run_process(
+            [sys.executable, "-W", "error", "-c", CHILD, redis_server.url, prefix, root],
+            env=env,
+            check=False,
+        )
+        assert done.returncode == 0, (done.stdout + done.stderr).decode()
+        assert same_bytes(await c.load("chat"), history(3))
+        meta = c.channel.get("chat")
+        assert meta is not None
+        assert (meta.turns, meta.prev_answer_tokens) == (3, 30)

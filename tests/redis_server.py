@@ -1,0 +1,175 @@
+"""A real ``redis-server`` for tests: started on a free port, no persistence, stopped after.
+
+Locally, a machine without ``redis-server`` skips the tests that need it, with a message
+saying how to install it; with ``CI=true`` in the environment a missing server fails them
+(CI must never skip them silently).
+
+Test modules import the fixtures they use from here (``from tests.redis_server import
+redis_server``); :data:`current` is the session's server once the fixture has started it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+__all__ = ["RedisServer", "current", "new_prefix", "redis_server", "require_redis_server"]
+
+INSTALL_HINT = "install it with: apt-get install -y redis-server (or your OS's package)"
+
+
+def require_redis_server() -> str:
+    """The path of ``redis-server``; skips the test (fails it under ``CI=true``) if absent."""
+    path = shutil.which("redis-server")
+    if path is None:
+        message = f"redis-server is not on PATH; {INSTALL_HINT}"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI=true: {message}", pytrace=False)
+        pytest.skip(message)
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class RedisServer:
+    """One ``redis-server`` process on 127.0.0.1 (``--save ''``, ``--appendonly no``).
+
+    :param extra: more ``--option value`` arguments (``--maxmemory``, ``--cluster-enabled``)
+    """
+
+    def __init__(self, directory: Path, *, port: int | None = None, extra: tuple[str, ...] = ()):
+        self.binary = require_redis_server()
+        self.directory = directory
+        self.port = port or _free_port()
+        self.extra = extra
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        """Start the server and wait until it answers PING (a fresh port if taken)."""
+        for _attempt in range(5):
+            log = self.directory / f"redis-{self.port}.log"
+            self.proc = subprocess.Popen(
+                [
+                    self.binary,
+                    "--port",
+                    str(self.port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    str(self.directory),
+                    "--logfile",
+                    str(log),
+                    *self.extra,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            if self._wait_ready():
+                return
+            self.stop()
+            self.port = _free_port()
+        raise RuntimeError(f"redis-server did not start; see the logs in {self.directory}")
+
+    def _wait_ready(self) -> bool:
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1)
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                if self.proc is None or self.proc.poll() is not None:
+                    return False
+                try:
+                    if client.ping():
+                        return True
+                except redis.AuthenticationError:
+                    return True  # it answers (and wants a password)
+                except redis.ConnectionError:
+                    time.sleep(0.02)
+            return False
+        finally:
+            client.close()
+
+    def client(self) -> redis.Redis:
+        """A synchronous client, for tests to inspect or damage what a tier stored."""
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+
+    def kill(self) -> None:
+        """SIGKILL the server (its data is gone: it keeps none on disk)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def restart(self) -> None:
+        """Kill the server and start an empty one on the same port."""
+        self.kill()
+        self.start()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+
+current: RedisServer | None = None
+"""The session's shared server, once :func:`redis_server` has started it."""
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One server for the whole test session (tests keep apart by key prefix)."""
+    global current
+    require_redis_server()
+    with tempfile.TemporaryDirectory(prefix="tieredkv-redis-") as d:
+        server = RedisServer(Path(d))
+        server.start()
+        current = server
+        try:
+            yield server
+        finally:
+            current = None
+            server.stop()
+
+
+@pytest.fixture
+def own_redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A server of the test's own, which the test may kill or restart."""
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def new_prefix() -> str:
+    """A key prefix no other test uses."""
+    return f"t{uuid.uuid4().hex[:12]}"
