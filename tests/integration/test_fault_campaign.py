@@ -261,7 +261,7 @@ async def test_an_io_error_at_each_call_of_a_site(tmp_path: Path, site: str) -> 
     """For one os call site, fail its 1st, 2nd, ... call in turn (one fresh cache each) under
     a fixed script of appends, moves, loads and drops; after each, the parts agree and every
     acknowledged byte is there, before and after a reopen."""
-    calls = 0
+    calls = runs = operations = injected = 0
     for n in range(1, 1 + 6 * SCALE):
         directory = tmp_path / f"{site}-{n}"
         directory.mkdir()
@@ -271,9 +271,13 @@ async def test_an_io_error_at_each_call_of_a_site(tmp_path: Path, site: str) -> 
                 faults.fail_nth(site, n)
                 await campaign.run(sessions=4, ops=6)
                 calls = max(calls, faults.calls[site])
+                injected += faults.total_injected
                 faults.clear()
+            runs += 1
+            operations += campaign.counts["operations"]
             assert not campaign.unexpected, (n, campaign.unexpected[:5])
             await settle_and_check(cache, campaign)
         await reopen_and_check(directory, "exclusive", campaign)
         if n > calls:  # the script makes fewer calls of this site than n
             break
+    print(f"\nos.{site}: {runs} runs, {operations} operations, {injected} faults injected")
