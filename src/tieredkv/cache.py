@@ -384,6 +384,7 @@ class TieredKVCache:
         self, s: _Session, tensors: Mapping[str, Any], answer_tokens: int, dim: int, codec: str
     ) -> KVMeta:
         session = s.key
+        began = self._clock()
         if s.primary is None and s.segs:  # lost or damaged earlier: start afresh
             s.segs.clear()
         plan = plan_segment(
@@ -445,6 +446,7 @@ class TieredKVCache:
                 nbytes=plan.length,
                 tier=self._tiers[t].name,
                 tokens=plan.header.tokens,
+                seconds=now - began,
             )
         )
         if self._mode == "inclusive" and t + 1 < len(self._tiers):
@@ -527,6 +529,7 @@ class TieredKVCache:
         if s is None or s.primary is None:
             raise SessionNotFoundError(session)
         async with self._hold(s):
+            began = self._clock()
             if s.primary is None:
                 raise SessionNotFoundError(session)
             assert s.schema is not None
@@ -556,6 +559,7 @@ class TieredKVCache:
                     nbytes=meta.nbytes,
                     tier=self._tiers[s.primary].name,
                     hit=hit,
+                    seconds=now - began,
                 )
             )
             return s.tokens()
@@ -633,11 +637,11 @@ class TieredKVCache:
             return False
         keys = [(s.key, seg.header.seq) for seg in s.segs]
         reserved: list[SegmentKey] = []
-        now = self._clock()
+        began = self._clock()
         self._set_transfer(
             s,
             Transfer(
-                kind="promote", src=self._tiers[src].name, dst=top.name, nbytes=total, started=now
+                kind="promote", src=self._tiers[src].name, dst=top.name, nbytes=total, started=began
             ),
         )
         try:
@@ -669,7 +673,14 @@ class TieredKVCache:
         meta = self._publish(s, now)
         self._policies[0].on_admit(s.key, meta, now)
         self.channel.emit(
-            Promoted(session=s.key, time=now, nbytes=total, src=self._tiers[src].name, dst=top.name)
+            Promoted(
+                session=s.key,
+                time=now,
+                nbytes=total,
+                src=self._tiers[src].name,
+                dst=top.name,
+                seconds=now - began,
+            )
         )
         return True
 

@@ -46,6 +46,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--turns", type=int, default=4)
     demo.add_argument("--host-mb", type=float, default=6.0, help="host tier budget in MiB")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on this port (0: any free one) during the demo and "
+        "after it, until Ctrl-C (needs tieredkv[metrics])",
+    )
 
     sim = sub.add_parser(
         "simulate", help="simulate serving systems on one workload at one arrival rate"
@@ -98,21 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _VALIDATE[args.command](args)
     except _Invalid as exc:
         parser.exit(2, f"tieredkv {args.command}: error: {exc}\n")
-    if args.command == "demo":
-        import anyio
-
-        from .demo import run_demo
-
-        anyio.run(
-            lambda: run_demo(
-                conversations=args.conversations,
-                turns=args.turns,
-                host_bytes=int(args.host_mb * (1 << 20)),
-                seed=args.seed,
-            )
-        )
-        return 0
     try:
+        if args.command == "demo":
+            return _demo(args)
         if args.command == "costs":
             return _costs(args.model)
         if args.command == "simulate":
@@ -153,6 +147,15 @@ def _check_demo(args: argparse.Namespace) -> None:
     _at_least(args.turns, 1, "--turns")
     _positive(args.host_mb, "--host-mb")
     _at_least(args.seed, 0, "--seed")
+    if args.metrics_port is not None:
+        if not 0 <= args.metrics_port <= 65535:
+            raise _Invalid(f"--metrics-port must be in 0-65535 (got {args.metrics_port})")
+        try:
+            import prometheus_client  # noqa: F401
+        except ModuleNotFoundError:
+            raise _Invalid(
+                "--metrics-port needs prometheus-client: pip install 'tieredkv[metrics]'"
+            ) from None
 
 
 def _check_costs(args: argparse.Namespace) -> None:
@@ -313,6 +316,28 @@ _VALIDATE: dict[str, Callable[[argparse.Namespace], None]] = {
     "simulate": _check_simulate,
     "reproduce": _check_reproduce,
 }
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import anyio
+
+    from .demo import run_demo
+
+    port = args.metrics_port
+    try:
+        anyio.run(
+            lambda: run_demo(
+                conversations=args.conversations,
+                turns=args.turns,
+                host_bytes=int(args.host_mb * (1 << 20)),
+                seed=args.seed,
+                metrics_port=port,
+                linger=math.inf if port is not None else 0.0,
+            )
+        )
+    except KeyboardInterrupt:
+        return 130  # Ctrl-C: the cache and the metrics endpoint were closed on the way out
+    return 0
 
 
 def _costs(names: Sequence[str] | None) -> int:

@@ -45,6 +45,7 @@ BAD_ARGUMENTS = [
     (["demo", "--host-mb", "0"], "--host-mb must be a positive number (got 0)"),
     (["demo", "--host-mb", "nan"], "--host-mb must be a positive number (got nan)"),
     (["demo", "--seed", "-1"], "--seed must be at least 0 (got -1)"),
+    (["demo", "--metrics-port", "70000"], "--metrics-port must be in 0-65535 (got 70000)"),
     (["costs", "--model", "gpt-9"], "--model: unknown model 'gpt-9'; presets: "),
     (["simulate", "--rate", "0"], "--rate must be a positive number (got 0)"),
     (["simulate", "--rate", "inf"], "--rate must be a positive number (got inf)"),
