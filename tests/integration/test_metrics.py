@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import signal
 import socket
 import subprocess
@@ -24,6 +26,7 @@ from tieredkv.metrics import LATENCY_BUCKETS, CacheCollector, MetricsServer, ser
 from tieredkv.policies import FCFS, BidawScheduler
 from tieredkv.policies.scheduling import Request
 
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "how-to" / "grafana-dashboard.json"
 SEGMENT = 8 * 2 * 64 * 100 * 2  # bytes of one turn's tensor below (fp16)
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -224,3 +227,14 @@ def test_demo_serves_its_metrics_until_ctrl_c() -> None:
     assert "Traceback" not in err
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(url, timeout=5)
+
+
+async def test_the_grafana_dashboard_queries_only_exported_metrics(tmp_path: Path) -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    used = {name for expr in exprs for name in re.findall(r"\btieredkv_\w+", expr)}
+    tiers = [HostMemoryTier(2 * SEGMENT), SSDTier(tmp_path / "ssd", 64 << 20)]
+    async with TieredKVCache(tiers) as cache, serve(cache, 0, scheduler=BidawScheduler()) as s:
+        exported = {name for name, _ in await _scrape(s)}
+    assert len(used) >= 20
+    assert used - exported == set()
