@@ -158,6 +158,7 @@ async def run_one(
     host_bytes: int,
     directory: Path,
     answer_scale: float,
+    metrics: Any = None,
 ) -> tuple[list[ServedTurn], dict[str, float]]:
     adapter = TransformersAdapter(model, codec=cfg.codec)
     tiers: list[Tier]
@@ -174,6 +175,8 @@ async def run_one(
         tiers, eviction=eviction, token_dim=adapter.token_dim, mode="inclusive"
     ) as cache:
         engine = ServingEngine(adapter, cache, cfg.scheduler(), recompute=cfg.recompute)
+        if metrics is not None:  # --metrics-port: export this configuration's cache
+            metrics.attach(cache, scheduler=engine.scheduler)
 
         async def watch_live_kv() -> None:
             nonlocal peak_live
@@ -264,6 +267,12 @@ async def main(args: argparse.Namespace) -> int:
     )
     host_bytes = int(args.host_mb * MiB)
     sessions = len({r.session for _, r in requests})
+    metrics = None
+    if args.metrics_port is not None:
+        from tieredkv.metrics import serve
+
+        metrics = serve(None, args.metrics_port)
+        print(f"metrics of the configuration running: {metrics.url}", flush=True)
     root = Path(tempfile.mkdtemp(prefix="tieredkv-serve-", dir=args.dir))
     print(
         f"tieredkv end-to-end serving benchmark: {len(requests)} requests from {sessions} "
@@ -298,7 +307,13 @@ async def main(args: argparse.Namespace) -> int:
             rounds.append({})
             for i, cfg in enumerate(run_order(chosen)):
                 results, summary = await run_one(
-                    cfg, model, requests, host_bytes, root / f"{r}-{i}", args.answer_scale
+                    cfg,
+                    model,
+                    requests,
+                    host_bytes,
+                    root / f"{r}-{i}",
+                    args.answer_scale,
+                    metrics.collector if metrics is not None else None,
                 )
                 got = answers(results)
                 if got not in replies:
@@ -312,6 +327,8 @@ async def main(args: argparse.Namespace) -> int:
                 )
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        if metrics is not None:
+            await metrics.aclose()
     print()
     if args.repeat > 1:
         print(f"median over {args.repeat} rounds of each column:")
@@ -424,6 +441,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="rounds of every configuration, interleaved; the table and ratios take medians",
     )
     parser.add_argument("--no-check", action="store_true", help="report only, exit 0")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics of the running configuration's cache and scheduler "
+        "on this port (needs tieredkv[metrics])",
+    )
     return parser.parse_args(argv)
 
 

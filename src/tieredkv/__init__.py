@@ -39,6 +39,24 @@ _EXPORTS = {
     "MetadataView": ".meta",
     "Eviction": ".policies.base",
     "LRU": ".policies.lru",
+    "Demoted": ".meta",
+    "Dropped": ".meta",
+    "Evicted": ".meta",
+    "Loaded": ".meta",
+    "Promoted": ".meta",
+    "Stored": ".meta",
+    "TierInfo": ".meta",
+    "Transfer": ".meta",
+    "BidawEviction": ".policies.bidaw_eviction",
+    "BidawScheduler": ".policies.bidaw_scheduler",
+    "FCFS": ".policies.fcfs",
+    "Request": ".policies.scheduling",
+    "Scheduler": ".policies.scheduling",
+    "make_eviction": ".policies.registry",
+    "make_scheduler": ".policies.registry",
+    "ServedTurn": ".serve.engine",
+    "ServingEngine": ".serve.engine",
+    "TurnRequest": ".serve.engine",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -78,9 +96,27 @@ if TYPE_CHECKING:
     from .errors import TieredKVError as TieredKVError
     from .errors import TierIOError as TierIOError
     from .errors import UnknownPolicyError as UnknownPolicyError
+    from .meta import Demoted as Demoted
+    from .meta import Dropped as Dropped
     from .meta import Event as Event
+    from .meta import Evicted as Evicted
     from .meta import KVMeta as KVMeta
+    from .meta import Loaded as Loaded
     from .meta import MetadataChannel as MetadataChannel
     from .meta import MetadataView as MetadataView
+    from .meta import Promoted as Promoted
+    from .meta import Stored as Stored
+    from .meta import TierInfo as TierInfo
+    from .meta import Transfer as Transfer
     from .policies.base import Eviction as Eviction
+    from .policies.bidaw_eviction import BidawEviction as BidawEviction
+    from .policies.bidaw_scheduler import BidawScheduler as BidawScheduler
+    from .policies.fcfs import FCFS as FCFS
     from .policies.lru import LRU as LRU
+    from .policies.registry import make_eviction as make_eviction
+    from .policies.registry import make_scheduler as make_scheduler
+    from .policies.scheduling import Request as Request
+    from .policies.scheduling import Scheduler as Scheduler
+    from .serve.engine import ServedTurn as ServedTurn
+    from .serve.engine import ServingEngine as ServingEngine
+    from .serve.engine import TurnRequest as TurnRequest

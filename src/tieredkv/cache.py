@@ -295,6 +295,7 @@ class TieredKVCache:
         self, s: Session, tensors: Mapping[str, Any], answer_tokens: int, dim: int, codec: str
     ) -> KVMeta:
         core = self._core
+        began = core.clock()
         if s.primary is None and s.segs:  # lost or damaged earlier: start afresh
             s.segs.clear()
         plan = plan_segment(
@@ -320,7 +321,7 @@ class TieredKVCache:
             core.stats.cancelled += 1
             raise cancel
         # the point of no return: from here on, nothing awaits
-        meta = commit_append(core, s, plan, t, answer_tokens)
+        meta = commit_append(core, s, plan, t, answer_tokens, began)
         if core.mode == "inclusive" and t + 1 < len(core.tiers):
             self._pumps.start(s, t + 1)
         return meta
@@ -367,6 +368,7 @@ class TieredKVCache:
                 raise SessionNotFoundError(session)
             assert s.schema is not None
             out = target(s.schema, s.tokens())
+            began = core.clock()
             hit = s.primary == 0
             try:
                 _, cancel = await settle(lambda: restore(core, s, out))
@@ -376,7 +378,7 @@ class TieredKVCache:
             if cancel is not None:
                 core.stats.cancelled += 1
                 raise cancel
-            commit_load(core, s, hit)
+            commit_load(core, s, hit, began)
             return s.tokens()
 
     # -- prefetch ------------------------------------------------------------------------

@@ -3,16 +3,40 @@
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import shlex
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from .errors import TieredKVError, UnknownPolicyError
 
 __all__ = ["main"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (no usage block) with exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _Invalid(Exception):
+    """An argument that fails validation; the message says which one and what to fix."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` and run a subcommand; returns the exit status."""
-    parser = argparse.ArgumentParser(
+    """Parse ``argv``, check every argument, then run a subcommand; returns the exit status.
+
+    Every argument is checked before any work starts (names against the registries and
+    presets, numbers against their ranges, trace files read and validated, the report
+    folder written to): a bad one ends the command with a one-line error on standard
+    error and exit status 2.
+    """
+    parser = _Parser(
         prog="tieredkv",
         description="Tiered KV caching for multi-turn LLM serving (Bidaw, FAST'26).",
     )
@@ -22,6 +46,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--turns", type=int, default=4)
     demo.add_argument("--host-mb", type=float, default=6.0, help="host tier budget in MiB")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on this port (0: any free one) during the demo and "
+        "after it, until Ctrl-C (needs tieredkv[metrics])",
+    )
 
     sim = sub.add_parser(
         "simulate", help="simulate serving systems on one workload at one arrival rate"
@@ -60,6 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     rep.add_argument("--jobs", type=int, help="worker processes (default: one per core)")
     rep.add_argument("--no-progress", action="store_true", help="draw no progress bar")
+    sim.add_argument("--no-progress", action="store_true", help="draw no progress bar")
 
     costs = sub.add_parser(
         "costs",
@@ -69,30 +100,244 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--model", action="append", help="a model preset (repeatable; default: every preset)"
     )
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        import anyio
+    try:
+        _VALIDATE[args.command](args)
+    except _Invalid as exc:
+        parser.exit(2, f"tieredkv {args.command}: error: {exc}\n")
+    try:
+        if args.command == "demo":
+            return _demo(args)
+        if args.command == "costs":
+            return _costs(args.model)
+        if args.command == "simulate":
+            return _simulate(args)
+        return _reproduce(args, argv)
+    except (ValueError, ModuleNotFoundError, OSError, TieredKVError) as exc:
+        parser.exit(2, f"tieredkv {args.command}: error: {exc}\n")
 
-        from .demo import run_demo
 
-        if args.conversations < 1 or args.turns < 1 or args.host_mb <= 0:
-            parser.error("--conversations, --turns and --host-mb must be positive")
+# -- validation: every argument, before any work ------------------------------------------
+def _positive(value: float, flag: str) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        raise _Invalid(f"{flag} must be a positive number (got {value:g})")
+
+
+def _at_least(value: int, low: int, flag: str) -> None:
+    if value < low:
+        raise _Invalid(f"{flag} must be at least {low} (got {value})")
+
+
+def _preset(get: Callable[[str], object], name: str, flag: str) -> None:
+    try:
+        get(name)
+    except ValueError as exc:
+        raise _Invalid(f"{flag}: {exc}") from None
+
+
+def _policy(make: Callable[[str], object], name: str | None, flag: str) -> None:
+    if name is not None:
+        try:
+            make(name)
+        except UnknownPolicyError as exc:
+            raise _Invalid(f"{flag}: {exc}") from None
+
+
+def _check_demo(args: argparse.Namespace) -> None:
+    _at_least(args.conversations, 1, "--conversations")
+    _at_least(args.turns, 1, "--turns")
+    _positive(args.host_mb, "--host-mb")
+    _at_least(args.seed, 0, "--seed")
+    if args.metrics_port is not None:
+        if not 0 <= args.metrics_port <= 65535:
+            raise _Invalid(f"--metrics-port must be in 0-65535 (got {args.metrics_port})")
+        try:
+            import prometheus_client  # noqa: F401
+        except ModuleNotFoundError:
+            raise _Invalid(
+                "--metrics-port needs prometheus-client: pip install 'tieredkv[metrics]'"
+            ) from None
+
+
+def _check_costs(args: argparse.Namespace) -> None:
+    from .sim.costmodel import get_model
+
+    for name in args.model or ():
+        _preset(get_model, name, "--model")
+
+
+def _check_common(args: argparse.Namespace) -> None:
+    """The options of ``simulate`` and ``reproduce``; the trace files are read last."""
+    from .sim.costmodel import get_gpu, get_model
+    from .sim.systems import get_system
+
+    _positive(args.minutes, "--minutes")
+    _at_least(args.seed, 0, "--seed")
+    _preset(get_model, args.model, "--model")
+    _preset(get_gpu, args.gpu, "--gpu")
+    _positive(args.host_mem, "--host-mem")
+    _positive(args.ssd_bw, "--ssd-bw")
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if not systems:
+        raise _Invalid("--systems names no system (give presets separated by commas)")
+    for name in systems:
+        _preset(get_system, name, "--systems")
+
+
+def _check_simulate(args: argparse.Namespace) -> None:
+    from .policies.registry import make_eviction, make_scheduler
+
+    _check_common(args)
+    _positive(args.rate, "--rate")
+    _policy(make_scheduler, args.scheduler, "--scheduler")
+    _policy(make_eviction, args.eviction, "--eviction")
+    _check_traces(args)
+
+
+def _check_reproduce(args: argparse.Namespace) -> None:
+    _check_common(args)
+    for rate in _rates(args.rates):
+        _positive(rate, "every rate of --rates")
+    if args.rate is not None:
+        _positive(args.rate, "--rate")
+    _positive(args.slo, "--slo")
+    if args.jobs is not None:
+        _at_least(args.jobs, 1, "--jobs")
+    _check_traces(args)
+    _check_out(args.out)
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(r) for r in text.split(",") if r.strip())
+    except ValueError:
+        raise _Invalid(
+            f"--rates must be numbers separated by commas, e.g. 10,20,30 (got {text!r})"
+        ) from None
+    if not rates:
+        raise _Invalid("--rates names no rate (give users per minute separated by commas)")
+    return rates
+
+
+def _check_traces(args: argparse.Namespace) -> None:
+    """The trace files: given where the workload needs them, readable, and valid."""
+    kind, paths = args.workload, list(args.trace)
+    if kind == "synthetic" and paths:
+        raise _Invalid(
+            "--trace is read by --workload bidaw, sharegpt or mooncake; the synthetic "
+            "workload is generated (drop --trace or choose a workload)"
+        )
+    if kind in ("bidaw", "mooncake") and not paths:
+        raise _Invalid(f"--workload {kind} needs its trace file: add --trace FILE")
+    if kind in ("sharegpt", "mooncake") and len(paths) > 1:
+        raise _Invalid(f"--workload {kind} reads one file; got {len(paths)} --trace options")
+    for path in paths:
+        if not Path(path).is_file():
+            what = "is a folder" if Path(path).is_dir() else "does not exist"
+            raise _Invalid(f"--trace {path}: {what}; give a trace file")
+        try:
+            with open(path, "rb") as f:
+                f.read(1)
+        except OSError as exc:
+            raise _Invalid(f"--trace {path}: cannot be read ({exc.strerror or exc})") from None
+    if kind == "bidaw":
+        for path in paths:
+            _check_bidaw_trace(path)
+    elif kind == "mooncake":
+        _check_mooncake_trace(paths[0])
+    elif kind == "sharegpt" and not paths:
+        from .sim.workloads import sharegpt_path
+
+        try:
+            sharegpt_path()
+        except ModuleNotFoundError as exc:
+            raise _Invalid(
+                f"--workload sharegpt: {exc}, or give the JSON file with --trace"
+            ) from None
+
+
+def _check_bidaw_trace(path: str) -> None:
+    from .sim.trace import HEADER, read_turns
+
+    try:
+        turns = read_turns(path)
+    except ValueError as exc:  # a malformed line (named), undecodable text, a negative length
+        raise _Invalid(f"--trace {path}: {exc}") from None
+    if not len(turns):
+        raise _Invalid(f"--trace {path}: the trace has no turns (expected lines of: {HEADER})")
+
+
+_MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length")
+
+
+def _check_mooncake_trace(path: str) -> None:
+    requests = 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                values = [int(record[k]) for k in _MOONCAKE_FIELDS]
+            except (ValueError, KeyError, TypeError):
+                raise _Invalid(
+                    f"--trace {path}:{lineno}: expected a JSON object with timestamp, "
+                    "input_length, output_length and hash_ids (a Mooncake trace)"
+                ) from None
+            negative = [f"{k} {v}" for k, v in zip(_MOONCAKE_FIELDS, values, strict=True) if v < 0]
+            if negative:
+                raise _Invalid(
+                    f"--trace {path}:{lineno}: negative {', '.join(negative)}; times and "
+                    "lengths must be >= 0"
+                )
+            requests += 1
+    if not requests:
+        raise _Invalid(f"--trace {path}: the trace has no requests (expected JSON Lines)")
+
+
+def _check_out(out: str) -> None:
+    """The report folder: created if missing, and a file can be written in it."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise _Invalid(f"--out {out}: exists and is not a folder; choose a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise _Invalid(
+            f"--out {out}: cannot write a report there ({exc.strerror or exc}); "
+            "choose a writable folder"
+        ) from None
+
+
+_VALIDATE: dict[str, Callable[[argparse.Namespace], None]] = {
+    "demo": _check_demo,
+    "costs": _check_costs,
+    "simulate": _check_simulate,
+    "reproduce": _check_reproduce,
+}
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import anyio
+
+    from .demo import run_demo
+
+    port = args.metrics_port
+    try:
         anyio.run(
             lambda: run_demo(
                 conversations=args.conversations,
                 turns=args.turns,
                 host_bytes=int(args.host_mb * (1 << 20)),
                 seed=args.seed,
+                metrics_port=port,
+                linger=math.inf if port is not None else 0.0,
             )
         )
-        return 0
-    try:
-        if args.command == "costs":
-            return _costs(args.model)
-        if args.command == "simulate":
-            return _simulate(args)
-        return _reproduce(args, argv)
-    except (ValueError, ModuleNotFoundError, OSError) as exc:
-        parser.exit(2, f"tieredkv {args.command}: error: {exc}\n")
+    except KeyboardInterrupt:
+        return 130  # Ctrl-C: the cache and the metrics endpoint were closed on the way out
+    return 0
 
 
 def _costs(names: Sequence[str] | None) -> int:
@@ -188,14 +433,18 @@ def _simulate(args: argparse.Namespace) -> int:
     turns = workload.turns(args.rate)
     config = _measure(config, workload)
     rows = []
-    for name in names:
+    bar = ProgressBar("tieredkv simulate", enabled=not args.no_progress)
+    for i, name in enumerate(names):
         system = get_system(name, **overrides)
-        bar = ProgressBar(f"{name:16}", enabled=not args.json and sys.stderr.isatty())
-        result = simulate(turns, system, config, progress=bar)
-        bar.close()
+
+        def progress(fraction: float, done: int = i) -> None:  # one bar over every system
+            bar((done + fraction) / len(names))
+
+        result = simulate(turns, system, config, progress=progress)
         if args.json:
             print(msgspec.json.encode(result).decode())
         rows.append(result)
+    bar.close()
     if not args.json:
         print(
             f"\n{workload.kind} workload, {args.rate:g} users/min: {len(turns):,} turns of "
@@ -228,12 +477,7 @@ def _reproduce(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     workload, config, names = _setup(args)
     assert isinstance(workload, WorkloadSpec)
     assert isinstance(config, SimConfig)
-    try:
-        rates = tuple(float(r) for r in args.rates.split(",") if r.strip())
-    except ValueError:
-        raise ValueError(
-            f"--rates must be numbers separated by commas (got {args.rates!r})"
-        ) from None
+    rates = _rates(args.rates)
     options = ReproduceOptions(
         workload=workload,
         config=config,

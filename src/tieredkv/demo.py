@@ -8,7 +8,10 @@ between host memory and SSD as they take turns.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -38,6 +41,8 @@ async def run_demo(
     directory: Path | None = None,
     seed: int = 0,
     echo: bool = True,
+    metrics_port: int | None = None,
+    linger: float = 0.0,
 ) -> dict[str, int]:
     """Run the demo; return the cache's hit/miss counters.
 
@@ -47,6 +52,10 @@ async def run_demo(
     :param directory: where the SSD tier keeps its files (a temporary directory by default)
     :param seed: seed of the synthetic KV and turn lengths
     :param echo: print the tables
+    :param metrics_port: serve the cache's Prometheus metrics on this port (``0``: any free
+        one) during the demo (needs ``tieredkv[metrics]``); the URL is printed
+    :param linger: seconds to keep the cache open and its metrics served after the run
+        (``math.inf``: until cancelled, e.g. by Ctrl-C)
     """
     say = print if echo else (lambda *a, **k: None)
     rng = np.random.default_rng(seed)
@@ -55,7 +64,12 @@ async def run_demo(
         root = directory or Path(tmp)
         ssd = SSDTier(root / "ssd", 256 << 20)
         tiers: list[Tier] = [HostMemoryTier(host_bytes), ssd]
-        async with TieredKVCache(tiers, token_dim=3) as cache:
+        async with (
+            TieredKVCache(tiers, token_dim=3) as cache,
+            _metrics(cache, metrics_port) as url,
+        ):
+            if url is not None:
+                say(f"Prometheus metrics: {url}")
             say(
                 f"host tier {host_bytes:,} B ({cache.stats().tiers[0].notes[0]}), SSD tier "
                 f"at {root / 'ssd'} (O_DIRECT: {ssd.direct_io})\n"
@@ -100,7 +114,23 @@ async def run_demo(
                     f"read {t.bytes_read:>11,} B  written {t.bytes_written:>11,} B"
                 )
             say("\nevery load matched what was appended, byte for byte")
+            if url is not None and linger > 0:
+                until = "until Ctrl-C" if math.isinf(linger) else f"for {linger:g} s"
+                say(f"serving the metrics at {url} {until}", flush=True)
+                await anyio.sleep(linger)
             return {"hits": stats.hits, "misses": stats.misses, "loads": stats.loads}
+
+
+@contextlib.asynccontextmanager
+async def _metrics(cache: TieredKVCache, port: int | None) -> AsyncIterator[str | None]:
+    """Serve the cache's metrics on ``port`` while the block runs; yields the URL."""
+    if port is None:
+        yield None
+        return
+    from .metrics import serve
+
+    async with serve(cache, port) as server:
+        yield server.url
 
 
 def main() -> None:

@@ -158,24 +158,35 @@ class _EventBase(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 
 class Stored(_EventBase, frozen=True, kw_only=True):
-    """A segment was appended to ``tier``."""
+    """A segment was appended to ``tier``; ``seconds`` the append took (the cache's clock,
+    from holding the session to the segment committed; 0 where not measured)."""
 
     tier: str
     tokens: int
+    seconds: float = 0.0
 
 
 class Loaded(_EventBase, frozen=True, kw_only=True):
-    """A session's history was served from ``tier``; ``hit`` if that is the top tier."""
+    """A session's history was served from ``tier``; ``hit`` if that is the top tier.
+
+    On a miss the history is promoted first when it fits (a :class:`Promoted` event comes
+    before this one, naming the tier it came from), and ``tier`` is then the top tier.
+    ``seconds`` is what the load took, promotion included (the cache's clock, from holding
+    the session to the copy done; 0 where not measured).
+    """
 
     tier: str
     hit: bool
+    seconds: float = 0.0
 
 
 class Promoted(_EventBase, frozen=True, kw_only=True):
-    """A session's history moved up from ``src`` to ``dst``."""
+    """A session's history moved up from ``src`` to ``dst``, in ``seconds`` (the cache's
+    clock, making room included; 0 where not measured)."""
 
     src: str
     dst: str
+    seconds: float = 0.0
 
 
 class Demoted(_EventBase, frozen=True, kw_only=True):

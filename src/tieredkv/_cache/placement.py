@@ -355,6 +355,7 @@ async def promote(core: Core, s: Session) -> bool:
     total = s.nbytes()
     if src == 0 or total > core.tiers[0].capacity:
         return False
+    began = core.clock()
     missing = [k for k in s.segment_keys() if k[1] not in s.held[0]]
     core.set_transfer(s, core.transfer("promote", s, src, 0))
     try:
@@ -378,7 +379,12 @@ async def promote(core: Core, s: Session) -> bool:
     core.policies[0].on_admit(s.key, meta, now)
     core.channel.emit(
         Promoted(
-            session=s.key, time=now, nbytes=total, src=core.tiers[src].name, dst=core.tiers[0].name
+            session=s.key,
+            time=now,
+            nbytes=total,
+            src=core.tiers[src].name,
+            dst=core.tiers[0].name,
+            seconds=now - began,
         )
     )
     if core.mode == "exclusive":

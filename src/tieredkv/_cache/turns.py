@@ -97,7 +97,9 @@ async def _read_through_staging(
         raise exc
 
 
-def commit_append(core: Core, s: Session, plan: SegmentPlan, t: int, answer_tokens: int) -> KVMeta:
+def commit_append(
+    core: Core, s: Session, plan: SegmentPlan, t: int, answer_tokens: int, began: float
+) -> KVMeta:
     """Make a stored segment part of the session: index, counters, channel, policies, event."""
     s.segs.append(Seg(plan.header))
     s.held[t].add(plan.header.seq)
@@ -119,12 +121,13 @@ def commit_append(core: Core, s: Session, plan: SegmentPlan, t: int, answer_toke
             nbytes=plan.length,
             tier=core.tiers[t].name,
             tokens=plan.header.tokens,
+            seconds=now - began,
         )
     )
     return meta
 
 
-def commit_load(core: Core, s: Session, hit: bool) -> None:
+def commit_load(core: Core, s: Session, hit: bool, began: float) -> None:
     """Count a served load and record it as an access (channel, policies, event)."""
     now = core.clock()
     if hit:
@@ -143,5 +146,6 @@ def commit_load(core: Core, s: Session, hit: bool) -> None:
             nbytes=meta.nbytes,
             tier=core.tiers[s.primary].name,
             hit=hit,
+            seconds=now - began,
         )
     )

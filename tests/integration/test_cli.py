@@ -1,0 +1,180 @@
+"""The ``tieredkv`` command checks every argument before any work.
+
+Each rejection ends with one line on standard error naming the argument, exit status 2,
+and no traceback. The rejections of ``reproduce`` would otherwise surface only after the
+whole experiment (minutes), so a test that finishes at all shows the check came first.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tieredkv.cli import main
+from tieredkv.sim.trace import HEADER
+
+MOONCAKE = Path(__file__).resolve().parents[1] / "data" / "mooncake"
+MOONCAKE_TRACE = MOONCAKE / "conversation_trace_head1500.jsonl"
+
+
+def _rejected(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    """Run ``argv``; check the exit status and the one-line error, and return that line."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    # unknown options are reported by the top-level parser, as "tieredkv: error: ..."
+    assert lines[0].startswith((f"tieredkv {argv[0]}: error: ", "tieredkv: error: ")), lines[0]
+    return lines[0]
+
+
+BAD_ARGUMENTS = [
+    # the parser's own checks are one line too
+    (["simulate", "--rate", "fast"], "argument --rate: invalid float value: 'fast'"),
+    (["reproduce", "--jobs", "two"], "argument --jobs: invalid int value: 'two'"),
+    (["simulate", "--workload", "nope"], "argument --workload: invalid choice: 'nope'"),
+    (["demo", "--conversations", "0"], "--conversations must be at least 1 (got 0)"),
+    (["demo", "--turns", "-2"], "--turns must be at least 1 (got -2)"),
+    (["demo", "--host-mb", "0"], "--host-mb must be a positive number (got 0)"),
+    (["demo", "--host-mb", "nan"], "--host-mb must be a positive number (got nan)"),
+    (["demo", "--seed", "-1"], "--seed must be at least 0 (got -1)"),
+    (["demo", "--metrics-port", "70000"], "--metrics-port must be in 0-65535 (got 70000)"),
+    (["costs", "--model", "gpt-9"], "--model: unknown model 'gpt-9'; presets: "),
+    (["simulate", "--rate", "0"], "--rate must be a positive number (got 0)"),
+    (["simulate", "--rate", "inf"], "--rate must be a positive number (got inf)"),
+    (["simulate", "--eviction", "foo"], "--eviction: unknown eviction policy 'foo'; known: "),
+    (["simulate", "--scheduler", "sjf"], "--scheduler: unknown scheduler policy 'sjf'; known: "),
+    (["simulate", "--model", "gpt-9"], "--model: unknown model 'gpt-9'; presets: "),
+    (["simulate", "--gpu", "tpu"], "--gpu: unknown GPU 'tpu'; presets: "),
+    (["simulate", "--systems", " , "], "--systems names no system"),
+    (["simulate", "--systems", "vllm,sglang"], "--systems: unknown system 'sglang'; presets: "),
+    (["simulate", "--host-mem", "0"], "--host-mem must be a positive number (got 0)"),
+    (["simulate", "--ssd-bw", "-1.5"], "--ssd-bw must be a positive number (got -1.5)"),
+    (["simulate", "--minutes", "0"], "--minutes must be a positive number (got 0)"),
+    (["simulate", "--seed", "-3"], "--seed must be at least 0 (got -3)"),
+    (["simulate", "--workload", "bidaw"], "--workload bidaw needs its trace file: add --trace"),
+    (["reproduce", "--workload", "mooncake"], "--workload mooncake needs its trace file"),
+    (["reproduce", "--jobs", "0"], "--jobs must be at least 1 (got 0)"),
+    (["reproduce", "--jobs", "-4"], "--jobs must be at least 1 (got -4)"),
+    (["reproduce", "--rates", "10,fast"], "--rates must be numbers separated by commas"),
+    (["reproduce", "--rates", ","], "--rates names no rate"),
+    (["reproduce", "--rates", "10,-5"], "every rate of --rates must be a positive number"),
+    (["reproduce", "--rate", "0"], "--rate must be a positive number (got 0)"),
+    (["reproduce", "--slo", "0"], "--slo must be a positive number (got 0)"),
+    (["reproduce", "--eviction", "lru"], "unrecognized arguments: --eviction lru"),
+]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"), BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_ARGUMENTS]
+)
+def test_a_bad_argument_is_one_line_and_exit_status_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert message in _rejected(capsys, argv)
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused_before_the_experiment(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    line = _rejected(capsys, ["reproduce", "--out", "/proc/tieredkv-report"])
+    assert "--out /proc/tieredkv-report: cannot write a report there" in line
+    assert not Path("/proc/tieredkv-report").exists()
+
+
+def test_an_output_path_that_is_a_file_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "report").write_text("keep me")
+    line = _rejected(capsys, ["reproduce", "--out", str(tmp_path / "report")])
+    assert "exists and is not a folder" in line
+    assert (tmp_path / "report").read_text() == "keep me"
+
+
+def _bidaw(tmp_path: Path, *rows: str) -> str:
+    path = tmp_path / "trace.txt"
+    path.write_text("\n".join([HEADER, *rows]) + "\n")
+    return str(path)
+
+
+def _mooncake(tmp_path: Path, *records: dict[str, object]) -> str:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_trace_files_are_checked(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    def refused(workload: str, trace: str) -> str:
+        return _rejected(capsys, ["simulate", "--workload", workload, "--trace", trace])
+
+    missing = str(tmp_path / "missing.txt")
+    assert f"--trace {missing}: does not exist" in refused("bidaw", missing)
+    assert f"--trace {tmp_path}: is a folder" in refused("bidaw", str(tmp_path))
+    empty = _bidaw(tmp_path)
+    assert f"--trace {empty}: the trace has no turns (expected lines of: {HEADER})" in refused(
+        "bidaw", empty
+    )
+    negative = _bidaw(tmp_path, "1 0.0 100 20 0", "1 30.0 -40 20 1")
+    assert "must be >= 0 in every turn" in refused("bidaw", negative)
+    torn = _bidaw(tmp_path, "1 0.0 100 20 0", "2 3.5 80")
+    assert f"{torn}:3: expected 5 numeric columns" in refused("bidaw", torn)
+
+    record = {"timestamp": 0, "input_length": 700, "output_length": 30, "hash_ids": [0, 1]}
+    assert "the trace has no requests" in refused("mooncake", _mooncake(tmp_path))
+    bad = _mooncake(tmp_path, record, {**record, "output_length": -30})
+    assert f"{bad}:2: negative output_length -30" in refused("mooncake", bad)
+    garbled = tmp_path / "garbled.jsonl"
+    garbled.write_text(json.dumps(record) + "\n{not json\n")
+    assert f"{garbled}:2: expected a JSON object" in refused("mooncake", str(garbled))
+    line = _rejected(
+        capsys,
+        ["simulate", "--workload", "mooncake", "--trace", str(bad), "--trace", str(bad)],
+    )
+    assert "--workload mooncake reads one file; got 2 --trace options" in line
+    line = _rejected(capsys, ["simulate", "--trace", str(MOONCAKE_TRACE)])
+    assert "the synthetic workload is generated" in line
+
+
+def test_a_rejection_from_the_installed_command_has_no_traceback() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "tieredkv", "simulate", "--eviction", "foo"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr == (
+        "tieredkv simulate: error: --eviction: unknown eviction policy 'foo'; known: "
+        "belady, bidaw, fifo, lfu, lru, queue-enhanced\n"
+    )
+
+
+def test_simulate_draws_a_progress_bar_and_no_progress_turns_it_off(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["simulate", "--minutes", "2", "--rate", "5", "--systems", "ideal,vllm"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err.splitlines()
+    # not a terminal: a line at each 10% step, over both systems together
+    assert err[0].startswith("tieredkv simulate [")
+    assert err[-1].startswith("tieredkv simulate [" + "#" * 30 + "] 100%")
+    assert main([*argv, "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_a_valid_trace_passes_the_checks(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        ["simulate", "--workload", "mooncake", "--trace", str(MOONCAKE_TRACE), "--rate", "20",
+         "--systems", "ideal", "--no-progress"]
+    )  # fmt: skip
+    assert code == 0
+    assert "mooncake workload, 20 users/min" in capsys.readouterr().out
