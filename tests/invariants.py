@@ -15,6 +15,7 @@ import torch
 from tieredkv import SSDTier, TieredKVCache
 from tieredkv.backends.arena import ArenaTier
 from tieredkv.backends.base import SegmentKey, Tier
+from tieredkv.backends.ssd import segment_file_name
 
 Model = dict[str, list[dict[str, torch.Tensor]]]
 """What the test believes is stored: session -> the acknowledged turns, in order."""
@@ -107,7 +108,7 @@ def problems(cache: TieredKVCache) -> list[str]:
 def _files_agree(tier: SSDTier, keys: set[SegmentKey]) -> list[str]:
     directory = Path(tier.directory)
     files = {p for p in (directory / "segments").rglob("*") if p.is_file()}
-    want = {tier._path(k) for k in keys}
+    want = {directory / "segments" / segment_file_name(k) for k in keys}
     out = []
     if files != want:
         out.append(

@@ -10,15 +10,27 @@ from __future__ import annotations
 import mmap
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
+import msgspec
 import pytest
 import torch
 
 from tieredkv.backends.base import SegmentKey, Tier
-from tieredkv.payload import SegmentHeader, plan_segment
+from tieredkv.payload import (
+    PREFIX,
+    SegmentHeader,
+    _encode_laid_out,
+    _pack_prefix,
+    align_up,
+    hash_body,
+    parse_header,
+    plan_segment,
+)
 
 __all__ = [
     "Segment",
+    "forge",
     "SegmentFactory",
     "aligned_buffer",
     "make_segment",
@@ -53,6 +65,21 @@ class Segment:
     def close(self) -> None:
         self.view.release()
         self._mm.close()
+
+
+def forge(data: bytes, **changes: Any) -> bytes:
+    """The segment ``data`` with its header's fields changed, as a forger who can write the
+    directory would make it: the header laid out afresh, the original body bytes after it,
+    the file as long as that body needs, and a correct CRC and body hash. So only what the
+    header says can give it away."""
+    old, _ = parse_header(data, "original")
+    header, header_bytes = _encode_laid_out(msgspec.structs.replace(old, **changes))
+    body = data[old.body_offset : old.body_offset + old.body_len]
+    buf = bytearray(align_up(header.body_offset + len(body)))
+    buf[PREFIX.size : PREFIX.size + len(header_bytes)] = header_bytes
+    buf[header.body_offset : header.body_offset + len(body)] = body
+    _pack_prefix(buf, header_bytes, hash_body(bytes(buf[PREFIX.size + len(header_bytes) :])))
+    return bytes(buf)
 
 
 def make_segment(session: str, seq: int, tokens: int, *, seed: int = 0) -> Segment:

@@ -54,22 +54,24 @@ from ._cache.placement import (
     delete_or_orphan,
     promote,
     purge_orphans,
-    remove_copy,
+    remove_all,
 )
 from ._cache.recovery import recover
 from ._cache.sharing import check_writer, discover, shared_tiers
-from ._cache.state import CacheStats, Core, Seg, Session, check_key, policies_per_tier
-from ._cache.turns import restore, store
+from ._cache.state import CacheStats, Core, Session, check_key, check_tiers, policies_per_tier
+from ._cache.turns import commit_append, commit_load, restore, store
 from ._cache.writethrough import WriteThrough
 from .backends.base import Tier
 from .errors import (
     CapacityError,
     ClosedError,
     CorruptSegmentError,
+    InvalidArgumentError,
+    InvalidTypeError,
     SchemaMismatchError,
     SessionNotFoundError,
 )
-from .meta import Dropped, KVMeta, Loaded, MetadataChannel, Stored, TierInfo
+from .meta import Dropped, KVMeta, MetadataChannel, TierInfo
 from .payload import plan_segment
 from .policies.base import Eviction
 
@@ -112,19 +114,11 @@ class TieredKVCache:
         clock: Callable[[], float] = time.monotonic,
         channel: MetadataChannel | None = None,
     ) -> None:
-        tiers = list(tiers)
-        if not tiers:
-            raise ValueError("TieredKVCache needs at least one tier")
-        for tier in tiers:
-            if not isinstance(tier, Tier):
-                raise TypeError(f"{tier!r} does not implement the Tier protocol")
-        names = [tier.name for tier in tiers]
-        if len(set(names)) != len(names):
-            raise ValueError(f"tier names must be unique, got {names}")
+        tiers = check_tiers(tiers)
         if mode not in ("exclusive", "inclusive"):
-            raise ValueError(f"mode must be 'exclusive' or 'inclusive', not {mode!r}")
+            raise InvalidArgumentError(f"mode must be 'exclusive' or 'inclusive', not {mode!r}")
         if isinstance(token_dim, bool) or not isinstance(token_dim, int):
-            raise TypeError(f"token_dim must be an int, not {type(token_dim).__name__}")
+            raise InvalidTypeError(f"token_dim must be an int, not {type(token_dim).__name__}")
         policies = policies_per_tier(eviction, len(tiers))
         self.channel = channel if channel is not None else MetadataChannel()
         """The metadata channel: per-session :class:`~tieredkv.meta.KVMeta` and events."""
@@ -192,6 +186,7 @@ class TieredKVCache:
             core.sessions.clear()
             core.busy.clear()
             core.orphans.clear()
+            core.staging.close()
 
     async def flush(self) -> None:
         """Wait until every background write-through started so far has finished."""
@@ -325,28 +320,7 @@ class TieredKVCache:
             core.stats.cancelled += 1
             raise cancel
         # the point of no return: from here on, nothing awaits
-        s.segs.append(Seg(plan.header))
-        s.held[t].add(plan.header.seq)
-        s.schema = plan.schema
-        if s.primary is None:
-            s.primary = t
-        core.stats.appends += 1
-        now = core.clock()
-        meta = core.publish(s, now, access=True, answer=answer_tokens)
-        # the access first, then the admission (as the replay does): a policy must see a new
-        # session's first turn as its first access, not as a reuse at distance 0
-        for policy in core.policies:
-            policy.on_access(s.key, meta, now)
-        core.policies[t].on_admit(s.key, meta, now)
-        core.channel.emit(
-            Stored(
-                session=s.key,
-                time=now,
-                nbytes=plan.length,
-                tier=core.tiers[t].name,
-                tokens=plan.header.tokens,
-            )
-        )
+        meta = commit_append(core, s, plan, t, answer_tokens)
         if core.mode == "inclusive" and t + 1 < len(core.tiers):
             self._pumps.start(s, t + 1)
         return meta
@@ -402,25 +376,7 @@ class TieredKVCache:
             if cancel is not None:
                 core.stats.cancelled += 1
                 raise cancel
-            now = core.clock()
-            if hit:
-                core.stats.hits += 1
-            else:
-                core.stats.misses += 1
-            core.stats.loads += 1
-            meta = core.publish(s, now, access=True)
-            for policy in core.policies:
-                policy.on_access(session, meta, now)
-            assert s.primary is not None
-            core.channel.emit(
-                Loaded(
-                    session=session,
-                    time=now,
-                    nbytes=meta.nbytes,
-                    tier=core.tiers[s.primary].name,
-                    hit=hit,
-                )
-            )
+            commit_load(core, s, hit)
             return s.tokens()
 
     # -- prefetch ------------------------------------------------------------------------
@@ -482,13 +438,7 @@ class TieredKVCache:
         if s is None:
             raise SessionNotFoundError(session)
         async with core.hold(s):
-            s.stopping = True  # background copies of it stop early
-            try:
-                await s.wait_quiet()
-            except BaseException:
-                s.stopping = False
-                self._resume_write_through(s)
-                raise
+            await self._pumps.stop(s)  # cancelled here, the drop did nothing
             # the point of no return: the session leaves the index, then its files go
             s.dropped = True
             nbytes = s.nbytes()
@@ -496,21 +446,9 @@ class TieredKVCache:
                 del core.sessions[session]
             self.channel.remove(session)
             core.stats.drops += 1
-
-            async def delete_all() -> None:
-                for t in range(len(core.tiers)):
-                    await remove_copy(core, s, t)
-
-            _, cancel = await settle(delete_all)
+            _, cancel = await settle(lambda: remove_all(core, s))
             s.segs.clear()
             s.primary = None
             self.channel.emit(Dropped(session=session, time=core.clock(), nbytes=nbytes))
             if cancel is not None:
                 raise cancel
-
-    def _resume_write_through(self, s: Session) -> None:
-        """Restart a background copy that a cancelled drop stopped early."""
-        p = s.primary
-        inclusive = self._core.mode == "inclusive"
-        if inclusive and p is not None and p + 1 < len(self._core.tiers) and not s.complete(p + 1):
-            self._pumps.start(s, p + 1)

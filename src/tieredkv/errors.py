@@ -14,6 +14,8 @@ __all__ = [
     "CapacityError",
     "ClosedError",
     "CorruptSegmentError",
+    "InvalidArgumentError",
+    "InvalidTypeError",
     "LeaseHeldError",
     "SchemaMismatchError",
     "SessionNotFoundError",
@@ -108,6 +110,15 @@ class UnknownPolicyError(TieredKVError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class InvalidArgumentError(TieredKVError, ValueError):
+    """An argument has a value the library cannot use (negative, out of range, empty)."""
+
+
+class InvalidTypeError(TieredKVError, TypeError):
+    """An argument has a type the library cannot use (a float where an int is needed, a
+    tensor on a device without data)."""
 
 
 class StaleWriterError(TieredKVError, RuntimeError):

@@ -19,10 +19,16 @@ The header CRC catches a torn or damaged header cheaply (a restart scans only he
 the body hash (xxh3, over 10 GB/s on one core) covers everything after the header, so a
 flipped byte anywhere in a segment is caught on read. Both are checked before a segment
 read from a capacity tier is served.
+
+A header whose CRC matches can still lie (anyone who can write a tier's directory can
+write one): :func:`parse_header` therefore checks its contents against each other and
+against the segment's length (:func:`validate_header`) before anyone allocates memory from
+it, so every tensor it describes lies inside the segment.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 import zlib
 from collections.abc import Mapping
@@ -33,22 +39,28 @@ import numpy as np
 import torch
 import xxhash
 
-from .errors import CorruptSegmentError
+from .errors import CorruptSegmentError, InvalidArgumentError, InvalidTypeError
 
 __all__ = [
     "ALIGN",
+    "INCARNATION_BYTES",
+    "MAC_BYTES",
     "MAGIC",
+    "MAX_COUNT",
     "PREFIX",
     "Schema",
     "SegmentHeader",
     "SegmentPlan",
     "TensorSpec",
     "align_up",
+    "check_int",
     "hash_body",
     "hashed_from",
+    "header_schema",
     "parse_header",
     "plan_segment",
     "segment_tensors",
+    "validate_header",
     "verify_segment",
 ]
 
@@ -59,6 +71,15 @@ ALIGN = 4096
 """Stored segments are padded to a multiple of this (the O_DIRECT block size)."""
 _TENSOR_ALIGN = 64
 MAX_SESSION_KEY_BYTES = 65536
+MAX_COUNT = 2**63 - 1
+"""The largest token count, answer length or turn index a segment header can record."""
+_MAX_RANK = 64
+_MAX_DIM = 2**40
+"""Bound on one dimension of an empty tensor (a non-empty one is bounded by its bytes)."""
+INCARNATION_BYTES = 16
+MAC_BYTES = 32
+_NO_INCARNATION = bytes(INCARNATION_BYTES)
+_NO_MAC = bytes(MAC_BYTES)
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -107,6 +128,9 @@ class SegmentHeader(msgspec.Struct, frozen=True, kw_only=True):
     :param body_offset: where the body starts in the segment
     :param body_len: body length in bytes
     :param created: wall-clock time the segment was written (seconds since the epoch)
+    :param incarnation: reserved for authenticated segments (zeros)
+    :param body_mac: reserved for authenticated segments (zeros)
+    :param mac: reserved for authenticated segments (zeros)
     """
 
     version: int = 1
@@ -120,11 +144,19 @@ class SegmentHeader(msgspec.Struct, frozen=True, kw_only=True):
     body_offset: int
     body_len: int
     created: float = 0.0
+    incarnation: bytes = _NO_INCARNATION
+    body_mac: bytes = _NO_MAC
+    mac: bytes = _NO_MAC
 
     @property
     def length(self) -> int:
         """Bytes the segment occupies in a tier (padded to :data:`ALIGN`)."""
         return align_up(self.body_offset + self.body_len)
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether the header carries a MAC (it may still be a wrong one)."""
+        return self.mac != _NO_MAC
 
 
 class Schema(msgspec.Struct, frozen=True):
@@ -205,9 +237,27 @@ class SegmentPlan:
                 dest[at : at + spec.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
             cursor = at + spec.nbytes
         dest[cursor:].zero_()
-        body_hash = hash_body(buf[start:])
-        crc = zlib.crc32(self.header_bytes + body_hash.to_bytes(8, "little"))
-        PREFIX.pack_into(buf, 0, MAGIC, len(self.header_bytes), crc, body_hash)
+        _pack_prefix(buf, self.header_bytes, hash_body(buf[start:]))
+
+
+def _pack_prefix(buf: memoryview | bytearray, header_bytes: bytes, body_hash: int) -> None:
+    crc = zlib.crc32(header_bytes + body_hash.to_bytes(8, "little"))
+    PREFIX.pack_into(buf, 0, MAGIC, len(header_bytes), crc, body_hash)
+
+
+def _encode_laid_out(header: SegmentHeader) -> tuple[SegmentHeader, bytes]:
+    """``header`` with the body offset its encoding needs, and that encoding."""
+    # body_offset depends on the header's size, which does not depend on body_offset's
+    # value as long as it stays within the same msgpack int width: encode until stable.
+    header_bytes = _header_encoder.encode(header)
+    for _ in range(3):
+        body_offset = align_up(PREFIX.size + len(header_bytes), _TENSOR_ALIGN)
+        header = msgspec.structs.replace(header, body_offset=body_offset)
+        encoded = _header_encoder.encode(header)
+        if len(encoded) == len(header_bytes):
+            return header, encoded
+        header_bytes = encoded
+    return header, header_bytes
 
 
 def hash_body(body: memoryview | bytes) -> int:
@@ -228,21 +278,26 @@ def _to_tensor(name: str, value: Any) -> torch.Tensor:
         try:
             tensor = torch.from_numpy(np.ascontiguousarray(value))
         except TypeError as exc:
-            raise TypeError(
+            raise InvalidTypeError(
                 f"tensor {name!r}: numpy dtype {value.dtype} has no torch equivalent; "
                 f"convert it to one of {sorted(_DTYPES)}"
             ) from exc
     else:
-        raise TypeError(
+        raise InvalidTypeError(
             f"tensor {name!r} is a {type(value).__name__}; pass torch tensors or numpy arrays"
         )
     if str(tensor.dtype).removeprefix("torch.") not in _DTYPES:
-        raise TypeError(
+        raise InvalidTypeError(
             f"tensor {name!r} has dtype {tensor.dtype}, which tieredkv cannot store; "
             f"use one of {sorted(_DTYPES)}"
         )
     if tensor.is_sparse or tensor.layout != torch.strided:
-        raise TypeError(f"tensor {name!r} is not a dense (strided) tensor; pass a dense one")
+        raise InvalidTypeError(f"tensor {name!r} is not a dense (strided) tensor; pass a dense one")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise InvalidTypeError(
+            f"tensor {name!r} is on a {tensor.device.type!r} device, which holds no data "
+            f"tieredkv can copy; pass a tensor on the CPU or a CUDA device"
+        )
     # a strided view (a slice of a model cache's buffer) is not copied here: write_into
     # copies it once, straight into the segment, in the worker thread that writes it
     return tensor
@@ -262,27 +317,32 @@ def plan_segment(
 
     :param tensors: named torch tensors or numpy arrays, all with the same size along
         ``token_dim`` (negative counts from the end, per tensor)
-    :raises TypeError: for values that are not dense tensors of a storable dtype
+    :raises TypeError: for values that are not dense tensors of a storable dtype on the CPU
+        or a CUDA device
     :raises ValueError: for an empty mapping, mismatched token counts, or bad arguments
     """
     if not isinstance(tensors, Mapping) or not tensors:
-        raise ValueError("tensors must be a non-empty mapping of name -> tensor")
-    if isinstance(answer_tokens, bool) or not isinstance(answer_tokens, int) or answer_tokens < 0:
-        raise ValueError(f"answer_tokens must be a non-negative int, not {answer_tokens!r}")
+        raise InvalidArgumentError("tensors must be a non-empty mapping of name -> tensor")
+    _check_count("answer_tokens", answer_tokens)
+    _check_count("seq", seq)
+    if isinstance(token_dim, bool) or not isinstance(token_dim, int):
+        raise InvalidArgumentError(f"token_dim must be an int, not {token_dim!r}")
+    if not isinstance(codec, str) or not codec:
+        raise InvalidArgumentError(f"codec must be a non-empty string, not {codec!r}")
     names: list[str] = []
     values: list[torch.Tensor] = []
     for name, value in tensors.items():
         if not isinstance(name, str) or not name:
-            raise TypeError(f"tensor names must be non-empty strings, not {name!r}")
+            raise InvalidTypeError(f"tensor names must be non-empty strings, not {name!r}")
         names.append(name)
         values.append(_to_tensor(name, value))
     dims: list[int] = []
     tokens: int | None = None
     for name, tensor in zip(names, values, strict=True):
         if tensor.dim() == 0:
-            raise ValueError(f"tensor {name!r} is a scalar; it needs a token dimension")
+            raise InvalidArgumentError(f"tensor {name!r} is a scalar; it needs a token dimension")
         if not -tensor.dim() <= token_dim < tensor.dim():
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"token_dim {token_dim} is out of range for tensor {name!r} of shape "
                 f"{tuple(tensor.shape)}"
             )
@@ -292,14 +352,14 @@ def plan_segment(
         if tokens is None:
             tokens = n
         elif n != tokens:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"tensor {name!r} has {n} tokens along dim {token_dim}, others have {tokens}"
             )
     assert tokens is not None
     if tokens == 0:
-        raise ValueError("the segment has 0 tokens; append only turns that produced KV")
+        raise InvalidArgumentError("the segment has 0 tokens; append only turns that produced KV")
     if len(set(dims)) != 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"token_dim {token_dim} points at different dimensions {sorted(set(dims))} in "
             f"tensors of different rank; use a non-negative token_dim"
         )
@@ -316,7 +376,7 @@ def plan_segment(
     body_len = specs[-1].offset + specs[-1].nbytes
     key_bytes = len(session.encode("utf-8"))
     if key_bytes > MAX_SESSION_KEY_BYTES:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"session key is {key_bytes:,} bytes of UTF-8; keep it under {MAX_SESSION_KEY_BYTES:,}"
         )
     header = SegmentHeader(
@@ -331,34 +391,61 @@ def plan_segment(
         body_len=body_len,
         created=created,
     )
-    # body_offset depends on the header's size, which does not depend on body_offset's
-    # value as long as it stays within the same msgpack int width: encode twice.
-    header_bytes = _header_encoder.encode(header)
-    for _ in range(3):
-        body_offset = align_up(PREFIX.size + len(header_bytes), _TENSOR_ALIGN)
-        header = msgspec.structs.replace(header, body_offset=body_offset)
-        encoded = _header_encoder.encode(header)
-        if len(encoded) == len(header_bytes):
-            header_bytes = encoded
-            break
-        header_bytes = encoded
-    schema = Schema(
-        token_dim=dims[0],
-        codec=codec,
-        names=tuple(names),
-        dtypes=tuple(s.dtype for s in specs),
+    header, header_bytes = _encode_laid_out(header)
+    return SegmentPlan(header, header_bytes, header_schema(header), tuple(values))
+
+
+def _check_count(what: str, value: object) -> None:
+    # a ValueError even for a wrong type: what plan_segment has always raised here
+    check_int(what, value, wrong_type=InvalidArgumentError)
+
+
+def check_int(
+    what: str,
+    value: object,
+    *,
+    minimum: int = 0,
+    maximum: int = MAX_COUNT,
+    wrong_type: type[InvalidArgumentError | InvalidTypeError] = InvalidTypeError,
+) -> int:
+    """``value`` if it is an int (not a bool) within ``[minimum, maximum]``.
+
+    :raises ~tieredkv.errors.InvalidTypeError: (or ``wrong_type``) for a float, a bool or
+        anything else that is not an int
+    :raises ~tieredkv.errors.InvalidArgumentError: for an int out of range
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise wrong_type(f"{what} must be an int, not {value!r}")
+    if not minimum <= value <= maximum:
+        upper = "2**63 - 1" if maximum == MAX_COUNT else f"{maximum:,}"
+        raise InvalidArgumentError(f"{what} must be from {minimum:,} to {upper}, not {value:,}")
+    return value
+
+
+def header_schema(header: SegmentHeader) -> Schema:
+    """The schema a segment's header implies (what every segment of its session shares)."""
+    return Schema(
+        token_dim=header.token_dim,
+        codec=header.codec,
+        names=tuple(t.name for t in header.tensors),
+        dtypes=tuple(t.dtype for t in header.tensors),
         shapes=tuple(
-            tuple(-1 if i == dims[0] else d for i, d in enumerate(s.shape)) for s in specs
+            tuple(-1 if i == header.token_dim else d for i, d in enumerate(t.shape))
+            for t in header.tensors
         ),
     )
-    return SegmentPlan(header, header_bytes, schema, tuple(values))
 
 
-def parse_header(buf: memoryview | bytes, where: str) -> tuple[SegmentHeader, int]:
+def parse_header(
+    buf: memoryview | bytes, where: str, size: int | None = None
+) -> tuple[SegmentHeader, int]:
     """Check the prefix and header of a segment; return the header and the body hash.
 
-    ``buf`` must hold at least the prefix and the header. Raises
-    :class:`~tieredkv.errors.CorruptSegmentError` on any inconsistency.
+    ``buf`` must hold at least the prefix and the header. The header's contents are
+    checked with :func:`validate_header` (against ``size``, the segment's length in bytes,
+    when given), so nothing it describes reaches outside the segment.
+
+    :raises ~tieredkv.errors.CorruptSegmentError: on any inconsistency
     """
     if len(buf) < PREFIX.size:
         raise CorruptSegmentError(where, f"only {len(buf)} bytes, shorter than the prefix")
@@ -375,18 +462,95 @@ def parse_header(buf: memoryview | bytes, where: str) -> tuple[SegmentHeader, in
         header = _header_decoder.decode(raw)
     except msgspec.DecodeError as exc:  # CRC matched but content is not ours: a bug, not a flip
         raise CorruptSegmentError(where, f"undecodable header: {exc}") from exc
-    if header.body_offset < end or header.body_len < 0:
+    if header.body_offset < end:
         raise CorruptSegmentError(where, "header offsets are inconsistent")
+    validate_header(header, where, size)
     return header, int(body_hash)
+
+
+def validate_header(header: SegmentHeader, where: str, size: int | None = None) -> None:
+    """Check that a decoded header describes a segment that could exist.
+
+    Every count is within range; every tensor has a known dtype, a shape whose byte size
+    is its ``nbytes``, the header's token count along ``token_dim``, and lies inside the
+    body, after the tensor before it; the body ends where the last tensor does; and the
+    segment's length is ``size`` when given. So a header that passes cannot make a reader
+    allocate more than the segment's own bytes, or index outside them.
+
+    :raises ~tieredkv.errors.CorruptSegmentError: naming the first inconsistency
+    """
+
+    def bad(detail: str) -> CorruptSegmentError:
+        return CorruptSegmentError(where, f"header is inconsistent: {detail}")
+
+    if header.version != 1:
+        raise bad(f"unknown format version {header.version}")
+    for what, value in (
+        ("seq", header.seq),
+        ("answer_tokens", header.answer_tokens),
+        ("body_len", header.body_len),
+        ("body_offset", header.body_offset),
+    ):
+        if not 0 <= value <= MAX_COUNT:
+            raise bad(f"{what} {value} is out of range")
+    if not 1 <= header.tokens <= MAX_COUNT:
+        raise bad(f"tokens {header.tokens} is out of range")
+    if header.body_offset % _TENSOR_ALIGN:
+        raise bad(f"body_offset {header.body_offset} is not a multiple of {_TENSOR_ALIGN}")
+    if len(header.session.encode("utf-8", "surrogatepass")) > MAX_SESSION_KEY_BYTES:
+        raise bad("the session key is too long")
+    if not header.codec or not math.isfinite(header.created):
+        raise bad("empty codec or non-finite creation time")
+    if (
+        len(header.incarnation) != INCARNATION_BYTES
+        or len(header.body_mac) != MAC_BYTES
+        or len(header.mac) != MAC_BYTES
+    ):
+        raise bad("authentication fields of the wrong size")
+    if size is not None and header.length != size:
+        raise bad(f"it describes {header.length} bytes, the segment is {size}")
+    if not header.tensors:
+        raise bad("no tensors")
+    names: set[str] = set()
+    end = 0
+    for spec in header.tensors:
+        _validate_tensor(spec, header, names, end, bad)
+        end = spec.offset + spec.nbytes
+    if end != header.body_len:
+        raise bad(f"the body is {header.body_len} bytes, its tensors end at {end}")
+
+
+def _validate_tensor(
+    spec: TensorSpec,
+    header: SegmentHeader,
+    names: set[str],
+    end: int,
+    bad: Any,
+) -> None:
+    name = spec.name
+    if not name or name in names:
+        raise bad(f"tensor name {name!r} is empty or repeated")
+    names.add(name)
+    dtype = _DTYPES.get(spec.dtype)
+    if dtype is None:
+        raise bad(f"tensor {name!r} has unknown dtype {spec.dtype!r}")
+    if not 1 <= len(spec.shape) <= _MAX_RANK or header.token_dim >= len(spec.shape):
+        raise bad(f"tensor {name!r} has rank {len(spec.shape)} (token_dim {header.token_dim})")
+    if spec.shape[header.token_dim] != header.tokens:
+        raise bad(f"tensor {name!r} has {spec.shape[header.token_dim]} tokens, not {header.tokens}")
+    if any(not 0 <= d <= _MAX_DIM for d in spec.shape):
+        raise bad(f"tensor {name!r} has shape {spec.shape}")
+    if math.prod(spec.shape) * dtype.itemsize != spec.nbytes:
+        raise bad(f"tensor {name!r} of shape {spec.shape} is not {spec.nbytes} bytes")
+    if spec.offset % _TENSOR_ALIGN or spec.offset < end:
+        raise bad(f"tensor {name!r} starts at {spec.offset}, overlapping or unaligned")
+    if spec.offset + spec.nbytes > header.body_len:
+        raise bad(f"tensor {name!r} runs past the body")
 
 
 def verify_segment(buf: memoryview, where: str) -> SegmentHeader:
     """Check a whole segment (header and body hash); return its header."""
-    header, body_hash = parse_header(buf, where)
-    if header.length != len(buf):
-        raise CorruptSegmentError(
-            where, f"segment is {len(buf)} bytes, its header says {header.length}"
-        )
+    header, body_hash = parse_header(buf, where, len(buf))
     if hash_body(buf[hashed_from(buf) :]) != body_hash:
         raise CorruptSegmentError(where, "body checksum mismatch")
     return header

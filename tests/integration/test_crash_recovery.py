@@ -25,6 +25,8 @@ import torch
 from tests.integration.crash_writer import SESSIONS, make_cache, tensors_for
 
 WRITER = Path(__file__).with_name("crash_writer.py")
+SCALE = int(os.environ.get("TIEREDKV_CAMPAIGN_SCALE", "1"))
+"""Multiplies the kill rounds (the long campaign: see tests/integration/test_fault_campaign.py)."""
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -120,7 +122,7 @@ def test_sigkill_at_random_points_serves_only_exact_data(
     log = tmp_path / "writer.log"
     previous: dict[str, int] = {}
     total_acks = 0
-    for r in range(rounds):
+    for r in range(rounds * SCALE):
         acked = run_and_kill(directory, mode, seed=1000 * r + len(mode), log=log)
         total_acks += len(acked)
         turns = anyio.run(check_recovered, directory, mode, acked)
@@ -129,4 +131,5 @@ def test_sigkill_at_random_points_serves_only_exact_data(
                 assert turns.get(session, 0) >= n
         previous = turns
     assert total_acks >= rounds
+    print(f"\nkill rounds ({mode}): {rounds * SCALE}, acknowledged appends: {total_acks}")
     assert sum(previous.values()) > 0

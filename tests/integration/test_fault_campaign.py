@@ -102,7 +102,7 @@ class Campaign:
         self.rng = random.Random(seed)
         self.cancel = cancel
         self.model: Model = {}
-        self.counts: Counter[str] = Counter()
+        self.counts: Counter[str] = Counter({"wrong bytes": 0, "lost": 0})
         self.unexpected: list[str] = []
 
     def turns(self, session: str) -> int:
@@ -121,6 +121,7 @@ class Campaign:
         r = rng.random()
         before = list(model[session])
         self.counts["operations"] += 1
+        failed = False
         try:
             if r < 0.5 or not before:
                 new = turn(rng.randint(1, 4), rng.randrange(1 << 30))
@@ -159,11 +160,11 @@ class Campaign:
             return
         except TieredKVError as exc:  # an I/O error: the operation must have left no trace
             self.counts[f"error:{type(exc).__name__}"] += 1
-            done = False
+            done, failed = False, True
         except Exception as exc:
             self.unexpected.append(f"{op} of {session}: {type(exc).__name__}: {exc}")
             return
-        if not done:
+        if not (done or failed):
             self.counts["cancelled"] += 1
         if self.turns(session) != len(model[session]):
             self.unexpected.append(
@@ -260,7 +261,7 @@ async def test_an_io_error_at_each_call_of_a_site(tmp_path: Path, site: str) -> 
     """For one os call site, fail its 1st, 2nd, ... call in turn (one fresh cache each) under
     a fixed script of appends, moves, loads and drops; after each, the parts agree and every
     acknowledged byte is there, before and after a reopen."""
-    calls = 0
+    calls = runs = operations = injected = 0
     for n in range(1, 1 + 6 * SCALE):
         directory = tmp_path / f"{site}-{n}"
         directory.mkdir()
@@ -270,9 +271,13 @@ async def test_an_io_error_at_each_call_of_a_site(tmp_path: Path, site: str) -> 
                 faults.fail_nth(site, n)
                 await campaign.run(sessions=4, ops=6)
                 calls = max(calls, faults.calls[site])
+                injected += faults.total_injected
                 faults.clear()
+            runs += 1
+            operations += campaign.counts["operations"]
             assert not campaign.unexpected, (n, campaign.unexpected[:5])
             await settle_and_check(cache, campaign)
         await reopen_and_check(directory, "exclusive", campaign)
         if n > calls:  # the script makes fewer calls of this site than n
             break
+    print(f"\nos.{site}: {runs} runs, {operations} operations, {injected} faults injected")

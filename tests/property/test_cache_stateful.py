@@ -17,6 +17,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from tests.invariants import problems
 from tieredkv import CapacityError, HostMemoryTier, SessionNotFoundError, SSDTier, TieredKVCache
 
 SESSIONS = st.sampled_from(["a", "b", "c", "d", "e/..", "é"])
@@ -141,6 +142,8 @@ class CacheMachine(RuleBasedStateMachine):
             held = sum(m.nbytes for m in self.cache.channel.values() if tier.name in m.copies)
             assert tier.used == held, f"{tier.name}: {tier.used} used, {held} accounted"
         assert set(self.cache.sessions()) == set(self.model)
+        found = problems(self.cache)
+        assert not found, "\n".join(found)
 
     def teardown(self) -> None:
         try:

@@ -39,6 +39,7 @@ __all__ = [
     "forget_copy",
     "promote",
     "purge_orphans",
+    "remove_all",
     "remove_copy",
     "reserve",
 ]
@@ -89,6 +90,12 @@ async def remove_copy(core: Core, s: Session, t: int) -> bool:
         clean = await delete_or_orphan(core, t, (s.key, seq)) and clean
     core.policies[t].on_remove(s.key)
     return clean
+
+
+async def remove_all(core: Core, s: Session) -> None:
+    """Delete every copy of ``s`` (a drop); failures become orphans."""
+    for t in range(len(core.tiers)):
+        await remove_copy(core, s, t)
 
 
 async def forget_copy(core: Core, s: Session, t: int) -> bool:

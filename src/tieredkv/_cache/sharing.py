@@ -17,9 +17,12 @@ lease (``take``), and an append first checks that this replica still holds it
 
 from __future__ import annotations
 
+import functools
+
 from ..backends.shared import SharedTier
 from ..errors import SchemaMismatchError
 from ..payload import SegmentHeader
+from .atomic import settle
 from .placement import forget_copy, remove_copy
 from .state import Core, Seg, Session, schema_of
 
@@ -52,14 +55,21 @@ async def discover(core: Core, key: str, *, take: bool) -> None:
             async with core.hold(s):
                 if core.sessions.get(key) is not s:  # dropped while we waited
                     continue
-                await s.wait_quiet()  # no write into the shared tier under way
-                await _adopt(core, s, t, await tier.lookup(key))
-                if take and s.primary is not None:
-                    await tier.acquire(key, force=True)
+                # a move like any other: cancellation waits for it, then is raised
+                _, cancel = await settle(functools.partial(_look, core, s, t, tier, take))
+                if cancel is not None:
+                    raise cancel
         finally:
             unused = not s.segs and key not in core.channel and not s.cond.locked()
             if unused and core.sessions.get(key) is s:
                 del core.sessions[key]
+
+
+async def _look(core: Core, s: Session, t: int, tier: SharedTier, take: bool) -> None:
+    await s.wait_quiet()  # no write into the shared tier under way
+    await _adopt(core, s, t, await tier.lookup(s.key))
+    if take and s.primary is not None:
+        await tier.acquire(s.key, force=True)
 
 
 async def _adopt(core: Core, s: Session, t: int, headers: list[SegmentHeader]) -> None:

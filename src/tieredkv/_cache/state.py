@@ -25,11 +25,13 @@ import anyio
 import msgspec
 
 from ..backends.base import SegmentKey, Tier, TierStats
+from ..errors import InvalidArgumentError, InvalidTypeError
 from ..meta import KVMeta, MetadataChannel, Transfer, advance_meta
 from ..payload import Schema, SegmentHeader
 from ..policies.base import Eviction
 from ..policies.lru import LRU
 from ..policies.registry import make_eviction
+from .gather import Staging
 
 __all__ = [
     "CacheStats",
@@ -37,6 +39,7 @@ __all__ = [
     "Seg",
     "Session",
     "check_key",
+    "check_tiers",
     "policies_per_tier",
     "schema_of",
 ]
@@ -165,6 +168,7 @@ class Core:
         self.stats = CacheStats()
         self.protected: Callable[[], AbstractSet[str]] = frozenset
         self.orphans: set[tuple[int, SegmentKey]] = set()
+        self.staging = Staging()
 
     def hold(self, s: Session) -> Held:
         """``async with``: hold ``s``'s lock and mark it busy (never chosen as a victim)."""
@@ -243,13 +247,13 @@ class Held:
 def check_key(session: object) -> None:
     """Refuse what cannot be a session key, saying what to use instead."""
     if not isinstance(session, str):
-        raise TypeError(f"session keys are str, not {type(session).__name__}")
+        raise InvalidTypeError(f"session keys are str, not {type(session).__name__}")
     if not session:
-        raise ValueError("session key is empty; use any non-empty text")
+        raise InvalidArgumentError("session key is empty; use any non-empty text")
     try:
         session.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"session key is not valid Unicode text ({exc.reason} at {exc.start}); "
             f"remove lone surrogates"
         ) from None
@@ -268,6 +272,20 @@ def schema_of(h: SegmentHeader) -> Schema:
     )
 
 
+def check_tiers(tiers: Sequence[Tier]) -> list[Tier]:
+    """The tiers as a list, refused unless each implements the protocol under its own name."""
+    tiers = list(tiers)
+    if not tiers:
+        raise InvalidArgumentError("TieredKVCache needs at least one tier")
+    for tier in tiers:
+        if not isinstance(tier, Tier):
+            raise InvalidTypeError(f"{tier!r} does not implement the Tier protocol")
+    names = [tier.name for tier in tiers]
+    if len(set(names)) != len(names):
+        raise InvalidArgumentError(f"tier names must be unique, got {names}")
+    return tiers
+
+
 def policies_per_tier(
     eviction: Eviction | str | Sequence[Eviction | str] | None, ntiers: int
 ) -> list[Eviction]:
@@ -275,7 +293,7 @@ def policies_per_tier(
     if isinstance(eviction, Sequence) and not isinstance(eviction, str):
         policies = [make_eviction(p) if isinstance(p, str) else p for p in eviction]
         if len(policies) != ntiers:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"got {len(policies)} eviction policies for {ntiers} tiers; pass one "
                 f"policy (for tier 0) or one per tier"
             )
@@ -287,7 +305,7 @@ def policies_per_tier(
         policies = [top] + [LRU() for _ in range(ntiers - 1)]
     for policy in policies:
         if not isinstance(policy, Eviction):
-            raise TypeError(f"{policy!r} does not implement the Eviction protocol")
+            raise InvalidTypeError(f"{policy!r} does not implement the Eviction protocol")
     if len({id(p) for p in policies}) != len(policies):
-        raise ValueError("each tier needs its own eviction policy instance")
+        raise InvalidArgumentError("each tier needs its own eviction policy instance")
     return policies

@@ -12,12 +12,13 @@ import torch
 
 from ..backends.base import AddressableTier, SegmentKey
 from ..errors import CapacityError, CorruptSegmentError
+from ..meta import KVMeta, Loaded, Stored
 from ..payload import SegmentPlan
-from .gather import copy_out_addressable, scatter, scratch, write_new
+from .gather import copy_out_addressable, scatter, write_new
 from .placement import demote, drop_damaged, promote, purge_orphans, reserve
-from .state import Core, Session
+from .state import Core, Seg, Session
 
-__all__ = ["restore", "store"]
+__all__ = ["commit_append", "commit_load", "restore", "store"]
 
 
 async def store(core: Core, s: Session, plan: SegmentPlan) -> int:
@@ -38,7 +39,7 @@ async def store(core: Core, s: Session, plan: SegmentPlan) -> int:
                 await s.wait_quiet()
                 await demote(core, s, t, may_lose=False)
             t += 1
-        await write_new(core.tiers[t], key, plan.write_into, plan.length)
+        await write_new(core.tiers[t], key, plan.write_into, plan.length, core.staging)
     finally:
         core.tiers[t].release(key)
     return t
@@ -57,13 +58,90 @@ async def restore(core: Core, s: Session, out: dict[str, torch.Tensor]) -> None:
         parts = [(k, g.header) for k, g in zip(s.segment_keys(), s.segs, strict=True)]
         await copy_out_addressable(tier, parts, out, dim)
         return
-    offset = 0
-    for seg in s.segs:
-        with scratch(seg.length) as view:
-            try:
-                await tier.read_into((s.key, seg.header.seq), view)
-            except CorruptSegmentError:
-                await drop_damaged(core, s, t, f"segment {seg.header.seq}")
-                raise
-            await anyio.to_thread.run_sync(scatter, view, seg.header, out, dim, offset, False)
-        offset += seg.header.tokens
+    await _read_through_staging(core, s, t, out, dim)
+
+
+async def _read_through_staging(
+    core: Core, s: Session, t: int, out: dict[str, torch.Tensor], dim: int
+) -> None:
+    """Read ``s``'s segments from tier ``t`` into two reused buffers, scattering segment i
+    into ``out`` while segment i + 1 is read (the device and the copy overlap)."""
+    tier = core.tiers[t]
+    size = max(seg.length for seg in s.segs)
+    failure: list[BaseException] = []
+
+    async def read(i: int, view: memoryview) -> None:
+        seg = s.segs[i]
+        try:
+            await tier.read_into((s.key, seg.header.seq), view[: seg.length])
+        except BaseException as exc:  # re-raised below, outside the task group
+            failure.append(exc)
+
+    with core.staging.buffer(size) as a, core.staging.buffer(size) as b:
+        bufs = (a, b)
+        await read(0, a)
+        offset = 0
+        for i, seg in enumerate(s.segs):
+            if failure:
+                break
+            view = bufs[i % 2][: seg.length]
+            async with anyio.create_task_group() as tg:
+                if i + 1 < len(s.segs):
+                    tg.start_soon(read, i + 1, bufs[(i + 1) % 2])
+                await anyio.to_thread.run_sync(scatter, view, seg.header, out, dim, offset, False)
+            offset += seg.header.tokens
+    if failure:
+        exc = failure[0]
+        if isinstance(exc, CorruptSegmentError):
+            await drop_damaged(core, s, t, exc.where)
+        raise exc
+
+
+def commit_append(core: Core, s: Session, plan: SegmentPlan, t: int, answer_tokens: int) -> KVMeta:
+    """Make a stored segment part of the session: index, counters, channel, policies, event."""
+    s.segs.append(Seg(plan.header))
+    s.held[t].add(plan.header.seq)
+    s.schema = plan.schema
+    if s.primary is None:
+        s.primary = t
+    core.stats.appends += 1
+    now = core.clock()
+    meta = core.publish(s, now, access=True, answer=answer_tokens)
+    # the access first, then the admission (as the replay does): a policy must see a new
+    # session's first turn as its first access, not as a reuse at distance 0
+    for policy in core.policies:
+        policy.on_access(s.key, meta, now)
+    core.policies[t].on_admit(s.key, meta, now)
+    core.channel.emit(
+        Stored(
+            session=s.key,
+            time=now,
+            nbytes=plan.length,
+            tier=core.tiers[t].name,
+            tokens=plan.header.tokens,
+        )
+    )
+    return meta
+
+
+def commit_load(core: Core, s: Session, hit: bool) -> None:
+    """Count a served load and record it as an access (channel, policies, event)."""
+    now = core.clock()
+    if hit:
+        core.stats.hits += 1
+    else:
+        core.stats.misses += 1
+    core.stats.loads += 1
+    meta = core.publish(s, now, access=True)
+    for policy in core.policies:
+        policy.on_access(s.key, meta, now)
+    assert s.primary is not None
+    core.channel.emit(
+        Loaded(
+            session=s.key,
+            time=now,
+            nbytes=meta.nbytes,
+            tier=core.tiers[s.primary].name,
+            hit=hit,
+        )
+    )

@@ -50,6 +50,23 @@ class WriteThrough:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def stop(self, s: Session) -> None:
+        """Stop ``s``'s background copy early and wait for it (a drop is coming).
+
+        If the wait is cancelled, the drop will not happen: the copy is restarted.
+        """
+        s.stopping = True
+        try:
+            await s.wait_quiet()
+        except BaseException:
+            s.stopping = False
+            p = s.primary
+            below = p is not None and p + 1 < len(self._core.tiers) and not s.complete(p + 1)
+            if self._core.mode == "inclusive" and below:
+                assert p is not None
+                self.start(s, p + 1)
+            raise
+
     async def flush(self) -> None:
         """Wait until every pump started so far has finished."""
         while self._pending and self._idle is not None:

@@ -18,15 +18,33 @@ import anyio
 import numpy as np
 import torch
 
-from ..errors import ClosedError
-from ..payload import ALIGN, SegmentHeader, align_up
+from ..errors import ClosedError, InvalidArgumentError
+from ..payload import ALIGN, SegmentHeader, align_up, check_int
 from .base import AddressableTier, SegmentKey, TierStats
 
-__all__ = ["INLINE_COPY", "ArenaAllocator", "ArenaTier", "close_mapping"]
+__all__ = ["INLINE_COPY", "ArenaAllocator", "ArenaTier", "check_tier_arguments", "close_mapping"]
 
 INLINE_COPY = 256 * 1024
 """Copies up to this many bytes run on the event loop (microseconds); larger ones in a
 worker thread."""
+
+_MAX_THREADS = 1024
+
+
+def check_tier_arguments(name: object, capacity: object, max_threads: object) -> None:
+    """Refuse a tier's constructor arguments that could only fail later (or hang).
+
+    :raises ~tieredkv.errors.InvalidArgumentError: an empty name, a capacity below one
+        byte, or ``max_threads`` outside 1 to 1,024 (0 would make the first file operation
+        wait forever for a thread)
+    :raises ~tieredkv.errors.InvalidTypeError: a capacity or ``max_threads`` that is not
+        an int (a float, a bool)
+    """
+    if not isinstance(name, str) or not name:
+        raise InvalidArgumentError(f"a tier needs a non-empty name, not {name!r}")
+    check_int(f"tier {name!r}: capacity (bytes)", capacity, minimum=1)
+    check_int(f"tier {name!r}: max_threads", max_threads, minimum=1, maximum=_MAX_THREADS)
+
 
 _log = logging.getLogger(__name__)
 
@@ -147,10 +165,7 @@ class ArenaTier(AddressableTier):
     inline_copy_limit = INLINE_COPY
 
     def __init__(self, name: str, capacity: int, *, max_threads: int = 2) -> None:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"a tier needs a non-empty name, not {name!r}")
-        if capacity <= 0:
-            raise ValueError(f"tier {name!r}: capacity must be positive, not {capacity}")
+        check_tier_arguments(name, capacity, max_threads)
         self.name = name
         self._capacity = align_up(capacity)
         self._alloc = ArenaAllocator(self._capacity)

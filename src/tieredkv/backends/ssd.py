@@ -2,7 +2,7 @@
 
 Layout under ``directory``::
 
-    LOCK                      flock-ed while a process has the tier open
+    LOCK                      flock-ed while a process has the tier open (never a symlink)
     segments/ab/<hash>.<seq>.seg   one segment; <hash> = BLAKE2b-128 of the session key
     tmp/                      segments being written (removed at open)
     quarantine/               damaged segments moved aside, never served
@@ -10,6 +10,20 @@ Layout under ``directory``::
 File names derive from a hash of the session key, so no key (``/``, ``..``, NUL, 10 kB of
 text, any script) can escape or break the directory; the key itself lives in the segment
 header, which is how the index is rebuilt after a restart.
+
+Nothing under the directory is reached through a symbolic link: the subdirectories are
+opened once with ``O_NOFOLLOW`` and every file is then named relative to a subdirectory's
+descriptor (``dir_fd``), so a ``tmp/`` or ``segments/ab`` replaced by a link cannot make
+the tier write, read or delete outside the directory. A symlinked ``segments``, ``tmp``,
+``quarantine`` or ``LOCK`` fails :meth:`SSDTier.open`; a symlinked ``segments/ab`` or
+segment file is moved to ``quarantine/`` (the link, never its target).
+
+Every header is checked at open (:func:`~tieredkv.payload.parse_header`: CRC, then contents
+against the file's length), and a file whose header cannot be read (an I/O error on that
+one file) is quarantined too: the tier opens with the rest. While open, a read serves a
+file only if its prefix (which covers the header's CRC and the body's hash) is the one this
+tier wrote or found at open, so a file swapped behind the tier's back, even for a valid
+older copy of the same segment, is refused.
 
 Writes are atomic: the bytes go to a temporary file, are ``fsync``-ed, and the file is
 renamed into place (then the directory is ``fsync``-ed). A process killed at any moment
@@ -35,6 +49,8 @@ import hashlib
 import logging
 import mmap
 import os
+import stat
+import threading
 import time
 import uuid
 from collections import deque
@@ -47,8 +63,17 @@ import anyio
 import numpy as np
 import xxhash
 
-from ..errors import ClosedError, CorruptSegmentError, TierIOError
-from ..payload import ALIGN, PREFIX, SegmentHeader, hash_body, hashed_from, parse_header
+from ..errors import ClosedError, CorruptSegmentError, InvalidArgumentError, TierIOError
+from ..payload import (
+    ALIGN,
+    PREFIX,
+    SegmentHeader,
+    check_int,
+    hash_body,
+    hashed_from,
+    parse_header,
+)
+from .arena import check_tier_arguments
 from .base import SegmentKey, Tier, TierStats
 
 __all__ = ["SSDTier", "segment_file_name"]
@@ -56,6 +81,8 @@ __all__ = ["SSDTier", "segment_file_name"]
 _log = logging.getLogger(__name__)
 
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_SUBDIRS = ("segments", "tmp", "quarantine")
 _READ_DEPTH = 4
 """Chunk reads of one segment in flight at once."""
 
@@ -102,12 +129,10 @@ class SSDTier(Tier):
         max_threads: int = 4,
         chunk_size: int = 8 << 20,
     ) -> None:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"a tier needs a non-empty name, not {name!r}")
-        if capacity <= 0:
-            raise ValueError(f"tier {name!r}: capacity must be positive, not {capacity}")
-        if chunk_size <= 0 or chunk_size % ALIGN:
-            raise ValueError(f"chunk_size must be a positive multiple of {ALIGN}")
+        check_tier_arguments(name, capacity, max_threads)
+        check_int(f"tier {name!r}: chunk_size", chunk_size, minimum=ALIGN)
+        if chunk_size % ALIGN:
+            raise InvalidArgumentError(f"chunk_size must be a positive multiple of {ALIGN}")
         self.name = name
         self.directory = Path(directory)
         self._capacity = capacity
@@ -117,6 +142,11 @@ class SSDTier(Tier):
         self._max_threads = max_threads
         self._chunk = chunk_size
         self._index: dict[SegmentKey, int] = {}
+        self._tags: dict[SegmentKey, bytes] = {}
+        """Each committed segment's prefix (magic, header length, CRC, body hash)."""
+        self._dirs: dict[str, int] = {}
+        """Descriptors of the subdirectories: segments, tmp, quarantine and each segments/xx."""
+        self._dirs_lock = threading.Lock()
         self._reserved: dict[SegmentKey, int] = {}
         self._used = 0
         self._limiter: anyio.CapacityLimiter | None = None
@@ -150,8 +180,27 @@ class SSDTier(Tier):
         """Whether files are read and written with O_DIRECT."""
         return self._direct
 
-    def _path(self, key: SegmentKey) -> Path:
-        return self.directory / "segments" / segment_file_name(key)
+    def _subdir(self, xx: str, *, create: bool) -> int:
+        """The descriptor of ``segments/xx``, opened without following a symlink."""
+        with self._dirs_lock:
+            fd = self._dirs.get(xx)
+            if fd is None:
+                parent = self._dirs["segments"]
+                if create:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(xx, 0o755, dir_fd=parent)
+                try:
+                    fd = os.open(xx, _O_DIR, dir_fd=parent)
+                except OSError as exc:
+                    if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                        raise
+                    raise OSError(
+                        exc.errno,
+                        f"segments/{xx} is a symbolic link or not a directory (the tier never "
+                        f"follows a link; remove it)",
+                    ) from None
+                self._dirs[xx] = fd
+            return fd
 
     def _check_open(self) -> anyio.CapacityLimiter:
         if self._limiter is None:
@@ -172,17 +221,50 @@ class SSDTier(Tier):
         return headers
 
     def _open_sync(self) -> list[SegmentHeader]:
+        root: int | None = None
         try:
-            for sub in ("segments", "tmp", "quarantine"):
-                (self.directory / sub).mkdir(parents=True, exist_ok=True)
-            lock_fd = os.open(self.directory / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            raise TierIOError(
-                self.name,
-                f"use directory {str(self.directory)!r} (it must be a writable directory; fix "
-                f"its permissions or pass another one)",
-                exc,
-            ) from exc
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                root = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                self._refuse_links(root)
+                for sub in _SUBDIRS:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(sub, 0o755, dir_fd=root)
+                    self._dirs[sub] = os.open(sub, _O_DIR, dir_fd=root)
+                flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+                lock_fd = os.open("LOCK", flags, 0o644, dir_fd=root)
+            except TierIOError:
+                raise
+            except OSError as exc:
+                raise TierIOError(
+                    self.name,
+                    f"use directory {str(self.directory)!r} (it must be a writable directory; "
+                    f"fix its permissions or pass another one)",
+                    exc,
+                ) from exc
+            return self._lock_and_scan(lock_fd)
+        except BaseException:
+            self._close_dirs()
+            self._index.clear()
+            self._tags.clear()
+            self._used = 0
+            raise
+        finally:
+            if root is not None:
+                os.close(root)
+
+    def _refuse_links(self, root: int) -> None:
+        for sub in (*_SUBDIRS, "LOCK"):
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISLNK(os.stat(sub, dir_fd=root, follow_symlinks=False).st_mode):
+                    raise TierIOError(
+                        self.name,
+                        f"use {str(self.directory / sub)!r}: it is a symbolic link, and the "
+                        f"tier never follows one (remove the link)",
+                        OSError(errno.ELOOP, "a symbolic link"),
+                    )
+
+    def _lock_and_scan(self, lock_fd: int) -> list[SegmentHeader]:
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -195,22 +277,46 @@ class SSDTier(Tier):
             ) from exc
         try:
             self._probe_write()
-            for leftover in (self.directory / "tmp").iterdir():
-                leftover.unlink(missing_ok=True)
+            self._remove_leftovers()
             headers = self._scan()
+        except OSError as exc:
+            os.close(lock_fd)
+            if isinstance(exc, TierIOError):
+                raise
+            raise TierIOError(self.name, f"scan {str(self.directory)!r}", exc) from exc
         except BaseException:
             os.close(lock_fd)
             raise
         self._lock_fd = lock_fd
         return headers
 
+    def _remove_leftovers(self) -> None:
+        """Delete what tmp/ holds: writes a crash interrupted (links included, never their
+        targets: unlink removes the link itself)."""
+        tmp = self._dirs["tmp"]
+        for name in os.listdir(tmp):
+            try:
+                os.unlink(name, dir_fd=tmp)
+            except OSError as exc:  # harmless: never read, only space
+                _log.warning("tier %r: could not remove tmp/%s: %s", self.name, name, exc)
+
+    def _close_dirs(self) -> None:
+        with self._dirs_lock:
+            fds = list(self._dirs.values())
+            self._dirs.clear()
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
     def _probe_write(self) -> None:
-        probe = self.directory / "tmp" / f"probe-{uuid.uuid4().hex}"
+        probe = f"probe-{uuid.uuid4().hex}"
+        tmp = self._dirs["tmp"]
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         block = mmap.mmap(-1, ALIGN)
         try:
             if self._want_direct is not False and _O_DIRECT:
                 try:
-                    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o600)
+                    fd = os.open(probe, flags | os.O_EXCL | _O_DIRECT, 0o600, dir_fd=tmp)
                     try:
                         os.pwrite(fd, block, 0)
                     finally:
@@ -226,9 +332,9 @@ class SSDTier(Tier):
                             f"it); pass direct_io=None to fall back to buffered I/O",
                             exc,
                         ) from exc
-                    probe.unlink(missing_ok=True)
+                    _unlink_quietly(probe, tmp)
             if not self._direct:
-                fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                fd = os.open(probe, flags | os.O_TRUNC, 0o600, dir_fd=tmp)
                 try:
                     os.pwrite(fd, block, 0)
                 finally:
@@ -250,46 +356,60 @@ class SSDTier(Tier):
             ) from exc
         finally:
             block.close()
-            probe.unlink(missing_ok=True)
+            _unlink_quietly(probe, tmp)
 
     def _scan(self) -> list[SegmentHeader]:
         headers: list[SegmentHeader] = []
-        root = self.directory / "segments"
-        for path in sorted(root.glob("*/*.seg")):
-            rel = f"{path.parent.name}/{path.name}"
+        segments = self._dirs["segments"]
+        for xx in sorted(os.listdir(segments)):
             try:
-                header, size = self._read_header(path)
-                if segment_file_name((header.session, header.seq)) != rel:
-                    raise CorruptSegmentError(rel, "file name does not match its header")
-                if size != header.length:
-                    raise CorruptSegmentError(
-                        rel, f"file is {size} bytes, header says {header.length} (torn write)"
-                    )
-            except CorruptSegmentError as exc:
-                self._quarantine_path(path, str(exc))
+                sub = self._subdir(xx, create=False)
+            except OSError as exc:  # a symlink (ELOOP), a stray file (ENOTDIR), unreadable
+                self._quarantine_entry(segments, xx, f"segments/{xx} is not a directory: {exc}")
                 continue
-            self._index[(header.session, header.seq)] = size
-            self._used += size
-            headers.append(header)
+            for name in sorted(os.listdir(sub)):
+                rel = f"{xx}/{name}"
+                if not name.endswith(".seg"):
+                    continue
+                try:
+                    header, size, tag = self._read_header(sub, name, rel)
+                    if segment_file_name((header.session, header.seq)) != rel:
+                        raise CorruptSegmentError(rel, "file name does not match its header")
+                except CorruptSegmentError as exc:
+                    self._quarantine_entry(sub, name, str(exc))
+                    continue
+                key = (header.session, header.seq)
+                self._index[key] = size
+                self._tags[key] = tag
+                self._used += size
+                headers.append(header)
         return headers
 
     @staticmethod
-    def _read_header(path: Path) -> tuple[SegmentHeader, int]:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    def _read_header(sub: int, name: str, rel: str) -> tuple[SegmentHeader, int, bytes]:
+        """Read and check one file's header: the header, the file's size and its prefix.
+
+        Any failure, including an I/O error on this one file, is a
+        :class:`~tieredkv.errors.CorruptSegmentError`: the file is set aside, the rest open.
+        """
         try:
-            size = os.fstat(fd).st_size
-            head = os.pread(fd, ALIGN, 0)
-            if len(head) >= PREFIX.size:
-                _, hlen, _, _ = PREFIX.unpack_from(head, 0)
-                need = PREFIX.size + hlen
-                if need > len(head) and need <= size:
-                    head = os.pread(fd, need, 0)
-            with contextlib.suppress(OSError):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        header, _ = parse_header(memoryview(head), str(path.name))
-        return header, size
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sub)
+            try:
+                size = os.fstat(fd).st_size
+                head = os.pread(fd, ALIGN, 0)
+                if len(head) >= PREFIX.size:
+                    _, hlen, _, _ = PREFIX.unpack_from(head, 0)
+                    need = PREFIX.size + hlen
+                    if need > len(head) and need <= size:
+                        head = os.pread(fd, need, 0)
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise CorruptSegmentError(rel, f"its header cannot be read ({exc})") from exc
+        header, _ = parse_header(memoryview(head), rel, size)
+        return header, size, head[: PREFIX.size]
 
     async def aclose(self) -> None:
         if self._limiter is None:
@@ -302,7 +422,9 @@ class SSDTier(Tier):
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # also releases the flock
             self._lock_fd = None
+        self._close_dirs()
         self._index.clear()
+        self._tags.clear()
         self._reserved.clear()
         self._used = 0
 
@@ -339,15 +461,19 @@ class SSDTier(Tier):
             raise ValueError(f"segment {key[1]} has no reservation in tier {self.name!r}")
         if len(data) != length:
             raise ValueError(f"reserved {length} bytes, asked to write {len(data)}")
-        await anyio.to_thread.run_sync(self._write_sync, key, data, limiter=limiter)
+        tag = await anyio.to_thread.run_sync(self._write_sync, key, data, limiter=limiter)
         del self._reserved[key]
         self._index[key] = length
+        self._tags[key] = tag
         self._counters["writes"] += 1
         self._counters["bytes_written"] += length
 
-    def _write_sync(self, key: SegmentKey, data: memoryview) -> None:
-        final = self._path(key)
-        tmp = self.directory / "tmp" / f"{final.name}.{uuid.uuid4().hex}.tmp"
+    def _write_sync(self, key: SegmentKey, data: memoryview) -> bytes:
+        """Write ``data`` as ``key``'s file, atomically; return its prefix."""
+        xx, name = segment_file_name(key).split("/")
+        tmp_dir = self._dirs["tmp"]
+        tmp = f"{name}.{uuid.uuid4().hex}.tmp"
+        sub: int | None = None
         bounce: mmap.mmap | None = None
         renamed = False
         try:
@@ -355,8 +481,9 @@ class SSDTier(Tier):
                 bounce = mmap.mmap(-1, len(data))
                 memoryview(bounce)[:] = data
                 data = memoryview(bounce)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-            fd = os.open(tmp, flags | (_O_DIRECT if self._direct else 0), 0o644)
+            tag = bytes(data[: PREFIX.size])
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp, flags | (_O_DIRECT if self._direct else 0), 0o644, dir_fd=tmp_dir)
             try:
                 done = 0
                 while done < len(data):
@@ -368,17 +495,15 @@ class SSDTier(Tier):
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
-            final.parent.mkdir(exist_ok=True)
-            os.replace(tmp, final)
+            sub = self._subdir(xx, create=True)
+            os.replace(tmp, name, src_dir_fd=tmp_dir, dst_dir_fd=sub)
             renamed = True
             if self._fsync:
-                _fsync_dir(final.parent)
+                os.fsync(sub)
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
-            if renamed:  # not durable, so not committed: a restart must not find it either
-                with contextlib.suppress(OSError):
-                    final.unlink(missing_ok=True)
+            _unlink_quietly(tmp, tmp_dir)
+            if renamed and sub is not None:  # not durable, so not committed: a restart
+                _unlink_quietly(name, sub)  # must not find it either
             raise TierIOError(
                 self.name, f"write segment {key[1]} ({len(data):,} bytes)", exc
             ) from exc
@@ -386,6 +511,7 @@ class SSDTier(Tier):
             if bounce is not None:
                 data.release()
                 bounce.close()
+        return tag
 
     async def read_into(self, key: SegmentKey, out: memoryview) -> None:
         await self.read_many_into([(key, out)])
@@ -439,12 +565,16 @@ class SSDTier(Tier):
             target = memoryview(bounce)
         failure: tuple[str, int | None, str] | None = None
         try:
+            xx, name = rel.split("/")
             try:
-                flags = os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if self._direct else 0)
-                fd = os.open(self._path(key), flags)
+                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+                sub = self._subdir(xx, create=False)
+                fd = os.open(name, flags | (_O_DIRECT if self._direct else 0), dir_fd=sub)
             except FileNotFoundError:
                 return ("file is missing", None, "")
             except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    return ("a symbolic link or not a directory on its path", None, "")
                 return (f"open segment {key[1]}", exc.errno or 0, exc.strerror or str(exc))
             try:
                 self._read_verify(fd, key, target, rel)
@@ -484,7 +614,7 @@ class SSDTier(Tier):
             n = _pread_full(fd, whole, 0)
         if n < size:
             raise CorruptSegmentError(rel, f"file ends at {n} of {size} bytes (truncated)")
-        _, expected = _check_header(out, key, rel)
+        _, expected = _check_header(out, key, rel, self._tags.get(key))
         if hash_body(out[hashed_from(out) :]) != expected:
             raise CorruptSegmentError(rel, "body checksum mismatch")
 
@@ -534,7 +664,7 @@ class SSDTier(Tier):
                     _, hlen, _, _ = PREFIX.unpack_from(out, 0)
                     if PREFIX.size + hlen > end and end < size:
                         continue  # the header spans several chunks
-                    header, expected = _check_header(out[:end], key, rel, size)
+                    header, expected = _check_header(out[:end], key, rel, self._tags.get(key), size)
                     hashed = PREFIX.size + hlen  # everything after the header is hashed
                 upto = end
                 if upto > hashed:
@@ -559,35 +689,49 @@ class SSDTier(Tier):
         if length is None:
             return
         try:
-            await anyio.to_thread.run_sync(self._path(key).unlink, True, limiter=limiter)
+            await anyio.to_thread.run_sync(self._delete_sync, key, limiter=limiter)
         except OSError as exc:
             raise TierIOError(self.name, f"delete segment {key[1]}", exc) from exc
         if self._index.pop(key, None) is not None:
             self._used -= length
+            self._tags.pop(key, None)
+
+    def _delete_sync(self, key: SegmentKey) -> None:
+        xx, name = segment_file_name(key).split("/")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=self._subdir(xx, create=False))
 
     async def _quarantine(self, key: SegmentKey) -> None:
         length = self._index.pop(key, None)
         if length is None:
             return
         self._used -= length
+        self._tags.pop(key, None)
         self._counters["corrupt"] += 1
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(
-                self._quarantine_path, self._path(key), "failed verification on read"
-            )
+            await anyio.to_thread.run_sync(self._quarantine_key, key)
 
-    def _quarantine_path(self, path: Path, why: str) -> None:
-        dest = self.directory / "quarantine" / f"{path.name}.{time.time_ns()}"
+    def _quarantine_key(self, key: SegmentKey) -> None:
+        xx, name = segment_file_name(key).split("/")
         try:
-            os.replace(path, dest)
+            sub = self._subdir(xx, create=False)
+        except OSError as exc:
+            _log.warning("tier %r: segments/%s cannot be opened (%s)", self.name, xx, exc)
+            return
+        self._quarantine_entry(sub, name, "failed verification on read")
+
+    def _quarantine_entry(self, parent: int, name: str, why: str) -> None:
+        """Move ``name`` (in the directory ``parent``) to quarantine/; a link moves as a link."""
+        dest = f"{name}.{time.time_ns()}"
+        try:
+            os.replace(name, dest, src_dir_fd=parent, dst_dir_fd=self._dirs["quarantine"])
         except FileNotFoundError:
             return
         except OSError:
-            _log.exception("tier %r: could not move %s aside; deleting it", self.name, path)
-            with contextlib.suppress(OSError):
-                path.unlink()
+            _log.exception("tier %r: could not move %s aside; deleting it", self.name, name)
+            _unlink_quietly(name, parent)
             return
-        _log.warning("tier %r: moved damaged segment %s to %s (%s)", self.name, path, dest, why)
+        _log.warning("tier %r: moved damaged %s to quarantine/%s (%s)", self.name, name, dest, why)
 
     def contains(self, key: SegmentKey) -> bool:
         return key in self._index
@@ -617,17 +761,19 @@ class SSDTier(Tier):
 
 
 def _check_header(
-    buf: memoryview, key: SegmentKey, rel: str, size: int | None = None
+    buf: memoryview, key: SegmentKey, rel: str, tag: bytes | None, size: int | None = None
 ) -> tuple[SegmentHeader, int]:
     """Parse a segment's header from the start of ``buf`` (the file's ``size`` bytes, all of
-    ``buf`` by default) and check that it names ``key`` and that size; returns the header
-    and the body checksum it records."""
-    header, expected = parse_header(buf, rel)
+    ``buf`` by default) and check that it names ``key`` and that size, and that its prefix
+    is ``tag`` (the one the tier wrote or found at open); returns the header and the body
+    checksum it records."""
+    header, expected = parse_header(buf, rel, len(buf) if size is None else size)
     if (header.session, header.seq) != key:
         raise CorruptSegmentError(rel, "header names another segment")
-    size = len(buf) if size is None else size
-    if header.length != size:
-        raise CorruptSegmentError(rel, f"header says {header.length} bytes, file {size}")
+    if tag is not None and bytes(buf[: PREFIX.size]) != tag:
+        raise CorruptSegmentError(
+            rel, "the file is not the segment this tier stored (it was replaced since)"
+        )
     return header, expected
 
 
@@ -645,9 +791,6 @@ def _pread_full(fd: int, view: memoryview, offset: int) -> int:
     return got
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _unlink_quietly(name: str, dir_fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(name, dir_fd=dir_fd)

@@ -1,0 +1,293 @@
+"""What users call, against what they would use instead, in one run: durable writes and
+cold reads of a conversation's KV.
+
+One conversation of ``--turns`` turns, each ``--tensors`` named fp16 tensors of
+``--tensor-mib`` MiB (a Llama-3-8B-shaped turn is 64 tensors: 32 layers x K and V). Written
+durably, then read back cold (the page cache dropped before every read where permitted;
+``tieredkv`` reads with O_DIRECT either way):
+
+- ``tieredkv``: ``TieredKVCache([SSDTier(dir)])`` ``append`` per turn (fsync'd), then after a
+  reopen ``load`` (new tensors) and ``load_into`` (preallocated, prefaulted tensors);
+- ``raw O_DIRECT``: the same bytes, one file per turn, ``pwrite`` from an aligned buffer +
+  ``fsync``; reads with ``--depth`` reads in flight (threads) into an aligned buffer: the
+  device's ceiling as this machine sees it;
+- ``safetensors``: ``save_file`` + ``fsync`` per turn; ``load_file`` per turn + ``torch.cat``;
+- ``torch.save``: ``torch.save`` + ``fsync`` per turn; ``torch.load`` + ``torch.cat``.
+
+Rounds alternate the systems; each figure is the median of ``--rounds``. Prints GB/s and
+the ratios of issue 17 (targets: load >= 0.9x raw, >= 1.2x safetensors; durable append >=
+0.8x raw, >= 1.5x safetensors)::
+
+    .venv/bin/python benchmarks/bench_api.py [--dir DIR] [--turns 8] [--tensors 64]
+        [--tensor-mib 1] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import mmap
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import torch
+
+from tieredkv import SSDTier, TieredKVCache
+
+MB = 1 << 20
+ALIGN = 4096
+Turn = dict[str, torch.Tensor]
+
+
+def make_turns(turns: int, tensors: int, tensor_mib: int) -> list[Turn]:
+    """Deterministic fp16 turns, ``[tokens, 1024]`` per tensor (2 KiB per token)."""
+    tokens = tensor_mib * MB // 2048
+    g = torch.Generator().manual_seed(0)
+    return [
+        {
+            f"layer{i // 2}.{'kv'[i % 2]}": torch.randn(tokens, 1024, generator=g).half()
+            for i in range(tensors)
+        }
+        for _ in range(turns)
+    ]
+
+
+def drop_page_cache() -> bool:
+    """Drop clean pages (root only); ``False`` where not permitted."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- tieredkv ---------------------------------------------------------------------------
+async def tkv_write(root: Path, turns: list[Turn]) -> None:
+    async with TieredKVCache([SSDTier(root, 64 << 30)]) as cache:
+        for i, t in enumerate(turns):
+            await cache.append("user", t, answer_tokens=i)
+
+
+async def tkv_load(root: Path) -> dict[str, torch.Tensor]:
+    async with TieredKVCache([SSDTier(root, 64 << 30)]) as cache:
+        return await cache.load("user")
+
+
+async def tkv_load_into(root: Path, out: dict[str, torch.Tensor]) -> None:
+    async with TieredKVCache([SSDTier(root, 64 << 30)]) as cache:
+        await cache.load_into("user", out)
+
+
+# -- raw O_DIRECT -------------------------------------------------------------------------
+def turn_bytes(turn: Turn) -> bytes:
+    return b"".join(t.numpy().tobytes() for t in turn.values())
+
+
+def raw_write(root: Path, blobs: list[bytes]) -> None:
+    for i, blob in enumerate(blobs):
+        size = -(-len(blob) // ALIGN) * ALIGN
+        buf = mmap.mmap(-1, size)
+        buf[: len(blob)] = blob
+        path = root / f"turn{i}.raw"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        try:
+            os.pwrite(fd, buf, 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            buf.close()
+    fsync_dir(root)
+
+
+def raw_read(root: Path, turns: int, depth: int) -> None:
+    """Read every turn file with ``depth`` reads of 8 MiB in flight."""
+    jobs = []
+    for i in range(turns):
+        path = root / f"turn{i}.raw"
+        size = path.stat().st_size
+        jobs += [(path, off, min(8 * MB, size - off)) for off in range(0, size, 8 * MB)]
+    buf = mmap.mmap(-1, 8 * MB * depth)
+
+    def read(k: int, job: tuple[Path, int, int]) -> None:
+        path, off, n = job
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            view = memoryview(buf)[(k % depth) * 8 * MB : (k % depth) * 8 * MB + n]
+            os.preadv(fd, [view], off)
+            view.release()
+        finally:
+            os.close(fd)
+
+    with concurrent.futures.ThreadPoolExecutor(depth) as pool:
+        list(pool.map(read, range(len(jobs)), jobs))
+    buf.close()
+
+
+# -- safetensors / torch.save ---------------------------------------------------------------
+def st_write(root: Path, turns: list[Turn]) -> None:
+    from safetensors.torch import save_file
+
+    for i, t in enumerate(turns):
+        path = root / f"turn{i}.safetensors"
+        save_file(t, str(path))
+        fsync_path(path)
+    fsync_dir(root)
+
+
+def st_read(root: Path, turns: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    parts = [load_file(str(root / f"turn{i}.safetensors")) for i in range(turns)]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def pt_write(root: Path, turns: list[Turn]) -> None:
+    for i, t in enumerate(turns):
+        path = root / f"turn{i}.pt"
+        torch.save(t, path)
+        fsync_path(path)
+    fsync_dir(root)
+
+
+def pt_read(root: Path, turns: int) -> dict[str, torch.Tensor]:
+    parts = [torch.load(root / f"turn{i}.pt") for i in range(turns)]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+reads_got: dict[str, dict[str, torch.Tensor]] = {}
+"""What each cold read returned in the current round (checked against the data)."""
+
+
+def one_round(
+    dirs: dict[str, Path],
+    turns: list[Turn],
+    blobs: list[bytes],
+    out: dict[str, torch.Tensor],
+    writes: dict[str, list[float]],
+    reads: dict[str, list[float]],
+    depth: int,
+) -> None:
+    """Each system writes once, then reads once cold."""
+    writes["tieredkv"].append(timed(lambda: anyio.run(tkv_write, dirs["tieredkv"], turns)))
+    writes["raw"].append(timed(lambda: raw_write(dirs["raw"], blobs)))
+    writes["safetensors"].append(timed(lambda: st_write(dirs["safetensors"], turns)))
+    writes["torch"].append(timed(lambda: pt_write(dirs["torch"], turns)))
+    n = len(turns)
+    systems: list[tuple[str, Callable[[], object]]] = [
+        ("tieredkv load", lambda: anyio.run(tkv_load, dirs["tieredkv"])),
+        ("tieredkv load_into", lambda: anyio.run(tkv_load_into, dirs["tieredkv"], out)),
+        ("raw", lambda: raw_read(dirs["raw"], n, depth)),
+        ("safetensors", lambda: st_read(dirs["safetensors"], n)),
+        ("torch", lambda: pt_read(dirs["torch"], n)),
+    ]
+    for name, fn in systems:
+        drop_page_cache()
+        start = time.perf_counter()
+        result = fn()
+        reads[name].append(time.perf_counter() - start)
+        if isinstance(result, dict):
+            reads_got[name] = result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dir", type=Path, help="a directory on the SSD (default: a temp dir)")
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--tensors", type=int, default=64)
+    parser.add_argument("--tensor-mib", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--depth", type=int, default=4, help="raw reads in flight")
+    args = parser.parse_args(argv)
+    for name in ("turns", "tensors", "tensor_mib", "rounds", "depth"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    base = Path(tempfile.mkdtemp(prefix="bench-api-", dir=args.dir))
+    turns = make_turns(args.turns, args.tensors, args.tensor_mib)
+    nbytes = sum(t.numel() * t.element_size() for turn in turns for t in turn.values())
+    blobs = [turn_bytes(t) for t in turns]
+    want = {k: torch.cat([t[k] for t in turns]) for k in turns[0]}
+    out = {k: torch.empty_like(v) for k, v in want.items()}
+    for v in out.values():
+        v.zero_()  # prefaulted
+    cold = drop_page_cache()
+    writes: dict[str, list[float]] = {n: [] for n in ("tieredkv", "raw", "safetensors", "torch")}
+    reads: dict[str, list[float]] = {
+        n: [] for n in ("tieredkv load", "tieredkv load_into", "raw", "safetensors", "torch")
+    }
+    try:
+        for r in range(args.rounds):
+            dirs = {n: base / f"{n}-{r}" for n in writes}
+            for d in dirs.values():
+                d.mkdir()
+            one_round(dirs, turns, blobs, out, writes, reads, args.depth)
+            for name, tensors in [*reads_got.items(), ("tieredkv load_into", out)]:
+                if any(not torch.equal(tensors[k], v) for k, v in want.items()):
+                    print(f"{name} returned different bytes", file=sys.stderr)
+                    return 1
+            reads_got.clear()
+            for d in dirs.values():
+                shutil.rmtree(d)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+    def gbps(seconds: list[float]) -> float:
+        return nbytes / statistics.median(seconds) / 1e9
+
+    print(
+        f"{args.turns} turns x {args.tensors} tensors x {args.tensor_mib} MiB = "
+        f"{nbytes / 1e6:.0f} MB; median of {args.rounds} rounds; page cache "
+        f"{'dropped before each read' if cold else 'NOT dropped (not permitted)'}"
+    )
+    print(f"{'durable write':<22}{'GB/s':>7}   {'cold read':<22}{'GB/s':>7}")
+    wrows = list(writes.items())
+    rrows = list(reads.items())
+    for i in range(max(len(wrows), len(rrows))):
+        left = f"{wrows[i][0]:<22}{gbps(wrows[i][1]):>7.2f}" if i < len(wrows) else " " * 29
+        right = f"{rrows[i][0]:<22}{gbps(rrows[i][1]):>7.2f}" if i < len(rrows) else ""
+        print(f"{left}   {right}")
+    w, rd = {k: gbps(v) for k, v in writes.items()}, {k: gbps(v) for k, v in reads.items()}
+    for label, value, target in [
+        ("load / raw O_DIRECT read", rd["tieredkv load"] / rd["raw"], 0.9),
+        ("load_into / raw O_DIRECT read", rd["tieredkv load_into"] / rd["raw"], 0.9),
+        ("load / safetensors load_file", rd["tieredkv load"] / rd["safetensors"], 1.2),
+        ("append / raw O_DIRECT write+fsync", w["tieredkv"] / w["raw"], 0.8),
+        ("append / safetensors save_file+fsync", w["tieredkv"] / w["safetensors"], 1.5),
+    ]:
+        verdict = "met" if value >= target else "missed"
+        print(f"ratio {label:<38}{value:6.2f}  (target >= {target}: {verdict})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""The SSD tier against hostile and unlucky directories: forged headers, symlinked
+subdirectories, unreadable headers at open, bad constructor arguments.
+
+Every forged file here has a correct CRC and body hash (:func:`tests.segments.forge`): only
+what its header says can give it away.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.faults import FaultInjector
+from tests.segments import Segment, SegmentFactory, aligned_buffer, forge, read_back, store
+from tieredkv import HostMemoryTier, MmapTier, SessionNotFoundError, SSDTier, TieredKVCache
+from tieredkv.backends.base import Tier
+from tieredkv.backends.ssd import segment_file_name
+from tieredkv.errors import (
+    CorruptSegmentError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    TieredKVError,
+    TierIOError,
+)
+from tieredkv.payload import TensorSpec, parse_header
+
+CAPACITY = 64 << 20
+
+
+def quarantined(root: Path) -> list[str]:
+    """Names of the files in quarantine/, without the timestamp suffix."""
+    return sorted(p.name.rsplit(".", 1)[0] for p in (root / "quarantine").iterdir())
+
+
+def seg_path(root: Path, s: Segment) -> Path:
+    return root / "segments" / segment_file_name(s.key)
+
+
+def spec(s: Segment, i: int = 0, **changes: Any) -> tuple[TensorSpec, ...]:
+    """``s``'s tensor specs with tensor ``i``'s fields changed."""
+    specs = list(s.header.tensors)
+    fields = {f: getattr(specs[i], f) for f in TensorSpec.__struct_fields__}
+    specs[i] = TensorSpec(**{**fields, **changes})
+    return tuple(specs)
+
+
+def every_shape(s: Segment, shape: tuple[int, ...]) -> tuple[TensorSpec, ...]:
+    return tuple(TensorSpec(t.name, t.dtype, shape, t.offset, t.nbytes) for t in s.header.tensors)
+
+
+# Lies told by a header with a valid CRC. Each keeps body_len, so the file is exactly as
+# long as the header says and the old size check passes.
+LIES: dict[str, Callable[[Segment], dict[str, Any]]] = {
+    "huge-shape": lambda s: {"tensors": spec(s, shape=(10**12, 64))},
+    "huge-tokens": lambda s: {"tokens": 10**12, "tensors": every_shape(s, (10**12, 64))},
+    "huge-width": lambda s: {"tensors": every_shape(s, (8, 2**50))},
+    "unknown-dtype": lambda s: {"tensors": spec(s, dtype="complex128")},
+    "nbytes-too-small": lambda s: {"tensors": spec(s, 1, nbytes=64)},
+    "offset-past-body": lambda s: {"tensors": spec(s, 1, offset=s.header.body_len + 64)},
+    "overlapping": lambda s: {"tensors": spec(s, 1, offset=0)},
+    "token-dim-out-of-range": lambda s: {"token_dim": 7},
+    "negative-dimension": lambda s: {"tensors": spec(s, shape=(8, -64))},
+    "rank-zero": lambda s: {"tensors": spec(s, shape=())},
+    "no-tensors": lambda s: {"tensors": ()},
+    "repeated-name": lambda s: {"tensors": spec(s, 1, name="k")},
+    "tokens-disagree": lambda s: {"tokens": 9},
+    "future-version": lambda s: {"version": 2},
+    "negative-answer": lambda s: {"answer_tokens": -1},
+    "bad-mac-field": lambda s: {"mac": b"x"},
+}
+
+
+@pytest.mark.parametrize("lie", sorted(LIES))
+async def test_forged_header_is_quarantined_at_open(
+    ssd_dir: Path, seg: SegmentFactory, lie: str
+) -> None:
+    """A header whose CRC is right but whose contents lie (shapes, dtypes, offsets, token
+    counts, version) is found at open, moved to quarantine/ and not indexed; the other
+    segments open and read back byte for byte."""
+    s, other = seg(session="s", tokens=8, seed=1), seg(session="t", tokens=8, seed=2)
+    async with SSDTier(ssd_dir, CAPACITY) as tier:
+        await store(tier, s)
+        await store(tier, other)
+    forged = forge(s.data, **LIES[lie](s))
+    assert len(forged) == s.length
+    with pytest.raises(CorruptSegmentError, match="header is inconsistent"):
+        parse_header(forged, "forged", len(forged))  # the CRC passes; the contents do not
+    seg_path(ssd_dir, s).write_bytes(forged)
+    async with SSDTier(ssd_dir, CAPACITY) as tier:
+        assert not tier.contains(s.key)
+        assert tier.used == other.length
+        assert await read_back(tier, other) == other.data
+    assert quarantined(ssd_dir) == [seg_path(ssd_dir, s).name]
+
+
+async def test_file_swapped_while_open_is_refused(ssd_dir: Path, seg: SegmentFactory) -> None:
+    """A segment file replaced while the tier is open by another valid segment of the same
+    key and length (an older copy, or a forged one with a consistent header) is refused on
+    read and quarantined: the tier serves only the bytes it wrote."""
+    s = seg(session="s", tokens=8, seed=1)
+    async with SSDTier(ssd_dir, CAPACITY) as tier:
+        await store(tier, s)
+        swapped = forge(s.data, answer_tokens=s.header.answer_tokens + 5)
+        parse_header(swapped, "swapped", len(swapped))  # a valid segment
+        seg_path(ssd_dir, s).write_bytes(swapped)
+        with aligned_buffer(s.length) as out, pytest.raises(CorruptSegmentError, match="not the"):
+            await tier.read_into(s.key, out)
+        assert not tier.contains(s.key)
+    assert quarantined(ssd_dir) == [seg_path(ssd_dir, s).name]
+
+
+async def test_cache_treats_a_forged_header_as_a_miss(ssd_dir: Path) -> None:
+    """Through the cache: a session whose stored header claims 10**12 tokens is quarantined
+    at open and is a miss (SessionNotFoundError), never a huge allocation or a bare
+    RuntimeError; the other sessions load byte for byte."""
+    g = torch.Generator().manual_seed(0)
+    turns = {
+        name: {"k": torch.randn(8, 4, 16, generator=g), "v": torch.randn(8, 4, 16, generator=g)}
+        for name in ("victim", "bystander")
+    }
+
+    def tiers() -> list[Tier]:
+        return [HostMemoryTier(1 << 20), SSDTier(ssd_dir, 8 << 20)]
+
+    async with TieredKVCache(tiers(), mode="inclusive") as cache:
+        for name, kv in turns.items():
+            await cache.append(name, kv, answer_tokens=1)
+    (path,) = [
+        p
+        for p in (ssd_dir / "segments").glob("*/*.seg")
+        if parse_header(p.read_bytes(), p.name)[0].session == "victim"
+    ]
+    data = path.read_bytes()
+    header, _ = parse_header(data, path.name)
+    lie = tuple(
+        TensorSpec(t.name, t.dtype, (10**12, 4, 16), t.offset, t.nbytes) for t in header.tensors
+    )
+    path.write_bytes(forge(data, tokens=10**12, tensors=lie))
+    async with TieredKVCache(tiers(), mode="inclusive") as cache:
+        with pytest.raises(SessionNotFoundError):
+            await cache.load("victim")
+        got = await cache.load("bystander")
+        for name, t in turns["bystander"].items():
+            assert got[name].view(torch.uint8).equal(t.view(torch.uint8))
+    assert len(quarantined(ssd_dir)) == 1
+
+
+# -- symbolic links ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sub", ["tmp", "segments", "quarantine", "LOCK"])
+async def test_symlinked_subdirectory_is_refused(tmp_path: Path, sub: str) -> None:
+    """A tmp/, segments/, quarantine/ or LOCK that is a symbolic link fails open() with a
+    TierIOError naming it; open() deletes nothing and creates nothing through it (before,
+    a tmp/ link made open() delete every file in the link's target)."""
+    root, outside = tmp_path / "ssd", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep me")
+    (root / sub).symlink_to(outside / "precious.txt" if sub == "LOCK" else outside)
+    with pytest.raises(TierIOError, match="symbolic link") as info:
+        await SSDTier(root, CAPACITY).open()
+    assert info.value.errno == errno.ELOOP
+    assert sorted(p.name for p in outside.iterdir()) == ["precious.txt"]
+    assert (outside / "precious.txt").read_text() == "keep me"
+
+
+async def test_symlinked_segment_subdirectory_at_open(tmp_path: Path, seg: SegmentFactory) -> None:
+    """A segments/xx that is a link to a directory outside, holding a valid segment, is not
+    followed: the link is moved to quarantine/ (the link, not its target), the segment is
+    not indexed, and the target is untouched."""
+    s = seg(session="s", seed=3)
+    root, outside = tmp_path / "ssd", tmp_path / "outside"
+    outside.mkdir()
+    xx, name = segment_file_name(s.key).split("/")
+    (outside / name).write_bytes(s.data)
+    async with SSDTier(root, CAPACITY):
+        pass
+    (root / "segments" / xx).symlink_to(outside)
+    async with SSDTier(root, CAPACITY) as tier:
+        assert not tier.contains(s.key)
+        assert tier.used == 0
+    (link,) = (root / "quarantine").iterdir()
+    assert link.is_symlink()
+    assert (outside / name).read_bytes() == s.data
+
+
+async def test_write_refuses_a_symlinked_segment_subdirectory(
+    tmp_path: Path, seg: SegmentFactory
+) -> None:
+    """A segments/xx link planted while the tier is open: the write fails with TierIOError,
+    nothing lands outside, nothing is committed, and the temporary file is gone."""
+    s = seg(session="s", seed=4)
+    root, outside = tmp_path / "ssd", tmp_path / "outside"
+    outside.mkdir()
+    xx, _ = segment_file_name(s.key).split("/")
+    async with SSDTier(root, CAPACITY) as tier:
+        (root / "segments" / xx).symlink_to(outside)
+        assert tier.reserve(s.key, s.length)
+        with pytest.raises(TierIOError, match="symbolic link"):
+            await tier.write(s.key, s.view)
+        assert not tier.contains(s.key)
+        assert list(outside.iterdir()) == []
+        assert list((root / "tmp").iterdir()) == []
+
+
+async def test_symlinked_segment_file_is_not_followed(tmp_path: Path, seg: SegmentFactory) -> None:
+    """A segment file that is a link to a valid segment elsewhere is quarantined at open
+    (as a link); its target is untouched."""
+    s = seg(session="s", seed=5)
+    root, outside = tmp_path / "ssd", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "copy.seg").write_bytes(s.data)
+    async with SSDTier(root, CAPACITY):
+        pass
+    path = root / "segments" / segment_file_name(s.key)
+    path.parent.mkdir()
+    path.symlink_to(outside / "copy.seg")
+    async with SSDTier(root, CAPACITY) as tier:
+        assert not tier.contains(s.key)
+    (link,) = (root / "quarantine").iterdir()
+    assert link.is_symlink()
+    assert (outside / "copy.seg").read_bytes() == s.data
+
+
+# -- I/O errors at open ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("site", ["pread", "fstat"])
+async def test_unreadable_header_at_open_quarantines_that_file(
+    ssd_dir: Path, seg: SegmentFactory, site: str
+) -> None:
+    """An EIO reading one file's header at open quarantines that file and opens the rest
+    (before, open() raised a bare OSError and the whole tier was unusable)."""
+    segs = [seg(session=f"s{i}", seed=i) for i in range(3)]
+    async with SSDTier(ssd_dir, CAPACITY) as tier:
+        for s in segs:
+            await store(tier, s)
+    first = min(segs, key=lambda s: segment_file_name(s.key))  # the scan goes in name order
+    with FaultInjector() as faults:
+        faults.fail_nth(site, 1)
+        async with SSDTier(ssd_dir, CAPACITY) as tier:
+            assert faults.injected == {site: 1}
+            assert sorted(tier.keys()) == sorted(s.key for s in segs if s is not first)
+            for s in segs:
+                if s is not first:
+                    assert await read_back(tier, s) == s.data
+    assert quarantined(ssd_dir) == [seg_path(ssd_dir, first).name]
+    (aside,) = (ssd_dir / "quarantine").iterdir()
+    assert aside.read_bytes() == first.data  # kept, for an operator to look at
+
+
+async def test_unlistable_directory_at_open_is_tier_io_error(ssd_dir: Path) -> None:
+    """An EIO listing the segments directory fails open() with TierIOError (never a bare
+    OSError), and a retry once the fault clears opens the tier."""
+    with FaultInjector() as faults:
+        faults.fail_always("listdir")
+        tier = SSDTier(ssd_dir, CAPACITY)
+        with pytest.raises(TierIOError, match="scan") as info:
+            await tier.open()
+        assert info.value.errno == errno.EIO
+        faults.clear()
+        async with tier:
+            assert tier.used == 0
+
+
+# -- constructor arguments (SSD, host and mmap tiers) ------------------------------------
+
+TIER_MAKERS: dict[str, Callable[..., Tier]] = {
+    "ssd": lambda tmp, capacity, **kw: SSDTier(tmp / "ssd", capacity, **kw),
+    "host": lambda tmp, capacity, **kw: HostMemoryTier(capacity, **kw),
+    "mmap": lambda tmp, capacity, **kw: MmapTier(tmp / "m.mmap", capacity, **kw),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TIER_MAKERS))
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"max_threads": 0}, InvalidArgumentError, "max_threads must be from 1"),
+        ({"max_threads": -3}, InvalidArgumentError, "max_threads must be from 1"),
+        ({"max_threads": 2.0}, InvalidTypeError, "max_threads must be an int"),
+        ({"max_threads": True}, InvalidTypeError, "max_threads must be an int"),
+        ({"capacity": 1.5e9}, InvalidTypeError, "capacity .bytes. must be an int"),
+        ({"capacity": True}, InvalidTypeError, "capacity .bytes. must be an int"),
+        ({"capacity": -4096}, InvalidArgumentError, "capacity .bytes. must be from 1"),
+        ({"capacity": 0}, InvalidArgumentError, "capacity .bytes. must be from 1"),
+    ],
+    ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else "",
+)
+def test_bad_tier_arguments_fail_at_construction(
+    tmp_path: Path, kind: str, kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    """max_threads of 0 (which made open() wait forever for a thread) or below, and a
+    capacity that is a float, a bool or not positive, are refused when the tier is built,
+    with a TieredKVError that is also a ValueError or TypeError and names the argument."""
+    kwargs = dict(kwargs)  # the parameter is shared by every kind
+    capacity = kwargs.pop("capacity", 1 << 20)
+    with pytest.raises(error, match=match) as info:
+        TIER_MAKERS[kind](tmp_path, capacity, **kwargs)
+    assert isinstance(info.value, TieredKVError)
+    assert isinstance(info.value, ValueError | TypeError)
+    assert not (tmp_path / "ssd").exists()
+    assert not (tmp_path / "m.mmap").exists()
