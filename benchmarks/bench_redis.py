@@ -150,15 +150,22 @@ async def measure(url: str, h: History, value_size: int, reps: int, raw: bool) -
             async def load() -> None:
                 await tier.read_many_into(list(zip(h.keys, outs, strict=True)))
 
-            for rep in range(reps + 1):  # the first round warms up and is not counted
+            async def through_tier() -> dict[str, float]:
                 for key in h.keys:
                     await tier.delete(key)
                 took = {"store": await timed(store), "load": await timed(load)}
                 h.check()
-                if raw:
-                    await client.delete(*(n for names in parts for n in names))
-                    took["set"] = await timed(raw_set)
-                    took["get"] = await timed(raw_get)
+                return took
+
+            async def through_client() -> dict[str, float]:
+                await client.delete(*(n for names in parts for n in names))
+                return {"set": await timed(raw_set), "get": await timed(raw_get)}
+
+            for rep in range(reps + 1):  # the first round warms up and is not counted
+                sides = [through_tier, through_client] if raw else [through_tier]
+                took: dict[str, float] = {}
+                for side in sides if rep % 2 else sides[::-1]:  # who goes first alternates
+                    took.update(await side())
                 if rep:
                     for what, seconds in took.items():
                         times[what].append(seconds)

@@ -409,3 +409,17 @@ async def test_ensure_writer_takes_a_free_lease_and_detects_a_take_over(
         await tier.ensure_writer("s")
     assert tier.token("s") is None
     assert await peer.ensure_writer("s") == newer
+
+
+async def test_write_after_the_server_forgot_its_scripts(
+    tier: RedisTier, redis_server: RedisServer, seg: SegmentFactory
+) -> None:
+    """SCRIPT FLUSH (as after a failover to a fresh server): the publish step is loaded
+    again and the write succeeds, byte for byte."""
+    a, b = seg(seq=0, tokens=1200, seed=1), seg(seq=1, tokens=1200, seed=2)
+    await store(tier, a)
+    with redis_server.client() as c:
+        c.script_flush()
+    await store(tier, b)
+    assert await read_back(tier, b) == b.data
+    assert [h.seq for h in await tier.lookup("s")] == [0, 1]

@@ -59,7 +59,7 @@ from .shared import SharedTier
 
 try:
     import redis.asyncio as aioredis
-    from redis.exceptions import RedisError
+    from redis.exceptions import NoScriptError, RedisError
 except ImportError as _exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("RedisTier needs the redis client: pip install 'tieredkv[redis]'") from _exc
 
@@ -552,25 +552,30 @@ class RedisTier(SharedTier):
             head=bytes(data[:head_len]),
         )
         parts = self._parts(key, entry)
+        base = self._base(session)
+        keys = [f"{base}:m", f"{base}:lease", *parts]
+        args: list[str | int | bytes] = [seq, token, _encode_entry(entry), entry.kfield, base]
+        args += [self.owner, self._lease_ms, session]
+        publish = self._scripts["publish"]
         try:
+            # one round trip: the values, then the publish step, which the server runs
+            # after them and which checks that they all arrived
+            # (a Cluster client refuses scripts in pipelines: two round trips there)
+            cluster = isinstance(client, aioredis.RedisCluster)
             async with client.pipeline(transaction=False) as pipe:
                 for part, view in zip(parts, views, strict=True):
                     pipe.set(part, view, px=self._part_ms)
-                await pipe.execute()
-            base = self._base(session)
-            reply = await self._scripts["publish"](
-                keys=[f"{base}:m", f"{base}:lease", *parts],
-                args=[
-                    seq,
-                    token,
-                    _encode_entry(entry),
-                    entry.kfield,
-                    base,
-                    self.owner,
-                    self._lease_ms,
-                    session,
-                ],
-            )
+                if not cluster:
+                    pipe.evalsha(publish.sha, len(keys), *keys, *args)
+                results = await pipe.execute(raise_on_error=False)
+            for failed in results[: len(parts)]:  # a value refused (out of memory)
+                if isinstance(failed, Exception):
+                    raise failed  # (the publish step found it missing: nothing published)
+            reply = await publish(keys=keys, args=args) if cluster else results[-1]
+            if isinstance(reply, NoScriptError):  # the server lost its script cache
+                reply = await publish(keys=keys, args=args)
+            elif isinstance(reply, Exception):
+                raise reply
         except (RedisError, OSError) as exc:
             raise self._io_error(f"write segment {seq} ({length:,} bytes)", exc) from exc
         finally:
