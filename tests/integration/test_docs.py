@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.redis_server import require_redis_server
+
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PAGES = sorted([*DOCS.glob("tutorials/*.md"), *DOCS.glob("how-to/*.md")])
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
@@ -23,6 +25,8 @@ def test_page_code_runs(page: Path, tmp_path: Path) -> None:
     blocks = _BLOCK.findall(page.read_text())
     if not blocks:
         pytest.skip("no python code on this page")
+    if "redis-server" in page.read_text():
+        require_redis_server()  # the page starts one (skipped locally without it, not in CI)
     script = tmp_path / "page.py"
     script.write_text("\n\n".join(blocks))
     # a subprocess: a page runs as a reader would run it, with its own event loop
