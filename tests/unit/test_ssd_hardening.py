@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -27,7 +28,7 @@ from tieredkv.errors import (
     TieredKVError,
     TierIOError,
 )
-from tieredkv.payload import TensorSpec, parse_header
+from tieredkv.payload import SegmentHeader, TensorSpec, parse_header
 
 CAPACITY = 64 << 20
 
@@ -307,3 +308,157 @@ def test_bad_tier_arguments_fail_at_construction(
     assert isinstance(info.value, ValueError | TypeError)
     assert not (tmp_path / "ssd").exists()
     assert not (tmp_path / "m.mmap").exists()
+
+
+# -- authenticated segments --------------------------------------------------------------
+
+SECRET = bytes(range(32))
+ZERO16, ZERO32 = bytes(16), bytes(32)
+
+
+def header_of(path: Path) -> SegmentHeader:
+    data = path.read_bytes()
+    return parse_header(data, path.name, len(data))[0]
+
+
+async def test_authenticated_segments_round_trip(ssd_dir: Path, seg: SegmentFactory) -> None:
+    """With a secret, each file is the segment with its header's authentication fields set
+    (same length, same body bytes); it reads back (header patched, body exact) in this
+    process and after a restart; a session's segments share one incarnation."""
+    segs = [seg(session="s", seq=i, tokens=100 * (i + 1), seed=i) for i in range(3)]
+    async with SSDTier(ssd_dir, CAPACITY, secret=SECRET) as tier:
+        assert tier.authenticated
+        for s in segs:
+            await store(tier, s)
+    incarnations = set()
+    for s in segs:
+        path = seg_path(ssd_dir, s)
+        data, header = path.read_bytes(), header_of(path)
+        assert len(data) == s.length
+        assert header.authenticated
+        incarnations.add(header.incarnation)
+        start = s.header.body_offset
+        assert data[start:] == s.data[start:]
+        assert (
+            msgspec.structs.replace(header, incarnation=ZERO16, body_mac=ZERO32, mac=ZERO32)
+            == s.header
+        )
+    assert len(incarnations) == 1
+    async with SSDTier(ssd_dir, CAPACITY, secret=SECRET) as tier:
+        for s in segs:
+            got = await read_back(tier, s)
+            assert got == seg_path(ssd_dir, s).read_bytes()
+
+
+async def test_forged_and_foreign_segments_are_refused(ssd_dir: Path, seg: SegmentFactory) -> None:
+    """Without the secret nothing passes: a header changed (with a correct CRC) fails its
+    MAC at open; a body changed (with a correct xxh3 and CRC) fails its MAC on read; a
+    file written without a secret is refused at open. All are quarantined."""
+    s_head, s_body, good = (seg(session=n, seed=i) for i, n in enumerate(["h", "b", "g"]))
+    plain = seg(session="p", seed=9)
+    async with SSDTier(ssd_dir, CAPACITY, secret=SECRET) as tier:
+        for s in (s_head, s_body, good):
+            await store(tier, s)
+    path = seg_path(ssd_dir, s_head)
+    path.write_bytes(forge(path.read_bytes(), answer_tokens=77))
+    path = seg_path(ssd_dir, s_body)
+    raw = bytearray(path.read_bytes())
+    raw[s_body.header.body_offset + 10] ^= 0x01
+    path.write_bytes(forge(bytes(raw)))  # fresh xxh3 and CRC: only the MAC can tell
+    async with SSDTier(ssd_dir, CAPACITY) as tier:
+        await store(tier, plain)  # a plain tier on the same directory
+        assert tier.contains(s_body.key)  # without the secret the change goes unnoticed
+    async with SSDTier(ssd_dir, CAPACITY, secret=SECRET) as tier:
+        assert sorted(tier.keys()) == [s_body.key, good.key]
+        with (
+            aligned_buffer(s_body.length) as out,
+            pytest.raises(CorruptSegmentError, match="body MAC"),
+        ):
+            await tier.read_into(s_body.key, out)
+        assert await read_back(tier, good) == seg_path(ssd_dir, good).read_bytes()
+    assert quarantined(ssd_dir) == sorted(
+        seg_path(ssd_dir, s).name for s in (s_head, plain, s_body)
+    )
+
+
+async def test_another_secret_refuses_everything(ssd_dir: Path, seg: SegmentFactory) -> None:
+    """Segments written with one secret are all refused by a tier opened with another."""
+    segs = [seg(session=f"s{i}", seed=i) for i in range(3)]
+    async with SSDTier(ssd_dir, CAPACITY, secret=SECRET) as tier:
+        for s in segs:
+            await store(tier, s)
+    async with SSDTier(ssd_dir, CAPACITY, secret=b"another secret of 32 bytes......") as tier:
+        assert tier.used == 0
+    assert len(quarantined(ssd_dir)) == 3
+
+
+async def test_rollback_of_one_segment_is_refused(ssd_dir: Path, seg: SegmentFactory) -> None:
+    """A valid, stale copy of one segment (from an earlier residency of its session, saved
+    before the session was deleted and stored again) put back among the newer ones: with
+    a secret, the whole session is refused at open (two incarnations) and the others
+    stay; without one, the stale copy is served (checksums cannot see a rollback)."""
+    old = [seg(session="s", seq=i, tokens=40, seed=i) for i in range(3)]
+    new = [seg(session="s", seq=i, tokens=40, seed=10 + i) for i in range(3)]
+    other = seg(session="t", seed=20)
+    for secret in (SECRET, None):
+        root = ssd_dir / ("authenticated" if secret else "plain")
+        async with SSDTier(root, CAPACITY, secret=secret) as tier:
+            for s in old:
+                await store(tier, s)
+            saved = seg_path(root, old[1]).read_bytes()
+            for s in old:
+                await tier.delete(s.key)
+            for s in [*new, other]:
+                await store(tier, s)
+        seg_path(root, new[1]).write_bytes(saved)
+        async with SSDTier(root, CAPACITY, secret=secret) as tier:
+            if secret is None:
+                assert await read_back(tier, old[1]) == saved  # the rollback, served
+                continue
+            assert sorted(tier.keys()) == [other.key]
+            assert await read_back(tier, other) == seg_path(root, other).read_bytes()
+        assert len(quarantined(root)) == 3
+
+
+async def test_rollback_while_open_is_refused(ssd_dir: Path, seg: SegmentFactory) -> None:
+    """The same stale copy put back while the tier is open is refused on read."""
+    s = seg(session="s", seed=1)
+    async with SSDTier(ssd_dir, CAPACITY, secret=SECRET) as tier:
+        await store(tier, s)
+        saved = seg_path(ssd_dir, s).read_bytes()
+        await tier.delete(s.key)
+        await store(tier, s)  # same bytes, new incarnation
+        assert seg_path(ssd_dir, s).read_bytes() != saved
+        seg_path(ssd_dir, s).write_bytes(saved)
+        with aligned_buffer(s.length) as out, pytest.raises(CorruptSegmentError):
+            await tier.read_into(s.key, out)
+
+
+@pytest.mark.parametrize(
+    ("secret", "error"),
+    [(b"short", InvalidArgumentError), ("a str of more than 16 chars", InvalidTypeError)],
+)
+def test_bad_secrets_are_refused(tmp_path: Path, secret: Any, error: type[Exception]) -> None:
+    with pytest.raises(error, match="secret"):
+        SSDTier(tmp_path, CAPACITY, secret=secret)
+
+
+async def test_cache_over_an_authenticated_tier(ssd_dir: Path) -> None:
+    """The cache stores, restarts and loads byte for byte over an authenticated tier."""
+    g = torch.Generator().manual_seed(0)
+    turns = [
+        {"k": torch.randn(8, 4, 16, generator=g), "v": torch.randn(8, 4, 16, generator=g)}
+        for _ in range(3)
+    ]
+
+    def tiers() -> list[Tier]:
+        return [HostMemoryTier(1 << 20), SSDTier(ssd_dir, 8 << 20, secret=SECRET)]
+
+    async with TieredKVCache(tiers(), mode="inclusive") as cache:
+        for t in turns:
+            await cache.append("s", t, answer_tokens=1)
+    async with TieredKVCache(tiers()) as cache:
+        got = await cache.load("s")
+    for name in ("k", "v"):
+        want = torch.cat([t[name] for t in turns])
+        assert got[name].view(torch.uint8).equal(want.view(torch.uint8))
