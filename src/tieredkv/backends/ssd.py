@@ -108,7 +108,7 @@ from ..payload import (
 from .arena import check_tier_arguments
 from .base import SegmentKey, Tier, TierStats
 
-__all__ = ["SSDTier", "segment_file_name"]
+__all__ = ["SSDTier", "read_header_at", "segment_file_name"]
 
 _log = logging.getLogger(__name__)
 
@@ -417,11 +417,7 @@ class SSDTier(Tier):
                 if not name.endswith(".seg"):
                     continue
                 try:
-                    header, size, tag = self._read_header(sub, name, rel)
-                    if segment_file_name((header.session, header.seq)) != rel:
-                        raise CorruptSegmentError(rel, "file name does not match its header")
-                    if self._key is not None:
-                        check_header_mac(header, self._key, rel)
+                    header, size, tag = read_header_at(sub, name, rel, self._key)
                 except CorruptSegmentError as exc:
                     self._quarantine_entry(sub, name, str(exc))
                     continue
@@ -454,32 +450,6 @@ class SSDTier(Tier):
                     key, "its session's files carry different incarnations (a rollback?)"
                 )
         return kept
-
-    @staticmethod
-    def _read_header(sub: int, name: str, rel: str) -> tuple[SegmentHeader, int, bytes]:
-        """Read and check one file's header: the header, the file's size and its prefix.
-
-        Any failure, including an I/O error on this one file, is a
-        :class:`~tieredkv.errors.CorruptSegmentError`: the file is set aside, the rest open.
-        """
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sub)
-            try:
-                size = os.fstat(fd).st_size
-                head = os.pread(fd, ALIGN, 0)
-                if len(head) >= PREFIX.size:
-                    _, hlen, _, _ = PREFIX.unpack_from(head, 0)
-                    need = PREFIX.size + hlen
-                    if need > len(head) and need <= size:
-                        head = os.pread(fd, need, 0)
-                with contextlib.suppress(OSError):
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            raise CorruptSegmentError(rel, f"its header cannot be read ({exc})") from exc
-        header, _ = parse_header(memoryview(head), rel, size)
-        return header, size, head[: PREFIX.size]
 
     async def aclose(self) -> None:
         if self._limiter is None:
@@ -911,6 +881,42 @@ def _pread_full(fd: int, view: memoryview, offset: int) -> int:
             if got % ALIGN:  # the file ends here (O_DIRECT cannot continue unaligned)
                 break
     return got
+
+
+def read_header_at(
+    sub: int, name: str, rel: str, key: bytes | None = None
+) -> tuple[SegmentHeader, int, bytes]:
+    """Read and check the header of file ``name`` in the directory ``sub`` (a descriptor;
+    never through a symlink) whose path under ``segments/`` is ``rel``: its CRC, its
+    contents against the file's size, that ``rel`` is its key's name, and with ``key``
+    (from :func:`~tieredkv.payload.derive_key`) its MAC. Returns the header, the file's
+    size and its prefix.
+
+    Any failure, including an I/O error on this one file, is a
+    :class:`~tieredkv.errors.CorruptSegmentError`: the file is set aside, the rest open.
+    """
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sub)
+        try:
+            size = os.fstat(fd).st_size
+            head = os.pread(fd, ALIGN, 0)
+            if len(head) >= PREFIX.size:
+                _, hlen, _, _ = PREFIX.unpack_from(head, 0)
+                need = PREFIX.size + hlen
+                if need > len(head) and need <= size:
+                    head = os.pread(fd, need, 0)
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise CorruptSegmentError(rel, f"its header cannot be read ({exc})") from exc
+    header, _ = parse_header(memoryview(head), rel, size)
+    if segment_file_name((header.session, header.seq)) != rel:
+        raise CorruptSegmentError(rel, "file name does not match its header")
+    if key is not None:
+        check_header_mac(header, key, rel)
+    return header, size, head[: PREFIX.size]
 
 
 def _unlink_quietly(name: str, dir_fd: int) -> None:
