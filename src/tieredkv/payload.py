@@ -67,6 +67,7 @@ __all__ = [
     "check_body_mac",
     "check_header_mac",
     "check_int",
+    "check_prefix",
     "derive_key",
     "hash_body",
     "hashed_from",
@@ -112,6 +113,9 @@ _DTYPES: dict[str, torch.dtype] = {
         torch.float8_e5m2,
     )
 }
+
+
+_ITEMSIZE: dict[str, int] = {name: d.itemsize for name, d in _DTYPES.items()}
 
 
 def align_up(n: int, to: int = ALIGN) -> int:
@@ -462,6 +466,24 @@ def parse_header(
 
     :raises ~tieredkv.errors.CorruptSegmentError: on any inconsistency
     """
+    raw, body_hash = check_prefix(buf, where)
+    end = PREFIX.size + len(raw)
+    try:
+        header = _header_decoder.decode(raw)
+    except msgspec.DecodeError as exc:  # CRC matched but content is not ours: a bug, not a flip
+        raise CorruptSegmentError(where, f"undecodable header: {exc}") from exc
+    if header.body_offset < end:
+        raise CorruptSegmentError(where, "header offsets are inconsistent")
+    validate_header(header, where, size)
+    return header, int(body_hash)
+
+
+def check_prefix(buf: memoryview | bytes, where: str) -> tuple[bytes, int]:
+    """Check a segment's magic and header CRC without decoding the header; return the
+    header's bytes and the body hash.
+
+    :raises ~tieredkv.errors.CorruptSegmentError: if either is wrong
+    """
     if len(buf) < PREFIX.size:
         raise CorruptSegmentError(where, f"only {len(buf)} bytes, shorter than the prefix")
     magic, hlen, crc, body_hash = PREFIX.unpack_from(buf, 0)
@@ -473,14 +495,7 @@ def parse_header(
     raw = bytes(buf[PREFIX.size : end])
     if zlib.crc32(raw + body_hash.to_bytes(8, "little")) != crc:
         raise CorruptSegmentError(where, "header checksum mismatch")
-    try:
-        header = _header_decoder.decode(raw)
-    except msgspec.DecodeError as exc:  # CRC matched but content is not ours: a bug, not a flip
-        raise CorruptSegmentError(where, f"undecodable header: {exc}") from exc
-    if header.body_offset < end:
-        raise CorruptSegmentError(where, "header offsets are inconsistent")
-    validate_header(header, where, size)
-    return header, int(body_hash)
+    return raw, int(body_hash)
 
 
 def validate_header(header: SegmentHeader, where: str, size: int | None = None) -> None:
@@ -528,20 +543,41 @@ def validate_header(header: SegmentHeader, where: str, size: int | None = None) 
         raise bad("no tensors")
     names: set[str] = set()
     end = 0
-    for spec in header.tensors:
-        _validate_tensor(spec, header, names, end, bad)
-        end = spec.offset + spec.nbytes
+    token_dim, tokens, body_len = header.token_dim, header.tokens, header.body_len
+    numels: dict[tuple[int, ...], int] = {}  # shapes already found in range (most repeat)
+    for spec in header.tensors:  # one condition per tensor: a restart checks every header
+        shape, offset, nbytes = spec.shape, spec.offset, spec.nbytes
+        itemsize = _ITEMSIZE.get(spec.dtype, 0)
+        numel = numels.get(shape, -1)
+        if numel < 0 and shape and min(shape) >= 0 and max(shape) <= _MAX_DIM:
+            numel = numels[shape] = math.prod(shape)
+        if (
+            not itemsize
+            or numel < 0
+            or not token_dim < len(shape) <= _MAX_RANK
+            or shape[token_dim] != tokens
+            or numel * itemsize != nbytes
+            or offset % _TENSOR_ALIGN
+            or offset < end
+            or offset + nbytes > body_len
+            or not spec.name
+            or spec.name in names
+        ):
+            _explain_tensor(spec, header, names, end, bad)
+        names.add(spec.name)
+        end = offset + nbytes
     if end != header.body_len:
         raise bad(f"the body is {header.body_len} bytes, its tensors end at {end}")
 
 
-def _validate_tensor(
+def _explain_tensor(
     spec: TensorSpec,
     header: SegmentHeader,
     names: set[str],
     end: int,
     bad: Any,
 ) -> None:
+    """Raise ``bad(...)`` naming what is wrong with a tensor that failed validation."""
     name = spec.name
     if not name or name in names:
         raise bad(f"tensor name {name!r} is empty or repeated")
@@ -561,6 +597,7 @@ def _validate_tensor(
         raise bad(f"tensor {name!r} starts at {spec.offset}, overlapping or unaligned")
     if spec.offset + spec.nbytes > header.body_len:
         raise bad(f"tensor {name!r} runs past the body")
+    raise bad(f"tensor {name!r} is inconsistent")  # not reached: one of the above applies
 
 
 def verify_segment(buf: memoryview, where: str) -> SegmentHeader:

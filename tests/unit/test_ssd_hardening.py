@@ -109,7 +109,10 @@ async def test_file_swapped_while_open_is_refused(ssd_dir: Path, seg: SegmentFac
         swapped = forge(s.data, answer_tokens=s.header.answer_tokens + 5)
         parse_header(swapped, "swapped", len(swapped))  # a valid segment
         seg_path(ssd_dir, s).write_bytes(swapped)
-        with aligned_buffer(s.length) as out, pytest.raises(CorruptSegmentError, match="not the"):
+        with (
+            aligned_buffer(s.length) as out,
+            pytest.raises(CorruptSegmentError, match="not the one"),
+        ):
             await tier.read_into(s.key, out)
         assert not tier.contains(s.key)
     assert quarantined(ssd_dir) == [seg_path(ssd_dir, s).name]

@@ -100,6 +100,7 @@ from ..payload import (
     check_body_mac,
     check_header_mac,
     check_int,
+    check_prefix,
     derive_key,
     hash_body,
     hashed_from,
@@ -704,7 +705,7 @@ class SSDTier(Tier):
             n = _pread_full(fd, whole, 0)
         if n < size:
             raise CorruptSegmentError(rel, f"file ends at {n} of {size} bytes (truncated)")
-        _, expected = _check_header(out, key, rel, self._tags.get(key))
+        expected = _check_header(out, key, rel, self._tags.get(key))
         if hash_body(out[hashed_from(out) :]) != expected:
             raise CorruptSegmentError(rel, "body checksum mismatch")
 
@@ -725,7 +726,7 @@ class SSDTier(Tier):
         reads: deque[tuple[int, int, Future[int]]] = deque()
         hashes: list[Future[None]] = []
         hasher = xxhash.xxh3_64()
-        header: SegmentHeader | None = None
+        checked = False  # the header, once the chunks holding it are in
         expected = 0
         hashed = 0  # bytes handed to the hasher so far (absolute offset)
         issued = 0
@@ -748,13 +749,14 @@ class SSDTier(Tier):
                     )
                 if issued < len(spans):
                     issue()
-                if header is None:
+                if not checked:
                     if end < PREFIX.size:
                         continue
                     _, hlen, _, _ = PREFIX.unpack_from(out, 0)
                     if PREFIX.size + hlen > end and end < size:
                         continue  # the header spans several chunks
-                    header, expected = _check_header(out[:end], key, rel, self._tags.get(key), size)
+                    expected = _check_header(out[:end], key, rel, self._tags.get(key), size)
+                    checked = True
                     hashed = PREFIX.size + hlen  # everything after the header is hashed
                 upto = end
                 if upto > hashed:
@@ -762,7 +764,7 @@ class SSDTier(Tier):
                     hashed = upto
             for h in hashes:
                 h.result()
-            if header is None or hasher.intdigest() != expected:
+            if not checked or hasher.intdigest() != expected:
                 raise CorruptSegmentError(rel, "body checksum mismatch")
         finally:
             # on error, let in-flight work finish before the caller reuses or frees ``out``
@@ -854,19 +856,24 @@ class SSDTier(Tier):
 
 def _check_header(
     buf: memoryview, key: SegmentKey, rel: str, tag: bytes | None, size: int | None = None
-) -> tuple[SegmentHeader, int]:
-    """Parse a segment's header from the start of ``buf`` (the file's ``size`` bytes, all of
-    ``buf`` by default) and check that it names ``key`` and that size, and that its prefix
-    is ``tag`` (the one the tier wrote or found at open); returns the header and the body
-    checksum it records."""
-    header, expected = parse_header(buf, rel, len(buf) if size is None else size)
-    if (header.session, header.seq) != key:
-        raise CorruptSegmentError(rel, "header names another segment")
-    if tag is not None and bytes(buf[: PREFIX.size]) != tag:
+) -> int:
+    """Check the header at the start of ``buf`` (the file's ``size`` bytes, all of ``buf``
+    by default); return the body hash it records.
+
+    A segment this tier wrote or checked at open (its prefix ``tag`` is known) needs only
+    its prefix to be ``tag`` and its header's CRC to hold: that header was checked in full
+    then. Otherwise the header is parsed and checked in full, and must name ``key``.
+    """
+    if tag is None:
+        header, expected = parse_header(buf, rel, len(buf) if size is None else size)
+        if (header.session, header.seq) != key:
+            raise CorruptSegmentError(rel, "header names another segment")
+        return expected
+    if bytes(buf[: PREFIX.size]) != tag:
         raise CorruptSegmentError(
-            rel, "the file is not the segment this tier stored (it was replaced since)"
+            rel, "its prefix is not the one this tier stored (damaged, or the file replaced)"
         )
-    return header, expected
+    return check_prefix(buf, rel)[1]
 
 
 def _pread_full(fd: int, view: memoryview, offset: int) -> int:
