@@ -187,6 +187,8 @@ class SSDTier(Tier):
         self._dirs: dict[str, int] = {}
         """Descriptors of the subdirectories: segments, tmp, quarantine and each segments/xx."""
         self._dirs_lock = threading.Lock()
+        self._doomed: set[SegmentKey] = set()
+        """Files of failed writes that could not be removed (retried at close)."""
         self._reserved: dict[SegmentKey, int] = {}
         self._used = 0
         self._limiter: anyio.CapacityLimiter | None = None
@@ -410,8 +412,10 @@ class SSDTier(Tier):
         for xx in sorted(os.listdir(segments)):
             try:
                 sub = self._subdir(xx, create=False)
-            except OSError as exc:  # a symlink (ELOOP), a stray file (ENOTDIR), unreadable
-                self._quarantine_entry(segments, xx, f"segments/{xx} is not a directory: {exc}")
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise  # an I/O error: the open fails (and can be retried), moving nothing
+                self._quarantine_entry(segments, xx, str(exc), keep=True)  # a link or a file
                 continue
             for name in sorted(os.listdir(sub)):
                 rel = f"{xx}/{name}"
@@ -420,7 +424,9 @@ class SSDTier(Tier):
                 try:
                     header, size, tag = read_header_at(sub, name, rel, self._key)
                 except CorruptSegmentError as exc:
-                    self._quarantine_entry(sub, name, str(exc))
+                    # an unreadable file may be whole: if it cannot be moved, it stays
+                    unreadable = isinstance(exc.__cause__, OSError)
+                    self._quarantine_entry(sub, name, str(exc), keep=unreadable)
                     continue
                 key = (header.session, header.seq)
                 self._index[key] = size
@@ -460,6 +466,9 @@ class SSDTier(Tier):
             if pool is not None:
                 pool.shutdown(wait=True)
         self._readers = self._hasher = None
+        if self._doomed:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._remove_doomed)
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # also releases the flock
             self._lock_fd = None
@@ -484,6 +493,8 @@ class SSDTier(Tier):
             raise ValueError(f"tier {self.name!r} already holds or reserves segment {key[1]}")
         if length % ALIGN:
             raise ValueError(f"segment length {length} is not a multiple of {ALIGN}")
+        with self._dirs_lock:  # a write of it will replace the leftover file
+            self._doomed.discard(key)
         if self._used + length > self._capacity:
             return False
         self._reserved[key] = length
@@ -586,7 +597,13 @@ class SSDTier(Tier):
         except OSError as exc:
             _unlink_quietly(tmp, tmp_dir)
             if renamed and sub is not None:  # not durable, so not committed: a restart
-                _unlink_quietly(name, sub)  # must not find it either
+                try:  # must not find it either
+                    os.unlink(name, dir_fd=sub)
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    with self._dirs_lock:  # retried at close, unless written again first
+                        self._doomed.add(key)
             raise TierIOError(
                 self.name, f"write segment {key[1]} ({len(data):,} bytes)", exc
             ) from exc
@@ -789,6 +806,22 @@ class SSDTier(Tier):
             self._tags.pop(key, None)
             self._end_incarnation(key[0])
 
+    def _remove_doomed(self) -> None:
+        """Remove the files of failed writes whose cleanup failed (a restart would
+        otherwise find segments whose write was reported as failed)."""
+        for key in sorted(self._doomed):
+            try:
+                self._delete_sync(key)
+            except OSError as exc:
+                _log.error(
+                    "tier %r: could not remove segment %s of a failed write (%s); a restart "
+                    "may find it",
+                    self.name,
+                    segment_file_name(key),
+                    exc,
+                )
+        self._doomed.clear()
+
     def _delete_sync(self, key: SegmentKey) -> None:
         xx, name = segment_file_name(key).split("/")
         with contextlib.suppress(FileNotFoundError):
@@ -814,15 +847,29 @@ class SSDTier(Tier):
             return
         self._quarantine_entry(sub, name, why)
 
-    def _quarantine_entry(self, parent: int, name: str, why: str) -> None:
-        """Move ``name`` (in the directory ``parent``) to quarantine/; a link moves as a link."""
+    def _quarantine_entry(self, parent: int, name: str, why: str, *, keep: bool = False) -> None:
+        """Move ``name`` (in the directory ``parent``) to quarantine/; a link moves as a link.
+
+        If it cannot be moved it is deleted (it failed verification: it can never be
+        served), unless ``keep`` (it could not be read, and may be whole: the next open
+        looks at it again; it is not indexed meanwhile).
+        """
         dest = f"{name}.{time.time_ns()}"
         try:
             os.replace(name, dest, src_dir_fd=parent, dst_dir_fd=self._dirs["quarantine"])
         except FileNotFoundError:
             return
-        except OSError:
-            _log.exception("tier %r: could not move %s aside; deleting it", self.name, name)
+        except OSError as exc:
+            if keep:
+                _log.warning(
+                    "tier %r: could not move %s aside (%s); leaving it (%s)",
+                    self.name,
+                    name,
+                    exc,
+                    why,
+                )
+                return
+            _log.warning("tier %r: could not move %s aside (%s); deleting it", self.name, name, exc)
             _unlink_quietly(name, parent)
             return
         _log.warning("tier %r: moved damaged %s to quarantine/%s (%s)", self.name, name, dest, why)
