@@ -605,3 +605,17 @@ async def test_seeded_fault_campaign(tmp_path: Path, seed: int) -> None:
     finally:
         for s in pool:
             s.close()
+
+
+async def test_mmap_tier_refuses_a_symlinked_file(tmp_path: Path) -> None:
+    """An MmapTier whose path is a symbolic link fails open() with TierIOError and leaves
+    the link's target as it was (before, O_TRUNC emptied it); close removes nothing."""
+    target = tmp_path / "precious.bin"
+    target.write_bytes(b"keep me" * 1000)
+    link = tmp_path / "cap.mmap"
+    link.symlink_to(target)
+    tier = MmapTier(link, 1 << 20)
+    with pytest.raises(TierIOError, match="symbolic link"):
+        await tier.open()
+    assert target.read_bytes() == b"keep me" * 1000
+    assert link.is_symlink()
