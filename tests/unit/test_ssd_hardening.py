@@ -244,12 +244,27 @@ async def test_symlinked_segment_file_is_not_followed(tmp_path: Path, seg: Segme
 # -- I/O errors at open ------------------------------------------------------------------
 
 
+async def test_one_io_error_on_a_header_is_retried(ssd_dir: Path, seg: SegmentFactory) -> None:
+    """A single EIO reading a header at open is retried: nothing is quarantined."""
+    segs = [seg(session=f"s{i}", seed=i) for i in range(3)]
+    async with SSDTier(ssd_dir, CAPACITY) as tier:
+        for s in segs:
+            await store(tier, s)
+    with FaultInjector() as faults:
+        faults.fail_nth("pread", 1)
+        async with SSDTier(ssd_dir, CAPACITY) as tier:
+            assert faults.injected == {"pread": 1}
+            assert sorted(tier.keys()) == sorted(s.key for s in segs)
+    assert quarantined(ssd_dir) == []
+
+
 @pytest.mark.parametrize("site", ["pread", "fstat"])
 async def test_unreadable_header_at_open_quarantines_that_file(
     ssd_dir: Path, seg: SegmentFactory, site: str
 ) -> None:
-    """An EIO reading one file's header at open quarantines that file and opens the rest
-    (before, open() raised a bare OSError and the whole tier was unusable)."""
+    """An EIO reading one file's header at open (twice: a single one is retried) quarantines
+    that file and opens the rest (before, open() raised a bare OSError and the whole tier
+    was unusable)."""
     segs = [seg(session=f"s{i}", seed=i) for i in range(3)]
     async with SSDTier(ssd_dir, CAPACITY) as tier:
         for s in segs:
@@ -257,8 +272,9 @@ async def test_unreadable_header_at_open_quarantines_that_file(
     first = min(segs, key=lambda s: segment_file_name(s.key))  # the scan goes in name order
     with FaultInjector() as faults:
         faults.fail_nth(site, 1)
+        faults.fail_nth(site, 2)  # the retry
         async with SSDTier(ssd_dir, CAPACITY) as tier:
-            assert faults.injected == {site: 1}
+            assert faults.injected == {site: 2}
             assert sorted(tier.keys()) == sorted(s.key for s in segs if s is not first)
             for s in segs:
                 if s is not first:

@@ -20,7 +20,7 @@ segment file is moved to ``quarantine/`` (the link, never its target).
 
 Every header is checked at open (:func:`~tieredkv.payload.parse_header`: CRC, then contents
 against the file's length), and a file whose header cannot be read (an I/O error on that
-one file) is quarantined too: the tier opens with the rest. While open, a read serves a
+one file, twice) is quarantined too: the tier opens with the rest. While open, a read serves a
 file only if its prefix (which covers the header's CRC and the body's hash) is the one this
 tier wrote or found at open, so a file swapped behind the tier's back, even for a valid
 older copy of the same segment, is refused.
@@ -422,7 +422,13 @@ class SSDTier(Tier):
                 if not name.endswith(".seg"):
                     continue
                 try:
-                    header, size, tag = read_header_at(sub, name, rel, self._key)
+                    try:
+                        header, size, tag = read_header_at(sub, name, rel, self._key)
+                    except CorruptSegmentError as exc:
+                        if not isinstance(exc.__cause__, OSError):
+                            raise
+                        # an I/O error: once more before setting a whole file aside
+                        header, size, tag = read_header_at(sub, name, rel, self._key)
                 except CorruptSegmentError as exc:
                     # an unreadable file may be whole: if it cannot be moved, it stays
                     unreadable = isinstance(exc.__cause__, OSError)
