@@ -26,6 +26,8 @@ _EXPORTS = {
     "CapacityError": ".errors",
     "ClosedError": ".errors",
     "CorruptSegmentError": ".errors",
+    "InvalidArgumentError": ".errors",
+    "InvalidTypeError": ".errors",
     "SchemaMismatchError": ".errors",
     "SessionNotFoundError": ".errors",
     "TieredKVError": ".errors",
@@ -89,6 +91,8 @@ if TYPE_CHECKING:
     from .errors import CapacityError as CapacityError
     from .errors import ClosedError as ClosedError
     from .errors import CorruptSegmentError as CorruptSegmentError
+    from .errors import InvalidArgumentError as InvalidArgumentError
+    from .errors import InvalidTypeError as InvalidTypeError
     from .errors import LeaseHeldError as LeaseHeldError
     from .errors import SchemaMismatchError as SchemaMismatchError
     from .errors import SessionNotFoundError as SessionNotFoundError

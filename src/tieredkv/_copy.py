@@ -28,6 +28,11 @@ def copy_tensor(dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool = Fa
         and dst.stride(-1) == 1
         and src.stride(-1) == 1
     ):
-        np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
-        return
+        try:
+            dst_bytes, src_bytes = dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy()
+        except RuntimeError:  # a layout whose bytes torch cannot view: let torch copy it
+            pass
+        else:
+            np.copyto(dst_bytes, src_bytes)
+            return
     dst.copy_(src, non_blocking=non_blocking)

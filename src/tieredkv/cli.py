@@ -1,4 +1,5 @@
-"""The ``tieredkv`` command: ``demo``, ``simulate``, ``reproduce`` and ``costs``."""
+"""The ``tieredkv`` command: ``demo``, ``simulate``, ``reproduce``, ``costs``, ``fsck`` and
+``inspect``."""
 
 from __future__ import annotations
 
@@ -99,7 +100,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     costs.add_argument(
         "--model", action="append", help="a model preset (repeatable; default: every preset)"
     )
+    from .fsck import add_commands, run_command
+
+    add_commands(sub)
     args = parser.parse_args(argv)
+    if args.command in ("fsck", "inspect"):
+        return run_command(args)
     try:
         _VALIDATE[args.command](args)
     except _Invalid as exc:

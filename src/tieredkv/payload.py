@@ -24,10 +24,20 @@ A header whose CRC matches can still lie (anyone who can write a tier's director
 write one): :func:`parse_header` therefore checks its contents against each other and
 against the segment's length (:func:`validate_header`) before anyone allocates memory from
 it, so every tensor it describes lies inside the segment.
+
+Authentication (optional, per tier): with a secret, the header's ``body_mac`` is a keyed
+BLAKE2b of everything after the header and its ``mac`` a keyed BLAKE2b of the header itself
+(with ``mac`` zeroed), so a segment cannot be forged or altered without the secret; its
+``incarnation`` names one residency of the session in that tier, so a stale copy of one
+segment from an earlier residency stands out among the others. Every segment carries these
+three fields (zeroed when not authenticated), so authenticating one is a patch of its header
+bytes that leaves its length and layout unchanged (:func:`authenticated_head`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 import struct
 import zlib
@@ -39,6 +49,7 @@ import numpy as np
 import torch
 import xxhash
 
+from ._copy import copy_tensor
 from .errors import CorruptSegmentError, InvalidArgumentError, InvalidTypeError
 
 __all__ = [
@@ -53,7 +64,12 @@ __all__ = [
     "SegmentPlan",
     "TensorSpec",
     "align_up",
+    "authenticated_head",
+    "check_body_mac",
+    "check_header_mac",
     "check_int",
+    "check_prefix",
+    "derive_key",
     "hash_body",
     "hashed_from",
     "header_schema",
@@ -100,6 +116,9 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+_ITEMSIZE: dict[str, int] = {name: d.itemsize for name, d in _DTYPES.items()}
+
+
 def align_up(n: int, to: int = ALIGN) -> int:
     """Round ``n`` up to a multiple of ``to``."""
     return -(-n // to) * to
@@ -128,9 +147,10 @@ class SegmentHeader(msgspec.Struct, frozen=True, kw_only=True):
     :param body_offset: where the body starts in the segment
     :param body_len: body length in bytes
     :param created: wall-clock time the segment was written (seconds since the epoch)
-    :param incarnation: reserved for authenticated segments (zeros)
-    :param body_mac: reserved for authenticated segments (zeros)
-    :param mac: reserved for authenticated segments (zeros)
+    :param incarnation: the session's residency in an authenticated tier (zeros otherwise)
+    :param body_mac: keyed BLAKE2b of everything after the header (zeros if not
+        authenticated)
+    :param mac: keyed BLAKE2b of this header with ``mac`` zeroed (zeros if not authenticated)
     """
 
     version: int = 1
@@ -234,7 +254,8 @@ class SegmentPlan:
             if at > cursor:
                 dest[cursor:at].zero_()
             if spec.nbytes:
-                dest[at : at + spec.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+                slot = dest[at : at + spec.nbytes].view(tensor.dtype).view(tensor.shape)
+                copy_tensor(slot, tensor)
             cursor = at + spec.nbytes
         dest[cursor:].zero_()
         _pack_prefix(buf, self.header_bytes, hash_body(buf[start:]))
@@ -447,6 +468,24 @@ def parse_header(
 
     :raises ~tieredkv.errors.CorruptSegmentError: on any inconsistency
     """
+    raw, body_hash = check_prefix(buf, where)
+    end = PREFIX.size + len(raw)
+    try:
+        header = _header_decoder.decode(raw)
+    except msgspec.DecodeError as exc:  # CRC matched but content is not ours: a bug, not a flip
+        raise CorruptSegmentError(where, f"undecodable header: {exc}") from exc
+    if header.body_offset < end:
+        raise CorruptSegmentError(where, "header offsets are inconsistent")
+    validate_header(header, where, size)
+    return header, int(body_hash)
+
+
+def check_prefix(buf: memoryview | bytes, where: str) -> tuple[bytes, int]:
+    """Check a segment's magic and header CRC without decoding the header; return the
+    header's bytes and the body hash.
+
+    :raises ~tieredkv.errors.CorruptSegmentError: if either is wrong
+    """
     if len(buf) < PREFIX.size:
         raise CorruptSegmentError(where, f"only {len(buf)} bytes, shorter than the prefix")
     magic, hlen, crc, body_hash = PREFIX.unpack_from(buf, 0)
@@ -458,14 +497,7 @@ def parse_header(
     raw = bytes(buf[PREFIX.size : end])
     if zlib.crc32(raw + body_hash.to_bytes(8, "little")) != crc:
         raise CorruptSegmentError(where, "header checksum mismatch")
-    try:
-        header = _header_decoder.decode(raw)
-    except msgspec.DecodeError as exc:  # CRC matched but content is not ours: a bug, not a flip
-        raise CorruptSegmentError(where, f"undecodable header: {exc}") from exc
-    if header.body_offset < end:
-        raise CorruptSegmentError(where, "header offsets are inconsistent")
-    validate_header(header, where, size)
-    return header, int(body_hash)
+    return raw, int(body_hash)
 
 
 def validate_header(header: SegmentHeader, where: str, size: int | None = None) -> None:
@@ -513,20 +545,41 @@ def validate_header(header: SegmentHeader, where: str, size: int | None = None) 
         raise bad("no tensors")
     names: set[str] = set()
     end = 0
-    for spec in header.tensors:
-        _validate_tensor(spec, header, names, end, bad)
-        end = spec.offset + spec.nbytes
+    token_dim, tokens, body_len = header.token_dim, header.tokens, header.body_len
+    numels: dict[tuple[int, ...], int] = {}  # shapes already found in range (most repeat)
+    for spec in header.tensors:  # one condition per tensor: a restart checks every header
+        shape, offset, nbytes = spec.shape, spec.offset, spec.nbytes
+        itemsize = _ITEMSIZE.get(spec.dtype, 0)
+        numel = numels.get(shape, -1)
+        if numel < 0 and shape and min(shape) >= 0 and max(shape) <= _MAX_DIM:
+            numel = numels[shape] = math.prod(shape)
+        if (
+            not itemsize
+            or numel < 0
+            or not token_dim < len(shape) <= _MAX_RANK
+            or shape[token_dim] != tokens
+            or numel * itemsize != nbytes
+            or offset % _TENSOR_ALIGN
+            or offset < end
+            or offset + nbytes > body_len
+            or not spec.name
+            or spec.name in names
+        ):
+            _explain_tensor(spec, header, names, end, bad)
+        names.add(spec.name)
+        end = offset + nbytes
     if end != header.body_len:
         raise bad(f"the body is {header.body_len} bytes, its tensors end at {end}")
 
 
-def _validate_tensor(
+def _explain_tensor(
     spec: TensorSpec,
     header: SegmentHeader,
     names: set[str],
     end: int,
     bad: Any,
 ) -> None:
+    """Raise ``bad(...)`` naming what is wrong with a tensor that failed validation."""
     name = spec.name
     if not name or name in names:
         raise bad(f"tensor name {name!r} is empty or repeated")
@@ -546,6 +599,7 @@ def _validate_tensor(
         raise bad(f"tensor {name!r} starts at {spec.offset}, overlapping or unaligned")
     if spec.offset + spec.nbytes > header.body_len:
         raise bad(f"tensor {name!r} runs past the body")
+    raise bad(f"tensor {name!r} is inconsistent")  # not reached: one of the above applies
 
 
 def verify_segment(buf: memoryview, where: str) -> SegmentHeader:
@@ -573,3 +627,89 @@ def segment_tensors(buf: memoryview, header: SegmentHeader) -> dict[str, torch.T
 def dtype_of(name: str) -> torch.dtype:
     """The torch dtype for a stored dtype name."""
     return _DTYPES[name]
+
+
+# -- authenticated segments ----------------------------------------------------------------
+
+MIN_SECRET_BYTES = 16
+
+
+def derive_key(secret: bytes) -> bytes:
+    """The BLAKE2b key for a user's secret (any length from 16 bytes).
+
+    :raises ~tieredkv.errors.InvalidTypeError: if ``secret`` is not bytes
+    :raises ~tieredkv.errors.InvalidArgumentError: if it is shorter than 16 bytes
+    """
+    if not isinstance(secret, bytes | bytearray):
+        raise InvalidTypeError(f"the secret must be bytes, not {type(secret).__name__}")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise InvalidArgumentError(
+            f"the secret is {len(secret)} bytes; use at least {MIN_SECRET_BYTES} random bytes "
+            f"(os.urandom(32), say)"
+        )
+    return hashlib.blake2b(bytes(secret), digest_size=64, person=b"tieredkv-key").digest()
+
+
+def _body_mac(body: memoryview | bytes, key: bytes) -> bytes:
+    return hashlib.blake2b(body, key=key, digest_size=MAC_BYTES, person=b"tieredkv-body").digest()
+
+
+def _header_mac(header: SegmentHeader, key: bytes) -> bytes:
+    zeroed = _header_encoder.encode(msgspec.structs.replace(header, mac=_NO_MAC))
+    return hashlib.blake2b(zeroed, key=key, digest_size=MAC_BYTES, person=b"tieredkv-head").digest()
+
+
+def authenticated_head(buf: memoryview, key: bytes, incarnation: bytes) -> bytes:
+    """The prefix and header of the segment in ``buf``, authenticated.
+
+    Returns the first :func:`hashed_from` bytes of the segment with the header's
+    ``incarnation``, ``body_mac`` and ``mac`` set (and the prefix's CRC updated); the rest of
+    the segment is unchanged, so writing these bytes over the start of ``buf``'s segment
+    gives the authenticated segment. Hashes the whole segment: run it in a worker thread.
+
+    :param key: from :func:`derive_key`
+    :param incarnation: :data:`INCARNATION_BYTES` bytes naming the session's residency
+    :raises ~tieredkv.errors.CorruptSegmentError: if ``buf`` is not a valid segment
+    :raises ~tieredkv.errors.InvalidArgumentError: for a segment written before segments
+        had authentication fields (its header has no room for them)
+    """
+    header, body_hash = parse_header(buf, "the segment to authenticate", len(buf))
+    start = hashed_from(buf)
+    authed = msgspec.structs.replace(
+        header, incarnation=incarnation, body_mac=_body_mac(buf[start:], key), mac=_NO_MAC
+    )
+    authed = msgspec.structs.replace(authed, mac=_header_mac(authed, key))
+    header_bytes = _header_encoder.encode(authed)
+    if PREFIX.size + len(header_bytes) != start:
+        raise InvalidArgumentError(
+            f"segment {header.seq} of session {header.session[:80]!r} has no room for "
+            f"authentication fields (written by an older tieredkv); store it again"
+        )
+    head = bytearray(start)
+    head[PREFIX.size :] = header_bytes
+    _pack_prefix(head, header_bytes, body_hash)
+    return bytes(head)
+
+
+def check_header_mac(header: SegmentHeader, key: bytes, where: str) -> None:
+    """Check an authenticated segment's header MAC (not its body: see
+    :func:`check_body_mac`).
+
+    :raises ~tieredkv.errors.CorruptSegmentError: if the header has no MAC, or a wrong one
+        (forged, altered, or written with another secret)
+    """
+    if not header.authenticated:
+        raise CorruptSegmentError(where, "not authenticated (written without the secret)")
+    if not hmac.compare_digest(_header_mac(header, key), header.mac):
+        raise CorruptSegmentError(
+            where, "header MAC mismatch (forged, altered, or written with another secret)"
+        )
+
+
+def check_body_mac(buf: memoryview | bytes, header: SegmentHeader, key: bytes, where: str) -> None:
+    """Check the body MAC of the whole segment in ``buf`` against its (checked) header.
+
+    :raises ~tieredkv.errors.CorruptSegmentError: on a mismatch
+    """
+    if not hmac.compare_digest(_body_mac(buf[hashed_from(buf) :], key), header.body_mac):
+        raise CorruptSegmentError(where, "body MAC mismatch (forged or altered)")

@@ -9,9 +9,9 @@ the last run evicts down to its capacity.
 
 from __future__ import annotations
 
-from ..payload import SegmentHeader
+from ..payload import SegmentHeader, header_schema
 from .placement import delete_or_orphan, evict_copy, remove_copy
-from .state import Core, Seg, Session, schema_of
+from .state import Core, Seg, Session
 
 __all__ = ["recover"]
 
@@ -63,10 +63,10 @@ def _rebuild(key: str, per_tier: list[dict[int, SegmentHeader]], ntiers: int) ->
     n = max(prefix)
     best = prefix.index(n)
     headers = [per_tier[best][i] for i in range(n)]
-    schema = schema_of(headers[0]) if headers else None
+    schema = header_schema(headers[0]) if headers else None
     good = 0
     for h in headers:
-        if schema is None or schema_of(h) != schema:
+        if schema is None or header_schema(h) != schema:
             break
         good += 1
     s = Session(key, ntiers)

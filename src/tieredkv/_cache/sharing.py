@@ -21,10 +21,10 @@ import functools
 
 from ..backends.shared import SharedTier
 from ..errors import SchemaMismatchError
-from ..payload import SegmentHeader
+from ..payload import SegmentHeader, header_schema
 from .atomic import settle
 from .placement import forget_copy, remove_copy
-from .state import Core, Seg, Session, schema_of
+from .state import Core, Seg, Session
 
 __all__ = ["check_writer", "discover", "shared_tiers"]
 
@@ -76,7 +76,7 @@ async def _adopt(core: Core, s: Session, t: int, headers: list[SegmentHeader]) -
     """Make ``s`` agree with what shared tier ``t`` holds (``headers``, just looked up)."""
     local = [seg.header for seg in s.segs]
     if headers and local and s.schema is not None:
-        diff = s.schema.describe_difference(schema_of(headers[0]))
+        diff = s.schema.describe_difference(header_schema(headers[0]))
         if diff is not None:  # another model's KV under the same key: not ours
             raise SchemaMismatchError(s.key, diff)
     n = len(headers)
@@ -89,8 +89,8 @@ async def _adopt(core: Core, s: Session, t: int, headers: list[SegmentHeader]) -
         return
     # the shared copy is newer (another replica appended) or another version: take it and
     # let go of this replica's stale copies
-    schema = schema_of(headers[0])
-    good = next((i for i, h in enumerate(headers) if schema_of(h) != schema), n)
+    schema = header_schema(headers[0])
+    good = next((i for i, h in enumerate(headers) if header_schema(h) != schema), n)
     for u in range(len(core.tiers)):
         if u != t and s.held[u]:
             await remove_copy(core, s, u)

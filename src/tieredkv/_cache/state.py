@@ -41,7 +41,6 @@ __all__ = [
     "check_key",
     "check_tiers",
     "policies_per_tier",
-    "schema_of",
 ]
 
 
@@ -257,19 +256,6 @@ def check_key(session: object) -> None:
             f"session key is not valid Unicode text ({exc.reason} at {exc.start}); "
             f"remove lone surrogates"
         ) from None
-
-
-def schema_of(h: SegmentHeader) -> Schema:
-    """The schema a segment's header implies (names, dtypes, non-token shapes, codec)."""
-    return Schema(
-        token_dim=h.token_dim,
-        codec=h.codec,
-        names=tuple(t.name for t in h.tensors),
-        dtypes=tuple(t.dtype for t in h.tensors),
-        shapes=tuple(
-            tuple(-1 if i == h.token_dim else d for i, d in enumerate(t.shape)) for t in h.tensors
-        ),
-    )
 
 
 def check_tiers(tiers: Sequence[Tier]) -> list[Tier]:

@@ -11,6 +11,7 @@ not resident is a blocking disk read.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 from pathlib import Path
@@ -25,7 +26,8 @@ __all__ = ["MmapTier"]
 class MmapTier(ArenaTier):
     """A tier in a memory-mapped file.
 
-    :param path: the backing file (created or truncated; its directory must exist)
+    :param path: the backing file (created or truncated; its directory must exist; never a
+        symbolic link, which would make the tier truncate the link's target)
     :param capacity: the byte budget and file size (rounded up to 4 KiB)
     :param name: the tier's name in metadata and events
     :param keep_file: leave the file in place at close
@@ -50,13 +52,18 @@ class MmapTier(ArenaTier):
         self._mmap: mmap.mmap | None = None
 
     def _acquire_buffer(self) -> memoryview:
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            fd = os.open(self.path, flags, 0o600)
         except OSError as exc:
+            hint = (
+                "it is a symbolic link, which the tier never follows (it would truncate the "
+                "link's target); pass the real path"
+                if exc.errno == errno.ELOOP
+                else "check the directory exists and is writable"
+            )
             raise TierIOError(
-                self.name,
-                f"create its file {str(self.path)!r} (check the directory exists and is writable)",
-                exc,
+                self.name, f"create its file {str(self.path)!r} ({hint})", exc
             ) from exc
         try:
             # reserve the blocks now so a full disk fails here, not as SIGBUS on first write
