@@ -40,6 +40,7 @@ from tieredkv.integrations.architectures import (
 )
 from tieredkv.integrations.transformers import (
     ArchitectureMismatchError,
+    ChatTurn,
     HistoryMismatchError,
     TransformersAdapter,
     TransformersMissingError,
@@ -47,6 +48,9 @@ from tieredkv.integrations.transformers import (
     cache_argument,
 )
 from tieredkv.payload import plan_segment
+from tieredkv.policies import FCFS
+from tieredkv.serve import ServingEngine
+from tieredkv.serve.adapter import ChatAdapter, RecomputingAdapter
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -329,6 +333,33 @@ async def test_sampling_is_seeded_and_stays_lossless(cache: TieredKVCache) -> No
     assert answers[0] == answers[1]  # the same seed, the same conversation
     greedy = await adapter.chat_turn(cache, "g", queries(1)[0], max_new_tokens=8)
     assert answers[0][5:13] != list(greedy.answer)  # it did sample
+
+
+class ChatOnly:
+    """An adapter that can chat but gives the engine no model to recompute with."""
+
+    async def chat_turn(
+        self,
+        cache: TieredKVCache,
+        session: str,
+        query: list[int],
+        *,
+        max_new_tokens: int,
+        history: list[int],
+    ) -> ChatTurn:
+        raise NotImplementedError
+
+
+async def test_the_adapter_is_what_the_serving_engine_needs(cache: TieredKVCache) -> None:
+    adapter = TransformersAdapter(opt())
+    assert isinstance(adapter, ChatAdapter)
+    assert isinstance(adapter, RecomputingAdapter)
+    ServingEngine(adapter, cache, FCFS(), recompute=True)
+    assert isinstance(ChatOnly(), ChatAdapter)
+    assert not isinstance(ChatOnly(), RecomputingAdapter)
+    ServingEngine(ChatOnly(), cache, FCFS())
+    with pytest.raises(TypeError, match=r"ChatOnly needs a model attribute and new_model_cache"):
+        ServingEngine(ChatOnly(), cache, FCFS(), recompute=True)
 
 
 @pytest.mark.parametrize(
