@@ -24,7 +24,11 @@ import transformers as T
 from transformers import DynamicCache
 
 from tieredkv import HostMemoryTier, SSDTier, TieredKVCache
-from tieredkv.integrations.architectures import KV_ONLY_FAMILIES, architecture_names
+from tieredkv.integrations.architectures import (
+    KV_ONLY_FAMILIES,
+    architecture_names,
+    supported_models_table,
+)
 from tieredkv.integrations.transformers import (
     TransformersAdapter,
     UnsupportedModelError,
@@ -333,3 +337,16 @@ def test_dynamic_rope_gets_the_kv_codec_and_says_why() -> None:
     assert "'dynamic'" in adapter.codec_reason
     with pytest.raises(UnsupportedModelError, match=r"RoPE type 'dynamic'.*codec='kv'"):
         TransformersAdapter(model, codec="act")
+
+
+def test_the_supported_models_page_shows_the_registry() -> None:
+    page = Path(__file__).resolve().parents[2] / "docs" / "reference" / "supported-models.md"
+    text = page.read_text()
+    begin, end = "<!-- generated: supported_models_table() -->\n", "<!-- end generated -->"
+    table = text[text.index(begin) + len(begin) : text.index(end)]
+    assert table == supported_models_table(), (
+        "docs/reference/supported-models.md is out of date: paste supported_models_table() "
+        "between its markers"
+    )
+    for family in set(FAMILIES) - {"llama-dynamic-rope"}:
+        assert f"| `{family}` |" in table

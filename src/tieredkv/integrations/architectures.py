@@ -116,7 +116,7 @@ _ARCHITECTURES: dict[str, Architecture] = {
         _llama_like("starcoder2", "Q/K/V biases, RoPE; sliding window", gated_ffn=False),
         _llama_like("olmo", "RoPE; optional Q/K/V clipping", clip_qkv=True),
         _llama_like("olmo2", "K norm over the whole projection, RoPE", k_norm="full"),
-        _llama_like("stablelm", "partial rotary", rotary="partial"),
+        _llama_like("stablelm", "partial rotary (without qk_layernorm)", rotary="partial"),
         _llama_like("cohere", "interleaved RoPE (without q/k norm)"),
         _llama_like("opt", "Q/K/V biases, learned positions", rotary="none", gated_ffn=False),
     )
