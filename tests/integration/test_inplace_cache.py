@@ -112,6 +112,8 @@ def test_sliding_layer_is_transformers_sliding_layer_with_every_position_kept() 
     assert torch.equal(layer.tokens(2)[0], everything[..., 2:, :])  # kept past the window
     assert layer.is_sliding
     assert layer.get_max_length() == window
+    # releases before 5.24 pass the query's cache positions instead of its length
+    assert layer.get_mask_sizes(torch.arange(11, 14)) == layer.get_mask_sizes(3) == (6, 8)
     with pytest.raises(ValueError, match="at least 1"):
         InPlaceSlidingLayer(0)
 

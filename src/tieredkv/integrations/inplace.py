@@ -209,10 +209,12 @@ class InPlaceSlidingLayer(InPlaceLayer):  # type: ignore[no-untyped-call]
         assert self._v is not None
         return self._k[..., first : self._length, :], self._v[..., first : self._length, :]
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """``(kv_length, kv_offset)`` as ``DynamicSlidingWindowLayer`` computes them."""
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` as ``DynamicSlidingWindowLayer`` computes them (from
+        the query's length, or its ``cache_position`` as releases before 5.24 pass it)."""
+        queries = query_length if isinstance(query_length, int) else int(query_length.shape[0])
         kv_offset = self._first_kept(self._length)
-        return self._length - kv_offset + query_length, kv_offset
+        return self._length - kv_offset + queries, kv_offset
 
     def get_max_length(self) -> int:
         """The window."""

@@ -468,8 +468,9 @@ class _ModelAccess(_KVOnlyAccess):
         if not callable(apply):
             raise mismatch("its modeling module has no apply_rotary_pos_emb function")
         self._apply = apply
-        if "layer_type" in inspect.signature(self._rotary.forward).parameters:
-            self._layer_types = list(model.config.layer_types)
+        layer_types = getattr(model.config, "layer_types", None)
+        if layer_types and "layer_type" in inspect.signature(self._rotary.forward).parameters:
+            self._layer_types = list(layer_types)
 
     def project_kv(
         self, layer: int, activation: torch.Tensor, positions: torch.Tensor
@@ -575,7 +576,7 @@ class ActivationCapture:
 class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
     """What :meth:`TransformersAdapter.chat_turn` did.
 
-    :param answer: the generated token ids (greedy), ``answer_tokens`` of them
+    :param answer: the generated token ids (greedy or sampled)
     :param restored_tokens: history tokens restored from the cache (0 if it had none)
     :param recomputed_tokens: history tokens prefilled from ``history=`` because the cache
         had no usable copy
@@ -743,16 +744,10 @@ class TransformersAdapter:
         """Hooks that record what the activation codec stores, for one turn.
 
         Run the turn's forward passes inside ``with adapter.capture() as cap:``, then pass
-        ``capture=cap`` to :meth:`extract` or :meth:`store`.
-
-        :raises UnsupportedModelError: if the activation codec is not in use
+        ``capture=cap`` to :meth:`extract` or :meth:`store`. With a codec that needs no
+        activations (K/V) it records nothing, so the same code serves both codecs.
         """
-        if not self._k_modules:
-            raise UnsupportedModelError(
-                f"capture() records the activation codec's input, which this adapter does "
-                f"not store (codec {self.codec.name!r})"
-            )
-        return ActivationCapture(self._k_modules)
+        return ActivationCapture(self._k_modules if self.codec.needs_activations else [])
 
     def extract(
         self, model_cache: Any, *, start: int, capture: ActivationCapture | None = None
