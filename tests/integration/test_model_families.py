@@ -326,6 +326,24 @@ def _windows(family: str) -> list[int | None]:
     return layer_windows(FAMILIES[family][1]())
 
 
+def test_longrope_gets_the_kv_codec_and_says_why() -> None:
+    torch.manual_seed(0)
+    rope = {
+        "rope_type": "longrope",
+        "short_factor": [1.0] * 8,
+        "long_factor": [2.0] * 8,
+        "original_max_position_embeddings": 16,
+        "rope_theta": 10000.0,
+    }
+    model: Any = T.LlamaForCausalLM(_gqa(T.LlamaConfig, rope_parameters=rope))
+    model.eval()
+    adapter = TransformersAdapter(model)
+    assert adapter.codec.name == "kv"
+    assert "'longrope'" in adapter.codec_reason
+    with pytest.raises(UnsupportedModelError, match="RoPE type 'longrope'"):
+        TransformersAdapter(model, codec="act")
+
+
 def test_dynamic_rope_gets_the_kv_codec_and_says_why() -> None:
     model = build("llama-dynamic-rope")
     with torch.no_grad():  # 40 positions: past the 16 of the config, the frequencies grow
