@@ -35,7 +35,9 @@ from tieredkv.integrations import architectures
 from tieredkv.integrations.architectures import (
     _ARCHITECTURES,
     Architecture,
+    UnknownArchitectureError,
     architecture_names,
+    get_architecture,
     register_architecture,
 )
 from tieredkv.integrations.transformers import (
@@ -296,6 +298,13 @@ def test_register_architecture_adds_a_family(monkeypatch: pytest.MonkeyPatch) ->
         TransformersAdapter(gpt2)
     with pytest.raises(TypeError, match="register an Architecture"):
         register_architecture("gpt2")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"invalid Architecture for 'gpt2'.*k_norm"):
+        register_architecture(Architecture(model_type="gpt2", k_norm="qk"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="non-empty model_type"):
+        register_architecture(Architecture(model_type=""))
+    assert get_architecture("gpt2").k_proj == "c_attn"  # the refused ones changed nothing
+    with pytest.raises(UnknownArchitectureError, match=r"'mamba'.*register_architecture"):
+        get_architecture("mamba")
 
 
 def test_extract_refuses_tokens_that_left_a_transformers_sliding_window() -> None:

@@ -154,11 +154,18 @@ def register_architecture(architecture: Architecture) -> None:
 
     The entry is checked against each model when a
     :class:`~tieredkv.integrations.transformers.TransformersAdapter` is built for it.
+
+    :raises TypeError: for anything but an :class:`Architecture`
+    :raises ValueError: for an empty ``model_type`` or a field outside its choices
     """
     if not isinstance(architecture, Architecture):
         raise TypeError(f"register an Architecture, not {type(architecture).__name__}")
     if not architecture.model_type:
         raise ValueError("an Architecture needs a non-empty model_type")
+    try:  # a Struct's __init__ does not check its Literal fields: convert() does
+        msgspec.convert(msgspec.structs.asdict(architecture), Architecture)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid Architecture for {architecture.model_type!r}: {exc}") from None
     _ARCHITECTURES[architecture.model_type] = architecture
 
 
