@@ -6,10 +6,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, Qwen2Config
+from transformers import DynamicCache, LlamaConfig, MambaConfig, Qwen2Config
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from tieredkv import HostMemoryTier, SSDTier, TieredKVCache
-from tieredkv.integrations.inplace import BufferPool, InPlaceLayer, in_place_cache
+from tieredkv.integrations.inplace import (
+    BufferPool,
+    InPlaceLayer,
+    InPlaceSlidingLayer,
+    in_place_cache,
+    layer_windows,
+)
 from tieredkv.integrations.transformers import TransformersAdapter
 
 from .test_transformers_adapter import llama
@@ -84,18 +91,53 @@ def test_mismatched_buffers_are_refused() -> None:
         InPlaceLayer(keys=torch.zeros(1, 2, 8, 4), values=torch.zeros(1, 2, 8, 4), length=9)
 
 
-def test_sliding_window_models_get_no_in_place_cache() -> None:
+def test_sliding_layer_is_transformers_sliding_layer_with_every_position_kept() -> None:
+    window = 4
+    layer = InPlaceSlidingLayer(window, 2)
+    reference = DynamicSlidingWindowLayer(window)
+    parts = [kv(t, s) for s, t in enumerate((5, 1, 1, 3, 1))]
+    length = 0
+    for k, v in parts:
+        assert layer.get_mask_sizes(k.shape[-2]) == reference.get_mask_sizes(k.shape[-2])
+        got, want = layer.update(k, v), reference.update(k, v)
+        length += k.shape[-2]
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)  # what attention reads
+        for mine, theirs in ((layer.keys, reference.keys), (layer.values, reference.values)):
+            assert mine is not None
+            assert theirs is not None
+            assert torch.equal(mine, theirs)  # what the cache holds
+        assert layer.get_seq_length() == reference.get_seq_length() == length
+    everything = torch.cat([k for k, _ in parts], dim=-2)
+    assert torch.equal(layer.tokens(2)[0], everything[..., 2:, :])  # kept past the window
+    assert layer.is_sliding
+    assert layer.get_max_length() == window
+    # releases before 5.24 pass the query's cache positions instead of its length
+    assert layer.get_mask_sizes(torch.arange(11, 14)) == layer.get_mask_sizes(3) == (6, 8)
+    with pytest.raises(ValueError, match="at least 1"):
+        InPlaceSlidingLayer(0)
+
+
+def test_layer_windows_follow_the_config_and_refuse_other_caches() -> None:
     full = LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2)
-    assert in_place_cache(full, [InPlaceLayer(), InPlaceLayer()]) is not None
+    assert layer_windows(full) == [None, None]
     sliding = Qwen2Config(
         num_hidden_layers=2,
         hidden_size=32,
         num_attention_heads=2,
         use_sliding_window=True,
         sliding_window=8,
-        max_window_layers=0,
+        max_window_layers=1,
     )
-    assert in_place_cache(sliding, [InPlaceLayer(), InPlaceLayer()]) is None
+    assert layer_windows(sliding) == [None, 8]
+    cache = in_place_cache(sliding, [InPlaceLayer(), InPlaceSlidingLayer(8)])
+    assert cache.is_sliding == [False, True]
+    with pytest.raises(ValueError, match="has 2 layers, got 1"):
+        in_place_cache(sliding, [InPlaceLayer()])
+    mamba = MambaConfig(num_hidden_layers=2, hidden_size=32)
+    with pytest.raises(TypeError) as info:
+        layer_windows(mamba)
+    assert info.value.args == (0, "LinearAttentionLayer")
 
 
 def test_pool_reuses_fitting_buffers_only() -> None:

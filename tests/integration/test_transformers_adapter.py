@@ -20,6 +20,10 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MambaConfig,
+    MambaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     OPTConfig,
     OPTForCausalLM,
     Qwen2Config,
@@ -27,7 +31,18 @@ from transformers import (
 )
 
 from tieredkv import HostMemoryTier, SessionNotFoundError, SSDTier, TieredKVCache
+from tieredkv.integrations import architectures
+from tieredkv.integrations.architectures import (
+    _ARCHITECTURES,
+    Architecture,
+    UnknownArchitectureError,
+    architecture_names,
+    get_architecture,
+    register_architecture,
+)
 from tieredkv.integrations.transformers import (
+    ArchitectureMismatchError,
+    ChatTurn,
     HistoryMismatchError,
     TransformersAdapter,
     TransformersMissingError,
@@ -35,6 +50,9 @@ from tieredkv.integrations.transformers import (
     cache_argument,
 )
 from tieredkv.payload import plan_segment
+from tieredkv.policies import FCFS
+from tieredkv.serve import ServingEngine
+from tieredkv.serve.adapter import ChatAdapter, RecomputingAdapter
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -225,22 +243,152 @@ def test_codec_string_carries_the_model_fingerprint() -> None:
     assert tagged.codec_id == "kv/opt-L2-d64-h4-kv4-hd16-float32@facebook/opt-125m@main"
 
 
-def test_unknown_architecture_is_refused_with_the_supported_list() -> None:
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128))
-    with pytest.raises(UnsupportedModelError, match=r"'gpt2'.*llama, opt, qwen2"):
-        TransformersAdapter(gpt2)
-
-
-def test_sliding_window_attention_is_refused() -> None:
-    cfg = tiny(
-        Qwen2Config,
-        intermediate_size=128,
-        use_sliding_window=True,
-        sliding_window=16,
-        max_window_layers=0,
+def test_a_state_space_model_is_refused_naming_its_type_and_why() -> None:
+    mamba = MambaForCausalLM(
+        MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=128, state_size=4)
     )
-    with pytest.raises(UnsupportedModelError, match="sliding-window"):
-        TransformersAdapter(Qwen2ForCausalLM(cfg))
+    with pytest.raises(UnsupportedModelError, match=r"'mamba'.*LinearAttentionLayer.*recurrent"):
+        TransformersAdapter(mamba)
+
+
+def test_an_unregistered_family_gets_kv_and_refuses_the_activation_codec() -> None:
+    gpt2: Any = GPT2LMHeadModel(
+        GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, bos_token_id=1, eos_token_id=2)
+    )
+    gpt2.eval()
+    adapter = TransformersAdapter(gpt2)
+    assert adapter.codec.name == "kv"
+    assert "no architecture registered for 'gpt2'" in adapter.codec_reason
+    with pytest.raises(UnsupportedModelError, match=r"not exact for this 'gpt2'.*codec='kv'"):
+        TransformersAdapter(gpt2, codec="act")
+    with adapter.capture() as capture:  # K/V: records nothing, so one manual path fits both
+        full_cache(gpt2, [5, 6, 7])
+    assert capture.tokens == 0
+
+
+def test_a_registry_entry_that_does_not_match_the_model_is_refused_at_construction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Qwen2 has biases and no K norm: an entry claiming a per-head K norm is caught by
+    # the module check
+    monkeypatch.setitem(_ARCHITECTURES, "qwen2", Architecture(model_type="qwen2", k_norm="head"))
+    with pytest.raises(ArchitectureMismatchError, match=r"'qwen2'.*no k_norm over 16"):
+        TransformersAdapter(qwen2())
+    TransformersAdapter(qwen2(), codec="kv")  # K/V needs no architecture
+    # shapes that fit but the wrong projection: caught by re-projecting the probe
+    monkeypatch.setitem(_ARCHITECTURES, "llama", Architecture(model_type="llama", k_proj="q_proj"))
+    with pytest.raises(ArchitectureMismatchError, match="does not give the K the model cached"):
+        TransformersAdapter(llama(), codec="act")
+    # a rotary model described without rotary
+    monkeypatch.setitem(_ARCHITECTURES, "llama", Architecture(model_type="llama", rotary="none"))
+    with pytest.raises(ArchitectureMismatchError, match="rotary_emb"):
+        TransformersAdapter(llama())
+
+
+def test_register_architecture_adds_a_family(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(architectures, "_ARCHITECTURES", dict(architectures._ARCHITECTURES))
+    gpt2 = GPT2LMHeadModel(
+        GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, bos_token_id=1, eos_token_id=2)
+    )
+    register_architecture(
+        Architecture(model_type="gpt2", layers="h", attention="attn", k_proj="c_attn")
+    )
+    assert "gpt2" in architecture_names()
+    with pytest.raises(ArchitectureMismatchError, match=r"no nn\.Linear attn\.c_attn"):
+        TransformersAdapter(gpt2)
+    with pytest.raises(TypeError, match="register an Architecture"):
+        register_architecture("gpt2")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"invalid Architecture for 'gpt2'.*k_norm"):
+        register_architecture(Architecture(model_type="gpt2", k_norm="qk"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="non-empty model_type"):
+        register_architecture(Architecture(model_type=""))
+    assert get_architecture("gpt2").k_proj == "c_attn"  # the refused ones changed nothing
+    with pytest.raises(UnknownArchitectureError, match=r"'mamba'.*register_architecture"):
+        get_architecture("mamba")
+
+
+def test_extract_refuses_tokens_that_left_a_transformers_sliding_window() -> None:
+    torch.manual_seed(0)
+    cfg = tiny(MistralConfig, num_key_value_heads=2, intermediate_size=128, sliding_window=4)
+    model: Any = MistralForCausalLM(cfg)
+    model.eval()
+    adapter = TransformersAdapter(model)
+    assert adapter.sliding_windows == [4, 4]
+    plain = full_cache(model, [5, 6, 7, 8, 9, 10])  # a DynamicCache keeps the last 3
+    with pytest.raises(ValueError, match=r"no longer holds positions 0 \.\. 2"):
+        adapter.extract(plain, start=0)
+    assert adapter.extract(plain, start=3)["layers.1.k"].shape == (2, 3, 16)
+
+
+async def test_sampling_is_seeded_and_stays_lossless(cache: TieredKVCache) -> None:
+    model = qwen2()
+    adapter = TransformersAdapter(model)
+    sample = {"temperature": 0.9, "top_k": 40, "top_p": 0.95}
+    answers = []
+    for session in ("a", "b"):
+        history: list[int] = []
+        for query in queries(2):
+            turn = await adapter.chat_turn(
+                cache,
+                session,
+                query,
+                max_new_tokens=8,
+                history=history,
+                generator=torch.Generator().manual_seed(3),
+                **sample,  # type: ignore[arg-type]
+            )
+            history += query + list(turn.answer)
+        answers.append(history)
+        restored = await adapter.restore(cache, session, expected_tokens=len(history))
+        assert_same_kv(restored, full_cache(model, history), atol=1e-5, rtol=1e-4)
+    assert answers[0] == answers[1]  # the same seed, the same conversation
+    greedy = await adapter.chat_turn(cache, "g", queries(1)[0], max_new_tokens=8)
+    assert answers[0][5:13] != list(greedy.answer)  # it did sample
+
+
+class ChatOnly:
+    """An adapter that can chat but gives the engine no model to recompute with."""
+
+    async def chat_turn(
+        self,
+        cache: TieredKVCache,
+        session: str,
+        query: list[int],
+        *,
+        max_new_tokens: int,
+        history: list[int],
+    ) -> ChatTurn:
+        raise NotImplementedError
+
+
+async def test_the_adapter_is_what_the_serving_engine_needs(cache: TieredKVCache) -> None:
+    adapter = TransformersAdapter(opt())
+    assert isinstance(adapter, ChatAdapter)
+    assert isinstance(adapter, RecomputingAdapter)
+    ServingEngine(adapter, cache, FCFS(), recompute=True)
+    assert isinstance(ChatOnly(), ChatAdapter)
+    assert not isinstance(ChatOnly(), RecomputingAdapter)
+    ServingEngine(ChatOnly(), cache, FCFS())
+    with pytest.raises(TypeError, match=r"ChatOnly needs a model attribute and new_model_cache"):
+        ServingEngine(ChatOnly(), cache, FCFS(), recompute=True)
+
+
+@pytest.mark.parametrize(
+    ("kw", "why"),
+    [
+        ({"temperature": -1.0}, "temperature must be >= 0"),
+        ({"temperature": 1.0, "top_k": 0}, "top_k must be at least 1"),
+        ({"temperature": 1.0, "top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": 5}, "give a temperature > 0"),
+    ],
+)
+async def test_bad_sampling_parameters_are_clear_errors(
+    kw: dict[str, Any], why: str, cache: TieredKVCache
+) -> None:
+    adapter = TransformersAdapter(opt())
+    with pytest.raises(ValueError, match=why):
+        await adapter.chat_turn(cache, "s", [5, 6], max_new_tokens=2, **kw)
+    assert "s" not in cache
 
 
 @pytest.mark.parametrize(

@@ -73,16 +73,26 @@ class FakeModel:
     def spec(self) -> ModelSpec:
         return self._spec
 
-    def kv_weights(
-        self, layer: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    def project_kv(
+        self, layer: int, activation: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         wk, bk, wv, bv = self.weights[layer]
-        return wk, bk, wv, bv
+        shape = (activation.shape[0], self._spec.kv_heads, self._spec.head_dim)
+        k = F.linear(activation, wk, bk).view(shape).transpose(0, 1)
+        v = F.linear(activation, wv, bv).view(shape).transpose(0, 1)
+        if self._spec.rotary:
+            k = k + positions.to(k.dtype)[None, :, None]
+        return k, v
 
-    def rotate_keys(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if not self._spec.rotary:
-            return keys
-        return keys + positions.to(keys.dtype)[None, :, None]
+
+class WrongShape(FakeModel):
+    """A model access that re-projects to one head too few."""
+
+    def project_kv(
+        self, layer: int, activation: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = super().project_kv(layer, activation, positions)
+        return k[1:], v[1:]
 
 
 def activations(spec: ModelSpec, tokens: int, device: str = "cpu") -> list[torch.Tensor]:
@@ -183,6 +193,9 @@ def test_wrong_shapes_and_layer_counts_are_refused() -> None:
         ActivationCodec().decode({"layers.0.act": torch.zeros(3, 64)}, FakeModel(TINY_OPT))
     with pytest.raises(CodecInputError, match="do not fit this model"):
         KVCodec().decode({"layers.0.k": torch.zeros(4, 3, 16)}, FakeModel(TINY_OPT))
+    stored = ActivationCodec().encode(TurnTensors([], [], activations(TINY_OPT, 3)), TINY_OPT)
+    with pytest.raises(CodecInputError, match=r"re-projected layer 0 to K \(3, 3, 16\)"):
+        ActivationCodec().decode(stored, WrongShape(TINY_OPT))
 
 
 @pytest.mark.cuda

@@ -6,7 +6,6 @@ import threading
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 
 from .base import CodecInputError, ModelAccess, ModelSpec, TurnTensors, check_layers
 
@@ -21,9 +20,10 @@ class ActivationCodec:
 
     Stored as ``layers.{i}.act``, ``[tokens, hidden_size]`` (token dimension 0): ``layers *
     hidden_size`` elements per token, half of K/V for a multi-head-attention (MHA) model. On
-    load each layer's K and V are rebuilt with the layer's own weights (``k_proj`` and
-    ``v_proj``, biases included), split into heads, and K gets the rotary embedding at its
-    absolute positions where the model has one. That costs ``4 * hidden_size * kv_heads *
+    load each layer's K and V are rebuilt by the model (:meth:`ModelAccess.project_kv
+    <tieredkv.codecs.ModelAccess.project_kv>`: the layer's own projections, biases
+    included, any K normalization, and the rotary embedding at each token's absolute
+    position). That costs ``4 * hidden_size * kv_heads *
     head_dim`` FLOPs per token per layer (``4 d^2`` for MHA) and gives back K/V equal to the
     originals up to the rounding of one matrix multiplication.
 
@@ -108,12 +108,15 @@ class ActivationCodec:
                     f"layer {i} activation has shape {tuple(x.shape)}; expected "
                     f"[{tokens}, {spec.hidden_size}]",
                 )
-            wk, bk, wv, bv = model.kv_weights(i)
-            x = x.to(wk.dtype)
-            # [tokens, kv_heads * head_dim] -> [kv_heads, tokens, head_dim], as attention does
-            k = F.linear(x, wk, bk).view(tokens, spec.kv_heads, spec.head_dim).transpose(0, 1)
-            v = F.linear(x, wv, bv).view(tokens, spec.kv_heads, spec.head_dim).transpose(0, 1)
-            out.append((model.rotate_keys(k, positions), v))
+            k, v = model.project_kv(i, x, positions)
+            want = (spec.kv_heads, tokens, spec.head_dim)
+            if tuple(k.shape) != want or tuple(v.shape) != want:
+                raise CodecInputError(
+                    self.name,
+                    f"the model re-projected layer {i} to K {tuple(k.shape)} and V "
+                    f"{tuple(v.shape)}; expected {want}",
+                )
+            out.append((k, v))
         return out
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:

@@ -11,7 +11,7 @@ history back into each layer's K and V. Two codecs ship (Bidaw, FAST'26, section
   multi-head-attention (MHA) model, for ``4 d^2`` FLOPs per token per layer.
 
 Codecs are model-agnostic: they see a model through :class:`ModelSpec` (its shape) and
-:class:`ModelAccess` (its K/V projections and rotary embedding), which an integration such
+:class:`ModelAccess` (its re-projection of K/V from an activation), which an integration such
 as :mod:`tieredkv.integrations.transformers` provides. Layouts (per layer ``i``, batch
 dimension dropped: one conversation per session)::
 
@@ -44,7 +44,7 @@ __all__ = [
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     """The shape of a decoder-only model, as far as its cached tensors are concerned.
 
-    :param architecture: model family (``"opt"``, ``"llama"``, ``"qwen2"``)
+    :param architecture: model family (``config.model_type``: ``"opt"``, ``"llama"``, ...)
     :param layers: decoder layers
     :param hidden_size: ``d``, the width of the residual stream
     :param heads: attention (query) heads
@@ -117,15 +117,14 @@ class ModelAccess(Protocol):
         """The model's shape."""
         ...
 
-    def kv_weights(
-        self, layer: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        """Layer ``layer``'s K and V projections: ``(k_weight, k_bias, v_weight, v_bias)``."""
-        ...
-
-    def rotate_keys(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Apply the model's rotary embedding to ``keys`` ``[kv_heads, tokens, head_dim]``
-        at absolute ``positions`` ``[tokens]``; models without one return ``keys``."""
+    def project_kv(
+        self, layer: int, activation: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V, ``[kv_heads, tokens, head_dim]``, from the input of its
+        K/V projections ``activation`` ``[tokens, hidden_size]`` at absolute ``positions``
+        ``[tokens]``: what the model's attention computes and caches (projections with
+        their biases, any K normalization, the rotary embedding on K). It must not change
+        the model's state."""
         ...
 
 

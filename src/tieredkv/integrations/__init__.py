@@ -1,7 +1,10 @@
 """Adapters between tieredkv and inference libraries; each is an optional extra.
 
-* :mod:`tieredkv.integrations.transformers`: Hugging Face transformers models (OPT, Llama,
-  Qwen2) and their ``DynamicCache`` (``pip install tieredkv[transformers]``).
+* :mod:`tieredkv.integrations.transformers`: Hugging Face transformers decoder models whose
+  cache holds per-layer keys and values, and their ``DynamicCache``
+  (``pip install tieredkv[transformers]``);
+* :mod:`tieredkv.integrations.architectures`: the families the activation codec can
+  re-project, and how (no dependency).
 
 Importing this package imports none of them.
 """

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-__all__ = ["BufferPool", "InPlaceLayer", "in_place_cache"]
+__all__ = ["BufferPool", "InPlaceLayer", "InPlaceSlidingLayer", "in_place_cache", "layer_windows"]
 
 
 class InPlaceLayer(DynamicLayer):  # type: ignore[no-untyped-call]
@@ -154,16 +154,98 @@ class InPlaceLayer(DynamicLayer):  # type: ignore[no-untyped-call]
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError("the adapter serves one conversation per cache (batch 1)")
 
+    def tokens(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions ``start ..`` (views, ``[batch, heads, tokens, head_dim]``)."""
+        assert self._k is not None
+        assert self._v is not None
+        return self._k[..., start : self._length, :], self._v[..., start : self._length, :]
 
-def in_place_cache(config: Any, layers: list[InPlaceLayer]) -> DynamicCache | None:
-    """A ``DynamicCache`` for ``config`` whose layers are ``layers``.
 
-    ``None`` where the model's cache is not all full-attention ``DynamicLayer`` (a
-    sliding-window layer, say): the caller then builds an ordinary ``DynamicCache``.
+class InPlaceSlidingLayer(InPlaceLayer):  # type: ignore[no-untyped-call]
+    """A sliding-window attention layer that keeps every position in its buffers.
+
+    To the model it is transformers' ``DynamicSlidingWindowLayer``: ``keys``/``values``
+    are the last ``sliding_window - 1`` positions, ``update`` returns those followed by the
+    new ones, and the mask sizes are the same, so attention sees the same tensors' values.
+    Unlike it, the buffers keep the positions that left the window, so that a turn's new
+    tokens can all be stored (:meth:`tokens`) however many the turn brought.
+
+    :param sliding_window: the model's window for this layer
     """
+
+    is_sliding = True
+
+    def __init__(
+        self,
+        sliding_window: int,
+        capacity: int = 0,
+        *,
+        keys: torch.Tensor | None = None,
+        values: torch.Tensor | None = None,
+        length: int = 0,
+    ) -> None:
+        if sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, not {sliding_window}")
+        self.sliding_window = sliding_window
+        super().__init__(capacity, keys=keys, values=values, length=length)
+
+    def _first_kept(self, length: int) -> int:
+        return max(0, length - (self.sliding_window - 1))
+
+    def _expose(self) -> None:
+        assert self._k is not None
+        assert self._v is not None
+        first = self._first_kept(self._length)
+        self.keys = self._k[..., first : self._length, :]
+        self.values = self._v[..., first : self._length, :]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new positions; return the window's old ones followed by the new."""
+        first = self._first_kept(self._length)
+        super().update(key_states, value_states)
+        assert self._k is not None
+        assert self._v is not None
+        return self._k[..., first : self._length, :], self._v[..., first : self._length, :]
+
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` as ``DynamicSlidingWindowLayer`` computes them (from
+        the query's length, or its ``cache_position`` as releases before 5.24 pass it)."""
+        queries = query_length if isinstance(query_length, int) else int(query_length.shape[0])
+        kv_offset = self._first_kept(self._length)
+        return self._length - kv_offset + queries, kv_offset
+
+    def get_max_length(self) -> int:
+        """The window."""
+        return self.sliding_window
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """Per layer of a model with ``config``: ``None`` for a full-attention layer, the window
+    for a sliding-window one, as ``DynamicCache(config=config)`` lays out its layers.
+
+    :raises TypeError: naming the first layer that holds anything else (a recurrent or
+        linear-attention state, a layer sharing another's cache): ``(index, layer class)``
+        in ``args``
+    """
+    windows: list[int | None] = []
+    for i, layer in enumerate(DynamicCache(config=config).layers):
+        if type(layer) is DynamicLayer:
+            windows.append(None)
+        elif type(layer) is DynamicSlidingWindowLayer:
+            windows.append(int(layer.sliding_window))
+        else:
+            raise TypeError(i, type(layer).__name__)
+    return windows
+
+
+def in_place_cache(config: Any, layers: list[InPlaceLayer]) -> DynamicCache:
+    """A ``DynamicCache`` for ``config`` whose layers are ``layers`` (one per layer, an
+    :class:`InPlaceSlidingLayer` where :func:`layer_windows` gives a window)."""
     cache = DynamicCache(config=config)
-    if len(cache.layers) != len(layers) or any(type(x) is not DynamicLayer for x in cache.layers):
-        return None
+    if len(cache.layers) != len(layers):
+        raise ValueError(f"the model's cache has {len(cache.layers)} layers, got {len(layers)}")
     cache.layers[:] = layers
     return cache
 

@@ -36,6 +36,7 @@ import torch
 from ..cache import TieredKVCache
 from ..errors import SessionNotFoundError, TieredKVError
 from ..policies.scheduling import Request, Scheduler
+from .adapter import ChatAdapter, RecomputingAdapter
 
 __all__ = ["ServedTurn", "ServingEngine", "TurnRequest"]
 
@@ -107,10 +108,12 @@ class ServedTurn(msgspec.Struct, frozen=True, kw_only=True):
 class ServingEngine:
     """Serve multi-turn requests with a scheduler, a tiered cache and a transformers model.
 
-    :param adapter: the model adapter (``TransformersAdapter``, or any object whose
+    :param adapter: the model adapter: ``TransformersAdapter``, or any
+        :class:`~tieredkv.serve.adapter.ChatAdapter` (a
+        :class:`~tieredkv.serve.adapter.RecomputingAdapter` with ``recompute``), whose
         ``await chat_turn(cache, session, query, max_new_tokens=, history=)`` returns the
         answer, ``restored_tokens`` and ``recomputed_tokens``, and optionally the phase
-        timings ``restore_seconds``, ``compute_seconds``, ``store_seconds``)
+        timings ``restore_seconds``, ``compute_seconds``, ``store_seconds``
     :param cache: the tiered cache (open it before :meth:`run`)
     :param scheduler: decides what runs and what loads, e.g. ``FCFS()`` or
         ``BidawScheduler()``
@@ -123,7 +126,7 @@ class ServingEngine:
 
     def __init__(
         self,
-        adapter: Any,
+        adapter: ChatAdapter,
         cache: TieredKVCache,
         scheduler: Scheduler,
         *,
@@ -134,6 +137,11 @@ class ServingEngine:
         self.adapter = adapter
         self.cache = cache
         self.scheduler = scheduler
+        if recompute and not isinstance(adapter, RecomputingAdapter):
+            raise TypeError(
+                f"recompute=True prefills with the adapter's model: {type(adapter).__name__} "
+                f"needs a model attribute and new_model_cache() (see RecomputingAdapter)"
+            )
         self.recompute = recompute
         self._clock = clock
         self._lookahead = lookahead
@@ -309,9 +317,11 @@ class ServingEngine:
         """Prefill history + query with no cache, decode; nothing is stored."""
         ids = torch.tensor(history + list(turn.query), dtype=torch.long)
         # the same in-place model cache as a cached turn uses, so only the prefill differs
-        model_cache = self.adapter.new_model_cache(ids.numel() + turn.answer_tokens)
+        adapter = self.adapter
+        assert isinstance(adapter, RecomputingAdapter)  # checked in __init__
+        model_cache = adapter.new_model_cache(ids.numel() + turn.answer_tokens)
         answer = await anyio.to_thread.run_sync(
-            lambda: greedy_generate(self.adapter.model, ids, turn.answer_tokens, model_cache)
+            lambda: greedy_generate(adapter.model, ids, turn.answer_tokens, model_cache)
         )
         return answer, 0, len(history)
 
