@@ -27,7 +27,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "simulate", help="simulate serving systems on one workload at one arrival rate"
     )
     _common(sim)
-    sim.add_argument("--rate", type=float, default=25.0, help="users per minute (default 25)")
+    sim.add_argument(
+        "--rate",
+        type=float,
+        help="users per minute (default 25; for a trace, half its native rate)",
+    )
     sim.add_argument(
         "--scheduler", help="replace every system's scheduler (fcfs, bidaw, or a registered one)"
     )
@@ -45,8 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _common(rep)
     rep.add_argument(
         "--rates",
-        default="10,15,20,25,30,35,40",
-        help="arrival rates swept, users per minute (default 10,15,...,40)",
+        help="arrival rates swept, users per minute (default 10,15,...,40; for a trace, "
+        "1/16 to 1 times its native rate)",
     )
     rep.add_argument(
         "--rate",
@@ -54,7 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="reference rate of the single-rate experiments (default: the lowest swept rate "
         "at which host memory holds under half of the live KV)",
     )
-    rep.add_argument("--slo", type=float, default=5.0, help="mean-latency SLO, s (default 5)")
+    rep.add_argument(
+        "--slo",
+        type=float,
+        help="mean-latency SLO, s (default 5, stretched for answers longer than 44 tokens)",
+    )
     rep.add_argument(
         "--out", default="tieredkv-report", help="report folder (default ./tieredkv-report)"
     )
@@ -185,7 +193,9 @@ def _simulate(args: argparse.Namespace) -> int:
         overrides["eviction"] = args.eviction
     if args.inclusive:
         overrides["inclusive"] = args.inclusive == "yes"
-    turns = workload.turns(args.rate)
+    native = workload.native_rate()
+    rate = args.rate if args.rate is not None else (native / 2 if native else 25.0)
+    turns = workload.turns(rate)
     config = _measure(config, workload)
     rows = []
     for name in names:
@@ -198,7 +208,9 @@ def _simulate(args: argparse.Namespace) -> int:
         rows.append(result)
     if not args.json:
         print(
-            f"\n{workload.kind} workload, {args.rate:g} users/min: {len(turns):,} turns of "
+            f"\n{workload.kind} workload, {rate:g} users/min"
+            + (f" (the trace carries {native:.2f})" if native else "")
+            + f": {len(turns):,} turns of "
             f"{turns.users():,} users; {config.model} on {config.gpu}, {config.host_gb:g} GB "
             f"host memory, {config.ssd_gbps:g} GB/s SSD\n"
         )
@@ -229,11 +241,18 @@ def _reproduce(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     assert isinstance(workload, WorkloadSpec)
     assert isinstance(config, SimConfig)
     try:
-        rates = tuple(float(r) for r in args.rates.split(",") if r.strip())
+        rates = (
+            tuple(float(r) for r in args.rates.split(",") if r.strip())
+            if args.rates is not None
+            else None
+        )
     except ValueError:
         raise ValueError(
             f"--rates must be numbers separated by commas (got {args.rates!r})"
         ) from None
+    native = workload.native_rate()
+    if native is not None:
+        print(f"the trace carries {native:.2f} users per minute", file=sys.stderr)
     options = ReproduceOptions(
         workload=workload,
         config=config,

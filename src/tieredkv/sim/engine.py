@@ -68,8 +68,9 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     :param history_cap: history tokens kept per conversation at most (the paper: 2048)
     :param token_budget: tokens one prefill iteration computes at most
     :param max_seqs: requests in the running batch at most
-    :param mfu: fraction of the GPU's tensor peak a prefill reaches
-    :param hbm_efficiency: fraction of HBM bandwidth a decode iteration reaches
+    :param mfu: fraction of the GPU's tensor peak a prefill reaches (0.4: fitted, with
+        ``hbm_efficiency``, to the paper's supported rates; :mod:`tieredkv.sim.calibration`)
+    :param hbm_efficiency: fraction of HBM bandwidth a decode iteration reaches (0.55: fitted)
     :param link_efficiency: fraction of the PCIe spec a host -> GPU copy reaches
     :param gpu_memory_utilization: fraction of GPU memory for weights and K/V
     :param iteration_overhead: fixed seconds per engine iteration
@@ -88,8 +89,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     history_cap: int = 2048
     token_budget: int = 8192
     max_seqs: int = 256
-    mfu: float = 0.5
-    hbm_efficiency: float = 0.7
+    mfu: float = 0.4
+    hbm_efficiency: float = 0.55
     link_efficiency: float = 0.8
     gpu_memory_utilization: float = 0.9
     iteration_overhead: float = 0.002
@@ -274,6 +275,7 @@ class Simulator:
         codec: Literal["kv", "act"] = "act" if system.storage_efficient and model.mha else "kv"
         self.codec = codec
         self.bytes_per_token = model.stored_bytes_per_token(codec)
+        self._reproject = model.reproject_flops_per_token  # a property: computed once
         ssd_bw = config.ssd_gbps * 1e9
         if scheduler is None and system.prefetch_window is not None:
             if system.scheduler.strip().lower() != "fcfs":
@@ -580,7 +582,7 @@ class Simulator:
                     cached = hist
                     link_bytes += s.nbytes
                     if reproject:
-                        flops += hist * cost.model.reproject_flops_per_token
+                        flops += hist * self._reproject
                     self.eviction.on_access(s.name, self._publish(s, now, access=True), now)
                     if self.hit[row] >= 0 and self._counted[row]:
                         self._record_load_time(s.nbytes, bool(self.hit[row]))
