@@ -33,7 +33,7 @@ from .calibration import calibration_rows, paper_setup
 from .costmodel import get_model
 from .engine import SimConfig, SimResult
 from .replay import replay
-from .sweep import Job, run_jobs, throughput
+from .sweep import Job, curve_throughput, run_curves
 from .synthetic import SyntheticWorkload, describe
 from .systems import ABLATIONS, SystemSpec, get_system
 from .workloads import WorkloadSpec
@@ -229,9 +229,8 @@ def reproduce(
         }
         for name in opts.sensitivity_systems
     }
-    # Curves measured only for a throughput (ablation, sensitivity) stop at their first rate
-    # past the SLO: higher rates cannot change it, and saturated runs are the slowest.
-    # Rates run in phases, lowest first, each phase in parallel.
+    # curves measured only for a throughput (ablation, sensitivity) stop at their first
+    # rate past the SLO; the main sweep runs every rate (its table shows them all)
     full = list(sweep_keys.values())
     partial = [
         *ablation_keys.values(),
@@ -240,31 +239,18 @@ def reproduce(
     ]
     must = {k for ks in full for k in ks}
     must |= {ks[rate_set.index(ref)] for ks in ablation_keys.values()}
-    results: dict[bytes, SimResult] = {}
-    total = sum(j.weight() for j in jobs.values()) or 1.0
     sim_share = 0.9
-    done = 0.0
-    for step in range(max(len(ks) for ks in (*full, *partial))):
-        wanted: dict[bytes, None] = {}
-        for ks in (*full, *partial):
-            if step < len(ks) and (
-                ks[step] in must or all(_meets(results.get(k), slo) for k in ks[:step])
-            ):
-                wanted[ks[step]] = None
-        todo = [k for k in wanted if k not in results]
-        weight = sum(jobs[k].weight() for k in todo)
 
-        def sim_progress(f: float, before: float = done, weight: float = weight) -> None:
-            if progress is not None:
-                progress(sim_share * (before + f * weight) / total)
+    def sim_progress(f: float) -> None:
+        if progress is not None:
+            progress(sim_share * f)
 
-        ran = run_jobs([jobs[k] for k in todo], workers=opts.workers, progress=sim_progress)
-        results.update(zip(todo, ran, strict=True))
-        done += weight
+    results = run_curves(
+        jobs, [*full, *partial], slo, must=must, workers=opts.workers, progress=sim_progress
+    )
 
     def tput(ks: Sequence[bytes], rs: Sequence[float]) -> float:
-        n = next((i for i, k in enumerate(ks) if k not in results), len(ks))
-        return throughput(rs[:n], [results[k].latency_mean for k in ks[:n]], slo)
+        return curve_throughput(results, ks, rs, slo)
 
     sweep = {name: [results[k] for k in ks] for name, ks in sweep_keys.items()}
     throughputs = {name: tput(ks, rates) for name, ks in sweep_keys.items()}
@@ -330,10 +316,6 @@ def reproduce(
         shape=shape,
         seconds=time.monotonic() - started,
     )
-
-
-def _meets(result: SimResult | None, slo: float) -> bool:
-    return result is not None and result.latency_mean <= slo
 
 
 # -- rendering ------------------------------------------------------------------------
