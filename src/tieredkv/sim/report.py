@@ -87,8 +87,8 @@ class ReproduceOptions(msgspec.Struct, frozen=True, kw_only=True):
     :param systems: system presets of the main comparison
     :param rates: arrival rates swept, users per minute (``None``: :func:`default_rates`)
     :param rate: reference rate of the single-rate experiments (``None``: see the module)
-    :param slo: mean-latency SLO of the throughput metric, seconds (``None``:
-        :func:`default_slo` of the workload's mean answer length)
+    :param slo: mean-latency SLO of the throughput metric, seconds (``None``: 5, or for a
+        trace or ShareGPT :func:`default_slo` of its mean answer length)
     :param host_sizes: host-memory sizes of the sensitivity experiment, GB
     :param ssd_bandwidths: SSD bandwidths of the sensitivity experiment, GB/s
     :param sensitivity_systems: systems of the sensitivity experiments
@@ -195,11 +195,10 @@ def reproduce(
         users = max(1, round(ref * wl.minutes))
         synthetic = SyntheticWorkload(users=users, arrival_rate=ref / 60, seed=wl.seed)
         shape["synthetic"] = describe(synthetic.generate())
-    slo = (
-        opts.slo
-        if opts.slo is not None
-        else default_slo(shape["workload"].get("answer_mean", _PAPER_ANSWER))
-    )
+    slo = opts.slo
+    if slo is None:  # the synthetic workload is the paper's shape: its SLO as is
+        answer = shape["workload"].get("answer_mean", _PAPER_ANSWER)
+        slo = PAPER_SLO if wl.kind == "synthetic" else default_slo(answer)
 
     # every simulation, deduplicated (a preset and an equal ablation step run once)
     jobs: dict[bytes, Job] = {}
