@@ -68,8 +68,9 @@ class Sensitivity(msgspec.Struct, kw_only=True):
     seconds: float = 0.0
 
 
-def _point(axis: str, value: Any) -> tuple[WorkloadSpec, SimConfig]:
-    workload = WorkloadSpec(answer_scale=value) if axis == "answer_scale" else WorkloadSpec()
+def _point(axis: str, value: Any, minutes: float) -> tuple[WorkloadSpec, SimConfig]:
+    scale = value if axis == "answer_scale" else 1.0
+    workload = WorkloadSpec(minutes=minutes, answer_scale=scale)
     config = SimConfig() if axis == "answer_scale" else SimConfig(**{axis: value})
     return workload, _measure(config, workload)
 
@@ -78,10 +79,13 @@ def sensitivity(
     axes: Sequence[str] = tuple(AXES),
     *,
     slo: float = 5.0,
+    minutes: float = 40.0,
     workers: int | None = None,
     progress: Callable[[float], None] | None = None,
 ) -> Sensitivity:
     """Measure every system's supported rate at each value of each axis in ``axes``.
+
+    :param minutes: minutes of arrivals of the synthetic workload (steady state counted)
 
     :raises ValueError: for an axis not in :data:`AXES`
     """
@@ -93,7 +97,7 @@ def sensitivity(
     curves: dict[tuple[str, str, str], list[bytes]] = {}
     for axis in axes:
         for value in AXES[axis]:
-            workload, config = _point(axis, value)
+            workload, config = _point(axis, value, minutes)
             for name in SYSTEMS:
                 keys = []
                 for rate in RATES:
@@ -128,7 +132,7 @@ def render(result: Sensitivity, command: str, plots: Sequence[str] = ()) -> str:
         out.append("| " + " | ".join([_LABELS[axis], *names, "bidaw / best baseline"]) + " |")
         out.append("|" + "---|" * (len(names) + 2))
         for value, tps in per.items():
-            base = max(tps[n] for n in ("cachedattention", "flashgen") if n in tps)
+            base = max((tps[n] for n in ("cachedattention", "flashgen") if n in tps), default=0.0)
             cells = [_cell(tps[n]) for n in names]
             rel = f"{tps['bidaw'] / base:.2f}x" if base > 0 and "bidaw" in tps else "-"
             out.append("| " + " | ".join([value, *cells, rel]) + " |")
