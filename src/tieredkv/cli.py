@@ -58,7 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "simulate", help="simulate serving systems on one workload at one arrival rate"
     )
     _common(sim)
-    sim.add_argument("--rate", type=float, default=25.0, help="users per minute (default 25)")
+    sim.add_argument(
+        "--rate",
+        type=float,
+        help="users per minute (default 25; for a trace, half its native rate)",
+    )
     sim.add_argument(
         "--scheduler", help="replace every system's scheduler (fcfs, bidaw, or a registered one)"
     )
@@ -76,8 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _common(rep)
     rep.add_argument(
         "--rates",
-        default="10,15,20,25,30,35,40",
-        help="arrival rates swept, users per minute (default 10,15,...,40)",
+        help="arrival rates swept, users per minute (default 10,15,...,40; for a trace, "
+        "1/16 to 1 times its native rate)",
     )
     rep.add_argument(
         "--rate",
@@ -85,7 +89,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="reference rate of the single-rate experiments (default: the lowest swept rate "
         "at which host memory holds under half of the live KV)",
     )
-    rep.add_argument("--slo", type=float, default=5.0, help="mean-latency SLO, s (default 5)")
+    rep.add_argument(
+        "--slo",
+        type=float,
+        help="mean-latency SLO, s (default 5, stretched for answers longer than 44 tokens)",
+    )
     rep.add_argument(
         "--out", default="tieredkv-report", help="report folder (default ./tieredkv-report)"
     )
@@ -193,7 +201,8 @@ def _check_simulate(args: argparse.Namespace) -> None:
     from .policies.registry import make_eviction, make_scheduler
 
     _check_common(args)
-    _positive(args.rate, "--rate")
+    if args.rate is not None:  # None: the workload's default (a trace's native rate)
+        _positive(args.rate, "--rate")
     _policy(make_scheduler, args.scheduler, "--scheduler")
     _policy(make_eviction, args.eviction, "--eviction")
     _check_traces(args)
@@ -201,18 +210,22 @@ def _check_simulate(args: argparse.Namespace) -> None:
 
 def _check_reproduce(args: argparse.Namespace) -> None:
     _check_common(args)
-    for rate in _rates(args.rates):
+    for rate in _rates(args.rates) or ():
         _positive(rate, "every rate of --rates")
     if args.rate is not None:
         _positive(args.rate, "--rate")
-    _positive(args.slo, "--slo")
+    if args.slo is not None:  # None: 5 s, stretched for long answers
+        _positive(args.slo, "--slo")
     if args.jobs is not None:
         _at_least(args.jobs, 1, "--jobs")
     _check_traces(args)
     _check_out(args.out)
 
 
-def _rates(text: str) -> tuple[float, ...]:
+def _rates(text: str | None) -> tuple[float, ...] | None:
+    """The rates of ``--rates``; ``None`` when not given (the workload's default sweep)."""
+    if text is None:
+        return None
     try:
         rates = tuple(float(r) for r in text.split(",") if r.strip())
     except ValueError:
@@ -436,7 +449,9 @@ def _simulate(args: argparse.Namespace) -> int:
         overrides["eviction"] = args.eviction
     if args.inclusive:
         overrides["inclusive"] = args.inclusive == "yes"
-    turns = workload.turns(args.rate)
+    native = workload.native_rate()
+    rate = args.rate if args.rate is not None else (native / 2 if native else 25.0)
+    turns = workload.turns(rate)
     config = _measure(config, workload)
     rows = []
     bar = ProgressBar("tieredkv simulate", enabled=not args.no_progress)
@@ -453,7 +468,9 @@ def _simulate(args: argparse.Namespace) -> int:
     bar.close()
     if not args.json:
         print(
-            f"\n{workload.kind} workload, {args.rate:g} users/min: {len(turns):,} turns of "
+            f"\n{workload.kind} workload, {rate:g} users/min"
+            + (f" (the trace carries {native:.2f})" if native else "")
+            + f": {len(turns):,} turns of "
             f"{turns.users():,} users; {config.model} on {config.gpu}, {config.host_gb:g} GB "
             f"host memory, {config.ssd_gbps:g} GB/s SSD\n"
         )
@@ -484,6 +501,9 @@ def _reproduce(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     assert isinstance(workload, WorkloadSpec)
     assert isinstance(config, SimConfig)
     rates = _rates(args.rates)
+    native = workload.native_rate()
+    if native is not None:
+        print(f"the trace carries {native:.2f} users per minute", file=sys.stderr)
     options = ReproduceOptions(
         workload=workload,
         config=config,

@@ -241,7 +241,9 @@ class CostModel:
     """
 
     __slots__ = (
+        "_attention",
         "_compute",
+        "_flops_token",
         "_kv_s",
         "_link",
         "gpu",
@@ -295,13 +297,14 @@ class CostModel:
         self._kv_s = model.kv_bytes_per_token / hbm
         self._compute = gpu.tflops * 1e12 * mfu
         self._link = gpu.pcie_gbps * 1e9 * link_efficiency
+        self._flops_token = model.flops_per_token  # a property that walks the codec: cache it
+        self._attention = 4.0 * model.layers * model.hidden
 
     def prefill_flops(self, new: int, history: int) -> float:
         """FLOPs to compute ``new`` tokens after ``history`` cached ones (linear layers
         plus attention scores, ``4 d`` FLOPs per token pair per layer)."""
-        m = self.model
         pairs = new * history + new * (new + 1) / 2
-        return new * m.flops_per_token + 4.0 * m.layers * m.hidden * pairs
+        return new * self._flops_token + self._attention * pairs
 
     def compute_time(self, flops: float) -> float:
         """Seconds for ``flops`` at the prefill rate ``tflops * mfu``."""
@@ -310,7 +313,7 @@ class CostModel:
     def decode_iteration(self, batch: int, kv_tokens: float) -> float:
         """Seconds for one decode iteration of ``batch`` requests holding ``kv_tokens``."""
         memory = self.weights_s + kv_tokens * self._kv_s
-        compute = batch * self.model.flops_per_token / self._compute
+        compute = batch * self._flops_token / self._compute
         return max(memory, compute) + self.iteration_overhead
 
     @property
@@ -320,7 +323,7 @@ class CostModel:
 
     def decode_compute_s(self, batch: int) -> float:
         """Seconds of tensor work for one decode iteration of ``batch`` requests."""
-        return batch * self.model.flops_per_token / self._compute
+        return batch * self._flops_token / self._compute
 
     def link_time(self, nbytes: float) -> float:
         """Seconds to copy ``nbytes`` from host memory to the GPU."""

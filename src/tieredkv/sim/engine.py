@@ -44,7 +44,7 @@ from ..policies.base import Eviction
 from ..policies.registry import make_eviction, make_scheduler
 from ..policies.scheduling import Request, Scheduler
 from .costmodel import CostModel, get_gpu, get_model
-from .systems import SystemSpec
+from .systems import LookAheadFCFS, SystemSpec
 from .trace import Turns
 
 __all__ = ["SimConfig", "SimResult", "Simulator", "simulate"]
@@ -68,12 +68,15 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     :param history_cap: history tokens kept per conversation at most (the paper: 2048)
     :param token_budget: tokens one prefill iteration computes at most
     :param max_seqs: requests in the running batch at most
-    :param mfu: fraction of the GPU's tensor peak a prefill reaches
-    :param hbm_efficiency: fraction of HBM bandwidth a decode iteration reaches
+    :param mfu: fraction of the GPU's tensor peak a prefill reaches (0.4: fitted, with
+        ``hbm_efficiency``, to the paper's supported rates; :mod:`tieredkv.sim.calibration`)
+    :param hbm_efficiency: fraction of HBM bandwidth a decode iteration reaches (0.55: fitted)
     :param link_efficiency: fraction of the PCIe spec a host -> GPU copy reaches
     :param gpu_memory_utilization: fraction of GPU memory for weights and K/V
     :param iteration_overhead: fixed seconds per engine iteration
     :param queue_window: scheduler queue length published on the channel (``view.waiting``)
+    :param write_buffer_gb: host memory buffering asynchronous SSD writes, 10^9 bytes
+        (systems with ``background_writes``): writes beyond it wait in line with the loads
     :param warmup: turns whose trace time is earlier are run but not counted
     :param until: turns whose trace time is later are run but not counted (``None``: all)
     """
@@ -86,18 +89,21 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     history_cap: int = 2048
     token_budget: int = 8192
     max_seqs: int = 256
-    mfu: float = 0.5
-    hbm_efficiency: float = 0.7
+    mfu: float = 0.4
+    hbm_efficiency: float = 0.55
     link_efficiency: float = 0.8
     gpu_memory_utilization: float = 0.9
     iteration_overhead: float = 0.002
     queue_window: int = 30
+    write_buffer_gb: float = 4.0
     warmup: float = 0.0
     until: float | None = None
 
     def __post_init__(self) -> None:
         if self.host_gb <= 0 or self.ssd_gbps <= 0 or self.ssd_latency < 0:
             raise ValueError("host_gb and ssd_gbps must be positive, ssd_latency >= 0")
+        if self.write_buffer_gb < 0:
+            raise ValueError(f"write_buffer_gb must be >= 0 (got {self.write_buffer_gb})")
         if self.history_cap < 1 or self.token_budget < 1 or self.max_seqs < 1:
             raise ValueError("history_cap, token_budget and max_seqs must be >= 1")
 
@@ -269,9 +275,18 @@ class Simulator:
         codec: Literal["kv", "act"] = "act" if system.storage_efficient and model.mha else "kv"
         self.codec = codec
         self.bytes_per_token = model.stored_bytes_per_token(codec)
+        self._reproject = model.reproject_flops_per_token  # a property: computed once
         ssd_bw = config.ssd_gbps * 1e9
+        if scheduler is None and system.prefetch_window is not None:
+            if system.scheduler.strip().lower() != "fcfs":
+                raise ValueError(
+                    f"prefetch_window applies to the fcfs scheduler (got {system.scheduler!r})"
+                )
+            scheduler = LookAheadFCFS(system.max_loads, window=system.prefetch_window)
         if scheduler is None:
             kwargs: dict[str, object] = {"max_loads": system.max_loads}
+            if system.scheduler.strip().lower() == "fcfs" and not system.prefetch:
+                kwargs["prefetch"] = False
             if system.scheduler.strip().lower() == "bidaw":
                 kwargs["latency"] = config.ssd_latency
                 if system.hrrn_by_time:
@@ -354,12 +369,18 @@ class Simulator:
             cfg.warmup <= tt and (cfg.until is None or tt <= cfg.until) for tt in self._time
         ]
         self._pinned: dict[str, int] = {}
-        self._protected = _Protected(self.scheduler.ready_sessions(), self._pinned.keys())
+        ready: Set[str] = self.scheduler.ready_sessions() if self.system.protect_ready else set()
+        self._protected = _Protected(ready, self._pinned.keys())
         self._view = _DecisionView(self.channel, self.scheduler, self.config.queue_window)
         self._host_used = 0
-        self._ssd_free = 0.0
+        self._ssd_free = 0.0  # when the SSD finishes the transfers queued in line
+        self._ssd_bps = cfg.ssd_gbps * 1e9
+        self._background = self.system.background_writes
+        self._write_buffer = cfg.write_buffer_gb * 1e9
+        self._backlog = 0.0  # bytes of asynchronous writes not yet on SSD
+        self._backlog_clock = 0.0  # backlog drained up to this time
         self._ssd_read = 0
-        self._ssd_write = 0
+        self._ssd_written = 0
         self._recomputed = 0
         self._evictions = 0
         self._direct_loads = 0
@@ -414,15 +435,39 @@ class Simulator:
     def _start_loads(self, now: float) -> None:
         for request in self.scheduler.start_loads(now):
             s = self._sess[self._by_name[request.session]]
-            end = self._ssd(now, s.nbytes)
+            end = self._ssd_in_line(now, s.nbytes)
             self._ssd_read += s.nbytes
             self._push(end, _LOAD, self._by_name[request.session])
 
-    def _ssd(self, now: float, nbytes: int) -> float:
+    def _ssd_in_line(self, now: float, nbytes: float) -> float:
+        """Queue a transfer behind the SSD's previous ones; returns when it ends."""
+        if self._background:
+            self._drain(now)
         start = now if now > self._ssd_free else self._ssd_free
-        end = start + self.config.ssd_latency + nbytes / (self.config.ssd_gbps * 1e9)
+        end = start + self.config.ssd_latency + nbytes / self._ssd_bps
         self._ssd_free = end
         return end
+
+    def _drain(self, now: float) -> None:
+        """Write the asynchronous backlog during the SSD's idle time up to ``now``."""
+        idle_from = max(self._backlog_clock, self._ssd_free)
+        if self._backlog > 0 and now > idle_from:
+            self._backlog = max(0.0, self._backlog - (now - idle_from) * self._ssd_bps)
+        self._backlog_clock = now
+
+    def _ssd_write(self, now: float, nbytes: int) -> None:
+        """Write ``nbytes`` to SSD: in line with the loads, or (``background_writes``)
+        through the write buffer, in line only for what overflows it."""
+        self._ssd_written += nbytes
+        if not self._background:
+            self._ssd_in_line(now, nbytes)
+            return
+        self._drain(now)
+        self._backlog += nbytes
+        over = self._backlog - self._write_buffer
+        if over > 0:
+            self._backlog = self._write_buffer
+            self._ssd_in_line(now, over)
 
     def _on_load(self, user: int, now: float) -> None:
         s = self._sess[user]
@@ -537,7 +582,7 @@ class Simulator:
                     cached = hist
                     link_bytes += s.nbytes
                     if reproject:
-                        flops += hist * cost.model.reproject_flops_per_token
+                        flops += hist * self._reproject
                     self.eviction.on_access(s.name, self._publish(s, now, access=True), now)
                     if self.hit[row] >= 0 and self._counted[row]:
                         self._record_load_time(s.nbytes, bool(self.hit[row]))
@@ -638,8 +683,7 @@ class Simulator:
         else:
             if self.system.inclusive:
                 segment = min((self._query[row] + self._answer[row]) * self.bytes_per_token, nbytes)
-                self._ssd(now, segment)
-                self._ssd_write += segment
+                self._ssd_write(now, segment)
                 s.on_ssd = True
             else:
                 s.on_ssd = False  # the stale SSD copy (if any) is superseded
@@ -651,8 +695,7 @@ class Simulator:
                     self._host_used -= old
                     self.eviction.on_remove(s.name)
                 if not self.system.inclusive:
-                    self._ssd(now, nbytes)
-                    self._ssd_write += nbytes
+                    self._ssd_write(now, nbytes)
                     s.on_ssd = True
         s.nbytes = nbytes
         s.tokens = tokens
@@ -683,8 +726,7 @@ class Simulator:
             v.in_host = False
             self._host_used -= v.nbytes
             if not v.on_ssd:
-                self._ssd(now, v.nbytes)
-                self._ssd_write += v.nbytes
+                self._ssd_write(now, v.nbytes)
                 v.on_ssd = True
             self.eviction.on_remove(name)
             self._publish(v, now)
@@ -762,7 +804,7 @@ class Simulator:
             accesses=self._accesses,
             host_hits=self._hits,
             ssd_read_bytes=self._ssd_read,
-            ssd_write_bytes=self._ssd_write,
+            ssd_write_bytes=self._ssd_written,
             recomputed_tokens=self._recomputed,
             gpu_busy=self._busy / makespan if makespan > 0 else 0.0,
             makespan=makespan,

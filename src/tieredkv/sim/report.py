@@ -29,16 +29,54 @@ import numpy as np
 
 from ..policies import make_eviction
 from .analysis import answer_groups, live_kv, reuse_distances, share_beyond
+from .calibration import calibration_rows, paper_setup
 from .costmodel import get_model
 from .engine import SimConfig, SimResult
 from .replay import replay
-from .sweep import Job, run_jobs, throughput
+from .sweep import Job, curve_throughput, run_curves
+from .synthetic import SyntheticWorkload, describe
 from .systems import ABLATIONS, SystemSpec, get_system
 from .workloads import WorkloadSpec
 
-__all__ = ["ReproduceOptions", "ReproduceReport", "reproduce", "summary_table"]
+__all__ = [
+    "SYNTHETIC_RATES",
+    "TRACE_FRACTIONS",
+    "ReproduceOptions",
+    "ReproduceReport",
+    "default_rates",
+    "default_slo",
+    "reproduce",
+    "summary_table",
+]
 
 REPLAY_POLICIES = ("fifo", "lru", "lfu", "queue-enhanced", "bidaw", "belady")
+
+SYNTHETIC_RATES = (10.0, 15.0, 20.0, 25.0, 30.0, 35.0, 40.0)
+"""Default sweep of generated workloads (synthetic, ShareGPT), users per minute."""
+
+TRACE_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1.0)
+"""Default sweep of a recorded trace, as fractions of its native users per minute: never
+above what the trace carries, and down to where one GPU keeps up with it."""
+
+PAPER_SLO = 5.0
+"""The paper's mean-latency SLO, seconds, for answers of 44 tokens on average."""
+_PAPER_ANSWER = 44.0
+
+
+def default_rates(workload: WorkloadSpec) -> tuple[float, ...]:
+    """The sweep ``reproduce`` runs when none is given: :data:`SYNTHETIC_RATES` for
+    generated workloads, :data:`TRACE_FRACTIONS` of the native rate for a trace."""
+    native = workload.native_rate()
+    if native is None:
+        return SYNTHETIC_RATES
+    return tuple(round(native * f, 2) for f in TRACE_FRACTIONS)
+
+
+def default_slo(mean_answer: float) -> float:
+    """The paper's 5 s SLO, stretched for workloads whose answers are longer than the
+    industrial trace's 44 tokens on average (decoding time grows with the answer):
+    ``5 * max(1, mean_answer / 44)`` seconds."""
+    return PAPER_SLO * max(1.0, mean_answer / _PAPER_ANSWER)
 
 
 class ReproduceOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -47,9 +85,10 @@ class ReproduceOptions(msgspec.Struct, frozen=True, kw_only=True):
     :param workload: the workload
     :param config: model, GPU, host memory, SSD and engine settings
     :param systems: system presets of the main comparison
-    :param rates: arrival rates swept, users per minute
+    :param rates: arrival rates swept, users per minute (``None``: :func:`default_rates`)
     :param rate: reference rate of the single-rate experiments (``None``: see the module)
-    :param slo: mean-latency SLO of the throughput metric, seconds
+    :param slo: mean-latency SLO of the throughput metric, seconds (``None``: 5, or for a
+        trace or ShareGPT :func:`default_slo` of its mean answer length)
     :param host_sizes: host-memory sizes of the sensitivity experiment, GB
     :param ssd_bandwidths: SSD bandwidths of the sensitivity experiment, GB/s
     :param sensitivity_systems: systems of the sensitivity experiments
@@ -59,9 +98,9 @@ class ReproduceOptions(msgspec.Struct, frozen=True, kw_only=True):
     workload: WorkloadSpec = msgspec.field(default_factory=WorkloadSpec)
     config: SimConfig = msgspec.field(default_factory=SimConfig)
     systems: tuple[str, ...] = ("vllm", "cachedattention", "flashgen", "bidaw", "ideal")
-    rates: tuple[float, ...] = (10, 15, 20, 25, 30, 35, 40)
+    rates: tuple[float, ...] | None = None
     rate: float | None = None
-    slo: float = 5.0
+    slo: float | None = None
     host_sizes: tuple[float, ...] = (120, 160, 200)
     ssd_bandwidths: tuple[float, ...] = (1.5, 5.0)
     sensitivity_systems: tuple[str, ...] = ("flashgen", "bidaw")
@@ -74,7 +113,7 @@ class ReproduceReport(msgspec.Struct, kw_only=True):
     :param options: what ran
     :param reference_rate: the single-rate experiments' rate, users per minute
     :param live: per rate, (mean live KV bytes, host bytes / mean live KV)
-    :param sweep: per system name, one result per rate (``options.rates`` order)
+    :param sweep: per system name, one result per rate (``rates`` order)
     :param throughputs: per system name, users per minute at the SLO
     :param replay_hits: per eviction policy, (hit ratio, byte hit ratio)
     :param ablation: per step name, (result at the reference rate, throughput)
@@ -84,6 +123,12 @@ class ReproduceReport(msgspec.Struct, kw_only=True):
     :param spearman: Spearman correlation of answer length and lower bound
     :param beyond_host: share of accesses whose reuse distance exceeds host memory
     :param load_cv: per system name, KV load-time CV at the reference rate
+    :param rates: the rates swept (sorted), users per minute
+    :param slo: the SLO of the throughput metric, seconds
+    :param native_rate: users per minute of a recorded trace (``None``: generated)
+    :param shape: the workload's shape (:func:`~tieredkv.sim.synthetic.describe`) at the
+        reference rate, and (for a trace or ShareGPT) the synthetic workload's at the same
+        rate, keyed ``"workload"`` and ``"synthetic"``
     :param seconds: wall time of the run
     :param plots: figure file names written (empty without matplotlib)
     """
@@ -101,6 +146,10 @@ class ReproduceReport(msgspec.Struct, kw_only=True):
     spearman: float
     beyond_host: float
     load_cv: dict[str, float]
+    rates: tuple[float, ...] = ()
+    slo: float = PAPER_SLO
+    native_rate: float | None = None
+    shape: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
     seconds: float = 0.0
     plots: list[str] = msgspec.field(default_factory=list)
 
@@ -124,7 +173,8 @@ def reproduce(
     model = get_model(base.model)
     kv_bpt = model.kv_bytes_per_token
     host_bytes = base.host_gb * 1e9
-    rates = tuple(sorted(opts.rates))
+    native = wl.native_rate()
+    rates = tuple(sorted(opts.rates if opts.rates is not None else default_rates(wl)))
     if not rates:
         raise ValueError("give at least one arrival rate")
 
@@ -139,6 +189,16 @@ def reproduce(
     if ref is None:
         under = [r for r in rates if live[r][1] < 0.5]
         ref = under[0] if under else rates[-1]
+    ref_turns = wl.turns(ref)
+    shape = {"workload": describe(ref_turns)}
+    if wl.kind != "synthetic":
+        users = max(1, round(ref * wl.minutes))
+        synthetic = SyntheticWorkload(users=users, arrival_rate=ref / 60, seed=wl.seed)
+        shape["synthetic"] = describe(synthetic.generate())
+    slo = opts.slo
+    if slo is None:  # the synthetic workload is the paper's shape: its SLO as is
+        answer = shape["workload"].get("answer_mean", _PAPER_ANSWER)
+        slo = PAPER_SLO if wl.kind == "synthetic" else default_slo(answer)
 
     # every simulation, deduplicated (a preset and an equal ablation step run once)
     jobs: dict[bytes, Job] = {}
@@ -168,20 +228,28 @@ def reproduce(
         }
         for name in opts.sensitivity_systems
     }
-    keys = list(jobs)
+    # curves measured only for a throughput (ablation, sensitivity) stop at their first
+    # rate past the SLO; the main sweep runs every rate (its table shows them all)
+    full = list(sweep_keys.values())
+    partial = [
+        *ablation_keys.values(),
+        *(ks for per in host_keys.values() for ks in per.values()),
+        *(ks for per in ssd_keys.values() for ks in per.values()),
+    ]
+    must = {k for ks in full for k in ks}
+    must |= {ks[rate_set.index(ref)] for ks in ablation_keys.values()}
     sim_share = 0.9
 
     def sim_progress(f: float) -> None:
         if progress is not None:
             progress(sim_share * f)
 
-    results = dict(
-        zip(keys, run_jobs([jobs[k] for k in keys], workers=opts.workers, progress=sim_progress),
-            strict=True)
-    )  # fmt: skip
+    results = run_curves(
+        jobs, [*full, *partial], slo, must=must, workers=opts.workers, progress=sim_progress
+    )
 
     def tput(ks: Sequence[bytes], rs: Sequence[float]) -> float:
-        return throughput(rs, [results[k].latency_mean for k in ks], opts.slo)
+        return curve_throughput(results, ks, rs, slo)
 
     sweep = {name: [results[k] for k in ks] for name, ks in sweep_keys.items()}
     throughputs = {name: tput(ks, rates) for name, ks in sweep_keys.items()}
@@ -202,7 +270,7 @@ def reproduce(
     }
 
     # eviction-only replay and the reuse-distance analysis at the reference rate
-    turns = wl.turns(ref)
+    turns = ref_turns
     replay_hits: dict[str, tuple[float, float]] = {}
     first = int(np.searchsorted(turns.time, base.warmup))
     for name in REPLAY_POLICIES:
@@ -241,6 +309,10 @@ def reproduce(
         spearman=g.spearman,
         beyond_host=share_beyond(d, host_bytes),
         load_cv=load_cv,
+        rates=rates,
+        slo=slo,
+        native_rate=native,
+        shape=shape,
         seconds=time.monotonic() - started,
     )
 
@@ -263,7 +335,7 @@ def summary_table(report: ReproduceReport) -> str:
     """The report's summary: per system, throughput at the SLO and latency at the
     reference rate (Markdown)."""
     ref = report.reference_rate
-    rates = sorted(report.options.rates)
+    rates = list(report.rates)
     rows: list[list[object]] = []
     bidaw_tp = report.throughputs.get("bidaw")
     for name, results in report.sweep.items():
@@ -287,7 +359,7 @@ def summary_table(report: ReproduceReport) -> str:
     return _table(
         [
             "system",
-            f"throughput (users/min, mean latency <= {report.options.slo:g} s)",
+            f"throughput (users/min, mean latency <= {report.slo:g} s)",
             "bidaw's throughput over it",
             f"mean latency @ {ref:g}/min (s)",
             "P90 (s)",
@@ -306,7 +378,7 @@ def render_markdown(report: ReproduceReport, command: str) -> str:
     o = report.options
     c = _measure(o.config, o.workload)
     ref = report.reference_rate
-    rates = sorted(o.rates)
+    rates = list(report.rates)
     plots = set(report.plots)
 
     def fig(name: str, caption: str) -> str:
@@ -336,11 +408,16 @@ def render_markdown(report: ReproduceReport, command: str) -> str:
                 ["SSD bandwidth (GB/s)", c.ssd_gbps],
                 ["history cap (tokens)", c.history_cap],
                 ["turns counted from / to (s)", f"{c.warmup:g} / {c.until if c.until else 'end'}"],
-                ["latency SLO of the throughput metric (s)", o.slo],
+                ["latency SLO of the throughput metric (s)", report.slo],
                 ["reference rate (users/min)", ref],
+                [
+                    "native rate of the trace (users/min)",
+                    report.native_rate if report.native_rate is not None else "- (generated)",
+                ],
             ],
         )
     )
+    out.append(_shape_section(report))
     out.append("\nLoad: mean live KV (K/V bytes of every active conversation) per rate.\n")
     out.append(
         _table(
@@ -350,6 +427,7 @@ def render_markdown(report: ReproduceReport, command: str) -> str:
     )
     out.append("\n## Summary\n")
     out.append(summary_table(report))
+    out.append(_calibration_section(report, c))
 
     out.append("\n\n## 1. Response latency vs arrival rate\n")
     out.append(fig("latency_vs_rate.png", "mean latency vs arrival rate"))
@@ -465,6 +543,84 @@ def render_markdown(report: ReproduceReport, command: str) -> str:
     return "\n".join(out)
 
 
+_SHAPE_ROWS = (
+    ("users", "users"),
+    ("turns", "turns"),
+    ("rate_mean", "new users per minute, mean"),
+    ("rate_peak", "new users per minute, busiest 10 minutes"),
+    ("turns_mean", "turns per user, mean"),
+    ("turns_median", "turns per user, median"),
+    ("turns_p90", "turns per user, P90"),
+    ("query_mean", "query tokens, mean"),
+    ("answer_mean", "answer tokens, mean"),
+    ("gap_p10", "think time between turns (s), P10"),
+    ("gap_median", "think time between turns (s), median"),
+    ("gap_p90", "think time between turns (s), P90"),
+    ("final_context_median", "final context per user (tokens), median"),
+    ("final_context_p90", "final context per user (tokens), P90"),
+)
+
+
+def _shape_section(report: ReproduceReport) -> str:
+    """The workload's shape at the reference rate, next to the synthetic stand-in's."""
+    shapes = report.shape
+    if not shapes:
+        return ""
+    names = list(shapes)
+    header = ["statistic", *("this workload" if n == "workload" else n for n in names)]
+    nan = float("nan")
+    rows = [[label, *(shapes[n].get(key, nan) for n in names)] for key, label in _SHAPE_ROWS]
+    text = f"\nWorkload shape at {report.reference_rate:g} users/min"
+    if "synthetic" in shapes:
+        text += (
+            " next to the synthetic workload's at the same rate (the stand-in the paper's "
+            "figures are calibrated on): where they differ, so will the results"
+        )
+    if report.native_rate is not None:
+        text += (
+            f". The trace carries {report.native_rate:.1f} users per minute; a rate below "
+            "it keeps that fraction of its users (Bidaw format) or stretches its time "
+            "(Mooncake)"
+        )
+    return text + ".\n\n" + _table(header, rows) + "\n"
+
+
+def _calibration_section(report: ReproduceReport, config: SimConfig) -> str:
+    """The paper's anchors next to this run's (only meaningful in the paper's setup)."""
+    out = ["\n\n## Paper vs simulated\n"]
+    if (
+        not paper_setup(config)
+        or config.ssd_gbps != 1.5
+        or report.options.workload.kind != ("synthetic")
+    ):
+        out.append(
+            "The paper's anchors were measured with OPT-13B on an A800, 200 GB of host memory "
+            "and a 1.5 GB/s SSD on the authors' trace, which the synthetic workload stands "
+            "in for; this run differs, so they are not compared.\n"
+        )
+        return "\n".join(out)
+    rows = calibration_rows(report.rates, report.sweep, report.ssd_bandwidth, report.slo)
+    out.append(
+        "The supported rates come from sections 1 and 6 (interpolated on the swept rates); "
+        "`docs/explanation/simulator.md` explains where they differ.\n"
+    )
+    out.append(
+        _table(
+            ["figure", "paper", "simulated", "simulated / paper"],
+            [
+                [
+                    r.figure,
+                    r.paper,
+                    r.simulated,
+                    f"{r.deviation:+.0%}" if np.isfinite(r.simulated) else "-",
+                ]
+                for r in rows
+            ],
+        )
+    )
+    return "\n".join(out)
+
+
 def write_report(report: ReproduceReport, out_dir: str | os.PathLike[str], command: str) -> Path:
     """Write ``report.md`` (and PNG figures when matplotlib is available) into
     ``out_dir``; returns the Markdown file's path."""
@@ -484,8 +640,7 @@ def _plots(report: ReproduceReport, out: Path) -> list[str]:
         import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         return []
-    o = report.options
-    rates = sorted(o.rates)
+    rates = list(report.rates)
     written: list[str] = []
 
     def save(fig: Any, name: str) -> None:
@@ -497,7 +652,7 @@ def _plots(report: ReproduceReport, out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for name, results in report.sweep.items():
         ax.plot(rates, [r.latency_mean for r in results], marker="o", label=name)
-    ax.axhline(o.slo, color="grey", linestyle="--", linewidth=1, label=f"SLO {o.slo:g} s")
+    ax.axhline(report.slo, color="grey", linestyle="--", linewidth=1, label=f"SLO {report.slo:g} s")
     ax.set_yscale("log")
     ax.set_xlabel("arrival rate (users per minute)")
     ax.set_ylabel("mean response latency (s)")
@@ -523,7 +678,7 @@ def _plots(report: ReproduceReport, out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(7.2, 3.8))
     steps = list(report.ablation)
     ax.barh(steps[::-1], [report.ablation[s][1] for s in steps][::-1], color="tab:green")
-    ax.set_xlabel(f"throughput (users/min, mean latency <= {o.slo:g} s)")
+    ax.set_xlabel(f"throughput (users/min, mean latency <= {report.slo:g} s)")
     save(fig, "ablation.png")
 
     for fname, data, xlabel in (

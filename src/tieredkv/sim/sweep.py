@@ -10,8 +10,9 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence, Set
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import TypeVar
 
 import msgspec
 
@@ -19,7 +20,9 @@ from .engine import SimConfig, SimResult, simulate
 from .systems import SystemSpec
 from .workloads import WorkloadSpec
 
-__all__ = ["Job", "run_job", "run_jobs", "throughput"]
+__all__ = ["Job", "curve_throughput", "run_curves", "run_job", "run_jobs", "throughput"]
+
+_K = TypeVar("_K", bound=Hashable)
 
 
 class Job(msgspec.Struct, frozen=True, kw_only=True):
@@ -105,3 +108,59 @@ def throughput(rates: Sequence[float], latencies: Sequence[float], slo: float) -
     if pairs and pairs[-1][1] <= slo:
         return pairs[-1][0]
     return best
+
+
+def run_curves(
+    jobs: Mapping[_K, Job],
+    curves: Sequence[Sequence[_K]],
+    slo: float,
+    *,
+    must: Set[_K] = frozenset(),
+    workers: int | None = None,
+    progress: Callable[[float], None] | None = None,
+) -> dict[_K, SimResult]:
+    """Run latency-vs-rate curves, each stopping at its first rate past ``slo``.
+
+    A curve is a sequence of job keys in ascending rate. Its throughput
+    (:func:`curve_throughput`) cannot change past the first rate whose mean latency
+    misses the SLO, and saturated runs are the slowest, so later rates are skipped unless
+    in ``must``. Rates run in phases (every curve's first rate, then every second...), each
+    phase in ``workers`` processes; a key shared by several curves runs once.
+
+    :returns: the result of every job that ran, by key
+    """
+    results: dict[_K, SimResult] = {}
+    total = sum(jobs[k].weight() for k in {k for ks in curves for k in ks}) or 1.0
+    done = 0.0
+    for step in range(max((len(ks) for ks in curves), default=0)):
+        wanted: dict[_K, None] = {}
+        for ks in curves:
+            if step < len(ks) and (
+                ks[step] in must or all(_meets(results.get(k), slo) for k in ks[:step])
+            ):
+                wanted[ks[step]] = None
+        todo = [k for k in wanted if k not in results]
+        weight = sum(jobs[k].weight() for k in todo)
+
+        def phase(f: float, before: float = done, weight: float = weight) -> None:
+            if progress is not None:
+                progress((before + f * weight) / total)
+
+        results.update(zip(todo, run_jobs([jobs[k] for k in todo], workers=workers,
+                                          progress=phase), strict=True))  # fmt: skip
+        done += weight
+    if progress is not None:
+        progress(1.0)
+    return results
+
+
+def curve_throughput(
+    results: Mapping[_K, SimResult], keys: Sequence[_K], rates: Sequence[float], slo: float
+) -> float:
+    """:func:`throughput` on the prefix of a curve that :func:`run_curves` ran."""
+    n = next((i for i, k in enumerate(keys) if k not in results), len(keys))
+    return throughput(rates[:n], [results[k].latency_mean for k in keys[:n]], slo)
+
+
+def _meets(result: SimResult | None, slo: float) -> bool:
+    return result is not None and result.latency_mean <= slo

@@ -109,8 +109,9 @@ def _lognormal_int(
 def describe(turns: Turns) -> dict[str, float]:
     """The shape statistics the synthetic workload is calibrated on, measured on ``turns``:
     turns per user (mean, median, P90), query and answer tokens (mean, max), gap between a
-    user's consecutive turns (P10, median, P90, in seconds), and final context per user
-    (median, P90, tokens)."""
+    user's consecutive turns (P10, median, P90, in seconds), final context per user
+    (median, P90, tokens), and the arrival of new users: ``rate_mean`` (users per minute,
+    first arrival to last) and ``rate_peak`` (the busiest 10 minutes, users per minute)."""
     if not len(turns):
         return {}
     _, per_user = np.unique(turns.user, return_counts=True)
@@ -137,4 +138,19 @@ def describe(turns: Turns) -> dict[str, float]:
     if len(gaps):
         p10, p50, p90 = np.percentile(gaps, [10, 50, 90])
         out.update(gap_p10=float(p10), gap_median=float(p50), gap_p90=float(p90))
+    out.update(_arrivals(np.sort(turns.time[by_user][np.r_[True, ~same]])))
     return out
+
+
+_PEAK_WINDOW = 600.0  # seconds: the window of ``rate_peak``
+
+
+def _arrivals(first: np.ndarray[tuple[int], np.dtype[np.float64]]) -> dict[str, float]:
+    """Mean and peak (busiest 10-minute window) users per minute of sorted first arrivals."""
+    span = float(first[-1] - first[0])
+    mean = len(first) / (span / 60.0) if span > 0 else float(len(first))
+    if span <= _PEAK_WINDOW:
+        return {"rate_mean": mean, "rate_peak": mean}
+    ends = np.searchsorted(first, first + _PEAK_WINDOW, side="left")
+    busiest = int((ends - np.arange(len(first))).max())
+    return {"rate_mean": mean, "rate_peak": busiest / (_PEAK_WINDOW / 60.0)}

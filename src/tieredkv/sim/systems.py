@@ -4,10 +4,12 @@ A :class:`SystemSpec` names the parts; the presets are the paper's baselines and
 
 ======================  ======================================================================
 ``vllm``                no KV cache: every turn recomputes its history (FCFS)
-``cachedattention``     host + SSD, exclusive; FCFS; queue-enhanced eviction (window 30);
-                        host -> GPU loads overlapped layer by layer with prefill
+``cachedattention``     host + SSD, exclusive; FCFS with look-ahead prefetching (the loads of
+                        the next 30 queued requests, in queue order); queue-enhanced
+                        eviction (window 30); host -> GPU loads overlapped layer by layer
+                        with prefill; asynchronous saves (SSD writes yield to loads)
 ``flashgen``            host + SSD, inclusive (every new segment written through to SSD, so
-                        evicting a KV never writes); FCFS; LRU
+                        evicting a KV never writes); FCFS; LRU; saves in line with loads
 ``bidaw``               CachedAttention's layout with Bidaw's three mechanisms: dual-queue
                         disk-HRRN scheduling, previous-answer eviction, and the normalized
                         activation cached instead of K/V when the model is MHA
@@ -22,11 +24,16 @@ switches of ``bidaw`` are overrides: ``scheduler="fcfs"``, ``eviction="queue-enh
 
 from __future__ import annotations
 
+import heapq
 from typing import Any
 
 import msgspec
 
-__all__ = ["ABLATIONS", "SYSTEMS", "SystemSpec", "get_system"]
+from ..policies._loads import Load
+from ..policies.fcfs import FCFS
+from ..policies.scheduling import Request
+
+__all__ = ["ABLATIONS", "SYSTEMS", "LookAheadFCFS", "SystemSpec", "get_system"]
 
 
 class SystemSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -46,6 +53,19 @@ class SystemSpec(msgspec.Struct, frozen=True, kw_only=True):
     :param hrrn_by_time: rank disk-HRRN by estimated load time (the SSD bandwidth is passed
         to the scheduler) rather than by bytes
     :param eviction_kwargs: extra constructor arguments of the eviction policy
+    :param prefetch_window: with the ``fcfs`` scheduler, start SSD loads only for the next
+        ``prefetch_window`` queued requests (CachedAttention's look-ahead prefetching window;
+        :class:`LookAheadFCFS`); ``None``: for every queued request, in arrival order
+    :param prefetch: with the ``fcfs`` scheduler, start the loads of queued requests ahead of
+        time; ``False``: a request's load starts when the engine asks for it (on demand)
+    :param background_writes: SSD writes (demotions, write-through) are asynchronous
+        saves: they wait in a host write buffer (``SimConfig.write_buffer_gb``) and use the
+        SSD only while no load needs it; otherwise every transfer, read or write, queues in
+        one FIFO
+    :param protect_ready: the engine shields the KV of queued requests that the scheduler
+        counts on being in host memory (``ready_sessions()``) from eviction; ``False``
+        protects only the running requests, and an evicted ready request recomputes its
+        history (what an engine that does not talk to its cache does)
     """
 
     name: str
@@ -58,6 +78,10 @@ class SystemSpec(msgspec.Struct, frozen=True, kw_only=True):
     max_loads: int = 1
     hrrn_by_time: bool = True
     eviction_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+    prefetch_window: int | None = None
+    prefetch: bool = True
+    background_writes: bool = False
+    protect_ready: bool = True
 
     def __post_init__(self) -> None:
         if self.cache not in ("none", "two-tier", "host-only"):
@@ -66,13 +90,67 @@ class SystemSpec(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.max_loads < 1:
             raise ValueError(f"max_loads must be >= 1 (got {self.max_loads})")
+        if self.prefetch_window is not None and self.prefetch_window < 1:
+            raise ValueError(
+                f"prefetch_window must be >= 1 queued requests, or None (got "
+                f"{self.prefetch_window})"
+            )
+
+
+class LookAheadFCFS(FCFS):
+    """FCFS whose SSD loads start only for the next ``window`` queued requests.
+
+    CachedAttention (Gao et al., USENIX ATC'24, section 3.3) prefetches, from SSD into host
+    memory, the KV of the jobs inside a look-ahead window of its FCFS job queue, in queue
+    order, so that loads overlap the running jobs without filling host memory with KV that
+    runs much later. This is :class:`~tieredkv.policies.FCFS` (``prefetch=True``) with that
+    window. A request's place in the queue is the number of requests submitted before it
+    and not yet handed out, so requests must be submitted in arrival order (the simulator
+    does; a request submitted out of order makes the window approximate, never unsafe).
+
+    :param max_loads: loads in flight at most
+    :param window: queued requests (from the head) whose loads may start
+    """
+
+    name = "fcfs-lookahead"
+
+    def __init__(self, max_loads: int = 1, *, window: int = 30) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1 queued requests (got {window})")
+        super().__init__(max_loads, prefetch=True)
+        self.window = window
+        self._handed = 0  # requests handed out so far
+
+    def _next_load(self, now: float) -> Load | None:
+        queue = self._load_queue
+        while queue:
+            load = queue[0][1]
+            if load.done:
+                heapq.heappop(queue)  # finished before it was started
+                continue
+            # entries are numbered 1, 2, ... at submission: the head's number is handed + 1
+            if load.entries[0].key[1] - 1 - self._handed >= self.window:
+                return None
+            heapq.heappop(queue)
+            return load
+        return None
+
+    def _hand_out(self, request: Request) -> None:
+        super()._hand_out(request)
+        self._handed += 1
 
 
 SYSTEMS: dict[str, SystemSpec] = {
     s.name: s
     for s in (
         SystemSpec(name="vllm", cache="none", scheduler="fcfs", eviction="lru"),
-        SystemSpec(name="cachedattention", scheduler="fcfs", eviction="queue-enhanced"),
+        SystemSpec(
+            name="cachedattention",
+            scheduler="fcfs",
+            eviction="queue-enhanced",
+            prefetch_window=30,
+            background_writes=True,
+        ),
         SystemSpec(
             name="flashgen",
             scheduler="fcfs",
@@ -80,22 +158,30 @@ SYSTEMS: dict[str, SystemSpec] = {
             inclusive=True,
             layerwise_overlap=False,
         ),
-        SystemSpec(name="bidaw", scheduler="bidaw", eviction="bidaw", storage_efficient=True),
+        SystemSpec(
+            name="bidaw",
+            scheduler="bidaw",
+            eviction="bidaw",
+            storage_efficient=True,
+            background_writes=True,
+        ),
         SystemSpec(name="ideal", cache="host-only", scheduler="fcfs", eviction="lru"),
     )
 }
 """The presets, by name."""
 
 ABLATIONS: list[SystemSpec] = [
-    SystemSpec(name="cachedattention", scheduler="fcfs", eviction="queue-enhanced"),
-    SystemSpec(name="+io-aware scheduling", scheduler="bidaw", eviction="queue-enhanced"),
-    SystemSpec(name="+answer-based eviction", scheduler="bidaw", eviction="bidaw"),
+    SYSTEMS["cachedattention"],
     SystemSpec(
-        name="+storage-efficient tensors (bidaw)",
+        name="+io-aware scheduling",
         scheduler="bidaw",
-        eviction="bidaw",
-        storage_efficient=True,
+        eviction="queue-enhanced",
+        background_writes=True,
     ),
+    SystemSpec(
+        name="+answer-based eviction", scheduler="bidaw", eviction="bidaw", background_writes=True
+    ),
+    msgspec.structs.replace(SYSTEMS["bidaw"], name="+storage-efficient tensors (bidaw)"),
 ]
 """The paper's ablation: CachedAttention, then Bidaw's mechanisms added one at a time."""
 

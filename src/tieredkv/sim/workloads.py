@@ -409,6 +409,8 @@ class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True):
         (``users = rate * minutes``)
     :param sharegpt_limit: ShareGPT conversations read at most (``None``: all)
     :param seed: base seed (generation, sampling)
+    :param answer_scale: ``synthetic``: answer lengths (median and maximum) times this
+        factor (the sensitivity study's knob; the think time grows with them too)
     """
 
     kind: str = "synthetic"
@@ -416,6 +418,7 @@ class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True):
     minutes: float = 40.0
     sharegpt_limit: int | None = 20000
     seed: int = 0
+    answer_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOAD_KINDS:
@@ -426,14 +429,20 @@ class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"the {self.kind} workload needs trace files (paths)")
         if self.minutes <= 0:
             raise ValueError(f"minutes must be positive (got {self.minutes})")
+        if self.answer_scale <= 0:
+            raise ValueError(f"answer_scale must be positive (got {self.answer_scale})")
 
     def native_rate(self) -> float | None:
-        """Users per minute of the trace as recorded (``None`` for generated workloads)."""
+        """New users per minute of the trace as recorded: users over the span of their
+        first turns (``None`` for generated workloads)."""
         if self.kind not in ("bidaw", "mooncake"):
             return None
         turns = self._full()
-        span = float(turns.time.max() - turns.time.min()) / 60.0
-        return turns.users() / span if span > 0 else float(turns.users())
+        by_user = np.lexsort((turns.time, turns.user))
+        users = turns.user[by_user]
+        first = turns.time[by_user][np.r_[True, users[1:] != users[:-1]]]
+        span = float(first.max() - first.min()) / 60.0
+        return len(first) / span if span > 0 else float(len(first))
 
     def turns(self, rate: float) -> Turns:
         """The workload at ``rate`` users per minute.
@@ -448,7 +457,14 @@ class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"rate must be positive users per minute (got {rate})")
         if self.kind == "synthetic":
             users = max(1, round(rate * self.minutes))
-            return SyntheticWorkload(users=users, arrival_rate=rate / 60, seed=self.seed).generate()
+            base = SyntheticWorkload(users=users, arrival_rate=rate / 60, seed=self.seed)
+            if self.answer_scale != 1.0:
+                base = msgspec.structs.replace(
+                    base,
+                    answer_median=base.answer_median * self.answer_scale,
+                    answer_max=max(1, round(base.answer_max * self.answer_scale)),
+                )
+            return base.generate()
         if self.kind == "sharegpt":
             users = max(1, round(rate * self.minutes))
             path = self.paths[0] if self.paths else None

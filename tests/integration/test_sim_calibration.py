@@ -1,0 +1,86 @@
+"""The simulator against the paper's own figures, on the synthetic workload (OPT-13B, A800,
+200 GB of host memory, 5 s mean-latency SLO; 40 minutes of arrivals, steady state counted,
+as ``tieredkv reproduce`` runs it).
+
+A supported rate within +-15% of the paper's is pinned by two runs: at 0.85x the paper's
+rate the system meets the SLO, at 1.15x it misses it. FlashGen comes out 20-25% above the
+paper (``docs/explanation/simulator.md``, "Calibration", says why): its band is pinned at
+[0.85x, 1.3x] so that it cannot drift further unnoticed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tieredkv.sim.calibration import PAPER_LATENCY_RATIO, PAPER_RATES
+from tieredkv.sim.engine import SimConfig, SimResult
+from tieredkv.sim.report import _measure
+from tieredkv.sim.sweep import Job, run_jobs
+from tieredkv.sim.systems import get_system
+from tieredkv.sim.workloads import WorkloadSpec
+
+SLO = 5.0
+WORKLOAD = WorkloadSpec()  # synthetic, 40 minutes, seed 0
+BANDS = {"bidaw": (0.85, 1.15), "flashgen": (0.85, 1.3)}
+
+
+def fg_high(bw: float) -> float:
+    """The top of FlashGen's band: 1.3x its paper rate."""
+    return round(PAPER_RATES["flashgen", bw] * BANDS["flashgen"][1], 2)
+
+
+def config(bw: float) -> SimConfig:
+    return _measure(SimConfig(ssd_gbps=bw), WORKLOAD)
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[tuple[str, float, float], SimResult]:
+    keys = [
+        (name, bw, round(PAPER_RATES[name, bw] * f, 2))
+        for (name, bw) in PAPER_RATES
+        for f in BANDS[name]
+    ]
+    keys += [("bidaw", bw, fg_high(bw)) for bw in (1.5, 5.0)]
+    keys += [("flashgen", 5.0, fg_high(1.5))]
+    jobs = [
+        Job(workload=WORKLOAD, rate=rate, system=get_system(name), config=config(bw))
+        for name, bw, rate in keys
+    ]
+    return dict(zip(keys, run_jobs(jobs, workers=2), strict=True))
+
+
+@pytest.mark.parametrize(("name", "bw"), list(PAPER_RATES), ids=lambda v: str(v))
+def test_supported_rate_within_the_band_of_the_paper(
+    runs: dict[tuple[str, float, float], SimResult], name: str, bw: float
+) -> None:
+    lo, hi = BANDS[name]
+    paper = PAPER_RATES[name, bw]
+    below = runs[name, bw, round(paper * lo, 2)].latency_mean
+    above = runs[name, bw, round(paper * hi, 2)].latency_mean
+    assert below <= SLO, f"{name} @ {bw} GB/s misses the SLO at {lo}x the paper's rate"
+    assert above > SLO, f"{name} @ {bw} GB/s still meets the SLO at {hi}x the paper's rate"
+
+
+def test_rankings_go_the_papers_way(runs: dict[tuple[str, float, float], SimResult]) -> None:
+    """Bidaw supports more users than FlashGen at both bandwidths (where FlashGen misses
+    the SLO, Bidaw meets it, with a higher host hit ratio), and both gain from a faster
+    SSD (where FlashGen misses at 1.5 GB/s, it meets the SLO at 5 GB/s)."""
+    for bw in (1.5, 5.0):
+        rate = fg_high(bw)
+        assert runs["flashgen", bw, rate].latency_mean > SLO
+        assert runs["bidaw", bw, rate].latency_mean <= SLO
+        assert runs["bidaw", bw, rate].host_hit_ratio > runs["flashgen", bw, rate].host_hit_ratio
+    assert runs["flashgen", 1.5, fg_high(1.5)].latency_mean > SLO
+    assert runs["flashgen", 5.0, fg_high(1.5)].latency_mean <= SLO
+
+
+def test_latency_ratio_has_the_papers_magnitude(
+    runs: dict[tuple[str, float, float], SimResult],
+) -> None:
+    """Just past FlashGen's knee (1.3x its paper rate, 1.5 GB/s), its mean latency over
+    Bidaw's is within a factor of two of the paper's largest ratio, 3.58x (below the knee
+    both are near their service times; far past it a queue, and any ratio, grows without
+    bound)."""
+    rate = fg_high(1.5)
+    ratio = runs["flashgen", 1.5, rate].latency_mean / runs["bidaw", 1.5, rate].latency_mean
+    assert PAPER_LATENCY_RATIO / 2 <= ratio <= PAPER_LATENCY_RATIO * 2, ratio
