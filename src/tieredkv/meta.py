@@ -113,6 +113,7 @@ def advance_meta(
     codec: str = "kv",
     next_access: float | EllipsisType | None = ...,
     restart: bool = False,
+    accesses: int | None = None,
 ) -> KVMeta:
     """The session's next :class:`KVMeta`, from the previous one and what just changed.
 
@@ -121,7 +122,8 @@ def advance_meta(
     counts one more access at ``now``; ``answer`` (an append) replaces the previous answer
     length; ``next_access`` replaces the oracle's hint (``...`` keeps it); the first
     access time and an in-flight transfer carry over. ``restart`` starts the history's
-    clock afresh (a session rebuilt at open).
+    clock afresh (a session rebuilt at open). ``accesses`` sets the access count where the
+    caller knows it better (a trace replay counts the conversation's rounds).
     """
     fresh = old is None or restart
     return KVMeta(
@@ -136,7 +138,11 @@ def advance_meta(
         ),
         last_access=now if access or old is None else old.last_access,
         created=now if fresh or old is None else old.created,
-        accesses=(old.accesses if old else 0) + (1 if access else 0),
+        accesses=(
+            accesses
+            if accesses is not None
+            else (old.accesses if old else 0) + (1 if access else 0)
+        ),
         in_flight=old.in_flight if old else None,
         next_access=((old.next_access if old else None) if next_access is ... else next_access),
         codec=codec,

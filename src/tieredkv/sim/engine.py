@@ -39,7 +39,7 @@ from typing import Literal, TypeVar
 import msgspec
 import numpy as np
 
-from ..meta import KVMeta, MetadataChannel, TierInfo
+from ..meta import KVMeta, MetadataChannel, TierInfo, advance_meta
 from ..policies.base import Eviction
 from ..policies.registry import make_eviction, make_scheduler
 from ..policies.scheduling import Request, Scheduler
@@ -745,7 +745,6 @@ class Simulator:
         answer: int | None = None,
         next_access: float | None = None,
     ) -> KVMeta:
-        old = self.channel.get(s.name)
         if s.in_host:
             tier: str | None = _HOST
             copies: tuple[str, ...] = (_HOST, _SSD) if s.on_ssd else (_HOST,)
@@ -753,21 +752,19 @@ class Simulator:
             tier, copies = _SSD, (_SSD,)
         else:
             tier, copies = None, ()
-        meta = KVMeta(
+        meta = advance_meta(
+            self.channel.get(s.name),
             session=s.name,
             tier=tier,
             copies=copies,
             nbytes=s.nbytes,
             tokens=s.tokens,
             turns=s.turns,
-            prev_answer_tokens=answer
-            if answer is not None
-            else (old.prev_answer_tokens if old else 0),
-            last_access=now if access or old is None else old.last_access,
-            created=old.created if old else now,
-            accesses=(old.accesses if old else 0) + (1 if access else 0),
-            next_access=next_access if answer is not None else (old.next_access if old else None),
+            now=now,
+            access=access,
+            answer=answer,
             codec=self.codec,
+            next_access=next_access if answer is not None else ...,
         )
         self.channel.put(meta)
         return meta

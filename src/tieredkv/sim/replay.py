@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ..meta import KVMeta, TierInfo
+from ..meta import KVMeta, TierInfo, advance_meta
 from ..policies.base import Eviction
 from .trace import Turns
 
@@ -164,17 +164,19 @@ def replay(
         n = nxt[i]
         nbytes = tokens[i] * bytes_per_token
         history[session] = nbytes
-        meta = KVMeta(
+        meta = advance_meta(
+            metas.get(session),
             session=session,
             tier=_HOST,
             copies=(_HOST,),
             nbytes=nbytes,
             tokens=tokens[i],
             turns=rounds[i] + 1,
-            prev_answer_tokens=answers[i],
-            last_access=now,
-            accesses=rounds[i] + 1,
+            now=now,
+            access=True,
+            answer=answers[i],
             next_access=times[n] if n >= 0 else None,
+            accesses=rounds[i] + 1,
         )
         metas[session] = meta
         view._i = i
