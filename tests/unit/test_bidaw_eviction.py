@@ -202,3 +202,97 @@ def test_departed_sessions_count_against_their_bucket() -> None:
 def test_bad_parameters_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):  # noqa: PT011 (each message names its parameter)
         BidawEviction(**kwargs)  # type: ignore[arg-type]
+
+
+def reference_victims(
+    policy: BidawEviction, resident: dict[str, int], need: int, protected: set[str]
+) -> list[str] | None:
+    """The rule, straightforwardly: every unprotected resident's exact score, ascending
+    (ties: the oldest access first), taken until ``need`` bytes are freed."""
+    ranked = []
+    for session in resident:
+        if session not in protected:
+            rank = policy.rank(session)
+            assert rank is not None
+            ranked.append((rank, session))
+    chosen: list[str] = []
+    freed = 0
+    for _, session in sorted(ranked):
+        if freed >= need:
+            break
+        chosen.append(session)
+        freed += resident[session]
+    return chosen if freed >= need else None
+
+
+def replay_against_reference(
+    policy: BidawEviction,
+    steps: list[tuple[int, int, int, bool]],
+    capacity: int,
+    rng: random.Random,
+) -> int:
+    """Replay accesses as the cache does (access, choose, remove, admit), checking every
+    choice against :func:`reference_victims`; returns how many choices were checked."""
+    policy._tracker = ReuseTracker(min_positions=16)  # compactions happen often
+    view = MetadataChannel([TierInfo(name="host", level=0, capacity=capacity)])
+    resident: dict[str, int] = {}
+    size_of: dict[str, int] = {}
+    turns: dict[str, int] = {}
+    used = checked = 0
+    for t, (i, grow, answer, restart) in enumerate(steps):
+        session = f"s{i}"
+        size_of[session] = grow if restart else size_of.get(session, 0) + grow
+        turns[session] = turns.get(session, 0) + 1
+        m = meta(session, size_of[session], answer, turns[session])
+        policy.on_access(session, m, float(t))
+        old = resident.get(session, 0)
+        need = used - old + size_of[session] - capacity
+        if need > 0:
+            others = [s for s in resident if s != session]
+            protected = {session, *rng.sample(others, min(len(others), rng.randrange(3)))}
+            expected = reference_victims(policy, resident, need, protected)
+            assert policy.victims(need, float(t), view, protected) == expected
+            checked += 1
+            if expected is None:
+                continue
+            for victim in expected:
+                used -= resident.pop(victim)
+                policy.on_remove(victim)
+        used += size_of[session] - old
+        resident[session] = size_of[session]
+        policy.on_admit(session, m, float(t))
+        assert policy.resident_bytes() == used
+    return checked
+
+
+@pytest.mark.parametrize("size_aware", [True, False])
+def test_victims_are_exactly_the_lowest_ranked_on_a_long_workload(size_aware: bool) -> None:
+    """Learned tables, refreshes, overdue residents, shrinking sessions and compactions."""
+    rng = random.Random(7 if size_aware else 8)
+    steps = []
+    for _ in range(4000):
+        i = min(int(rng.paretovariate(0.8)), 80)  # a few hot sessions, a long tail
+        steps.append((i, rng.randint(1, 40), rng.choice((5, 30, 300)), rng.random() < 0.05))
+    policy = BidawEviction(capacity=600, horizon=3.0, refresh_every=64, size_aware=size_aware)
+    checked = replay_against_reference(policy, steps, 600, rng)
+    assert checked > 1000
+    assert policy.table(policy.bucket_of(5)) is not None  # the tables did take part
+    assert policy._tracker.compactions > 10
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 15), st.integers(1, 60), st.integers(1, 400), st.booleans()),
+        min_size=1,
+        max_size=300,
+    ),
+    st.integers(60, 400),
+    st.booleans(),
+    st.randoms(use_true_random=False),
+)
+def test_victims_are_exactly_the_lowest_ranked(
+    steps: list[tuple[int, int, int, bool]], capacity: int, size_aware: bool, rng: random.Random
+) -> None:
+    policy = BidawEviction(capacity=capacity, horizon=3.0, refresh_every=16, size_aware=size_aware)
+    replay_against_reference(policy, steps, capacity, rng)
