@@ -87,14 +87,18 @@ class BidawEviction:
     the first period fills, after 16, 32, 64, ... accesses, so a young cache learns early);
     each table is
     lowered to the largest function below it that rises to the peak of its first mode and
-    then never rises again (once overdue, potential only falls). Residents are grouped by
-    (bucket, power-of-two size class) and kept in access order within a group; elapsed
-    distance falls along that order, so a group's lowest score is at its oldest or its
-    newest member. A heap of those two candidates per group is patched for the groups that
-    changed and rescored after two bins of traffic; :meth:`victims` pops it, walking a
-    group past protected or already chosen sessions, O((changed groups + victims) log n).
-    Ties go to the oldest. Before any table exists (no capacity, no samples) the order is
-    LRU. ``docs/explanation/bidaw-eviction.md`` has the measurements behind these choices.
+    then never rises again (once overdue, potential only falls). Ties go to the oldest
+    access (:meth:`rank` gives the order), and the choice is exact: the same as sorting
+    every resident by its current score. Scores move with every access of any session, so
+    each resident's heap entry is keyed by a *lower bound* of its score, valid while the
+    tracker's drift (a bound on how far any elapsed distance can have moved) stays within
+    two bins of the entry's measurement: over that range of bins the least potential is at
+    one end, the tables being unimodal. Expired entries are measured again as accesses
+    come (a few per access), a table refresh rekeys from the stored measurements, and
+    :meth:`victims` pops bounds and measures those candidates until the least measured one
+    is below every bound left. Before any table exists (no capacity, no samples) the order
+    is LRU. ``docs/explanation/bidaw-eviction.md`` has the measurements behind these
+    choices.
 
     State is bounded: sessions whose elapsed distance passes the horizon are forgotten
     (resident ones are flagged overdue, potential 0), at most ``max_tracked`` are tracked,

@@ -26,8 +26,15 @@ class BidawScheduler(LoadQueue):
       *disk-HRRN* response ratio ``1 + waiting_time / cost``, where ``waiting_time`` runs
       from the arrival of the earliest request waiting for it and ``cost`` is its KV size in
       bytes, or its estimated load time ``latency + bytes / bandwidth`` when ``bandwidth``
-      is given. Small KVs go first; a large one's ratio grows with its wait, so it is never
-      starved.
+      is given. Small KVs go first; a large one's ratio grows with its wait, but only as
+      fast as its cost allows: under a steady stream of small loads a history twenty
+      times larger waits twenty times longer, and while the backlog of small loads grows
+      the large one is never started. So a load whose earliest request has waited
+      ``max_wait`` seconds is *overdue* and starts next, before any ratio is compared
+      (overdue loads in arrival order): a load starts at most ``max_wait`` after its first
+      request arrived plus the time the loads in flight and the overdue loads ahead of it
+      take. (Order cannot shorten a backlog the lower tier cannot serve; giving up a late
+      load for recompute was tried and is worse, see ``docs/explanation/scheduling.md``.)
     - When a load lands (or fails: the history is then recomputed) its requests join the
       ready queue at their original arrival position, not at the tail.
 
@@ -42,6 +49,8 @@ class BidawScheduler(LoadQueue):
     :param bandwidth: bytes per second of the lower tier; ``None`` ranks by bytes alone
     :param latency: fixed seconds per load (only with ``bandwidth``)
     :param classes_per_octave: size classes per doubling of KV size
+    :param max_wait: seconds after which a queued load is overdue and starts ahead of
+        every ratio (``None``: pure disk-HRRN)
     """
 
     name = "bidaw"
@@ -53,6 +62,7 @@ class BidawScheduler(LoadQueue):
         bandwidth: float | None = None,
         latency: float = 0.0,
         classes_per_octave: int = 16,
+        max_wait: float | None = 20.0,
     ) -> None:
         if bandwidth is not None and bandwidth <= 0:
             raise ValueError(f"bandwidth must be positive bytes/s or None (got {bandwidth})")
@@ -60,14 +70,19 @@ class BidawScheduler(LoadQueue):
             raise ValueError(f"latency must be >= 0 seconds (got {latency})")
         if classes_per_octave < 1:
             raise ValueError(f"classes_per_octave must be >= 1 (got {classes_per_octave})")
+        if max_wait is not None and not max_wait > 0:
+            raise ValueError(f"max_wait must be positive seconds or None (got {max_wait})")
         super().__init__(max_loads)
         self.bandwidth = bandwidth
         self.latency = latency
         self.classes_per_octave = classes_per_octave
+        self.max_wait = max_wait
         self._ready: list[tuple[tuple[float, int], Entry]] = []
         # size class -> heap of queued (not started) loads by (arrival, seq)
         self._classes: dict[int, list[tuple[tuple[float, int], Load]]] = {}
         self._cost: dict[int, float] = {}
+        # every queued load by (arrival, seq), for the deadline; started or done: stale
+        self._by_arrival: list[tuple[tuple[float, int], Load]] = []
         self._pending = 0  # requests waiting for a load
 
     # -- engine interface ---------------------------------------------------------------
@@ -81,7 +96,10 @@ class BidawScheduler(LoadQueue):
         load = self._join_load(entry, meta)
         if load is not None:
             cls = self._class_of(meta.nbytes)
-            heapq.heappush(self._classes.setdefault(cls, []), ((load.arrival, load.seq), load))
+            key = (load.arrival, load.seq)
+            heapq.heappush(self._classes.setdefault(cls, []), (key, load))
+            if self.max_wait is not None:
+                heapq.heappush(self._by_arrival, (key, load))
         self._pending += 1
 
     def _next_load(self, now: float) -> Load | None:
@@ -145,12 +163,18 @@ class BidawScheduler(LoadQueue):
         return cls
 
     def _pop_best(self, now: float) -> Load | None:
+        if self.max_wait is not None:
+            oldest = self._by_arrival
+            while oldest and (oldest[0][1].started or oldest[0][1].done):
+                heapq.heappop(oldest)
+            if oldest and now - oldest[0][1].arrival >= self.max_wait:
+                return heapq.heappop(oldest)[1]  # overdue (its class heap copy goes stale)
         best: Load | None = None
         best_ratio = -math.inf
         best_cls = 0
         empty: list[int] = []
         for cls, heap in self._classes.items():
-            while heap and heap[0][1].done:  # reported finished before it was started
+            while heap and (heap[0][1].done or heap[0][1].started):  # finished or overdue
                 heapq.heappop(heap)
             if not heap:
                 empty.append(cls)
