@@ -23,26 +23,9 @@ class ReuseTracker:
     horizon (their bytes stay in the tree until the next compaction, so the distances of
     younger sessions stay exact), and when positions run out the tree is rebuilt over the
     sessions still tracked, in the same order.
-
-    Two counters let a caller bound elapsed distances without measuring them:
-    :attr:`drift` grows, at each access, by at least as much as any tracked session's
-    elapsed distance can have risen or fallen (so ``|elapsed now - elapsed then| <=
-    drift now - drift then``), and :attr:`compactions` counts rebuilds (which drop the
-    bytes of forgotten sessions and renumber positions: past that, no bound holds).
     """
 
-    __slots__ = (
-        "_min_span",
-        "_next",
-        "_order",
-        "_pos",
-        "_size",
-        "_span",
-        "_total",
-        "_tree",
-        "compactions",
-        "drift",
-    )
+    __slots__ = ("_min_span", "_next", "_order", "_pos", "_size", "_span", "_total", "_tree")
 
     def __init__(self, min_positions: int = 1 << 16) -> None:
         self._min_span = max(16, min_positions)
@@ -54,8 +37,6 @@ class ReuseTracker:
         self._order: OrderedDict[str, None] = OrderedDict()
         self._next = 1
         self._total = 0
-        self.drift = 0
-        self.compactions = 0
 
     def access(self, session: str, nbytes: int) -> int | None:
         """Record an access; returns its weighted reuse distance, ``None`` on a first access."""
@@ -73,9 +54,6 @@ class ReuseTracker:
                 tree[i] -= old
                 i += i & -i
             self._total -= old
-            # Older sessions lose ``old`` and gain ``nbytes``; newer ones gain ``nbytes``.
-            self.drift += max(old - nbytes, 0)
-        self.drift += nbytes
         pos = self._next
         self._next = pos + 1
         i = pos
@@ -93,10 +71,6 @@ class ReuseTracker:
         """Distinct bytes of other sessions accessed since ``session``'s latest access."""
         pos = self._pos.get(session)
         return None if pos is None else self._total - self._prefix(pos)
-
-    def position(self, session: str) -> int | None:
-        """``session``'s latest access position (later accesses have larger ones)."""
-        return self._pos.get(session)
 
     def __contains__(self, session: object) -> bool:
         return session in self._pos
@@ -161,4 +135,3 @@ class ReuseTracker:
         self._span = span
         self._next = len(live) + 1
         self._total = total
-        self.compactions += 1

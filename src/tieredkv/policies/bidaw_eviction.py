@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence, Set
 
 import numpy as np
@@ -16,8 +16,8 @@ from .ghost import GhostCache
 
 __all__ = ["DEFAULT_ANSWER_EDGES", "BidawEviction"]
 
-_Entry = tuple[float, int, str, int]  # (lower bound of the score, position, session, stamp)
-_WINDOW_BINS = 2  # a measured elapsed distance is trusted to +-2 bins of drift
+_Candidate = tuple[float, int, int, str, int]  # (score, end, group, session, group version)
+_RESCORE_BINS = 2  # rescore candidates after this many bins of traffic
 
 DEFAULT_ANSWER_EDGES: tuple[int, ...] = (8, 16, 24, 32, 40, 48, 64, 80, 112, 160, 256)
 """Upper edges (exclusive, in tokens) of the previous-answer-length buckets; one more
@@ -27,19 +27,14 @@ bucket takes everything longer."""
 class _Seen:
     """What the policy remembers about a session between its accesses."""
 
-    __slots__ = ("bucket", "completing", "drift", "elapsed", "overdue", "pos", "stamp", "turns")
+    __slots__ = ("bucket", "completing", "group", "overdue", "turns")
 
     def __init__(self, bucket: int, turns: int) -> None:
         self.bucket = bucket
         self.turns = turns
         self.completing = True
         self.overdue = False
-        # While resident: the elapsed distance measured when the tracker's drift was
-        # ``drift``, the access position then, and the stamp of its live heap entries.
-        self.elapsed = 0
-        self.drift = 0
-        self.pos = 0
-        self.stamp = -1
+        self.group = -1  # the group it is placed in while resident
 
 
 class BidawEviction:
@@ -87,18 +82,14 @@ class BidawEviction:
     the first period fills, after 16, 32, 64, ... accesses, so a young cache learns early);
     each table is
     lowered to the largest function below it that rises to the peak of its first mode and
-    then never rises again (once overdue, potential only falls). Ties go to the oldest
-    access (:meth:`rank` gives the order), and the choice is exact: the same as sorting
-    every resident by its current score. Scores move with every access of any session, so
-    each resident's heap entry is keyed by a *lower bound* of its score, valid while the
-    tracker's drift (a bound on how far any elapsed distance can have moved) stays within
-    two bins of the entry's measurement: over that range of bins the least potential is at
-    one end, the tables being unimodal. Expired entries are measured again as accesses
-    come (a few per access), a table refresh rekeys from the stored measurements, and
-    :meth:`victims` pops bounds and measures those candidates until the least measured one
-    is below every bound left. Before any table exists (no capacity, no samples) the order
-    is LRU. ``docs/explanation/bidaw-eviction.md`` has the measurements behind these
-    choices.
+    then never rises again (once overdue, potential only falls). Residents are grouped by
+    (bucket, power-of-two size class) and kept in access order within a group; elapsed
+    distance falls along that order, so a group's lowest score is at its oldest or its
+    newest member. A heap of those two candidates per group is patched for the groups that
+    changed and rescored after two bins of traffic; :meth:`victims` pops it, walking a
+    group past protected or already chosen sessions, O((changed groups + victims) log n).
+    Ties go to the oldest. Before any table exists (no capacity, no samples) the order is
+    LRU. ``docs/explanation/bidaw-eviction.md`` has the measurements behind these choices.
 
     State is bounded: sessions whose elapsed distance passes the horizon are forgotten
     (resident ones are flagged overdue, potential 0), at most ``max_tracked`` are tracked,
@@ -166,17 +157,18 @@ class BidawEviction:
         self._returned = [0.0] * self._buckets
         self._departed = [0.0] * self._buckets
         self._resident: dict[str, int] = {}
+        self._groups: dict[int, OrderedDict[str, None]] = {}
         self._bytes = 0
         self._tables: list[list[float]] | None = None
-        # Every resident has one live entry in ``_heap`` keyed by a lower bound of its score
-        # that holds while the tracker's drift stays within ``_window`` of its measurement
-        # (``_expiry`` says when it stops holding: it is then measured again). Entries whose
-        # stamp is no longer the session's are stale and skipped.
-        self._heap: list[_Entry] = []
-        self._expiry: list[tuple[int, int, str]] = []  # (drift limit, stamp, session)
-        self._stamps = itertools.count()
-        self._window: int | None = None  # bytes of drift an entry holds for, once C is known
-        self._compactions = 0
+        # Candidates: the oldest and newest resident of every group, scored, in a heap that
+        # is patched for the groups that changed and rescored once the traffic since the
+        # last scoring could have moved an elapsed distance by half a bin.
+        self._versions: dict[int, int] = {}  # group -> version, bumped on every change
+        self._dirty: set[int] = set()
+        self._candidates: list[_Candidate] = []
+        self._rescore = True
+        self._traffic = 0  # bytes accessed, all sessions
+        self._scored_at = 0
         self._accesses = 0
         if capacity is not None:
             self._set_capacity(capacity)
@@ -202,10 +194,10 @@ class BidawEviction:
             seen.turns = meta.turns
             seen.overdue = False
             seen.bucket = bucket
-        self._after_tracker_access()
         size = self._resident.get(session)
-        if size is not None:  # its elapsed distance is 0 again, maybe in a new bucket
-            self._rescore(session, seen, size)
+        if size is not None:  # newest of its (possibly new) group
+            self._place(session, seen, size)
+        self._traffic += meta.nbytes
         self.ghost.record(session, meta.nbytes, distance)
         self._sweep()
         self._accesses += 1
@@ -213,7 +205,6 @@ class BidawEviction:
         # warm-up: first tables after 16 accesses, then at doubling counts up to the period
         if n % self.refresh_every == 0 or (16 <= n < self.refresh_every and n & (n - 1) == 0):
             self._refresh()
-        self._expire()
 
     def on_admit(self, session: str, meta: KVMeta, now: float) -> None:
         seen = self._seen.get(session)
@@ -224,12 +215,13 @@ class BidawEviction:
             bucket = bisect.bisect_right(self.answer_edges, meta.prev_answer_tokens)
             seen = self._seen[session] = _Seen(bucket, meta.turns)
             seen.completing = False  # its next access (the load) is no reuse we measured
-            self._after_tracker_access()
         old = self._resident.get(session)
         self._resident[session] = meta.nbytes
         self._bytes += meta.nbytes - (old or 0)
-        if old != meta.nbytes:  # new, or resized: its score changed
-            self._rescore(session, seen, meta.nbytes)
+        if old is None or self._group_of(seen.bucket, meta.nbytes) != seen.group:
+            self._place(session, seen, meta.nbytes)
+        elif old != meta.nbytes:  # same group, new size: its score changed
+            self._touch(seen.group)
 
     def on_remove(self, session: str) -> None:
         size = self._resident.pop(session, None)
@@ -237,7 +229,7 @@ class BidawEviction:
             return
         self._bytes -= size
         seen = self._seen[session]
-        seen.stamp = -1  # its heap entries are stale now
+        self._unplace(session, seen)
         if seen.overdue:  # retired past the horizon: nothing left to learn from it
             del self._seen[session]
             self._tracker.forget(session)
@@ -252,41 +244,35 @@ class BidawEviction:
         if self._capacity is None:
             tiers = view.tiers
             self._set_capacity(tiers[0].capacity if tiers else max(self._bytes, 1))
-        self._expire()
-        heap = self._heap
-        seen_of = self._seen
-        resident = self._resident
-        # Entries are lower bounds: a candidate whose exact key is below the heap's least
-        # bound is the least of all. Measured entries wait in ``exact``.
-        exact: list[tuple[float, int, str]] = []  # (score, position, session)
-        skipped: list[_Entry] = []  # protected entries popped: they go back afterwards
-        measured: list[tuple[str, _Seen]] = []  # re-measured: their new entries go in after
+        self._update_candidates()
+        heap = self._candidates
+        versions = self._versions
+        kept: list[_Candidate] = []  # live candidates popped: they go back afterwards
+        deeper: list[_Candidate] = []  # this call's candidates behind taken/protected ones
+        taken: set[str] = set()
         freed = 0
         while freed < need:
-            while heap:
-                bound, pos, session, stamp = heap[0]
-                seen = seen_of.get(session)
-                if seen is None or seen.stamp != stamp:
-                    heapq.heappop(heap)  # stale
-                    continue
-                if exact and (exact[0][0], exact[0][1]) < (bound, pos):
-                    break
+            if deeper and (not heap or deeper[0] < heap[0]):
+                _, end, group, session, _ = heapq.heappop(deeper)
+            elif heap:
                 entry = heapq.heappop(heap)
-                if session in protected:
-                    skipped.append(entry)
-                    continue
-                score = self._measure(session, seen, resident[session])
-                measured.append((session, seen))
-                heapq.heappush(exact, (score, pos, session))
-            if not exact:
+                _, end, group, session, version = entry
+                if versions.get(group) != version:
+                    continue  # the group changed since: a fresh entry is in the heap
+                kept.append(entry)
+            else:
                 break
-            _, _, session = heapq.heappop(exact)
-            chosen.append(session)
-            freed += resident[session]
-        for entry in skipped:
+            if session in taken:
+                continue  # reached from the group's other end too
+            if session not in protected:
+                chosen.append(session)
+                taken.add(session)
+                freed += self._resident[session]
+            following = self._behind(group, end, protected, taken)
+            if following is not None:
+                heapq.heappush(deeper, following)
+        for entry in kept:
             heapq.heappush(heap, entry)
-        for session, seen in measured:
-            self._push(session, seen, resident[session])
         return chosen if freed >= need else None
 
     def potential(self, session: str) -> float | None:
@@ -294,16 +280,6 @@ class BidawEviction:
         if session not in self._resident:
             return None
         return self._potential(session, self._seen[session])
-
-    def rank(self, session: str) -> tuple[float, int] | None:
-        """The eviction order of a resident session, ``None`` if not resident: its score
-        (hit potential per byte, or the potential with ``size_aware=False``) and its latest
-        access position. :meth:`victims` takes unprotected residents in increasing rank."""
-        if session not in self._resident:
-            return None
-        position = self._tracker.position(session)
-        assert position is not None
-        return self._score(session), position
 
     def __len__(self) -> int:
         return len(self._resident)
@@ -343,20 +319,15 @@ class BidawEviction:
     # -- internals ----------------------------------------------------------------------
     def _set_capacity(self, capacity: int) -> None:
         self._capacity = capacity
-        self._window = max(capacity * _WINDOW_BINS // self.bins_per_capacity, 1)
         self.ghost.capacity = capacity
         self._refresh()
-        self._remeasure()  # entries made without a window had no expiry
 
     def _potential(self, session: str, seen: _Seen) -> float:
-        elapsed = self._tracker.elapsed(session)
-        assert elapsed is not None
-        return self._potential_at(seen, elapsed)
-
-    def _potential_at(self, seen: _Seen, elapsed: int) -> float:
         tables = self._tables
         if seen.overdue or tables is None:
             return 0.0
+        elapsed = self._tracker.elapsed(session)
+        assert elapsed is not None
         assert self._capacity is not None
         table = tables[seen.bucket]
         k = elapsed * self.bins_per_capacity // self._capacity
@@ -366,93 +337,66 @@ class BidawEviction:
         score = self._potential(session, self._seen[session])
         return score / max(self._resident[session], 1) if self.size_aware else score
 
-    def _measure(self, session: str, seen: _Seen, size: int) -> float:
-        """Measure ``session``'s elapsed distance now (a new stamp: its entries go stale)
-        and return its exact score; :meth:`_push` then files the new entry."""
-        tracker = self._tracker
-        elapsed = tracker.elapsed(session)
-        position = tracker.position(session)
-        assert elapsed is not None
-        assert position is not None
-        seen.elapsed = elapsed
-        seen.drift = tracker.drift
-        seen.pos = position
-        seen.stamp = next(self._stamps)
-        potential = self._potential_at(seen, elapsed)
-        return potential / max(size, 1) if self.size_aware else potential
+    def _update_candidates(self) -> None:
+        assert self._capacity is not None
+        step = self._capacity * _RESCORE_BINS / self.bins_per_capacity
+        if (
+            self._rescore
+            or self._traffic - self._scored_at >= step
+            or len(self._candidates) > 4 * len(self._groups) + 64
+        ):
+            self._candidates = []
+            self._dirty = set(self._groups)
+            self._rescore = False
+            self._scored_at = self._traffic
+        heap = self._candidates
+        for group in self._dirty:
+            order = self._groups.get(group)
+            if order is None:
+                continue
+            version = self._versions[group]
+            oldest = next(iter(order))
+            heapq.heappush(heap, (self._score(oldest), 0, group, oldest, version))
+            newest = next(reversed(order))
+            if newest != oldest:
+                heapq.heappush(heap, (self._score(newest), 1, group, newest, version))
+        self._dirty.clear()
 
-    def _push(self, session: str, seen: _Seen, size: int) -> None:
-        heapq.heappush(self._heap, (self._bound(seen, size), seen.pos, session, seen.stamp))
-        if self._window is not None and not seen.overdue:
-            heapq.heappush(self._expiry, (seen.drift + self._window, seen.stamp, session))
+    def _behind(
+        self, group: int, end: int, protected: Set[str], taken: set[str]
+    ) -> _Candidate | None:
+        """The first resident from ``end`` of ``group`` neither taken nor protected."""
+        order = self._groups[group]
+        for session in iter(order) if end == 0 else reversed(order):
+            if session not in taken and session not in protected:
+                return (self._score(session), end, group, session, self._versions[group])
+        return None
 
-    def _rescore(self, session: str, seen: _Seen, size: int) -> None:
-        self._measure(session, seen, size)
-        self._push(session, seen, size)
+    def _touch(self, group: int) -> None:
+        self._versions[group] = self._versions.get(group, 0) + 1
+        self._dirty.add(group)
 
-    def _bound(self, seen: _Seen, size: int) -> float:
-        """A lower bound of the score while the elapsed distance stays within the window
-        around its measurement: the tables are unimodal, so over a range of bins the least
-        potential is at one end."""
-        tables = self._tables
-        if seen.overdue or tables is None:
-            return 0.0
-        capacity = self._capacity
-        window = self._window
-        assert capacity is not None
-        assert window is not None
-        nb = self.bins_per_capacity
-        table = tables[seen.bucket]
-        low = max(seen.elapsed - window, 0) * nb // capacity
-        high = (seen.elapsed + window) * nb // capacity
-        bound = min(
-            table[low] if low < len(table) else 0.0, table[high] if high < len(table) else 0.0
-        )
-        return bound / max(size, 1) if self.size_aware else bound
+    def _group_of(self, bucket: int, nbytes: int) -> int:
+        # Size classes are powers of two: within a group sizes differ by 2x at most.
+        return bucket << 7 | (nbytes.bit_length() if self.size_aware else 0)
 
-    def _expire(self) -> None:
-        """Measure again the residents whose window the drift has left."""
-        expiry = self._expiry
-        drift = self._tracker.drift
-        seen_of = self._seen
-        while expiry and expiry[0][0] < drift:
-            _, stamp, session = heapq.heappop(expiry)
-            seen = seen_of.get(session)
-            if seen is not None and seen.stamp == stamp:
-                self._rescore(session, seen, self._resident[session])
-        limit = 2 * len(self._resident) + 64
-        if len(self._heap) > limit:
-            self._rekey()
-        if len(expiry) > limit and self._window is not None:
-            window = self._window
-            self._expiry = [
-                (seen.drift + window, seen.stamp, session)
-                for session in self._resident
-                if not (seen := seen_of[session]).overdue
-            ]
-            heapq.heapify(self._expiry)
+    def _place(self, session: str, seen: _Seen, nbytes: int) -> None:
+        if seen.group >= 0:
+            self._unplace(session, seen)
+        seen.group = self._group_of(seen.bucket, nbytes)
+        order = self._groups.get(seen.group)
+        if order is None:
+            order = self._groups[seen.group] = OrderedDict()
+        order[session] = None
+        self._touch(seen.group)
 
-    def _rekey(self) -> None:
-        """Rebuild the heap from the latest measurements (new tables, or stale entries)."""
-        seen_of = self._seen
-        self._heap = [
-            (self._bound(seen, size), seen.pos, session, seen.stamp)
-            for session, size in self._resident.items()
-            for seen in (seen_of[session],)
-        ]
-        heapq.heapify(self._heap)
-
-    def _remeasure(self) -> None:
-        """Measure every resident again (positions renumbered, or the window changed)."""
-        self._heap = []
-        self._expiry = []
-        for session, size in self._resident.items():
-            self._rescore(session, self._seen[session], size)
-
-    def _after_tracker_access(self) -> None:
-        if self._tracker.compactions != self._compactions:
-            self._compactions = self._tracker.compactions
-            self._remeasure()
+    def _unplace(self, session: str, seen: _Seen) -> None:
+        order = self._groups[seen.group]
+        del order[session]
+        if not order:
+            del self._groups[seen.group]
+        self._touch(seen.group)
+        seen.group = -1
 
     def _sweep(self) -> None:
         capacity = self._capacity
@@ -462,7 +406,6 @@ class BidawEviction:
             self._departed[seen.bucket] += 1.0
             if session in self._resident:
                 seen.overdue = True
-                self._rescore(session, seen, self._resident[session])
             else:
                 del self._seen[session]
 
@@ -510,7 +453,7 @@ class BidawEviction:
         tail = np.cumsum(mass[:, ::-1], axis=1)[:, ::-1] + never[:, None]
         tables = numerator / np.maximum(tail, 1e-12)
         self._tables = [_unimodal(row) for row in tables.tolist()]
-        self._rekey()
+        self._rescore = True
 
 
 def _unimodal(row: list[float]) -> list[float]:
