@@ -5,6 +5,8 @@ from __future__ import annotations
 import heapq
 import math
 
+import numpy as np
+
 from ..meta import MetadataView
 from ._loads import Entry, Load, LoadQueue
 from .scheduling import Request, kv_needs_load
@@ -81,6 +83,12 @@ class BidawScheduler(LoadQueue):
         # size class -> heap of queued (not started) loads by (arrival, seq)
         self._classes: dict[int, list[tuple[tuple[float, int], Load]]] = {}
         self._cost: dict[int, float] = {}
+        # Per class, a slot in two arrays: the arrival of its heap's head (inf: empty) and
+        # its cost, so one vectorized pass finds the highest ratio.
+        self._slot: dict[int, int] = {}
+        self._slot_class: list[int] = []
+        self._heads = np.full(16, np.inf)
+        self._costs = np.ones(16)
         # every queued load by (arrival, seq), for the deadline; started or done: stale
         self._by_arrival: list[tuple[tuple[float, int], Load]] = []
         self._pending = 0  # requests waiting for a load
@@ -97,7 +105,12 @@ class BidawScheduler(LoadQueue):
         if load is not None:
             cls = self._class_of(meta.nbytes)
             key = (load.arrival, load.seq)
-            heapq.heappush(self._classes.setdefault(cls, []), (key, load))
+            heap = self._classes.get(cls)
+            if heap is None:
+                heap = self._classes[cls] = []
+                self._add_slot(cls)
+            heapq.heappush(heap, (key, load))
+            self._heads[self._slot[cls]] = heap[0][0][0]
             if self.max_wait is not None:
                 heapq.heappush(self._by_arrival, (key, load))
         self._pending += 1
@@ -169,28 +182,40 @@ class BidawScheduler(LoadQueue):
                 heapq.heappop(oldest)
             if oldest and now - oldest[0][1].arrival >= self.max_wait:
                 return heapq.heappop(oldest)[1]  # overdue (its class heap copy goes stale)
-        best: Load | None = None
-        best_ratio = -math.inf
-        best_cls = 0
-        empty: list[int] = []
-        for cls, heap in self._classes.items():
-            while heap and (heap[0][1].done or heap[0][1].started):  # finished or overdue
-                heapq.heappop(heap)
-            if not heap:
-                empty.append(cls)
-                continue
-            load = heap[0][1]
-            ratio = 1.0 + (now - load.arrival) / self._cost[cls]
-            # Equal ratios: the earlier arrival wins, so ties never depend on dict order.
-            if ratio > best_ratio or (
-                ratio == best_ratio and best is not None and heap[0][0] < (best.arrival, best.seq)
-            ):
-                best, best_ratio, best_cls = load, ratio, cls
-        for cls in empty:
-            del self._classes[cls]
-        if best is not None:
-            heapq.heappop(self._classes[best_cls])
-        return best
+        classes = self._classes
+        slot_class = self._slot_class
+        while True:
+            ratios = 1.0 + (now - self._heads) / self._costs  # -inf for an empty class
+            i = int(ratios.argmax())
+            best = ratios[i]
+            if best == -math.inf:
+                return None
+            # Equal ratios: the earlier arrival wins, so ties never depend on slot order.
+            tied = [i] if (ratios == best).sum() == 1 else np.flatnonzero(ratios == best).tolist()
+            stale = False
+            for slot in tied:
+                head = classes[slot_class[slot]][0][1]
+                if head.done or head.started:  # finished, or started as overdue
+                    self._pop_head(slot)
+                    stale = True
+            if not stale:
+                slot = min(tied, key=lambda s: classes[slot_class[s]][0][0])
+                return self._pop_head(slot)
+
+    def _add_slot(self, cls: int) -> None:
+        slot = len(self._slot_class)
+        if slot == len(self._heads):
+            self._heads = np.concatenate([self._heads, np.full(slot, np.inf)])
+            self._costs = np.concatenate([self._costs, np.ones(slot)])
+        self._slot[cls] = slot
+        self._slot_class.append(cls)
+        self._costs[slot] = self._cost[cls]
+
+    def _pop_head(self, slot: int) -> Load:
+        heap = self._classes[self._slot_class[slot]]
+        _, load = heapq.heappop(heap)
+        self._heads[slot] = heap[0][0][0] if heap else np.inf
+        return load
 
     def _push_ready(self, entry: Entry) -> None:
         heapq.heappush(self._ready, (entry.key, entry))
