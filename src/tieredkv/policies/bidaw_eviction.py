@@ -368,7 +368,7 @@ class BidawEviction:
             self._candidates = []
             self._dirty = set(self._groups)
             self._rescore_all = False
-        elif len(self._candidates) > 4 * len(self._groups) + 64:
+        elif len(self._candidates) > 2 * len(self._groups) + 32:  # few stale to pop
             live = [c for c in self._candidates if versions.get(c[2]) == c[4]]
             heapq.heapify(live)
             self._candidates = live
