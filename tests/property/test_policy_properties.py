@@ -242,11 +242,12 @@ def test_every_request_runs_once_in_arrival_order_of_ready_requests(
     sizes=st.lists(st.integers(1, 10**9), min_size=2, max_size=30),
     arrivals=st.lists(st.floats(0, 100), min_size=30, max_size=30),
     now=st.floats(100, 1000),
+    max_wait=st.one_of(st.none(), st.floats(1, 1000)),
 )
-def test_disk_hrrn_starts_the_highest_response_ratio(
-    sizes: list[int], arrivals: list[float], now: float
+def test_disk_hrrn_starts_the_oldest_overdue_else_the_highest_response_ratio(
+    sizes: list[int], arrivals: list[float], now: float, max_wait: float | None
 ) -> None:
-    sched = BidawScheduler(max_loads=1)
+    sched = BidawScheduler(max_loads=1, max_wait=max_wait)
     view = sched_view()
     for i, size in enumerate(sizes):
         view.put(KVMeta(session=f"u{i}", tier="ssd", copies=("ssd",), nbytes=size))
@@ -254,8 +255,16 @@ def test_disk_hrrn_starts_the_highest_response_ratio(
     while len(sched):
         ratios = {f"u{i}": sched.response_ratio(f"u{i}", now) for i in range(len(sizes))}
         queued = {s: r for s, r in ratios.items() if r is not None}
+        overdue = [
+            (arrivals[i], i)
+            for i in range(len(sizes))
+            if f"u{i}" in queued and max_wait is not None and now - arrivals[i] >= max_wait
+        ]
         (started,) = sched.start_loads(now)
-        assert queued[started.session] == max(queued.values())
+        if overdue:
+            assert started.session == f"u{min(overdue)[1]}"
+        else:
+            assert queued[started.session] == max(queued.values())
         sched.load_finished(started.session, now)
         assert sched.pop_ready(now) is not None
 
@@ -267,7 +276,7 @@ def test_a_large_kv_is_not_starved_by_a_stream_of_small_ones(big: int, small: in
     never waits more than two of its own load times; the large one overtakes them once its
     wait passes about twice its own load time."""
     bandwidth = 1e6  # bytes per second
-    sched = BidawScheduler(max_loads=1, bandwidth=bandwidth)
+    sched = BidawScheduler(max_loads=1, bandwidth=bandwidth, max_wait=None)
     view = sched_view()
     view.put(KVMeta(session="big", tier="ssd", copies=("ssd",), nbytes=big))
     sched.submit(Request(id="big", session="big", arrival=0.0), 0.0, view)

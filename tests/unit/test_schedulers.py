@@ -94,9 +94,10 @@ def edge(nbytes: int) -> float:
 @pytest.mark.parametrize(("small_arrival", "first"), [(990.0, "small"), (999.9, "big")])
 def test_disk_hrrn_trades_size_against_waiting_time(small_arrival: float, first: str) -> None:
     """At t=1000 the 1 MB load has waited 1000 s (ratio ~1.001); a 1 kB load that waited
-    10 s has ratio ~1.01 and goes first, one that waited 0.1 s (~1.0001) does not."""
+    10 s has ratio ~1.01 and goes first, one that waited 0.1 s (~1.0001) does not (the
+    ratio alone: no deadline)."""
     view = channel(big=("ssd", 1_000_000), small=("ssd", 1_000))
-    sched = BidawScheduler()
+    sched = BidawScheduler(max_wait=None)
     sched.submit(Request(id="1", session="big", arrival=0.0), 0.0, view)
     sched.submit(Request(id="2", session="small", arrival=small_arrival), small_arrival, view)
     assert sched.response_ratio("big", 1000.0) == pytest.approx(1 + 1000 / edge(1_000_000))
@@ -140,3 +141,47 @@ def test_no_tiers_described_means_everything_is_ready() -> None:
         sched.submit(Request(id="1", session="a", arrival=0.0), 0.0, view)
         assert sched.start_loads(0.0) == []
         assert sched.pop_ready(0.0) is not None
+
+
+def starve(sched: BidawScheduler, until: float) -> float | None:
+    """A 20 GB history queued at t=0 behind small (100 MB) loads that arrive twice as fast
+    as the SSD serves them, one at a time; returns when the large load started."""
+    view = channel(big=("ssd", 20 * 10**9), s0=("ssd", 10**8))
+    sched.submit(Request(id="r0", session="s0", arrival=0.0), 0.0, view)
+    (in_flight,) = sched.start_loads(0.0)
+    sched.submit(Request(id="big", session="big", arrival=0.0), 0.0, view)
+    k = 0
+    t = 0.0
+    while t < until:
+        for _ in range(2):
+            k += 1
+            view.put(KVMeta(session=f"s{k}", tier="ssd", copies=("ssd",), nbytes=10**8))
+            sched.submit(Request(id=f"r{k}", session=f"s{k}", arrival=t), t, view)
+        t = round(t + 0.1, 6)  # the load in flight lands
+        sched.load_finished(in_flight.session, t)
+        (in_flight,) = sched.start_loads(t)
+        if in_flight.session == "big":
+            return t
+    return None
+
+
+def test_pure_disk_hrrn_starves_a_large_history_behind_small_ones() -> None:
+    """Without a bound the small loads' ratios (1 + wait / 0.1 s) outgrow the large one's
+    (1 + wait / 20 s) for as long as the backlog of small loads grows."""
+    assert starve(BidawScheduler(bandwidth=10**9, max_wait=None), until=120.0) is None
+
+
+@pytest.mark.parametrize("max_wait", [0.5, 5.0, 30.0])
+def test_no_load_waits_past_max_wait_for_a_free_slot(max_wait: float) -> None:
+    """The large history's load starts at the first decision past the bound (the one slot
+    frees every 0.1 s), ahead of every small load's higher ratio."""
+    sched = BidawScheduler(bandwidth=10**9, max_wait=max_wait)
+    started = starve(sched, until=120.0)
+    assert started is not None
+    assert max_wait <= started < max_wait + 0.1 + 1e-9
+    assert sched.response_ratio("big", started) is None  # in flight: no longer queued
+
+
+def test_max_wait_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_wait"):
+        BidawScheduler(max_wait=0.0)

@@ -161,14 +161,16 @@ class BidawEviction:
         self._bytes = 0
         self._tables: list[list[float]] | None = None
         # Candidates: the oldest and newest resident of every group, scored, in a heap that
-        # is patched for the groups that changed and rescored once the traffic since the
-        # last scoring could have moved an elapsed distance by half a bin.
+        # is patched (as notifications come, not in victims()) for the groups that changed,
+        # and rescored a few groups per access, in turn, so that every group is rescored
+        # within two bins of traffic (an elapsed distance moves by two bins at most).
         self._versions: dict[int, int] = {}  # group -> version, bumped on every change
         self._dirty: set[int] = set()
         self._candidates: list[_Candidate] = []
-        self._rescore = True
-        self._traffic = 0  # bytes accessed, all sessions
-        self._scored_at = 0
+        self._rescore_all = True  # new tables, or no scores yet
+        self._cycle: deque[int] = deque()  # groups in rescoring order
+        self._in_cycle: set[int] = set()
+        self._credit = 0.0  # groups due for rescoring
         self._accesses = 0
         if capacity is not None:
             self._set_capacity(capacity)
@@ -197,7 +199,6 @@ class BidawEviction:
         size = self._resident.get(session)
         if size is not None:  # newest of its (possibly new) group
             self._place(session, seen, size)
-        self._traffic += meta.nbytes
         self.ghost.record(session, meta.nbytes, distance)
         self._sweep()
         self._accesses += 1
@@ -205,6 +206,8 @@ class BidawEviction:
         # warm-up: first tables after 16 accesses, then at doubling counts up to the period
         if n % self.refresh_every == 0 or (16 <= n < self.refresh_every and n & (n - 1) == 0):
             self._refresh()
+        self._rescore_some(meta.nbytes)
+        self._flush()
 
     def on_admit(self, session: str, meta: KVMeta, now: float) -> None:
         seen = self._seen.get(session)
@@ -222,6 +225,7 @@ class BidawEviction:
             self._place(session, seen, meta.nbytes)
         elif old != meta.nbytes:  # same group, new size: its score changed
             self._touch(seen.group)
+        self._flush()
 
     def on_remove(self, session: str) -> None:
         size = self._resident.pop(session, None)
@@ -233,6 +237,7 @@ class BidawEviction:
         if seen.overdue:  # retired past the horizon: nothing left to learn from it
             del self._seen[session]
             self._tracker.forget(session)
+        self._flush()
 
     # -- decisions ----------------------------------------------------------------------
     def victims(
@@ -244,7 +249,7 @@ class BidawEviction:
         if self._capacity is None:
             tiers = view.tiers
             self._set_capacity(tiers[0].capacity if tiers else max(self._bytes, 1))
-        self._update_candidates()
+        self._flush()
         heap = self._candidates
         versions = self._versions
         kept: list[_Candidate] = []  # live candidates popped: they go back afterwards
@@ -337,24 +342,42 @@ class BidawEviction:
         score = self._potential(session, self._seen[session])
         return score / max(self._resident[session], 1) if self.size_aware else score
 
-    def _update_candidates(self) -> None:
-        assert self._capacity is not None
+    def _rescore_some(self, nbytes: int) -> None:
+        """Rescore groups in turn, as many as ``nbytes`` of traffic call for."""
+        groups = self._groups
+        if self._capacity is None or not groups:
+            return
         step = self._capacity * _RESCORE_BINS / self.bins_per_capacity
-        if (
-            self._rescore
-            or self._traffic - self._scored_at >= step
-            or len(self._candidates) > 4 * len(self._groups) + 64
-        ):
+        self._credit = min(self._credit + len(groups) * nbytes / step, len(groups))
+        cycle = self._cycle
+        while self._credit >= 1 and cycle:
+            group = cycle.popleft()
+            if group not in groups:
+                self._in_cycle.discard(group)
+                continue
+            self._credit -= 1
+            self._touch(group)
+            cycle.append(group)
+
+    def _flush(self) -> None:
+        """Bring the candidates heap up to date with the groups that changed."""
+        if self._capacity is None:
+            return  # no scores before the capacity is known (the first victims() call)
+        versions = self._versions
+        if self._rescore_all:
             self._candidates = []
             self._dirty = set(self._groups)
-            self._rescore = False
-            self._scored_at = self._traffic
+            self._rescore_all = False
+        elif len(self._candidates) > 2 * len(self._groups) + 32:  # few stale to pop
+            live = [c for c in self._candidates if versions.get(c[2]) == c[4]]
+            heapq.heapify(live)
+            self._candidates = live
         heap = self._candidates
         for group in self._dirty:
             order = self._groups.get(group)
             if order is None:
                 continue
-            version = self._versions[group]
+            version = versions[group]
             oldest = next(iter(order))
             heapq.heappush(heap, (self._score(oldest), 0, group, oldest, version))
             newest = next(reversed(order))
@@ -387,6 +410,9 @@ class BidawEviction:
         order = self._groups.get(seen.group)
         if order is None:
             order = self._groups[seen.group] = OrderedDict()
+            if seen.group not in self._in_cycle:
+                self._in_cycle.add(seen.group)
+                self._cycle.append(seen.group)
         order[session] = None
         self._touch(seen.group)
 
@@ -453,7 +479,7 @@ class BidawEviction:
         tail = np.cumsum(mass[:, ::-1], axis=1)[:, ::-1] + never[:, None]
         tables = numerator / np.maximum(tail, 1e-12)
         self._tables = [_unimodal(row) for row in tables.tolist()]
-        self._rescore = True
+        self._rescore_all = True
 
 
 def _unimodal(row: list[float]) -> list[float]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import heapq
 import math
 
+import numpy as np
+
 from ..meta import MetadataView
 from ._loads import Entry, Load, LoadQueue
 from .scheduling import Request, kv_needs_load
@@ -26,8 +28,15 @@ class BidawScheduler(LoadQueue):
       *disk-HRRN* response ratio ``1 + waiting_time / cost``, where ``waiting_time`` runs
       from the arrival of the earliest request waiting for it and ``cost`` is its KV size in
       bytes, or its estimated load time ``latency + bytes / bandwidth`` when ``bandwidth``
-      is given. Small KVs go first; a large one's ratio grows with its wait, so it is never
-      starved.
+      is given. Small KVs go first; a large one's ratio grows with its wait, but only as
+      fast as its cost allows: under a steady stream of small loads a history twenty
+      times larger waits twenty times longer, and while the backlog of small loads grows
+      the large one is never started. So a load whose earliest request has waited
+      ``max_wait`` seconds is *overdue* and starts next, before any ratio is compared
+      (overdue loads in arrival order): a load starts at most ``max_wait`` after its first
+      request arrived plus the time the loads in flight and the overdue loads ahead of it
+      take. (Order cannot shorten a backlog the lower tier cannot serve; giving up a late
+      load for recompute was tried and is worse, see ``docs/explanation/scheduling.md``.)
     - When a load lands (or fails: the history is then recomputed) its requests join the
       ready queue at their original arrival position, not at the tail.
 
@@ -42,6 +51,8 @@ class BidawScheduler(LoadQueue):
     :param bandwidth: bytes per second of the lower tier; ``None`` ranks by bytes alone
     :param latency: fixed seconds per load (only with ``bandwidth``)
     :param classes_per_octave: size classes per doubling of KV size
+    :param max_wait: seconds after which a queued load is overdue and starts ahead of
+        every ratio (``None``: pure disk-HRRN)
     """
 
     name = "bidaw"
@@ -53,6 +64,7 @@ class BidawScheduler(LoadQueue):
         bandwidth: float | None = None,
         latency: float = 0.0,
         classes_per_octave: int = 16,
+        max_wait: float | None = 20.0,
     ) -> None:
         if bandwidth is not None and bandwidth <= 0:
             raise ValueError(f"bandwidth must be positive bytes/s or None (got {bandwidth})")
@@ -60,14 +72,25 @@ class BidawScheduler(LoadQueue):
             raise ValueError(f"latency must be >= 0 seconds (got {latency})")
         if classes_per_octave < 1:
             raise ValueError(f"classes_per_octave must be >= 1 (got {classes_per_octave})")
+        if max_wait is not None and not max_wait > 0:
+            raise ValueError(f"max_wait must be positive seconds or None (got {max_wait})")
         super().__init__(max_loads)
         self.bandwidth = bandwidth
         self.latency = latency
         self.classes_per_octave = classes_per_octave
+        self.max_wait = max_wait
         self._ready: list[tuple[tuple[float, int], Entry]] = []
         # size class -> heap of queued (not started) loads by (arrival, seq)
         self._classes: dict[int, list[tuple[tuple[float, int], Load]]] = {}
         self._cost: dict[int, float] = {}
+        # Per class, a slot in two arrays: the arrival of its heap's head (inf: empty) and
+        # its cost, so one vectorized pass finds the highest ratio.
+        self._slot: dict[int, int] = {}
+        self._slot_class: list[int] = []
+        self._heads = np.full(16, np.inf)
+        self._costs = np.ones(16)
+        # every queued load by (arrival, seq), for the deadline; started or done: stale
+        self._by_arrival: list[tuple[tuple[float, int], Load]] = []
         self._pending = 0  # requests waiting for a load
 
     # -- engine interface ---------------------------------------------------------------
@@ -81,7 +104,15 @@ class BidawScheduler(LoadQueue):
         load = self._join_load(entry, meta)
         if load is not None:
             cls = self._class_of(meta.nbytes)
-            heapq.heappush(self._classes.setdefault(cls, []), ((load.arrival, load.seq), load))
+            key = (load.arrival, load.seq)
+            heap = self._classes.get(cls)
+            if heap is None:
+                heap = self._classes[cls] = []
+                self._add_slot(cls)
+            heapq.heappush(heap, (key, load))
+            self._heads[self._slot[cls]] = heap[0][0][0]
+            if self.max_wait is not None:
+                heapq.heappush(self._by_arrival, (key, load))
         self._pending += 1
 
     def _next_load(self, now: float) -> Load | None:
@@ -145,28 +176,46 @@ class BidawScheduler(LoadQueue):
         return cls
 
     def _pop_best(self, now: float) -> Load | None:
-        best: Load | None = None
-        best_ratio = -math.inf
-        best_cls = 0
-        empty: list[int] = []
-        for cls, heap in self._classes.items():
-            while heap and heap[0][1].done:  # reported finished before it was started
-                heapq.heappop(heap)
-            if not heap:
-                empty.append(cls)
-                continue
-            load = heap[0][1]
-            ratio = 1.0 + (now - load.arrival) / self._cost[cls]
-            # Equal ratios: the earlier arrival wins, so ties never depend on dict order.
-            if ratio > best_ratio or (
-                ratio == best_ratio and best is not None and heap[0][0] < (best.arrival, best.seq)
-            ):
-                best, best_ratio, best_cls = load, ratio, cls
-        for cls in empty:
-            del self._classes[cls]
-        if best is not None:
-            heapq.heappop(self._classes[best_cls])
-        return best
+        if self.max_wait is not None:
+            oldest = self._by_arrival
+            while oldest and (oldest[0][1].started or oldest[0][1].done):
+                heapq.heappop(oldest)
+            if oldest and now - oldest[0][1].arrival >= self.max_wait:
+                return heapq.heappop(oldest)[1]  # overdue (its class heap copy goes stale)
+        classes = self._classes
+        slot_class = self._slot_class
+        while True:
+            ratios = 1.0 + (now - self._heads) / self._costs  # -inf for an empty class
+            i = int(ratios.argmax())
+            best = ratios[i]
+            if best == -math.inf:
+                return None
+            # Equal ratios: the earlier arrival wins, so ties never depend on slot order.
+            tied = [i] if (ratios == best).sum() == 1 else np.flatnonzero(ratios == best).tolist()
+            stale = False
+            for slot in tied:
+                head = classes[slot_class[slot]][0][1]
+                if head.done or head.started:  # finished, or started as overdue
+                    self._pop_head(slot)
+                    stale = True
+            if not stale:
+                slot = min(tied, key=lambda s: classes[slot_class[s]][0][0])
+                return self._pop_head(slot)
+
+    def _add_slot(self, cls: int) -> None:
+        slot = len(self._slot_class)
+        if slot == len(self._heads):
+            self._heads = np.concatenate([self._heads, np.full(slot, np.inf)])
+            self._costs = np.concatenate([self._costs, np.ones(slot)])
+        self._slot[cls] = slot
+        self._slot_class.append(cls)
+        self._costs[slot] = self._cost[cls]
+
+    def _pop_head(self, slot: int) -> Load:
+        heap = self._classes[self._slot_class[slot]]
+        _, load = heapq.heappop(heap)
+        self._heads[slot] = heap[0][0][0] if heap else np.inf
+        return load
 
     def _push_ready(self, entry: Entry) -> None:
         heapq.heappush(self._ready, (entry.key, entry))
