@@ -13,20 +13,13 @@ Flow of one turn (see docs/explanation/architecture.md)::
                        others down if needed; in inclusive mode, copy it to the next tier in
                        the background (write-through)
 
-Guarantees:
-
-* per-session operations are serialized (a per-session lock), different sessions run
-  concurrently;
-* every move is all-or-nothing, under I/O errors and under cancellation of any kind
-  (anyio scopes, ``task.cancel()``, ``asyncio.timeout``, ``wait_for``): the work runs in a
-  task of its own that the caller's cancellation does not reach (see
-  :mod:`tieredkv._cache.atomic`), so no buffer or file is released while a worker thread
-  still uses it;
-* an :meth:`append`, :meth:`load` or :meth:`load_into` that raises a cancellation left no
-  trace (an append's segment is deleted again); one that returns is fully visible;
-  a :meth:`drop` is atomic: cancelled while waiting it did nothing, otherwise it completes
-  (deleting every copy) before the cancellation is raised;
-* blocking I/O and large copies run in worker threads (each tier has its own limiter).
+Guarantees (how each is kept: docs/explanation/architecture.md): per-session operations are
+serialized, different sessions run concurrently; every move is all-or-nothing under I/O
+errors and under any cancellation (anyio scopes, ``task.cancel()``, ``asyncio.timeout``,
+``wait_for``), because it runs in a task of its own (:mod:`tieredkv._cache.atomic`); an
+:meth:`append`, :meth:`load` or :meth:`load_into` that raises a cancellation left no trace,
+one that returns is fully visible; a :meth:`drop` either did nothing or completed; blocking
+I/O and large copies run in worker threads.
 
 The parts live in :mod:`tieredkv._cache`, one concern each.
 """
@@ -59,20 +52,17 @@ from ._cache.placement import (
 from ._cache.recovery import recover
 from ._cache.sharing import check_writer, discover, shared_tiers
 from ._cache.state import CacheStats, Core, Session, check_key, check_tiers, policies_per_tier
-from ._cache.turns import commit_append, commit_load, restore, store
+from ._cache.turns import commit_append, commit_load, plan_turn, restore, store
 from ._cache.writethrough import WriteThrough
 from .backends.base import Tier
 from .errors import (
-    CapacityError,
     ClosedError,
     CorruptSegmentError,
     InvalidArgumentError,
     InvalidTypeError,
-    SchemaMismatchError,
     SessionNotFoundError,
 )
 from .meta import Dropped, KVMeta, MetadataChannel, TierInfo
-from .payload import plan_segment
 from .policies.base import Eviction
 
 __all__ = ["CacheStats", "TieredKVCache"]
@@ -296,25 +286,7 @@ class TieredKVCache:
     ) -> KVMeta:
         core = self._core
         began = core.clock()
-        if s.primary is None and s.segs:  # lost or damaged earlier: start afresh
-            s.segs.clear()
-        plan = plan_segment(
-            s.key,
-            len(s.segs),
-            tensors,
-            token_dim=dim,
-            answer_tokens=answer_tokens,
-            codec=codec,
-            created=time.time(),
-        )
-        if s.schema is not None and s.segs:
-            diff = s.schema.describe_difference(plan.schema)
-            if diff is not None:
-                raise SchemaMismatchError(s.key, diff)
-        largest = max(t.capacity for t in core.tiers)
-        if plan.length + s.nbytes() > largest:
-            what = "the segment" if not s.segs else "the session with this segment"
-            raise CapacityError(what, plan.length + s.nbytes(), largest)
+        plan = plan_turn(core, s, tensors, answer_tokens, dim, codec)
         t, cancel = await settle(lambda: store(core, s, plan))
         if cancel is not None:  # roll back: the segment never happened
             await settle(lambda: delete_or_orphan(core, t, (s.key, plan.header.seq)))

@@ -7,18 +7,53 @@ returns, with nothing awaited in between: that is the operation's point of no re
 
 from __future__ import annotations
 
+import time
+from collections.abc import Mapping
+from typing import Any
+
 import anyio
 import torch
 
 from ..backends.base import AddressableTier, SegmentKey
-from ..errors import CapacityError, CorruptSegmentError
+from ..errors import CapacityError, CorruptSegmentError, SchemaMismatchError
 from ..meta import KVMeta, Loaded, Stored
-from ..payload import SegmentPlan
+from ..payload import SegmentPlan, plan_segment
 from .gather import copy_out_addressable, scatter, write_new
 from .placement import demote, drop_damaged, promote, purge_orphans, reserve
 from .state import Core, Seg, Session
 
-__all__ = ["commit_append", "commit_load", "restore", "store"]
+__all__ = ["commit_append", "commit_load", "plan_turn", "restore", "store"]
+
+
+def plan_turn(
+    core: Core,
+    s: Session,
+    tensors: Mapping[str, Any],
+    answer_tokens: int,
+    dim: int,
+    codec: str,
+) -> SegmentPlan:
+    """Plan ``s``'s next segment, refusing what cannot be stored before any I/O."""
+    if s.primary is None and s.segs:  # lost or damaged earlier: start afresh
+        s.segs.clear()
+    plan = plan_segment(
+        s.key,
+        len(s.segs),
+        tensors,
+        token_dim=dim,
+        answer_tokens=answer_tokens,
+        codec=codec,
+        created=time.time(),
+    )
+    if s.schema is not None and s.segs:
+        diff = s.schema.describe_difference(plan.schema)
+        if diff is not None:
+            raise SchemaMismatchError(s.key, diff)
+    largest = max(t.capacity for t in core.tiers)
+    if plan.length + s.nbytes() > largest:
+        what = "the segment" if not s.segs else "the session with this segment"
+        raise CapacityError(what, plan.length + s.nbytes(), largest)
+    return plan
 
 
 async def store(core: Core, s: Session, plan: SegmentPlan) -> int:
