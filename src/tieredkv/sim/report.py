@@ -18,6 +18,7 @@ the paper studies.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -69,7 +70,8 @@ def default_rates(workload: WorkloadSpec) -> tuple[float, ...]:
     native = workload.native_rate()
     if native is None:
         return SYNTHETIC_RATES
-    return tuple(round(native * f, 2) for f in TRACE_FRACTIONS)
+    # two decimals, rounded down: a rate above the native one cannot be sampled
+    return tuple(math.floor(native * f * 100) / 100 for f in TRACE_FRACTIONS)
 
 
 def default_slo(mean_answer: float) -> float:
