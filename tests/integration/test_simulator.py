@@ -9,7 +9,6 @@ host memory holds under half of the live KV, the pressure the paper studies.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import msgspec
@@ -177,20 +176,6 @@ def test_reproduce_writes_the_report(
 
 
 # -- real traces: the documented commands give tables that mean something -------------
-_ROOT = Path(__file__).resolve().parents[2]
-# the Mooncake traces are not shipped: TIEREDKV_TRACES, or a shared/ folder next to or in
-# the checkout (see the traces' README)
-TRACES = next(
-    (
-        p
-        for p in (
-            Path(os.environ.get("TIEREDKV_TRACES", _ROOT / "shared/traces")),
-            _ROOT.parent.parent / "shared/traces",
-        )
-        if (p / "mooncake_fast25/conversation_trace.jsonl").is_file()
-    ),
-    None,
-)
 
 
 def cell(v: float) -> str:
@@ -241,13 +226,16 @@ def test_a_bidaw_format_trace_sweeps_up_to_its_native_rate(
     assert report.sweep["flashgen"][-1].host_hit_ratio < 1  # 8 GB of host memory: misses
 
 
+SHIPPED_MOONCAKE = (
+    Path(__file__).resolve().parents[1] / "data" / "mooncake" / "conversation_trace_head1500.jsonl"
+)
+
+
 def test_the_mooncake_command_gives_a_non_degenerate_table(tmp_path: Path) -> None:
     """The documented command: a long-context GQA model on an H200 (the trace's prompts
     are 8-12k tokens: OPT-13B on an A800 saturates at any of its rates)."""
-    if TRACES is None:
-        pytest.skip("the Mooncake traces are not here (set TIEREDKV_TRACES)")
     small = tmp_path / "mooncake.jsonl"
-    with open(TRACES / "mooncake_fast25/conversation_trace.jsonl", encoding="utf-8") as f:
+    with open(SHIPPED_MOONCAKE, encoding="utf-8") as f:  # ships with the tests
         small.write_text("".join(next(f) for _ in range(300)))
     options = ReproduceOptions(
         workload=WorkloadSpec(kind="mooncake", paths=(str(small),)),
