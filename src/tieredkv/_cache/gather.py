@@ -141,10 +141,12 @@ class Staging:
 
     A fresh anonymous mapping per segment costs a page fault per 4 KiB on first touch (a
     64 MiB segment: 16,384 faults) on the critical path of every load and append. Buffers
-    come back here after use and are handed out again; at most ``keep_bytes`` stay idle.
+    come back here after use and are handed out again; at most ``keep_bytes`` stay idle
+    (256 MiB: two 64 MiB segments' worth for a pipelined load, and room for concurrent
+    appends), so an idle cache holds at most that much host memory beyond its tiers.
     """
 
-    def __init__(self, keep_bytes: int = 1 << 30) -> None:
+    def __init__(self, keep_bytes: int = 256 << 20) -> None:
         self._free: list[mmap.mmap] = []
         self._keep = keep_bytes
 
