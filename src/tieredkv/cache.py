@@ -156,7 +156,7 @@ class TieredKVCache:
             raise cancel
 
     async def aclose(self) -> None:
-        """Finish background work (write-through, retried deletions), then close every tier."""
+        """Finish background write-through and retried deletions, then close every tier."""
         if not self._open:
             return
         core = self._core
@@ -276,10 +276,7 @@ class TieredKVCache:
                         await check_writer(self._core, session)
                     return await self._append_locked(s, tensors, answer_tokens, dim, codec)
             finally:
-                # a first append that failed or was cancelled leaves no empty entry behind
-                unused = not s.segs and session not in self.channel and not s.cond.locked()
-                if unused and sessions.get(session) is s:
-                    del sessions[session]
+                self._core.discard_unused(s)  # a first append that failed or was cancelled
 
     async def _append_locked(
         self, s: Session, tensors: Mapping[str, Any], answer_tokens: int, dim: int, codec: str

@@ -183,7 +183,7 @@ async def _move_victim(core: Core, victim: str, t: int, lossless: bool) -> None:
     if victim in core.busy or (lossless and vs.primary == t and t + 1 >= len(core.tiers)):
         return
     try:
-        vs.cond.acquire_nowait()
+        vs.lock.acquire_nowait()
     except anyio.WouldBlock:
         return
     core.busy[victim] += 1
@@ -198,7 +198,7 @@ async def _move_victim(core: Core, victim: str, t: int, lossless: bool) -> None:
         pass  # lossless, and the victim has nowhere to go: it stays
     finally:
         core.unbusy(victim)
-        vs.cond.release()
+        vs.lock.release()
 
 
 # -- moving down --------------------------------------------------------------------------

@@ -60,9 +60,7 @@ async def discover(core: Core, key: str, *, take: bool) -> None:
                 if cancel is not None:
                     raise cancel
         finally:
-            unused = not s.segs and key not in core.channel and not s.cond.locked()
-            if unused and core.sessions.get(key) is s:
-                del core.sessions[key]
+            core.discard_unused(s)  # nothing found: no empty entry stays behind
 
 
 async def _look(core: Core, s: Session, t: int, tier: SharedTier, take: bool) -> None:

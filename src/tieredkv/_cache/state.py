@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
+from typing import Literal
 
 import anyio
 import msgspec
@@ -104,11 +105,11 @@ class Session:
     """A conversation in the index. Mutated only with :attr:`cond` held (see :meth:`Core.hold`)."""
 
     __slots__ = (
-        "cond",
         "dropped",
         "held",
         "inflight",
         "key",
+        "lock",
         "primary",
         "quiet",
         "schema",
@@ -122,7 +123,7 @@ class Session:
         self.segs: list[Seg] = []
         self.held: list[set[int]] = [set() for _ in range(ntiers)]
         self.primary: int | None = None
-        self.cond = anyio.Condition()
+        self.lock = anyio.Lock()
         self.inflight = 0  # background copies under way (write-through)
         self.quiet: anyio.Event | None = None  # set when inflight drops to 0
         self.stopping = False  # a drop is waiting: background copies stop early
@@ -169,6 +170,14 @@ class Core:
         self.orphans: set[tuple[int, SegmentKey]] = set()
         self.staging = Staging()
 
+    def discard_unused(self, s: Session) -> None:
+        """Drop ``s`` from the index if it holds nothing, is unknown to the channel and
+        nobody holds or waits for its lock (what a failed or cancelled first append, or a
+        discovery that found nothing, leaves behind)."""
+        unused = not s.segs and s.key not in self.channel and not s.lock.locked()
+        if unused and self.sessions.get(s.key) is s:
+            del self.sessions[s.key]
+
     def hold(self, s: Session) -> Held:
         """``async with``: hold ``s``'s lock and mark it busy (never chosen as a victim)."""
         return Held(self, s)
@@ -182,9 +191,11 @@ class Core:
         if s.key in self.channel:
             self.channel.update(s.key, in_flight=transfer)
 
-    def transfer(self, kind: str, s: Session, src: int, dst: int) -> Transfer:
+    def transfer(
+        self, kind: Literal["promote", "demote", "write-through"], s: Session, src: int, dst: int
+    ) -> Transfer:
         return Transfer(
-            kind=kind,  # type: ignore[arg-type]
+            kind=kind,
             src=self.tiers[src].name,
             dst=self.tiers[dst].name,
             nbytes=s.nbytes(),
@@ -234,13 +245,13 @@ class Held:
         self._s = s
 
     async def __aenter__(self) -> None:
-        await self._s.cond.acquire()
+        await self._s.lock.acquire()
         self._core.busy[self._s.key] += 1
 
     async def __aexit__(self, *exc_info: object) -> None:
         # no await here: leaving can never be interrupted half-way
         self._core.unbusy(self._s.key)
-        self._s.cond.release()
+        self._s.lock.release()
 
 
 def check_key(session: object) -> None:

@@ -60,12 +60,17 @@ class WriteThrough:
             await s.wait_quiet()
         except BaseException:
             s.stopping = False
-            p = s.primary
-            below = p is not None and p + 1 < len(self._core.tiers) and not s.complete(p + 1)
-            if self._core.mode == "inclusive" and below:
-                assert p is not None
-                self.start(s, p + 1)
+            self.resume(s)
             raise
+
+    def resume(self, s: Session) -> None:
+        """In inclusive mode, restart ``s``'s copy to the next tier if it is incomplete there
+        (a pump stopped early: by a drop that was then cancelled, or by an I/O error)."""
+        p = s.primary
+        if self._core.mode != "inclusive" or p is None or p + 1 >= len(self._core.tiers):
+            return
+        if not s.complete(p + 1) and not s.dropped:
+            self.start(s, p + 1)
 
     async def flush(self) -> None:
         """Wait until every pump started so far has finished."""
