@@ -156,12 +156,18 @@ class TieredKVCache:
             raise cancel
 
     async def aclose(self) -> None:
-        """Finish background write-through and retried deletions, then close every tier."""
+        """Finish background work, then close every tier.
+
+        Background work: write-through (in inclusive mode, a copy that an I/O error stopped
+        is tried once more, so a restart finds it) and deletions that failed before.
+        """
         if not self._open:
             return
         core = self._core
         try:
             with anyio.CancelScope(shield=True):
+                for s in tuple(core.sessions.values()):
+                    self._pumps.resume(s)
                 await self._pumps.flush()
                 await purge_orphans(core)
         finally:

@@ -276,3 +276,19 @@ async def test_failed_drop_leaves_no_half_dropped_session(
         assert problems(cache) == []
     async with ssd_only(ssd_dir) as again:
         assert again.channel["s"].turns == 1
+
+
+async def test_write_through_stopped_by_an_io_error_is_retried_at_close(
+    ssd_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inclusive mode: an EIO stops a session's background copy to the SSD; closing the
+    cache tries it once more, so a restart still finds the session (it used to be lost)."""
+    async with two_tier(ssd_dir, "inclusive", host=4096 * KIB) as cache:
+        failing(monkeypatch, "pwrite", times=1)
+        await cache.append("s", kv(2, 1), answer_tokens=1)
+        await cache.flush()
+        assert cache.channel["s"].copies == ("host",)  # the copy stopped
+        assert problems(cache) == []
+        monkeypatch.undo()
+    async with two_tier(ssd_dir, "inclusive", host=4096 * KIB) as again:
+        assert torch.equal((await again.load("s"))["kv"], kv(2, 1)["kv"])
