@@ -166,8 +166,7 @@ class TieredKVCache:
         core = self._core
         try:
             with anyio.CancelScope(shield=True):
-                for s in tuple(core.sessions.values()):
-                    self._pumps.resume(s)
+                self._pumps.retry_failed()
                 await self._pumps.flush()
                 await purge_orphans(core)
         finally:

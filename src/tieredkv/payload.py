@@ -59,12 +59,14 @@ __all__ = [
     "MAGIC",
     "MAX_COUNT",
     "PREFIX",
+    "PartWriter",
     "Schema",
     "SegmentHeader",
     "SegmentPlan",
     "TensorSpec",
     "align_up",
     "authenticated_head",
+    "body_mac_hasher",
     "check_body_mac",
     "check_header_mac",
     "check_int",
@@ -243,22 +245,68 @@ class SegmentPlan:
         """
         if len(buf) != self.length:
             raise ValueError(f"buffer holds {len(buf)} bytes, segment needs {self.length}")
+        self.fill_part(buf, 0, self.length)
+        start = PREFIX.size + len(self.header_bytes)
+        _pack_prefix(buf, self.header_bytes, hash_body(buf[start:]))
+
+    def fill_part(self, buf: memoryview, lo: int, hi: int) -> None:
+        """Serialize the segment's bytes ``[lo, hi)`` into the same bytes of ``buf`` (the
+        whole segment's buffer), all but the prefix (:meth:`finish` writes it).
+
+        ``lo`` and ``hi`` are 0, the segment's length, or where a tensor's data starts: each
+        tensor starting in the range is copied whole, and every gap is zeroed.
+        """
         h = self.header
         dest = torch.frombuffer(buf, dtype=torch.uint8)  # length >= ALIGN: never empty
-        start = PREFIX.size + len(self.header_bytes)
-        buf[PREFIX.size : start] = self.header_bytes
-        dest[start : h.body_offset].zero_()
-        cursor = h.body_offset
+        cursor = lo
+        if lo == 0:
+            start = PREFIX.size + len(self.header_bytes)
+            buf[PREFIX.size : start] = self.header_bytes
+            cursor = start
         for spec, tensor in zip(h.tensors, self.tensors, strict=True):
             at = h.body_offset + spec.offset
+            if not lo <= at < hi:
+                continue
             if at > cursor:
                 dest[cursor:at].zero_()
             if spec.nbytes:
                 slot = dest[at : at + spec.nbytes].view(tensor.dtype).view(tensor.shape)
                 copy_tensor(slot, tensor)
             cursor = at + spec.nbytes
-        dest[cursor:].zero_()
-        _pack_prefix(buf, self.header_bytes, hash_body(buf[start:]))
+        if hi > cursor:
+            dest[cursor:hi].zero_()
+
+    def finish(self, buf: memoryview, body_hash: int) -> None:
+        """Write the prefix (magic, header length, CRC, ``body_hash``) once the body is in."""
+        _pack_prefix(buf, self.header_bytes, body_hash)
+
+
+class PartWriter:
+    """Fills a segment's buffer part by part, hashing each part as it is filled, so a tier
+    can write part k while part k + 1 is serialized.
+
+    ``writer(k)`` fills bytes ``[cuts[k], cuts[k + 1])`` (:meth:`SegmentPlan.fill_part`);
+    the last call also writes the prefix, whose hash covers the whole body: the first part's
+    bytes are final only then.
+    """
+
+    def __init__(self, plan: SegmentPlan, buf: memoryview, cuts: list[int]) -> None:
+        if cuts[0] != 0 or cuts[-1] != plan.length or sorted(set(cuts)) != cuts:
+            raise ValueError(f"cuts must rise from 0 to {plan.length}, not {cuts}")
+        self._plan = plan
+        self._buf = buf
+        self.cuts = cuts
+        self._hasher = xxhash.xxh3_64()
+        self._hashed = PREFIX.size + len(plan.header_bytes)
+
+    def __call__(self, k: int) -> None:
+        lo, hi = self.cuts[k], self.cuts[k + 1]
+        self._plan.fill_part(self._buf, lo, hi)
+        if hi > self._hashed:
+            self._hasher.update(self._buf[self._hashed : hi])
+            self._hashed = hi
+        if k == len(self.cuts) - 2:
+            self._plan.finish(self._buf, self._hasher.intdigest())
 
 
 def _pack_prefix(buf: memoryview | bytearray, header_bytes: bytes, body_hash: int) -> None:
@@ -650,8 +698,16 @@ def derive_key(secret: bytes) -> bytes:
     return hashlib.blake2b(bytes(secret), digest_size=64, person=b"tieredkv-key").digest()
 
 
+def body_mac_hasher(key: bytes) -> Any:
+    """An incremental body MAC: ``update`` it with a segment's bytes after its header, in
+    order; its ``digest()`` is then what :func:`check_body_mac` compares."""
+    return hashlib.blake2b(key=key, digest_size=MAC_BYTES, person=b"tieredkv-body")
+
+
 def _body_mac(body: memoryview | bytes, key: bytes) -> bytes:
-    return hashlib.blake2b(body, key=key, digest_size=MAC_BYTES, person=b"tieredkv-body").digest()
+    mac = body_mac_hasher(key)
+    mac.update(body)
+    return bytes(mac.digest())
 
 
 def _header_mac(header: SegmentHeader, key: bytes) -> bytes:

@@ -292,3 +292,35 @@ async def test_write_through_stopped_by_an_io_error_is_retried_at_close(
         monkeypatch.undo()
     async with two_tier(ssd_dir, "inclusive", host=4096 * KIB) as again:
         assert torch.equal((await again.load("s"))["kv"], kv(2, 1)["kv"])
+
+
+async def test_close_does_not_rewrite_a_copy_the_policy_evicted(tmp_path: Path) -> None:
+    """Inclusive mode: a session whose SSD copy was evicted to make room for another's is not
+    copied back at close (that would evict the other's copy in turn): what the SSD held
+    before close is exactly what a restart finds. (Found by the stateful test: the retry at
+    close once restarted every incomplete copy, not only those an I/O error stopped.)"""
+
+    def turn(tokens: int) -> dict[str, torch.Tensor]:
+        return {
+            "kv": torch.arange(tokens * 1000, dtype=torch.int32).to(torch.uint8).view(tokens, 1000)
+        }
+
+    def tiers() -> list[Any]:
+        return [HostMemoryTier(16 << 10), SSDTier(tmp_path, 48 << 10, fsync=False)]
+
+    cache = TieredKVCache(tiers(), mode="inclusive")
+    await cache.open()
+    for session, tokens in [("a", 4), ("a", 1), ("a", 1), ("a", 1), ("a", 4), ("a", 4)]:
+        await cache.append(session, turn(tokens), answer_tokens=tokens)
+        await cache.flush()
+    for session in ("b", "c"):
+        await cache.append(session, turn(4), answer_tokens=4)
+        await cache.flush()
+    assert cache.channel["b"].copies == ("host",)  # evicted from the SSD for c's copy
+    on_ssd = {k for k in cache.sessions() if "ssd" in cache.channel[k].copies}
+    assert on_ssd == {"a", "c"}
+    await cache.aclose()
+    async with TieredKVCache(tiers(), mode="inclusive") as reopened:
+        assert set(reopened.sessions()) == on_ssd
+        got = await reopened.load("c")
+        assert torch.equal(got["kv"], turn(4)["kv"])

@@ -8,23 +8,40 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import anyio
-import numpy as np
 import torch
 
 from .._copy import copy_tensor
-from ..backends.arena import INLINE_COPY, close_mapping
-from ..backends.base import AddressableTier, ReadCountingTier, SegmentKey, Tier
+from ..backends.arena import INLINE_COPY, close_mapping, prefaulted
+from ..backends.base import (
+    AddressableTier,
+    FilledWriteTier,
+    ReadCountingTier,
+    SegmentKey,
+    Tier,
+)
 from ..errors import InvalidArgumentError
-from ..payload import Schema, SegmentHeader, dtype_of, segment_tensors
+from ..payload import (
+    ALIGN,
+    PartWriter,
+    Schema,
+    SegmentHeader,
+    SegmentPlan,
+    TensorSpec,
+    align_up,
+    dtype_of,
+    segment_tensors,
+)
 
 __all__ = [
     "Staging",
+    "StreamScatter",
     "Target",
     "check_into",
     "copy_out_addressable",
     "fresh",
     "scatter",
     "scratch",
+    "span_plan",
     "write_new",
 ]
 
@@ -70,20 +87,26 @@ def check_into(out: Mapping[str, torch.Tensor]) -> Target:
     return check
 
 
-async def write_new(
-    tier: Tier,
-    key: SegmentKey,
-    fill: Callable[[memoryview], None],
-    length: int,
-    staging: Staging,
-) -> None:
-    """Serialize a new segment straight into ``tier``'s reservation for ``key`` and commit it."""
+async def write_new(tier: Tier, key: SegmentKey, plan: SegmentPlan, staging: Staging) -> None:
+    """Serialize a new segment straight into ``tier``'s reservation for ``key`` and commit it.
+
+    An addressable tier's slot is filled in place; a :class:`FilledWriteTier` writes each
+    part of the staging buffer while the next part is serialized (copy and checksum overlap
+    the device's write); any other tier gets the whole buffer once it is filled.
+    """
+    length = plan.length
     if isinstance(tier, AddressableTier):
-        await run(fill, tier.view(key), big=length > INLINE_COPY)
+        await run(plan.write_into, tier.view(key), big=length > INLINE_COPY)
         tier.commit(key)
         return
     with staging.buffer(length) as view:
-        await run(fill, view, big=length > INLINE_COPY)
+        if isinstance(tier, FilledWriteTier):
+            _, groups = span_plan(plan.header, tier.span_bytes)
+            h = plan.header
+            cuts = [0, *(h.body_offset + group[0].offset for group in groups[1:]), length]
+            await tier.write_filled(key, view, cuts, PartWriter(plan, view, cuts))
+            return
+        await run(plan.write_into, view, big=length > INLINE_COPY)
         await tier.write(key, view)
 
 
@@ -123,6 +146,74 @@ def scatter(
         copy_tensor(out[name].narrow(dim, offset, header.tokens), view, non_blocking=non_blocking)
 
 
+class StreamScatter:
+    """Copies a history's tensors into ``out`` as a :class:`StreamingReadTier` delivers its
+    segments span by span (the ``consume`` of :meth:`StreamingReadTier.read_spans`).
+
+    Each segment is cut into spans of about ``span`` bytes that hold whole tensors, so every
+    tensor is copied once, from one span, straight into its place in ``out``.
+    """
+
+    def __init__(
+        self,
+        headers: list[SegmentHeader],
+        out: dict[str, torch.Tensor],
+        dim: int,
+        span: int,
+    ) -> None:
+        self._headers = headers
+        self._out = out
+        self._dim = dim
+        self.spans: list[list[tuple[int, int]]] = []
+        self._groups: list[list[list[TensorSpec]]] = []
+        self._offsets: list[int] = []
+        offset = 0
+        for header in headers:
+            spans, groups = span_plan(header, span)
+            self.spans.append(spans)
+            self._groups.append(groups)
+            self._offsets.append(offset)
+            offset += header.tokens
+
+    def __call__(self, item: int, k: int, view: memoryview) -> None:
+        header = self._headers[item]
+        start = self.spans[item][k][0]
+        offset = self._offsets[item]
+        for spec in self._groups[item][k]:
+            if not spec.nbytes:
+                continue
+            at = header.body_offset + spec.offset - start
+            raw = torch.frombuffer(view, dtype=torch.uint8, count=spec.nbytes, offset=at)
+            src = raw.view(dtype_of(spec.dtype)).view(spec.shape)
+            dst = self._out[spec.name].narrow(self._dim, offset, header.tokens)
+            copy_tensor(dst, src)
+
+
+def span_plan(
+    header: SegmentHeader, span: int
+) -> tuple[list[tuple[int, int]], list[list[TensorSpec]]]:
+    """Cut a segment into read spans of about ``span`` bytes, each holding whole tensors.
+
+    Returns the spans (4 KiB-aligned starts, consecutive ones overlapping by at most the
+    page two tensors share; the first from 0, the last to the segment's end) and each span's
+    tensors. A tensor larger than ``span`` gets a span of its own.
+    """
+    spans: list[tuple[int, int]] = []
+    groups: list[list[TensorSpec]] = [[]]
+    start = end = 0  # the current span, up to the end of its last tensor's page
+    for spec in header.tensors:
+        lo = header.body_offset + spec.offset
+        hi = align_up(lo + spec.nbytes)
+        if groups[-1] and hi > end and hi - start > span:
+            spans.append((start, end))
+            groups.append([])
+            start = min(lo - lo % ALIGN, end)
+        groups[-1].append(spec)
+        end = max(end, hi)
+    spans.append((start, header.length))
+    return spans, groups
+
+
 def _scatter_all(
     parts: list[tuple[memoryview, SegmentHeader]],
     out: dict[str, torch.Tensor],
@@ -158,8 +249,7 @@ class Staging:
             buf = min(fits, key=len)
             self._free.remove(buf)
         else:
-            buf = mmap.mmap(-1, max(-(-length // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.PAGESIZE))
-            np.frombuffer(buf, dtype=np.uint8).fill(0)  # fault every page in now, once
+            buf = prefaulted(max(-(-length // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.PAGESIZE))
         view = memoryview(buf)[:length]
         try:
             yield view

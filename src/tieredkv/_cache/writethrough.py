@@ -33,6 +33,8 @@ class WriteThrough:
         self._tasks: set[asyncio.Task[None]] = set()
         self._pending = 0
         self._idle: anyio.Event | None = None
+        self._failed: set[str] = set()
+        """Sessions whose copy an I/O error stopped (tried once more at close)."""
 
     def start(self, s: Session, dst: int) -> None:
         """Make sure a pump is copying ``s``'s missing segments into ``dst``."""
@@ -71,6 +73,16 @@ class WriteThrough:
             return
         if not s.complete(p + 1) and not s.dropped:
             self.start(s, p + 1)
+
+    def retry_failed(self) -> None:
+        """Restart the copies that an I/O error stopped (at close, so a restart finds those
+        sessions). A copy removed for want of room, or evicted, is not restarted: that was
+        the policy's choice, and copying it now would evict another session's copy."""
+        failed, self._failed = self._failed, set()
+        for key in failed:
+            s = self._core.sessions.get(key)
+            if s is not None:
+                self.resume(s)
 
     async def flush(self) -> None:
         """Wait until every pump started so far has finished."""
@@ -118,6 +130,7 @@ class WriteThrough:
         except (TierIOError, CorruptSegmentError):
             core.stats.errors += 1
             _log.exception("write-through of %.80r failed", s.key)
+            self._failed.add(s.key)
             stored = False
         if not stored:  # this copy can never be completed now: free its space
             await remove_copy(core, s, dst)

@@ -35,8 +35,10 @@ __all__ = [
     "AddressableTier",
     "BatchReadTier",
     "DefragmentingTier",
+    "FilledWriteTier",
     "ReadCountingTier",
     "SegmentKey",
+    "StreamingReadTier",
     "Tier",
     "TierStats",
 ]
@@ -180,6 +182,56 @@ class BatchReadTier(Tier, Protocol):
         The segments before a failure are complete; a damaged one is taken out of service
         and raised as :class:`~tieredkv.errors.CorruptSegmentError`.
         """
+        ...
+
+
+@runtime_checkable
+class StreamingReadTier(Tier, Protocol):
+    """A tier that streams segments to a consumer span by span, as the device delivers them
+    (a load then needs no segment-sized buffer, and copies while the device reads)."""
+
+    @property
+    def span_bytes(self) -> int:
+        """The span size this tier reads best (spans may be larger where one tensor is)."""
+        ...
+
+    async def read_spans(
+        self,
+        items: Sequence[tuple[SegmentKey, Sequence[tuple[int, int]]]],
+        consume: Callable[[int, int, memoryview], None],
+    ) -> None:
+        """Deliver each segment's spans to ``consume(item, span, view)`` in order.
+
+        The spans of a segment cover it from 0 to its length, in order, each starting at a
+        multiple of 4 KiB at or before the previous one's end. ``view`` is valid only during
+        the call, and its bytes are checked only once the segment's last span has arrived:
+        what ``consume`` built is final when this returns. Stops at the first failure (the
+        segments before it were delivered and verified); a damaged segment is taken out of
+        service and raised as :class:`~tieredkv.errors.CorruptSegmentError`.
+        """
+        ...
+
+
+@runtime_checkable
+class FilledWriteTier(Tier, Protocol):
+    """A tier that writes a new segment while the caller is still serializing it."""
+
+    @property
+    def span_bytes(self) -> int:
+        """The part size this tier writes best."""
+        ...
+
+    async def write_filled(
+        self,
+        key: SegmentKey,
+        data: memoryview,
+        cuts: Sequence[int],
+        fill: Callable[[int], None],
+    ) -> None:
+        """Commit the reservation for ``key`` with ``data``, calling ``fill(k)`` for each
+        part in order (in a worker thread) to make bytes ``[0, cuts[k + 1])`` final, except
+        the first 4 KiB-aligned part's, which the last call makes final. Atomic as
+        :meth:`Tier.write`; on any failure the reservation is still held."""
         ...
 
 

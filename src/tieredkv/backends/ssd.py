@@ -59,9 +59,12 @@ second memory tier; where the filesystem refuses ``O_DIRECT`` (tmpfs, some overl
 filesystems) the tier falls back to buffered I/O, drops the pages it touched with
 ``posix_fadvise(DONTNEED)``, and says so in :meth:`SSDTier.stats`.
 
-Reads verify the header CRC and the body's xxh3 hash while the data streams in: two chunk
-reads are kept in flight, and the hash of each chunk (in a second thread; xxh3 releases the
-GIL) overlaps the reads of the next ones. A segment that fails is moved
+Reads verify the header CRC and the body's xxh3 hash while the data streams in: up to four
+chunk reads are kept in flight, and the hash of each chunk (in a second thread; xxh3
+releases the GIL) overlaps the reads of the next ones. :meth:`SSDTier.read_spans` streams
+whole histories that way, handing each span to a consumer (in a third thread) as it
+arrives; :meth:`SSDTier.write_filled` writes a segment part by part while its caller is
+still serializing the next part. A segment that fails is moved
 to ``quarantine/`` and reported as :class:`~tieredkv.errors.CorruptSegmentError`; the cache
 treats it as a miss.
 """
@@ -72,6 +75,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import hmac
 import logging
 import mmap
 import os
@@ -80,10 +84,10 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import numpy as np
@@ -97,6 +101,7 @@ from ..payload import (
     SegmentHeader,
     align_up,
     authenticated_head,
+    body_mac_hasher,
     check_body_mac,
     check_header_mac,
     check_int,
@@ -106,7 +111,7 @@ from ..payload import (
     hashed_from,
     parse_header,
 )
-from .arena import check_tier_arguments
+from .arena import check_tier_arguments, close_mapping, prefaulted
 from .base import SegmentKey, Tier, TierStats
 
 __all__ = ["SSDTier", "read_header_at", "segment_file_name"]
@@ -194,6 +199,9 @@ class SSDTier(Tier):
         self._limiter: anyio.CapacityLimiter | None = None
         self._hasher: ThreadPoolExecutor | None = None
         self._readers: ThreadPoolExecutor | None = None
+        self._copier: ThreadPoolExecutor | None = None
+        self._spare: list[mmap.mmap] = []
+        """Prefaulted ``chunk_size`` buffers kept for streamed reads (:meth:`read_spans`)."""
         self._lock_fd: int | None = None
         self._notes: list[str] = []
         self._counters: dict[str, int] = {
@@ -221,6 +229,11 @@ class SSDTier(Tier):
     def authenticated(self) -> bool:
         """Whether segments are written and checked with a MAC (a secret was given)."""
         return self._key is not None
+
+    @property
+    def span_bytes(self) -> int:
+        """Bytes per read call (``chunk_size``): the size :meth:`read_spans` reads best."""
+        return self._chunk
 
     @property
     def direct_io(self) -> bool:
@@ -261,6 +274,7 @@ class SSDTier(Tier):
         limiter = anyio.CapacityLimiter(self._max_threads)
         headers = await anyio.to_thread.run_sync(self._open_sync, limiter=limiter)
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix=f"tieredkv-{self.name}-hash")
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix=f"tieredkv-{self.name}-copy")
         self._readers = ThreadPoolExecutor(
             self._max_threads * _READ_DEPTH, thread_name_prefix=f"tieredkv-{self.name}-read"
         )
@@ -468,10 +482,12 @@ class SSDTier(Tier):
         if self._limiter is None:
             return
         self._limiter = None
-        for pool in (self._readers, self._hasher):
+        for pool in (self._readers, self._hasher, self._copier):
             if pool is not None:
                 pool.shutdown(wait=True)
-        self._readers = self._hasher = None
+        self._readers = self._hasher = self._copier = None
+        while self._spare:
+            close_mapping(self._spare.pop(), "span buffer")
         if self._doomed:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self._remove_doomed)
@@ -514,6 +530,36 @@ class SSDTier(Tier):
 
     # -- data ----------------------------------------------------------------------------
     async def write(self, key: SegmentKey, data: memoryview) -> None:
+        await self._write(key, data, None)
+
+    async def write_filled(
+        self,
+        key: SegmentKey,
+        data: memoryview,
+        cuts: Sequence[int],
+        fill: Callable[[int], None],
+    ) -> None:
+        """Commit the reservation for ``key`` with ``data``, which ``fill(k)`` makes valid
+        part by part while the parts before it are written.
+
+        ``fill(k)`` (called in a worker thread, for k = 0, 1, ... in order) makes bytes
+        ``[0, cuts[k + 1])`` of ``data`` final, except the first page-aligned part's (up to
+        ``cuts[1]`` rounded down to 4 KiB), which only the last call makes final (it holds
+        the header, whose checksum covers everything). Each part is written as soon as it
+        is final, so serializing a segment and writing it overlap; the first part is
+        written last. Atomic and durable as :meth:`write`.
+        """
+        cut = list(cuts)
+        if len(cut) < 2 or cut[0] != 0 or cut[-1] != len(data) or sorted(set(cut)) != cut:
+            raise ValueError(f"cuts must rise from 0 to {len(data)}, not {cut}")
+        await self._write(key, data, (cut, fill))
+
+    async def _write(
+        self,
+        key: SegmentKey,
+        data: memoryview,
+        filled: tuple[list[int], Callable[[int], None]] | None,
+    ) -> None:
         limiter = self._check_open()
         length = self._reserved.get(key)
         if length is None:
@@ -523,7 +569,7 @@ class SSDTier(Tier):
         incarnation = self._begin_incarnation(key[0])
         try:
             tag = await anyio.to_thread.run_sync(
-                self._write_sync, key, data, incarnation, limiter=limiter
+                self._write_sync, key, data, incarnation, filled, limiter=limiter
             )
         except BaseException:
             self._end_incarnation(key[0])
@@ -554,8 +600,21 @@ class SSDTier(Tier):
             if entry[1] <= 0:
                 del self._incarnations[session]
 
-    def _write_sync(self, key: SegmentKey, data: memoryview, incarnation: bytes | None) -> bytes:
-        """Write ``data`` as ``key``'s file, atomically; return its prefix."""
+    def _write_sync(
+        self,
+        key: SegmentKey,
+        data: memoryview,
+        incarnation: bytes | None,
+        filled: tuple[list[int], Callable[[int], None]] | None = None,
+    ) -> bytes:
+        """Write ``data`` as ``key``'s file, atomically; return its prefix. With ``filled``
+        (cuts and fill, see :meth:`write_filled`) the data is filled part by part as it is
+        written where it can be (O_DIRECT from an aligned buffer, no MAC), or first."""
+        if filled is not None and (self._key is not None or not _aligned(data)):
+            cuts, fill = filled
+            for k in range(len(cuts) - 1):
+                fill(k)
+            filled = None
         xx, name = segment_file_name(key).split("/")
         tmp_dir = self._dirs["tmp"]
         tmp = f"{name}.{uuid.uuid4().hex}.tmp"
@@ -578,16 +637,16 @@ class SSDTier(Tier):
                 head[:n] = data[:n]
                 head[: len(authed)] = authed
                 parts = [memoryview(head), data[n:]]
-            tag = bytes(parts[0][: PREFIX.size])
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
             fd = os.open(tmp, flags | (_O_DIRECT if self._direct else 0), 0o644, dir_fd=tmp_dir)
             try:
+                if filled is not None:
+                    self._write_while_filling(fd, data, *filled)
                 at = 0
-                for part in parts:
-                    done = 0
-                    while done < len(part):
-                        done += os.pwrite(fd, part[done:], at + done)
+                for part in parts if filled is None else []:
+                    _pwrite_full(fd, part, at)
                     at += len(part)
+                tag = bytes(parts[0][: PREFIX.size])  # complete only now, when filled
                 if self._fsync:
                     os.fsync(fd)
                 if not self._direct:
@@ -613,6 +672,9 @@ class SSDTier(Tier):
             raise TierIOError(
                 self.name, f"write segment {key[1]} ({len(data):,} bytes)", exc
             ) from exc
+        except BaseException:  # the caller's fill failed: nothing was renamed
+            _unlink_quietly(tmp, tmp_dir)
+            raise
         finally:
             if head is not None:
                 for part in parts:
@@ -622,6 +684,33 @@ class SSDTier(Tier):
                 data.release()
                 bounce.close()
         return tag
+
+    def _write_while_filling(
+        self, fd: int, data: memoryview, cuts: list[int], fill: Callable[[int], None]
+    ) -> None:
+        """Fill ``data`` part by part and write each part once final, the first part last;
+        every write has finished when this returns or raises."""
+        assert self._readers is not None
+        # the first part is at least the prefix's page: it is written last, once final
+        bounds = [0, *(max(ALIGN, c - c % ALIGN) for c in cuts[1:-1]), len(data)]
+        writes: list[Future[None]] = []
+        try:
+            for k in range(len(cuts) - 1):
+                fill(k)
+                lo, hi = bounds[k], bounds[k + 1]
+                if k and hi > lo:
+                    writes.append(self._readers.submit(_pwrite_full, fd, data[lo:hi], lo))
+            if bounds[1] > 0:
+                _pwrite_full(fd, data[: bounds[1]], 0)
+        finally:
+            failure: BaseException | None = None
+            for w in writes:
+                try:
+                    w.result()
+                except BaseException as exc:  # the first one is raised
+                    failure = failure or exc
+        if failure is not None:
+            raise failure
 
     async def read_into(self, key: SegmentKey, out: memoryview) -> None:
         await self.read_many_into([(key, out)])
@@ -646,14 +735,22 @@ class SSDTier(Tier):
             self._counters["reads"] += 1
             self._counters["bytes_read"] += len(out)
         if failure is not None:
-            key = items[done][0]
-            # raised here, outside any except block: the original exception's traceback
-            # would keep views of the caller's buffers alive
-            detail, code, reason = failure
-            if code is None:
-                await self._quarantine(key)
-                raise CorruptSegmentError(segment_file_name(key), detail)
-            raise TierIOError(self.name, detail, OSError(code, reason))
+            await self._raise_read_failure(items[done][0], failure)
+
+    async def _raise_read_failure(
+        self, key: SegmentKey, failure: tuple[str, int | None, str]
+    ) -> NoReturn:
+        """Quarantine ``key`` and raise :class:`CorruptSegmentError` if it was damaged (no
+        errno), or raise the I/O error as :class:`TierIOError`.
+
+        Raised here, outside any except block: the original exception's traceback would keep
+        views of the caller's buffers alive.
+        """
+        detail, code, reason = failure
+        if code is None:
+            await self._quarantine(key)
+            raise CorruptSegmentError(segment_file_name(key), detail)
+        raise TierIOError(self.name, detail, OSError(code, reason))
 
     def _read_many_sync(
         self, items: Sequence[tuple[SegmentKey, memoryview]]
@@ -675,17 +772,9 @@ class SSDTier(Tier):
             target = memoryview(bounce)
         failure: tuple[str, int | None, str] | None = None
         try:
-            xx, name = rel.split("/")
-            try:
-                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-                sub = self._subdir(xx, create=False)
-                fd = os.open(name, flags | (_O_DIRECT if self._direct else 0), dir_fd=sub)
-            except FileNotFoundError:
-                return ("file is missing", None, "")
-            except OSError as exc:
-                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                    return ("a symbolic link or not a directory on its path", None, "")
-                return (f"open segment {key[1]}", exc.errno or 0, exc.strerror or str(exc))
+            fd = self._open_segment(key)
+            if isinstance(fd, tuple):
+                return fd
             try:
                 self._read_verify(fd, key, target, rel)
                 if self._key is not None:
@@ -697,10 +786,7 @@ class SSDTier(Tier):
             except OSError as exc:
                 failure = (f"read segment {key[1]}", exc.errno or 0, exc.strerror or str(exc))
             finally:
-                if not self._direct:
-                    with contextlib.suppress(OSError):
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                os.close(fd)
+                self._close_segment(fd)
             if failure is None and bounce is not None:
                 out[:] = target
         finally:
@@ -797,6 +883,195 @@ class SSDTier(Tier):
             for f in pending:
                 with contextlib.suppress(Exception):
                     f.result()
+
+    async def read_spans(
+        self,
+        items: Sequence[tuple[SegmentKey, Sequence[tuple[int, int]]]],
+        consume: Callable[[int, int, memoryview], None],
+    ) -> None:
+        """Stream several committed segments to ``consume``, span by span, as they arrive.
+
+        Each item is a segment and its spans: byte ranges ``(start, end)`` that together
+        cover it from 0 to its length, in order, each starting at a multiple of 4 KiB at or
+        before the previous one's end (they may overlap by less than a page), each ending at
+        a multiple of 4 KiB or the segment's end. ``consume(item, span, view)`` gets each
+        span's bytes (valid only during the call) in a worker thread, in order, while later
+        spans are read: up to four reads are in flight across segment boundaries, each
+        segment's checksum (and MAC) is computed in the hasher thread as its spans arrive,
+        and the spans are read into a small pool of reused, prefaulted buffers, so a
+        history of any size needs a few chunks of memory, not a segment-sized buffer.
+
+        A segment is verified when its last span has arrived, so ``consume`` sees bytes
+        before they are checked: what it built is final only once this returns. A failure
+        stops the stream at that segment (segments before it were delivered and verified);
+        a damaged segment is quarantined and raised as
+        :class:`~tieredkv.errors.CorruptSegmentError`, an I/O error as
+        :class:`~tieredkv.errors.TierIOError`; an exception from ``consume`` propagates.
+        """
+        limiter = self._check_open()
+        for key, spans in items:
+            length = self._index.get(key)
+            if length is None:
+                raise KeyError(key)
+            _check_spans(spans, length)
+        done, failure = await anyio.to_thread.run_sync(
+            self._read_spans_sync, items, consume, limiter=limiter
+        )
+        for key, _ in items[:done]:
+            self._counters["reads"] += 1
+            self._counters["bytes_read"] += self._index.get(key, 0)
+        if failure is not None:
+            await self._raise_read_failure(items[done][0], failure)
+
+    def _span_buffer(self, size: int) -> mmap.mmap:
+        """A prefaulted buffer of at least ``size`` bytes from the pool (or a new one)."""
+        with self._dirs_lock:
+            for i, buf in enumerate(self._spare):
+                if len(buf) >= size:
+                    return self._spare.pop(i)
+        return prefaulted(max(size, self._chunk))
+
+    def _give_back(self, buf: mmap.mmap) -> None:
+        with self._dirs_lock:
+            if len(buf) == self._chunk and len(self._spare) < _SPARE_BUFFERS:
+                self._spare.append(buf)
+                return
+        with contextlib.suppress(BufferError):
+            buf.close()
+
+    def _read_spans_sync(
+        self,
+        items: Sequence[tuple[SegmentKey, Sequence[tuple[int, int]]]],
+        consume: Callable[[int, int, memoryview], None],
+    ) -> tuple[int, tuple[str, int | None, str] | None]:
+        """The stream itself (see :meth:`read_spans`); returns the segments delivered and
+        verified, and the failure that stopped it (as :meth:`_read_checked` reports one)."""
+        assert self._hasher is not None
+        assert self._readers is not None
+        assert self._copier is not None
+        readers, hasher_pool, copier = self._readers, self._hasher, self._copier
+        jobs = [
+            (i, k, start, end)
+            for i, (_, spans) in enumerate(items)
+            for k, (start, end) in enumerate(spans)
+        ]
+        size = max(end - start for _, _, start, end in jobs)
+        ring = [self._span_buffer(size) for _ in range(min(len(jobs), _READ_DEPTH + 2))]
+        free = list(ring)
+        inflight: deque[tuple[int, int, int, int, mmap.mmap, Future[int]]] = deque()
+        hashing: deque[tuple[mmap.mmap, list[Future[None]]]] = deque()
+        fds: dict[int, int] = {}
+        reading: dict[int, _SegmentRead] = {}
+        issued = 0
+        done = 0
+        try:
+            while True:
+                while issued < len(jobs) and len(inflight) < _READ_DEPTH:
+                    if not free:  # the oldest span's buffer, once hashed and copied out
+                        buf, futures = hashing.popleft()
+                        for f in futures:
+                            f.result()  # an exception from consume propagates
+                        free.append(buf)
+                    i, k, start, end = jobs[issued]
+                    if i not in fds:
+                        key = items[i][0]
+                        fd = self._open_segment(key)
+                        if isinstance(fd, tuple):
+                            return done, fd
+                        fds[i] = fd
+                    buf = free.pop()
+                    view = memoryview(buf)[: end - start]
+                    read = readers.submit(_pread_full, fds[i], view, start)
+                    inflight.append((i, k, start, end, buf, read))
+                    issued += 1
+                if not inflight:
+                    return done, None
+                i, k, start, end, buf, future = inflight.popleft()
+                key = items[i][0]
+                rel = segment_file_name(key)
+                try:
+                    n = future.result()
+                except OSError as exc:
+                    return done, (
+                        f"read segment {key[1]}",
+                        exc.errno or 0,
+                        exc.strerror or str(exc),
+                    )
+                length = self._index[key]
+                # not released here: the copier thread may still be using it (the
+                # buffer is reused only once it is done, and unmapped at close)
+                view = memoryview(buf)[: end - start]
+                try:
+                    if n < end - start:
+                        raise CorruptSegmentError(
+                            rel, f"file ends at {start + n} of {length} bytes (truncated)"
+                        )
+                    if k == 0:
+                        reading[i] = self._begin_segment_read(view, key, rel, length)
+                    seg = reading[i]
+                    futures = seg.feed(hasher_pool, view, start, end)
+                except CorruptSegmentError as exc:
+                    free.append(buf)
+                    return done, (exc.detail, None, "")
+                # copied in the copier thread, so this one reissues reads meanwhile
+                copying = copier.submit(consume, i, k, view)
+                hashing.append((buf, [*futures, copying]))
+                seg.copies.append(copying)
+                if end == length:
+                    try:
+                        reading.pop(i).finish()
+                    except CorruptSegmentError as exc:
+                        return done, (exc.detail, None, "")
+                    fd = fds.pop(i)
+                    self._close_segment(fd)
+                    done += 1
+        finally:
+            # let every read and hash finish before a buffer goes back to the pool
+            for *_, future in inflight:
+                with contextlib.suppress(Exception):
+                    future.result()
+            for _, futures in hashing:
+                for f in futures:
+                    with contextlib.suppress(Exception):
+                        f.result()
+            for fd in fds.values():
+                self._close_segment(fd)
+            for buf in ring:
+                self._give_back(buf)
+
+    def _open_segment(self, key: SegmentKey) -> int | tuple[str, int | None, str]:
+        """Open ``key``'s file for reading; its descriptor, or the failure (as
+        :meth:`_read_checked` reports one)."""
+        xx, name = segment_file_name(key).split("/")
+        try:
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+            sub = self._subdir(xx, create=False)
+            return os.open(name, flags | (_O_DIRECT if self._direct else 0), dir_fd=sub)
+        except FileNotFoundError:
+            return ("file is missing", None, "")
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                return ("a symbolic link or not a directory on its path", None, "")
+            return (f"open segment {key[1]}", exc.errno or 0, exc.strerror or str(exc))
+
+    def _close_segment(self, fd: int) -> None:
+        if not self._direct:
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        with contextlib.suppress(OSError):  # Linux closes the descriptor even then
+            os.close(fd)
+
+    def _begin_segment_read(
+        self, first: memoryview, key: SegmentKey, rel: str, length: int
+    ) -> _SegmentRead:
+        """Check a segment's header in its first span; the state that verifies the rest."""
+        expected = _check_header(first, key, rel, self._tags.get(key), length)
+        mac = None
+        if self._key is not None:
+            header, _ = parse_header(first, rel, length)
+            check_header_mac(header, self._key, rel)
+            mac = (body_mac_hasher(self._key), header.body_mac)
+        return _SegmentRead(rel, hashed_from(first), expected, mac)
 
     async def delete(self, key: SegmentKey) -> None:
         limiter = self._check_open()
@@ -929,6 +1204,13 @@ def _check_header(
     return check_prefix(buf, rel)[1]
 
 
+def _pwrite_full(fd: int, view: memoryview, offset: int) -> None:
+    """Write all of ``view`` at ``offset`` (``pwrite`` may write less than asked)."""
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
 def _pread_full(fd: int, view: memoryview, offset: int) -> int:
     """Read ``len(view)`` bytes at ``offset``; fewer only at the end of the file."""
     got = 0
@@ -982,3 +1264,64 @@ def read_header_at(
 def _unlink_quietly(name: str, dir_fd: int) -> None:
     with contextlib.suppress(OSError):
         os.unlink(name, dir_fd=dir_fd)
+
+
+_SPARE_BUFFERS = 2 * _READ_DEPTH
+"""Span buffers of ``chunk_size`` bytes a tier keeps for later streams (two streams' worth)."""
+
+
+def _check_spans(spans: Sequence[tuple[int, int]], length: int) -> None:
+    """Refuse spans that do not cover a segment of ``length`` bytes as :meth:`SSDTier.read_spans`
+    needs (``ValueError``)."""
+    end = 0
+    for start, stop in spans:
+        if start % ALIGN or (stop % ALIGN and stop != length):
+            raise ValueError(f"span ({start}, {stop}) is not aligned to {ALIGN} bytes")
+        if not start <= end < stop <= length:
+            raise ValueError(
+                f"span ({start}, {stop}) does not continue the spans before it (which end at "
+                f"{end}) within the segment's {length} bytes"
+            )
+        end = stop
+    if end != length:
+        raise ValueError(f"the spans end at {end}, the segment at {length}")
+
+
+class _SegmentRead:
+    """One segment being streamed: its checksum (and MAC) fed in order as spans arrive."""
+
+    def __init__(self, rel: str, hashed: int, expected: int, mac: tuple[Any, bytes] | None) -> None:
+        self.rel = rel
+        self.hashed = hashed
+        """Absolute offset up to which bytes were handed to the hashers."""
+        self.expected = expected
+        self.xxh = xxhash.xxh3_64()
+        self.mac = mac
+        self.futures: list[Future[None]] = []
+        self.copies: list[Future[None]] = []
+        """The consumer's calls for the spans delivered so far."""
+
+    def feed(
+        self, pool: ThreadPoolExecutor, view: memoryview, start: int, end: int
+    ) -> list[Future[None]]:
+        """Hash the part of span ``[start, end)`` (in ``view``) not hashed yet, in ``pool``."""
+        if end <= self.hashed:
+            return []
+        part = view[self.hashed - start :]
+        self.hashed = end
+        futures = [pool.submit(self.xxh.update, part)]
+        if self.mac is not None:
+            futures.append(pool.submit(self.mac[0].update, part))
+        self.futures.extend(futures)
+        return futures
+
+    def finish(self) -> None:
+        """Check the digests once every span was fed (``CorruptSegmentError`` if wrong)."""
+        for f in self.futures:
+            f.result()
+        for f in self.copies:
+            f.result()  # an exception from consume propagates
+        if self.xxh.intdigest() != self.expected:
+            raise CorruptSegmentError(self.rel, "body checksum mismatch")
+        if self.mac is not None and not hmac.compare_digest(self.mac[0].digest(), self.mac[1]):
+            raise CorruptSegmentError(self.rel, "body MAC mismatch (forged or altered)")

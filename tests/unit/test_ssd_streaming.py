@@ -1,0 +1,256 @@
+"""Streamed reads: ``SSDTier.read_spans`` and the cache's loads through it.
+
+A load from an SSD tier streams the history span by span (each span holding whole tensors)
+into the output tensors, with the checksum computed as the spans arrive. These tests pin
+what that must never change: exact bytes for any span size and layout, damage caught (and
+quarantined) even though bytes reached the consumer before the check, I/O errors reported
+as such, a failing consumer's exception propagated, and a tier that stays usable after
+every failure.
+"""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.faults import FaultInjector
+from tests.invariants import problems
+from tests.segments import SegmentFactory, read_back, store
+from tieredkv import SSDTier, TieredKVCache
+from tieredkv._cache.gather import span_plan
+from tieredkv.backends.base import StreamingReadTier
+from tieredkv.backends.ssd import segment_file_name
+from tieredkv.errors import CorruptSegmentError, SessionNotFoundError, TierIOError
+from tieredkv.payload import ALIGN, align_up, plan_segment
+
+CAPACITY = 256 << 20
+
+
+def reassemble(length: int, spans: list[tuple[int, int]], got: list[bytes]) -> bytes:
+    """One segment's bytes from its spans' deliveries (where consecutive spans share a
+    page, both must have delivered the same bytes for it)."""
+    whole = bytearray(length)
+    end = 0
+    for (start, stop), data in zip(spans, got, strict=True):
+        assert len(data) == stop - start
+        shared = max(0, end - start)
+        assert data[:shared] == whole[start : start + shared]
+        whole[start:stop] = data
+        end = stop
+    return bytes(whole)
+
+
+def history(turns: int, *, big: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Turns of mixed tensors joined along dim 1: several dtypes, odd sizes (so tensors
+    straddle pages), one tensor larger than a 64 KiB span when ``big``, and an empty one."""
+    g = torch.Generator().manual_seed(turns)
+    out = []
+    for t in range(turns):
+        n = 37 + 11 * t
+        turn = {
+            "a.k": torch.randn(3, n, 40, generator=g).half(),
+            "a.v": torch.randn(3, n, 40, generator=g),
+            "b.k": torch.randint(-100, 100, (5, n, 7), generator=g, dtype=torch.int8),
+            "b.v": torch.randn(1, n, 1000 if big else 9, generator=g).bfloat16(),
+            "empty": torch.empty(2, n, 0),
+        }
+        out.append(turn)
+    return out
+
+
+@pytest.mark.parametrize("span", [ALIGN, 3 * ALIGN, 64 << 10, 8 << 20])
+def test_span_plan_covers_the_segment_with_whole_tensors(span: int) -> None:
+    """Spans start at page boundaries, continue each other, cover the segment, and each
+    tensor lies whole in the one span that lists it; a tensor larger than the span size
+    gets one of its own."""
+    turn = history(2, big=True)[1]
+    plan = plan_segment("s", 1, turn, token_dim=1, answer_tokens=1)
+    header = plan.header
+    spans, groups = span_plan(header, span)
+    assert spans[0][0] == 0
+    assert spans[-1][1] == header.length
+    end = 0
+    for start, stop in spans:
+        assert start % ALIGN == 0
+        assert start <= end < stop
+        end = stop
+    listed = [spec.name for group in groups for spec in group]
+    assert listed == [spec.name for spec in header.tensors]
+    for (start, stop), group in zip(spans, groups, strict=True):
+        for spec in group:
+            lo = header.body_offset + spec.offset
+            assert start <= lo
+            assert lo + spec.nbytes <= stop
+        if stop - start > span and start > 0:  # only a tensor too large for one span
+            first = group[0]  # makes it larger (the rest share its last page)
+            assert align_up(header.body_offset + first.offset + first.nbytes) - start > span
+            assert all(
+                align_up(header.body_offset + spec.offset + spec.nbytes) <= stop
+                for spec in group[1:]
+            )
+
+
+async def test_read_spans_delivers_every_span_in_order(ssd_dir: Path, seg: SegmentFactory) -> None:
+    """Several segments streamed in one call: spans arrive in order, and put together they
+    are each segment's exact bytes; the read counters count each segment once."""
+    segs = [seg(seq=i, tokens=900 + 300 * i, seed=i) for i in range(4)]
+    async with SSDTier(ssd_dir, CAPACITY, chunk_size=3 * ALIGN) as tier:
+        assert isinstance(tier, StreamingReadTier)
+        for s in segs:
+            await store(tier, s)
+        plans = [span_plan(s.header, tier.span_bytes)[0] for s in segs]
+        got: list[list[bytes]] = [[] for _ in segs]
+        order: list[tuple[int, int]] = []
+
+        def consume(item: int, k: int, view: memoryview) -> None:
+            order.append((item, k))
+            got[item].append(bytes(view))
+
+        await tier.read_spans([(s.key, p) for s, p in zip(segs, plans, strict=True)], consume)
+        assert order == [(i, k) for i, p in enumerate(plans) for k in range(len(p))]
+        for s, p, g in zip(segs, plans, got, strict=True):
+            assert reassemble(s.length, p, g) == s.data
+        assert tier.stats().reads == len(segs)
+        assert tier.stats().bytes_read == sum(s.length for s in segs)
+
+
+async def test_bad_spans_are_refused_before_any_io(ssd_dir: Path, seg: SegmentFactory) -> None:
+    """Unaligned starts, gaps, and spans that stop short of (or run past) the segment are
+    ValueErrors naming the problem; nothing is read."""
+    s = seg(tokens=3000, seed=1)
+    async with SSDTier(ssd_dir, CAPACITY) as tier:
+        await store(tier, s)
+        n = s.length
+        for spans, match in [
+            ([(0, 100), (100, n)], "aligned"),
+            ([(0, ALIGN), (2 * ALIGN, n)], "continue"),
+            ([(0, ALIGN)], "end at"),
+            ([(0, n + ALIGN)], "continue"),
+        ]:
+            with pytest.raises(ValueError, match=match):
+                await tier.read_spans([(s.key, spans)], lambda *a: None)
+        assert tier.stats().reads == 0
+
+
+async def test_damage_stops_the_stream_and_is_quarantined(
+    ssd_dir: Path, seg: SegmentFactory
+) -> None:
+    """A flipped byte in the second of three segments: the first was delivered whole, the
+    damage is raised as CorruptSegmentError and the file quarantined although its bytes
+    reached the consumer first, and the third stays in service."""
+    segs = [seg(seq=i, tokens=2000, seed=10 + i) for i in range(3)]
+    async with SSDTier(ssd_dir, CAPACITY, chunk_size=ALIGN) as tier:
+        for s in segs:
+            await store(tier, s)
+        path = ssd_dir / "segments" / segment_file_name(segs[1].key)
+        data = bytearray(path.read_bytes())
+        data[segs[1].length // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+        plans = [span_plan(s.header, tier.span_bytes)[0] for s in segs]
+        got: list[list[bytes]] = [[] for _ in segs]
+        with pytest.raises(CorruptSegmentError, match="checksum"):
+            await tier.read_spans(
+                [(s.key, p) for s, p in zip(segs, plans, strict=True)],
+                lambda i, k, v: got[i].append(bytes(v)),
+            )
+        assert reassemble(segs[0].length, plans[0], got[0]) == segs[0].data
+        assert not got[2]
+        assert not tier.contains(segs[1].key)
+        assert tier.stats().corrupt == 1
+        assert tier.stats().reads == 1
+        assert await read_back(tier, segs[2]) == segs[2].data
+
+
+async def test_io_error_mid_stream_is_tier_io_error(ssd_dir: Path, seg: SegmentFactory) -> None:
+    """An EIO on the third read call is a TierIOError, not damage: every segment stays in
+    service and streams back whole once the device recovers."""
+    segs = [seg(seq=i, tokens=2000, seed=20 + i) for i in range(2)]
+    async with SSDTier(ssd_dir, CAPACITY, chunk_size=ALIGN) as tier:
+        for s in segs:
+            await store(tier, s)
+        items = [(s.key, span_plan(s.header, tier.span_bytes)[0]) for s in segs]
+        with FaultInjector() as faults:
+            faults.fail_nth("preadv", faults.calls["preadv"] + 3, errno.EIO)
+            with pytest.raises(TierIOError) as info:
+                await tier.read_spans(items, lambda *a: None)
+        assert info.value.errno == errno.EIO
+        assert all(tier.contains(s.key) for s in segs)
+        got: list[list[bytes]] = [[] for _ in segs]
+        await tier.read_spans(items, lambda i, k, v: got[i].append(bytes(v)))
+        for s, (_, p), g in zip(segs, items, got, strict=True):
+            assert reassemble(s.length, list(p), g) == s.data
+
+
+async def test_a_failing_consumer_propagates_and_the_tier_stays_usable(
+    ssd_dir: Path, seg: SegmentFactory
+) -> None:
+    """The consumer's own exception comes out of read_spans as it is; no segment is taken
+    out of service and the next stream works."""
+    s = seg(tokens=5000, seed=3)
+    async with SSDTier(ssd_dir, CAPACITY, chunk_size=ALIGN) as tier:
+        await store(tier, s)
+        spans = span_plan(s.header, tier.span_bytes)[0]
+        assert len(spans) == 2  # one per tensor
+
+        def consume(item: int, k: int, view: memoryview) -> None:
+            if k == 1:
+                raise RuntimeError("consumer gave up")
+
+        with pytest.raises(RuntimeError, match="consumer gave up"):
+            await tier.read_spans([(s.key, spans)], consume)
+        assert tier.contains(s.key)
+        assert tier.stats().corrupt == 0
+        got: list[bytes] = []
+        await tier.read_spans([(s.key, spans)], lambda i, k, v: got.append(bytes(v)))
+        assert reassemble(s.length, spans, got) == s.data
+
+
+@pytest.mark.parametrize("chunk", [ALIGN, 64 << 10, 8 << 20])
+@pytest.mark.parametrize("secret", [None, b"0123456789abcdef-streamed"])
+async def test_cache_loads_stream_byte_exact(
+    ssd_dir: Path, chunk: int, secret: bytes | None
+) -> None:
+    """A cache over one SSD tier (which streams) returns exactly what was appended, through
+    load and load_into, for span sizes from a page (tensors straddle spans' shared pages)
+    to larger than a whole turn, with and without authentication, across a reopen."""
+    turns = history(4, big=True)
+    want = {k: torch.cat([t[k] for t in turns], dim=1) for k in turns[0]}
+    async with TieredKVCache([SSDTier(ssd_dir, CAPACITY, chunk_size=chunk, secret=secret)]) as c:
+        for i, t in enumerate(turns):
+            await c.append("user", t, answer_tokens=i, token_dim=1)
+    async with TieredKVCache([SSDTier(ssd_dir, CAPACITY, chunk_size=chunk, secret=secret)]) as c:
+        got = await c.load("user")
+        assert set(got) == set(want)
+        for k, v in want.items():
+            assert got[k].dtype == v.dtype, k
+            assert torch.equal(got[k], v), k
+        room = {
+            k: torch.full((v.shape[0], v.shape[1] + 5, v.shape[2]), 7, dtype=v.dtype)
+            for k, v in want.items()
+        }
+        assert await c.load_into("user", room) == want["a.k"].shape[1]
+        for k, v in want.items():
+            assert torch.equal(room[k][:, : v.shape[1]], v), k
+            assert bool((room[k][:, v.shape[1] :] == 7).all()), k
+        assert problems(c) == []
+
+
+async def test_cache_load_of_a_damaged_history_is_a_miss(ssd_dir: Path) -> None:
+    """Damage found while streaming (the outputs already got some of the bytes) makes the
+    load a miss, drops the session everywhere, and leaves the cache consistent."""
+    turns = history(3)
+    async with TieredKVCache([SSDTier(ssd_dir, CAPACITY, chunk_size=ALIGN)]) as c:
+        for i, t in enumerate(turns):
+            await c.append("user", t, answer_tokens=i, token_dim=1)
+        victim = ssd_dir / "segments" / segment_file_name(("user", 2))
+        data = bytearray(victim.read_bytes())
+        data[-ALIGN - 1] ^= 0x10
+        victim.write_bytes(bytes(data))
+        with pytest.raises(SessionNotFoundError):
+            await c.load("user")
+        assert not c.contains("user")
+        assert c.stats().misses == 1
+        assert problems(c) == []
