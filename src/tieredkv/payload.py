@@ -42,6 +42,7 @@ import math
 import struct
 import zlib
 from collections.abc import Mapping
+from concurrent.futures import Executor, Future
 from typing import Any
 
 import msgspec
@@ -287,10 +288,18 @@ class PartWriter:
 
     ``writer(k)`` fills bytes ``[cuts[k], cuts[k + 1])`` (:meth:`SegmentPlan.fill_part`);
     the last call also writes the prefix, whose hash covers the whole body: the first part's
-    bytes are final only then.
+    bytes are final only then. With ``hash_pool`` (a single-thread executor: the parts must
+    be hashed in order) each part is hashed there while the next is copied; call
+    :meth:`wait` before reusing the buffer if a call raised.
     """
 
-    def __init__(self, plan: SegmentPlan, buf: memoryview, cuts: list[int]) -> None:
+    def __init__(
+        self,
+        plan: SegmentPlan,
+        buf: memoryview,
+        cuts: list[int],
+        hash_pool: Executor | None = None,
+    ) -> None:
         if cuts[0] != 0 or cuts[-1] != plan.length or sorted(set(cuts)) != cuts:
             raise ValueError(f"cuts must rise from 0 to {plan.length}, not {cuts}")
         self._plan = plan
@@ -298,15 +307,28 @@ class PartWriter:
         self.cuts = cuts
         self._hasher = xxhash.xxh3_64()
         self._hashed = PREFIX.size + len(plan.header_bytes)
+        self._pool = hash_pool
+        self._pending: list[Future[None]] = []
 
     def __call__(self, k: int) -> None:
         lo, hi = self.cuts[k], self.cuts[k + 1]
         self._plan.fill_part(self._buf, lo, hi)
         if hi > self._hashed:
-            self._hasher.update(self._buf[self._hashed : hi])
+            part = self._buf[self._hashed : hi]
+            if self._pool is None:
+                self._hasher.update(part)
+            else:
+                self._pending.append(self._pool.submit(self._hasher.update, part))
             self._hashed = hi
         if k == len(self.cuts) - 2:
+            self.wait()
             self._plan.finish(self._buf, self._hasher.intdigest())
+
+    def wait(self) -> None:
+        """Wait for the hashing handed to ``hash_pool`` (raising its first error)."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
 
 
 def _pack_prefix(buf: memoryview | bytearray, header_bytes: bytes, body_hash: int) -> None:

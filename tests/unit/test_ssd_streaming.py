@@ -11,7 +11,9 @@ every failure.
 from __future__ import annotations
 
 import errno
+import mmap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,9 +26,14 @@ from tieredkv._cache.gather import span_plan
 from tieredkv.backends.base import StreamingReadTier
 from tieredkv.backends.ssd import segment_file_name
 from tieredkv.errors import CorruptSegmentError, SessionNotFoundError, TierIOError
-from tieredkv.payload import ALIGN, align_up, plan_segment
+from tieredkv.payload import ALIGN, PartWriter, align_up, plan_segment
 
 CAPACITY = 256 << 20
+
+
+def aligned(n: int) -> mmap.mmap:
+    """A page-aligned buffer of ``n`` bytes (what the cache's staging buffers are)."""
+    return mmap.mmap(-1, n)
 
 
 def reassemble(length: int, spans: list[tuple[int, int]], got: list[bytes]) -> bytes:
@@ -254,3 +261,83 @@ async def test_cache_load_of_a_damaged_history_is_a_miss(ssd_dir: Path) -> None:
         assert not c.contains("user")
         assert c.stats().misses == 1
         assert problems(c) == []
+
+
+# -- writes filled part by part ------------------------------------------------------------
+
+
+def planned(turns: int = 2, *, big: bool = True) -> Any:
+    return plan_segment("w", 0, history(turns, big=big)[-1], token_dim=1, answer_tokens=3)
+
+
+def cuts_for(plan: Any, span: int) -> list[int]:
+    _, groups = span_plan(plan.header, span)
+    starts = [plan.header.body_offset + g[0].offset for g in groups if g]
+    return sorted({0, *starts, plan.length})
+
+
+@pytest.mark.parametrize("span", [ALIGN, 64 << 10, 8 << 20])
+@pytest.mark.parametrize("secret", [None, b"0123456789abcdef-filled"])
+async def test_write_filled_stores_exactly_what_write_into_serializes(
+    ssd_dir: Path, span: int, secret: bytes | None
+) -> None:
+    """A segment written part by part while it is filled is, byte for byte, the segment
+    that SegmentPlan.write_into serializes in one go (authenticated tiers fill first and
+    then authenticate), and it reads back after a reopen."""
+    plan = planned()
+    whole = aligned(plan.length)
+    plan.write_into(memoryview(whole))
+    key = ("w", 0)
+    async with SSDTier(ssd_dir, CAPACITY, chunk_size=ALIGN, secret=secret) as tier:
+        buf = aligned(plan.length)
+        view = memoryview(buf)
+        cuts = cuts_for(plan, span)
+        assert tier.reserve(key, plan.length)
+        await tier.write_filled(key, view, cuts, PartWriter(plan, view, cuts))
+        tier.release(key)
+        if secret is None:
+            assert (ssd_dir / "segments" / segment_file_name(key)).read_bytes() == bytes(whole)
+        assert bytes(buf) == bytes(whole)
+    async with SSDTier(ssd_dir, CAPACITY, secret=secret) as tier:
+        out = aligned(plan.length)
+        await tier.read_into(key, memoryview(out))
+        if secret is None:
+            assert bytes(out) == bytes(whole)
+        assert bytes(out)[plan.header.body_offset :] == bytes(whole)[plan.header.body_offset :]
+
+
+async def test_a_failing_fill_or_write_commits_nothing(ssd_dir: Path) -> None:
+    """A fill that raises, and an I/O error on a part's write, each leave no file behind
+    and the reservation held (the caller releases it); the same segment is then written
+    whole."""
+    plan = planned()
+    key = ("w", 0)
+    buf = aligned(plan.length)
+    view = memoryview(buf)
+    cuts = cuts_for(plan, ALIGN)
+    assert len(cuts) > 4
+    async with SSDTier(ssd_dir, CAPACITY) as tier:
+        assert tier.reserve(key, plan.length)
+        writer = PartWriter(plan, view, cuts)
+
+        def failing(k: int) -> None:
+            if k == 3:
+                raise RuntimeError("serializer gave up")
+            writer(k)
+
+        with pytest.raises(RuntimeError, match="gave up"):
+            await tier.write_filled(key, view, cuts, failing)
+        with FaultInjector() as faults:
+            faults.fail_nth("pwrite", faults.calls["pwrite"] + 2, errno.EIO)
+            with pytest.raises(TierIOError):
+                await tier.write_filled(key, view, cuts, PartWriter(plan, view, cuts))
+        assert not tier.contains(key)
+        assert tier.used == plan.length  # still reserved
+        assert [p for p in ssd_dir.rglob("*") if p.is_file() and p.name != "LOCK"] == []
+        with pytest.raises(ValueError, match="cuts"):
+            await tier.write_filled(key, view, [0, 10, 5, plan.length], writer)
+        await tier.write_filled(key, view, cuts, PartWriter(plan, view, cuts))
+        tier.release(key)
+        whole = aligned(plan.length)
+        plan.write_into(memoryview(whole))
+        assert (ssd_dir / "segments" / segment_file_name(key)).read_bytes() == bytes(whole)

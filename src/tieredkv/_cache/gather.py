@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -101,10 +102,17 @@ async def write_new(tier: Tier, key: SegmentKey, plan: SegmentPlan, staging: Sta
         return
     with staging.buffer(length) as view:
         if isinstance(tier, FilledWriteTier):
+            # the header alone is the first part (written last, once the checksum is
+            # known: a page, not a span's worth); then a part per span of whole tensors
             _, groups = span_plan(plan.header, tier.span_bytes)
             h = plan.header
-            cuts = [0, *(h.body_offset + group[0].offset for group in groups[1:]), length]
-            await tier.write_filled(key, view, cuts, PartWriter(plan, view, cuts))
+            starts = [h.body_offset + group[0].offset for group in groups if group]
+            cuts = sorted({0, *starts, length})
+            writer = PartWriter(plan, view, cuts, staging.hash_pool())
+            try:
+                await tier.write_filled(key, view, cuts, writer)
+            finally:
+                writer.wait()  # nothing may still read the buffer once it is reused
             return
         await run(plan.write_into, view, big=length > INLINE_COPY)
         await tier.write(key, view)
@@ -240,6 +248,14 @@ class Staging:
     def __init__(self, keep_bytes: int = 256 << 20) -> None:
         self._free: list[mmap.mmap] = []
         self._keep = keep_bytes
+        self._hash_pool: ThreadPoolExecutor | None = None
+
+    def hash_pool(self) -> ThreadPoolExecutor:
+        """The thread that checksums segments being filled (one: parts hash in order), so
+        a segment's copy and checksum run side by side."""
+        if self._hash_pool is None:
+            self._hash_pool = ThreadPoolExecutor(1, thread_name_prefix="tieredkv-fill-hash")
+        return self._hash_pool
 
     @contextlib.contextmanager
     def buffer(self, length: int) -> Iterator[memoryview]:
@@ -264,7 +280,10 @@ class Staging:
                     close_mapping(self._free.pop(0), "staging buffer")
 
     def close(self) -> None:
-        """Unmap every idle buffer."""
+        """Unmap every idle buffer and stop the hashing thread."""
+        if self._hash_pool is not None:
+            self._hash_pool.shutdown(wait=True)
+            self._hash_pool = None
         while self._free:
             close_mapping(self._free.pop(), "staging buffer")
 
