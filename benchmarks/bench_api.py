@@ -15,7 +15,8 @@ durably, then read back cold (the page cache dropped before every read where per
 - ``safetensors``: ``save_file`` + ``fsync`` per turn; ``load_file`` per turn + ``torch.cat``;
 - ``torch.save``: ``torch.save`` + ``fsync`` per turn; ``torch.load`` + ``torch.cat``.
 
-Rounds alternate the systems; each figure is the median of ``--rounds``. Prints GB/s and
+Rounds alternate the systems; each figure is the median of ``--rounds``. Needs the
+``bench`` extra (``safetensors``). Prints GB/s and
 the ratios of issue 17 (targets: load >= 0.9x raw, >= 1.2x safetensors; durable append >=
 0.8x raw, >= 1.5x safetensors)::
 
@@ -242,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("turns", "tensors", "tensor_mib", "rounds", "depth"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    try:
+        import safetensors.torch  # noqa: F401
+    except ImportError:
+        parser.error("this benchmark compares against safetensors: pip install -e '.[bench]'")
     base = Path(tempfile.mkdtemp(prefix="bench-api-", dir=args.dir))
     turns = make_turns(args.turns, args.tensors, args.tensor_mib)
     nbytes = sum(t.numel() * t.element_size() for turn in turns for t in turn.values())
