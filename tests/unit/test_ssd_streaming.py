@@ -341,3 +341,88 @@ async def test_a_failing_fill_or_write_commits_nothing(ssd_dir: Path) -> None:
         whole = aligned(plan.length)
         plan.write_into(memoryview(whole))
         assert (ssd_dir / "segments" / segment_file_name(key)).read_bytes() == bytes(whole)
+
+
+# -- straight into given buffers, in any order --------------------------------------------------
+
+
+def layer_major(plans: list[list[tuple[int, int]]]) -> list[tuple[int, int]]:
+    """Every segment's span 0, then every segment's span 1, ... (a layer-wise restore)."""
+    deepest = max(len(p) for p in plans)
+    return [(i, k) for k in range(deepest) for i, p in enumerate(plans) if k < len(p)]
+
+
+async def test_spans_read_straight_into_buffers_in_layer_order(
+    ssd_dir: Path, seg: SegmentFactory
+) -> None:
+    """With ``into`` and a layer-major ``order``, each span lands at its offset in its
+    segment's buffer, consume sees them in exactly that order, and the buffers end up
+    holding the segments' exact bytes."""
+    segs = [seg(seq=i, tokens=1500 + 200 * i, seed=30 + i) for i in range(3)]
+    async with SSDTier(ssd_dir, CAPACITY) as tier:
+        for s in segs:
+            await store(tier, s)
+        # overlapping spans too (the second re-reads the first's last page)
+        plans = [
+            [(0, 2 * ALIGN), (ALIGN, half), (half, s.length)]
+            for s in segs
+            for half in [s.length // 2 // ALIGN * ALIGN]
+        ]
+        bufs = [aligned(s.length) for s in segs]
+        order = layer_major(plans)
+        seen: list[tuple[int, int]] = []
+        await tier.read_spans(
+            list(zip([s.key for s in segs], plans, strict=True)),
+            lambda i, k, v: seen.append((i, k)),
+            into=[memoryview(b) for b in bufs],
+            order=order,
+        )
+        assert seen == order
+        assert [bytes(b) for b in bufs] == [s.data for s in segs]
+        assert tier.stats().reads == 3
+
+
+async def test_damage_found_in_layer_order_names_the_segment(
+    ssd_dir: Path, seg: SegmentFactory
+) -> None:
+    """Layer-major, every segment is verified only with its last span: the damaged one is
+    quarantined and raised, the one verified before it counts as read, the rest stay."""
+    segs = [seg(seq=i, tokens=2048, seed=40 + i) for i in range(3)]
+    async with SSDTier(ssd_dir, CAPACITY) as tier:
+        for s in segs:
+            await store(tier, s)
+        path = ssd_dir / "segments" / segment_file_name(segs[1].key)
+        data = bytearray(path.read_bytes())
+        data[100] ^= 0x08  # in the header: caught at once, in the first span
+        path.write_bytes(bytes(data))
+        plans = [span_plan(s.header, ALIGN)[0] for s in segs]
+        with pytest.raises(CorruptSegmentError):
+            await tier.read_spans(
+                list(zip([s.key for s in segs], plans, strict=True)),
+                lambda *a: None,
+                into=[memoryview(aligned(s.length)) for s in segs],
+                order=layer_major(plans),
+            )
+        assert not tier.contains(segs[1].key)
+        assert tier.contains(segs[0].key)
+        assert tier.contains(segs[2].key)
+        assert await read_back(tier, segs[2]) == segs[2].data
+
+
+async def test_bad_order_and_buffers_are_refused(ssd_dir: Path, seg: SegmentFactory) -> None:
+    """An order that skips, repeats or reorders an item's spans, and buffers of the wrong
+    size or alignment, are ValueErrors before any I/O."""
+    s = seg(tokens=3000, seed=50)
+    async with SSDTier(ssd_dir, CAPACITY, direct_io=True) as tier:
+        await store(tier, s)
+        spans = [(0, ALIGN), (ALIGN, s.length)]
+        items = [(s.key, spans)]
+        for order in ([(0, 1), (0, 0)], [(0, 0)], [(0, 0), (0, 0), (0, 1)], [(1, 0)]):
+            with pytest.raises(ValueError, match="order"):
+                await tier.read_spans(items, lambda *a: None, order=order)
+        with pytest.raises(ValueError, match="bytes"):
+            await tier.read_spans(items, lambda *a: None, into=[memoryview(aligned(ALIGN))])
+        odd = memoryview(aligned(s.length + 1))[1:]
+        with pytest.raises(ValueError, match="aligned"):
+            await tier.read_spans(items, lambda *a: None, into=[odd])
+        assert tier.stats().reads == 0

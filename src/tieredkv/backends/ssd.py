@@ -888,6 +888,9 @@ class SSDTier(Tier):
         self,
         items: Sequence[tuple[SegmentKey, Sequence[tuple[int, int]]]],
         consume: Callable[[int, int, memoryview], None],
+        *,
+        into: Sequence[memoryview] | None = None,
+        order: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         """Stream several committed segments to ``consume``, span by span, as they arrive.
 
@@ -901,27 +904,44 @@ class SSDTier(Tier):
         and the spans are read into a small pool of reused, prefaulted buffers, so a
         history of any size needs a few chunks of memory, not a segment-sized buffer.
 
+        :param into: one buffer per item, the segment's length, to read the spans straight
+            into (at their offsets) instead of the pool's buffers: a promotion reads into its
+            new slots this way. With O_DIRECT they must be 4 KiB-aligned.
+        :param order: the ``(item, span)`` pairs in the order to read and deliver them
+            (default: every span of item 0, then of item 1, ...); each item's spans must come
+            in their own order. A layer-wise restore reads every segment's first span, then
+            every segment's second, and so on.
+
         A segment is verified when its last span has arrived, so ``consume`` sees bytes
         before they are checked: what it built is final only once this returns. A failure
-        stops the stream at that segment (segments before it were delivered and verified);
-        a damaged segment is quarantined and raised as
+        stops the stream (the segments whose last span came before it were delivered and
+        verified); a damaged segment is quarantined and raised as
         :class:`~tieredkv.errors.CorruptSegmentError`, an I/O error as
         :class:`~tieredkv.errors.TierIOError`; an exception from ``consume`` propagates.
         """
         limiter = self._check_open()
-        for key, spans in items:
+        for i, (key, spans) in enumerate(items):
             length = self._index.get(key)
             if length is None:
                 raise KeyError(key)
             _check_spans(spans, length)
-        done, failure = await anyio.to_thread.run_sync(
-            self._read_spans_sync, items, consume, limiter=limiter
+            if into is not None:
+                if len(into[i]) != length:
+                    raise ValueError(f"segment is {length} bytes, the buffer {len(into[i])}")
+                if self._direct and not _aligned(into[i]):
+                    raise ValueError(f"with O_DIRECT the buffers must be {ALIGN}-aligned")
+        if into is not None and len(into) != len(items):
+            raise ValueError(f"{len(items)} segments but {len(into)} buffers")
+        jobs = _span_order(items, order)
+        verified, failure = await anyio.to_thread.run_sync(
+            self._read_spans_sync, items, jobs, consume, into, limiter=limiter
         )
-        for key, _ in items[:done]:
+        for i in verified:
             self._counters["reads"] += 1
-            self._counters["bytes_read"] += self._index.get(key, 0)
+            self._counters["bytes_read"] += self._index.get(items[i][0], 0)
         if failure is not None:
-            await self._raise_read_failure(items[done][0], failure)
+            i, why = failure
+            await self._raise_read_failure(items[i][0], why)
 
     def _span_buffer(self, size: int) -> mmap.mmap:
         """A prefaulted buffer of at least ``size`` bytes from the pool (or a new one)."""
@@ -942,65 +962,69 @@ class SSDTier(Tier):
     def _read_spans_sync(
         self,
         items: Sequence[tuple[SegmentKey, Sequence[tuple[int, int]]]],
+        jobs: list[tuple[int, int]],
         consume: Callable[[int, int, memoryview], None],
-    ) -> tuple[int, tuple[str, int | None, str] | None]:
-        """The stream itself (see :meth:`read_spans`); returns the segments delivered and
-        verified, and the failure that stopped it (as :meth:`_read_checked` reports one)."""
+        into: Sequence[memoryview] | None,
+    ) -> tuple[list[int], tuple[int, tuple[str, int | None, str]] | None]:
+        """The stream itself (see :meth:`read_spans`); returns the items verified, in the
+        order they were, and the failure that stopped it (the item, and the failure as
+        :meth:`_read_checked` reports one)."""
         assert self._hasher is not None
         assert self._readers is not None
         assert self._copier is not None
         readers, hasher_pool, copier = self._readers, self._hasher, self._copier
-        jobs = [
-            (i, k, start, end)
-            for i, (_, spans) in enumerate(items)
-            for k, (start, end) in enumerate(spans)
-        ]
-        size = max(end - start for _, _, start, end in jobs)
-        ring = [self._span_buffer(size) for _ in range(min(len(jobs), _READ_DEPTH + 2))]
+        size = max(items[i][1][k][1] - items[i][1][k][0] for i, k in jobs)
+        ring = [] if into is not None else [self._span_buffer(size) for _ in range(_RING)]
         free = list(ring)
-        inflight: deque[tuple[int, int, int, int, mmap.mmap, Future[int]]] = deque()
-        hashing: deque[tuple[mmap.mmap, list[Future[None]]]] = deque()
+        # (item, span, buffer or None, view, read); a buffer returns to ``free`` once its
+        # span is hashed and consumed (``busy``, oldest first)
+        inflight: deque[tuple[int, int, mmap.mmap | None, memoryview, Future[int]]] = deque()
+        busy: deque[tuple[mmap.mmap | None, list[Future[None]]]] = deque()
         fds: dict[int, int] = {}
         reading: dict[int, _SegmentRead] = {}
+        verified: list[int] = []
         issued = 0
-        done = 0
         try:
             while True:
                 while issued < len(jobs) and len(inflight) < _READ_DEPTH:
-                    if not free:  # the oldest span's buffer, once hashed and copied out
-                        buf, futures = hashing.popleft()
+                    while into is None and not free:  # the oldest span's buffer, once done
+                        done_buf, futures = busy.popleft()
                         for f in futures:
                             f.result()  # an exception from consume propagates
-                        free.append(buf)
-                    i, k, start, end = jobs[issued]
+                        if done_buf is not None:
+                            free.append(done_buf)
+                    i, k = jobs[issued]
+                    key, spans = items[i]
                     if i not in fds:
-                        key = items[i][0]
                         fd = self._open_segment(key)
                         if isinstance(fd, tuple):
-                            return done, fd
+                            return verified, (i, fd)
                         fds[i] = fd
-                    buf = free.pop()
-                    view = memoryview(buf)[: end - start]
-                    read = readers.submit(_pread_full, fds[i], view, start)
-                    inflight.append((i, k, start, end, buf, read))
+                    start, end = spans[k]
+                    buf: mmap.mmap | None = None
+                    if into is None:
+                        buf = free.pop()
+                        view = memoryview(buf)[: end - start]
+                    else:
+                        view = into[i][start:end]
+                    # _pread_full releases the view it is given: give it its own
+                    read = readers.submit(_pread_full, fds[i], view[:], start)
+                    inflight.append((i, k, buf, view, read))
                     issued += 1
                 if not inflight:
-                    return done, None
-                i, k, start, end, buf, future = inflight.popleft()
-                key = items[i][0]
+                    return verified, None
+                i, k, buf, view, future = inflight.popleft()
+                key, spans = items[i]
+                start, end = spans[k]
+                length = self._index[key]
                 rel = segment_file_name(key)
                 try:
                     n = future.result()
                 except OSError as exc:
-                    return done, (
-                        f"read segment {key[1]}",
-                        exc.errno or 0,
-                        exc.strerror or str(exc),
-                    )
-                length = self._index[key]
-                # not released here: the copier thread may still be using it (the
-                # buffer is reused only once it is done, and unmapped at close)
-                view = memoryview(buf)[: end - start]
+                    why = (f"read segment {key[1]}", exc.errno or 0, exc.strerror or str(exc))
+                    return verified, (i, why)
+                # ``view`` is not released here: the copier thread may still be using it
+                # (its buffer is reused only once it is done, and unmapped at close)
                 try:
                     if n < end - start:
                         raise CorruptSegmentError(
@@ -1011,26 +1035,26 @@ class SSDTier(Tier):
                     seg = reading[i]
                     futures = seg.feed(hasher_pool, view, start, end)
                 except CorruptSegmentError as exc:
-                    free.append(buf)
-                    return done, (exc.detail, None, "")
-                # copied in the copier thread, so this one reissues reads meanwhile
+                    if buf is not None:
+                        free.append(buf)
+                    return verified, (i, (exc.detail, None, ""))
+                # copied out in the copier thread, so this one reissues reads meanwhile
                 copying = copier.submit(consume, i, k, view)
-                hashing.append((buf, [*futures, copying]))
+                busy.append((buf, [*futures, copying]))
                 seg.copies.append(copying)
                 if end == length:
                     try:
                         reading.pop(i).finish()
                     except CorruptSegmentError as exc:
-                        return done, (exc.detail, None, "")
-                    fd = fds.pop(i)
-                    self._close_segment(fd)
-                    done += 1
+                        return verified, (i, (exc.detail, None, ""))
+                    self._close_segment(fds.pop(i))
+                    verified.append(i)
         finally:
-            # let every read and hash finish before a buffer goes back to the pool
+            # let every read, hash and copy finish before a buffer is reused
             for *_, future in inflight:
                 with contextlib.suppress(Exception):
                     future.result()
-            for _, futures in hashing:
+            for _, futures in busy:
                 for f in futures:
                     with contextlib.suppress(Exception):
                         f.result()
@@ -1266,8 +1290,34 @@ def _unlink_quietly(name: str, dir_fd: int) -> None:
         os.unlink(name, dir_fd=dir_fd)
 
 
-_SPARE_BUFFERS = 2 * _READ_DEPTH
+_RING = _READ_DEPTH + 2
+"""Span buffers one stream cycles through: the reads in flight, one being hashed and copied
+out, one spare."""
+
+_SPARE_BUFFERS = 2 * _RING
 """Span buffers of ``chunk_size`` bytes a tier keeps for later streams (two streams' worth)."""
+
+
+def _span_order(
+    items: Sequence[tuple[SegmentKey, Sequence[tuple[int, int]]]],
+    order: Sequence[tuple[int, int]] | None,
+) -> list[tuple[int, int]]:
+    """The ``(item, span)`` pairs to read, in order; ``ValueError`` if ``order`` misses one,
+    repeats one, or puts an item's spans out of their order."""
+    if order is None:
+        return [(i, k) for i, (_, spans) in enumerate(items) for k in range(len(spans))]
+    jobs = list(order)
+    nxt = [0] * len(items)
+    for i, k in jobs:
+        if not 0 <= i < len(items) or k != nxt[i]:
+            raise ValueError(
+                f"order must list each item's spans once, in their order; ({i}, {k}) is not "
+                f"the next span of an item"
+            )
+        nxt[i] += 1
+    if nxt != [len(spans) for _, spans in items]:
+        raise ValueError("order leaves out some spans")
+    return jobs
 
 
 def _check_spans(spans: Sequence[tuple[int, int]], length: int) -> None:
