@@ -26,6 +26,7 @@ The parts live in :mod:`tieredkv._cache`, one concern each.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -49,6 +50,7 @@ from ._cache.placement import (
     purge_orphans,
     remove_all,
 )
+from ._cache.predict import choose
 from ._cache.recovery import recover
 from ._cache.sharing import check_writer, discover, shared_tiers
 from ._cache.state import CacheStats, Core, Session, check_key, check_tiers, policies_per_tier
@@ -63,6 +65,7 @@ from .errors import (
     SessionNotFoundError,
 )
 from .meta import Dropped, KVMeta, MetadataChannel, TierInfo
+from .payload import check_int
 from .policies.base import Eviction
 
 __all__ = ["CacheStats", "TieredKVCache"]
@@ -386,6 +389,51 @@ class TieredKVCache:
                 if moved:
                     core.stats.prefetches += 1
             return self.where(session)
+
+    async def prefetch_predicted(self, limit: int = 1, *, scan: int = 4096) -> list[str]:
+        """Promote to tier 0, while the cache is otherwise idle, up to ``limit`` sessions
+        from lower tiers whose users the tier-0 eviction policy expects back soon.
+
+        Call it when the storage would otherwise sit idle (a serving loop with no load to
+        make). The policy must implement :class:`~tieredkv.policies.base.Foresight`
+        (:class:`~tieredkv.policies.BidawEviction` does: its reuse-distance model, asked
+        about a session that is not resident); with any other policy this does nothing. A
+        session is brought up only when its chance of a hit beats the summed chances of the
+        residents it would displace, and only while no other operation of this cache is
+        under way (a load or append arriving meanwhile is not delayed by more than the
+        promotion already started). Each promotion is the one :meth:`prefetch` makes:
+        atomic under cancellation, and not an access (the policy learns nothing from it).
+
+        :param limit: sessions to promote at most
+        :param scan: lower-tier sessions to consider at most, the most recently used first
+        :returns: the sessions promoted, in order
+        """
+        self._check_open()
+        check_int("limit", limit, minimum=0)
+        check_int("scan", scan, minimum=1)
+        core = self._core
+        promoted: list[str] = []
+        while len(promoted) < limit and not core.busy:
+            chosen = choose(core, scan)
+            if chosen is None:
+                break
+            s, _, _ = chosen
+            async with core.hold(s):
+                if s.primary is None or s.primary == 0:
+                    continue
+                try:
+                    moved, cancel = await settle(functools.partial(promote, core, s))
+                except CorruptSegmentError:
+                    continue
+                if cancel is not None:
+                    core.stats.cancelled += 1
+                    raise cancel
+            if not moved:
+                break  # room could not be made after all: try again when called next
+            core.stats.prefetches += 1
+            core.stats.predicted += 1
+            promoted.append(s.key)
+        return promoted
 
     # -- sharing across replicas ---------------------------------------------------------
     async def discover(self, session: str) -> bool:

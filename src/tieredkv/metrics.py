@@ -14,8 +14,8 @@ What is exported (every name starts with ``tieredkv_``):
 
 * the cache's counters, read from :meth:`~tieredkv.TieredKVCache.stats` at each scrape:
   ``loads_total``, ``hits_total``, ``misses_total``, ``appends_total``,
-  ``prefetches_total``, ``promotions_total``, ``demotions_total``, ``evictions_total``,
-  ``lost_total``, ``drops_total``, ``corrupt_total``, ``write_through_total``,
+  ``prefetches_total``, ``predicted_total``, ``promotions_total``, ``demotions_total``,
+  ``evictions_total``, ``lost_total``, ``drops_total``, ``corrupt_total``, ``write_through_total``,
   ``errors_total``, and the gauge ``sessions`` (sessions the metadata channel knows);
 * per tier (labels ``tier`` and ``kind``), from each tier's stats: ``tier_used_bytes``,
   ``tier_capacity_bytes``, ``tier_segments``, ``tier_read_bytes_total``,
@@ -75,6 +75,7 @@ _CACHE_COUNTERS = (
     ("misses", "Loads served from a lower tier, or that found the history damaged."),
     ("appends", "Segments stored (one per appended turn)."),
     ("prefetches", "Prefetches that moved a history up to tier 0."),
+    ("predicted", "Predictive prefetches (sessions brought up before their user returned)."),
     ("promotions", "Histories moved up to tier 0."),
     ("demotions", "Histories moved down a tier."),
     ("evictions", "Copies removed from a tier to make room."),

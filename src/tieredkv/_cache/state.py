@@ -54,6 +54,8 @@ class CacheStats(msgspec.Struct, kw_only=True):
     :param appends: segments stored
     :param loads: successful loads
     :param prefetches: prefetch calls that moved data up
+    :param predicted: of those, predictive prefetches
+        (:meth:`~tieredkv.TieredKVCache.prefetch_predicted`)
     :param promotions: sessions moved up to tier 0
     :param demotions: sessions moved down a tier (or whose lower copy became primary)
     :param evictions: copies removed from a tier to make room
@@ -72,6 +74,7 @@ class CacheStats(msgspec.Struct, kw_only=True):
     appends: int = 0
     loads: int = 0
     prefetches: int = 0
+    predicted: int = 0
     promotions: int = 0
     demotions: int = 0
     evictions: int = 0

@@ -7,6 +7,7 @@ as an argument, so the same objects run in the live cache and in the simulator.
 from __future__ import annotations
 
 from .base import Eviction as Eviction
+from .base import Foresight as Foresight
 from .belady import Belady as Belady
 from .bidaw_eviction import BidawEviction as BidawEviction
 from .bidaw_scheduler import BidawScheduler as BidawScheduler
@@ -34,6 +35,7 @@ __all__ = [
     "BidawEviction",
     "BidawScheduler",
     "Eviction",
+    "Foresight",
     "GhostCache",
     "QueueEnhanced",
     "Request",

@@ -30,7 +30,7 @@ from typing import Protocol, runtime_checkable
 
 from ..meta import KVMeta, MetadataView
 
-__all__ = ["Eviction"]
+__all__ = ["Eviction", "Foresight"]
 
 
 @runtime_checkable
@@ -68,4 +68,18 @@ class Eviction(Protocol):
 
     def resident_bytes(self) -> int:
         """Bytes of the resident sessions tracked."""
+        ...
+
+
+@runtime_checkable
+class Foresight(Protocol):
+    """An eviction policy that can say how soon a session is likely back, whether its KV is
+    in the policy's tier or not. The cache's predictive prefetch
+    (:meth:`tieredkv.TieredKVCache.prefetch_predicted`) asks it which sessions on lower
+    tiers are worth bringing up, and what the sessions they would displace are worth."""
+
+    def foresee(self, session: str) -> float | None:
+        """The chance (0 to 1) that ``session``'s next access is a hit if its KV were in this
+        tier now, as the policy's model of reuse puts it; ``None`` if it knows nothing of
+        the session (never seen, or forgotten)."""
         ...

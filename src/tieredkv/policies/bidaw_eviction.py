@@ -286,6 +286,18 @@ class BidawEviction:
             return None
         return self._potential(session, self._seen[session])
 
+    def foresee(self, session: str) -> float | None:
+        """The hit potential ``session`` would have if it were resident now (the same model
+        as :meth:`potential`: its answer bucket's reuse distances, given the distance
+        already elapsed since its latest access), for a session on a lower tier too:
+        predictive prefetch brings up the sessions whose users are due back
+        (:class:`~tieredkv.policies.base.Foresight`). ``None`` before the first tables, or
+        for a session not tracked (never seen, or past the horizon and forgotten)."""
+        seen = self._seen.get(session)
+        if seen is None or self._tables is None or session not in self._tracker:
+            return None
+        return self._potential(session, seen)
+
     def __len__(self) -> int:
         return len(self._resident)
 

@@ -1,0 +1,110 @@
+"""Predictive prefetch: the eviction policy's reuse model (``Foresight.foresee``) says which
+sessions on lower tiers are due back, and ``TieredKVCache.prefetch_predicted`` brings them
+up while the cache is idle, when that gains more expected hits than it displaces."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from tests.invariants import problems
+from tieredkv import HostMemoryTier, SSDTier, TieredKVCache
+from tieredkv.errors import InvalidArgumentError
+from tieredkv.policies import LRU, BidawEviction, Foresight
+
+SESSIONS = 10
+ROUNDS = 12
+HOST = 16 * 4096  # room for four sessions of 4 segments of one 4 KiB block each
+
+
+def turn(session: int, r: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(session * 1000 + r)
+    return {"kv": torch.randint(0, 256, (2, 1000), dtype=torch.uint8, generator=g)}
+
+
+async def round_robin(directory: Path, policy: object, *, predict: bool) -> tuple[int, int]:
+    """Every user in turn loads its history and appends a turn (at most four segments are
+    kept: older ones are dropped and the session restarted, so sizes stay even); with
+    ``predict``, the cache prefetches predictively between turns. Returns (hits, misses)."""
+    tiers = [HostMemoryTier(HOST), SSDTier(directory, 64 << 20, fsync=False)]
+    async with TieredKVCache(tiers, eviction=[policy, LRU()]) as cache:  # type: ignore[list-item]
+        want: dict[str, list[torch.Tensor]] = {}
+        for r in range(ROUNDS):
+            for u in range(SESSIONS):
+                key = f"user-{u}"
+                if key in cache:
+                    got = await cache.load(key)
+                    assert torch.equal(got["kv"], torch.cat(want[key]))
+                    if len(want[key]) == 4:
+                        await cache.drop(key)
+                        want[key] = []
+                t = turn(u, r)
+                await cache.append(key, t, answer_tokens=40)
+                want.setdefault(key, []).append(t["kv"])
+                if predict:
+                    await cache.prefetch_predicted()
+                assert problems(cache) == []
+        stats = cache.stats()
+        return stats.hits, stats.misses
+
+
+def bidaw() -> BidawEviction:
+    return BidawEviction(capacity=HOST, refresh_every=32)
+
+
+def test_bidaw_eviction_has_foresight() -> None:
+    """BidawEviction answers for sessions resident or not; it knows nothing of a session
+    it never saw."""
+    policy = bidaw()
+    assert isinstance(policy, Foresight)
+    assert policy.foresee("nobody") is None
+    assert not isinstance(LRU(), Foresight)
+
+
+async def test_prefetch_predicted_raises_hits_on_a_periodic_workload(tmp_path: Path) -> None:
+    """Ten users in turn over a host tier that holds four: after each turn the cache brings
+    up the user due next (its elapsed distance near the cycle's), displacing the one just
+    served (due last), so loads hit that would have missed; every load stays byte-exact."""
+    plain = await round_robin(tmp_path / "plain", bidaw(), predict=False)
+    predicted = await round_robin(tmp_path / "predicted", bidaw(), predict=True)
+    assert predicted[0] + predicted[1] == plain[0] + plain[1]
+    # measured: 56 of 110 loads hit without, 89 with (LRU: 23)
+    assert predicted[0] > plain[0] + SESSIONS * ROUNDS // 8, (plain, predicted)
+
+
+async def test_prefetch_predicted_without_foresight_does_nothing(tmp_path: Path) -> None:
+    """With LRU on tier 0 there is no model to ask: nothing is promoted."""
+    tiers = [HostMemoryTier(HOST), SSDTier(tmp_path, 64 << 20, fsync=False)]
+    async with TieredKVCache(tiers) as cache:
+        for u in range(2 * SESSIONS):
+            await cache.append(f"user-{u}", turn(u, 0), answer_tokens=40)
+        assert any(cache.where(f"user-{u}") == "ssd" for u in range(2 * SESSIONS))
+        assert await cache.prefetch_predicted(limit=5) == []
+        with pytest.raises(InvalidArgumentError, match="limit"):
+            await cache.prefetch_predicted(limit=-1)
+        with pytest.raises(InvalidArgumentError, match="scan"):
+            await cache.prefetch_predicted(scan=0)
+
+
+async def test_cancelled_prefetch_predicted_leaves_the_cache_whole(tmp_path: Path) -> None:
+    """Cancelled at any point, a predictive prefetch either promoted a session wholly or
+    left it where it was; the cache's index, tiers, channel and policies agree."""
+    for delay in (0.0, 0.0005, 0.002, 0.01):
+        d = tmp_path / f"d{delay}"
+        tiers = [HostMemoryTier(HOST), SSDTier(d, 64 << 20, fsync=False)]
+        async with TieredKVCache(tiers, eviction=[bidaw(), LRU()]) as cache:
+            for r in range(4):
+                for u in range(SESSIONS):
+                    key = f"user-{u}"
+                    if key in cache:
+                        await cache.load(key)
+                    await cache.append(key, turn(u, r), answer_tokens=40)
+            with anyio.move_on_after(delay):
+                await cache.prefetch_predicted(limit=3)
+            assert problems(cache) == []
+            for u in range(SESSIONS):
+                got = await cache.load(f"user-{u}")
+                assert torch.equal(got["kv"], torch.cat([turn(u, r)["kv"] for r in range(4)]))
