@@ -426,3 +426,20 @@ async def test_bad_order_and_buffers_are_refused(ssd_dir: Path, seg: SegmentFact
         with pytest.raises(ValueError, match="aligned"):
             await tier.read_spans(items, lambda *a: None, into=[odd])
         assert tier.stats().reads == 0
+
+
+async def test_a_first_span_shorter_than_the_header_is_refused(
+    ssd_dir: Path, seg: SegmentFactory
+) -> None:
+    """A 10 kB session key makes a header longer than a page: a first span that cuts it
+    is a ValueError before any I/O (it must not make a sound segment look damaged)."""
+    s = seg(session="k" * 10_000, tokens=3000, seed=60)
+    async with SSDTier(ssd_dir, CAPACITY, secret=b"0123456789abcdef-header") as tier:
+        await store(tier, s)
+        with pytest.raises(ValueError, match="header"):
+            await tier.read_spans([(s.key, [(0, ALIGN), (ALIGN, s.length)])], lambda *a: None)
+        assert tier.contains(s.key)
+        got: list[bytes] = []
+        spans = span_plan(s.header, ALIGN)[0]
+        await tier.read_spans([(s.key, spans)], lambda i, k, v: got.append(bytes(v)))
+        assert tier.stats().corrupt == 0

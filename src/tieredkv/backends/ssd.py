@@ -925,6 +925,13 @@ class SSDTier(Tier):
             if length is None:
                 raise KeyError(key)
             _check_spans(spans, length)
+            tag = self._tags.get(key)
+            if tag is not None and spans[0][1] < PREFIX.size + PREFIX.unpack_from(tag)[1]:
+                raise ValueError(
+                    f"the first span of segment {key[1]} ends at {spans[0][1]}, inside its "
+                    f"header ({PREFIX.size + PREFIX.unpack_from(tag)[1]} bytes): it must hold "
+                    f"the whole header"
+                )
             if into is not None:
                 if len(into[i]) != length:
                     raise ValueError(f"segment is {length} bytes, the buffer {len(into[i])}")
