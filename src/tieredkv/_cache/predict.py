@@ -14,6 +14,8 @@ promotion is the cache's ordinary, atomic one.
 
 from __future__ import annotations
 
+import heapq
+
 from ..policies.base import Foresight
 from .state import Core, Session
 
@@ -36,14 +38,17 @@ def choose(core: Core, scan: int) -> Candidate | None:
         return None
     tier = core.tiers[0]
     skip = core.busy.keys() | core.protected()
-    lower = [
-        s
-        for s in core.sessions.values()
-        if s.primary is not None and s.primary > 0 and not s.dropped and s.key not in skip
-    ]
-    lower.sort(key=lambda s: core.channel[s.key].last_access, reverse=True)
+    lower = heapq.nlargest(  # O(n log scan)
+        scan,
+        (
+            s
+            for s in core.sessions.values()
+            if s.primary is not None and s.primary > 0 and not s.dropped and s.key not in skip
+        ),
+        key=lambda s: core.channel[s.key].last_access,
+    )
     scored: list[tuple[float, float, Session]] = []
-    for s in lower[:scan]:
+    for s in lower:
         size = s.nbytes()
         if not 0 < size <= tier.capacity:
             continue
