@@ -202,3 +202,22 @@ def test_keeping_the_ssd_copy_writes_only_new_segments() -> None:
     assert kept.ssd_write_bytes == int(segment.sum()) * KV
     assert exclusive.ssd_write_bytes == int(after.sum()) * KV
     assert kept.ssd_read_bytes == exclusive.ssd_read_bytes > 0
+
+
+def test_clean_ahead_writes_new_segments_while_the_ssd_idles() -> None:
+    """User 1's KV sits in host memory from t=0.3; at t=100 user 2's KV needs its room (no
+    write buffer: writes go in line). Written ahead during the idle 100 s, the eviction
+    writes nothing, and user 1's return waits only for its own load; otherwise the load
+    queues behind the eviction's write. Bytes written are the same."""
+    turns = Turns([1, 2, 1], [0.0, 100.0, 100.5], [1000, 1000, 20], [5, 5, 5], [0, 0, 1])
+    cfg = SimConfig(host_gb=1.0, write_buffer_gb=0.0, iteration_overhead=0.001)
+    waits, writes = {}, {}
+    for ahead in (False, True):
+        spec = get_system("bidaw", eviction="lru", storage_efficient=False, clean_ahead=ahead)
+        sim = Simulator(turns, spec, cfg)
+        writes[ahead] = sim.run().ssd_write_bytes
+        waits[ahead] = sim.start[2] - sim.arrival[2]
+    load = 1005 * KV / 1.5e9
+    assert writes[True] == writes[False] == 2010 * KV
+    assert waits[True] == pytest.approx(load, rel=1e-9)
+    assert waits[False] > load + 0.3

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Set
 from typing import Literal, TypeVar
 
@@ -179,7 +180,17 @@ class SimResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Sess:
-    __slots__ = ("dirty", "in_host", "name", "nbytes", "on_ssd", "staged", "tokens", "turns")
+    __slots__ = (
+        "dirty",
+        "gen",
+        "in_host",
+        "name",
+        "nbytes",
+        "on_ssd",
+        "staged",
+        "tokens",
+        "turns",
+    )
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -187,6 +198,7 @@ class _Sess:
         self.staged = False  # read from SSD without room in host: goes straight to the GPU
         self.on_ssd = False  # a complete copy is on SSD
         self.dirty = 0  # bytes a move to SSD must write (all of them if no copy is there)
+        self.gen = 0  # advances whenever the SSD copy becomes complete
         self.nbytes = 0
         self.tokens = 0
         self.turns = 0
@@ -380,6 +392,8 @@ class Simulator:
         self._write_buffer = cfg.write_buffer_gb * 1e9
         self._backlog = 0.0  # bytes of asynchronous writes not yet on SSD
         self._backlog_clock = 0.0  # backlog drained up to this time
+        # clean_ahead: (user, gen, bytes) of new segments to write while the SSD idles
+        self._ahead: deque[tuple[int, int, float]] = deque()
         self._ssd_read = 0
         self._ssd_written = 0
         self._recomputed = 0
@@ -451,11 +465,37 @@ class Simulator:
         return end
 
     def _drain(self, now: float) -> None:
-        """Write the asynchronous backlog during the SSD's idle time up to ``now``."""
+        """Write the asynchronous backlog during the SSD's idle time up to ``now``; with
+        ``clean_ahead``, the idle time left writes queued new segments (oldest first)."""
         idle_from = max(self._backlog_clock, self._ssd_free)
-        if self._backlog > 0 and now > idle_from:
-            self._backlog = max(0.0, self._backlog - (now - idle_from) * self._ssd_bps)
         self._backlog_clock = now
+        if now <= idle_from:
+            return
+        idle = (now - idle_from) * self._ssd_bps  # bytes the idle SSD could write
+        used = min(idle, self._backlog)
+        self._backlog -= used
+        idle -= used
+        ahead = self._ahead
+        while ahead and idle > 0:
+            user, gen, left = ahead[0]
+            s = self._sess[user]
+            if gen != s.gen or s.dirty <= 0:
+                ahead.popleft()  # written by an eviction meanwhile
+                continue
+            done = min(left, idle, s.dirty)
+            idle -= done
+            self._ssd_written += int(done)
+            s.dirty -= int(done)
+            if s.dirty <= 0 or done >= left:
+                ahead.popleft()
+            else:
+                ahead[0] = (user, gen, left - done)
+            if s.dirty <= 0:
+                s.dirty = 0
+                s.on_ssd = True
+                s.gen += 1
+                if s.in_host:
+                    self._publish(s, self._backlog_clock)
 
     def _ssd_write(self, now: float, nbytes: int) -> None:
         """Write ``nbytes`` to SSD: in line with the loads, or (``background_writes``)
@@ -720,6 +760,8 @@ class Simulator:
                 # the KV moves down; keep_ssd_copy: its segments stay, only new ones go.
                 s.on_ssd = False
                 s.dirty = min(s.dirty + segment, nbytes) if self.system.keep_ssd_copy else nbytes
+                if self.system.clean_ahead:
+                    self._ahead.append((self._user[row], s.gen, float(s.dirty)))
             if self._reserve(nbytes - old, now):
                 s.in_host = True
             else:
@@ -730,6 +772,7 @@ class Simulator:
                 if not self.system.inclusive:
                     self._ssd_write(now, s.dirty)
                     s.dirty = 0
+                    s.gen += 1
                     s.on_ssd = True
         s.nbytes = nbytes
         s.tokens = tokens
@@ -750,6 +793,8 @@ class Simulator:
         if need <= free:
             self._host_used += need
             return True
+        if self._ahead:
+            self._drain(now)  # segments written while the SSD idled need no write now
         victims = self.eviction.victims(need - free, now, self._view, self._protected)
         if victims is None:
             return False
@@ -762,6 +807,7 @@ class Simulator:
             if not v.on_ssd:
                 self._ssd_write(now, v.dirty)
                 v.dirty = 0
+                v.gen += 1
                 v.on_ssd = True
             self.eviction.on_remove(name)
             self._publish(v, now)

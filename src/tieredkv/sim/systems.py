@@ -66,6 +66,10 @@ class SystemSpec(msgspec.Struct, frozen=True, kw_only=True):
         segments, which stay valid (a history only grows), so moving it down again writes
         only the segments added since; ``False``: the load deletes the SSD copy and moving
         down rewrites the whole history. Loads are served from host memory either way
+    :param clean_ahead: (with ``keep_ssd_copy`` and ``background_writes``) a turn's new
+        segments are written to SSD while the SSD has nothing else to do, oldest first, so
+        that moving the KV down later writes nothing (loads come first: these writes use
+        only idle time, after the write buffer's backlog)
     :param blocking_loads: the engine waits for the SSD load of the request it must run
         next with the GPU idle: while an I/O-oblivious scheduler (FCFS) holds its head back
         for a load, no iteration runs, not even the running requests' decoding (an engine
@@ -92,6 +96,7 @@ class SystemSpec(msgspec.Struct, frozen=True, kw_only=True):
     prefetch: bool = True
     background_writes: bool = False
     keep_ssd_copy: bool = False
+    clean_ahead: bool = False
     blocking_loads: bool = False
     protect_ready: bool = True
 
@@ -163,6 +168,7 @@ SYSTEMS: dict[str, SystemSpec] = {
             prefetch_window=30,
             background_writes=True,
             keep_ssd_copy=True,
+            clean_ahead=True,
             blocking_loads=True,
         ),
         SystemSpec(
@@ -182,6 +188,7 @@ SYSTEMS: dict[str, SystemSpec] = {
             storage_efficient=True,
             background_writes=True,
             keep_ssd_copy=True,
+            clean_ahead=True,
         ),
         SystemSpec(name="ideal", cache="host-only", scheduler="fcfs", eviction="lru"),
     )
@@ -196,6 +203,7 @@ ABLATIONS: list[SystemSpec] = [
         eviction="queue-enhanced",
         background_writes=True,
         keep_ssd_copy=True,
+        clean_ahead=True,
     ),
     SystemSpec(
         name="+answer-based eviction",
@@ -203,6 +211,7 @@ ABLATIONS: list[SystemSpec] = [
         eviction="bidaw",
         background_writes=True,
         keep_ssd_copy=True,
+        clean_ahead=True,
     ),
     msgspec.structs.replace(SYSTEMS["bidaw"], name="+storage-efficient tensors (bidaw)"),
 ]
