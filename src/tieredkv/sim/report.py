@@ -52,7 +52,7 @@ __all__ = [
 
 REPLAY_POLICIES = ("fifo", "lru", "lfu", "queue-enhanced", "bidaw", "belady")
 
-SYNTHETIC_RATES = (10.0, 15.0, 20.0, 25.0, 30.0, 35.0, 40.0)
+SYNTHETIC_RATES = (5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 35.0, 40.0)
 """Default sweep of generated workloads (synthetic, ShareGPT), users per minute."""
 
 TRACE_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1.0)
