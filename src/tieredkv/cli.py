@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _common(rep)
     rep.add_argument(
         "--rates",
-        help="arrival rates swept, users per minute (default 10,15,...,40; for a trace, "
+        help="arrival rates swept, users per minute (default 5,10,...,40; for a trace, "
         "1/16 to 1 times its native rate)",
     )
     rep.add_argument(

@@ -3,12 +3,13 @@
 as ``tieredkv reproduce`` runs it).
 
 A supported rate within +-15% of the paper's is pinned by two runs: at 0.85x the paper's
-rate the system meets the SLO, at 1.15x it misses it. FlashGen comes out 20-25% above the
-paper (``docs/explanation/simulator.md``, "Calibration", says why): its band is pinned at
-[0.85x, 1.3x] so that it cannot drift further unnoticed.
+rate the system meets the SLO, at 1.15x it misses it (``docs/explanation/simulator.md``,
+"Calibration", has the measured figures).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 
@@ -16,17 +17,18 @@ from tieredkv.sim.calibration import PAPER_LATENCY_RATIO, PAPER_RATES
 from tieredkv.sim.engine import SimConfig, SimResult
 from tieredkv.sim.report import _measure
 from tieredkv.sim.sweep import Job, run_job
-from tieredkv.sim.systems import get_system
+from tieredkv.sim.systems import ABLATIONS, get_system
 from tieredkv.sim.workloads import WorkloadSpec
 
 SLO = 5.0
 WORKLOAD = WorkloadSpec()  # synthetic, 40 minutes, seed 0
-BANDS = {"bidaw": (0.85, 1.15), "flashgen": (0.85, 1.3)}
+BAND = (0.85, 1.15)
+ABLATION_RATE = round(PAPER_RATES["bidaw", 1.5] * BAND[0], 2)
 
 
 def fg_high(bw: float) -> float:
-    """The top of FlashGen's band: 1.3x its paper rate."""
-    return round(PAPER_RATES["flashgen", bw] * BANDS["flashgen"][1], 2)
+    """The top of FlashGen's band: 1.15x its paper rate."""
+    return round(PAPER_RATES["flashgen", bw] * BAND[1], 2)
 
 
 def config(bw: float) -> SimConfig:
@@ -43,7 +45,9 @@ class Runs:
     def __getitem__(self, key: tuple[str, float, float]) -> SimResult:
         if key not in self._done:
             name, bw, rate = key
-            job = Job(workload=WORKLOAD, rate=rate, system=get_system(name), config=config(bw))
+            step = {s.name: s for s in ABLATIONS}
+            system = step[name] if name in step else get_system(name)
+            job = Job(workload=WORKLOAD, rate=rate, system=system, config=config(bw))
             self._done[key] = run_job(job)
         return self._done[key]
 
@@ -55,7 +59,7 @@ def runs() -> Runs:
 
 @pytest.mark.parametrize(("name", "bw"), list(PAPER_RATES), ids=lambda v: str(v))
 def test_supported_rate_within_the_band_of_the_paper(runs: Runs, name: str, bw: float) -> None:
-    lo, hi = BANDS[name]
+    lo, hi = BAND
     paper = PAPER_RATES[name, bw]
     below = runs[name, bw, round(paper * lo, 2)].latency_mean
     above = runs[name, bw, round(paper * hi, 2)].latency_mean
@@ -76,13 +80,31 @@ def test_rankings_go_the_papers_way(runs: Runs) -> None:
     assert runs["flashgen", 5.0, fg_high(1.5)].latency_mean <= SLO
 
 
-def test_latency_ratio_has_the_papers_magnitude(
-    runs: Runs,
-) -> None:
-    """Just past FlashGen's knee (1.3x its paper rate, 1.5 GB/s), its mean latency over
-    Bidaw's is within a factor of two of the paper's largest ratio, 3.58x (below the knee
-    both are near their service times; far past it a queue, and any ratio, grows without
-    bound)."""
-    rate = fg_high(1.5)
-    ratio = runs["flashgen", 1.5, rate].latency_mean / runs["bidaw", 1.5, rate].latency_mean
-    assert PAPER_LATENCY_RATIO / 2 <= ratio <= PAPER_LATENCY_RATIO * 2, ratio
+def test_latency_ratio_has_the_papers_magnitude(runs: Runs) -> None:
+    """At FlashGen's supported rate its mean latency is the SLO; Bidaw's latency there is
+    at least 3x lower, and not more than 15% beyond the paper's largest ratio, 3.58x
+    (measured at the paper's FlashGen rate, which the band test pins within 15%; past
+    FlashGen's knee its queue, and any ratio, grows without bound)."""
+    rate = PAPER_RATES["flashgen", 1.5]
+    assert runs["flashgen", 1.5, rate].latency_mean <= SLO
+    ratio = SLO / runs["bidaw", 1.5, rate].latency_mean
+    assert 3.0 <= ratio <= PAPER_LATENCY_RATIO * 1.15, ratio
+
+
+def test_ablation_steps_each_lower_the_latency(runs: Runs) -> None:
+    """The paper's ablation (CachedAttention, then I/O-aware scheduling, answer-based
+    eviction and storage-efficient tensors added one at a time) improves at every step:
+    at 0.85x Bidaw's paper rate (1.5 GB/s) each step's mean latency is lower than the one
+    before, and only the whole of Bidaw meets the SLO."""
+    latency = [runs[s.name, 1.5, ABLATION_RATE].latency_mean for s in ABLATIONS]
+    assert all(a > b for a, b in itertools.pairwise(latency)), latency
+    assert latency[-1] <= SLO < latency[-2], latency
+
+
+def test_bidaws_tail_stays_within_twice_the_ideals(runs: Runs) -> None:
+    """Issue 17's tail target at 30 users/min (1.5 GB/s), the highest swept rate below
+    Bidaw's supported one, where the SSD is saturated at the peak: Bidaw meets the SLO and
+    its P99 is at most twice the ideal's."""
+    bidaw, ideal = runs["bidaw", 1.5, 30.0], runs["ideal", 1.5, 30.0]
+    assert bidaw.latency_mean <= SLO
+    assert bidaw.latency_p99 <= 2 * ideal.latency_p99, (bidaw.latency_p99, ideal.latency_p99)

@@ -25,8 +25,14 @@ def fcfs(name: str, **kw: object) -> SystemSpec:
 def test_the_presets_carry_the_published_mechanisms() -> None:
     ca, fg = SYSTEMS["cachedattention"], SYSTEMS["flashgen"]
     assert (ca.layerwise_overlap, ca.prefetch_window, ca.background_writes) == (True, 30, True)
-    assert (ca.eviction, ca.inclusive) == ("queue-enhanced", False)
+    assert (ca.eviction, ca.inclusive, ca.blocking_loads, ca.keep_ssd_copy) == (
+        "queue-enhanced",
+        False,
+        True,
+        True,
+    )
     assert (fg.inclusive, fg.eviction, fg.layerwise_overlap) == (True, "lru", False)
+    assert (fg.prefetch, fg.blocking_loads, fg.protect_ready) == (False, True, False)
     assert isinstance(Simulator(Turns([], [], [], [], []), ca).scheduler, LookAheadFCFS)
 
 
@@ -133,9 +139,11 @@ def test_scheduler_aware_eviction_keeps_a_queued_session() -> None:
         cfg,
     )
     pinned = simulate(turns, fcfs("lru, engine protects"), cfg)
-    assert blind.recomputed_tokens == 1005  # user 2's history, evicted while it queued
-    assert aware.recomputed_tokens == 0
-    assert pinned.recomputed_tokens == 0
+    # user 2's history, evicted (written to SSD) while it queued, is loaded back when it
+    # runs; kept in host memory, it is never read from SSD
+    assert blind.ssd_read_bytes == 1005 * KV
+    assert aware.ssd_read_bytes == pinned.ssd_read_bytes == 0
+    assert blind.recomputed_tokens == aware.recomputed_tokens == pinned.recomputed_tokens == 0
     assert aware.latency_mean < blind.latency_mean
 
 
@@ -161,3 +169,55 @@ def test_prefetch_window_needs_fcfs_and_a_positive_size() -> None:
         Simulator(
             Turns([], [], [], [], []), SystemSpec(name="x", scheduler="bidaw", prefetch_window=3)
         )
+
+
+def test_blocking_loads_stop_the_running_batch_while_the_head_loads() -> None:
+    """User 2's 1,005-token KV is on SSD when it comes back at t=10, while user 1 decodes a
+    3,000-token answer. An engine that fetches before it computes (FlashGen, CachedAttention
+    as the Bidaw paper measures them) stops user 1's decoding for the whole load; one that
+    keeps decoding does not."""
+    turns = Turns([2, 1, 2], [0.0, 0.5, 10.0], [1000, 10, 20], [5, 3000, 5], [0, 0, 1])
+    load = 1005 * KV / 1.5e9
+    runs = {}
+    for blocking in (False, True):
+        sim = Simulator(turns, fcfs("x", prefetch=False, blocking_loads=blocking), TINY)
+        runs[blocking] = (sim.run(), sim)
+    (free, free_sim), (blocked, blocked_sim) = runs[False], runs[True]
+    assert free.ssd_read_bytes == blocked.ssd_read_bytes == 1005 * KV
+    # the engine asks for work at an iteration boundary, fetches, and waits: user 1's
+    # answer ends exactly one load time later
+    assert blocked_sim.finish[1] - free_sim.finish[1] == pytest.approx(load, rel=1e-9)
+    assert blocked.gpu_busy < free.gpu_busy
+
+
+def test_keeping_the_ssd_copy_writes_only_new_segments() -> None:
+    """Host memory holds nothing, so every turn's KV moves to SSD at its end and comes back
+    for the next turn. Exclusive caching deletes the SSD copy at each load and rewrites the
+    whole history; with ``keep_ssd_copy`` only each turn's new segment is written."""
+    turns = SyntheticWorkload(users=20, arrival_rate=0.5, seed=3).generate()
+    after = np.minimum(turns.context_after(), 2048)
+    segment = np.minimum((turns.query + np.maximum(turns.answer, 1)), after)
+    kept = simulate(turns, fcfs("kept", keep_ssd_copy=True), TINY)
+    exclusive = simulate(turns, fcfs("exclusive"), TINY)
+    assert kept.ssd_write_bytes == int(segment.sum()) * KV
+    assert exclusive.ssd_write_bytes == int(after.sum()) * KV
+    assert kept.ssd_read_bytes == exclusive.ssd_read_bytes > 0
+
+
+def test_clean_ahead_writes_new_segments_while_the_ssd_idles() -> None:
+    """User 1's KV sits in host memory from t=0.3; at t=100 user 2's KV needs its room (no
+    write buffer: writes go in line). Written ahead during the idle 100 s, the eviction
+    writes nothing, and user 1's return waits only for its own load; otherwise the load
+    queues behind the eviction's write. Bytes written are the same."""
+    turns = Turns([1, 2, 1], [0.0, 100.0, 100.5], [1000, 1000, 20], [5, 5, 5], [0, 0, 1])
+    cfg = SimConfig(host_gb=1.0, write_buffer_gb=0.0, iteration_overhead=0.001)
+    waits, writes = {}, {}
+    for ahead in (False, True):
+        spec = get_system("bidaw", eviction="lru", storage_efficient=False, clean_ahead=ahead)
+        sim = Simulator(turns, spec, cfg)
+        writes[ahead] = sim.run().ssd_write_bytes
+        waits[ahead] = sim.start[2] - sim.arrival[2]
+    load = 1005 * KV / 1.5e9
+    assert writes[True] == writes[False] == 2010 * KV
+    assert waits[True] == pytest.approx(load, rel=1e-9)
+    assert waits[False] > load + 0.3

@@ -70,8 +70,8 @@ def test_on_demand_fcfs_serves_everything_and_waits_longer_than_prefetching() ->
     request is still served, and the loads sit on the critical path."""
     turns = SyntheticWorkload(users=60, arrival_rate=0.5, seed=2).generate()
     cfg = SimConfig(host_gb=20)
-    system = get_system("flashgen")
-    ahead = simulate(turns, system, cfg)
+    system = get_system("flashgen")  # on demand itself: prefetch=False
+    ahead = simulate(turns, get_system("flashgen", prefetch=True), cfg)
     sim = Simulator(turns, system, cfg, scheduler=FCFS(prefetch=False))
     on_demand = sim.run()
     assert on_demand.turns == ahead.turns == len(turns)

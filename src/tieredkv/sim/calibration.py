@@ -4,8 +4,8 @@ comparison ``tieredkv reproduce`` prints.
 The anchors (Hu et al., FAST'26, OPT-13B on one A800, 200 GB of host memory, 5 s mean
 latency SLO): the supported arrival rate of FlashGen and Bidaw with a 1.5 GB/s and a 5 GB/s
 SSD, and the largest response-latency ratio Bidaw reports over a baseline (3.58x). The
-cost model's two efficiency factors (``SimConfig.mfu`` = 0.4 and ``hbm_efficiency`` =
-0.55) were fitted to them by a coarse grid (``docs/explanation/simulator.md``, section
+cost model's two efficiency factors (``SimConfig.mfu`` = 0.35 and ``hbm_efficiency`` =
+0.65) were fitted to them by a coarse grid (``docs/explanation/simulator.md``, section
 "Calibration"); every other parameter comes from a data sheet or the paper.
 """
 

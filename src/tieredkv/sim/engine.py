@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Set
 from typing import Literal, TypeVar
 
@@ -68,9 +69,9 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     :param history_cap: history tokens kept per conversation at most (the paper: 2048)
     :param token_budget: tokens one prefill iteration computes at most
     :param max_seqs: requests in the running batch at most
-    :param mfu: fraction of the GPU's tensor peak a prefill reaches (0.4: fitted, with
+    :param mfu: fraction of the GPU's tensor peak a prefill reaches (0.35: fitted, with
         ``hbm_efficiency``, to the paper's supported rates; :mod:`tieredkv.sim.calibration`)
-    :param hbm_efficiency: fraction of HBM bandwidth a decode iteration reaches (0.55: fitted)
+    :param hbm_efficiency: fraction of HBM bandwidth a decode iteration reaches (0.65: fitted)
     :param link_efficiency: fraction of the PCIe spec a host -> GPU copy reaches
     :param gpu_memory_utilization: fraction of GPU memory for weights and K/V
     :param iteration_overhead: fixed seconds per engine iteration
@@ -89,8 +90,8 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     history_cap: int = 2048
     token_budget: int = 8192
     max_seqs: int = 256
-    mfu: float = 0.4
-    hbm_efficiency: float = 0.55
+    mfu: float = 0.35
+    hbm_efficiency: float = 0.65
     link_efficiency: float = 0.8
     gpu_memory_utilization: float = 0.9
     iteration_overhead: float = 0.002
@@ -179,13 +180,25 @@ class SimResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Sess:
-    __slots__ = ("in_host", "name", "nbytes", "on_ssd", "staged", "tokens", "turns")
+    __slots__ = (
+        "dirty",
+        "gen",
+        "in_host",
+        "name",
+        "nbytes",
+        "on_ssd",
+        "staged",
+        "tokens",
+        "turns",
+    )
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.in_host = False
         self.staged = False  # read from SSD without room in host: goes straight to the GPU
-        self.on_ssd = False
+        self.on_ssd = False  # a complete copy is on SSD
+        self.dirty = 0  # bytes a move to SSD must write (all of them if no copy is there)
+        self.gen = 0  # advances whenever the SSD copy becomes complete
         self.nbytes = 0
         self.tokens = 0
         self.turns = 0
@@ -379,11 +392,14 @@ class Simulator:
         self._write_buffer = cfg.write_buffer_gb * 1e9
         self._backlog = 0.0  # bytes of asynchronous writes not yet on SSD
         self._backlog_clock = 0.0  # backlog drained up to this time
+        # clean_ahead: (user, gen, bytes) of new segments to write while the SSD idles
+        self._ahead: deque[tuple[int, int, float]] = deque()
         self._ssd_read = 0
         self._ssd_written = 0
         self._recomputed = 0
         self._evictions = 0
         self._direct_loads = 0
+        self._fetching: set[int] = set()  # users whose KV the engine itself is loading
         self._done = 0
         self._accesses = 0
         self._hits = 0
@@ -449,11 +465,37 @@ class Simulator:
         return end
 
     def _drain(self, now: float) -> None:
-        """Write the asynchronous backlog during the SSD's idle time up to ``now``."""
+        """Write the asynchronous backlog during the SSD's idle time up to ``now``; with
+        ``clean_ahead``, the idle time left writes queued new segments (oldest first)."""
         idle_from = max(self._backlog_clock, self._ssd_free)
-        if self._backlog > 0 and now > idle_from:
-            self._backlog = max(0.0, self._backlog - (now - idle_from) * self._ssd_bps)
         self._backlog_clock = now
+        if now <= idle_from:
+            return
+        idle = (now - idle_from) * self._ssd_bps  # bytes the idle SSD could write
+        used = min(idle, self._backlog)
+        self._backlog -= used
+        idle -= used
+        ahead = self._ahead
+        while ahead and idle > 0:
+            user, gen, left = ahead[0]
+            s = self._sess[user]
+            if gen != s.gen or s.dirty <= 0:
+                ahead.popleft()  # written by an eviction meanwhile
+                continue
+            done = min(left, idle, s.dirty)
+            idle -= done
+            self._ssd_written += int(done)
+            s.dirty -= int(done)
+            if s.dirty <= 0 or done >= left:
+                ahead.popleft()
+            else:
+                ahead[0] = (user, gen, left - done)
+            if s.dirty <= 0:
+                s.dirty = 0
+                s.on_ssd = True
+                s.gen += 1
+                if s.in_host:
+                    self._publish(s, self._backlog_clock)
 
     def _ssd_write(self, now: float, nbytes: int) -> None:
         """Write ``nbytes`` to SSD: in line with the loads, or (``background_writes``)
@@ -471,11 +513,13 @@ class Simulator:
 
     def _on_load(self, user: int, now: float) -> None:
         s = self._sess[user]
+        self._fetching.discard(user)
         ok = s.on_ssd and not s.in_host and self._reserve(s.nbytes, now)
         if ok:
             s.in_host = True
-            if not self.system.inclusive:
-                s.on_ssd = False
+            if not (self.system.inclusive or self.system.keep_ssd_copy):
+                s.on_ssd = False  # exclusive: the SSD copy is deleted
+                s.dirty = s.nbytes
             meta = self._publish(s, now)
             self.eviction.on_admit(s.name, meta, now)
         elif not s.in_host:
@@ -542,6 +586,7 @@ class Simulator:
                 self._start_loads(now)  # an on-demand scheduler asks for its head's KV now
         batch: list[int] = []
         tokens = 0
+        fetching = False
         capacity = self.cost.gpu_kv_tokens
         cached = self.system.cache != "none"
         while self._admit_head < len(self._admit):
@@ -550,6 +595,12 @@ class Simulator:
             need = hist + self._query[row] + self._answer[row]
             new = self._query[row]
             sess = self._sess[self._user[row]]
+            if cached and hist > 0 and not (sess.in_host or sess.staged) and sess.on_ssd:
+                # Handed out, but its KV was evicted since it queued (nothing protected it):
+                # the engine loads it from SSD on the spot, and the row waits for it.
+                self._fetch(sess, now)
+                fetching = True
+                break
             if not (cached and (sess.in_host or sess.staged)):
                 new += hist
             fits = self._gpu_tokens + need <= capacity or (not self._running and not batch)
@@ -561,8 +612,27 @@ class Simulator:
             batch.append(row)
         if batch:
             self._prefill(batch, now)
-        elif self._running:
+        elif self._running and not (self.system.blocking_loads and self._stalled(fetching)):
             self._decode(now)
+
+    def _stalled(self, fetching: bool) -> bool:
+        """Whether the request to run next waits for a load although the batch has room:
+        the engine is fetching a handed-out request's KV, or the scheduler holds its head
+        back for a load. An engine with ``blocking_loads`` then waits, GPU idle."""
+        return fetching or (
+            self._admit_head >= len(self._admit)
+            and len(self._running) < self.config.max_seqs
+            and len(self.scheduler) > 0
+        )
+
+    def _fetch(self, s: _Sess, now: float) -> None:
+        """Load ``s``'s KV from SSD for a handed-out request (once; it lands as any load)."""
+        user = self._by_name[s.name]
+        if user in self._fetching:
+            return
+        self._fetching.add(user)
+        self._ssd_read += s.nbytes
+        self._push(self._ssd_in_line(now, s.nbytes), _LOAD, user)
 
     def _prefill(self, rows: list[int], now: float) -> None:
         cost = self.cost
@@ -681,12 +751,17 @@ class Simulator:
             self._host_used += nbytes - old
             s.in_host = True
         else:
+            segment = min((self._query[row] + self._answer[row]) * self.bytes_per_token, nbytes)
             if self.system.inclusive:
-                segment = min((self._query[row] + self._answer[row]) * self.bytes_per_token, nbytes)
                 self._ssd_write(now, segment)
                 s.on_ssd = True
             else:
-                s.on_ssd = False  # the stale SSD copy (if any) is superseded
+                # The SSD copy (if any) is now incomplete. Exclusive: rewritten whole when
+                # the KV moves down; keep_ssd_copy: its segments stay, only new ones go.
+                s.on_ssd = False
+                s.dirty = min(s.dirty + segment, nbytes) if self.system.keep_ssd_copy else nbytes
+                if self.system.clean_ahead:
+                    self._ahead.append((self._user[row], s.gen, float(s.dirty)))
             if self._reserve(nbytes - old, now):
                 s.in_host = True
             else:
@@ -695,7 +770,9 @@ class Simulator:
                     self._host_used -= old
                     self.eviction.on_remove(s.name)
                 if not self.system.inclusive:
-                    self._ssd_write(now, nbytes)
+                    self._ssd_write(now, s.dirty)
+                    s.dirty = 0
+                    s.gen += 1
                     s.on_ssd = True
         s.nbytes = nbytes
         s.tokens = tokens
@@ -716,6 +793,8 @@ class Simulator:
         if need <= free:
             self._host_used += need
             return True
+        if self._ahead:
+            self._drain(now)  # segments written while the SSD idled need no write now
         victims = self.eviction.victims(need - free, now, self._view, self._protected)
         if victims is None:
             return False
@@ -726,7 +805,9 @@ class Simulator:
             v.in_host = False
             self._host_used -= v.nbytes
             if not v.on_ssd:
-                self._ssd_write(now, v.nbytes)
+                self._ssd_write(now, v.dirty)
+                v.dirty = 0
+                v.gen += 1
                 v.on_ssd = True
             self.eviction.on_remove(name)
             self._publish(v, now)

@@ -52,7 +52,7 @@ __all__ = [
 
 REPLAY_POLICIES = ("fifo", "lru", "lfu", "queue-enhanced", "bidaw", "belady")
 
-SYNTHETIC_RATES = (10.0, 15.0, 20.0, 25.0, 30.0, 35.0, 40.0)
+SYNTHETIC_RATES = (5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 35.0, 40.0)
 """Default sweep of generated workloads (synthetic, ShareGPT), users per minute."""
 
 TRACE_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1.0)
@@ -320,14 +320,17 @@ def reproduce(
 
 
 # -- rendering ------------------------------------------------------------------------
-def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    def cell(v: object) -> str:
-        if isinstance(v, float):
-            if not np.isfinite(v):
-                return "-"
-            return f"{v:,.3f}" if abs(v) < 10 else f"{v:,.1f}"
-        return str(v)
+def _cell(v: object) -> str:
+    """A table cell: floats to 3 decimals below 10, else 1 (``-`` when not finite)."""
+    if isinstance(v, float):
+        if not np.isfinite(v):
+            return "-"
+        return f"{v:,.3f}" if abs(v) < 10 else f"{v:,.1f}"
+    return str(v)
 
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cell = _cell
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
@@ -438,6 +441,26 @@ def render_markdown(report: ReproduceReport, command: str) -> str:
             ["rate (users/min)", *report.sweep],
             [
                 [r, *(report.sweep[s][i].latency_mean for s in report.sweep)]
+                for i, r in enumerate(rates)
+            ],
+        )
+    )
+    out.append(
+        "\nMean / P95 / P99 response latency (s) per system and rate; the ideal's P99 is "
+        "the yardstick of the tail (Bidaw's should stay within 2x of it where the ideal "
+        "meets the SLO):\n"
+    )
+    out.append(
+        _table(
+            ["rate (users/min)", *report.sweep],
+            [
+                [
+                    r,
+                    *(
+                        f"{_cell(x.latency_mean)} / {_cell(x.latency_p95)} / {_cell(x.latency_p99)}"
+                        for x in (report.sweep[s][i] for s in report.sweep)
+                    ),
+                ]
                 for i, r in enumerate(rates)
             ],
         )

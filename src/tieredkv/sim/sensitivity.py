@@ -40,7 +40,7 @@ AXES: dict[str, tuple[Any, ...]] = {
     "ssd_gbps": (1.5, 5.0, 12.0),
     "host_gb": (100.0, 200.0, 400.0),
     "model": ("opt-6.7b", "opt-13b", "llama-3-8b"),
-    "mfu": (0.2, 0.4, 0.6),
+    "mfu": (0.2, 0.35, 0.6),
     "answer_scale": (0.5, 1.0, 2.0),
 }
 """The settings varied and their values (``answer_scale`` multiplies the synthetic

@@ -62,6 +62,20 @@ class SystemSpec(msgspec.Struct, frozen=True, kw_only=True):
         saves: they wait in a host write buffer (``SimConfig.write_buffer_gb``) and use the
         SSD only while no load needs it; otherwise every transfer, read or write, queues in
         one FIFO
+    :param keep_ssd_copy: (exclusive layouts) a KV loaded into host memory keeps its SSD
+        segments, which stay valid (a history only grows), so moving it down again writes
+        only the segments added since; ``False``: the load deletes the SSD copy and moving
+        down rewrites the whole history. Loads are served from host memory either way
+    :param clean_ahead: (with ``keep_ssd_copy`` and ``background_writes``) a turn's new
+        segments are written to SSD while the SSD has nothing else to do, oldest first, so
+        that moving the KV down later writes nothing (loads come first: these writes use
+        only idle time, after the write buffer's backlog)
+    :param blocking_loads: the engine waits for the SSD load of the request it must run
+        next with the GPU idle: while an I/O-oblivious scheduler (FCFS) holds its head back
+        for a load, no iteration runs, not even the running requests' decoding (an engine
+        whose step fetches the scheduled request's KV before computing, as the Bidaw paper
+        describes the baselines: "the GPU waits"); ``False``: the running batch keeps
+        decoding meanwhile
     :param protect_ready: the engine shields the KV of queued requests that the scheduler
         counts on being in host memory (``ready_sessions()``) from eviction; ``False``
         protects only the running requests, and an evicted ready request recomputes its
@@ -81,6 +95,9 @@ class SystemSpec(msgspec.Struct, frozen=True, kw_only=True):
     prefetch_window: int | None = None
     prefetch: bool = True
     background_writes: bool = False
+    keep_ssd_copy: bool = False
+    clean_ahead: bool = False
+    blocking_loads: bool = False
     protect_ready: bool = True
 
     def __post_init__(self) -> None:
@@ -150,6 +167,9 @@ SYSTEMS: dict[str, SystemSpec] = {
             eviction="queue-enhanced",
             prefetch_window=30,
             background_writes=True,
+            keep_ssd_copy=True,
+            clean_ahead=True,
+            blocking_loads=True,
         ),
         SystemSpec(
             name="flashgen",
@@ -157,6 +177,9 @@ SYSTEMS: dict[str, SystemSpec] = {
             eviction="lru",
             inclusive=True,
             layerwise_overlap=False,
+            prefetch=False,
+            blocking_loads=True,
+            protect_ready=False,
         ),
         SystemSpec(
             name="bidaw",
@@ -164,6 +187,8 @@ SYSTEMS: dict[str, SystemSpec] = {
             eviction="bidaw",
             storage_efficient=True,
             background_writes=True,
+            keep_ssd_copy=True,
+            clean_ahead=True,
         ),
         SystemSpec(name="ideal", cache="host-only", scheduler="fcfs", eviction="lru"),
     )
@@ -177,9 +202,16 @@ ABLATIONS: list[SystemSpec] = [
         scheduler="bidaw",
         eviction="queue-enhanced",
         background_writes=True,
+        keep_ssd_copy=True,
+        clean_ahead=True,
     ),
     SystemSpec(
-        name="+answer-based eviction", scheduler="bidaw", eviction="bidaw", background_writes=True
+        name="+answer-based eviction",
+        scheduler="bidaw",
+        eviction="bidaw",
+        background_writes=True,
+        keep_ssd_copy=True,
+        clean_ahead=True,
     ),
     msgspec.structs.replace(SYSTEMS["bidaw"], name="+storage-efficient tensors (bidaw)"),
 ]
