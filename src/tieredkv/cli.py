@@ -72,6 +72,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=["yes", "no"],
         help="force inclusive (write-through) or exclusive caching for every system",
     )
+    sim.add_argument(
+        "--predictive",
+        choices=["yes", "no"],
+        help="turn predictive prefetch (beyond the paper) on or off for every system",
+    )
     sim.add_argument("--json", action="store_true", help="print the results as JSON lines")
 
     rep = sub.add_parser(
@@ -449,6 +454,8 @@ def _simulate(args: argparse.Namespace) -> int:
         overrides["eviction"] = args.eviction
     if args.inclusive:
         overrides["inclusive"] = args.inclusive == "yes"
+    if args.predictive:
+        overrides["predictive_prefetch"] = args.predictive == "yes"
     native = workload.native_rate()
     rate = args.rate if args.rate is not None else (native / 2 if native else 25.0)
     turns = workload.turns(rate)

@@ -19,7 +19,7 @@ import heapq
 from ..policies.base import Foresight
 from .state import Core, Session
 
-__all__ = ["Candidate", "choose"]
+__all__ = ["Candidate", "choose", "worth_it"]
 
 Candidate = tuple[Session, float, list[str]]
 """A session to promote, its chance of a hit, and the residents it would displace."""
@@ -28,10 +28,11 @@ Candidate = tuple[Session, float, list[str]]
 def choose(core: Core, scan: int) -> Candidate | None:
     """The lower-tier session most worth bringing into tier 0 now, or ``None``.
 
-    Looks at up to ``scan`` lower-tier sessions, the most recently accessed first (a user
-    who just left is likelier due than one gone for hours, and the scan stays bounded with
-    many sessions), best chance per byte first; takes the first whose chance exceeds what
-    the victims the policy would choose for it are worth.
+    Looks at up to ``scan`` lower-tier sessions, the most recently accessed (a user who
+    just left is likelier due than one gone for hours, and the scan stays bounded with many
+    sessions); ranks them by chance of a hit, and sessions of (about) equal chance by how
+    long their user has been gone (the one due first); takes the first whose chance exceeds
+    what the victims the policy would choose for it are worth.
     """
     policy = core.policies[0]
     if not isinstance(policy, Foresight):
@@ -47,24 +48,39 @@ def choose(core: Core, scan: int) -> Candidate | None:
         ),
         key=lambda s: core.channel[s.key].last_access,
     )
-    scored: list[tuple[float, float, Session]] = []
-    for s in lower:
+    scored: list[tuple[float, int, float, Session]] = []
+    for age, s in enumerate(lower):
         size = s.nbytes()
         if not 0 < size <= tier.capacity:
             continue
         chance = policy.foresee(s.key)
         if chance:
-            scored.append((chance / size, chance, s))
-    scored.sort(key=lambda c: c[0], reverse=True)
+            scored.append((round(chance, 2), age, chance, s))
+    # likeliest first; of (about) equal chances, the user gone longest: the one due first
+    scored.sort(key=lambda c: (c[0], c[1]), reverse=True)
     now = core.clock()
-    for _, chance, s in scored:
+    ages = {s.key: age for age, s in enumerate(lower)}
+    for _, age, chance, s in scored:
         need = s.nbytes() - (tier.capacity - tier.used)
         if need <= 0:
             return s, chance, []
         victims = policy.victims(need, now, core.channel, skip | {s.key})
         if victims is None:
             continue
-        lost = sum(policy.foresee(v) or 0.0 for v in victims)
-        if chance > lost:
+        lost = [policy.foresee(v) or 0.0 for v in victims]
+        if worth_it(chance, age, lost, [ages.get(v, scan) for v in victims]):
             return s, chance, victims
     return None
+
+
+def worth_it(chance: float, age: int, lost: list[float], ages: list[int]) -> bool:
+    """Whether bringing up a session (its chance of a hit, and how many users were active
+    since it was: its age) is worth displacing the residents with chances ``lost`` and
+    ages ``ages``: it must gain more expected hits than it loses; or, against one resident
+    of (about) the same chance, it must be the one gone longer, so that the one due first
+    is kept (a model whose chances saturate, as Bidaw's do when every due user would hit,
+    cannot tell them apart otherwise)."""
+    total = sum(lost)
+    if chance > total + 0.005:
+        return True
+    return len(lost) == 1 and abs(chance - total) <= 0.005 and age > ages[0]

@@ -33,15 +33,16 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Set
 from typing import Literal, TypeVar
 
 import msgspec
 import numpy as np
 
+from .._cache.predict import worth_it
 from ..meta import KVMeta, MetadataChannel, TierInfo, advance_meta
-from ..policies.base import Eviction
+from ..policies.base import Eviction, Foresight
 from ..policies.registry import make_eviction, make_scheduler
 from ..policies.scheduling import Request, Scheduler
 from .costmodel import CostModel, get_gpu, get_model
@@ -54,7 +55,9 @@ _S = TypeVar("_S")
 _HOST = "host"
 _SSD = "ssd"
 _UNBOUNDED = 1 << 62
-_ARRIVAL, _LOAD, _GPU = 0, 1, 2
+_ARRIVAL, _LOAD, _GPU, _PREFETCH = 0, 1, 2, 3
+_PREDICT_SCAN = 256
+"""Most recently active users a predictive prefetch considers."""
 _IDLE, _PREFILL, _DECODE = 0, 1, 2
 
 
@@ -148,6 +151,7 @@ class SimResult(msgspec.Struct, frozen=True, kw_only=True):
     :param evictions: sessions moved out of host memory to make room
     :param direct_loads: SSD loads that found no room in host memory (the KV went from SSD
         to the GPU through a staging buffer, and was not admitted to host memory)
+    :param predicted: sessions brought into host memory by predictive prefetch
     """
 
     system: str
@@ -172,6 +176,7 @@ class SimResult(msgspec.Struct, frozen=True, kw_only=True):
     load_time_cv: float
     evictions: int
     direct_loads: int
+    predicted: int = 0
 
     @property
     def host_hit_ratio(self) -> float:
@@ -339,7 +344,7 @@ class Simulator:
         self._setup()
         events = self._events
         pop = heapq.heappop
-        handlers = (self._on_arrival, self._on_load, self._on_gpu)
+        handlers = (self._on_arrival, self._on_load, self._on_gpu, self._on_prefetch)
         total = len(self.turns)
         tick = max(1, total // 100)
         next_tick = tick
@@ -400,6 +405,11 @@ class Simulator:
         self._evictions = 0
         self._direct_loads = 0
         self._fetching: set[int] = set()  # users whose KV the engine itself is loading
+        self._loads = 0  # SSD loads in flight
+        self._predictive = self.system.predictive_prefetch and isinstance(self.eviction, Foresight)
+        self._recent: OrderedDict[int, None] = OrderedDict()  # users, least recent first
+        self._predicting = False  # a predictive read in flight
+        self._predicted = 0
         self._done = 0
         self._accesses = 0
         self._hits = 0
@@ -445,15 +455,87 @@ class Simulator:
                 tokens += hist
         request = Request(id=str(row), session=s.name, arrival=now, tokens=tokens)
         self.scheduler.submit(request, now, self.channel)
+        if self._predictive:
+            user = self._user[row]
+            self._recent[user] = None
+            self._recent.move_to_end(user)
         self._start_loads(now)
         self._poke(now)
+        self._predict(now)
 
     def _start_loads(self, now: float) -> None:
         for request in self.scheduler.start_loads(now):
             s = self._sess[self._by_name[request.session]]
+            self._loads += 1
+            if s.in_host:  # brought up by a predictive prefetch meanwhile: nothing to read
+                self._push(now, _LOAD, self._by_name[request.session])
+                continue
             end = self._ssd_in_line(now, s.nbytes)
             self._ssd_read += s.nbytes
             self._push(end, _LOAD, self._by_name[request.session])
+
+    def _predict(self, now: float) -> None:
+        """Predictive prefetch: while the SSD idles, read up the SSD-resident session the
+        eviction policy gives the best chance of a hit (of equal chances, the one whose user
+        has been gone longest: the one due first), if that chance beats what the residents
+        it would displace are worth (one read at a time)."""
+        if not self._predictive or self._predicting or self._loads or self._ssd_free > now:
+            return
+        if self.scheduler.waiting(1):
+            return  # requests are queued: an arriving one's load must not wait behind a guess
+        if self._background:
+            self._drain(now)
+            if self._backlog > 0 or self._ahead:
+                return  # the idle SSD is writing back first
+        policy = self.eviction
+        assert isinstance(policy, Foresight)
+        ages: dict[str, int] = {}  # how many users were active since (0: the latest)
+        scored: list[tuple[float, int, float, int]] = []
+        for age, user in enumerate(itertools.islice(reversed(self._recent), _PREDICT_SCAN)):
+            s = self._sess[user]
+            ages[s.name] = age
+            if s.in_host or not s.on_ssd or s.name in self._pinned or not s.nbytes:
+                continue
+            chance = policy.foresee(s.name)
+            if chance:
+                scored.append((round(chance, 2), age, chance, user))
+        scored.sort(reverse=True)  # likeliest first; of equals, the longest gone (due first)
+        free = self.host_capacity - self._host_used
+        for _, age, chance, user in scored:
+            s = self._sess[user]
+            need = s.nbytes - free
+            if need > 0:
+                victims = policy.victims(
+                    need, now, self._view, _Protected(self._protected, {s.name})
+                )
+                if victims is None:
+                    continue
+                lost = [policy.foresee(v) or 0.0 for v in victims]
+                if not worth_it(chance, age, lost, [ages.get(v, _PREDICT_SCAN) for v in victims]):
+                    continue
+            self._predicting = True
+            self._ssd_read += s.nbytes
+            self._push(self._ssd_in_line(now, s.nbytes), _PREFETCH, user)
+            return
+
+    def _on_prefetch(self, user: int, now: float) -> None:
+        self._predicting = False
+        s = self._sess[user]
+        if s.on_ssd and not s.in_host and self._reserve(s.nbytes, now):
+            self._admit_from_ssd(s, now)
+            self._predicted += 1
+        self._start_loads(now)
+        self._poke(now)
+        self._predict(now)
+
+    def _admit_from_ssd(self, s: _Sess, now: float) -> None:
+        """``s`` was read into host memory (room already taken): it is resident there."""
+        s.in_host = True
+        if not (self.system.inclusive or self.system.keep_ssd_copy):
+            s.on_ssd = False  # exclusive: the SSD copy is deleted
+            s.dirty = s.nbytes
+        meta = self._publish(s, now)
+        self.eviction.on_admit(s.name, meta, now)
 
     def _ssd_in_line(self, now: float, nbytes: float) -> float:
         """Queue a transfer behind the SSD's previous ones; returns when it ends."""
@@ -514,14 +596,10 @@ class Simulator:
     def _on_load(self, user: int, now: float) -> None:
         s = self._sess[user]
         self._fetching.discard(user)
+        self._loads -= 1
         ok = s.on_ssd and not s.in_host and self._reserve(s.nbytes, now)
         if ok:
-            s.in_host = True
-            if not (self.system.inclusive or self.system.keep_ssd_copy):
-                s.on_ssd = False  # exclusive: the SSD copy is deleted
-                s.dirty = s.nbytes
-            meta = self._publish(s, now)
-            self.eviction.on_admit(s.name, meta, now)
+            self._admit_from_ssd(s, now)
         elif not s.in_host:
             # No room in host memory (it is full of KV that queued or running requests
             # need): the KV streams from SSD to the GPU through a staging buffer instead.
@@ -530,6 +608,7 @@ class Simulator:
         self.scheduler.load_finished(s.name, now, ok=True)
         self._start_loads(now)
         self._poke(now)
+        self._predict(now)
 
     def _on_gpu(self, gen: int, now: float) -> None:
         if gen != self._gen:
@@ -631,6 +710,7 @@ class Simulator:
         if user in self._fetching:
             return
         self._fetching.add(user)
+        self._loads += 1
         self._ssd_read += s.nbytes
         self._push(self._ssd_in_line(now, s.nbytes), _LOAD, user)
 
@@ -889,6 +969,7 @@ class Simulator:
             load_time_cv=cv,
             evictions=self._evictions,
             direct_loads=self._direct_loads,
+            predicted=self._predicted,
         )
 
 

@@ -76,6 +76,12 @@ class SystemSpec(msgspec.Struct, frozen=True, kw_only=True):
         whose step fetches the scheduled request's KV before computing, as the Bidaw paper
         describes the baselines: "the GPU waits"); ``False``: the running batch keeps
         decoding meanwhile
+    :param predictive_prefetch: (beyond the paper) while the SSD idles, bring into host
+        memory the SSD-resident session that the eviction policy's own reuse model
+        (:class:`~tieredkv.policies.base.Foresight`, which ``bidaw`` eviction implements)
+        gives the best chance of a hit, when that chance beats the summed chances of the
+        residents it would displace (as :meth:`tieredkv.TieredKVCache.prefetch_predicted`
+        does); one such read at a time, among the 256 most recently active users
     :param protect_ready: the engine shields the KV of queued requests that the scheduler
         counts on being in host memory (``ready_sessions()``) from eviction; ``False``
         protects only the running requests, and an evicted ready request recomputes its
@@ -98,6 +104,7 @@ class SystemSpec(msgspec.Struct, frozen=True, kw_only=True):
     keep_ssd_copy: bool = False
     clean_ahead: bool = False
     blocking_loads: bool = False
+    predictive_prefetch: bool = False
     protect_ready: bool = True
 
     def __post_init__(self) -> None:
