@@ -394,8 +394,9 @@ class TieredKVCache:
         """Promote to tier 0, while the cache is otherwise idle, up to ``limit`` sessions
         from lower tiers whose users the tier-0 eviction policy expects back soon.
 
-        Call it when the storage would otherwise sit idle (a serving loop with no load to
-        make). The policy must implement :class:`~tieredkv.policies.base.Foresight`
+        Call it when the storage would otherwise sit idle and no request is waiting (a
+        serving loop with no load to make): its read would delay an arriving request's.
+        The policy must implement :class:`~tieredkv.policies.base.Foresight`
         (:class:`~tieredkv.policies.BidawEviction` does: its reuse-distance model, asked
         about a session that is not resident); with any other policy this does nothing. A
         session is brought up only when its chance of a hit beats the summed chances of the
@@ -405,7 +406,8 @@ class TieredKVCache:
         atomic under cancellation, and not an access (the policy learns nothing from it).
 
         :param limit: sessions to promote at most
-        :param scan: lower-tier sessions to consider at most, the most recently used first
+        :param scan: lower-tier sessions to consider at most, the most recently used;
+            ranked by chance of a hit, and of equal chances the user gone longest first
         :returns: the sessions promoted, in order
         """
         self._check_open()
