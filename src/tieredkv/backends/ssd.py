@@ -72,6 +72,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import itertools
 import logging
 import mmap
 import os
@@ -80,7 +81,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -905,6 +906,183 @@ class SSDTier(Tier):
             writes=self._counters["writes"],
             corrupt=self._counters["corrupt"],
         )
+
+    # -- span reads (layer-wise restores) --------------------------------------------------
+    async def read_spans_into(
+        self,
+        items: Sequence[tuple[SegmentKey, memoryview]],
+        ends: Sequence[Sequence[int]],
+        landed: Callable[[int], None],
+    ) -> None:
+        """Read several committed segments span by span, in span order, verified.
+
+        See :class:`~tieredkv.backends.base.RangedReadTier`. Span boundaries must be
+        multiples of 4096 bytes and, with O_DIRECT, ``out`` 4096-aligned (as tier-0 slots
+        and staging buffers are). Up to four span reads are in flight (reader threads); a
+        segment's body hash is computed span by span as spans land (in the hasher thread),
+        so only the last span's hashing adds to the latency. With a secret, both MACs are
+        checked over each whole segment at the end.
+        """
+        limiter = self._check_open()
+        groups = len(ends[0]) if ends else 0
+        for (key, out), cuts in zip(items, ends, strict=True):
+            length = self._index.get(key)
+            if length is None:
+                raise KeyError(key)
+            if len(out) != length:
+                raise ValueError(f"segment is {length} bytes, the buffer {len(out)}")
+            if len(cuts) != groups or not cuts or cuts[-1] != length:
+                raise ValueError(
+                    "every segment needs the same number of spans, ending at its length"
+                )
+            if any(b < a for a, b in itertools.pairwise([0, *cuts])) or any(
+                c % ALIGN for c in cuts
+            ):
+                raise ValueError(f"span ends must be non-decreasing multiples of {ALIGN}")
+            if self._direct and not _aligned(out):
+                raise ValueError(f"with O_DIRECT the buffers must be {ALIGN}-aligned")
+        failure = await anyio.to_thread.run_sync(
+            self._read_spans_sync, items, ends, landed, limiter=limiter
+        )
+        if failure is None:
+            for _, out in items:
+                self._counters["reads"] += 1
+                self._counters["bytes_read"] += len(out)
+            return
+        i, detail, code, reason = failure
+        key = items[i][0]
+        if code is None:
+            await self._quarantine(key)
+            raise CorruptSegmentError(segment_file_name(key), detail)
+        raise TierIOError(self.name, detail, OSError(code, reason))
+
+    def _read_spans_sync(
+        self,
+        items: Sequence[tuple[SegmentKey, memoryview]],
+        ends: Sequence[Sequence[int]],
+        landed: Callable[[int], None],
+    ) -> tuple[int, str, int | None, str] | None:
+        """The worker side of :meth:`read_spans_into`: ``None``, or (segment index, detail,
+        errno or None if corrupt, reason)."""
+        assert self._readers is not None
+        assert self._hasher is not None
+        readers, hasher_pool = self._readers, self._hasher
+        rels = [segment_file_name(key) for key, _ in items]
+        fds: list[int] = []
+        reads: deque[tuple[int, int, int, Future[int]]] = deque()
+        hashes: list[Future[None]] = []
+        hashers = [xxhash.xxh3_64() for _ in items]
+        expected: list[int | None] = [None] * len(items)
+        hashed = [0] * len(items)  # absolute offset hashed up to (after the header)
+        try:
+            for i, rel in enumerate(rels):
+                xx, name = rel.split("/")
+                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+                try:
+                    sub = self._subdir(xx, create=False)
+                    fds.append(
+                        os.open(name, flags | (_O_DIRECT if self._direct else 0), dir_fd=sub)
+                    )
+                except FileNotFoundError:
+                    return (i, "file is missing", None, "")
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                        return (i, "a symbolic link or not a directory on its path", None, "")
+                    return (i, f"open segment {items[i][0][1]}", exc.errno or 0, exc.strerror or "")
+            # every read, in span order, split into chunks of at most chunk_size
+            plan: list[tuple[int, int, int, int]] = []  # (group, segment, start, end)
+            groups = len(ends[0]) if ends else 0
+            for g in range(groups):
+                for i, cuts in enumerate(ends):
+                    start = cuts[g - 1] if g else 0
+                    plan.extend(
+                        (g, i, at, min(cuts[g], at + self._chunk))
+                        for at in range(start, cuts[g], self._chunk)
+                    )
+            last_of = dict.fromkeys(range(groups), -1)
+            for n, (g, *_rest) in enumerate(plan):
+                last_of[g] = n
+            issued = 0
+
+            def issue() -> None:
+                nonlocal issued
+                _, i, start, end = plan[issued]
+                out = items[i][1]
+                reads.append(
+                    (issued, i, start, readers.submit(_pread_full, fds[i], out[start:end], start))
+                )
+                issued += 1
+
+            done = -1  # plan entries finished, in order
+            for g in range(groups):
+                while done < last_of[g]:
+                    while issued < len(plan) and len(reads) < _READ_DEPTH:
+                        issue()
+                    n, i, start, future = reads.popleft()
+                    try:
+                        got = future.result()
+                    except OSError as exc:
+                        return (
+                            i,
+                            f"read segment {items[i][0][1]}",
+                            exc.errno or 0,
+                            exc.strerror or "",
+                        )
+                    end = plan[n][3]
+                    if got < end - start:
+                        return (
+                            i,
+                            f"file ends at {start + got} of {len(items[i][1])} bytes (truncated)",
+                            None,
+                            "",
+                        )
+                    done = n
+                for i, ((key, out), cuts) in enumerate(zip(items, ends, strict=True)):
+                    upto = cuts[g]
+                    if expected[i] is None:
+                        if upto < PREFIX.size:
+                            continue
+                        _, hlen, _, _ = PREFIX.unpack_from(out, 0)
+                        if PREFIX.size + hlen > upto and upto < len(out):
+                            continue  # the header spans several spans
+                        try:
+                            expected[i] = _check_header(
+                                out[:upto], key, rels[i], self._tags.get(key), len(out)
+                            )
+                        except CorruptSegmentError as exc:
+                            return (i, exc.detail, None, "")
+                        hashed[i] = PREFIX.size + hlen
+                    if upto > hashed[i]:
+                        hashes.append(hasher_pool.submit(hashers[i].update, out[hashed[i] : upto]))
+                        hashed[i] = upto
+                landed(g)
+            for h in hashes:
+                h.result()
+            for i, ((_, out), rel) in enumerate(zip(items, rels, strict=True)):
+                if expected[i] is None or hashers[i].intdigest() != expected[i]:
+                    return (i, "body checksum mismatch", None, "")
+                if self._key is not None:
+                    try:
+                        header, _ = parse_header(out, rel, len(out))
+                        check_header_mac(header, self._key, rel)
+                        check_body_mac(out, header, self._key, rel)
+                    except CorruptSegmentError as exc:
+                        return (i, exc.detail, None, "")
+            return None
+        finally:
+            # let in-flight work finish before the caller reuses or frees the buffers
+            pending: list[Future[Any]] = [r[3] for r in reads] + hashes
+            reads.clear()
+            hashes.clear()
+            for f in pending:
+                with contextlib.suppress(Exception):
+                    f.result()
+            for fd in fds:
+                if not self._direct:
+                    with contextlib.suppress(OSError):
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 def _check_header(
