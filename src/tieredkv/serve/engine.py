@@ -122,6 +122,13 @@ class ServingEngine:
     :param clock: time source (``time.monotonic``)
     :param lookahead: how many waiting sessions to publish on the metadata channel (for
         queue-aware eviction)
+    :param layerwise: when the model would idle (nothing ready to run) and the scheduler
+        starts a load, run that request's turn at once with a layer-wise restore instead
+        of waiting for the load: its prefill starts once the first layer's history is in
+        and later layers stream in while earlier ones compute (CachedAttention's
+        layer-wise pre-loading). Loads started while the model is busy still prefetch the
+        whole history into host memory. Needs an adapter that streams (``adapter.layerwise``
+        true, as ``TransformersAdapter(model, layerwise=True)``)
     """
 
     def __init__(
@@ -133,7 +140,15 @@ class ServingEngine:
         recompute: bool = False,
         clock: Callable[[], float] = time.monotonic,
         lookahead: int = 30,
+        layerwise: bool = False,
     ) -> None:
+        if layerwise and (recompute or not getattr(adapter, "layerwise", False)):
+            raise TypeError(
+                "layerwise=True runs turns whose history streams in while they compute: give "
+                "an adapter that streams (TransformersAdapter(model, layerwise=True)), and "
+                "no recompute"
+            )
+        self.layerwise = layerwise
         self.adapter = adapter
         self.cache = cache
         self.scheduler = scheduler
@@ -156,6 +171,8 @@ class ServingEngine:
         self._ids = 0
         self.ssd_loads = 0
         """Prefetches that moved a history up from a lower tier."""
+        self.streamed = 0
+        """Turns started with a layer-wise restore instead of waiting for their load."""
 
     def _notify(self) -> None:
         self._changed.set()
@@ -180,23 +197,45 @@ class ServingEngine:
                 tg.start_soon(self._arrive, arrivals, start)
                 while len(self._results) < total:
                     now = self._clock()
-                    for request in self.scheduler.start_loads(now):
-                        tg.start_soon(self._load, request.session)
-                    self.cache.channel.publish_waiting(self.scheduler.waiting(self._lookahead))
+                    ready = None
                     if not self._busy:
                         ready = self.scheduler.pop_ready(now)
-                        if ready is not None:
-                            self._busy = True
-                            tg.start_soon(self._serve, ready, tg)
-                            continue
-                        # an on-demand scheduler starts its head's load once asked for work
-                        for request in self.scheduler.start_loads(now):
-                            tg.start_soon(self._load, request.session)
+                        if ready is None:
+                            # the model would idle: an on-demand scheduler starts its head's
+                            # load once asked for work; with layerwise, a load started now
+                            # runs as a turn that streams its history in
+                            ready = self._start_loads(now, tg, idle=True)
+                    self._start_loads(now, tg)
+                    self.cache.channel.publish_waiting(self.scheduler.waiting(self._lookahead))
+                    if ready is not None:
+                        self._busy = True
+                        tg.start_soon(self._serve, ready, tg)
+                        continue
                     await self._changed.wait()
                     self._changed = anyio.Event()
         finally:
             self.cache.set_protected(None)
         return self._results
+
+    def _start_loads(
+        self, now: float, tg: anyio.abc.TaskGroup, *, idle: bool = False
+    ) -> Request | None:
+        """Start the loads the scheduler asks for. With ``idle`` (nothing was ready to run)
+        and ``layerwise``, the first one is not prefetched: its load counts as landed and
+        its request, if the scheduler now hands it out, is returned to run at once (its turn
+        streams the history in while it computes)."""
+        ready = None
+        for request in self.scheduler.start_loads(now):
+            if idle and self.layerwise and ready is None:
+                # the turn reads the history itself, layer by layer: the scheduler may
+                # hand the request out (a failure then means recompute, as for a load)
+                self.scheduler.load_finished(request.session, now, ok=True)
+                ready = self.scheduler.pop_ready(now)
+                if ready is not None:
+                    self.streamed += 1
+                continue
+            tg.start_soon(self._load, request.session)
+        return ready
 
     async def _arrive(self, arrivals: Sequence[tuple[float, TurnRequest]], start: float) -> None:
         busy: dict[str, anyio.Event] = {}
