@@ -46,8 +46,8 @@ configuration answered exactly like recompute (greedy, float32), and the ratios 
 targets: Bidaw's mean latency <= 0.67x FCFS + LRU's and <= 1.3x all-in-memory's, and
 Bidaw + layer-wise's <= 0.5x FCFS + LRU's and <= 1.10x all-in-memory's (issue 17). This
 shared machine's noise moves a single round's latencies by tens of percent, so the
-configurations run in three interleaved rounds (``--repeat N``), FCFS + LRU, Bidaw and all
-in memory back to back at the start of each, and the table and ratios are medians (of each
+configurations run in three interleaved rounds (``--repeat N``), FCFS + LRU, Bidaw, Bidaw +
+layer-wise and all in memory back to back at the start of each, and the table and ratios are medians (of each
 column, and of each round's ratio; every round's ratio is printed, and how many rounds
 were within each target). docs/explanation/serving-benchmark.md explains the setup and how
 the result depends on it.
@@ -257,8 +257,8 @@ async def calibrate(
 
 
 RUN_FIRST = ("FCFS + LRU", "Bidaw", "Bidaw + layer-wise", "all in memory")
-"""Run back to back at the start of every round, Bidaw in the middle: the two target ratios
-compare runs a minute apart, not several (this machine's speed drifts over minutes)."""
+"""Run back to back at the start of every round, the two Bidaw rows in the middle: the target
+ratios compare runs a minute or two apart, not several (this machine's speed drifts over minutes)."""
 
 
 def run_order(chosen: list[Config]) -> list[Config]:

@@ -106,6 +106,12 @@ class LayerwiseLoad:
             return ok
 
     # -- for the caller's task ----------------------------------------------------------------
+    def when_done(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` on the event loop once the restore has ended (every byte in
+        and verified, or failed), even while the caller is still computing."""
+        assert self._task is not None
+        self._task.add_done_callback(lambda _: callback())
+
     async def finished(self) -> None:
         """Wait until every byte is in place and verified.
 

@@ -51,7 +51,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -991,6 +991,8 @@ class TransformersAdapter:
         top_k: int | None = None,
         top_p: float | None = None,
         generator: torch.Generator | None = None,
+        before_compute: Callable[[], Awaitable[None]] | None = None,
+        on_loaded: Callable[[], None] | None = None,
     ) -> ChatTurn:
         """Run one turn end to end: restore, prefill the query, decode, store.
 
@@ -1012,6 +1014,13 @@ class TransformersAdapter:
         :param top_p: sample among the likeliest tokens whose probabilities sum to this
             (``0 < top_p <= 1``; needs temperature)
         :param generator: the random source for sampling (a CPU ``torch.Generator``)
+        :param before_compute: awaited after the restore has started and before the model
+            runs: a serving loop's go-ahead, so that a turn can restore its history while
+            another turn computes (with ``layerwise``, the prefill may then start before
+            the whole history is in); the turn's ``restore_seconds`` count from its return
+        :param on_loaded: called once (on the event loop) when the history has been read
+            and verified, found missing or damaged, or was not needed: with ``layerwise``
+            that may be after the prefill began
         :raises HistoryMismatchError: if the stored history does not fit the model or the
             given history (nothing is generated or stored)
         :raises SessionNotFoundError: if the cache lost the session's history (its metadata
@@ -1028,26 +1037,31 @@ class TransformersAdapter:
         history_ids = _ids(history, "history") if history is not None else None
         expected = int(history_ids.numel()) if history_ids is not None else None
         model_cache: Any = None
-        began = time.perf_counter()
-        if session in cache:
-            try:
-                if self._streams(cache, session):
-                    return await self._streamed_turn(
-                        cache, session, query_ids, expected, max_new_tokens, eos_token_id, pick
+        turn = _Turn(before_compute, on_loaded)
+        try:
+            if session in cache:
+                try:
+                    if self._streams(cache, session):
+                        return await self._streamed_turn(
+                            cache, session, query_ids, expected, max_new_tokens, eos_token_id,
+                            pick, turn,
+                        )  # fmt: skip
+                    model_cache = await self.restore(
+                        cache,
+                        session,
+                        expected_tokens=expected,
+                        room=int(query_ids.numel()) + max_new_tokens,
                     )
-                model_cache = await self.restore(
-                    cache,
-                    session,
-                    expected_tokens=expected,
-                    room=int(query_ids.numel()) + max_new_tokens,
-                )
-            except SessionNotFoundError:  # lost or found damaged meanwhile
-                if history_ids is None:
-                    raise
-        elif session in cache.channel and history_ids is None:
-            # the cache knew this conversation but lost its KV: starting afresh would drop
-            # the context without a word
-            raise SessionNotFoundError(session)
+                except SessionNotFoundError:  # lost or found damaged meanwhile
+                    if history_ids is None:
+                        raise
+            elif session in cache.channel and history_ids is None:
+                # the cache knew this conversation but lost its KV: starting afresh would
+                # drop the context without a word
+                raise SessionNotFoundError(session)
+        finally:
+            turn.loaded()
+        began = await turn.go(time.perf_counter())
         if model_cache is not None:
             restored = int(model_cache.get_seq_length())
             prefill = query_ids
@@ -1139,13 +1153,13 @@ class TransformersAdapter:
         max_new_tokens: int,
         eos_token_id: int | None,
         pick: Callable[[torch.Tensor], int],
+        turn: _Turn,
     ) -> ChatTurn:
         """A turn whose history streams in layer by layer while its prefill runs.
 
         :raises SessionNotFoundError: the history is gone or was found damaged (nothing
             computed from it is returned or stored)
         """
-        began = time.perf_counter()
         meta = self.check_history(cache, session, expected_tokens=expected)
         room = int(query.numel()) + max_new_tokens
         self._check_positions(session, meta.tokens + room)
@@ -1157,6 +1171,8 @@ class TransformersAdapter:
                     session, f"it holds {load.tokens} tokens where its metadata said {meta.tokens}"
                 )
             model_cache = self._gated_cache(out, load, room)
+            load.when_done(turn.loaded)
+            began = await turn.go(time.perf_counter())
             restored_at = time.perf_counter()
             answer, tensors = await anyio.to_thread.run_sync(
                 self._compute_turn,
@@ -1261,6 +1277,30 @@ class TransformersAdapter:
         out = self.model(input_ids=ids.view(1, -1).to(self.device), **kwargs)
         logits: torch.Tensor = out.logits[0, -1]
         return logits
+
+
+class _Turn:
+    """A turn's hooks to its caller: the go-ahead to compute, and the history's arrival."""
+
+    def __init__(
+        self, go: Callable[[], Awaitable[None]] | None, loaded: Callable[[], None] | None
+    ) -> None:
+        self._go = go
+        self._loaded = loaded
+
+    def loaded(self) -> None:
+        """Report the history read (once)."""
+        loaded, self._loaded = self._loaded, None
+        if loaded is not None:
+            loaded()
+
+    async def go(self, now: float) -> float:
+        """Wait for the go-ahead (once); when the turn's restore is counted from."""
+        go, self._go = self._go, None
+        if go is None:
+            return now
+        await go()
+        return time.perf_counter()
 
 
 def _wait(load: LayerwiseLoad, group: int) -> None:

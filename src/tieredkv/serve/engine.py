@@ -172,7 +172,8 @@ class ServingEngine:
         self.ssd_loads = 0
         """Prefetches that moved a history up from a lower tier."""
         self.streamed = 0
-        """Turns started with a layer-wise restore instead of waiting for their load."""
+        """Turns the model started before their history was all in (layer-wise)."""
+        self._preloading: dict[str, anyio.Event] = {}  # session -> its turn's go-ahead
 
     def _notify(self) -> None:
         self._changed.set()
@@ -200,16 +201,18 @@ class ServingEngine:
                     ready = None
                     if not self._busy:
                         ready = self.scheduler.pop_ready(now)
-                        if ready is None:
-                            # the model would idle: an on-demand scheduler starts its head's
-                            # load once asked for work; with layerwise, a load started now
-                            # runs as a turn that streams its history in
-                            ready = self._start_loads(now, tg, idle=True)
+                    # (an on-demand scheduler starts its head's load once asked for work)
                     self._start_loads(now, tg)
+                    if ready is None and not self._busy and self._preloading:
+                        ready = self._stop_waiting(now)
                     self.cache.channel.publish_waiting(self.scheduler.waiting(self._lookahead))
                     if ready is not None:
                         self._busy = True
-                        tg.start_soon(self._serve, ready, tg)
+                        preloading = self._preloading.pop(ready.session, None)
+                        if preloading is not None:
+                            preloading.set()  # its history is (partly) in: compute now
+                        else:
+                            tg.start_soon(self._serve, ready, tg, None)
                         continue
                     await self._changed.wait()
                     self._changed = anyio.Event()
@@ -217,25 +220,34 @@ class ServingEngine:
             self.cache.set_protected(None)
         return self._results
 
-    def _start_loads(
-        self, now: float, tg: anyio.abc.TaskGroup, *, idle: bool = False
-    ) -> Request | None:
-        """Start the loads the scheduler asks for. With ``idle`` (nothing was ready to run)
-        and ``layerwise``, the first one is not prefetched: its load counts as landed and
-        its request, if the scheduler now hands it out, is returned to run at once (its turn
-        streams the history in while it computes)."""
-        ready = None
+    def _start_loads(self, now: float, tg: anyio.abc.TaskGroup) -> None:
+        """Start the loads the scheduler asks for: prefetches into host memory, or with
+        ``layerwise`` the requests' turns themselves, which stream their histories into the
+        model's cache and wait for the model (:meth:`_stop_waiting` and the run loop hand
+        them the model)."""
         for request in self.scheduler.start_loads(now):
-            if idle and self.layerwise and ready is None:
-                # the turn reads the history itself, layer by layer: the scheduler may
-                # hand the request out (a failure then means recompute, as for a load)
-                self.scheduler.load_finished(request.session, now, ok=True)
-                ready = self.scheduler.pop_ready(now)
-                if ready is not None:
-                    self.streamed += 1
+            if not self.layerwise:
+                tg.start_soon(self._load, request.session)
                 continue
-            tg.start_soon(self._load, request.session)
+            go = anyio.Event()
+            self._preloading[request.session] = go
+            tg.start_soon(self._serve, request, tg, go)
+
+    def _stop_waiting(self, now: float) -> Request | None:
+        """The model would idle while turns restore their histories: report the oldest
+        one's load landed, so the scheduler may hand it out and it computes on the layers
+        already in while the rest streams in."""
+        session = next(iter(self._preloading))
+        self.scheduler.load_finished(session, now, ok=True)
+        ready = self.scheduler.pop_ready(now)
+        if ready is not None and ready.session in self._preloading:
+            self.streamed += 1
         return ready
+
+    def _loaded(self, session: str) -> None:
+        """A turn's history is in (or gone: it recomputes): its load has landed."""
+        self.scheduler.load_finished(session, self._clock(), ok=True)
+        self._notify()
 
     async def _arrive(self, arrivals: Sequence[tuple[float, TurnRequest]], start: float) -> None:
         busy: dict[str, anyio.Event] = {}
@@ -279,15 +291,34 @@ class ServingEngine:
         self.scheduler.load_finished(session, self._clock(), ok=ok)
         self._notify()
 
-    async def _serve(self, request: Request, tg: anyio.abc.TaskGroup) -> None:
-        """Run one turn; an ended conversation's KV is dropped in ``tg``, after the turn."""
+    async def _serve(
+        self, request: Request, tg: anyio.abc.TaskGroup, go: anyio.Event | None
+    ) -> None:
+        """Run one turn; an ended conversation's KV is dropped in ``tg``, after the turn.
+
+        With ``go`` (layer-wise), the turn is started as its request's load: it restores
+        its history and waits for ``go`` (the model) before computing.
+        """
         turn, arrival, hit, done = self._pending.pop(request.id)
         began = self._clock()
+        started = go is None  # the model is this turn's (else once go is set)
         dropping = self._dropping.get(turn.session)
         if dropping is not None:  # a new conversation under an ended one's name
             await dropping.wait()
         history = self._history.setdefault(turn.session, [])
         self._running.add(turn.session)
+        hooks: dict[str, Any] = {}
+        if go is not None:
+
+            async def wait_for_model() -> None:
+                nonlocal began, started
+                await go.wait()
+                began, started = self._clock(), True
+
+            hooks = {
+                "before_compute": wait_for_model,
+                "on_loaded": lambda: self._loaded(turn.session),
+            }
         try:
             if self.recompute:
                 answer, restored, recomputed = await self._recompute(turn, history)
@@ -299,6 +330,7 @@ class ServingEngine:
                     list(turn.query),
                     max_new_tokens=turn.answer_tokens,
                     history=history,
+                    **hooks,
                 )
                 answer = tuple(result.answer)
                 restored, recomputed = result.restored_tokens, result.recomputed_tokens
@@ -335,7 +367,8 @@ class ServingEngine:
             )
         finally:
             self._running.discard(turn.session)
-            self._busy = False
+            if started:
+                self._busy = False
             done.set()
             self._notify()
 
