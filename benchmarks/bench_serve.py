@@ -47,10 +47,10 @@ targets: Bidaw's mean latency <= 0.67x FCFS + LRU's and <= 1.3x all-in-memory's,
 Bidaw + layer-wise's <= 0.5x FCFS + LRU's and <= 1.10x all-in-memory's (issue 17). This
 shared machine's noise moves a single round's latencies by tens of percent, so the
 configurations run in three interleaved rounds (``--repeat N``), FCFS + LRU, Bidaw, Bidaw +
-layer-wise and all in memory back to back at the start of each, and the table and ratios are medians (of each
-column, and of each round's ratio; every round's ratio is printed, and how many rounds
-were within each target). docs/explanation/serving-benchmark.md explains the setup and how
-the result depends on it.
+layer-wise and all in memory back to back at the start of each, and the table and ratios
+are medians (of each column, and of each round's ratio; every round's ratio is printed,
+and how many rounds were within each target). docs/explanation/serving-benchmark.md
+explains the setup and how the result depends on it.
 
     .venv/bin/python benchmarks/bench_serve.py              # about 25 minutes on 2 cores
     .venv/bin/python benchmarks/bench_serve.py --repeat 1   # one round, about 9 minutes
@@ -257,8 +257,9 @@ async def calibrate(
 
 
 RUN_FIRST = ("FCFS + LRU", "Bidaw", "Bidaw + layer-wise", "all in memory")
-"""Run back to back at the start of every round, the two Bidaw rows in the middle: the target
-ratios compare runs a minute or two apart, not several (this machine's speed drifts over minutes)."""
+"""Run back to back at the start of every round, the two Bidaw rows in the middle: the
+target ratios compare runs a minute or two apart, not several (this machine's speed drifts
+over minutes)."""
 
 
 def run_order(chosen: list[Config]) -> list[Config]:
