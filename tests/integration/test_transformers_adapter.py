@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 from transformers import (
@@ -644,4 +645,43 @@ async def test_a_damaged_streamed_history_is_recomputed_never_used(ssd_dir: Path
         path.write_bytes(bytes(data))
         with pytest.raises(SessionNotFoundError):  # no history to recompute from
             await adapter.chat_turn(cache, "s", q3, max_new_tokens=4)
+        assert problems(cache) == []
+
+
+@pytest.mark.parametrize("go_first", [True, False], ids=["go-then-read", "read-then-go"])
+async def test_serving_hooks_restore_before_the_go_ahead(ssd_dir: Path, go_first: bool) -> None:
+    model = llama()
+    adapter = TransformersAdapter(model, codec="kv", layerwise=True)
+    q1, q2 = queries(2)
+    async with TieredKVCache([SSDTier(ssd_dir, 16 << 20)]) as cache:
+        first = await adapter.chat_turn(cache, "s", q1, max_new_tokens=4)
+        history = q1 + list(first.answer)
+        go = anyio.Event()
+        seen: list[str] = []
+
+        async def before_compute() -> None:
+            seen.append("waiting")
+            await go.wait()
+            seen.append("go")
+
+        def on_loaded() -> None:
+            seen.append("loaded")
+            go.set()  # read-then-go: the model is handed over only once all is in
+
+        if go_first:
+            go.set()
+        turn = await adapter.chat_turn(
+            cache,
+            "s",
+            q2,
+            max_new_tokens=4,
+            history=history,
+            before_compute=before_compute,
+            on_loaded=on_loaded,
+        )
+        assert list(turn.answer) == recompute_greedy(model, history + q2, 4)
+        assert turn.restored_tokens == len(history)
+        assert seen.count("loaded") == 1
+        if not go_first:
+            assert seen == ["waiting", "loaded", "go"]
         assert problems(cache) == []

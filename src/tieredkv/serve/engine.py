@@ -122,12 +122,14 @@ class ServingEngine:
     :param clock: time source (``time.monotonic``)
     :param lookahead: how many waiting sessions to publish on the metadata channel (for
         queue-aware eviction)
-    :param layerwise: when the model would idle (nothing ready to run) and the scheduler
-        starts a load, run that request's turn at once with a layer-wise restore instead
-        of waiting for the load: its prefill starts once the first layer's history is in
-        and later layers stream in while earlier ones compute (CachedAttention's
-        layer-wise pre-loading). Loads started while the model is busy still prefetch the
-        whole history into host memory. Needs an adapter that streams (``adapter.layerwise``
+    :param layerwise: a load the scheduler starts is the request's turn itself: it
+        restores its history layer by layer into the model's cache (promoting it to host
+        memory on the way) while the model runs other turns, and computes once handed
+        the model; when the model would idle (nothing ready) while such a turn is still
+        reading, the engine counts its load as landed, so that the scheduler may hand it
+        out and it computes on the layers already in while the rest streams in
+        (CachedAttention's layer-wise pre-loading). Needs an adapter that streams and
+        takes ``before_compute``/``on_loaded`` in ``chat_turn`` (``adapter.layerwise``
         true, as ``TransformersAdapter(model, layerwise=True)``)
     """
 
