@@ -22,6 +22,7 @@ _EXPORTS = {
     "RedisTier": ".backends.redis",
     "SharedTier": ".backends.shared",
     "CacheStats": ".cache",
+    "LayerwiseLoad": ".cache",
     "TieredKVCache": ".cache",
     "CapacityError": ".errors",
     "ClosedError": ".errors",
@@ -33,6 +34,7 @@ _EXPORTS = {
     "TieredKVError": ".errors",
     "TierIOError": ".errors",
     "LeaseHeldError": ".errors",
+    "RestoreFailedError": ".errors",
     "StaleWriterError": ".errors",
     "UnknownPolicyError": ".errors",
     "Event": ".meta",
@@ -40,6 +42,7 @@ _EXPORTS = {
     "MetadataChannel": ".meta",
     "MetadataView": ".meta",
     "Eviction": ".policies.base",
+    "Foresight": ".policies.base",
     "LRU": ".policies.lru",
     "Demoted": ".meta",
     "Dropped": ".meta",
@@ -87,6 +90,7 @@ if TYPE_CHECKING:
     from .backends.shared import SharedTier as SharedTier
     from .backends.ssd import SSDTier as SSDTier
     from .cache import CacheStats as CacheStats
+    from .cache import LayerwiseLoad as LayerwiseLoad
     from .cache import TieredKVCache as TieredKVCache
     from .errors import CapacityError as CapacityError
     from .errors import ClosedError as ClosedError
@@ -94,6 +98,7 @@ if TYPE_CHECKING:
     from .errors import InvalidArgumentError as InvalidArgumentError
     from .errors import InvalidTypeError as InvalidTypeError
     from .errors import LeaseHeldError as LeaseHeldError
+    from .errors import RestoreFailedError as RestoreFailedError
     from .errors import SchemaMismatchError as SchemaMismatchError
     from .errors import SessionNotFoundError as SessionNotFoundError
     from .errors import StaleWriterError as StaleWriterError
@@ -113,6 +118,7 @@ if TYPE_CHECKING:
     from .meta import TierInfo as TierInfo
     from .meta import Transfer as Transfer
     from .policies.base import Eviction as Eviction
+    from .policies.base import Foresight as Foresight
     from .policies.bidaw_eviction import BidawEviction as BidawEviction
     from .policies.bidaw_scheduler import BidawScheduler as BidawScheduler
     from .policies.fcfs import FCFS as FCFS

@@ -26,10 +26,11 @@ The parts live in :mod:`tieredkv._cache`, one concern each.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -44,6 +45,7 @@ from ._cache.gather import (
     check_into,
     fresh,
 )
+from ._cache.layerwise import LayerwiseLoad, check_groups, reported, stream
 from ._cache.placement import (
     delete_or_orphan,
     promote,
@@ -62,13 +64,14 @@ from .errors import (
     CorruptSegmentError,
     InvalidArgumentError,
     InvalidTypeError,
+    RestoreFailedError,
     SessionNotFoundError,
 )
 from .meta import Dropped, KVMeta, MetadataChannel, TierInfo
 from .payload import check_int
 from .policies.base import Eviction
 
-__all__ = ["CacheStats", "TieredKVCache"]
+__all__ = ["CacheStats", "LayerwiseLoad", "RestoreFailedError", "TieredKVCache"]
 
 _log = logging.getLogger(__name__)
 
@@ -357,6 +360,79 @@ class TieredKVCache:
                 raise cancel
             commit_load(core, s, hit, began)
             return s.tokens()
+
+    # -- streamed (layer-wise) load -------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def load_layerwise(
+        self,
+        session: str,
+        out: Mapping[str, torch.Tensor],
+        groups: Sequence[Sequence[str]],
+    ) -> AsyncIterator[LayerwiseLoad]:
+        """Copy the session's history into ``out`` group by group, while the caller computes.
+
+        ``async with cache.load_layerwise(session, out, groups) as load:`` starts reading
+        and returns at once. ``groups`` splits the session's tensor names, in the order
+        they are stored (e.g. per layer: ``[["layers.0.k", "layers.0.v"], ["layers.1.k",
+        ...], ...]``); the groups land in order, and a worker thread running the model calls
+        ``load.wait(g)`` before it reads group ``g``'s positions of ``out`` (the first
+        ``load.tokens`` along the token dimension, as :meth:`load_into` fills them). From a
+        lower tier the history is read span by span from every segment (group 0's bytes
+        of all turns first), and promoted to tier 0 on the way when it fits there, as
+        :meth:`load` does, from the same reads.
+
+        Bytes may land before they are verified. ``await load.finished()`` returns once
+        every segment is verified: use nothing computed from ``out`` before it returns.
+        Leaving the block waits for the restore whatever happened inside it, and raises
+        what :meth:`load_into` would; it counts as a load (an access) only if the block
+        finished without an exception. Cancellation anywhere leaves the cache as a
+        cancelled :meth:`load_into` does: the history where it was, or wholly promoted.
+
+        :raises SessionNotFoundError: as for :meth:`load` (on entry, or from
+            ``finished()`` or the exit when the history is found damaged)
+        :raises ValueError: if ``out`` does not fit the history or ``groups`` does not
+            split its names (nothing is moved)
+        :raises TierIOError: reading failed (the history stays where it was)
+        """
+        self._check_open()
+        core = self._core
+        if self._sharing:
+            await discover(core, session, take=True)
+        s = core.sessions.get(session)
+        if s is None:
+            raise SessionNotFoundError(session)
+        async with core.hold(s):
+            if s.primary is None:
+                raise SessionNotFoundError(session)
+            assert s.schema is not None
+            parts = check_groups(s.schema, groups)
+            target = check_into(out)(s.schema, s.tokens())
+            began = core.clock()
+            hit = s.primary == 0
+            load = LayerwiseLoad(session, len(parts), s.tokens())
+            load._start(lambda: stream(core, s, target, parts, load))
+            try:
+                yield load
+            except BaseException as exc:
+                error, cancel = await settle(load._outcome)
+                if isinstance(exc, anyio.get_cancelled_exc_class()) or cancel is not None:
+                    core.stats.cancelled += 1
+                if isinstance(error, CorruptSegmentError):
+                    core.stats.misses += 1
+                if cancel is not None:
+                    raise cancel from None
+                if error is not None and isinstance(exc, RestoreFailedError):
+                    raise reported(session, error) from None
+                raise
+            error, cancel = await settle(load._outcome)
+            if isinstance(error, CorruptSegmentError):
+                core.stats.misses += 1
+            if cancel is not None:
+                core.stats.cancelled += 1
+                raise cancel
+            if error is not None:
+                raise reported(session, error) from None
+            commit_load(core, s, hit, began)
 
     # -- prefetch ------------------------------------------------------------------------
     async def prefetch(self, session: str) -> str | None:

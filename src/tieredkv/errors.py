@@ -17,6 +17,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidTypeError",
     "LeaseHeldError",
+    "RestoreFailedError",
     "SchemaMismatchError",
     "SessionNotFoundError",
     "StaleWriterError",
@@ -157,3 +158,13 @@ class LeaseHeldError(TieredKVError, RuntimeError):
             f"lease expires in {expires_in:.1f} s); wait for it, or take the conversation "
             f"over with acquire(session, force=True) if that replica is gone"
         )
+
+
+class RestoreFailedError(TieredKVError, RuntimeError):
+    """Raised by :meth:`tieredkv.cache.LayerwiseLoad.wait` when the streamed restore
+    failed: the bytes it waits for will never come. ``await load.finished()`` (or leaving
+    the ``async with``) raises what went wrong."""
+
+    def __init__(self, session: str) -> None:
+        super().__init__(f"the streamed restore of session {session[:80]!r} failed")
+        self.session = session

@@ -19,6 +19,7 @@ from tieredkv.policies.scheduling import Scheduler
 from tieredkv.serve import ServedTurn, ServingEngine, TurnRequest, summarize
 from tieredkv.serve.load import timed_requests
 from tieredkv.sim.synthetic import SyntheticWorkload
+from tieredkv.sim.systems import LookAheadFCFS
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,7 +41,9 @@ def adapter_factory() -> object:
         word_embed_proj_dim=64,
     )
     model = transformers.OPTForCausalLM(config).eval()
-    return lambda codec: TransformersAdapter(model, codec=codec)
+    return lambda codec, layerwise=False: TransformersAdapter(
+        model, codec=codec, layerwise=layerwise
+    )
 
 
 def requests() -> list[tuple[float, TurnRequest]]:
@@ -60,8 +63,10 @@ async def serve(
     host: int = 160 << 10,
     recompute: bool = False,
     mode: str = "exclusive",
+    layerwise: bool = False,
+    predictive: bool = False,
 ) -> tuple[list[ServedTurn], TieredKVCache]:
-    adapter = adapter_factory(codec)  # type: ignore[operator]
+    adapter = adapter_factory(codec, layerwise)  # type: ignore[operator]
     tiers: list[Tier] = [HostMemoryTier(host), SSDTier(ssd_dir, 64 << 20, fsync=False)]
     cache = TieredKVCache(
         tiers,
@@ -70,9 +75,23 @@ async def serve(
         mode=mode,  # type: ignore[arg-type]
     )
     async with cache:
-        engine = ServingEngine(adapter, cache, scheduler, recompute=recompute)
+        engine = ServingEngine(
+            adapter,
+            cache,
+            scheduler,
+            recompute=recompute,
+            layerwise=layerwise,
+            predictive=predictive,
+        )
         results = await engine.run(requests())
         assert cache.sessions() == []  # every conversation ended and was dropped
+        # only predictive prefetch brings sessions up unasked (this dense workload leaves
+        # it few idle moments: tests/unit/test_predictive_prefetch.py measures what it adds)
+        assert cache.stats().predicted == engine.predicted
+        if not predictive:
+            assert engine.predicted == 0
+        # a layer-wise engine started some turns on a streamed history instead of idling
+        assert (engine.streamed > 0) == layerwise
     return results, cache
 
 
@@ -95,6 +114,23 @@ async def test_every_configuration_answers_exactly_like_recompute(
         "bidaw": {"scheduler": BidawScheduler(max_loads=2), "eviction": "bidaw"},
         "bidaw+act": {"scheduler": BidawScheduler(), "eviction": "bidaw", "codec": "act"},
         "inclusive": {"scheduler": BidawScheduler(), "mode": "inclusive"},
+        "bidaw+layerwise": {"scheduler": BidawScheduler(), "eviction": "bidaw", "layerwise": True},
+        "bidaw+act+layerwise": {
+            "scheduler": BidawScheduler(),
+            "codec": "act",
+            "layerwise": True,
+            "mode": "inclusive",
+        },
+        "bidaw+predictive": {
+            "scheduler": BidawScheduler(),
+            "eviction": "bidaw",
+            "predictive": True,
+        },
+        "cachedattention": {
+            "scheduler": LookAheadFCFS(window=4),
+            "eviction": "queue-enhanced",
+            "layerwise": True,
+        },
     }
     for name, kwargs in configs.items():
         results, cache = await serve(adapter_factory, tmp_path / name, **kwargs)  # type: ignore[arg-type]
@@ -210,3 +246,15 @@ async def test_a_name_reused_after_its_conversation_ended_starts_afresh(
     assert two.recomputed_tokens == 0
     expected = greedy_generate(adapter.model, torch.tensor(again.query), 3)
     assert two.answer == expected
+
+
+async def test_layerwise_needs_an_adapter_that_streams(
+    adapter_factory: object, tmp_path: Path
+) -> None:
+    async with TieredKVCache([HostMemoryTier(1 << 20)]) as cache:
+        with pytest.raises(TypeError, match="layerwise"):
+            ServingEngine(adapter_factory("kv"), cache, FCFS(), layerwise=True)  # type: ignore[operator]
+        streaming = adapter_factory("kv", True)  # type: ignore[operator]
+        with pytest.raises(TypeError, match="layerwise"):
+            ServingEngine(streaming, cache, FCFS(), layerwise=True, recompute=True)
+        assert ServingEngine(streaming, cache, FCFS(), layerwise=True).layerwise

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 from transformers import (
@@ -30,7 +31,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from tests.invariants import problems
 from tieredkv import HostMemoryTier, SessionNotFoundError, SSDTier, TieredKVCache
+from tieredkv.backends.ssd import segment_file_name
 from tieredkv.integrations import architectures
 from tieredkv.integrations.architectures import (
     _ARCHITECTURES,
@@ -563,3 +566,122 @@ async def test_chat_on_cuda_restores_through_device_tensors(cache: TieredKVCache
     restored = await adapter.restore(cache, "s", expected_tokens=len(history))
     assert layer_kv(restored)[0][0].device.type == "cuda"
     assert_same_kv(restored, full_cache(model, history), atol=1e-4, rtol=1e-3)
+
+
+def mistral_sliding() -> Any:
+    torch.manual_seed(0)
+    cfg = tiny(MistralConfig, num_key_value_heads=2, intermediate_size=128, sliding_window=4)
+    model: Any = MistralForCausalLM(cfg)
+    return model.eval()
+
+
+def count_streams(cache: TieredKVCache) -> list[str]:
+    """Record the sessions ``cache.load_layerwise`` is called for (it still runs)."""
+    calls: list[str] = []
+    real = cache.load_layerwise
+
+    def spy(session: str, *args: Any) -> Any:
+        calls.append(session)
+        return real(session, *args)
+
+    cache.load_layerwise = spy  # type: ignore[method-assign,assignment]
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("arch", "codec"),
+    [("llama-mha", "kv"), ("llama-gqa", "kv"), ("qwen2", "act"), ("opt", "act"), ("mistral", "kv")],
+)
+async def test_layerwise_restore_answers_like_recompute(
+    arch: str, codec: str, ssd_dir: Path
+) -> None:
+    model = mistral_sliding() if arch == "mistral" else MODELS[arch]()
+    adapter = TransformersAdapter(model, codec=codec, layerwise=True)  # type: ignore[arg-type]
+    segment = plan_segment("x", 0, adapter_layout(adapter, 9), token_dim=0, answer_tokens=4)
+    host = HostMemoryTier(segment.length * 5 // 2 // 4096 * 4096)
+    histories: dict[str, list[int]] = {"alice": [], "bob": []}
+    async with TieredKVCache([host, SSDTier(ssd_dir, 16 << 20)]) as cache:
+        streamed = count_streams(cache)
+        for qs in zip(*(queries(4, seed=s) for s in (1, 2)), strict=True):
+            for (user, history), query in zip(histories.items(), qs, strict=True):
+                from_ssd = cache.where(user) == "ssd"
+                result = await adapter.chat_turn(
+                    cache, user, query, max_new_tokens=4, history=history
+                )
+                assert list(result.answer) == recompute_greedy(model, history + query, 4)
+                assert result.restored_tokens == len(history)
+                assert result.recomputed_tokens == 0
+                if from_ssd:
+                    assert streamed[-1] == user
+                history += query + list(result.answer)
+                assert cache.channel[user].tokens == len(history)
+        assert len(streamed) >= 3
+        assert cache.stats().promotions > 0  # streamed into host memory on the way
+        assert problems(cache) == []
+
+
+async def test_a_damaged_streamed_history_is_recomputed_never_used(ssd_dir: Path) -> None:
+    model = llama()
+    adapter = TransformersAdapter(model, codec="kv", layerwise=True)
+    q1, q2, q3 = queries(3)
+    async with TieredKVCache([SSDTier(ssd_dir, 16 << 20)]) as cache:
+        first = await adapter.chat_turn(cache, "s", q1, max_new_tokens=4)
+        history = q1 + list(first.answer)
+        path = ssd_dir / "segments" / segment_file_name(("s", 0))
+        data = bytearray(path.read_bytes())
+        data[-5000] ^= 0x10  # the last layer's bytes: found only when all has landed
+        path.write_bytes(bytes(data))
+        streamed = count_streams(cache)
+        second = await adapter.chat_turn(cache, "s", q2, max_new_tokens=4, history=history)
+        assert streamed == ["s"]
+        assert second.restored_tokens == 0
+        assert second.recomputed_tokens == len(history)
+        assert list(second.answer) == recompute_greedy(model, history + q2, 4)
+        assert cache.stats().corrupt == 1
+        history += q2 + list(second.answer)
+        path = ssd_dir / "segments" / segment_file_name(("s", 0))
+        data = bytearray(path.read_bytes())
+        data[100] ^= 0x10
+        path.write_bytes(bytes(data))
+        with pytest.raises(SessionNotFoundError):  # no history to recompute from
+            await adapter.chat_turn(cache, "s", q3, max_new_tokens=4)
+        assert problems(cache) == []
+
+
+@pytest.mark.parametrize("go_first", [True, False], ids=["go-then-read", "read-then-go"])
+async def test_serving_hooks_restore_before_the_go_ahead(ssd_dir: Path, go_first: bool) -> None:
+    model = llama()
+    adapter = TransformersAdapter(model, codec="kv", layerwise=True)
+    q1, q2 = queries(2)
+    async with TieredKVCache([SSDTier(ssd_dir, 16 << 20)]) as cache:
+        first = await adapter.chat_turn(cache, "s", q1, max_new_tokens=4)
+        history = q1 + list(first.answer)
+        go = anyio.Event()
+        seen: list[str] = []
+
+        async def before_compute() -> None:
+            seen.append("waiting")
+            await go.wait()
+            seen.append("go")
+
+        def on_loaded() -> None:
+            seen.append("loaded")
+            go.set()  # read-then-go: the model is handed over only once all is in
+
+        if go_first:
+            go.set()
+        turn = await adapter.chat_turn(
+            cache,
+            "s",
+            q2,
+            max_new_tokens=4,
+            history=history,
+            before_compute=before_compute,
+            on_loaded=on_loaded,
+        )
+        assert list(turn.answer) == recompute_greedy(model, history + q2, 4)
+        assert turn.restored_tokens == len(history)
+        assert seen.count("loaded") == 1
+        if not go_first:
+            assert seen == ["waiting", "loaded", "go"]
+        assert problems(cache) == []

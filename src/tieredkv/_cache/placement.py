@@ -36,12 +36,15 @@ __all__ = [
     "demote",
     "drop_damaged",
     "evict_copy",
+    "finish_promotion",
     "forget_copy",
     "promote",
     "purge_orphans",
     "remove_all",
     "remove_copy",
     "reserve",
+    "reserve_all",
+    "start_promotion",
 ]
 
 _log = logging.getLogger("tieredkv.cache")
@@ -225,7 +228,7 @@ async def demote(core: Core, s: Session, t: int, *, may_lose: bool = True) -> No
     missing = [k for k in s.segment_keys() if k[1] not in s.held[u]]
     core.set_transfer(s, core.transfer("demote", s, t, u))
     try:
-        moved = await _reserve_all(core, s, u, missing)
+        moved = await reserve_all(core, s, u, missing)
         if moved:
             await _copy_into(core, s, t, u, missing)
     finally:
@@ -254,7 +257,7 @@ def _after_demote(core: Core, s: Session, t: int, u: int, total: int) -> None:
     )
 
 
-async def _reserve_all(core: Core, s: Session, dst: int, keys: list[SegmentKey]) -> bool:
+async def reserve_all(core: Core, s: Session, dst: int, keys: list[SegmentKey]) -> bool:
     """Reserve room for ``keys`` of ``s`` in ``dst``: all of them (``True``), or none."""
     lengths = {seg.header.seq: seg.length for seg in s.segs}
     reserved: list[SegmentKey] = []
@@ -356,15 +359,10 @@ async def promote(core: Core, s: Session) -> bool:
     if src == 0 or total > core.tiers[0].capacity:
         return False
     began = core.clock()
-    missing = [k for k in s.segment_keys() if k[1] not in s.held[0]]
-    core.set_transfer(s, core.transfer("promote", s, src, 0))
+    missing = await start_promotion(core, s, src)
+    if missing is None:
+        return False  # room could not be made: serve from where it is
     try:
-        try:
-            if not await _reserve_all(core, s, 0, missing):
-                return False
-        except TierIOError:
-            core.stats.errors += 1
-            return False  # room could not be made: serve from where it is
         try:
             await _copy_into(core, s, src, 0, missing)
         except TierIOError:
@@ -372,6 +370,33 @@ async def promote(core: Core, s: Session) -> bool:
             raise
     finally:
         core.set_transfer(s, None)
+    await finish_promotion(core, s, src, began)
+    return True
+
+
+async def start_promotion(core: Core, s: Session, src: int) -> list[SegmentKey] | None:
+    """Mark ``s`` as moving up from tier ``src`` and reserve tier-0 room for the segments
+    it lacks there; their keys, or ``None`` (unmarked, nothing reserved) if room cannot be
+    made, even because of an I/O error elsewhere. The caller fills the reservations, then
+    clears the mark (``core.set_transfer(s, None)``) and calls :func:`finish_promotion`."""
+    missing = [k for k in s.segment_keys() if k[1] not in s.held[0]]
+    core.set_transfer(s, core.transfer("promote", s, src, 0))
+    try:
+        if await reserve_all(core, s, 0, missing):
+            return missing
+    except TierIOError:
+        core.stats.errors += 1
+    except BaseException:
+        core.set_transfer(s, None)
+        raise
+    core.set_transfer(s, None)
+    return None
+
+
+async def finish_promotion(core: Core, s: Session, src: int, began: float) -> None:
+    """Tier 0 now holds all of ``s`` (read from tier ``src`` since ``began``): make it
+    primary there, count it, tell the policy and the channel, and (exclusive mode) delete
+    the copy it came from."""
     s.primary = 0
     core.stats.promotions += 1
     now = core.clock()
@@ -381,7 +406,7 @@ async def promote(core: Core, s: Session) -> bool:
         Promoted(
             session=s.key,
             time=now,
-            nbytes=total,
+            nbytes=s.nbytes(),
             src=core.tiers[src].name,
             dst=core.tiers[0].name,
             seconds=now - began,
@@ -390,4 +415,3 @@ async def promote(core: Core, s: Session) -> bool:
     if core.mode == "exclusive":
         await remove_copy(core, s, src)
         core.publish(s, core.clock())
-    return True

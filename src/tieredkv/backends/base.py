@@ -36,6 +36,7 @@ __all__ = [
     "BatchReadTier",
     "DefragmentingTier",
     "FilledWriteTier",
+    "RangedReadTier",
     "ReadCountingTier",
     "SegmentKey",
     "StreamingReadTier",
@@ -253,4 +254,34 @@ class ReadCountingTier(AddressableTier, Protocol):
 
     def note_read(self, nbytes: int) -> None:
         """Count one read of ``nbytes`` done through a view."""
+        ...
+
+
+@runtime_checkable
+class RangedReadTier(Tier, Protocol):
+    """A tier that reads segments span by span, saying when each span of all of them is in.
+
+    A streamed (layer-wise) restore reads the bytes of the first layers of every segment of
+    a history first, so a model can start on them while later layers are still read
+    (:meth:`tieredkv.TieredKVCache.load_layerwise`).
+    """
+
+    async def read_spans_into(
+        self,
+        items: Sequence[tuple[SegmentKey, memoryview]],
+        ends: Sequence[Sequence[int]],
+        landed: Callable[[int], None],
+    ) -> None:
+        """Read each ``(key, out)`` in consecutive spans: span ``g`` of segment ``i`` is
+        ``[ends[i][g - 1], ends[i][g])`` (span 0 from 0; ``ends[i][-1]`` is the segment's
+        length; every segment has the same number of spans).
+
+        Spans are read in order of ``g`` (all segments' span 0, then span 1, ...), several
+        reads in flight; ``landed(g)`` is called (from a worker thread) once spans ``0 ..
+        g`` of every segment are in ``out``, before the bytes are verified. Every segment is
+        verified as a whole (as :meth:`Tier.read_into` does) before this returns; a damaged
+        one is taken out of service and raised as
+        :class:`~tieredkv.errors.CorruptSegmentError`, after which ``landed`` is not called
+        again. Every read has finished when this returns or raises.
+        """
         ...

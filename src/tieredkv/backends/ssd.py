@@ -76,6 +76,7 @@ import errno
 import fcntl
 import hashlib
 import hmac
+import itertools
 import logging
 import mmap
 import os
@@ -1210,6 +1211,64 @@ class SSDTier(Tier):
             reads=self._counters["reads"],
             writes=self._counters["writes"],
             corrupt=self._counters["corrupt"],
+        )
+
+    # -- span reads (layer-wise restores) --------------------------------------------------
+    async def read_spans_into(
+        self,
+        items: Sequence[tuple[SegmentKey, memoryview]],
+        ends: Sequence[Sequence[int]],
+        landed: Callable[[int], None],
+    ) -> None:
+        """Read several committed segments span by span, in span order, verified.
+
+        See :class:`~tieredkv.backends.base.RangedReadTier`. Span boundaries must be
+        multiples of 4096 bytes and, with O_DIRECT, ``out`` 4096-aligned (as tier-0 slots
+        and staging buffers are). This is :meth:`read_spans` reading straight into ``out``,
+        every segment's span 0 first, then every segment's span 1, and so on: up to four
+        reads in flight, each segment's checksum and MAC computed as its spans land.
+        """
+        groups = len(ends[0]) if ends else 0
+        spans: list[list[tuple[int, int]]] = []
+        group_of: list[list[int]] = []  # each span's group
+        for (_, out), cuts in zip(items, ends, strict=True):
+            if len(cuts) != groups or not cuts or cuts[-1] != len(out):
+                raise ValueError(
+                    "every segment needs the same number of spans, ending at its length"
+                )
+            if any(b < a for a, b in itertools.pairwise([0, *cuts])) or any(
+                c % ALIGN for c in cuts
+            ):
+                raise ValueError(f"span ends must be non-decreasing multiples of {ALIGN}")
+            seg_spans: list[tuple[int, int]] = []
+            seg_groups: list[int] = []
+            start = 0
+            for g, end in enumerate(cuts):
+                if end > start:  # an empty span has nothing to read
+                    seg_spans.append((start, end))
+                    seg_groups.append(g)
+                start = end
+            spans.append(seg_spans)
+            group_of.append(seg_groups)
+        pending = [0] * groups  # spans of each group not delivered yet
+        for seg_groups in group_of:
+            for g in seg_groups:
+                pending[g] += 1
+        done = 0  # groups reported landed
+
+        def deliver(item: int, k: int, view: memoryview) -> None:
+            nonlocal done
+            pending[group_of[item][k]] -= 1
+            while done < groups and not pending[done]:
+                landed(done)
+                done += 1
+
+        order = sorted((g, i, k) for i, gs in enumerate(group_of) for k, g in enumerate(gs))
+        await self.read_spans(
+            [(key, seg_spans) for (key, _), seg_spans in zip(items, spans, strict=True)],
+            deliver,
+            into=[out for _, out in items],
+            order=[(i, k) for _, i, k in order],
         )
 
 

@@ -20,7 +20,7 @@ Imported only where transformers is installed (the ``transformers`` extra).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -53,6 +53,7 @@ class InPlaceLayer(DynamicLayer):  # type: ignore[no-untyped-call]
         if (keys is None) != (values is None):
             raise ValueError("give both the key and the value buffer, or neither")
         self._first_capacity = capacity  # what the first allocation reserves at least
+        self._gate: Callable[[], None] | None = None
         self._k: torch.Tensor | None = keys
         self._v: torch.Tensor | None = values
         self._length = 0
@@ -84,6 +85,18 @@ class InPlaceLayer(DynamicLayer):  # type: ignore[no-untyped-call]
         self.keys = self._k[..., : self._length, :]
         self.values = self._v[..., : self._length, :]
 
+    def hold_until(self, ready: Callable[[], None] | None) -> None:
+        """Call ``ready()`` (once) before the next update touches the buffers.
+
+        A streamed restore gives each layer a ``ready`` that blocks until the layer's
+        history is in its buffers (:meth:`TieredKVCache.load_layerwise
+        <tieredkv.TieredKVCache.load_layerwise>`), so the model computes the layers whose
+        history has landed while later ones are still read. The model's own code reads a
+        layer's history only through :meth:`update`, and every length it asks
+        (:meth:`get_seq_length`, mask sizes) is known before any byte lands.
+        """
+        self._gate = ready
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self.is_initialized = True
@@ -109,6 +122,10 @@ class InPlaceLayer(DynamicLayer):  # type: ignore[no-untyped-call]
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new positions after the filled ones; return views of all filled."""
+        gate = self._gate
+        if gate is not None:
+            gate()
+            self._gate = None
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._reserve(key_states, value_states)
@@ -128,6 +145,7 @@ class InPlaceLayer(DynamicLayer):  # type: ignore[no-untyped-call]
     def reset(self) -> None:
         """Forget the contents (keeps nothing allocated)."""
         self._k = self._v = None
+        self._gate = None
         self._length = 0
         super().reset()
 

@@ -45,12 +45,13 @@ Real models load as usual (weights are not part of tieredkv)::
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -59,6 +60,7 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
+from ..backends.base import AddressableTier
 from ..codecs import ActivationCodec, Codec, KVCodec, ModelSpec, TurnTensors
 from ..errors import SessionNotFoundError, TieredKVError
 from ..meta import KVMeta
@@ -67,7 +69,7 @@ from .architectures import Architecture, get_architecture
 if TYPE_CHECKING:
     from transformers import DynamicCache
 
-    from ..cache import TieredKVCache
+    from ..cache import LayerwiseLoad, TieredKVCache
     from .inplace import InPlaceLayer
 
 __all__ = [
@@ -620,6 +622,12 @@ class TransformersAdapter:
     :param recycle_bytes: host buffers (K/V of finished turns on a CPU model) kept for the
         next turns' restores, at most; 0 to allocate afresh every turn (see
         :class:`~tieredkv.integrations.inplace.BufferPool`)
+    :param layerwise: in :meth:`chat_turn`, restore a history that is not in the cache's
+        performance tier layer by layer (:meth:`TieredKVCache.load_layerwise
+        <tieredkv.TieredKVCache.load_layerwise>`): the prefill starts once layer 0's
+        history is in, and each later layer waits only for its own (with the activation
+        codec, each layer's stored activation is re-projected as it arrives). Answers are
+        the same; nothing is returned or stored before every byte is verified
     :raises UnsupportedModelError: for a model whose cache is not per-layer K/V (the message
         names the model type and why), or ``codec="act"`` where it is not exact
     :raises ArchitectureMismatchError: if the registered architecture of the model's type
@@ -634,6 +642,7 @@ class TransformersAdapter:
         codec: Literal["auto", "kv", "act"] | Codec = "auto",
         tag: str | None = None,
         recycle_bytes: int = 512 << 20,
+        layerwise: bool = False,
     ) -> None:
         _require_transformers()
         if not (codec in ("auto", "kv", "act") or isinstance(codec, Codec)):
@@ -716,6 +725,8 @@ class TransformersAdapter:
         from .inplace import BufferPool
 
         self._pool: BufferPool | None = BufferPool(recycle_bytes) if recycle_bytes else None
+        self.layerwise = layerwise
+        """Whether :meth:`chat_turn` streams histories from lower tiers layer by layer."""
 
     # -- facts -----------------------------------------------------------------------------
     @property
@@ -980,6 +991,8 @@ class TransformersAdapter:
         top_k: int | None = None,
         top_p: float | None = None,
         generator: torch.Generator | None = None,
+        before_compute: Callable[[], Awaitable[None]] | None = None,
+        on_loaded: Callable[[], None] | None = None,
     ) -> ChatTurn:
         """Run one turn end to end: restore, prefill the query, decode, store.
 
@@ -1001,6 +1014,13 @@ class TransformersAdapter:
         :param top_p: sample among the likeliest tokens whose probabilities sum to this
             (``0 < top_p <= 1``; needs temperature)
         :param generator: the random source for sampling (a CPU ``torch.Generator``)
+        :param before_compute: awaited after the restore has started and before the model
+            runs: a serving loop's go-ahead, so that a turn can restore its history while
+            another turn computes (with ``layerwise``, the prefill may then start before
+            the whole history is in); the turn's ``restore_seconds`` count from its return
+        :param on_loaded: called once (on the event loop) when the history has been read
+            and verified, found missing or damaged, or was not needed: with ``layerwise``
+            that may be after the prefill began
         :raises HistoryMismatchError: if the stored history does not fit the model or the
             given history (nothing is generated or stored)
         :raises SessionNotFoundError: if the cache lost the session's history (its metadata
@@ -1017,22 +1037,31 @@ class TransformersAdapter:
         history_ids = _ids(history, "history") if history is not None else None
         expected = int(history_ids.numel()) if history_ids is not None else None
         model_cache: Any = None
-        began = time.perf_counter()
-        if session in cache:
-            try:
-                model_cache = await self.restore(
-                    cache,
-                    session,
-                    expected_tokens=expected,
-                    room=int(query_ids.numel()) + max_new_tokens,
-                )
-            except SessionNotFoundError:  # lost or found damaged meanwhile
-                if history_ids is None:
-                    raise
-        elif session in cache.channel and history_ids is None:
-            # the cache knew this conversation but lost its KV: starting afresh would drop
-            # the context without a word
-            raise SessionNotFoundError(session)
+        turn = _Turn(before_compute, on_loaded)
+        try:
+            if session in cache:
+                try:
+                    if self._streams(cache, session):
+                        return await self._streamed_turn(
+                            cache, session, query_ids, expected, max_new_tokens, eos_token_id,
+                            pick, turn,
+                        )  # fmt: skip
+                    model_cache = await self.restore(
+                        cache,
+                        session,
+                        expected_tokens=expected,
+                        room=int(query_ids.numel()) + max_new_tokens,
+                    )
+                except SessionNotFoundError:  # lost or found damaged meanwhile
+                    if history_ids is None:
+                        raise
+            elif session in cache.channel and history_ids is None:
+                # the cache knew this conversation but lost its KV: starting afresh would
+                # drop the context without a word
+                raise SessionNotFoundError(session)
+        finally:
+            turn.loaded()
+        began = await turn.go(time.perf_counter())
         if model_cache is not None:
             restored = int(model_cache.get_seq_length())
             prefill = query_ids
@@ -1046,7 +1075,34 @@ class TransformersAdapter:
         answer, tensors = await anyio.to_thread.run_sync(
             self._compute_turn, model_cache, prefill, restored, max_new_tokens, eos_token_id, pick
         )
-        computed_at = time.perf_counter()
+        return await self._store_turn(
+            cache,
+            session,
+            model_cache,
+            answer,
+            tensors,
+            restored=restored,
+            recomputed=recomputed,
+            stored=int(prefill.numel()) + len(answer),
+            times=(began, restored_at, time.perf_counter()),
+        )
+
+    async def _store_turn(
+        self,
+        cache: TieredKVCache,
+        session: str,
+        model_cache: Any,
+        answer: list[int],
+        tensors: dict[str, torch.Tensor],
+        *,
+        restored: int,
+        recomputed: int,
+        stored: int,
+        times: tuple[float, float, float],
+    ) -> ChatTurn:
+        """Append the turn's segment, recycle its buffers, report it. ``times``: when the
+        turn began, its compute began, and its compute ended (``time.perf_counter``)."""
+        began, restored_at, computed_at = times
         meta = await cache.append(
             session,
             tensors,
@@ -1060,7 +1116,7 @@ class TransformersAdapter:
             answer=tuple(answer),
             restored_tokens=restored,
             recomputed_tokens=recomputed,
-            stored_tokens=int(prefill.numel()) + len(answer),
+            stored_tokens=stored,
             history_tokens=meta.tokens,
             codec=self.codec_id,
             meta=meta,
@@ -1068,6 +1124,121 @@ class TransformersAdapter:
             compute_seconds=computed_at - restored_at,
             store_seconds=time.perf_counter() - computed_at,
         )
+
+    # -- layer-wise restore ----------------------------------------------------------------
+    def _streams(self, cache: TieredKVCache, session: str) -> bool:
+        """Whether :meth:`chat_turn` streams this session's history in layer by layer: asked
+        for, a codec that decodes per layer, and a history in a tier that must be read
+        (not in memory the model can copy from at once)."""
+        if not self.layerwise or not isinstance(self.codec, KVCodec | ActivationCodec):
+            return False
+        if isinstance(self.codec, ActivationCodec) and self._access is None:
+            return False
+        where = cache.where(session)
+        tier = next((t for t in cache.tiers if t.name == where), None)
+        return tier is not None and not isinstance(tier, AddressableTier)
+
+    def _layer_groups(self) -> list[list[str]]:
+        """The stored names, one group per layer, in the order the codec stores them."""
+        names = list(self.codec.layout(self.spec))
+        per = len(names) // self.spec.layers
+        return [names[i * per : (i + 1) * per] for i in range(self.spec.layers)]
+
+    async def _streamed_turn(
+        self,
+        cache: TieredKVCache,
+        session: str,
+        query: torch.Tensor,
+        expected: int | None,
+        max_new_tokens: int,
+        eos_token_id: int | None,
+        pick: Callable[[torch.Tensor], int],
+        turn: _Turn,
+    ) -> ChatTurn:
+        """A turn whose history streams in layer by layer while its prefill runs.
+
+        :raises SessionNotFoundError: the history is gone or was found damaged (nothing
+            computed from it is returned or stored)
+        """
+        meta = self.check_history(cache, session, expected_tokens=expected)
+        room = int(query.numel()) + max_new_tokens
+        self._check_positions(session, meta.tokens + room)
+        in_place = isinstance(self.codec, KVCodec)
+        out = self._allocate(meta.tokens + (room if in_place else 0))
+        async with cache.load_layerwise(session, out, self._layer_groups()) as load:
+            if load.tokens != meta.tokens:
+                raise HistoryMismatchError(
+                    session, f"it holds {load.tokens} tokens where its metadata said {meta.tokens}"
+                )
+            model_cache = self._gated_cache(out, load, room)
+            load.when_done(turn.loaded)
+            began = await turn.go(time.perf_counter())
+            restored_at = time.perf_counter()
+            answer, tensors = await anyio.to_thread.run_sync(
+                self._compute_turn,
+                model_cache,
+                query,
+                load.tokens,
+                max_new_tokens,
+                eos_token_id,
+                pick,
+            )
+            await load.finished()  # every byte verified: the answer stands
+        computed_at = time.perf_counter()
+        if not in_place and self._pool is not None:
+            self._pool.give(out.values())  # re-projected into the layers' own buffers
+        return await self._store_turn(
+            cache,
+            session,
+            model_cache,
+            answer,
+            tensors,
+            restored=load.tokens,
+            recomputed=0,
+            stored=int(query.numel()) + len(answer),
+            times=(began, restored_at, computed_at),
+        )
+
+    def _gated_cache(
+        self, out: dict[str, torch.Tensor], load: LayerwiseLoad, room: int
+    ) -> DynamicCache:
+        """A model cache over ``out`` whose layer ``i`` waits for group ``i`` of ``load``
+        (and, with the activation codec, re-projects it into its own buffers first)."""
+        from .inplace import in_place_cache
+
+        tokens = load.tokens
+        layers: list[InPlaceLayer] = []
+        if isinstance(self.codec, KVCodec):
+            for i, window in enumerate(self._windows):
+                k, v = out[f"layers.{i}.k"], out[f"layers.{i}.v"]
+                layer = _in_place_layer(window, keys=k[None], values=v[None], length=tokens)
+                layer.hold_until(functools.partial(_wait, load, i))
+                layers.append(layer)
+            return in_place_cache(self.model.config, layers)
+        access = self._access
+        assert access is not None
+        spec = self.spec
+        dtype = getattr(torch, spec.dtype)
+        positions = torch.arange(tokens, device=self.device)
+        for i, window in enumerate(self._windows):
+            shape = (spec.kv_heads, tokens + room, spec.head_dim)
+            kb = self._empty(shape, 1, dtype, self.device)
+            vb = self._empty(shape, 1, dtype, self.device)
+            act = out[f"layers.{i}.act"].narrow(0, 0, tokens)
+
+            def project(
+                i: int = i, kb: torch.Tensor = kb, vb: torch.Tensor = vb, act: torch.Tensor = act
+            ) -> None:
+                _wait(load, i)
+                with torch.no_grad():
+                    k, v = access.project_kv(i, act, positions)
+                kb[:, :tokens].copy_(k)
+                vb[:, :tokens].copy_(v)
+
+            layer = _in_place_layer(window, keys=kb[None], values=vb[None], length=tokens)
+            layer.hold_until(project)
+            layers.append(layer)
+        return in_place_cache(self.model.config, layers)
 
     def _compute_turn(
         self,
@@ -1106,6 +1277,35 @@ class TransformersAdapter:
         out = self.model(input_ids=ids.view(1, -1).to(self.device), **kwargs)
         logits: torch.Tensor = out.logits[0, -1]
         return logits
+
+
+class _Turn:
+    """A turn's hooks to its caller: the go-ahead to compute, and the history's arrival."""
+
+    def __init__(
+        self, go: Callable[[], Awaitable[None]] | None, loaded: Callable[[], None] | None
+    ) -> None:
+        self._go = go
+        self._loaded = loaded
+
+    def loaded(self) -> None:
+        """Report the history read (once)."""
+        loaded, self._loaded = self._loaded, None
+        if loaded is not None:
+            loaded()
+
+    async def go(self, now: float) -> float:
+        """Wait for the go-ahead (once); when the turn's restore is counted from."""
+        go, self._go = self._go, None
+        if go is None:
+            return now
+        await go()
+        return time.perf_counter()
+
+
+def _wait(load: LayerwiseLoad, group: int) -> None:
+    """Block the model's thread until ``group`` of a streamed restore is in place."""
+    load.wait(group)
 
 
 def _sampler(

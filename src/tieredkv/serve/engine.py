@@ -122,6 +122,20 @@ class ServingEngine:
     :param clock: time source (``time.monotonic``)
     :param lookahead: how many waiting sessions to publish on the metadata channel (for
         queue-aware eviction)
+    :param layerwise: a load the scheduler starts is the request's turn itself: it
+        restores its history layer by layer into the model's cache (promoting it to host
+        memory on the way) while the model runs other turns, and computes once handed
+        the model; when the model would idle (nothing ready) while such a turn is still
+        reading, the engine counts its load as landed, so that the scheduler may hand it
+        out and it computes on the layers already in while the rest streams in
+        (CachedAttention's layer-wise pre-loading). Needs an adapter that streams and
+        takes ``before_compute``/``on_loaded`` in ``chat_turn`` (``adapter.layerwise``
+        true, as ``TransformersAdapter(model, layerwise=True)``)
+    :param predictive: (beyond the paper) while no request waits and no load is under way,
+        let the cache bring up the sessions its eviction policy expects back soon
+        (:meth:`TieredKVCache.prefetch_predicted`; a no-op unless tier 0's policy
+        implements :class:`~tieredkv.policies.base.Foresight`, as Bidaw's does). Tried
+        again only after a request arrives or a turn ends, if it found nothing to do
     """
 
     def __init__(
@@ -133,7 +147,16 @@ class ServingEngine:
         recompute: bool = False,
         clock: Callable[[], float] = time.monotonic,
         lookahead: int = 30,
+        layerwise: bool = False,
+        predictive: bool = False,
     ) -> None:
+        if layerwise and (recompute or not getattr(adapter, "layerwise", False)):
+            raise TypeError(
+                "layerwise=True runs turns whose history streams in while they compute: give "
+                "an adapter that streams (TransformersAdapter(model, layerwise=True)), and "
+                "no recompute"
+            )
+        self.layerwise = layerwise
         self.adapter = adapter
         self.cache = cache
         self.scheduler = scheduler
@@ -156,6 +179,16 @@ class ServingEngine:
         self._ids = 0
         self.ssd_loads = 0
         """Prefetches that moved a history up from a lower tier."""
+        self.streamed = 0
+        """Turns the model started before their history was all in (layer-wise)."""
+        self._preloading: dict[str, anyio.Event] = {}  # session -> its turn's go-ahead
+        self.predictive = predictive
+        self.predicted = 0
+        """Sessions brought up by predictive prefetch."""
+        self._loading = 0  # prefetches under way
+        self._predicting = False
+        self._epoch = 0  # arrivals and ended turns so far
+        self._fruitless = -1  # the epoch of the last predictive prefetch that found nothing
 
     def _notify(self) -> None:
         self._changed.set()
@@ -180,23 +213,84 @@ class ServingEngine:
                 tg.start_soon(self._arrive, arrivals, start)
                 while len(self._results) < total:
                     now = self._clock()
-                    for request in self.scheduler.start_loads(now):
-                        tg.start_soon(self._load, request.session)
-                    self.cache.channel.publish_waiting(self.scheduler.waiting(self._lookahead))
+                    ready = None
                     if not self._busy:
                         ready = self.scheduler.pop_ready(now)
-                        if ready is not None:
-                            self._busy = True
-                            tg.start_soon(self._serve, ready, tg)
-                            continue
-                        # an on-demand scheduler starts its head's load once asked for work
-                        for request in self.scheduler.start_loads(now):
-                            tg.start_soon(self._load, request.session)
+                    # (an on-demand scheduler starts its head's load once asked for work)
+                    self._start_loads(now, tg)
+                    if ready is None and not self._busy and self._preloading:
+                        ready = self._stop_waiting(now)
+                    self.cache.channel.publish_waiting(self.scheduler.waiting(self._lookahead))
+                    if ready is not None:
+                        self._busy = True
+                        preloading = self._preloading.pop(ready.session, None)
+                        if preloading is not None:
+                            preloading.set()  # its history is (partly) in: compute now
+                        else:
+                            tg.start_soon(self._serve, ready, tg, None)
+                        continue
+                    if self._may_predict():
+                        self._predicting = True
+                        tg.start_soon(self._predict)
                     await self._changed.wait()
                     self._changed = anyio.Event()
         finally:
             self.cache.set_protected(None)
         return self._results
+
+    def _start_loads(self, now: float, tg: anyio.abc.TaskGroup) -> None:
+        """Start the loads the scheduler asks for: prefetches into host memory, or with
+        ``layerwise`` the requests' turns themselves, which stream their histories into the
+        model's cache and wait for the model (:meth:`_stop_waiting` and the run loop hand
+        them the model)."""
+        for request in self.scheduler.start_loads(now):
+            if not self.layerwise:
+                tg.start_soon(self._load, request.session)
+                continue
+            go = anyio.Event()
+            self._preloading[request.session] = go
+            tg.start_soon(self._serve, request, tg, go)
+
+    def _stop_waiting(self, now: float) -> Request | None:
+        """The model would idle while turns restore their histories: report the oldest
+        one's load landed, so the scheduler may hand it out and it computes on the layers
+        already in while the rest streams in."""
+        session = next(iter(self._preloading))
+        self.scheduler.load_finished(session, now, ok=True)
+        ready = self.scheduler.pop_ready(now)
+        if ready is not None and ready.session in self._preloading:
+            self.streamed += 1
+        return ready
+
+    def _may_predict(self) -> bool:
+        """Whether to look for a session to bring up predictively now: asked for, nothing
+        waiting or loading, and something happened since the last fruitless look."""
+        return (
+            self.predictive
+            and not self._predicting
+            and not self._loading
+            and not self._preloading
+            and self._epoch != self._fruitless
+            and not self.scheduler.waiting(1)
+        )
+
+    async def _predict(self) -> None:
+        epoch = self._epoch
+        try:
+            promoted = await self.cache.prefetch_predicted()
+        except (TieredKVError, OSError):
+            promoted = []  # the session stays where it was; its request loads it as usual
+        finally:
+            self._predicting = False
+        self.predicted += len(promoted)
+        if not promoted:
+            self._fruitless = epoch
+        self._notify()
+
+    def _loaded(self, session: str) -> None:
+        """A turn's history is in (or gone: it recomputes): its load has landed."""
+        self.scheduler.load_finished(session, self._clock(), ok=True)
+        self._notify()
 
     async def _arrive(self, arrivals: Sequence[tuple[float, TurnRequest]], start: float) -> None:
         busy: dict[str, anyio.Event] = {}
@@ -220,6 +314,7 @@ class ServingEngine:
         self._ids += 1
         rid = str(self._ids)
         self._pending[rid] = (turn, now, hit, done)
+        self._epoch += 1
         tokens = len(self._history.get(turn.session, ())) + len(turn.query)
         self.scheduler.submit(
             Request(id=rid, session=turn.session, arrival=now, tokens=tokens),
@@ -230,6 +325,7 @@ class ServingEngine:
 
     async def _load(self, session: str) -> None:
         ok = True
+        self._loading += 1
         try:
             before = self.cache.where(session)
             after = await self.cache.prefetch(session)
@@ -237,18 +333,39 @@ class ServingEngine:
                 self.ssd_loads += 1
         except (SessionNotFoundError, TieredKVError, OSError):
             ok = False  # the request will recompute its history
+        finally:
+            self._loading -= 1
         self.scheduler.load_finished(session, self._clock(), ok=ok)
         self._notify()
 
-    async def _serve(self, request: Request, tg: anyio.abc.TaskGroup) -> None:
-        """Run one turn; an ended conversation's KV is dropped in ``tg``, after the turn."""
+    async def _serve(
+        self, request: Request, tg: anyio.abc.TaskGroup, go: anyio.Event | None
+    ) -> None:
+        """Run one turn; an ended conversation's KV is dropped in ``tg``, after the turn.
+
+        With ``go`` (layer-wise), the turn is started as its request's load: it restores
+        its history and waits for ``go`` (the model) before computing.
+        """
         turn, arrival, hit, done = self._pending.pop(request.id)
         began = self._clock()
+        started = go is None  # the model is this turn's (else once go is set)
         dropping = self._dropping.get(turn.session)
         if dropping is not None:  # a new conversation under an ended one's name
             await dropping.wait()
         history = self._history.setdefault(turn.session, [])
         self._running.add(turn.session)
+        hooks: dict[str, Any] = {}
+        if go is not None:
+
+            async def wait_for_model() -> None:
+                nonlocal began, started
+                await go.wait()
+                began, started = self._clock(), True
+
+            hooks = {
+                "before_compute": wait_for_model,
+                "on_loaded": lambda: self._loaded(turn.session),
+            }
         try:
             if self.recompute:
                 answer, restored, recomputed = await self._recompute(turn, history)
@@ -260,6 +377,7 @@ class ServingEngine:
                     list(turn.query),
                     max_new_tokens=turn.answer_tokens,
                     history=history,
+                    **hooks,
                 )
                 answer = tuple(result.answer)
                 restored, recomputed = result.restored_tokens, result.recomputed_tokens
@@ -296,7 +414,9 @@ class ServingEngine:
             )
         finally:
             self._running.discard(turn.session)
-            self._busy = False
+            if started:
+                self._busy = False
+            self._epoch += 1
             done.set()
             self._notify()
 
