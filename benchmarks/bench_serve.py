@@ -15,9 +15,10 @@ One run, eleven configurations, the same requests (same seed):
 8. Bidaw + layer-wise: Bidaw, and when the model would idle (nothing ready) the load the
    scheduler starts runs as a turn at once, its history streaming in layer by layer
    while earlier layers compute (``ServingEngine(layerwise=True)``);
-9. Bidaw + predictive: Bidaw, and while no request waits and nothing loads, the cache
-   brings up the sessions Bidaw's eviction model expects back soon (beyond the paper;
-   ``ServingEngine(predictive=True)``, ``TieredKVCache.prefetch_predicted``);
+9. Bidaw + predictive: Bidaw, and while the model idles, no request waits and nothing
+   loads, the cache brings up the sessions Bidaw's eviction model expects back soon
+   (beyond the paper; ``ServingEngine(predictive=True)``,
+   ``TieredKVCache.prefetch_predicted``);
 10. CachedAttention (ATC'24) as far as it applies here: FCFS whose loads start only for
     the next 30 queued requests (look-ahead prefetching, ``LookAheadFCFS``), queue-enhanced
     eviction, layer-wise restore of a turn the model would otherwise wait for;

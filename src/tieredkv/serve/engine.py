@@ -131,8 +131,8 @@ class ServingEngine:
         (CachedAttention's layer-wise pre-loading). Needs an adapter that streams and
         takes ``before_compute``/``on_loaded`` in ``chat_turn`` (``adapter.layerwise``
         true, as ``TransformersAdapter(model, layerwise=True)``)
-    :param predictive: (beyond the paper) while no request waits and no load is under way,
-        let the cache bring up the sessions its eviction policy expects back soon
+    :param predictive: (beyond the paper) while the model idles, no request waits and no
+        load is under way, let the cache bring up the sessions its eviction policy expects back soon
         (:meth:`TieredKVCache.prefetch_predicted`; a no-op unless tier 0's policy
         implements :class:`~tieredkv.policies.base.Foresight`, as Bidaw's does). Tried
         again only after a request arrives or a turn ends, if it found nothing to do
@@ -263,10 +263,12 @@ class ServingEngine:
         return ready
 
     def _may_predict(self) -> bool:
-        """Whether to look for a session to bring up predictively now: asked for, nothing
-        waiting or loading, and something happened since the last fruitless look."""
+        """Whether to look for a session to bring up predictively now: asked for, the model
+        idle, nothing waiting or loading, and something happened since the last fruitless
+        look."""
         return (
             self.predictive
+            and not self._busy  # the model idles too: the copies would slow its turn
             and not self._predicting
             and not self._loading
             and not self._preloading
