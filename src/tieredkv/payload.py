@@ -69,6 +69,7 @@ __all__ = [
     "authenticated_head",
     "body_mac_hasher",
     "check_body_mac",
+    "check_body_mac_digest",
     "check_header_mac",
     "check_int",
     "check_prefix",
@@ -79,6 +80,7 @@ __all__ = [
     "parse_header",
     "plan_segment",
     "segment_tensors",
+    "tensor_at",
     "validate_header",
     "verify_segment",
 ]
@@ -688,10 +690,15 @@ def segment_tensors(buf: memoryview, header: SegmentHeader) -> dict[str, torch.T
         if spec.nbytes == 0:
             out[spec.name] = torch.empty(spec.shape, dtype=dtype)
             continue
-        start = header.body_offset + spec.offset
-        raw = torch.frombuffer(buf, dtype=torch.uint8, count=spec.nbytes, offset=start)
-        out[spec.name] = raw.view(dtype).view(spec.shape)
+        out[spec.name] = tensor_at(buf, spec, header.body_offset + spec.offset)
     return out
+
+
+def tensor_at(buf: memoryview, spec: TensorSpec, at: int) -> torch.Tensor:
+    """A zero-copy view of the tensor ``spec`` describes, its bytes at offset ``at`` of
+    ``buf`` (a whole segment, or a span of one); ``spec.nbytes`` must not be 0."""
+    raw = torch.frombuffer(buf, dtype=torch.uint8, count=spec.nbytes, offset=at)
+    return raw.view(_DTYPES[spec.dtype]).view(spec.shape)
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -789,5 +796,14 @@ def check_body_mac(buf: memoryview | bytes, header: SegmentHeader, key: bytes, w
 
     :raises ~tieredkv.errors.CorruptSegmentError: on a mismatch
     """
-    if not hmac.compare_digest(_body_mac(buf[hashed_from(buf) :], key), header.body_mac):
+    check_body_mac_digest(_body_mac(buf[hashed_from(buf) :], key), header, where)
+
+
+def check_body_mac_digest(digest: bytes, header: SegmentHeader, where: str) -> None:
+    """Check a body MAC computed elsewhere (incrementally: :func:`body_mac_hasher`) against
+    the segment's (checked) header.
+
+    :raises ~tieredkv.errors.CorruptSegmentError: on a mismatch
+    """
+    if not hmac.compare_digest(digest, header.body_mac):
         raise CorruptSegmentError(where, "body MAC mismatch (forged or altered)")

@@ -31,6 +31,7 @@ from ..payload import (
     align_up,
     dtype_of,
     segment_tensors,
+    tensor_at,
 )
 
 __all__ = [
@@ -190,9 +191,7 @@ class StreamScatter:
         for spec in self._groups[item][k]:
             if not spec.nbytes:
                 continue
-            at = header.body_offset + spec.offset - start
-            raw = torch.frombuffer(view, dtype=torch.uint8, count=spec.nbytes, offset=at)
-            src = raw.view(dtype_of(spec.dtype)).view(spec.shape)
+            src = tensor_at(view, spec, header.body_offset + spec.offset - start)
             dst = self._out[spec.name].narrow(self._dim, offset, header.tokens)
             copy_tensor(dst, src)
 

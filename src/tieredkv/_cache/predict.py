@@ -8,18 +8,20 @@ access (:class:`~tieredkv.policies.BidawEviction`). The same model, asked about 
 on a lower tier (:meth:`~tieredkv.policies.base.Foresight.foresee`), gives the chance its
 next access would be a hit if its KV were in tier 0 now. A promotion is worth making when
 that chance beats the summed chances of the residents it would displace: the expected host
-hits gained against those lost, in the policy's own terms. The decision is pure; the
-promotion is the cache's ordinary, atomic one.
+hits gained against those lost, in the policy's own terms. The decision is pure
+(:func:`tieredkv.policies.prefetch.pick`, which the simulator runs too); the promotion is
+the cache's ordinary, atomic one.
 """
 
 from __future__ import annotations
 
 import heapq
 
-from ..policies.base import Foresight
+from ..policies.base import Eviction, Foresight
+from ..policies.prefetch import pick
 from .state import Core, Session
 
-__all__ = ["Candidate", "choose", "worth_it"]
+__all__ = ["Candidate", "choose"]
 
 Candidate = tuple[Session, float, list[str]]
 """A session to promote, its chance of a hit, and the residents it would displace."""
@@ -35,7 +37,7 @@ def choose(core: Core, scan: int) -> Candidate | None:
     what the victims the policy would choose for it are worth.
     """
     policy = core.policies[0]
-    if not isinstance(policy, Foresight):
+    if not isinstance(policy, Foresight) or not isinstance(policy, Eviction):
         return None
     tier = core.tiers[0]
     skip = core.busy.keys() | core.protected()
@@ -48,39 +50,17 @@ def choose(core: Core, scan: int) -> Candidate | None:
         ),
         key=lambda s: core.channel[s.key].last_access,
     )
-    scored: list[tuple[float, int, float, Session]] = []
-    for age, s in enumerate(lower):
-        size = s.nbytes()
-        if not 0 < size <= tier.capacity:
-            continue
-        chance = policy.foresee(s.key)
-        if chance:
-            scored.append((round(chance, 2), age, chance, s))
-    # likeliest first; of (about) equal chances, the user gone longest: the one due first
-    scored.sort(key=lambda c: (c[0], c[1]), reverse=True)
-    now = core.clock()
-    ages = {s.key: age for age, s in enumerate(lower)}
-    for _, age, chance, s in scored:
-        need = s.nbytes() - (tier.capacity - tier.used)
-        if need <= 0:
-            return s, chance, []
-        victims = policy.victims(need, now, core.channel, skip | {s.key})
-        if victims is None:
-            continue
-        lost = [policy.foresee(v) or 0.0 for v in victims]
-        if worth_it(chance, age, lost, [ages.get(v, scan) for v in victims]):
-            return s, chance, victims
-    return None
-
-
-def worth_it(chance: float, age: int, lost: list[float], ages: list[int]) -> bool:
-    """Whether bringing up a session (its chance of a hit, and how many users were active
-    since it was: its age) is worth displacing the residents with chances ``lost`` and
-    ages ``ages``: it must gain more expected hits than it loses; or, against one resident
-    of (about) the same chance, it must be the one gone longer, so that the one due first
-    is kept (a model whose chances saturate, as Bidaw's do when every due user would hit,
-    cannot tell them apart otherwise)."""
-    total = sum(lost)
-    if chance > total + 0.005:
-        return True
-    return len(lost) == 1 and abs(chance - total) <= 0.005 and age > ages[0]
+    chosen = pick(
+        policy,
+        policy.foresee,
+        [(s.key, n, 0 < n <= tier.capacity) for s in lower for n in [s.nbytes()]],
+        tier.capacity - tier.used,
+        core.clock(),
+        core.channel,
+        skip,
+        scan,
+    )
+    if chosen is None:
+        return None
+    key, chance, victims = chosen
+    return core.sessions[key], chance, victims

@@ -130,12 +130,12 @@ async def _read_through_staging(
     """Read ``s``'s segments from tier ``t`` into reused staging buffers and scatter each
     into ``out`` as it arrives.
 
-    Up to :data:`_READS_AHEAD` segment reads are in flight while segment i is scattered (in
-    a worker thread), so the device's queue does not drain at a segment's end, nor while
-    the copy runs: measured on this machine (8 segments of 64 MiB), one read at a time
-    reached 0.6x of what the tier reads back to back. A failed read stops the load at the
-    first segment that failed; reads already in flight finish first (a worker thread is
-    never abandoned while it writes into a staging buffer).
+    For tiers that neither stream (:class:`StreamingReadTier`: the SSD tier loads through
+    :func:`_stream`) nor give addressable slots, such as a shared tier. Up to
+    :data:`_READS_AHEAD` segment reads are in flight while segment i is scattered (in a
+    worker thread), so the tier is not idle while the copy runs. A failed read stops the
+    load at the first segment that failed; reads already in flight finish first (a worker
+    thread is never abandoned while it writes into a staging buffer).
     """
     tier = core.tiers[t]
     segs = s.segs

@@ -75,7 +75,6 @@ import contextlib
 import errno
 import fcntl
 import hashlib
-import hmac
 import itertools
 import logging
 import mmap
@@ -104,6 +103,7 @@ from ..payload import (
     authenticated_head,
     body_mac_hasher,
     check_body_mac,
+    check_body_mac_digest,
     check_header_mac,
     check_int,
     check_prefix,
@@ -1102,7 +1102,7 @@ class SSDTier(Tier):
         if self._key is not None:
             header, _ = parse_header(first, rel, length)
             check_header_mac(header, self._key, rel)
-            mac = (body_mac_hasher(self._key), header.body_mac)
+            mac = (body_mac_hasher(self._key), header)
         return _SegmentRead(rel, hashed_from(first), expected, mac)
 
     async def delete(self, key: SegmentKey) -> None:
@@ -1406,7 +1406,9 @@ def _check_spans(spans: Sequence[tuple[int, int]], length: int) -> None:
 class _SegmentRead:
     """One segment being streamed: its checksum (and MAC) fed in order as spans arrive."""
 
-    def __init__(self, rel: str, hashed: int, expected: int, mac: tuple[Any, bytes] | None) -> None:
+    def __init__(
+        self, rel: str, hashed: int, expected: int, mac: tuple[Any, SegmentHeader] | None
+    ) -> None:
         self.rel = rel
         self.hashed = hashed
         """Absolute offset up to which bytes were handed to the hashers."""
@@ -1439,5 +1441,5 @@ class _SegmentRead:
             f.result()  # an exception from consume propagates
         if self.xxh.intdigest() != self.expected:
             raise CorruptSegmentError(self.rel, "body checksum mismatch")
-        if self.mac is not None and not hmac.compare_digest(self.mac[0].digest(), self.mac[1]):
-            raise CorruptSegmentError(self.rel, "body MAC mismatch (forged or altered)")
+        if self.mac is not None:
+            check_body_mac_digest(self.mac[0].digest(), self.mac[1], self.rel)

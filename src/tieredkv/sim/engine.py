@@ -40,9 +40,9 @@ from typing import Literal, TypeVar
 import msgspec
 import numpy as np
 
-from .._cache.predict import worth_it
 from ..meta import KVMeta, MetadataChannel, TierInfo, advance_meta
 from ..policies.base import Eviction, Foresight
+from ..policies.prefetch import pick
 from ..policies.registry import make_eviction, make_scheduler
 from ..policies.scheduling import Request, Scheduler
 from .costmodel import CostModel, get_gpu, get_model
@@ -489,34 +489,31 @@ class Simulator:
                 return  # the idle SSD is writing back first
         policy = self.eviction
         assert isinstance(policy, Foresight)
-        ages: dict[str, int] = {}  # how many users were active since (0: the latest)
-        scored: list[tuple[float, int, float, int]] = []
-        for age, user in enumerate(itertools.islice(reversed(self._recent), _PREDICT_SCAN)):
+        recent = [
+            (
+                s.name,
+                s.nbytes,
+                s.nbytes > 0 and not s.in_host and s.on_ssd and s.name not in self._pinned,
+            )
+            for user in itertools.islice(reversed(self._recent), _PREDICT_SCAN)
+            for s in [self._sess[user]]
+        ]
+        chosen = pick(
+            policy,
+            policy.foresee,
+            recent,
+            self.host_capacity - self._host_used,
+            now,
+            self._view,
+            self._protected,
+            _PREDICT_SCAN,
+        )
+        if chosen is not None:
+            user = self._by_name[chosen[0]]
             s = self._sess[user]
-            ages[s.name] = age
-            if s.in_host or not s.on_ssd or s.name in self._pinned or not s.nbytes:
-                continue
-            chance = policy.foresee(s.name)
-            if chance:
-                scored.append((round(chance, 2), age, chance, user))
-        scored.sort(reverse=True)  # likeliest first; of equals, the longest gone (due first)
-        free = self.host_capacity - self._host_used
-        for _, age, chance, user in scored:
-            s = self._sess[user]
-            need = s.nbytes - free
-            if need > 0:
-                victims = policy.victims(
-                    need, now, self._view, _Protected(self._protected, {s.name})
-                )
-                if victims is None:
-                    continue
-                lost = [policy.foresee(v) or 0.0 for v in victims]
-                if not worth_it(chance, age, lost, [ages.get(v, _PREDICT_SCAN) for v in victims]):
-                    continue
             self._predicting = True
             self._ssd_read += s.nbytes
             self._push(self._ssd_in_line(now, s.nbytes), _PREFETCH, user)
-            return
 
     def _on_prefetch(self, user: int, now: float) -> None:
         self._predicting = False

@@ -204,21 +204,15 @@ SYSTEMS: dict[str, SystemSpec] = {
 
 ABLATIONS: list[SystemSpec] = [
     SYSTEMS["cachedattention"],
-    SystemSpec(
+    # Bidaw without its mechanisms, added back one at a time (same write path throughout)
+    msgspec.structs.replace(
+        SYSTEMS["bidaw"],
         name="+io-aware scheduling",
-        scheduler="bidaw",
         eviction="queue-enhanced",
-        background_writes=True,
-        keep_ssd_copy=True,
-        clean_ahead=True,
+        storage_efficient=False,
     ),
-    SystemSpec(
-        name="+answer-based eviction",
-        scheduler="bidaw",
-        eviction="bidaw",
-        background_writes=True,
-        keep_ssd_copy=True,
-        clean_ahead=True,
+    msgspec.structs.replace(
+        SYSTEMS["bidaw"], name="+answer-based eviction", storage_efficient=False
     ),
     msgspec.structs.replace(SYSTEMS["bidaw"], name="+storage-efficient tensors (bidaw)"),
 ]
