@@ -108,3 +108,41 @@ async def test_cancelled_prefetch_predicted_leaves_the_cache_whole(tmp_path: Pat
             for u in range(SESSIONS):
                 got = await cache.load(f"user-{u}")
                 assert torch.equal(got["kv"], torch.cat([turn(u, r)["kv"] for r in range(4)]))
+
+
+class _Ranked(LRU):
+    """LRU with fixed chances: the real victim choice, with a model whose chances tie."""
+
+    def __init__(self, chances: dict[str, float]) -> None:
+        super().__init__()
+        self.chances = chances
+
+    def foresee(self, session: str) -> float | None:
+        return self.chances.get(session)
+
+
+def test_pick_breaks_a_tie_for_the_user_gone_longer() -> None:
+    """Against one resident of the same chance, a candidate is brought up only if its user
+    has been gone longer (it is due first); a likelier candidate wins outright, and one
+    that would displace more expected hits than it brings does not."""
+    from tieredkv.meta import KVMeta, MetadataChannel
+    from tieredkv.policies.prefetch import pick
+
+    channel = MetadataChannel()
+    policy = _Ranked({"resident": 1.0, "old": 1.0, "new": 1.0, "likely": 0.9})
+    meta = KVMeta(session="resident", tier="host", nbytes=100)
+    channel.put(meta)
+    policy.on_access("resident", meta, 0.0)
+    policy.on_admit("resident", meta, 0.0)
+
+    def choose(recent: list[tuple[str, int, bool]]) -> object:
+        got = pick(policy, policy.foresee, recent, 0, 1.0, channel, frozenset(), 99)
+        return None if got is None else got[0]
+
+    # ages: index in ``recent`` (most recent first)
+    assert choose([("new", 100, True), ("resident", 100, False), ("old", 100, True)]) == "old"
+    assert choose([("new", 100, True), ("resident", 100, False)]) is None
+    policy.chances["resident"] = 0.5
+    assert choose([("new", 100, True), ("resident", 100, False)]) == "new"
+    policy.chances["likely"] = 0.4
+    assert choose([("resident", 100, False), ("likely", 100, True)]) is None

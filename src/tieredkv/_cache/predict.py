@@ -30,30 +30,33 @@ Candidate = tuple[Session, float, list[str]]
 def choose(core: Core, scan: int) -> Candidate | None:
     """The lower-tier session most worth bringing into tier 0 now, or ``None``.
 
-    Looks at up to ``scan`` lower-tier sessions, the most recently accessed (a user who
-    just left is likelier due than one gone for hours, and the scan stays bounded with many
-    sessions); ranks them by chance of a hit, and sessions of (about) equal chance by how
-    long their user has been gone (the one due first); takes the first whose chance exceeds
-    what the victims the policy would choose for it are worth.
+    Looks at the ``scan`` most recently accessed sessions (a user who just left is likelier
+    due than one gone for hours, and the scan stays bounded with many sessions), residents
+    included (their ages decide ties); ranks the lower-tier ones by chance of a hit, and
+    those of (about) equal chance by how long their user has been gone (the one due first);
+    takes the first whose chance exceeds what the victims the policy would choose for it
+    are worth.
     """
     policy = core.policies[0]
     if not isinstance(policy, Foresight) or not isinstance(policy, Eviction):
         return None
     tier = core.tiers[0]
     skip = core.busy.keys() | core.protected()
-    lower = heapq.nlargest(  # O(n log scan)
+    # residents too: a victim's age decides a tie with the candidate that would displace it
+    recent = heapq.nlargest(  # O(n log scan)
         scan,
-        (
-            s
-            for s in core.sessions.values()
-            if s.primary is not None and s.primary > 0 and not s.dropped and s.key not in skip
-        ),
+        (s for s in core.sessions.values() if s.primary is not None and not s.dropped),
         key=lambda s: core.channel[s.key].last_access,
     )
+
+    def eligible(s: Session, n: int) -> bool:
+        assert s.primary is not None
+        return s.primary > 0 and s.key not in skip and 0 < n <= tier.capacity
+
     chosen = pick(
         policy,
         policy.foresee,
-        [(s.key, n, 0 < n <= tier.capacity) for s in lower for n in [s.nbytes()]],
+        [(s.key, n, eligible(s, n)) for s in recent for n in [s.nbytes()]],
         tier.capacity - tier.used,
         core.clock(),
         core.channel,
