@@ -4,6 +4,9 @@ up while the cache is idle, when that gains more expected hits than it displaces
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
@@ -89,9 +92,33 @@ async def test_prefetch_predicted_without_foresight_does_nothing(tmp_path: Path)
             await cache.prefetch_predicted(scan=0)
 
 
-async def test_cancelled_prefetch_predicted_leaves_the_cache_whole(tmp_path: Path) -> None:
-    """Cancelled at any point, a predictive prefetch either promoted a session wholly or
-    left it where it was; the cache's index, tiers, channel and policies agree."""
+async def _cancel(how: str, delay: float, call: Callable[[], Awaitable[object]]) -> None:
+    """Run ``call`` and cancel it after ``delay`` seconds the way ``how`` says."""
+    if how == "anyio":
+        with anyio.move_on_after(delay):
+            await call()
+    elif how == "timeout":
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay):
+                await call()
+    elif how == "wait_for":
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(call(), delay)
+    else:  # task.cancel()
+        task = asyncio.ensure_future(call())
+        await asyncio.sleep(delay)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@pytest.mark.parametrize("how", ["anyio", "timeout", "wait_for", "task.cancel"])
+async def test_cancelled_prefetch_predicted_leaves_the_cache_whole(
+    tmp_path: Path, how: str
+) -> None:
+    """Cancelled at any point (anyio scopes, asyncio.timeout, wait_for, task.cancel), a
+    predictive prefetch either promoted a session wholly or left it where it was; the
+    cache's index, tiers, channel and policies agree."""
     for delay in (0.0, 0.0005, 0.002, 0.01):
         d = tmp_path / f"d{delay}"
         tiers = [HostMemoryTier(HOST), SSDTier(d, 64 << 20, fsync=False)]
@@ -102,8 +129,7 @@ async def test_cancelled_prefetch_predicted_leaves_the_cache_whole(tmp_path: Pat
                     if key in cache:
                         await cache.load(key)
                     await cache.append(key, turn(u, r), answer_tokens=40)
-            with anyio.move_on_after(delay):
-                await cache.prefetch_predicted(limit=3)
+            await _cancel(how, delay, lambda: cache.prefetch_predicted(limit=3))
             assert problems(cache) == []
             for u in range(SESSIONS):
                 got = await cache.load(f"user-{u}")

@@ -10,11 +10,15 @@ every failure.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import mmap
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -443,3 +447,87 @@ async def test_a_first_span_shorter_than_the_header_is_refused(
         spans = span_plan(s.header, ALIGN)[0]
         await tier.read_spans([(s.key, spans)], lambda i, k, v: got.append(bytes(v)))
         assert tier.stats().corrupt == 0
+
+
+async def _cancel(how: str, delay: float, call: Callable[[], Awaitable[object]]) -> None:
+    """Run ``call`` and cancel it after ``delay`` seconds the way ``how`` says."""
+    if how == "anyio":
+        with anyio.move_on_after(delay):
+            await call()
+    elif how == "timeout":
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay):
+                await call()
+    elif how == "wait_for":
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(call(), delay)
+    else:  # task.cancel()
+        task = asyncio.ensure_future(call())
+        await asyncio.sleep(delay)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@pytest.mark.parametrize("how", ["anyio", "timeout", "wait_for", "task.cancel"])
+async def test_streamed_load_and_filled_append_survive_cancellation(
+    ssd_dir: Path, how: str
+) -> None:
+    """An SSD-only cache's streamed load and part-by-part append, cancelled at several
+    points by each kind of cancellation: afterwards the index, tier, channel and files
+    agree, and the history loads back exactly what was committed."""
+    turns = history(3, big=True)
+    async with TieredKVCache([SSDTier(ssd_dir, CAPACITY, chunk_size=ALIGN)]) as cache:
+        for i, t in enumerate(turns[:2]):
+            await cache.append("user", t, answer_tokens=i, token_dim=1)
+        for delay in (0.0, 0.0002, 0.001, 0.005):
+            await _cancel(how, delay, lambda: cache.load("user"))
+            assert problems(cache) == []
+            await _cancel(
+                how, delay, lambda: cache.append("user", turns[2], answer_tokens=2, token_dim=1)
+            )
+            assert problems(cache) == []
+            n = cache.channel["user"].turns
+            want = {k: torch.cat([t[k] for t in turns[:n]], dim=1) for k in turns[0]}
+            got = await cache.load("user")
+            assert all(torch.equal(got[k], v) for k, v in want.items())
+            if n == 3:
+                await cache.drop("user")
+                for i, t in enumerate(turns[:2]):
+                    await cache.append("user", t, answer_tokens=i, token_dim=1)
+
+
+async def test_an_io_error_at_each_os_call_of_a_streamed_load_loses_nothing(
+    ssd_dir: Path,
+) -> None:
+    """Fail each os call of a streamed load in turn: the load raises (a miss or an I/O
+    error), never returns wrong bytes, the cache stays consistent, and whatever is still
+    stored loads back exactly."""
+    turns = history(3)
+    want = {k: torch.cat([t[k] for t in turns], dim=1) for k in turns[0]}
+    async with TieredKVCache([SSDTier(ssd_dir, CAPACITY, chunk_size=ALIGN)]) as cache:
+        for i, t in enumerate(turns):
+            await cache.append("user", t, answer_tokens=i, token_dim=1)
+        with FaultInjector() as faults:
+            with faults.paused():
+                before = dict(faults.calls)
+                await cache.load("user")
+            calls = {site: n - before.get(site, 0) for site, n in faults.calls.items()}
+        assert calls.get("preadv", 0) >= 3, calls
+        for site, count in calls.items():
+            for nth in range(1, count + 1):
+                if "user" not in cache:  # lost to a damaged read: store it again
+                    for i, t in enumerate(turns):
+                        await cache.append("user", t, answer_tokens=i, token_dim=1)
+                with FaultInjector() as faults:
+                    faults.fail_nth(site, faults.calls[site] + nth, errno.EIO)
+                    try:
+                        got = await cache.load("user")
+                    except (TierIOError, SessionNotFoundError):
+                        pass
+                    else:
+                        assert all(torch.equal(got[k], v) for k, v in want.items())
+                assert problems(cache) == [], (site, nth)
+                if "user" in cache:
+                    got = await cache.load("user")
+                    assert all(torch.equal(got[k], v) for k, v in want.items())
