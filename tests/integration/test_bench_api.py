@@ -33,6 +33,8 @@ def test_bench_api_runs_and_prints_its_ratios(
         "load / safetensors load_file",
         "append / raw O_DIRECT write+fsync",
         "append / safetensors save_file+fsync",
+        "new cache: load / raw read",
+        "new cache: append / raw write",
     ):
         assert f"ratio {label}" in out
     assert list(tmp_path.iterdir()) == []  # its files are removed

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import itertools
 import mmap
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -26,7 +27,7 @@ from tests.faults import FaultInjector
 from tests.invariants import problems
 from tests.segments import SegmentFactory, read_back, store
 from tieredkv import SSDTier, TieredKVCache
-from tieredkv._cache.gather import span_plan
+from tieredkv._cache.gather import fill_cuts, span_plan
 from tieredkv.backends.base import StreamingReadTier
 from tieredkv.backends.ssd import segment_file_name
 from tieredkv.errors import CorruptSegmentError, SessionNotFoundError, TierIOError
@@ -531,3 +532,19 @@ async def test_an_io_error_at_each_os_call_of_a_streamed_load_loses_nothing(
                 if "user" in cache:
                     got = await cache.load("user")
                     assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_fill_cuts_ramp_up_from_1_mib_at_tensor_starts() -> None:
+    """An append's parts: the header alone, then 1, 2, 4 MiB of whole tensors (the device
+    gets its first write early), then spans, covering the segment exactly."""
+    tensors = {f"t{i:02}": torch.zeros(256, 1024, dtype=torch.float16) for i in range(40)}
+    header = plan_segment("s", 0, tensors, token_dim=0, answer_tokens=1).header
+    cuts = fill_cuts(header, 8 << 20)
+    starts = {header.body_offset + spec.offset for spec in header.tensors}
+    assert cuts[0] == 0
+    assert cuts[1] == header.body_offset
+    assert cuts[-1] == header.length
+    assert set(cuts[1:-1]) <= starts
+    sizes = [b - a for a, b in itertools.pairwise(cuts[1:])]
+    assert sizes[:4] == [1 << 20, 2 << 20, 4 << 20, 8 << 20]
+    assert all(size <= 8 << 20 for size in sizes)

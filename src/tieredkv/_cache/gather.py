@@ -33,6 +33,7 @@ from ..payload import (
     segment_tensors,
     tensor_at,
 )
+from .outputs import OutputPool
 
 __all__ = [
     "Staging",
@@ -40,6 +41,7 @@ __all__ = [
     "Target",
     "check_into",
     "copy_out_addressable",
+    "fill_cuts",
     "fresh",
     "scatter",
     "scratch",
@@ -51,13 +53,14 @@ Target = Callable[[Schema, int], dict[str, torch.Tensor]]
 """Given a session's schema and token count, the tensors its history is copied into."""
 
 
-def fresh(out: dict[str, torch.Tensor]) -> Target:
-    """A target that allocates new host tensors (into ``out``) for the whole history."""
+def fresh(out: dict[str, torch.Tensor], pool: OutputPool) -> Target:
+    """A target that allocates new host tensors (into ``out``, from ``pool``) for the whole
+    history."""
 
     def alloc(schema: Schema, tokens: int) -> dict[str, torch.Tensor]:
         for name, dt, shape in zip(schema.names, schema.dtypes, schema.shapes, strict=True):
             full = tuple(tokens if d == -1 else d for d in shape)
-            out[name] = torch.empty(full, dtype=dtype_of(dt))
+            out[name] = pool.empty(full, dtype_of(dt))
         return out
 
     return alloc
@@ -103,12 +106,7 @@ async def write_new(tier: Tier, key: SegmentKey, plan: SegmentPlan, staging: Sta
         return
     with staging.buffer(length) as view:
         if isinstance(tier, FilledWriteTier):
-            # the header alone is the first part (written last, once the checksum is
-            # known: a page, not a span's worth); then a part per span of whole tensors
-            _, groups = span_plan(plan.header, tier.span_bytes)
-            h = plan.header
-            starts = [h.body_offset + group[0].offset for group in groups if group]
-            cuts = sorted({0, *starts, length})
+            cuts = fill_cuts(plan.header, tier.span_bytes)
             writer = PartWriter(plan, view, cuts, staging.hash_pool())
             try:
                 await tier.write_filled(key, view, cuts, writer)
@@ -194,6 +192,27 @@ class StreamScatter:
             src = tensor_at(view, spec, header.body_offset + spec.offset - start)
             dst = self._out[spec.name].narrow(self._dim, offset, header.tokens)
             copy_tensor(dst, src)
+
+
+_RAMP = (1 << 20, 2 << 20, 4 << 20)
+"""The first body parts' sizes in a part-by-part write: the device gets its first write
+after a 1 MiB copy rather than a whole span's (about 1.5 ms sooner per 64 MiB append)."""
+
+
+def fill_cuts(header: SegmentHeader, span: int) -> list[int]:
+    """Where a segment written part by part (:class:`FilledWriteTier`) is cut: the header
+    alone first (written last, once the checksum is known: a page, not a span's worth),
+    then parts of whole tensors growing from 1 MiB to ``span`` bytes."""
+    start = header.body_offset
+    cuts = {0, start, header.length}
+    parts = 0
+    for spec in sorted(header.tensors, key=lambda s: s.offset):
+        lo = header.body_offset + spec.offset
+        if lo > start and lo - start >= min(_RAMP[parts] if parts < len(_RAMP) else span, span):
+            cuts.add(lo)
+            start = lo
+            parts += 1
+    return sorted(cuts)
 
 
 def span_plan(

@@ -33,6 +33,7 @@ from ..policies.base import Eviction
 from ..policies.lru import LRU
 from ..policies.registry import make_eviction
 from .gather import Staging
+from .outputs import OutputPool
 
 __all__ = [
     "CacheStats",
@@ -160,6 +161,7 @@ class Core:
         channel: MetadataChannel,
         mode: str,
         clock: Callable[[], float],
+        output_reuse_bytes: int = 0,
     ) -> None:
         self.tiers = list(tiers)
         self.policies = list(policies)
@@ -172,6 +174,7 @@ class Core:
         self.protected: Callable[[], AbstractSet[str]] = frozenset
         self.orphans: set[tuple[int, SegmentKey]] = set()
         self.staging = Staging()
+        self.outputs = OutputPool(output_reuse_bytes)
 
     def discard_unused(self, s: Session) -> None:
         """Drop ``s`` from the index if it holds nothing, is unknown to the channel and

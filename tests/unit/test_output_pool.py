@@ -1,0 +1,166 @@
+"""The memory of tensors ``load`` returned is reused by later loads only once the caller
+has dropped every tensor and view of it, and reuse never changes a byte that is loaded.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from tieredkv import HostMemoryTier, SSDTier, TieredKVCache
+from tieredkv._cache.outputs import POOLED_MIN_BYTES, OutputPool
+from tieredkv.errors import InvalidArgumentError, InvalidTypeError
+
+TOKENS = 512  # 512 x 1024 fp16 = 1 MiB per tensor per turn: pooled
+
+
+def turn(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "k": torch.randn(TOKENS, 1024, generator=g).half(),
+        "v": torch.randn(TOKENS, 1024, generator=g).half(),
+        "small": torch.randint(0, 255, (TOKENS, 3), generator=g, dtype=torch.uint8),
+    }
+
+
+def joined(*turns: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.cat([t[k] for t in turns]) for k in turns[0]}
+
+
+def assert_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype
+        assert got[k].shape == v.shape
+        assert torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+
+
+async def idle_reaches(pool: OutputPool, nbytes: int, seconds: float = 5) -> int:
+    """The pool's idle bytes once they reach ``nbytes`` (or after ``seconds``): a worker
+    thread that copied into an output may drop its last reference a moment after the load
+    returned."""
+    deadline = time.monotonic() + seconds
+    gc.collect()
+    for _ in range(100_000):  # a polled condition: the finalizer runs in another thread
+        if pool.idle_bytes >= nbytes or time.monotonic() >= deadline:
+            break
+        await anyio.sleep(0.01)
+    return pool.idle_bytes
+
+
+def tiers(tmp_path: Path, where: str) -> list[HostMemoryTier | SSDTier]:
+    ssd = SSDTier(tmp_path / "ssd", 64 << 20)
+    return [ssd] if where == "ssd" else [HostMemoryTier(64 << 20), ssd]
+
+
+@pytest.mark.parametrize("where", ["ssd", "host"])
+async def test_a_dropped_output_is_reused_and_every_load_is_exact(
+    tmp_path: Path, where: str
+) -> None:
+    a, b = turn(1), turn(2)
+    async with TieredKVCache(tiers(tmp_path, where)) as cache:
+        await cache.append("a", a, answer_tokens=1)
+        await cache.append("b", b, answer_tokens=1)
+        first = await cache.load("a")
+        assert_exact(first, a)
+        pool = cache._core.outputs
+        assert pool.reused == 0
+        del first
+        assert await idle_reaches(pool, 2 << 20) == 2 << 20  # "k" and "v"; "small" is not pooled
+        # the same memory now holds b's bytes, exactly
+        second = await cache.load("b")
+        assert pool.reused == 2
+        assert pool.idle_bytes == 0
+        assert_exact(second, b)
+        # every tensor has a storage of its own, of its own size
+        for t in second.values():
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+            assert t.is_contiguous()
+
+
+async def test_memory_is_not_reused_while_a_view_of_it_lives(tmp_path: Path) -> None:
+    a, b = turn(1), turn(2)
+    async with TieredKVCache([SSDTier(tmp_path, 64 << 20)]) as cache:
+        await cache.append("a", a, answer_tokens=1)
+        await cache.append("b", b, answer_tokens=1)
+        out = await cache.load("a")
+        kept = out["k"][100:200]  # a view keeps the whole tensor's memory
+        want = a["k"][100:200].clone()
+        del out
+        assert await idle_reaches(cache._core.outputs, 1 << 20) == 1 << 20  # "v" alone
+        again = await cache.load("b")
+        assert_exact(again, b)
+        assert torch.equal(kept, want)  # b's load did not write into a's live view
+        assert kept.data_ptr() not in {t.data_ptr() for t in again.values()}
+
+
+async def test_idle_memory_is_capped_and_zero_turns_reuse_off(tmp_path: Path) -> None:
+    a = turn(1)
+    async with TieredKVCache([SSDTier(tmp_path, 64 << 20)], output_reuse_bytes=1 << 20) as cache:
+        await cache.append("a", a, answer_tokens=1)
+        out = await cache.load("a")
+        del out
+        assert await idle_reaches(cache._core.outputs, 1 << 20) == 1 << 20  # one of two
+        assert_exact(await cache.load("a"), a)
+    async with TieredKVCache([SSDTier(tmp_path, 64 << 20)], output_reuse_bytes=0) as cache:
+        for _ in range(2):
+            out = await cache.load("a")
+            assert_exact(out, a)
+            del out
+            assert await idle_reaches(cache._core.outputs, 1, seconds=0.3) == 0
+        assert cache._core.outputs.reused == 0
+
+
+async def test_close_frees_idle_memory_and_a_reopened_cache_reuses_again(
+    tmp_path: Path,
+) -> None:
+    a = turn(1)
+    cache = TieredKVCache([SSDTier(tmp_path, 64 << 20)])
+    async with cache:
+        await cache.append("a", a, answer_tokens=1)
+        held = await cache.load("a")
+    pool = cache._core.outputs
+    assert pool.idle_bytes == 0
+    del held  # dropped after close: unmapped, not kept
+    assert await idle_reaches(pool, 1, seconds=0.3) == 0
+    async with cache:
+        out = await cache.load("a")
+        del out
+        assert await idle_reaches(pool, 2 << 20) == 2 << 20
+        assert_exact(await cache.load("a"), a)
+        assert pool.reused == 2
+
+
+def test_pool_shapes_dtypes_and_small_tensors() -> None:
+    pool = OutputPool(8 << 20)
+    t = pool.empty((4, POOLED_MIN_BYTES // 8), torch.float16)
+    assert t.shape == (4, POOLED_MIN_BYTES // 8)
+    assert t.dtype == torch.float16
+    assert t.data_ptr() % 4096 == 0
+    t.fill_(1.5)
+    assert bool((t == 1.5).all())
+    small = pool.empty((3, 5), torch.float32)
+    assert small.shape == (3, 5)
+    del t, small
+    gc.collect()
+    assert pool.idle_bytes == POOLED_MIN_BYTES
+    u = pool.empty((POOLED_MIN_BYTES // 2,), torch.bfloat16)
+    assert pool.reused == 1
+    assert u.numel() == POOLED_MIN_BYTES // 2
+    pool.close()
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [(-1, InvalidArgumentError), (1.5, InvalidTypeError), (True, InvalidTypeError)],
+)
+def test_a_bad_output_reuse_bytes_is_refused(
+    tmp_path: Path, value: object, error: type[Exception]
+) -> None:
+    with pytest.raises(error, match="output_reuse_bytes"):
+        TieredKVCache([SSDTier(tmp_path, 64 << 20)], output_reuse_bytes=value)  # type: ignore[arg-type]
