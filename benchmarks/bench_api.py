@@ -359,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
         left = f"{wrows[i][0]:<22}{gbps(wrows[i][1]):>7.2f}" if i < len(wrows) else " " * 29
         right = f"{rrows[i][0]:<22}{gbps(rrows[i][1]):>7.2f}" if i < len(rrows) else ""
         print(f"{left}   {right}")
+    print("GB/s per round (the disk is shared: rounds vary):")
+    for kind, rows in (("write", writes), ("read", reads)):
+        for name, seconds in rows.items():
+            print(f"  {kind} {name:<22}" + " ".join(f"{nbytes / x / 1e9:5.2f}" for x in seconds))
     w, rd = {k: gbps(v) for k, v in writes.items()}, {k: gbps(v) for k, v in reads.items()}
     for label, value, target in [
         ("load / raw O_DIRECT read", rd["tieredkv load"] / rd["raw"], 0.9),

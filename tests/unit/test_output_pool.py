@@ -1,9 +1,11 @@
 """The memory of tensors ``load`` returned is reused by later loads only once the caller
-has dropped every tensor and view of it, and reuse never changes a byte that is loaded.
+has dropped every tensor and view of it, and reuse never changes a byte that is loaded;
+the staging buffers of appends are reused even when one is larger than their cap.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import time
 from pathlib import Path
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from tieredkv import HostMemoryTier, SSDTier, TieredKVCache
+from tieredkv._cache.gather import Staging
 from tieredkv._cache.outputs import POOLED_MIN_BYTES, OutputPool
 from tieredkv.errors import InvalidArgumentError, InvalidTypeError
 
@@ -164,3 +167,18 @@ def test_a_bad_output_reuse_bytes_is_refused(
 ) -> None:
     with pytest.raises(error, match="output_reuse_bytes"):
         TieredKVCache([SSDTier(tmp_path, 64 << 20)], output_reuse_bytes=value)  # type: ignore[arg-type]
+
+
+def test_staging_keeps_its_newest_buffer_even_above_the_cap() -> None:
+    """A cache whose segments are larger than the staging cap still reuses one buffer
+    (mapping and faulting in 256 MiB per append would halve the append's speed)."""
+    staging = Staging(keep_bytes=1 << 20)
+    with staging.buffer(4 << 20) as view:
+        first = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        view[:4] = b"abcd"
+    with staging.buffer(4 << 20) as view:
+        assert ctypes.addressof(ctypes.c_char.from_buffer(view)) == first
+    with staging.buffer(8 << 20), staging.buffer(12 << 20):
+        pass  # both come back (the 12 MiB one first); only the last returned stays
+    assert [len(b) for b in staging._free] == [8 << 20]
+    staging.close()

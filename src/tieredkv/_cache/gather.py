@@ -260,7 +260,8 @@ class Staging:
     64 MiB segment: 16,384 faults) on the critical path of every load and append. Buffers
     come back here after use and are handed out again; at most ``keep_bytes`` stay idle
     (256 MiB: two 64 MiB segments' worth for a pipelined load, and room for concurrent
-    appends), so an idle cache holds at most that much host memory beyond its tiers.
+    appends), or the last buffer used if it alone is larger, so an idle cache holds at most
+    that much host memory beyond its tiers.
     """
 
     def __init__(self, keep_bytes: int = 256 << 20) -> None:
@@ -294,7 +295,9 @@ class Staging:
                 close_mapping(buf, "staging buffer")
             else:
                 self._free.append(buf)
-                while sum(len(b) for b in self._free) > self._keep:
+                # the newest buffer stays even if larger than the cap alone: a cache of
+                # 256 MiB turns would otherwise map and fault one in for every append
+                while len(self._free) > 1 and sum(len(b) for b in self._free) > self._keep:
                     close_mapping(self._free.pop(0), "staging buffer")
 
     def close(self) -> None:
