@@ -319,8 +319,12 @@ class TieredKVCache:
         """The session's whole history, segments joined along the token dimension.
 
         The result is new host-memory tensors (the caller owns them), byte-identical to what
-        was appended. If the history is on a lower tier it is first promoted to tier 0
-        (evicting other sessions down) when it fits there.
+        was appended. Tensors of 1 MiB or more live in memory the cache hands to later
+        loads once the caller has dropped them and every view of them (see
+        ``output_reuse_bytes``); their storage cannot be resized in place (``resize_``
+        raises), so clone one to grow it, or pass ``output_reuse_bytes=0``. If the history
+        is on a lower tier it is first promoted to tier 0 (evicting other sessions down)
+        when it fits there.
 
         :raises SessionNotFoundError: (a ``KeyError``) if the session has no KV in any tier,
             including when its stored history was found damaged (it then counts as a miss)

@@ -147,6 +147,8 @@ def test_pool_shapes_dtypes_and_small_tensors() -> None:
     assert t.data_ptr() % 4096 == 0
     t.fill_(1.5)
     assert bool((t == 1.5).all())
+    with pytest.raises(RuntimeError, match="not resizable"):  # as load's doc says
+        t.resize_(8, POOLED_MIN_BYTES // 8)
     small = pool.empty((3, 5), torch.float32)
     assert small.shape == (3, 5)
     del t, small
