@@ -246,8 +246,12 @@ class TieredKVCache:
 
     def stats(self) -> CacheStats:
         """A snapshot of the counters, with each tier's own."""
+        core = self._core
         return msgspec.structs.replace(
-            self._core.stats, tiers=tuple(tier.stats() for tier in self._core.tiers)
+            core.stats,
+            outputs_reused=core.outputs.reused,
+            output_idle_bytes=core.outputs.idle_bytes,
+            tiers=tuple(tier.stats() for tier in core.tiers),
         )
 
     # -- append --------------------------------------------------------------------------

@@ -16,7 +16,9 @@ What is exported (every name starts with ``tieredkv_``):
   ``loads_total``, ``hits_total``, ``misses_total``, ``appends_total``,
   ``prefetches_total``, ``predicted_total``, ``promotions_total``, ``demotions_total``,
   ``evictions_total``, ``lost_total``, ``drops_total``, ``corrupt_total``, ``write_through_total``,
-  ``errors_total``, and the gauge ``sessions`` (sessions the metadata channel knows);
+  ``errors_total``, ``outputs_reused_total``, and the gauges ``sessions`` (sessions the
+  metadata channel knows) and ``output_idle_bytes`` (memory of dropped outputs kept for
+  later loads);
 * per tier (labels ``tier`` and ``kind``), from each tier's stats: ``tier_used_bytes``,
   ``tier_capacity_bytes``, ``tier_segments``, ``tier_read_bytes_total``,
   ``tier_written_bytes_total``, ``tier_reads_total``, ``tier_writes_total``,
@@ -84,6 +86,7 @@ _CACHE_COUNTERS = (
     ("corrupt", "Segments that failed verification (never served)."),
     ("write_through", "Segments copied down in the background (inclusive mode)."),
     ("errors", "I/O errors while moving data (the data stayed where it was)."),
+    ("outputs_reused", "Tensors load() returned in memory a dropped output left."),
 )
 _TIER_GAUGES = (
     ("used", "tier_used_bytes", "Bytes held by the tier, reservations included."),
@@ -222,6 +225,11 @@ class CacheCollector:
             yield CounterMetricFamily(f"tieredkv_{field}", doc, value=getattr(stats, field))
         yield GaugeMetricFamily(
             "tieredkv_sessions", "Sessions the metadata channel knows.", value=len(cache.channel)
+        )
+        yield GaugeMetricFamily(
+            "tieredkv_output_idle_bytes",
+            "Memory of dropped load() outputs kept for later loads.",
+            value=stats.output_idle_bytes,
         )
         labels = ["tier", "kind"]
         for field, name, doc in _TIER_GAUGES:

@@ -87,9 +87,10 @@ async def test_scraped_metrics_match_cache_stats(tmp_path: Path) -> None:
     assert min(stats.misses, stats.hits, stats.promotions, stats.demotions) > 0
     for field in ("loads", "hits", "misses", "appends", "prefetches", "promotions",
                   "demotions", "evictions", "lost", "drops", "corrupt", "write_through",
-                  "errors"):  # fmt: skip
+                  "errors", "outputs_reused"):  # fmt: skip
         assert _one(samples, f"tieredkv_{field}_total") == getattr(stats, field), field
     assert _one(samples, "tieredkv_sessions") == 4
+    assert _one(samples, "tieredkv_output_idle_bytes") == stats.output_idle_bytes
     for t in stats.tiers:
         tier = {"tier": t.name, "kind": t.kind}
         assert _one(samples, "tieredkv_tier_used_bytes", **tier) == t.used

@@ -77,6 +77,9 @@ async def test_a_dropped_output_is_reused_and_every_load_is_exact(
         assert await idle_reaches(pool, 2 << 20) == 2 << 20  # "k" and "v"; "small" is not pooled
         # the same memory now holds b's bytes, exactly
         second = await cache.load("b")
+        stats = cache.stats()
+        assert stats.outputs_reused == 2
+        assert stats.output_idle_bytes == 0
         assert pool.reused == 2
         assert pool.idle_bytes == 0
         assert_exact(second, b)

@@ -67,6 +67,10 @@ class CacheStats(msgspec.Struct, kw_only=True):
     :param errors: I/O errors reported while moving data (the data stayed where it was)
     :param cancelled: operations cancelled by their caller (each rolled back)
     :param orphans: segments whose cleanup failed, awaiting deletion
+    :param outputs_reused: tensors :meth:`~tieredkv.TieredKVCache.load` returned in memory an
+        earlier, dropped output left (already faulted in)
+    :param output_idle_bytes: memory of dropped outputs kept for later loads now (at most
+        ``output_reuse_bytes``)
     :param tiers: each tier's own counters, including bytes read and written
     """
 
@@ -86,6 +90,8 @@ class CacheStats(msgspec.Struct, kw_only=True):
     errors: int = 0
     cancelled: int = 0
     orphans: int = 0
+    outputs_reused: int = 0
+    output_idle_bytes: int = 0
     tiers: tuple[TierStats, ...] = ()
 
     @property
