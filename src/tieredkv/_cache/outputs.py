@@ -2,7 +2,7 @@
 caller drops them.
 
 A load into new tensors pays a page fault per 4 KiB of output the first time the copy
-touches it: on this project's 2-core VM, 75 ms per 512 MiB, a third of the time the SSD
+touches it: on this project's 2-core VM, 75 ms per 512 MiB, a fifth of the time the SSD
 needs to deliver those bytes. A serving loop loads a history, uses it and drops it, turn
 after turn, so the same amount of memory is faulted in again and again. Like a caching
 allocator, this pool keeps the memory of dropped outputs (up to ``keep_bytes`` idle) and
