@@ -187,3 +187,29 @@ def test_staging_keeps_its_newest_buffer_even_above_the_cap() -> None:
         pass  # both come back (the 12 MiB one first); only the last returned stays
     assert [len(b) for b in staging._free] == [8 << 20]
     staging.close()
+
+
+async def test_concurrent_loads_and_drops_from_other_threads_stay_exact(tmp_path: Path) -> None:
+    """Loads running side by side while earlier outputs are dropped in worker threads (the
+    finalizer then runs there): every load returns exactly its own history, and memory is
+    reused along the way."""
+    turns = {f"s{i}": turn(10 + i) for i in range(4)}
+    kept: list[dict[str, torch.Tensor]] = []
+    async with TieredKVCache(
+        [HostMemoryTier(8 << 20), SSDTier(tmp_path, 64 << 20)], output_reuse_bytes=16 << 20
+    ) as cache:
+        for name, t in turns.items():
+            await cache.append(name, t, answer_tokens=1)
+
+        async def load_and_check(name: str) -> None:
+            out = await cache.load(name)
+            assert_exact(out, turns[name])
+            kept.append(out)
+
+        for _ in range(5):
+            async with anyio.create_task_group() as tg:
+                for name in turns:
+                    tg.start_soon(load_and_check, name)
+            dropped, kept[:] = list(kept), []
+            await anyio.to_thread.run_sync(dropped.clear)  # last references go there
+        assert cache.stats().outputs_reused > 0
