@@ -20,19 +20,18 @@ lost sessions, unexpected exceptions.
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import os
 import random
 from collections import Counter
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
 import torch
 
+from tests.cancellation import CANCELS as KINDS
+from tests.cancellation import cancellable
 from tests.faults import FaultInjector
 from tests.invariants import Model, problems, wrong_bytes
 from tieredkv import HostMemoryTier, SSDTier, TieredKVCache, TieredKVError
@@ -40,7 +39,7 @@ from tieredkv.errors import SessionNotFoundError
 
 KIB = 1024
 SCALE = int(os.environ.get("TIEREDKV_CAMPAIGN_SCALE", "1"))
-CANCELS = ("task.cancel", "asyncio.timeout", "wait_for", "anyio", "none")
+CANCELS = (*KINDS, "none")
 
 
 def turn(tokens: int, seed: int) -> dict[str, torch.Tensor]:
@@ -57,41 +56,6 @@ def make_cache(directory: Path, mode: str, *, fsync: bool) -> TieredKVCache:
     # tier large enough that nothing acknowledged is ever lost for want of room
     tiers = [HostMemoryTier(1536 * KIB), SSDTier(directory, 512 << 20, fsync=fsync)]
     return TieredKVCache(tiers, mode=mode)  # type: ignore[arg-type]
-
-
-async def cancellable(
-    kind: str, delay: float, op: Callable[[], Awaitable[Any]]
-) -> tuple[bool, Any]:
-    """Run ``op`` under one kind of cancellation after ``delay`` seconds: (completed, result)."""
-    if kind == "task.cancel":
-        task = asyncio.get_running_loop().create_task(_await(op))
-        await asyncio.sleep(delay)
-        task.cancel()
-        try:
-            return True, await task
-        except asyncio.CancelledError:
-            return False, None
-    if kind == "asyncio.timeout":
-        try:
-            async with asyncio.timeout(delay):
-                return True, await op()
-        except TimeoutError:
-            return False, None
-    if kind == "wait_for":
-        try:
-            return True, await asyncio.wait_for(_await(op), delay)
-        except TimeoutError:
-            return False, None
-    if kind == "anyio":
-        result = None
-        with anyio.move_on_after(delay) as scope:
-            result = await op()
-        return not scope.cancelled_caught, result
-    return True, await op()
-
-
-async def _await(op: Callable[[], Awaitable[Any]]) -> Any:
-    return await op()
 
 
 class Campaign:

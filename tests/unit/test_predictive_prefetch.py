@@ -4,15 +4,12 @@ up while the cache is idle, when that gains more expected hits than it displaces
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import anyio
 import pytest
 import torch
 
+from tests.cancellation import CANCELS, cancellable
 from tests.invariants import problems
 from tieredkv import HostMemoryTier, SSDTier, TieredKVCache
 from tieredkv.errors import InvalidArgumentError
@@ -92,27 +89,7 @@ async def test_prefetch_predicted_without_foresight_does_nothing(tmp_path: Path)
             await cache.prefetch_predicted(scan=0)
 
 
-async def _cancel(how: str, delay: float, call: Callable[[], Awaitable[object]]) -> None:
-    """Run ``call`` and cancel it after ``delay`` seconds the way ``how`` says."""
-    if how == "anyio":
-        with anyio.move_on_after(delay):
-            await call()
-    elif how == "timeout":
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(delay):
-                await call()
-    elif how == "wait_for":
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(call(), delay)
-    else:  # task.cancel()
-        task = asyncio.ensure_future(call())
-        await asyncio.sleep(delay)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
-@pytest.mark.parametrize("how", ["anyio", "timeout", "wait_for", "task.cancel"])
+@pytest.mark.parametrize("how", CANCELS)
 async def test_cancelled_prefetch_predicted_leaves_the_cache_whole(
     tmp_path: Path, how: str
 ) -> None:
@@ -129,7 +106,7 @@ async def test_cancelled_prefetch_predicted_leaves_the_cache_whole(
                     if key in cache:
                         await cache.load(key)
                     await cache.append(key, turn(u, r), answer_tokens=40)
-            await _cancel(how, delay, lambda: cache.prefetch_predicted(limit=3))
+            await cancellable(how, delay, lambda: cache.prefetch_predicted(limit=3))
             assert problems(cache) == []
             for u in range(SESSIONS):
                 got = await cache.load(f"user-{u}")

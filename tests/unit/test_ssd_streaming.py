@@ -10,19 +10,16 @@ every failure.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import errno
 import itertools
 import mmap
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 import torch
 
+from tests.cancellation import CANCELS, cancellable
 from tests.faults import FaultInjector
 from tests.invariants import problems
 from tests.segments import SegmentFactory, read_back, store
@@ -450,27 +447,7 @@ async def test_a_first_span_shorter_than_the_header_is_refused(
         assert tier.stats().corrupt == 0
 
 
-async def _cancel(how: str, delay: float, call: Callable[[], Awaitable[object]]) -> None:
-    """Run ``call`` and cancel it after ``delay`` seconds the way ``how`` says."""
-    if how == "anyio":
-        with anyio.move_on_after(delay):
-            await call()
-    elif how == "timeout":
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(delay):
-                await call()
-    elif how == "wait_for":
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(call(), delay)
-    else:  # task.cancel()
-        task = asyncio.ensure_future(call())
-        await asyncio.sleep(delay)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
-@pytest.mark.parametrize("how", ["anyio", "timeout", "wait_for", "task.cancel"])
+@pytest.mark.parametrize("how", CANCELS)
 async def test_streamed_load_and_filled_append_survive_cancellation(
     ssd_dir: Path, how: str
 ) -> None:
@@ -482,9 +459,9 @@ async def test_streamed_load_and_filled_append_survive_cancellation(
         for i, t in enumerate(turns[:2]):
             await cache.append("user", t, answer_tokens=i, token_dim=1)
         for delay in (0.0, 0.0002, 0.001, 0.005):
-            await _cancel(how, delay, lambda: cache.load("user"))
+            await cancellable(how, delay, lambda: cache.load("user"))
             assert problems(cache) == []
-            await _cancel(
+            await cancellable(
                 how, delay, lambda: cache.append("user", turns[2], answer_tokens=2, token_dim=1)
             )
             assert problems(cache) == []
