@@ -41,7 +41,7 @@ import hmac
 import math
 import struct
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor, Future
 from typing import Any
 
@@ -71,6 +71,7 @@ __all__ = [
     "check_body_mac",
     "check_body_mac_digest",
     "check_header_mac",
+    "check_cuts",
     "check_int",
     "check_prefix",
     "derive_key",
@@ -284,6 +285,15 @@ class SegmentPlan:
         _pack_prefix(buf, self.header_bytes, body_hash)
 
 
+def check_cuts(cuts: Sequence[int], length: int) -> list[int]:
+    """``cuts`` as a list, if they cut ``length`` bytes into parts: strictly rising from 0
+    to ``length`` (at least one part); ``ValueError`` otherwise."""
+    cut = list(cuts)
+    if len(cut) < 2 or cut[0] != 0 or cut[-1] != length or sorted(set(cut)) != cut:
+        raise ValueError(f"cuts must rise from 0 to {length}, not {cut}")
+    return cut
+
+
 class PartWriter:
     """Fills a segment's buffer part by part, hashing each part as it is filled, so a tier
     can write part k while part k + 1 is serialized.
@@ -302,8 +312,7 @@ class PartWriter:
         cuts: list[int],
         hash_pool: Executor | None = None,
     ) -> None:
-        if cuts[0] != 0 or cuts[-1] != plan.length or sorted(set(cuts)) != cuts:
-            raise ValueError(f"cuts must rise from 0 to {plan.length}, not {cuts}")
+        check_cuts(cuts, plan.length)
         self._plan = plan
         self._buf = buf
         self.cuts = cuts

@@ -104,6 +104,7 @@ from ..payload import (
     body_mac_hasher,
     check_body_mac,
     check_body_mac_digest,
+    check_cuts,
     check_header_mac,
     check_int,
     check_prefix,
@@ -550,10 +551,7 @@ class SSDTier(Tier):
         is final, so serializing a segment and writing it overlap; the first part is
         written last. Atomic and durable as :meth:`write`.
         """
-        cut = list(cuts)
-        if len(cut) < 2 or cut[0] != 0 or cut[-1] != len(data) or sorted(set(cut)) != cut:
-            raise ValueError(f"cuts must rise from 0 to {len(data)}, not {cut}")
-        await self._write(key, data, (cut, fill))
+        await self._write(key, data, (check_cuts(cuts, len(data)), fill))
 
     async def _write(
         self,

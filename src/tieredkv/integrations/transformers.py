@@ -938,10 +938,7 @@ class TransformersAdapter:
         in_place = isinstance(self.codec, KVCodec)
         out = self._allocate(meta.tokens + (room if in_place else 0))
         tokens = await cache.load_into(session, out)
-        if tokens != meta.tokens:
-            raise HistoryMismatchError(
-                session, f"it holds {tokens} tokens where its metadata said {meta.tokens}"
-            )
+        _check_loaded(session, tokens, meta.tokens)
         if in_place:
             kv = [
                 (out[f"layers.{i}.k"][:, :tokens], out[f"layers.{i}.v"][:, :tokens])
@@ -1166,10 +1163,7 @@ class TransformersAdapter:
         in_place = isinstance(self.codec, KVCodec)
         out = self._allocate(meta.tokens + (room if in_place else 0))
         async with cache.load_layerwise(session, out, self._layer_groups()) as load:
-            if load.tokens != meta.tokens:
-                raise HistoryMismatchError(
-                    session, f"it holds {load.tokens} tokens where its metadata said {meta.tokens}"
-                )
+            _check_loaded(session, load.tokens, meta.tokens)
             model_cache = self._gated_cache(out, load, room)
             load.when_done(turn.loaded)
             began = await turn.go(time.perf_counter())
@@ -1301,6 +1295,15 @@ class _Turn:
             return now
         await go()
         return time.perf_counter()
+
+
+def _check_loaded(session: str, tokens: int, expected: int) -> None:
+    """Raise :class:`HistoryMismatchError` if a load brought ``tokens`` positions where the
+    session's metadata said ``expected``."""
+    if tokens != expected:
+        raise HistoryMismatchError(
+            session, f"it holds {tokens} tokens where its metadata said {expected}"
+        )
 
 
 def _wait(load: LayerwiseLoad, group: int) -> None:
