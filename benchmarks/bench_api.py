@@ -41,7 +41,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import anyio
@@ -109,18 +108,22 @@ class Steady:
         self.portal.call(self.cache.drop, "warm-up")
 
     def write(self, session: str, turns: list[Turn]) -> None:
-        for i, t in enumerate(turns):
-            self.portal.call(partial(self.cache.append, session, t, answer_tokens=i))
+        self.portal.call(append_turns, self.cache, session, turns)
 
     def close(self) -> None:
         self.portal.call(self.cache.aclose)
         self._portal_cm.__exit__(None, None, None)
 
 
+async def append_turns(cache: TieredKVCache, session: str, turns: list[Turn]) -> None:
+    """Each turn appended in order (durable as each append returns)."""
+    for i, t in enumerate(turns):
+        await cache.append(session, t, answer_tokens=i)
+
+
 async def tkv_write(root: Path, turns: list[Turn]) -> None:
     async with TieredKVCache([SSDTier(root, 64 << 30)]) as cache:
-        for i, t in enumerate(turns):
-            await cache.append("user", t, answer_tokens=i)
+        await append_turns(cache, "user", turns)
 
 
 async def tkv_load(root: Path) -> dict[str, torch.Tensor]:
