@@ -525,3 +525,78 @@ def test_fill_cuts_ramp_up_from_1_mib_at_tensor_starts() -> None:
     sizes = [b - a for a, b in itertools.pairwise(cuts[1:])]
     assert sizes[:4] == [1 << 20, 2 << 20, 4 << 20, 8 << 20]
     assert all(size <= 8 << 20 for size in sizes)
+
+
+def mib_turns(turns: int) -> list[dict[str, torch.Tensor]]:
+    """Turns of eight 1 MiB tensors: appended in ramped parts (1, 2, 4 MiB, ...), loaded
+    into outputs the cache reuses once dropped."""
+    g = torch.Generator().manual_seed(100 + turns)
+    return [
+        {f"l{i}": torch.randn(512, 1024, generator=g).half() for i in range(8)}
+        for _ in range(turns)
+    ]
+
+
+@pytest.mark.parametrize("how", CANCELS)
+async def test_ramped_appends_and_pooled_loads_survive_cancellation(
+    ssd_dir: Path, how: str
+) -> None:
+    """Appends cut into ramped parts and loads into reused output memory, cancelled at
+    several points by each kind of cancellation: the cache stays whole, and what was
+    committed loads back exactly, in memory earlier loads left behind."""
+    turns = mib_turns(3)
+    async with TieredKVCache([SSDTier(ssd_dir, CAPACITY)]) as cache:
+        header = plan_segment("u", 0, turns[0], token_dim=0, answer_tokens=0).header
+        assert len(fill_cuts(header, cache.tiers[0].span_bytes)) >= 5  # header + 4 parts
+        for i, t in enumerate(turns[:2]):
+            await cache.append("user", t, answer_tokens=i)
+        for delay in (0.0, 0.001, 0.005, 0.02):
+            await cancellable(how, delay, lambda: cache.load("user"))
+            assert problems(cache) == []
+            await cancellable(how, delay, lambda: cache.append("user", turns[2], answer_tokens=2))
+            assert problems(cache) == []
+            n = cache.channel["user"].turns
+            got = await cache.load("user")
+            assert all(torch.equal(got[k], torch.cat([t[k] for t in turns[:n]])) for k in got)
+            del got
+            if n == 3:
+                await cache.drop("user")
+                for i, t in enumerate(turns[:2]):
+                    await cache.append("user", t, answer_tokens=i)
+        assert cache.stats().outputs_reused > 0
+
+
+async def test_an_io_error_at_each_os_call_of_a_ramped_append_loses_nothing(
+    ssd_dir: Path,
+) -> None:
+    """Fail each os call of an append cut into ramped parts, in turn: the append raises an
+    I/O error and leaves no trace, or it committed; the cache stays consistent, and the
+    history loads back exactly what was committed."""
+    turns = mib_turns(2)
+    async with TieredKVCache([SSDTier(ssd_dir, CAPACITY)]) as cache:
+        await cache.append("user", turns[0], answer_tokens=0)
+        with FaultInjector() as faults:
+            with faults.paused():
+                before = dict(faults.calls)
+                await cache.append("probe", turns[1], answer_tokens=0)
+            calls = {site: n - before.get(site, 0) for site, n in faults.calls.items()}
+        await cache.drop("probe")
+        assert calls.get("pwrite", 0) + calls.get("pwritev", 0) >= 5, calls
+        failed = 0
+        for site, count in calls.items():
+            for nth in range(1, count + 1):
+                with FaultInjector() as faults:
+                    faults.fail_nth(site, faults.calls[site] + nth, errno.EIO)
+                    try:
+                        await cache.append("user", turns[1], answer_tokens=1)
+                    except TierIOError:
+                        failed += 1
+                assert problems(cache) == [], (site, nth)
+                n = cache.channel["user"].turns
+                got = await cache.load("user")
+                want = {k: torch.cat([t[k] for t in turns[:n]]) for k in turns[0]}
+                assert all(torch.equal(got[k], v) for k, v in want.items()), (site, nth)
+                if n == 2:  # committed despite the fault (it struck after the commit point)
+                    await cache.drop("user")
+                    await cache.append("user", turns[0], answer_tokens=0)
+        assert failed >= sum(calls.values()) // 2, (failed, calls)
