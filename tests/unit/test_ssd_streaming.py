@@ -545,9 +545,10 @@ async def test_ramped_appends_and_pooled_loads_survive_cancellation(
     several points by each kind of cancellation: the cache stays whole, and what was
     committed loads back exactly, in memory earlier loads left behind."""
     turns = mib_turns(3)
-    async with TieredKVCache([SSDTier(ssd_dir, CAPACITY)]) as cache:
-        header = plan_segment("u", 0, turns[0], token_dim=0, answer_tokens=0).header
-        assert len(fill_cuts(header, cache.tiers[0].span_bytes)) >= 5  # header + 4 parts
+    tier = SSDTier(ssd_dir, CAPACITY)
+    header = plan_segment("u", 0, turns[0], token_dim=0, answer_tokens=0).header
+    assert len(fill_cuts(header, tier.span_bytes)) >= 5  # the header and 4 parts
+    async with TieredKVCache([tier]) as cache:
         for i, t in enumerate(turns[:2]):
             await cache.append("user", t, answer_tokens=i)
         for delay in (0.0, 0.001, 0.005, 0.02):
