@@ -279,7 +279,7 @@ class SSDTier(Tier):
         return (
             f"the filesystem holding {str(self.directory)!r} is full (or its quota is used "
             f"up): free space there, or give the tier a capacity below the space it has "
-            f"free (capacity is {self._capacity:,} bytes, {self._used:,} in use)"
+            f"free (its capacity is {self._capacity:,} bytes)"
         )
 
     def _check_open(self) -> anyio.CapacityLimiter:
@@ -540,7 +540,7 @@ class SSDTier(Tier):
                 pool.shutdown(wait=True)
         self._readers = self._hasher = self._copier = None
         while self._spare:
-            close_mapping(self._spare.pop(), "span buffer")
+            close_mapping(self._spare.pop(), f"tier {self.name!r}'s span buffer", collect=True)
         if self._doomed:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self._remove_doomed)
