@@ -194,3 +194,29 @@ async def test_open_retries_in_a_worker_thread(ssd_dir: Path, seg: SegmentFactor
                 assert len(list(tier.keys())) == len(segs)
             tg.cancel_scope.cancel()
     assert ticks > 2
+
+
+async def test_set_aside_names_what_the_last_open_quarantined(
+    ssd_dir: Path, seg: SegmentFactory
+) -> None:
+    """set_aside(session) lists the turns of that session whose files the last open found
+    damaged (matched by file name, the header being garbage), and only the last open's;
+    quarantine(key, why) moves one committed file aside byte for byte and forgets it, and
+    refuses a key the tier does not hold."""
+    segs = await stored(ssd_dir, seg)
+    s01 = next(s for s in segs if s.key == ("s0", 1))
+    path = ssd_dir / "segments" / segment_file_name(s01.key)
+    path.write_bytes(b"\0" * 4096)
+    async with SSDTier(ssd_dir, CAPACITY) as tier:
+        assert tier.set_aside("s0") == (1,)
+        assert tier.set_aside("s1") == ()
+        s10 = next(s for s in segs if s.key == ("s1", 0))
+        await tier.quarantine(s10.key, "a test moved it")
+        assert not tier.contains(s10.key)
+        with pytest.raises(KeyError):
+            await tier.quarantine(s10.key, "again")
+    moved = sorted(p.read_bytes() for p in (ssd_dir / "quarantine").iterdir())
+    assert moved == sorted([b"\0" * 4096, s10.data])
+    async with SSDTier(ssd_dir, CAPACITY) as tier:
+        assert tier.set_aside("s0") == ()
+        assert len(list(tier.keys())) == len(segs) - 2
