@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -187,3 +190,36 @@ async def test_a_cancelled_close_still_writes_down_and_closes(
         await cache.load("c0")
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
     assert await came_back(root) == list(range(CONVERSATIONS))
+
+
+async def test_out_of_time_in_inclusive_mode_leaves_no_older_history(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inclusive mode with a slow SSD (each write sleeps 10 ms in its worker thread), each
+    conversation's three turns appended back to back, closed with close_timeout=0 right
+    after the appends, while the write-through is far behind:
+    the copies stop at a segment's end, and each conversation whose SSD copy is incomplete
+    has that part removed and is counted as unsaved. After a reopen every conversation is
+    back whole (all three turns) or not at all: never an older, shorter history."""
+    real_pwrite = os.pwrite
+
+    def slow_pwrite(*args: Any) -> int:
+        time.sleep(0.01)
+        return real_pwrite(*args)
+
+    monkeypatch.setattr(os, "pwrite", slow_pwrite)
+    root = tmp_path / "ssd"
+    tiers = [HostMemoryTier(8 << 20), SSDTier(root, SSD, fsync=False)]
+    cache = TieredKVCache(tiers, mode="inclusive", close_timeout=0)
+    async with cache:
+        for c in range(CONVERSATIONS):
+            for t in range(TURNS):
+                await cache.append(f"c{c}", turn(c, t), answer_tokens=5)
+        behind = [s for s in cache.sessions() if "ssd" not in cache.channel[s].copies]
+    monkeypatch.undo()
+    assert len(behind) > 10
+    stats = cache.stats()
+    assert 0 < stats.unsaved <= len(behind)
+    assert stats.written_down == 0
+    back = await came_back(root)
+    assert len(back) == CONVERSATIONS - stats.unsaved
