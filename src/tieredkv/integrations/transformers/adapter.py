@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import torch
 
-from ...codecs import Codec, TurnTensors, layer_groups, missing_members
+from ...codecs import Codec, TurnTensors, layer_groups
 from ...errors import SessionNotFoundError
 from ...meta import KVMeta
 from .capture import ActivationCapture
 from .chat import ChatTurn, TurnRun, sampler, token_ids
-from .choice import CodecAsked, inspect_model
+from .choice import CodecAsked, check_asked, inspect_model
 from .errors import HistoryMismatchError, check_loaded, require_transformers
 from .modelcache import ModelCaches, layer_kv
 from .runner import ModelRunner
@@ -39,10 +39,11 @@ _GREEDY = sampler(0.0, None, None, None)
 class TransformersAdapter:
     """Moves one model's per-conversation KV between transformers and :class:`TieredKVCache`.
 
-    Construction runs one short forward pass (four tokens, into a fresh
-    cache; the model is left as found) to read the shape of the model's K/V, and, where the
-    activation codec is offered, checks that re-projecting that pass's activations gives
-    back its K/V.
+    Construction runs one short forward pass (four tokens, into a fresh cache; the model is
+    left as found) to read the shape of the model's K/V, and, where the activation codec is
+    offered, checks that re-projecting that pass's activations gives back its K/V. The
+    adapter knows a codec only through the :class:`~tieredkv.codecs.Codec` protocol, so a
+    codec object of your own serves as the shipped ones do.
 
     :param model: a decoder-only causal-LM model whose cache holds per-layer keys and
         values, in eval mode
@@ -61,7 +62,10 @@ class TransformersAdapter:
         codec, each layer's stored activation is re-projected as it arrives). Answers are
         the same; nothing is returned or stored before every byte is verified
     :raises UnsupportedModelError: for a model whose cache is not per-layer K/V (the message
-        names the model type and why), or ``codec="act"`` where it is not exact
+        names the model type and why), or ``codec="act"`` (or a codec that needs
+        activations) where it is not exact
+    :raises ValueError: for a ``codec`` that is none of those (naming what a codec object
+        lacks of the protocol)
     :raises ArchitectureMismatchError: if the registered architecture of the model's type
         does not match its modules (not raised with ``codec="kv"``, which needs none)
     :raises TransformersMissingError: (an ``ImportError``) without transformers installed
@@ -77,11 +81,7 @@ class TransformersAdapter:
         layerwise: bool = False,
     ) -> None:
         require_transformers()
-        if not (codec in ("auto", "kv", "act") or isinstance(codec, Codec)):
-            lacks = (
-                "" if isinstance(codec, str) else f" (it lacks {', '.join(missing_members(codec))})"
-            )
-            raise ValueError(f"codec must be 'auto', 'kv', 'act' or a Codec, not {codec!r}{lacks}")
+        check_asked(codec)
         if tag is not None and not tag:
             raise ValueError("tag must be non-empty text (or None)")
         if recycle_bytes < 0:
@@ -253,10 +253,10 @@ class TransformersAdapter:
         """The session's history as a ``DynamicCache`` on the model's device.
 
         Checks first (:meth:`check_history`), then loads straight into tensors on the
-        model's device (``cache.load_into``) and decodes them in a worker thread. With the
-        K/V codec the loaded tensors *are* the model cache's buffers (one copy, from the
-        tier); ``room`` free positions after the history let the coming turn's tokens
-        (query + answer) be appended without reallocating.
+        model's device (``cache.load_into``) and decodes them in a worker thread. With a
+        codec that decodes in place (K/V) the loaded tensors *are* the model cache's buffers
+        (one copy, from the tier); ``room`` free positions after the history let the coming
+        turn's tokens (query + answer) be appended without reallocating.
 
         :raises SessionNotFoundError: if the cache holds no history for the session
         :raises HistoryMismatchError: if it does not fit the model (nothing is loaded)

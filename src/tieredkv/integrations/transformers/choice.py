@@ -16,16 +16,16 @@ from typing import Any, Literal, TypeAlias
 import msgspec
 import torch
 
-from ...codecs import ActivationCodec, Codec, KVCodec, ModelAccess, ModelSpec
+from ...codecs import ActivationCodec, Codec, KVCodec, ModelAccess, ModelSpec, missing_members
 from ..architectures import Architecture
 from .capture import ActivationCapture
 from .errors import UnsupportedModelError
 from .probe import architecture_of, cache_layout, model_type_of, rope_types, run_probe, spec_of
 from .reproject import ArchitectureAccess, KVOnlyAccess, k_modules
 
-__all__ = ["LENGTH_DEPENDENT_ROPE", "CodecAsked", "ModelFacts", "inspect_model"]
+__all__ = ["LENGTH_DEPENDENT_ROPE", "CodecAsked", "ModelFacts", "check_asked", "inspect_model"]
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger(__name__.rpartition(".")[0])  # the package's: its public name
 
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 """RoPE types whose frequencies depend on the sequence length (and on the rotary module's
@@ -56,6 +56,15 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     k_modules: list[torch.nn.Module]
     codec: Codec
     reason: str
+
+
+def check_asked(asked: object) -> None:
+    """Raise ``ValueError`` unless ``asked`` is ``"auto"``, ``"kv"``, ``"act"`` or a
+    :class:`~tieredkv.codecs.Codec` (naming what a codec object lacks of the protocol)."""
+    if asked in ("auto", *_NAMED) or isinstance(asked, Codec):
+        return
+    lacks = "" if isinstance(asked, str) else f" (it lacks {', '.join(missing_members(asked))})"
+    raise ValueError(f"codec must be 'auto', 'kv', 'act' or a Codec, not {asked!r}{lacks}")
 
 
 def _activation_refusal(model: Any, model_type: str, entry: Architecture | None) -> str | None:

@@ -191,6 +191,7 @@ def run_probe(
 
 
 def ffn_size(config: Any) -> int:
+    """The feed-forward width the config names (four times the hidden size if none)."""
     for name in ("ffn_dim", "intermediate_size", "n_inner"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
@@ -199,6 +200,8 @@ def ffn_size(config: Any) -> int:
 
 
 def spec_of(model: Any, model_type: str, probe: Probe, entry: Architecture | None) -> ModelSpec:
+    """The model's :class:`~tieredkv.codecs.ModelSpec`, from its config, the probe and
+    its registered architecture (``None``: rotary if it has a rotary module, FFN ungated)."""
     config = model.config
     if entry is not None:
         rotary, gated = entry.rotary != "none", entry.gated_ffn
@@ -233,6 +236,7 @@ def model_spec(model: Any) -> ModelSpec:
 
 
 def architecture_of(model_type: str) -> Architecture | None:
+    """The registered architecture of ``model_type``, or ``None``."""
     try:
         return get_architecture(model_type)
     except KeyError:
