@@ -119,7 +119,8 @@ class ServingEngine:
     :param scheduler: decides what runs and what loads, e.g. ``FCFS()`` or
         ``BidawScheduler()``
     :param recompute: never restore KV: prefill the whole history every turn (the
-        no-cache baseline); the cache is then only used to hold nothing
+        no-cache baseline, the adapter's ``recompute``); the cache is then only used to
+        hold nothing
     :param clock: time source (``time.monotonic``)
     :param lookahead: how many waiting sessions to publish on the metadata channel (for
         queue-aware eviction)

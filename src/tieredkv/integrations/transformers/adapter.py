@@ -295,6 +295,8 @@ class TransformersAdapter:
         prefill = token_ids(tokens, "tokens")
         if prefill.numel() == 0:
             raise ValueError("there are no tokens to prefill")
+        # the in-place model cache and forward-pass code of a cached turn: only the prefill
+        # differs, so the baseline's answers and costs compare with the cached turns'
         model_cache = self.new_model_cache(int(prefill.numel()) + max_new_tokens)
 
         def run() -> list[int]:
