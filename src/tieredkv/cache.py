@@ -61,7 +61,7 @@ from ._cache.sharing import check_writer, discover, shared_tiers
 from ._cache.state import CacheStats, Core, Session, check_key, check_tiers, policies_per_tier
 from ._cache.turns import commit_append, commit_load, plan_turn, restore, store
 from ._cache.writethrough import WriteThrough
-from .backends.base import Tier
+from .backends.base import AddressableTier, Tier
 from .errors import (
     ClosedError,
     CorruptSegmentError,
@@ -263,6 +263,15 @@ class TieredKVCache:
         if s is None or s.primary is None:
             return None
         return self._core.tiers[s.primary].name
+
+    def addressable(self, session: str) -> bool:
+        """Whether the session's history is served from an addressable tier (host memory,
+        mmap: an :class:`~tieredkv.backends.base.AddressableTier`), whose bytes a load copies
+        out with no read; ``False`` if it is stored nowhere."""
+        s = self._core.sessions.get(session)
+        if s is None or s.primary is None:
+            return False
+        return isinstance(self._core.tiers[s.primary], AddressableTier)
 
     def contains(self, session: str) -> bool:
         """Whether the session's history is stored in some tier."""

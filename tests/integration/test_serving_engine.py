@@ -229,7 +229,7 @@ async def test_a_name_reused_after_its_conversation_ended_starts_afresh(
     """A new conversation under an ended one's name, submitted as the old one's KV is being
     dropped, is a first turn: nothing of the old history is restored, and it answers like
     a model that never saw the old conversation."""
-    from tieredkv.serve.engine import greedy_generate
+    from tieredkv.serve import greedy_generate
 
     adapter = adapter_factory("kv")  # type: ignore[operator]
     first = TurnRequest(session="a", query=(5, 6, 7, 8), answer_tokens=3, last=True)

@@ -32,6 +32,7 @@ from transformers import (
 )
 
 from tests.invariants import problems
+from tests.packed_codec import PackedKV
 from tieredkv import HostMemoryTier, SessionNotFoundError, SSDTier, TieredKVCache
 from tieredkv.backends.ssd import segment_file_name
 from tieredkv.integrations import architectures
@@ -102,6 +103,10 @@ def qwen2(dtype: torch.dtype = torch.float32) -> Any:
     return _randomize_biases(Qwen2ForCausalLM(cfg)).to(dtype)
 
 
+CODECS: dict[str, Any] = {"kv": "kv", "act": "act", "packed": PackedKV()}
+"""The codec argument of each test id: the two shipped codecs by name, and a codec object
+the adapter knows nothing of (:class:`tests.packed_codec.PackedKV`)."""
+
 MODELS: dict[str, Callable[[], Any]] = {
     "opt": opt,
     "llama-mha": llama,
@@ -155,11 +160,11 @@ def queries(n: int, length: int = 5, seed: int = 1) -> list[list[int]]:
     return [torch.randint(3, 128, (length,), generator=g).tolist() for _ in range(n)]
 
 
-@pytest.mark.parametrize("codec", ["kv", "act"])
+@pytest.mark.parametrize("codec", ["kv", "act", "packed"])
 @pytest.mark.parametrize("arch", sorted(MODELS))
 async def test_multi_turn_greedy_chat_is_lossless(arch: str, codec: str, ssd_dir: Path) -> None:
     model = MODELS[arch]()
-    adapter = TransformersAdapter(model, codec=codec)  # type: ignore[arg-type]
+    adapter = TransformersAdapter(model, codec=CODECS[codec])
     # a turn stores 5 + 4 tokens; the host tier holds two and a half such segments, so the
     # two conversations take turns there, and from the third turn on are served from the SSD
     segment = plan_segment("x", 0, adapter_layout(adapter, 9), token_dim=0, answer_tokens=4)
@@ -372,8 +377,33 @@ async def test_the_adapter_is_what_the_serving_engine_needs(cache: TieredKVCache
     assert isinstance(ChatOnly(), ChatAdapter)
     assert not isinstance(ChatOnly(), RecomputingAdapter)
     ServingEngine(ChatOnly(), cache, FCFS())
-    with pytest.raises(TypeError, match=r"ChatOnly needs a model attribute and new_model_cache"):
+    with pytest.raises(TypeError, match=r"ChatOnly needs an async recompute\(tokens"):
         ServingEngine(ChatOnly(), cache, FCFS(), recompute=True)
+
+
+async def test_recompute_answers_from_the_tokens_alone_and_touches_no_cache(
+    cache: TieredKVCache,
+) -> None:
+    model = llama()
+    adapter = TransformersAdapter(model, codec="kv")
+    history: list[int] = []
+    for query in queries(2):
+        turn = await adapter.chat_turn(cache, "s", query, max_new_tokens=4, history=history)
+        history += query + list(turn.answer)
+    before = cache.stats()
+    query = queries(3)[2]
+    answer = await adapter.recompute(history + query, max_new_tokens=4)
+    assert list(answer) == recompute_greedy(model, history + query, 4)
+    # the cached turn gives the same answer: the baseline differs only in what it prefills
+    turn = await adapter.chat_turn(cache, "s", query, max_new_tokens=4, history=history)
+    assert turn.answer == answer
+    assert turn.restored_tokens == len(history)
+    assert before.appends + 1 == cache.stats().appends
+    assert before.loads + 1 == cache.stats().loads
+    with pytest.raises(ValueError, match="at least 1"):
+        await adapter.recompute(query, max_new_tokens=0)
+    with pytest.raises(ValueError, match="no tokens to prefill"):
+        await adapter.recompute([], max_new_tokens=2)
 
 
 @pytest.mark.parametrize(
@@ -590,13 +620,21 @@ def count_streams(cache: TieredKVCache) -> list[str]:
 
 @pytest.mark.parametrize(
     ("arch", "codec"),
-    [("llama-mha", "kv"), ("llama-gqa", "kv"), ("qwen2", "act"), ("opt", "act"), ("mistral", "kv")],
+    [
+        ("llama-mha", "kv"),
+        ("llama-gqa", "kv"),
+        ("qwen2", "act"),
+        ("opt", "act"),
+        ("mistral", "kv"),
+        ("llama-gqa", "packed"),
+        ("mistral", "packed"),
+    ],
 )
 async def test_layerwise_restore_answers_like_recompute(
     arch: str, codec: str, ssd_dir: Path
 ) -> None:
     model = mistral_sliding() if arch == "mistral" else MODELS[arch]()
-    adapter = TransformersAdapter(model, codec=codec, layerwise=True)  # type: ignore[arg-type]
+    adapter = TransformersAdapter(model, codec=CODECS[codec], layerwise=True)
     segment = plan_segment("x", 0, adapter_layout(adapter, 9), token_dim=0, answer_tokens=4)
     host = HostMemoryTier(segment.length * 5 // 2 // 4096 * 4096)
     histories: dict[str, list[int]] = {"alice": [], "bob": []}

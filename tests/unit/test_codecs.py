@@ -16,6 +16,8 @@ from tieredkv.codecs import (
     TurnTensors,
     cost_efficiency,
     layer_flops_per_token,
+    layer_groups,
+    missing_members,
 )
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -102,10 +104,62 @@ def activations(spec: ModelSpec, tokens: int, device: str = "cpu") -> list[torch
     ]
 
 
+def random_kv(seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Two layers' K and V of 5 tokens for :data:`TINY_OPT`."""
+    g = torch.Generator().manual_seed(seed)
+    keys = [torch.randn(4, 5, 16, generator=g) for _ in range(2)]
+    values = [torch.randn(4, 5, 16, generator=g) for _ in range(2)]
+    return keys, values
+
+
 def test_both_codecs_implement_the_protocol() -> None:
     assert isinstance(KVCodec(), Codec)
     assert isinstance(ActivationCodec(), Codec)
     assert isinstance(FakeModel(TINY_OPT), ModelAccess)
+
+
+def test_each_codec_says_whether_it_decodes_in_place() -> None:
+    assert KVCodec().decodes_in_place
+    assert not ActivationCodec().decodes_in_place
+    assert missing_members(KVCodec()) == missing_members(ActivationCodec()) == []
+    assert "decode_layer" in missing_members(FakeModel(TINY_OPT))
+
+
+def test_layer_groups_split_the_layout_per_layer_in_order() -> None:
+    assert layer_groups(KVCodec(), TINY_OPT) == [
+        ["layers.0.k", "layers.0.v"],
+        ["layers.1.k", "layers.1.v"],
+    ]
+    assert layer_groups(ActivationCodec(), TINY_GQA) == [["layers.0.act"], ["layers.1.act"]]
+
+    class Uneven(KVCodec):
+        def layout(self, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+            return {"layers.0.k": (4, -1, 16), "layers.0.v": (4, -1, 16), "layers.1.k": (4, -1, 16)}
+
+    with pytest.raises(CodecInputError, match="not the same number for each of the 2 layers"):
+        layer_groups(Uneven(), TINY_OPT)
+
+
+def test_decode_layer_gives_what_decode_gives_for_that_layer() -> None:
+    keys, values = random_kv(4)
+    kv = KVCodec()
+    stored = kv.encode(TurnTensors(keys, values), TINY_OPT)
+    for i, group in enumerate(layer_groups(kv, TINY_OPT)):
+        k, v = kv.decode_layer({n: stored[n] for n in group}, FakeModel(TINY_OPT), i)
+        assert k is stored[f"layers.{i}.k"]  # in place: the stored tensors themselves
+        assert v is stored[f"layers.{i}.v"]
+    act = ActivationCodec()
+    model = FakeModel(TINY_GQA)
+    stored = act.encode(TurnTensors([], [], activations(TINY_GQA, 6)), TINY_GQA)
+    whole = act.decode(stored, model, start=7)
+    for i, group in enumerate(layer_groups(act, TINY_GQA)):
+        k, v = act.decode_layer({n: stored[n] for n in group}, model, i, start=7)
+        assert torch.equal(k, whole[i][0])
+        assert torch.equal(v, whole[i][1])
+    with pytest.raises(CodecInputError, match="do not fit this model"):
+        act.decode_layer(stored, model, 0)  # every layer's names, not layer 0's alone
+    with pytest.raises(CodecInputError, match=r"expected \[tokens, 64\]"):
+        act.decode_layer({"layers.1.act": torch.zeros(3, 32)}, model, 1)
 
 
 def test_fingerprint_names_every_shape_fact() -> None:
@@ -144,9 +198,7 @@ def test_opt_13b_cost_efficiency_matches_the_paper() -> None:
 
 
 def test_kv_codec_round_trips_as_is() -> None:
-    g = torch.Generator().manual_seed(2)
-    keys = [torch.randn(4, 5, 16, generator=g) for _ in range(2)]
-    values = [torch.randn(4, 5, 16, generator=g) for _ in range(2)]
+    keys, values = random_kv(2)
     codec = KVCodec()
     stored = codec.encode(TurnTensors(keys, values), TINY_OPT)
     assert sorted(stored) == sorted(codec.layout(TINY_OPT))

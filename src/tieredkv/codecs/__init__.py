@@ -11,6 +11,8 @@ from .base import ModelSpec as ModelSpec
 from .base import TurnTensors as TurnTensors
 from .base import cost_efficiency as cost_efficiency
 from .base import layer_flops_per_token as layer_flops_per_token
+from .base import layer_groups as layer_groups
+from .base import missing_members as missing_members
 from .kv import KVCodec as KVCodec
 
 __all__ = [
@@ -23,4 +25,6 @@ __all__ = [
     "TurnTensors",
     "cost_efficiency",
     "layer_flops_per_token",
+    "layer_groups",
+    "missing_members",
 ]

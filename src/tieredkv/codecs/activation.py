@@ -7,7 +7,14 @@ from collections.abc import Mapping
 
 import torch
 
-from .base import CodecInputError, ModelAccess, ModelSpec, TurnTensors, check_layers
+from .base import (
+    CodecInputError,
+    ModelAccess,
+    ModelSpec,
+    TurnTensors,
+    check_layers,
+    decode_by_layer,
+)
 
 __all__ = ["ActivationCodec"]
 
@@ -31,11 +38,13 @@ class ActivationCodec:
     serving stream leaves idle; the caller's current stream waits for it before it uses the
     result. The stream has CUDA's least priority (0, like the default stream): it yields to
     work on streams created with a higher (negative) priority, as a serving engine's
-    decoding stream should be.
+    decoding stream should be. :meth:`decode_layer` (one layer, inside a layer-wise
+    restore's forward pass) runs on the caller's stream.
     """
 
     name = "act"
     needs_activations = True
+    decodes_in_place = False
 
     def __init__(self) -> None:
         self._streams: dict[int, torch.cuda.Stream] = {}
@@ -77,15 +86,22 @@ class ActivationCodec:
         names = [f"layers.{i}.act" for i in range(spec.layers)]
         check_layers(self.name, stored, names)
         acts = [stored[n] for n in names]
+        tokens = acts[0].shape[0] if acts[0].dim() else 0
+        for i, x in enumerate(acts):
+            if x.dim() != 2 or x.shape != (tokens, spec.hidden_size):
+                raise CodecInputError(
+                    self.name,
+                    f"layer {i} activation has shape {tuple(x.shape)}; expected "
+                    f"[{tokens}, {spec.hidden_size}]",
+                )
         device = acts[0].device
         if device.type != "cuda":
-            with torch.no_grad():
-                return self._project(acts, model, start)
+            return decode_by_layer(self, stored, model, start)
         current = torch.cuda.current_stream(device)
         stream = self._stream(device)
         stream.wait_stream(current)  # the activations were produced on the current stream
-        with torch.no_grad(), torch.cuda.stream(stream):
-            out = self._project(acts, model, start)
+        with torch.cuda.stream(stream):
+            out = decode_by_layer(self, stored, model, start)
         current.wait_stream(stream)
         for k, v in out:  # allocated on the side stream, used on the current one
             k.record_stream(current)
@@ -94,30 +110,31 @@ class ActivationCodec:
             a.record_stream(stream)
         return out
 
-    def _project(
-        self, acts: list[torch.Tensor], model: ModelAccess, start: int
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def decode_layer(
+        self, stored: Mapping[str, torch.Tensor], model: ModelAccess, layer: int, *, start: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         spec = model.spec
-        tokens = acts[0].shape[0]
-        positions = torch.arange(start, start + tokens, device=acts[0].device)
-        out: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i, x in enumerate(acts):
-            if x.dim() != 2 or x.shape != (tokens, spec.hidden_size):
-                raise CodecInputError(
-                    self.name,
-                    f"layer {i} activation has shape {tuple(x.shape)}; expected "
-                    f"[{tokens}, {spec.hidden_size}]",
-                )
-            k, v = model.project_kv(i, x, positions)
-            want = (spec.kv_heads, tokens, spec.head_dim)
-            if tuple(k.shape) != want or tuple(v.shape) != want:
-                raise CodecInputError(
-                    self.name,
-                    f"the model re-projected layer {i} to K {tuple(k.shape)} and V "
-                    f"{tuple(v.shape)}; expected {want}",
-                )
-            out.append((k, v))
-        return out
+        name = f"layers.{layer}.act"
+        check_layers(self.name, stored, [name])
+        x = stored[name]
+        if x.dim() != 2 or x.shape[1] != spec.hidden_size:
+            raise CodecInputError(
+                self.name,
+                f"layer {layer} activation has shape {tuple(x.shape)}; expected "
+                f"[tokens, {spec.hidden_size}]",
+            )
+        tokens = x.shape[0]
+        positions = torch.arange(start, start + tokens, device=x.device)
+        with torch.no_grad():
+            k, v = model.project_kv(layer, x, positions)
+        want = (spec.kv_heads, tokens, spec.head_dim)
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise CodecInputError(
+                self.name,
+                f"the model re-projected layer {layer} to K {tuple(k.shape)} and V "
+                f"{tuple(v.shape)}; expected {want}",
+            )
+        return k, v
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         index = device.index if device.index is not None else torch.cuda.current_device()

@@ -38,6 +38,8 @@ __all__ = [
     "TurnTensors",
     "cost_efficiency",
     "layer_flops_per_token",
+    "layer_groups",
+    "missing_members",
 ]
 
 
@@ -144,7 +146,17 @@ class Codec(Protocol):
 
     @property
     def needs_activations(self) -> bool:
-        """Whether :meth:`encode` needs :attr:`TurnTensors.activations`."""
+        """Whether :meth:`encode` needs :attr:`TurnTensors.activations` (and decoding
+        re-projects them with :meth:`ModelAccess.project_kv`): an integration offers such
+        a codec only for models it can re-project."""
+        ...
+
+    @property
+    def decodes_in_place(self) -> bool:
+        """Whether :meth:`decode` and :meth:`decode_layer` return the stored tensors
+        themselves as K and V (views, nothing computed, so they may be called before the
+        bytes land): a history then loads straight into the buffers the model's cache
+        goes on appending to."""
         ...
 
     def token_dim(self, spec: ModelSpec) -> int:
@@ -153,7 +165,8 @@ class Codec(Protocol):
 
     def layout(self, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         """Name and shape of every stored tensor, ``-1`` for the token dimension; each has
-        the model's dtype."""
+        the model's dtype. Listed layer by layer (layer 0's names first), the same number
+        of names per layer (see :func:`layer_groups`)."""
         ...
 
     def encode(self, turn: TurnTensors, spec: ModelSpec) -> dict[str, torch.Tensor]:
@@ -165,6 +178,14 @@ class Codec(Protocol):
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's ``(K, V)``, ``[kv_heads, tokens, head_dim]``, from stored tensors
         whose first token sits at absolute position ``start``."""
+        ...
+
+    def decode_layer(
+        self, stored: Mapping[str, torch.Tensor], model: ModelAccess, layer: int, *, start: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s ``(K, V)`` from its own stored tensors alone (its group of
+        :func:`layer_groups`), on the caller's current CUDA stream: a layer-wise restore
+        decodes each layer as it lands, in the model's forward pass."""
         ...
 
     def bytes_per_token(self, spec: ModelSpec) -> int:
@@ -219,3 +240,41 @@ def check_layers(codec: str, stored: Mapping[str, torch.Tensor], names: Sequence
         if extra:
             detail.append(f"unexpected {extra[:4]}{' ...' if len(extra) > 4 else ''}")
         raise CodecInputError(codec, f"stored tensors do not fit this model ({'; '.join(detail)})")
+
+
+def missing_members(obj: object) -> list[str]:
+    """The members of the :class:`Codec` protocol that ``obj`` lacks (none: it is a
+    codec), to say what a codec written for an older protocol must add."""
+    return sorted(
+        name for name in vars(Codec) if not name.startswith("_") and not hasattr(obj, name)
+    )
+
+
+def layer_groups(codec: Codec, spec: ModelSpec) -> list[list[str]]:
+    """The names of ``codec``'s :meth:`~Codec.layout`, one group per layer, in layer order
+    (what :meth:`~Codec.decode_layer` takes, and what a layer-wise load lands in turn).
+
+    :raises CodecInputError: if the layout does not split evenly into ``spec.layers`` groups
+    """
+    names = list(codec.layout(spec))
+    per, rest = divmod(len(names), spec.layers)
+    if per == 0 or rest:
+        raise CodecInputError(
+            codec.name,
+            f"its layout lists {len(names)} tensors, not the same number for each of the "
+            f"{spec.layers} layers",
+        )
+    return [names[i * per : (i + 1) * per] for i in range(spec.layers)]
+
+
+def decode_by_layer(
+    codec: Codec, stored: Mapping[str, torch.Tensor], model: ModelAccess, start: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:meth:`Codec.decode` as :meth:`Codec.decode_layer` of each layer in turn, after
+    checking that ``stored`` holds exactly the layout's names."""
+    groups = layer_groups(codec, model.spec)
+    check_layers(codec.name, stored, [name for group in groups for name in group])
+    return [
+        codec.decode_layer({name: stored[name] for name in group}, model, i, start=start)
+        for i, group in enumerate(groups)
+    ]

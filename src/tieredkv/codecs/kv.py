@@ -23,6 +23,7 @@ class KVCodec:
 
     name = "kv"
     needs_activations = False
+    decodes_in_place = True
 
     def token_dim(self, spec: ModelSpec) -> int:
         return 1
@@ -58,6 +59,13 @@ class KVCodec:
         names = [f"layers.{i}.{tag}" for i in range(layers) for tag in ("k", "v")]
         check_layers(self.name, stored, names)
         return [(stored[f"layers.{i}.k"], stored[f"layers.{i}.v"]) for i in range(layers)]
+
+    def decode_layer(
+        self, stored: Mapping[str, torch.Tensor], model: ModelAccess, layer: int, *, start: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        names = (f"layers.{layer}.k", f"layers.{layer}.v")
+        check_layers(self.name, stored, names)
+        return stored[names[0]], stored[names[1]]
 
     def bytes_per_token(self, spec: ModelSpec) -> int:
         return 2 * spec.layers * spec.kv_size * spec.itemsize

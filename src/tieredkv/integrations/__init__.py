@@ -4,7 +4,10 @@
   cache holds per-layer keys and values, and their ``DynamicCache``
   (``pip install tieredkv[transformers]``);
 * :mod:`tieredkv.integrations.architectures`: the families the activation codec can
-  re-project, and how (no dependency).
+  re-project, and how (no dependency);
+* :mod:`tieredkv.integrations.forward`: calling a transformers model's forward pass with a
+  cache (``cache_argument``, ``greedy_generate``), shared by the adapter and the serving
+  loop's reference decoder (no dependency).
 
 Importing this package imports none of them.
 """

@@ -8,7 +8,7 @@ another inference library implements the same few members and serves through
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from ..cache import TieredKVCache
@@ -60,14 +60,14 @@ class ChatAdapter(Protocol):
 
 @runtime_checkable
 class RecomputingAdapter(ChatAdapter, Protocol):
-    """A :class:`ChatAdapter` that also gives the engine's no-cache baseline
-    (``ServingEngine(..., recompute=True)``) its model and an empty model cache."""
+    """A :class:`ChatAdapter` that also answers with no cache: the engine's no-cache
+    baseline (``ServingEngine(..., recompute=True)``)."""
 
-    @property
-    def model(self) -> Any:
-        """The transformers causal LM the baseline prefills with."""
-        ...
+    async def recompute(self, tokens: list[int], *, max_new_tokens: int) -> Sequence[int]:
+        """Answer greedily after prefilling ``tokens`` (every query and answer so far, then
+        the new query) from nothing, as a server without a KV cache does; nothing is read
+        from or stored in the cache.
 
-    def new_model_cache(self, room: int = 0) -> Any:
-        """An empty model cache with room for ``room`` tokens."""
+        :returns: the ``max_new_tokens`` answer tokens
+        """
         ...

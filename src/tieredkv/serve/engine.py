@@ -8,10 +8,12 @@ one model (one "GPU"; on CPU here), with:
   as Bidaw's compute engine does: the engine only ever runs *ready* requests;
 * a :class:`~tieredkv.TieredKVCache` over real tiers whose eviction policy reads the same
   metadata channel (and never evicts the scheduler's ready sessions);
-* a :class:`~tieredkv.integrations.transformers.TransformersAdapter` that restores each
+* a model adapter (:class:`~tieredkv.serve.adapter.ChatAdapter`, such as
+  :class:`~tieredkv.integrations.transformers.TransformersAdapter`) that restores each
   conversation's history from the cache, prefills the query, decodes the answer greedily
   and stores the turn's new KV (or, in ``recompute`` mode, prefills the whole history every
-  turn, as a server without a KV cache does).
+  turn, as a server without a KV cache does). The loop knows nothing of the model library
+  behind it.
 
 Each request's timeline is measured on the wall clock: arrival (when the load generator
 submits it), start (when the model begins it), end (last token). Queueing time is
@@ -31,7 +33,6 @@ import anyio
 import anyio.abc
 import msgspec
 import numpy as np
-import torch
 
 from ..cache import TieredKVCache
 from ..errors import SessionNotFoundError, TieredKVError
@@ -106,7 +107,7 @@ class ServedTurn(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ServingEngine:
-    """Serve multi-turn requests with a scheduler, a tiered cache and a transformers model.
+    """Serve multi-turn requests with a scheduler, a tiered cache and a model adapter.
 
     :param adapter: the model adapter: ``TransformersAdapter``, or any
         :class:`~tieredkv.serve.adapter.ChatAdapter` (a
@@ -118,7 +119,8 @@ class ServingEngine:
     :param scheduler: decides what runs and what loads, e.g. ``FCFS()`` or
         ``BidawScheduler()``
     :param recompute: never restore KV: prefill the whole history every turn (the
-        no-cache baseline); the cache is then only used to hold nothing
+        no-cache baseline, the adapter's ``recompute``); the cache is then only used to
+        hold nothing
     :param clock: time source (``time.monotonic``)
     :param lookahead: how many waiting sessions to publish on the metadata channel (for
         queue-aware eviction)
@@ -162,8 +164,9 @@ class ServingEngine:
         self.scheduler = scheduler
         if recompute and not isinstance(adapter, RecomputingAdapter):
             raise TypeError(
-                f"recompute=True prefills with the adapter's model: {type(adapter).__name__} "
-                f"needs a model attribute and new_model_cache() (see RecomputingAdapter)"
+                f"recompute=True prefills every turn's whole conversation with the adapter: "
+                f"{type(adapter).__name__} needs an async recompute(tokens, max_new_tokens=) "
+                f"method (see RecomputingAdapter)"
             )
         self.recompute = recompute
         self._clock = clock
@@ -437,41 +440,11 @@ class ServingEngine:
         self, turn: TurnRequest, history: list[int]
     ) -> tuple[tuple[int, ...], int, int]:
         """Prefill history + query with no cache, decode; nothing is stored."""
-        ids = torch.tensor(history + list(turn.query), dtype=torch.long)
-        # the same in-place model cache as a cached turn uses, so only the prefill differs
         adapter = self.adapter
         assert isinstance(adapter, RecomputingAdapter)  # checked in __init__
-        model_cache = adapter.new_model_cache(ids.numel() + turn.answer_tokens)
-        answer = await anyio.to_thread.run_sync(
-            lambda: greedy_generate(adapter.model, ids, turn.answer_tokens, model_cache)
-        )
-        return answer, 0, len(history)
-
-
-def greedy_generate(
-    model: Any, ids: torch.Tensor, new_tokens: int, cache: Any = None
-) -> tuple[int, ...]:
-    """Greedy decoding from token ids with no prior cache (prefill, then one token a step).
-
-    :param cache: an empty transformers cache to fill (a ``DynamicCache`` by default)
-    """
-    import transformers
-
-    from ..integrations.transformers import cache_argument
-
-    device = next(model.parameters()).device
-    kw = cache_argument(model)
-    if cache is None:
-        cache = transformers.DynamicCache(config=model.config)
-    answer: list[int] = []
-    with torch.inference_mode():
-        out = model(input_ids=ids.to(device)[None], use_cache=True, **{kw: cache})
-        for step in range(new_tokens):
-            token = out.logits[0, -1].argmax()
-            answer.append(int(token))
-            if step + 1 < new_tokens:
-                out = model(input_ids=token.view(1, 1), use_cache=True, **{kw: cache})
-    return tuple(answer)
+        tokens = history + list(turn.query)
+        answer = await adapter.recompute(tokens, max_new_tokens=turn.answer_tokens)
+        return tuple(answer), 0, len(history)
 
 
 def model_stall(results: Sequence[ServedTurn]) -> float:
