@@ -14,7 +14,9 @@ Three kinds of rule, combinable:
   give the same faults);
 - :meth:`FaultInjector.fail_nth`: the ``n``-th call (from 1) of one site fails;
 - :meth:`FaultInjector.fail_always`: every call of one site fails (until
-  :meth:`FaultInjector.clear`).
+  :meth:`FaultInjector.clear`);
+- :meth:`FaultInjector.fail_matching`: the next ``times`` calls of one site whose first
+  argument is a name containing some text fail (one file's ``os.open``, say).
 
 Calls per site and faults injected per site are counted; the counting and the random draws
 hold a lock, so calls from anyio worker threads are counted exactly and draw in a
@@ -110,6 +112,8 @@ class FaultInjector:
         self._lock = threading.Lock()
         self._nth: dict[str, dict[int, int]] = {}
         self._always: dict[str, int] = {}
+        self._matching: dict[str, list[list[Any]]] = {}
+        """Per site: [text, calls left to fail, errno] rules of :meth:`fail_matching`."""
         self._paused = 0
         self._saved: list[tuple[ModuleType, Any]] = []
         self._wrappers: dict[str, Callable[..., Any]] = {}
@@ -133,11 +137,21 @@ class FaultInjector:
         with self._lock:
             self._always[site] = err
 
+    def fail_matching(self, site: str, text: str, times: int = 1, err: int = errno_mod.EIO) -> None:
+        """Fail the next ``times`` calls of ``site`` whose first argument is a ``str`` or
+        ``bytes`` name containing ``text`` (calls naming other files pass)."""
+        _check_sites({site})
+        if times < 1:
+            raise ValueError(f"times must be at least 1, not {times}")
+        with self._lock:
+            self._matching.setdefault(site, []).append([text, times, err])
+
     def clear(self) -> None:
         """Remove every rule and set ``rate`` to 0 (the counts stay)."""
         with self._lock:
             self._nth.clear()
             self._always.clear()
+            self._matching.clear()
             self.rate = 0.0
 
     @contextmanager
@@ -188,7 +202,8 @@ class FaultInjector:
         if wrapper is None:
 
             def wrapper(*args: Any, **kwargs: Any) -> Any:
-                err = self._decide(site)
+                name = args[0] if args else None
+                err = self._decide(site, os.fsdecode(name) if isinstance(name, str | bytes) else "")
                 if err is None:
                     # looked up per call: a test may have patched os itself meanwhile
                     return getattr(os, site)(*args, **kwargs)
@@ -199,11 +214,17 @@ class FaultInjector:
             self._wrappers[site] = wrapper
         return wrapper
 
-    def _decide(self, site: str) -> int | None:
+    def _decide(self, site: str, name: str = "") -> int | None:
         with self._lock:
             self.calls[site] += 1
             n = self.calls[site]
             err = self._nth.get(site, {}).pop(n, None)
+            if err is None and name and not self._paused:
+                for rule in self._matching.get(site, []):
+                    if rule[1] and rule[0] in name:
+                        rule[1] -= 1
+                        err = rule[2]
+                        break
             if err is None:
                 err = self._always.get(site)
             # drawn even when paused, so pausing does not shift later random faults

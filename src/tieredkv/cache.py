@@ -18,8 +18,10 @@ serialized, different sessions run concurrently; every move is all-or-nothing un
 errors and under any cancellation (anyio scopes, ``task.cancel()``, ``asyncio.timeout``,
 ``wait_for``), because it runs in a task of its own (:mod:`tieredkv._cache.atomic`); an
 :meth:`append`, :meth:`load` or :meth:`load_into` that raises a cancellation left no trace,
-one that returns is fully visible; a :meth:`drop` either did nothing or completed; blocking
-I/O and large copies run in worker threads.
+one that returns is fully visible; a :meth:`drop` either did nothing or completed;
+:meth:`aclose` writes what only volatile tiers hold down to a persistent tier before it
+closes them, and completes whatever cancels it; blocking I/O and large copies run in worker
+threads.
 
 The parts live in :mod:`tieredkv._cache`, one concern each.
 """
@@ -40,6 +42,7 @@ import msgspec
 import torch
 
 from ._cache.atomic import settle
+from ._cache.closing import check_timeout, write_down
 from ._cache.gather import (
     Target,
     check_into,
@@ -53,7 +56,7 @@ from ._cache.placement import (
     remove_all,
 )
 from ._cache.predict import choose
-from ._cache.recovery import recover
+from ._cache.recovery import Truncation, recover
 from ._cache.sharing import check_writer, discover, shared_tiers
 from ._cache.state import CacheStats, Core, Session, check_key, check_tiers, policies_per_tier
 from ._cache.turns import commit_append, commit_load, plan_turn, restore, store
@@ -71,7 +74,7 @@ from .meta import Dropped, KVMeta, MetadataChannel, TierInfo
 from .payload import check_int
 from .policies.base import Eviction
 
-__all__ = ["CacheStats", "LayerwiseLoad", "RestoreFailedError", "TieredKVCache"]
+__all__ = ["CacheStats", "LayerwiseLoad", "RestoreFailedError", "TieredKVCache", "Truncation"]
 
 _log = logging.getLogger(__name__)
 
@@ -96,6 +99,10 @@ class TieredKVCache:
         when the caller drops them, kept (up to this much while idle) for later loads to
         reuse: it is already faulted in, so those loads skip a page fault per 4 KiB of
         output (about 75 ms per 512 MiB on a 2-core VM). 0 turns reuse off
+    :param close_timeout: seconds :meth:`aclose` may spend finishing background copies and
+        writing conversations that only volatile tiers hold down to a persistent tier (a
+        write under way at the deadline finishes; ``math.inf`` for no bound, 0 to write
+        nothing down)
 
     Use it as an async context manager::
 
@@ -114,9 +121,11 @@ class TieredKVCache:
         clock: Callable[[], float] = time.monotonic,
         channel: MetadataChannel | None = None,
         output_reuse_bytes: int = 1 << 30,
+        close_timeout: float = 60.0,
     ) -> None:
         tiers = check_tiers(tiers)
         check_int("output_reuse_bytes", output_reuse_bytes, minimum=0)
+        self._close_timeout = check_timeout("close_timeout", close_timeout)
         if mode not in ("exclusive", "inclusive"):
             raise InvalidArgumentError(f"mode must be 'exclusive' or 'inclusive', not {mode!r}")
         if isinstance(token_dim, bool) or not isinstance(token_dim, int):
@@ -129,6 +138,7 @@ class TieredKVCache:
         self._sharing = bool(shared_tiers(self._core))  # replicas share a tier
         self._token_dim = token_dim
         self._open = False
+        self._truncated: dict[str, Truncation] = {}
 
     # -- lifecycle -----------------------------------------------------------------------
     async def __aenter__(self) -> Self:
@@ -164,33 +174,54 @@ class TieredKVCache:
         )
         self._open = True
         core.outputs.open()
-        _, cancel = await settle(lambda: recover(core, recovered))
+        self._truncated, cancel = await settle(lambda: recover(core, recovered))
         if cancel is not None:
             raise cancel
 
     async def aclose(self) -> None:
-        """Finish background work, then close every tier.
+        """Keep what the cache holds, then close every tier.
 
-        Background work: write-through (in inclusive mode, a copy that an I/O error stopped
-        is tried once more, so a restart finds it) and deletions that failed before.
+        Within ``close_timeout`` seconds: background copies finish (in inclusive mode, one
+        that an I/O error stopped is tried once more); every conversation that only
+        volatile tiers hold (in exclusive mode, each one in host memory) is written down
+        to a persistent tier, into free room, most recently used first, each whole or not
+        at all, with a log line when it starts, every 5 s and when it ends; deletions that
+        failed before are retried. ``stats().written_down`` and ``stats().unsaved`` say
+        what it wrote and what it could not (logged as a warning: those are lost).
+
+        Cancelling it (any kind) does not interrupt it: the close completes, then the
+        cancellation is raised. Operations started after it began raise
+        :class:`~tieredkv.errors.ClosedError`.
         """
         if not self._open:
             return
+        self._open = False
+        _, cancel = await settle(self._close)
+        if cancel is not None:
+            raise cancel
+
+    async def _close(self) -> None:
         core = self._core
+        deadline = time.monotonic() + self._close_timeout
         try:
-            with anyio.CancelScope(shield=True):
-                self._pumps.retry_failed()
+            self._pumps.retry_failed()
+            with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
                 await self._pumps.flush()
-                await purge_orphans(core)
+            for s in core.sessions.values():  # out of time: copies stop at a segment's end
+                s.stopping = True
+            await self._pumps.flush()
+            await purge_orphans(core)
+            await write_down(core, deadline, self._close_timeout)
+            await purge_orphans(core)
+        except Exception:
+            _log.exception("closing the cache failed; closing its tiers")
         finally:
-            self._open = False
-            self._pumps.cancel_all()  # none unless flush was interrupted
-            with anyio.CancelScope(shield=True):
-                for tier in core.tiers:
-                    try:
-                        await tier.aclose()
-                    except Exception:
-                        _log.exception("closing tier %r failed", tier.name)
+            self._pumps.cancel_all()  # none left
+            for tier in core.tiers:
+                try:
+                    await tier.aclose()
+                except Exception:
+                    _log.exception("closing tier %r failed", tier.name)
             core.sessions.clear()
             core.busy.clear()
             core.orphans.clear()
@@ -252,6 +283,17 @@ class TieredKVCache:
     def sessions(self) -> list[str]:
         """Keys of the sessions stored in some tier."""
         return [k for k, s in self._core.sessions.items() if s.primary is not None]
+
+    def truncated(self) -> dict[str, Truncation]:
+        """The sessions the last :meth:`open` brought back shorter than their tiers had
+        stored them (a turn found damaged, or missing, and the turns after it), by key.
+
+        Each is also counted in ``stats().truncated`` and logged as a warning. A session
+        that kept no turn is not stored (:meth:`load` raises
+        :class:`~tieredkv.errors.SessionNotFoundError`); one that kept some serves those:
+        an engine that knows how long the conversation is recomputes the rest.
+        """
+        return dict(self._truncated)
 
     def stats(self) -> CacheStats:
         """A snapshot of the counters, with each tier's own."""

@@ -72,14 +72,20 @@ class SchemaMismatchError(TieredKVError, ValueError):
 
 
 class TierIOError(TieredKVError, OSError):
-    """A tier failed to read, write or delete (disk full, I/O error, permissions)."""
+    """A tier failed to read, write or delete (disk full, I/O error, permissions).
 
-    def __init__(self, tier: str, action: str, cause: OSError | str) -> None:
+    ``hint``, when given, follows the reason in the message: what to do about it.
+    """
+
+    def __init__(
+        self, tier: str, action: str, cause: OSError | str, *, hint: str | None = None
+    ) -> None:
         self.tier = tier
         self.action = action
         errno = cause.errno if isinstance(cause, OSError) else None
         reason = cause.strerror or str(cause) if isinstance(cause, OSError) else cause
-        super().__init__(errno, f"tier {tier!r} could not {action}: {reason}")
+        advice = f"; {hint}" if hint else ""
+        super().__init__(errno, f"tier {tier!r} could not {action}: {reason}{advice}")
         self.__cause__ = cause if isinstance(cause, OSError) else None
 
     def __str__(self) -> str:

@@ -8,9 +8,17 @@ share one incarnation. It opens nothing for writing, creates nothing and follows
 symbolic link (a linked subdirectory or file is reported as damaged, never read through),
 so it can run on a directory a tier has open, or on a copy.
 
-With ``repair=True`` it takes the tier's lock (so no tier may have the directory open) and
-opens the directory as an :class:`~tieredkv.backends.SSDTier` would, reading every segment
-back: the tier's own checks move what is damaged to ``quarantine/`` (never deleting it).
+A file that cannot be read (an I/O error, after retries) is reported as *unreadable*, not
+damaged: nothing proves its bytes wrong, and a tier's open fails (moving nothing) until it
+reads. A good segment no cache would recover (after a gap in its session's turns, or with
+another schema: a cache's open deletes it) is a *stray*. The directory is *clean* only
+with no damaged, unreadable or stray file; a session with a damaged or stray segment is
+listed as one whose history comes back shorter than what was stored.
+
+:func:`repair_directory` takes the tier's lock (so no tier may have the directory open),
+opens the directory as an :class:`~tieredkv.backends.SSDTier` would and reads every
+segment back: the tier's own checks move what is damaged to ``quarantine/``, and the
+strays are moved there too (never deleted).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import functools
 import os
 import sys
 from collections.abc import Iterator
@@ -25,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .backends._retry import retry_io, tries
 from .errors import (
     CorruptSegmentError,
     InvalidArgumentError,
@@ -42,6 +52,7 @@ from .payload import (
 
 __all__ = [
     "Damaged",
+    "DirectoryInUseError",
     "FsckReport",
     "NotATierDirectoryError",
     "SessionSummary",
@@ -56,6 +67,21 @@ _SUBDIRS = ("segments", "tmp", "quarantine")
 
 class NotATierDirectoryError(TieredKVError, ValueError):
     """The path is not an SSD tier's directory (missing, not a directory, no segments/)."""
+
+
+class DirectoryInUseError(TieredKVError, OSError):
+    """A repair was asked for a directory that a tier (a cache) has open."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        super().__init__(
+            errno.EWOULDBLOCK,
+            f"cannot repair {str(directory)!r} while a cache has it open: close the cache (or "
+            f"stop the process that has it open), then run `tieredkv fsck --repair` again; "
+            f"`tieredkv fsck` without --repair checks it read-only while it is open",
+        )
+
+    def __str__(self) -> str:
+        return str(self.args[1])
 
 
 @dataclass(frozen=True)
@@ -79,6 +105,7 @@ class SessionSummary:
     :param tokens: tokens in those turns
     :param bytes: bytes of all of the session's good files
     :param stray: good files after a gap or with another schema (a cache removes them)
+    :param damaged: the session's files that fail verification (matched by file name)
     """
 
     session: str
@@ -86,6 +113,12 @@ class SessionSummary:
     tokens: int = 0
     bytes: int = 0
     stray: int = 0
+    damaged: int = 0
+
+    @property
+    def truncated(self) -> bool:
+        """Whether the session has stored segments past the turns a cache recovers."""
+        return bool(self.stray or self.damaged)
 
 
 @dataclass
@@ -99,6 +132,8 @@ class FsckReport:
     :param damaged: files a tier would quarantine, in path order
     :param leftovers: files in ``tmp/`` (interrupted writes; a tier deletes them at open)
     :param quarantined: files already in ``quarantine/``
+    :param unreadable: files that could not be read (I/O errors, after retries): not shown
+        to be damaged, and a tier's open fails until they read
     """
 
     directory: Path
@@ -108,11 +143,18 @@ class FsckReport:
     damaged: list[Damaged] = field(default_factory=list)
     leftovers: int = 0
     quarantined: int = 0
+    unreadable: list[Damaged] = field(default_factory=list)
+
+    @property
+    def stray(self) -> int:
+        """Good segments no cache would recover (after a gap, or of another schema)."""
+        return sum(s.stray for s in self.sessions)
 
     @property
     def clean(self) -> bool:
-        """Whether every file verified (leftovers and strays do not count as damage)."""
-        return not self.damaged
+        """Whether every file verified and every good segment is recoverable (leftovers in
+        ``tmp/`` do not count: a tier removes them)."""
+        return not (self.damaged or self.unreadable or self.stray)
 
 
 def check_directory(
@@ -191,9 +233,16 @@ def _check_segments(segments: int, key: bytes | None, report: FsckReport) -> lis
                     continue
                 rel = f"{xx}/{name}"
                 try:
-                    header = _verify_file(sub, name, rel, key)
+                    header = retry_io(functools.partial(_verify_file, sub, name, rel, key))
+                except FileNotFoundError:
+                    continue  # removed meanwhile
                 except CorruptSegmentError as exc:
                     report.damaged.append(Damaged(f"segments/{rel}", exc.detail))
+                    continue
+                except OSError as exc:
+                    report.unreadable.append(
+                        Damaged(f"segments/{rel}", f"cannot be read ({exc.strerror}; {tries()})")
+                    )
                     continue
                 headers.append(header)
         finally:
@@ -202,26 +251,25 @@ def _check_segments(segments: int, key: bytes | None, report: FsckReport) -> lis
 
 
 def _verify_file(sub: int, name: str, rel: str, key: bytes | None) -> SegmentHeader:
-    """Read one whole file and verify it as a tier does before serving it."""
+    """Read one whole file and verify it as a tier does before serving it
+    (:class:`CorruptSegmentError` if it is wrong, :class:`OSError` if it cannot be read)."""
     from .backends.ssd import read_header_at
 
     header, size, _ = read_header_at(sub, name, rel, key)  # CRC, contents, name, MAC
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sub)
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sub)
-        try:
-            data = bytearray(size)
-            view = memoryview(data)
-            got = 0
-            while got < size:
-                n = os.preadv(fd, [view[got:]], got)
-                if n == 0:
-                    break
-                got += n
-            view.release()
-        finally:
+        data = bytearray(size)
+        view = memoryview(data)
+        got = 0
+        while got < size:
+            n = os.preadv(fd, [view[got:]], got)
+            if n == 0:
+                break
+            got += n
+        view.release()
+    finally:
+        with contextlib.suppress(OSError):
             os.close(fd)
-    except OSError as exc:
-        raise CorruptSegmentError(rel, f"cannot be read ({exc.strerror})") from exc
     if got < size:
         raise CorruptSegmentError(rel, f"file ends at {got} of {size} bytes (truncated)")
     if verify_segment(memoryview(data), rel) != header:  # and the body's xxh3
@@ -234,6 +282,7 @@ def _verify_file(sub: int, name: str, rel: str, key: bytes | None) -> SegmentHea
 def _summarize(headers: list[SegmentHeader], authenticated: bool, report: FsckReport) -> None:
     from .backends.ssd import segment_file_name
 
+    damaged_names = [d.path.rsplit("/", 1)[-1].partition(".")[0] for d in report.damaged]
     by_session: dict[str, list[SegmentHeader]] = {}
     for h in headers:
         by_session.setdefault(h.session, []).append(h)
@@ -249,28 +298,44 @@ def _summarize(headers: list[SegmentHeader], authenticated: bool, report: FsckRe
             )
             continue
         summary = SessionSummary(session)
-        schema = header_schema(group[0])
+        kept, strays = _recoverable(group)
         for h in group:
             summary.bytes += h.length
             report.segments += 1
             report.bytes += h.length
-            if h.seq == summary.turns and header_schema(h) == schema:
-                summary.turns += 1
-                summary.tokens += h.tokens
-            else:
-                summary.stray += 1
+        summary.turns = len(kept)
+        summary.tokens = sum(h.tokens for h in kept)
+        summary.stray = len(strays)
+        digest = segment_file_name((session, 0)).split("/")[1].partition(".")[0]
+        summary.damaged = damaged_names.count(digest)
         report.sessions.append(summary)
     report.damaged.sort(key=lambda d: d.path)
+
+
+def _recoverable(group: list[SegmentHeader]) -> tuple[list[SegmentHeader], list[SegmentHeader]]:
+    """One session's good segments (in seq order) split into what a cache recovers (turns
+    0, 1, ... without a gap, with the first one's schema) and the strays."""
+    kept: list[SegmentHeader] = []
+    strays: list[SegmentHeader] = []
+    schema = header_schema(group[0]) if group else None
+    for h in group:
+        if h.seq == len(kept) and header_schema(h) == schema:
+            kept.append(h)
+        else:
+            strays.append(h)
+    return kept, strays
 
 
 def repair_directory(
     directory: str | os.PathLike[str], *, secret: bytes | None = None
 ) -> FsckReport:
     """Quarantine every damaged file, as a tier opening the directory and reading every
-    segment back would; return the check made afterwards.
+    segment back would, and every stray (a good segment no cache would recover: a cache's
+    open would delete it); return the check made afterwards. Nothing is deleted.
 
-    :raises ~tieredkv.errors.TierIOError: if a tier has the directory open, or a
-        subdirectory is a symbolic link (remove it by hand: a repair never follows one)
+    :raises DirectoryInUseError: if a tier has the directory open (close it first)
+    :raises ~tieredkv.errors.TierIOError: if a header cannot be read (nothing is moved),
+        or a subdirectory is a symbolic link (remove it by hand: a repair never follows one)
     """
     import anyio
 
@@ -278,14 +343,35 @@ def repair_directory(
     from .payload import MAX_COUNT
 
     async def reread() -> None:
-        async with SSDTier(directory, MAX_COUNT, secret=secret, name="fsck") as tier:
-            stored = list(tier.keys())
-            for key in stored:
-                buf = bytearray(tier.length(key))
-                # a damaged one is quarantined by the read; an unreadable one stays (and is
-                # reported by the check that follows)
-                with contextlib.suppress(CorruptSegmentError, TierIOError):
-                    await tier.read_into(key, memoryview(buf))
+        tier = SSDTier(directory, MAX_COUNT, secret=secret, name="fsck")
+        try:
+            headers = await tier.open()
+        except TierIOError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
+                raise
+            raise DirectoryInUseError(directory) from None
+        async with tier:
+            by_session: dict[str, list[SegmentHeader]] = {}
+            unread: set[str] = set()
+            for h in sorted(headers, key=lambda h: (h.session, h.seq)):
+                buf = bytearray(h.length)
+                try:  # a damaged one is quarantined by the read
+                    await tier.read_into((h.session, h.seq), memoryview(buf))
+                except CorruptSegmentError:
+                    continue
+                except TierIOError:  # reported by the check that follows
+                    unread.add(h.session)
+                    continue
+                by_session.setdefault(h.session, []).append(h)
+            for session, group in by_session.items():
+                if session in unread:  # what follows an unreadable turn may be whole
+                    continue
+                for h in _recoverable(group)[1]:
+                    await tier.quarantine(
+                        (h.session, h.seq),
+                        "no cache would recover it (after a gap in its session's turns, or "
+                        "of another schema)",
+                    )
 
     anyio.run(reread)
     return check_directory(directory, secret=secret)
@@ -343,27 +429,45 @@ def run_command(args: argparse.Namespace) -> int:
     if args.repair and not report.clean:
         try:
             after = repair_directory(args.directory, secret=secret)
-        except TierIOError as exc:
+        except (DirectoryInUseError, TierIOError) as exc:
             print(f"{where}: repair failed: {exc}", file=sys.stderr)
             return 1
         moved = after.quarantined - report.quarantined
-        print(f"repair: moved {moved} file(s) to quarantine/")
+        print(f"repair: moved {moved} file(s) to quarantine/ (nothing was deleted)")
+        for s in report.sessions:
+            if s.truncated:
+                kept = next((a.turns for a in after.sessions if a.session == s.session), 0)
+                print(
+                    f"repair: session {_shown(s.session)} now keeps {kept} of "
+                    f"{s.turns + s.stray + s.damaged} stored turn(s)"
+                )
         report = after
         _print_report(report)
     return 0 if report.clean else 1
+
+
+def _shown(session: str) -> str:
+    return repr(session if len(session) <= 60 else session[:57] + "...")
 
 
 def _print_report(report: FsckReport) -> None:
     print(
         f"{report.directory}: {report.segments} good segment(s) in {len(report.sessions)} "
         f"session(s), {report.bytes:,} bytes; {len(report.damaged)} damaged; "
-        f"{report.leftovers} leftover(s) in tmp/; {report.quarantined} in quarantine/"
+        f"{len(report.unreadable)} unreadable; {report.leftovers} leftover(s) in tmp/; "
+        f"{report.quarantined} in quarantine/"
     )
     for d in report.damaged:
         print(f"  damaged: {d.path}: {d.problem}")
-    stray = sum(s.stray for s in report.sessions)
-    if stray:
-        print(f"  {stray} good segment(s) after a gap or with another schema (not recovered)")
+    for d in report.unreadable:
+        print(f"  unreadable: {d.path}: {d.problem} (not shown to be damaged; a tier's open fails)")
+    for s in report.sessions:
+        if s.truncated:
+            print(
+                f"  truncated: session {_shown(s.session)} comes back with {s.turns} of "
+                f"{s.turns + s.stray + s.damaged} stored turn(s) ({s.damaged} damaged, "
+                f"{s.stray} after a gap or of another schema: not recovered)"
+            )
     print("clean" if report.clean else "NOT clean")
 
 
@@ -371,8 +475,7 @@ def _print_sessions(report: FsckReport) -> None:
     print("| session | turns | tokens | bytes | stray |")
     print("|---|---|---|---|---|")
     for s in report.sessions:
-        shown = s.session if len(s.session) <= 60 else s.session[:57] + "..."
-        print(f"| {shown!r} | {s.turns} | {s.tokens:,} | {s.bytes:,} | {s.stray} |")
+        print(f"| {_shown(s.session)} | {s.turns} | {s.tokens:,} | {s.bytes:,} | {s.stray} |")
     print(
         f"{len(report.sessions)} session(s), {report.segments} segment(s), {report.bytes:,} "
         f"bytes; {len(report.damaged)} damaged file(s) (run tieredkv fsck)"

@@ -24,6 +24,7 @@ import torch
 import tieredkv.backends.ssd as ssd_module
 from tests.invariants import problems
 from tieredkv import HostMemoryTier, SSDTier, TieredKVCache, TierIOError
+from tieredkv.backends.ssd import segment_file_name
 
 KIB = 1024
 
@@ -255,7 +256,12 @@ async def test_failed_delete_after_promotion_keeps_channel_and_policy_truthful(
         assert len(cache._core.policies[0]) == 1
         assert problems(cache) == []
         monkeypatch.undo()
-    assert list((ssd_dir / "segments").rglob("*.seg")) == []  # retried at close
+    # the deletion is retried at close (no orphan is left), then "a", held only in host
+    # memory, is written down again: its one segment is the SSD's only file
+    assert (cache.stats().orphans, cache.stats().written_down) == (0, 1)
+    assert [p.name for p in (ssd_dir / "segments").rglob("*.seg")] == [
+        segment_file_name(("a", 0)).split("/")[1]
+    ]
 
 
 async def test_failed_drop_leaves_no_half_dropped_session(

@@ -106,6 +106,29 @@ def test_only_the_named_modules_see_faults() -> None:
     assert tier_os() is os
 
 
+def test_matching_rules_fail_only_calls_naming_that_file(tmp_path: Path) -> None:
+    """fail_matching fails the next ``times`` calls whose first argument names the file
+    (str or bytes), lets calls on other names and on descriptors pass, and uses up no try
+    while paused; clear() removes it."""
+    (tmp_path / "wanted.seg").write_bytes(b"x")
+    (tmp_path / "other.seg").write_bytes(b"y")
+    with FaultInjector() as faults:
+        faults.fail_matching("open", "wanted", times=2)
+        tier_os().close(tier_os().open(tmp_path / "other.seg", os.O_RDONLY))  # a PathLike
+        with faults.paused():
+            tier_os().close(tier_os().open(str(tmp_path / "wanted.seg"), os.O_RDONLY))
+        for name in (str(tmp_path / "wanted.seg"), os.fsencode(tmp_path / "wanted.seg")):
+            with pytest.raises(InjectedFault):
+                tier_os().open(name, os.O_RDONLY)
+        tier_os().close(tier_os().open(str(tmp_path / "wanted.seg"), os.O_RDONLY))  # used up
+        faults.fail_matching("open", "wanted")
+        faults.clear()
+        tier_os().close(tier_os().open(str(tmp_path / "wanted.seg"), os.O_RDONLY))
+        assert faults.injected == {"open": 2}
+    with pytest.raises(ValueError, match="at least 1"):
+        FaultInjector().fail_matching("open", "x", times=0)
+
+
 def test_counts_are_exact_across_threads() -> None:
     """Eight threads making 5,000 calls each: every call counted, every fault counted once,
     and an nth rule fires exactly once."""

@@ -157,13 +157,22 @@ async def test_repair_refuses_a_directory_in_use(
     damaged: tuple[Path, dict[str, Segment]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """While a tier has the directory open, fsck still checks it (read-only) but --repair
-    fails (exit 1) and moves nothing."""
+    fails (exit 1), moves nothing, and says the fix: close the cache, then repair (issue
+    26: it advised giving each process its own directory, which fixes nothing here)."""
     root, _ = damaged
     async with SSDTier(root, CAPACITY):
         before = sorted(os.listdir(root / "quarantine"))
         assert await run(["fsck", "--repair", str(root)]) == 1
-        assert "another process has this SSD tier open" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert err == (
+            f"tieredkv fsck: repair failed: cannot repair {str(root)!r} while a cache has it "
+            f"open: close the cache (or stop the process that has it open), then run "
+            f"`tieredkv fsck --repair` again; `tieredkv fsck` without --repair checks it "
+            f"read-only while it is open\n"
+        )
+        assert "own directory" not in err
         assert sorted(os.listdir(root / "quarantine")) == before
+    assert await run(["fsck", "--repair", str(root)]) == 0  # closed: the repair runs
 
 
 async def test_fsck_with_the_secret(tmp_path: Path, seg: SegmentFactory) -> None:
@@ -221,3 +230,96 @@ def test_bad_arguments_exit_2(
         check_directory(tmp_path) if case == "no-segments" else check_directory(
             tmp_path / "nowhere"
         )
+
+
+@pytest.fixture
+async def gapped(tmp_path: Path, seg: SegmentFactory) -> tuple[Path, dict[str, Segment]]:
+    """Session a with 3 turns whose turn 1 has a damaged header (a CRC that fails), session
+    b with 3 turns whose turn 1 was deleted (a gap), session c whole."""
+    root = tmp_path / "ssd"
+    segs = {f"{n}{i}": seg(session=n, seq=i, seed=ord(n) + i) for n in "abc" for i in range(3)}
+    async with SSDTier(root, CAPACITY) as tier:
+        for s in segs.values():
+            await store(tier, s)
+    a1 = root / rel(segs["a1"])
+    raw = bytearray(a1.read_bytes())
+    raw[40] ^= 0xFF
+    a1.write_bytes(bytes(raw))
+    (root / rel(segs["b1"])).unlink()
+    return root, segs
+
+
+async def test_fsck_is_not_clean_while_it_lists_unrecovered_segments(
+    gapped: tuple[Path, dict[str, Segment]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Good segments after a gap are not recoverable: the check counts them, names each
+    truncated session with what it keeps of what was stored, and says NOT clean, exit 1
+    (issue 22 case 14: before, it listed them and said "clean")."""
+    root, _ = gapped
+    report = await check(root)
+    summary = {s.session: (s.turns, s.stray, s.damaged, s.truncated) for s in report.sessions}
+    assert summary == {"a": (1, 1, 1, True), "b": (1, 1, 0, True), "c": (3, 0, 0, False)}
+    assert report.stray == 2
+    assert not report.clean
+    assert await run(["fsck", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert (
+        "  truncated: session 'a' comes back with 1 of 3 stored turn(s) (1 damaged, 1 after "
+        "a gap or of another schema: not recovered)" in out
+    )
+    assert (
+        "  truncated: session 'b' comes back with 1 of 2 stored turn(s) (0 damaged, 1 after "
+        "a gap or of another schema: not recovered)" in out
+    )
+    assert "'c'" not in out
+    assert out.rstrip().splitlines()[-1] == "NOT clean"
+
+
+async def test_repair_moves_unrecoverable_segments_aside_and_says_what_each_session_keeps(
+    gapped: tuple[Path, dict[str, Segment]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--repair moves the damaged file and both strays to quarantine/ (byte for byte,
+    nothing deleted), says which sessions now keep fewer turns than were stored, and only
+    then says clean; a tier then finds exactly the recoverable turns."""
+    root, segs = gapped
+    assert await run(["fsck", "--repair", str(root)]) == 0
+    out = capsys.readouterr().out
+    lines = out.rstrip().splitlines()
+    assert "repair: moved 3 file(s) to quarantine/ (nothing was deleted)" in lines
+    assert "repair: session 'a' now keeps 1 of 3 stored turn(s)" in lines
+    assert "repair: session 'b' now keeps 1 of 2 stored turn(s)" in lines
+    assert lines[-1] == "clean"
+    moved = sorted(p.read_bytes() for p in (root / "quarantine").iterdir())
+    damaged_a1 = (root / "quarantine").glob(Path(rel(segs["a1"])).name + ".*")
+    assert moved == sorted([next(damaged_a1).read_bytes(), segs["a2"].data, segs["b2"].data])
+    async with SSDTier(root, CAPACITY) as tier:
+        assert sorted(tier.keys()) == sorted(segs[k].key for k in ("a0", "b0", "c0", "c1", "c2"))
+    assert await run(["fsck", str(root)]) == 0
+
+
+async def test_an_unreadable_file_is_reported_not_damaged_and_repair_moves_nothing(
+    tmp_path: Path, seg: SegmentFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file whose reads fail with EIO every time is listed as unreadable (not damaged:
+    nothing proves its bytes wrong) and the check is NOT clean; --repair fails, since the
+    tier's open fails on it, and moves nothing. Once it reads again, all is clean."""
+    root = tmp_path / "ssd"
+    segs = [seg(session="a", seq=i, seed=i) for i in range(3)]
+    async with SSDTier(root, CAPACITY) as tier:
+        for s in segs:
+            await store(tier, s)
+    name = Path(rel(segs[0])).name
+    with FaultInjector() as faults:
+        faults.fail_matching("open", name, 10_000)
+        report = await check(root)
+        assert report.damaged == []
+        assert [d.path for d in report.unreadable] == [rel(segs[0])]
+        assert "Input/output error" in report.unreadable[0].problem
+        assert not report.clean
+        assert await run(["fsck", "--repair", str(root)]) == 1
+        captured = capsys.readouterr()
+        assert f"  unreadable: {rel(segs[0])}: cannot be read" in captured.out
+        assert "repair failed" in captured.err
+        assert "nothing was moved or deleted" in captured.err
+    assert list((root / "quarantine").iterdir()) == []
+    assert await run(["fsck", str(root)]) == 0

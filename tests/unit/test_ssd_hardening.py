@@ -258,32 +258,6 @@ async def test_one_io_error_on_a_header_is_retried(ssd_dir: Path, seg: SegmentFa
     assert quarantined(ssd_dir) == []
 
 
-@pytest.mark.parametrize("site", ["pread", "fstat"])
-async def test_unreadable_header_at_open_quarantines_that_file(
-    ssd_dir: Path, seg: SegmentFactory, site: str
-) -> None:
-    """An EIO reading one file's header at open (twice: a single one is retried) quarantines
-    that file and opens the rest (before, open() raised a bare OSError and the whole tier
-    was unusable)."""
-    segs = [seg(session=f"s{i}", seed=i) for i in range(3)]
-    async with SSDTier(ssd_dir, CAPACITY) as tier:
-        for s in segs:
-            await store(tier, s)
-    first = min(segs, key=lambda s: segment_file_name(s.key))  # the scan goes in name order
-    with FaultInjector() as faults:
-        faults.fail_nth(site, 1)
-        faults.fail_nth(site, 2)  # the retry
-        async with SSDTier(ssd_dir, CAPACITY) as tier:
-            assert faults.injected == {site: 2}
-            assert sorted(tier.keys()) == sorted(s.key for s in segs if s is not first)
-            for s in segs:
-                if s is not first:
-                    assert await read_back(tier, s) == s.data
-    assert quarantined(ssd_dir) == [seg_path(ssd_dir, first).name]
-    (aside,) = (ssd_dir / "quarantine").iterdir()
-    assert aside.read_bytes() == first.data  # kept, for an operator to look at
-
-
 async def test_unlistable_directory_at_open_is_tier_io_error(ssd_dir: Path) -> None:
     """An EIO listing the segments directory fails open() with TierIOError (never a bare
     OSError), and a retry once the fault clears opens the tier."""
@@ -538,10 +512,10 @@ async def test_a_rewrite_cancels_the_pending_removal(ssd_dir: Path, seg: Segment
 async def test_seeded_fault_campaign(tmp_path: Path, seed: int) -> None:
     """400 random writes, reads, deletes and reopens of one tier with 4% of its os calls
     failing (EIO or ENOSPC): every error is a TierIOError; after each operation (faults
-    paused) the tier's index is exactly the segments acknowledged and not deleted, less
-    any quarantined at a reopen because its header could not be read (each kept byte for
-    byte in quarantine/); every read returns the acknowledged bytes; no file is left
-    outside the index; and a final fault-free reopen finds exactly that set."""
+    paused) the tier's index is exactly the segments acknowledged and not deleted (an I/O
+    error at a reopen fails that open and moves nothing: no file is ever quarantined);
+    every read returns the acknowledged bytes; no file is left outside the index; and a
+    final fault-free reopen finds exactly that set."""
     rng = random.Random(seed)
     root = tmp_path / "ssd"
     pool = [
@@ -551,8 +525,7 @@ async def test_seeded_fault_campaign(tmp_path: Path, seed: int) -> None:
     ]
     by_key = {s.key: s for s in pool}
     acked: set[SegmentKey] = set()
-    unreadable: set[SegmentKey] = set()  # acknowledged, then unreadable at an open
-    counts = {"ops": 0, "tier_errors": 0, "quarantined_at_open": 0}
+    counts = {"ops": 0, "tier_errors": 0}
 
     async def open_tier() -> SSDTier:
         for _ in range(50):
@@ -591,31 +564,19 @@ async def test_seeded_fault_campaign(tmp_path: Path, seed: int) -> None:
                     elif op == "reopen":
                         await tier.aclose()
                         tier = await open_tier()
-                        keys = set(tier.keys())
-                        aside = acked - keys  # quarantined, or left unreadable in place
-                        counts["quarantined_at_open"] += len(aside)
-                        back = keys - acked  # left in place earlier, readable now
-                        assert back <= unreadable
-                        acked = (acked - aside) | back
-                        unreadable = (unreadable | aside) - back
                 except TierIOError:
                     counts["tier_errors"] += 1
                 with faults.paused():
                     assert set(tier.keys()) == acked
-                    indexed = {segment_file_name(k) for k in acked}
-                    left = {segment_file_name(k) for k in unreadable}
-                    assert indexed <= files() <= indexed | left
+                    assert files() == {segment_file_name(k) for k in acked}
+                    assert list((root / "quarantine").iterdir()) == []
             with faults.paused():
                 await tier.aclose()
         async with SSDTier(root, CAPACITY) as tier:
-            back = set(tier.keys()) - acked
-            assert back <= unreadable
-            assert set(tier.keys()) == acked | back
-            for key in acked | back:
+            assert set(tier.keys()) == acked
+            for key in acked:
                 assert await read_back(tier, by_key[key]) == by_key[key].data
-        moved = {p.name.rsplit(".", 1)[0]: p.read_bytes() for p in (root / "quarantine").iterdir()}
-        for name, data in moved.items():  # kept, byte for byte
-            assert any(data == s.data for s in pool if segment_file_name(s.key).endswith(name))
+        assert list((root / "quarantine").iterdir()) == []
         assert faults.total_injected > 20
         print(seed, counts, dict(faults.injected))
     finally:

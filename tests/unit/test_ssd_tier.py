@@ -346,7 +346,7 @@ async def test_second_tier_on_the_same_directory_is_refused(ssd_dir: Path) -> No
     first = SSDTier(ssd_dir, CAPACITY)
     await first.open()
     try:
-        with pytest.raises(TierIOError, match="another process"):
+        with pytest.raises(TierIOError, match="another SSDTier has this directory open"):
             await SSDTier(ssd_dir, CAPACITY).open()
     finally:
         await first.aclose()

@@ -31,6 +31,7 @@ from .gather import scratch
 from .state import Core, Session
 
 __all__ = [
+    "copy_into_room",
     "copy_segment",
     "delete_or_orphan",
     "demote",
@@ -273,6 +274,39 @@ async def reserve_all(core: Core, s: Session, dst: int, keys: list[SegmentKey]) 
     finally:
         for key in reserved:
             core.tiers[dst].release(key)
+
+
+async def copy_into_room(core: Core, s: Session, dst: int) -> bool:
+    """Copy the segments of ``s`` (locked) that tier ``dst`` lacks into it, from its primary
+    tier, into free room only: nothing is evicted. All or nothing; ``True`` if ``dst`` now
+    holds all of ``s`` (its policy then tracks it), ``False`` if they do not fit.
+
+    :raises TierIOError: writing failed (what was written is deleted again)
+    """
+    assert s.primary is not None
+    tier = core.tiers[dst]
+    lengths = {seg.header.seq: seg.length for seg in s.segs}
+    missing = [k for k in s.segment_keys() if k[1] not in s.held[dst]]
+    reserved: list[SegmentKey] = []
+    try:
+        for key in missing:
+            if (dst, key) in core.orphans and not await delete_or_orphan(core, dst, key):
+                return False
+            if not tier.reserve(key, lengths[key[1]]):
+                return False
+            reserved.append(key)
+        reserved = []  # _copy_into fills or releases them
+        core.set_transfer(s, core.transfer("demote", s, s.primary, dst))
+        try:
+            await _copy_into(core, s, s.primary, dst, missing)
+        finally:
+            core.set_transfer(s, None)
+    finally:
+        for key in reserved:
+            tier.release(key)
+    now = core.clock()
+    core.policies[dst].on_admit(s.key, core.publish(s, now), now)
+    return True
 
 
 async def _copy_into(core: Core, s: Session, src: int, dst: int, keys: list[SegmentKey]) -> None:

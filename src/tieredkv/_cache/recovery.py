@@ -5,27 +5,67 @@ one schema throughout, is the history; each tier keeps its segments of that hist
 if it holds the whole of it (a partial copy is of no use). Everything else a tier listed
 (gaps, segments past a schema change, stale lengths) is deleted. A tier that shrank since
 the last run evicts down to its capacity.
+
+A session whose tiers stored more turns than that history has (a turn the tier's open
+found damaged and set aside, a missing one, or one of another schema, and whatever
+followed) is *truncated*: :func:`recover` returns a :class:`Truncation` for each, and logs
+it, so that a shorter history is never served without a word.
 """
 
 from __future__ import annotations
+
+import logging
+from typing import Protocol, runtime_checkable
+
+import msgspec
 
 from ..payload import SegmentHeader, header_schema
 from .placement import delete_or_orphan, evict_copy, remove_copy
 from .state import Core, Seg, Session
 
-__all__ = ["recover"]
+__all__ = ["Truncation", "recover"]
+
+_log = logging.getLogger("tieredkv.cache")
 
 
-async def recover(core: Core, recovered: list[list[SegmentHeader]]) -> None:
-    """Index what each tier recovered (``recovered[t]``: tier ``t``'s headers)."""
+class Truncation(msgspec.Struct, frozen=True, kw_only=True):
+    """A history that the last open brought back shorter than its tiers had stored it.
+
+    :param session: the session key
+    :param turns: the turns it came back with (0: it did not come back)
+    :param stored: the turns its tiers held, as far as the open could tell (the highest
+        segment number found, damaged ones included, plus one)
+    :param reason: why turn ``turns`` and those after it were not recovered
+    """
+
+    session: str
+    turns: int
+    stored: int
+    reason: str
+
+
+@runtime_checkable
+class _SetsAside(Protocol):
+    """A tier that names the segments its open set aside as damaged (the SSD tier)."""
+
+    def set_aside(self, session: str) -> tuple[int, ...]: ...
+
+
+async def recover(core: Core, recovered: list[list[SegmentHeader]]) -> dict[str, Truncation]:
+    """Index what each tier recovered (``recovered[t]``: tier ``t``'s headers); return the
+    truncated sessions (also counted in ``core.stats.truncated``)."""
     ntiers = len(core.tiers)
     by_session: dict[str, list[dict[int, SegmentHeader]]] = {}
     for t, headers in enumerate(recovered):
         for h in headers:
             by_session.setdefault(h.session, [{} for _ in range(ntiers)])[t][h.seq] = h
     now = core.clock()
+    truncated: dict[str, Truncation] = {}
     for key, per_tier in by_session.items():
         s = _rebuild(key, per_tier, ntiers)
+        cut = _truncation(core, s, per_tier)
+        if cut is not None:
+            truncated[key] = cut
         for t, segs in enumerate(per_tier):
             for seq in sorted(segs, reverse=True):
                 if seq not in s.held[t]:
@@ -50,6 +90,38 @@ async def recover(core: Core, recovered: list[list[SegmentHeader]]) -> None:
                 vs = core.sessions[victim]
                 async with core.hold(vs):
                     await evict_copy(core, vs, t)
+    core.stats.truncated = len(truncated)
+    for cut in truncated.values():
+        _log.warning(
+            "session %.80r came back with %d of the %d turns its tiers stored: %s",
+            cut.session,
+            cut.turns,
+            cut.stored,
+            cut.reason,
+        )
+    return truncated
+
+
+def _truncation(
+    core: Core, s: Session, per_tier: list[dict[int, SegmentHeader]]
+) -> Truncation | None:
+    """What ``s`` (just rebuilt) lost against what its tiers held, or ``None``."""
+    aside: set[int] = set()
+    for tier in core.tiers:
+        if isinstance(tier, _SetsAside):
+            aside.update(tier.set_aside(s.key))
+    found = set(aside).union(*per_tier)
+    kept = len(s.segs) if any(s.complete(t) for t in range(len(core.tiers))) else 0
+    stored = max(found) + 1 if found else 0
+    if stored <= kept:
+        return None
+    if kept in aside:
+        reason = f"turn {kept} was damaged (quarantined)"
+    elif not any(kept in segs for segs in per_tier):
+        reason = f"turn {kept} is missing"
+    else:
+        reason = f"turn {kept} does not fit the turns before it (another schema or length)"
+    return Truncation(session=s.key, turns=kept, stored=stored, reason=reason)
 
 
 def _rebuild(key: str, per_tier: list[dict[int, SegmentHeader]], ntiers: int) -> Session:

@@ -67,6 +67,13 @@ class CacheStats(msgspec.Struct, kw_only=True):
     :param errors: I/O errors reported while moving data (the data stayed where it was)
     :param cancelled: operations cancelled by their caller (each rolled back)
     :param orphans: segments whose cleanup failed, awaiting deletion
+    :param truncated: sessions whose history the last open brought back shorter than the
+        tiers had stored it (a damaged turn, or one after a gap), or not at all; named by
+        :meth:`~tieredkv.TieredKVCache.truncated`
+    :param written_down: conversations that only volatile tiers held which the last close
+        wrote down to a persistent tier (see ``close_timeout``)
+    :param unsaved: conversations that only volatile tiers held which the last close could
+        not write down (no free room, an I/O error, or the close timeout): lost with it
     :param outputs_reused: tensors :meth:`~tieredkv.TieredKVCache.load` returned in memory an
         earlier, dropped output left (already faulted in)
     :param output_idle_bytes: memory of dropped outputs kept for later loads now (at most
@@ -90,6 +97,9 @@ class CacheStats(msgspec.Struct, kw_only=True):
     errors: int = 0
     cancelled: int = 0
     orphans: int = 0
+    truncated: int = 0
+    written_down: int = 0
+    unsaved: int = 0
     outputs_reused: int = 0
     output_idle_bytes: int = 0
     tiers: tuple[TierStats, ...] = ()

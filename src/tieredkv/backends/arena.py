@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import gc
 import logging
 import mmap
 from collections.abc import Callable
@@ -457,17 +458,32 @@ def prefaulted(size: int) -> mmap.mmap:
     return buf
 
 
-def close_mapping(mm: mmap.mmap, name: str) -> None:
-    """Unmap ``mm`` now, or (while a caller still holds a view of it) when its last view goes.
+def close_mapping(mm: mmap.mmap, what: str, *, collect: bool = False) -> None:
+    """Unmap ``mm`` now, or (while something still holds a view of it) when its last view
+    goes; ``what`` names it in the warning that the second case logs.
 
     Unmapping memory that a live view points at would crash the process; ``mmap.close``
     refuses with BufferError instead, and the mapping then lives until it is unreferenced.
+    With ``collect`` (a tier's close), garbage is collected first and the close tried
+    again: a failed I/O call's traceback (after a full disk, say) holds views of the
+    memory it was copying in a reference cycle, which only the collector frees.
     """
     try:
         mm.close()
+        return
     except BufferError:
-        _log.warning(
-            "tier %r closed while views of its memory are still alive; the memory is freed "
-            "when the last one is released",
-            name,
-        )
+        pass
+    if collect:
+        gc.collect()
+        try:
+            mm.close()
+            return
+        except BufferError:
+            pass
+    _log.warning(
+        "%s: closed while the application still holds a view of its memory (a memoryview "
+        "or tensor made from it, e.g. with view()); nothing stored is lost or damaged, but "
+        "its %s bytes stay allocated until that view is released: drop it to free them",
+        what,
+        f"{len(mm):,}",
+    )

@@ -111,7 +111,7 @@ class HostMemoryTier(ArenaTier):
         self._unregister()
         if self._mmap is not None:
             mm, self._mmap = self._mmap, None
-            close_mapping(mm, self.name)
+            close_mapping(mm, f"tier {self.name!r}", collect=True)
 
     def _extra_stats(self) -> dict[str, Any]:
         return {"pinned": self.pinned, "notes": tuple(self._notes)}

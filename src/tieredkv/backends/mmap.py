@@ -86,7 +86,7 @@ class MmapTier(ArenaTier):
     def _release_buffer(self) -> None:
         if self._mmap is not None:
             mm, self._mmap = self._mmap, None
-            close_mapping(mm, self.name)
+            close_mapping(mm, f"tier {self.name!r}", collect=True)
         self._remove_file()
 
     def _extra_stats(self) -> dict[str, Any]:

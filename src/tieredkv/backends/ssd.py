@@ -19,8 +19,12 @@ the tier write, read or delete outside the directory. A symlinked ``segments``, 
 segment file is moved to ``quarantine/`` (the link, never its target).
 
 Every header is checked at open (:func:`~tieredkv.payload.parse_header`: CRC, then contents
-against the file's length), and a file whose header cannot be read (an I/O error on that
-one file, twice) is quarantined too: the tier opens with the rest. While open, a read serves a
+against the file's length); a file whose header was read and found wrong is quarantined and
+the tier opens with the rest (:meth:`SSDTier.set_aside` names them per session). An I/O
+error is not evidence of damage: a header read that fails is tried again (5 tries over
+0.44 s, :mod:`tieredkv.backends._retry`), and if it still fails, :meth:`SSDTier.open` fails
+with a :class:`~tieredkv.errors.TierIOError` naming the file, having moved and deleted
+nothing, so a later open sees every file. While open, a read serves a
 file only if its prefix (which covers the header's CRC and the body's hash) is the one this
 tier wrote or found at open, so a file swapped behind the tier's back, even for a valid
 older copy of the same segment, is refused.
@@ -74,6 +78,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import itertools
 import logging
@@ -113,6 +118,7 @@ from ..payload import (
     hashed_from,
     parse_header,
 )
+from ._retry import retry_io, tries
 from .arena import check_tier_arguments, close_mapping, prefaulted
 from .base import SegmentKey, Tier, TierStats
 
@@ -205,6 +211,8 @@ class SSDTier(Tier):
         self._spare: list[mmap.mmap] = []
         """Prefaulted ``chunk_size`` buffers kept for streamed reads (:meth:`read_spans`)."""
         self._lock_fd: int | None = None
+        self._set_aside: dict[str, list[int]] = {}
+        """Per file-name digest: the seqs of the files the last open quarantined."""
         self._notes: list[str] = []
         self._counters: dict[str, int] = {
             "bytes_read": 0,
@@ -264,6 +272,16 @@ class SSDTier(Tier):
                 self._dirs[xx] = fd
             return fd
 
+    def _full_hint(self, exc: OSError) -> str | None:
+        """What to do about a full filesystem (or quota), naming the directory; else None."""
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return None
+        return (
+            f"the filesystem holding {str(self.directory)!r} is full (or its quota is used "
+            f"up): free space there, or give the tier a capacity below the space it has "
+            f"free (its capacity is {self._capacity:,} bytes)"
+        )
+
     def _check_open(self) -> anyio.CapacityLimiter:
         if self._limiter is None:
             raise ClosedError(f"tier {self.name!r}")
@@ -285,6 +303,7 @@ class SSDTier(Tier):
 
     def _open_sync(self) -> list[SegmentHeader]:
         root: int | None = None
+        self._set_aside.clear()
         try:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
@@ -311,6 +330,7 @@ class SSDTier(Tier):
             self._index.clear()
             self._tags.clear()
             self._incarnations.clear()
+            self._set_aside.clear()
             self._used = 0
             raise
         finally:
@@ -335,9 +355,11 @@ class SSDTier(Tier):
             os.close(lock_fd)
             raise TierIOError(
                 self.name,
-                f"lock {str(self.directory)!r}: another process has this SSD tier open; give "
-                f"each process its own directory",
+                f"lock {str(self.directory)!r}",
                 exc,
+                hint="another SSDTier has this directory open (a cache in this process or "
+                "another, or `tieredkv fsck --repair`): close it first, or give each cache "
+                "its own directory",
             ) from exc
         try:
             self._probe_write()
@@ -414,9 +436,10 @@ class SSDTier(Tier):
         except OSError as exc:
             raise TierIOError(
                 self.name,
-                f"write in {str(self.directory)!r} (it must be writable; fix its permissions "
-                f"or pass another directory)",
+                f"write in {str(self.directory)!r}",
                 exc,
+                hint=self._full_hint(exc)
+                or "it must be writable: fix its permissions or pass another directory",
             ) from exc
         finally:
             block.close()
@@ -438,18 +461,23 @@ class SSDTier(Tier):
                 if not name.endswith(".seg"):
                     continue
                 try:
-                    try:
-                        header, size, tag = read_header_at(sub, name, rel, self._key)
-                    except CorruptSegmentError as exc:
-                        if not isinstance(exc.__cause__, OSError):
-                            raise
-                        # an I/O error: once more before setting a whole file aside
-                        header, size, tag = read_header_at(sub, name, rel, self._key)
-                except CorruptSegmentError as exc:
-                    # an unreadable file may be whole: if it cannot be moved, it stays
-                    unreadable = isinstance(exc.__cause__, OSError)
-                    self._quarantine_entry(sub, name, str(exc), keep=unreadable)
+                    header, size, tag = retry_io(
+                        functools.partial(read_header_at, sub, name, rel, self._key)
+                    )
+                except FileNotFoundError:
+                    continue  # removed meanwhile
+                except CorruptSegmentError as exc:  # read, and proven wrong
+                    self._set_aside_file(sub, name, str(exc))
                     continue
+                except OSError as exc:  # not evidence of damage: fail the open, move nothing
+                    raise TierIOError(
+                        self.name,
+                        f"read the header of segments/{rel} ({tries()})",
+                        exc,
+                        hint="nothing was moved or deleted: open it again; if this keeps "
+                        "failing, check the device (dmesg, smartctl) or copy the directory "
+                        "to a healthy one",
+                    ) from exc
                 key = (header.session, header.seq)
                 self._index[key] = size
                 self._tags[key] = tag
@@ -475,10 +503,33 @@ class SSDTier(Tier):
                 key = (h.session, h.seq)
                 self._used -= self._index.pop(key)
                 self._tags.pop(key)
-                self._quarantine_key(
-                    key, "its session's files carry different incarnations (a rollback?)"
+                xx, name = segment_file_name(key).split("/")
+                self._set_aside_file(
+                    self._subdir(xx, create=False),
+                    name,
+                    "its session's files carry different incarnations (a rollback?)",
                 )
         return kept
+
+    def _set_aside_file(self, sub: int, name: str, why: str) -> None:
+        """Quarantine a file the open found damaged, and remember it (:meth:`set_aside`)."""
+        digest, _, rest = name.partition(".")
+        seq = rest.removesuffix(".seg")
+        if seq.isdigit():
+            self._set_aside.setdefault(digest, []).append(int(seq))
+        self._counters["corrupt"] += 1
+        self._quarantine_entry(sub, name, why)
+
+    def set_aside(self, session: str) -> tuple[int, ...]:
+        """The turns (segment numbers) of ``session`` whose files the last :meth:`open`
+        found damaged and moved to ``quarantine/``, in order.
+
+        Matched by file name, so it names them even when a header was unreadable garbage.
+        The cache reports a history that came back shorter because of them
+        (:meth:`~tieredkv.TieredKVCache.truncated`).
+        """
+        digest = segment_file_name((session, 0)).split("/")[1].partition(".")[0]
+        return tuple(sorted(self._set_aside.get(digest, ())))
 
     async def aclose(self) -> None:
         if self._limiter is None:
@@ -489,7 +540,7 @@ class SSDTier(Tier):
                 pool.shutdown(wait=True)
         self._readers = self._hasher = self._copier = None
         while self._spare:
-            close_mapping(self._spare.pop(), "span buffer")
+            close_mapping(self._spare.pop(), f"tier {self.name!r}'s span buffer", collect=True)
         if self._doomed:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self._remove_doomed)
@@ -669,7 +720,10 @@ class SSDTier(Tier):
                     with self._dirs_lock:  # retried at close, unless written again first
                         self._doomed.add(key)
             raise TierIOError(
-                self.name, f"write segment {key[1]} ({len(data):,} bytes)", exc
+                self.name,
+                f"write segment {key[1]} ({len(data):,} bytes)",
+                exc,
+                hint=self._full_hint(exc),
             ) from exc
         except BaseException:  # the caller's fill failed: nothing was renamed
             _unlink_quietly(tmp, tmp_dir)
@@ -1138,18 +1192,32 @@ class SSDTier(Tier):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name, dir_fd=self._subdir(xx, create=False))
 
-    async def _quarantine(self, key: SegmentKey) -> None:
+    async def quarantine(self, key: SegmentKey, why: str) -> None:
+        """Move committed segment ``key``'s file to ``quarantine/`` (never deleted, never
+        served again) and forget it; for repair tools (``tieredkv fsck --repair`` moves
+        segments no cache would recover there). A cache never calls it.
+
+        :raises KeyError: if the tier holds no such segment
+        """
+        self._check_open()
+        if key not in self._index:
+            raise KeyError(key)
+        await self._quarantine(key, why, corrupt=False)
+
+    async def _quarantine(
+        self, key: SegmentKey, why: str = "failed verification on read", *, corrupt: bool = True
+    ) -> None:
         length = self._index.pop(key, None)
         if length is None:
             return
         self._used -= length
         self._tags.pop(key, None)
         self._end_incarnation(key[0])
-        self._counters["corrupt"] += 1
+        self._counters["corrupt"] += corrupt
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self._quarantine_key, key)
+            await anyio.to_thread.run_sync(self._quarantine_key, key, why)
 
-    def _quarantine_key(self, key: SegmentKey, why: str = "failed verification on read") -> None:
+    def _quarantine_key(self, key: SegmentKey, why: str) -> None:
         xx, name = segment_file_name(key).split("/")
         try:
             sub = self._subdir(xx, create=False)
@@ -1322,25 +1390,30 @@ def read_header_at(
     (from :func:`~tieredkv.payload.derive_key`) its MAC. Returns the header, the file's
     size and its prefix.
 
-    Any failure, including an I/O error on this one file, is a
-    :class:`~tieredkv.errors.CorruptSegmentError`: the file is set aside, the rest open.
+    What was read and found wrong (and a symbolic link, which is never read through) is a
+    :class:`~tieredkv.errors.CorruptSegmentError`. An I/O error is raised as the
+    :class:`OSError` it is: it proves nothing about the file (try again, see
+    :func:`~tieredkv.backends._retry.retry_io`).
     """
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sub)
-        try:
-            size = os.fstat(fd).st_size
-            head = os.pread(fd, ALIGN, 0)
-            if len(head) >= PREFIX.size:
-                _, hlen, _, _ = PREFIX.unpack_from(head, 0)
-                need = PREFIX.size + hlen
-                if need > len(head) and need <= size:
-                    head = os.pread(fd, need, 0)
-            with contextlib.suppress(OSError):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
     except OSError as exc:
-        raise CorruptSegmentError(rel, f"its header cannot be read ({exc})") from exc
+        if exc.errno == errno.ELOOP:
+            raise CorruptSegmentError(rel, "a symbolic link (a tier never follows one)") from None
+        raise
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, ALIGN, 0)
+        if len(head) >= PREFIX.size:
+            _, hlen, _, _ = PREFIX.unpack_from(head, 0)
+            need = PREFIX.size + hlen
+            if need > len(head) and need <= size:
+                head = os.pread(fd, need, 0)
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        with contextlib.suppress(OSError):  # Linux closes the descriptor even then
+            os.close(fd)
     header, _ = parse_header(memoryview(head), rel, size)
     if segment_file_name((header.session, header.seq)) != rel:
         raise CorruptSegmentError(rel, "file name does not match its header")
