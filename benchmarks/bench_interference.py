@@ -57,6 +57,8 @@ import torch
 from bench_serve import build_model  # the serving benchmark's model
 from tieredkv import HostMemoryTier, SSDTier, TieredKVCache
 from tieredkv.backends.base import SegmentKey
+from tieredkv.backends.ssd.reader import SegmentReader
+from tieredkv.backends.ssd.stream import SpanStream
 from tieredkv.integrations.transformers import TransformersAdapter
 
 
@@ -216,12 +218,22 @@ async def measure_write_through(
         return await alternate(blocks, turn)
 
 
-class PipelinedSSDTier(SSDTier):
-    """An SSD tier that reads every segment through the pipelined path (reader and
-    hasher threads), small ones too: how every segment was read before."""
+class PipelinedReader(SegmentReader):
+    """Reads every segment through the pipelined path (reader and hasher threads), small
+    ones too: how every segment was read before."""
 
     def _read_verify(self, fd: int, key: SegmentKey, out: memoryview, rel: str) -> None:
         self._read_verify_pipelined(fd, key, out, rel)
+
+
+class PipelinedSSDTier(SSDTier):
+    """An SSD tier whose reader is a :class:`PipelinedReader`."""
+
+    def __init__(self, directory: Path, capacity: int) -> None:
+        super().__init__(directory, capacity)
+        old = self._reader
+        self._reader = PipelinedReader(self._dir, self._index, self._workers, old.key, old.chunk)
+        self._stream = SpanStream(self._reader, self._index, self._workers)
 
 
 async def measure_python_bound(

@@ -1,11 +1,12 @@
 """Fault injection at the os-call level, for the file tiers and whatever sits on them.
 
 :class:`FaultInjector` replaces the ``os`` name inside the modules that do file I/O
-(``tieredkv.backends.ssd`` and ``tieredkv.backends.mmap`` by default) with a proxy: every
-attribute is the real :mod:`os` one, except the functions named in :data:`SITES`, which
-are wrapped so that a call may raise ``OSError(EIO)`` (or ``ENOSPC``, or any errno) instead
-of reaching the kernel. Only those modules see the proxy: pytest, anyio and the rest of the
-process keep the real :mod:`os`, so a fault always lands on a tier's own call.
+(the modules of the ``tieredkv.backends.ssd`` package and ``tieredkv.backends.mmap`` by
+default) with a proxy: every attribute is the real :mod:`os` one, except the functions
+named in :data:`SITES`, which are wrapped so that a call may raise ``OSError(EIO)`` (or
+``ENOSPC``, or any errno) instead of reaching the kernel. Only those modules see the proxy:
+pytest, anyio and the rest of the process keep the real :mod:`os`, so a fault always lands
+on a tier's own call.
 
 Three kinds of rule, combinable:
 
@@ -27,7 +28,9 @@ injection off (calls are still counted) for a test's setup or final check.
 from __future__ import annotations
 
 import errno as errno_mod
+import importlib
 import os
+import pkgutil
 import random
 import sys
 import threading
@@ -39,7 +42,7 @@ from typing import Any
 
 from tests.conftest import _BLOCKING  # the os calls that do file I/O, named once
 
-__all__ = ["DEFAULT_MODULES", "SITES", "FaultInjector", "InjectedFault"]
+__all__ = ["DEFAULT_MODULES", "SITES", "SSD_MODULES", "FaultInjector", "InjectedFault"]
 
 SITES: frozenset[str] = frozenset(_BLOCKING) | {
     "close",
@@ -56,7 +59,23 @@ _RANDOM_DEFAULT = SITES - {"close"}
 (Linux closes the descriptor even when ``close`` reports EIO, so a fault there tests
 nothing but log noise); name it explicitly to include it."""
 
-DEFAULT_MODULES: tuple[str, ...] = ("tieredkv.backends.ssd", "tieredkv.backends.mmap")
+
+def _ssd_modules() -> tuple[str, ...]:
+    """The modules of the SSD tier's package that call ``os`` (every one that imports it)."""
+    import tieredkv.backends.ssd as package
+
+    names = []
+    for info in pkgutil.iter_modules(package.__path__):
+        name = f"{package.__name__}.{info.name}"
+        if getattr(importlib.import_module(name), "os", None) is os:
+            names.append(name)
+    return tuple(names)
+
+
+SSD_MODULES: tuple[str, ...] = _ssd_modules()
+"""The modules of :mod:`tieredkv.backends.ssd` that do file I/O."""
+
+DEFAULT_MODULES: tuple[str, ...] = (*SSD_MODULES, "tieredkv.backends.mmap")
 """Modules whose ``os`` is replaced unless ``modules=`` says otherwise (plus
 ``tieredkv.fsck`` when it is importable)."""
 

@@ -110,7 +110,7 @@ def _files_agree(tier: SSDTier, keys: set[SegmentKey]) -> list[str]:
     files = {p for p in (directory / "segments").rglob("*") if p.is_file()}
     # a failed write whose cleanup failed too leaves its file "doomed": known to the tier,
     # out of its index, deleted at close (checked by the campaign's reopen)
-    doomed = set(tier._doomed)
+    doomed = set(tier._writer.doomed)
     want = {directory / "segments" / segment_file_name(k) for k in keys | doomed}
     out = []
     if files != want:

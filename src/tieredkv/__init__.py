@@ -59,6 +59,9 @@ _EXPORTS = {
     "Scheduler": ".policies.scheduling",
     "make_eviction": ".policies.registry",
     "make_scheduler": ".policies.registry",
+    "UnknownTierError": ".backends.registry",
+    "make_tier": ".backends.registry",
+    "tier_from_config": ".backends.registry",
     "ServedTurn": ".serve.engine",
     "ServingEngine": ".serve.engine",
     "TurnRequest": ".serve.engine",
@@ -87,6 +90,9 @@ if TYPE_CHECKING:
     from .backends.memory import HostMemoryTier as HostMemoryTier
     from .backends.mmap import MmapTier as MmapTier
     from .backends.redis import RedisTier as RedisTier
+    from .backends.registry import UnknownTierError as UnknownTierError
+    from .backends.registry import make_tier as make_tier
+    from .backends.registry import tier_from_config as tier_from_config
     from .backends.shared import SharedTier as SharedTier
     from .backends.ssd import SSDTier as SSDTier
     from .cache import CacheStats as CacheStats

@@ -35,6 +35,18 @@ from pathlib import Path
 from typing import Any
 
 from .backends._retry import retry_io, tries
+from .backends.ssd.layout import (
+    MIXED_INCARNATIONS,
+    O_DIR,
+    SUBDIRS,
+    by_session,
+    mixed_incarnations,
+    name_digest,
+    pread_full,
+    read_header_at,
+    segment_file_name,
+    session_digest,
+)
 from .errors import (
     CorruptSegmentError,
     InvalidArgumentError,
@@ -60,9 +72,6 @@ __all__ = [
     "repair_directory",
     "run_command",
 ]
-
-_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_SUBDIRS = ("segments", "tmp", "quarantine")
 
 
 class NotATierDirectoryError(TieredKVError, ValueError):
@@ -200,9 +209,9 @@ def _subdirs(root: int, report: FsckReport) -> Iterator[dict[str, int]]:
     """Descriptors of the tier's subdirectories that exist and are not links."""
     dirs: dict[str, int] = {}
     try:
-        for sub in _SUBDIRS:
+        for sub in SUBDIRS:
             try:
-                dirs[sub] = os.open(sub, _O_DIR, dir_fd=root)
+                dirs[sub] = os.open(sub, O_DIR, dir_fd=root)
             except FileNotFoundError:
                 continue
             except OSError as exc:
@@ -223,7 +232,7 @@ def _check_segments(segments: int, key: bytes | None, report: FsckReport) -> lis
     headers: list[SegmentHeader] = []
     for xx in sorted(os.listdir(segments)):
         try:
-            sub = os.open(xx, _O_DIR, dir_fd=segments)
+            sub = os.open(xx, O_DIR, dir_fd=segments)
         except OSError as exc:
             report.damaged.append(Damaged(f"segments/{xx}", _not_a_directory(exc)))
             continue
@@ -253,20 +262,11 @@ def _check_segments(segments: int, key: bytes | None, report: FsckReport) -> lis
 def _verify_file(sub: int, name: str, rel: str, key: bytes | None) -> SegmentHeader:
     """Read one whole file and verify it as a tier does before serving it
     (:class:`CorruptSegmentError` if it is wrong, :class:`OSError` if it cannot be read)."""
-    from .backends.ssd import read_header_at
-
     header, size, _ = read_header_at(sub, name, rel, key)  # CRC, contents, name, MAC
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sub)
     try:
         data = bytearray(size)
-        view = memoryview(data)
-        got = 0
-        while got < size:
-            n = os.preadv(fd, [view[got:]], got)
-            if n == 0:
-                break
-            got += n
-        view.release()
+        got = pread_full(fd, memoryview(data), 0)
     finally:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -280,20 +280,13 @@ def _verify_file(sub: int, name: str, rel: str, key: bytes | None) -> SegmentHea
 
 
 def _summarize(headers: list[SegmentHeader], authenticated: bool, report: FsckReport) -> None:
-    from .backends.ssd import segment_file_name
-
-    damaged_names = [d.path.rsplit("/", 1)[-1].partition(".")[0] for d in report.damaged]
-    by_session: dict[str, list[SegmentHeader]] = {}
-    for h in headers:
-        by_session.setdefault(h.session, []).append(h)
-    for session in sorted(by_session):
-        group = sorted(by_session[session], key=lambda h: h.seq)
-        if authenticated and len({h.incarnation for h in group}) > 1:
+    damaged_names = [name_digest(d.path.rsplit("/", 1)[-1]) for d in report.damaged]
+    groups = by_session(headers)
+    for session in sorted(groups):
+        group = sorted(groups[session], key=lambda h: h.seq)
+        if authenticated and mixed_incarnations(group):
             report.damaged.extend(
-                Damaged(
-                    f"segments/{segment_file_name((h.session, h.seq))}",
-                    "its session's files carry different incarnations (a rollback?)",
-                )
+                Damaged(f"segments/{segment_file_name((h.session, h.seq))}", MIXED_INCARNATIONS)
                 for h in group
             )
             continue
@@ -306,8 +299,7 @@ def _summarize(headers: list[SegmentHeader], authenticated: bool, report: FsckRe
         summary.turns = len(kept)
         summary.tokens = sum(h.tokens for h in kept)
         summary.stray = len(strays)
-        digest = segment_file_name((session, 0)).split("/")[1].partition(".")[0]
-        summary.damaged = damaged_names.count(digest)
+        summary.damaged = damaged_names.count(session_digest(session))
         report.sessions.append(summary)
     report.damaged.sort(key=lambda d: d.path)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import importlib
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +22,7 @@ import anyio
 import pytest
 import torch
 
-import tieredkv.backends.ssd as ssd_module
+from tests.faults import SSD_MODULES
 from tests.invariants import problems
 from tieredkv import HostMemoryTier, SSDTier, TieredKVCache, TierIOError
 from tieredkv.backends.ssd import segment_file_name
@@ -57,7 +58,8 @@ def slow(
     for name in names:
         setattr(proxy, name, delayed(getattr(os, name)))
     with monkeypatch.context() as m:
-        m.setattr(ssd_module, "os", proxy)
+        for name in SSD_MODULES:
+            m.setattr(importlib.import_module(name), "os", proxy)
         yield
 
 

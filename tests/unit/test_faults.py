@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 import pytest
 
-import tieredkv.backends.ssd as ssd_module
+import tieredkv.backends.ssd.layout as ssd_module  # one of the SSD modules that call os
 from tests.faults import FaultInjector, InjectedFault
 from tests.segments import SegmentFactory, read_back, store
 from tieredkv.backends import SSDTier
@@ -21,7 +21,7 @@ CAPACITY = 16 << 20
 
 
 def tier_os() -> Any:
-    """What the SSD tier's module calls ``os`` right now."""
+    """What the SSD tier's modules call ``os`` right now."""
     return vars(ssd_module)["os"]
 
 

@@ -398,11 +398,11 @@ async def test_write_fault_commits_nothing(
     async with SSDTier(ssd_dir, CAPACITY, direct_io=direct_io) as tier:
         await store(tier, old)
         real = getattr(os, call)
-        monkeypatch.setattr(f"tieredkv.backends.ssd.os.{call}", failing(real, err, after=after))
+        monkeypatch.setattr(os, call, failing(real, err, after=after))
         assert tier.reserve(new.key, new.length)
         with pytest.raises(TierIOError) as info:
             await tier.write(new.key, new.view)
-        monkeypatch.setattr(f"tieredkv.backends.ssd.os.{call}", real)
+        monkeypatch.setattr(os, call, real)
         assert info.value.errno == err
         assert isinstance(info.value, OSError)
         assert list((ssd_dir / "tmp").iterdir()) == []
@@ -429,10 +429,10 @@ async def test_read_io_error_is_tier_io_error(
     async with SSDTier(ssd_dir, CAPACITY) as tier:
         await store(tier, s)
         real = os.preadv
-        monkeypatch.setattr("tieredkv.backends.ssd.os.preadv", failing(real, errno.EIO))
+        monkeypatch.setattr(os, "preadv", failing(real, errno.EIO))
         with aligned_buffer(s.length) as out, pytest.raises(TierIOError) as info:
             await tier.read_into(s.key, out)
-        monkeypatch.setattr("tieredkv.backends.ssd.os.preadv", real)
+        monkeypatch.setattr(os, "preadv", real)
         assert info.value.errno == errno.EIO
         assert tier.contains(s.key)
         assert tier.stats().corrupt == 0

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import gc
-import logging
-import mmap
 from collections.abc import Callable
 from typing import Any
 
@@ -19,15 +16,19 @@ import anyio
 import numpy as np
 import torch
 
-from ..errors import ClosedError, InvalidArgumentError
-from ..payload import ALIGN, SegmentHeader, align_up, check_int
+from ..errors import ClosedError
+from ..payload import ALIGN, SegmentHeader, align_up
+from ._arguments import check_tier_arguments
+
+# re-exported: the cache's staging buffers (tieredkv._cache.gather) import them from here
+from ._buffers import close_mapping as close_mapping
+from ._buffers import prefaulted as prefaulted
 from .base import AddressableTier, SegmentKey, TierStats
 
 __all__ = [
     "INLINE_COPY",
     "ArenaAllocator",
     "ArenaTier",
-    "check_tier_arguments",
     "close_mapping",
     "prefaulted",
 ]
@@ -35,26 +36,6 @@ __all__ = [
 INLINE_COPY = 256 * 1024
 """Copies up to this many bytes run on the event loop (microseconds); larger ones in a
 worker thread."""
-
-_MAX_THREADS = 1024
-
-
-def check_tier_arguments(name: object, capacity: object, max_threads: object) -> None:
-    """Refuse a tier's constructor arguments that could only fail later (or hang).
-
-    :raises ~tieredkv.errors.InvalidArgumentError: an empty name, a capacity below one
-        byte, or ``max_threads`` outside 1 to 1,024 (0 would make the first file operation
-        wait forever for a thread)
-    :raises ~tieredkv.errors.InvalidTypeError: a capacity or ``max_threads`` that is not
-        an int (a float, a bool)
-    """
-    if not isinstance(name, str) or not name:
-        raise InvalidArgumentError(f"a tier needs a non-empty name, not {name!r}")
-    check_int(f"tier {name!r}: capacity (bytes)", capacity, minimum=1)
-    check_int(f"tier {name!r}: max_threads", max_threads, minimum=1, maximum=_MAX_THREADS)
-
-
-_log = logging.getLogger(__name__)
 
 
 class ArenaAllocator:
@@ -444,46 +425,3 @@ def _copy_bytes(dst: memoryview, src: memoryview) -> None:
         np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
     else:
         torch.frombuffer(dst, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
-
-
-def prefaulted(size: int) -> mmap.mmap:
-    """An anonymous, page-aligned (O_DIRECT-capable) mapping of ``size`` bytes with every
-    page faulted in now: by the kernel in one call where it can (``MAP_POPULATE``, about
-    twice as fast on this project's machine as touching each page: 17 against 36 ms for
-    64 MiB), else by writing zeros."""
-    populate = getattr(mmap, "MAP_POPULATE", 0)
-    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
-    if not populate:
-        np.frombuffer(buf, dtype=np.uint8).fill(0)
-    return buf
-
-
-def close_mapping(mm: mmap.mmap, what: str, *, collect: bool = False) -> None:
-    """Unmap ``mm`` now, or (while something still holds a view of it) when its last view
-    goes; ``what`` names it in the warning that the second case logs.
-
-    Unmapping memory that a live view points at would crash the process; ``mmap.close``
-    refuses with BufferError instead, and the mapping then lives until it is unreferenced.
-    With ``collect`` (a tier's close), garbage is collected first and the close tried
-    again: a failed I/O call's traceback (after a full disk, say) holds views of the
-    memory it was copying in a reference cycle, which only the collector frees.
-    """
-    try:
-        mm.close()
-        return
-    except BufferError:
-        pass
-    if collect:
-        gc.collect()
-        try:
-            mm.close()
-            return
-        except BufferError:
-            pass
-    _log.warning(
-        "%s: closed while the application still holds a view of its memory (a memoryview "
-        "or tensor made from it, e.g. with view()); nothing stored is lost or damaged, but "
-        "its %s bytes stay allocated until that view is released: drop it to free them",
-        what,
-        f"{len(mm):,}",
-    )

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from ..errors import TierIOError
-from .arena import ArenaTier, close_mapping
+from ._buffers import close_mapping
+from .arena import ArenaTier
 
 __all__ = ["HostMemoryTier"]
 

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TierIOError
-from .arena import ArenaTier, close_mapping
+from ._buffers import close_mapping
+from .arena import ArenaTier
 
 __all__ = ["MmapTier"]
 

@@ -1,0 +1,363 @@
+"""Streaming segments out of an SSD tier span by span (:meth:`SSDTier.read_spans`).
+
+Whole histories stream to a consumer (in a third thread) span by span as they arrive: up
+to four reads are in flight across segment boundaries, each segment's checksum (and MAC)
+is computed in the hasher thread as its spans arrive, and the spans are read into a small
+pool of reused, prefaulted buffers (or straight into the caller's buffers), so a history
+of any size needs a few chunks of memory, not a segment-sized buffer. A layer-wise restore
+(:func:`layerwise_plan`) reads every segment's first span, then every segment's second,
+and so on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import mmap
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import xxhash
+
+from ...errors import CorruptSegmentError
+from ...payload import (
+    ALIGN,
+    PREFIX,
+    SegmentHeader,
+    body_mac_hasher,
+    check_body_mac_digest,
+    check_header_mac,
+    hashed_from,
+    parse_header,
+)
+from .._buffers import aligned, close_mapping, prefaulted
+from ..base import SegmentKey
+from .index import SegmentIndex
+from .layout import pread_full, segment_file_name
+from .reader import READ_DEPTH, Failure, SegmentReader, Workers, check_header
+
+__all__ = ["SpanStream", "check_stream", "layerwise_plan", "span_order"]
+
+Items = Sequence[tuple[SegmentKey, Sequence[tuple[int, int]]]]
+"""Segments and their spans, as :meth:`SSDTier.read_spans` takes them."""
+
+Consumer = Callable[[int, int, memoryview], None]
+"""What a stream hands each span to: ``consume(item, span, view)``."""
+
+_RING = READ_DEPTH + 2
+"""Span buffers one stream cycles through: the reads in flight, one being hashed and copied
+out, one spare."""
+
+_SPARE_BUFFERS = 2 * _RING
+"""Span buffers of ``chunk_size`` bytes a tier keeps for later streams (two streams' worth)."""
+
+
+def check_stream(
+    items: Items,
+    index: SegmentIndex,
+    into: Sequence[memoryview] | None,
+    direct: bool,
+) -> None:
+    """Refuse a stream :meth:`SSDTier.read_spans` cannot read: a segment not held, spans
+    that do not cover it or split its header, buffers of the wrong length or (with
+    O_DIRECT) alignment (``KeyError``, ``ValueError``)."""
+    for i, (key, spans) in enumerate(items):
+        length = index.lengths.get(key)
+        if length is None:
+            raise KeyError(key)
+        _check_spans(spans, length)
+        tag = index.tags.get(key)
+        if tag is not None and spans[0][1] < PREFIX.size + PREFIX.unpack_from(tag)[1]:
+            raise ValueError(
+                f"the first span of segment {key[1]} ends at {spans[0][1]}, inside its "
+                f"header ({PREFIX.size + PREFIX.unpack_from(tag)[1]} bytes): it must hold "
+                f"the whole header"
+            )
+        if into is not None:
+            if len(into[i]) != length:
+                raise ValueError(f"segment is {length} bytes, the buffer {len(into[i])}")
+            if direct and not aligned(into[i]):
+                raise ValueError(f"with O_DIRECT the buffers must be {ALIGN}-aligned")
+    if into is not None and len(into) != len(items):
+        raise ValueError(f"{len(items)} segments but {len(into)} buffers")
+
+
+def span_order(items: Items, order: Sequence[tuple[int, int]] | None) -> list[tuple[int, int]]:
+    """The ``(item, span)`` pairs to read, in order; ``ValueError`` if ``order`` misses one,
+    repeats one, or puts an item's spans out of their order."""
+    if order is None:
+        return [(i, k) for i, (_, spans) in enumerate(items) for k in range(len(spans))]
+    jobs = list(order)
+    nxt = [0] * len(items)
+    for i, k in jobs:
+        if not 0 <= i < len(items) or k != nxt[i]:
+            raise ValueError(
+                f"order must list each item's spans once, in their order; ({i}, {k}) is not "
+                f"the next span of an item"
+            )
+        nxt[i] += 1
+    if nxt != [len(spans) for _, spans in items]:
+        raise ValueError("order leaves out some spans")
+    return jobs
+
+
+def _check_spans(spans: Sequence[tuple[int, int]], length: int) -> None:
+    """Refuse spans that do not cover a segment of ``length`` bytes as :meth:`SSDTier.read_spans`
+    needs (``ValueError``)."""
+    end = 0
+    for start, stop in spans:
+        if start % ALIGN or (stop % ALIGN and stop != length):
+            raise ValueError(f"span ({start}, {stop}) is not aligned to {ALIGN} bytes")
+        if not start <= end < stop <= length:
+            raise ValueError(
+                f"span ({start}, {stop}) does not continue the spans before it (which end at "
+                f"{end}) within the segment's {length} bytes"
+            )
+        end = stop
+    if end != length:
+        raise ValueError(f"the spans end at {end}, the segment at {length}")
+
+
+def layerwise_plan(
+    lengths: Sequence[int], ends: Sequence[Sequence[int]], landed: Callable[[int], None]
+) -> tuple[list[list[tuple[int, int]]], Consumer, list[tuple[int, int]]]:
+    """The stream of a layer-wise read (:meth:`SSDTier.read_spans_into`): each segment's
+    spans (``ends`` are its span ends, the same number per segment), the consumer that
+    calls ``landed(g)`` once span group ``g`` of every segment has arrived (in group order),
+    and the order that reads every segment's group 0, then every segment's group 1, ...
+
+    :raises ValueError: span ends that are not non-decreasing multiples of 4 KiB ending at
+        each segment's length, or not the same number for every segment
+    """
+    groups = len(ends[0]) if ends else 0
+    spans: list[list[tuple[int, int]]] = []
+    group_of: list[list[int]] = []  # each span's group
+    for length, cuts in zip(lengths, ends, strict=True):
+        if len(cuts) != groups or not cuts or cuts[-1] != length:
+            raise ValueError("every segment needs the same number of spans, ending at its length")
+        if any(b < a for a, b in itertools.pairwise([0, *cuts])) or any(c % ALIGN for c in cuts):
+            raise ValueError(f"span ends must be non-decreasing multiples of {ALIGN}")
+        seg_spans: list[tuple[int, int]] = []
+        seg_groups: list[int] = []
+        start = 0
+        for g, end in enumerate(cuts):
+            if end > start:  # an empty span has nothing to read
+                seg_spans.append((start, end))
+                seg_groups.append(g)
+            start = end
+        spans.append(seg_spans)
+        group_of.append(seg_groups)
+    pending = [0] * groups  # spans of each group not delivered yet
+    for seg_groups in group_of:
+        for g in seg_groups:
+            pending[g] += 1
+    done = 0  # groups reported landed
+
+    def deliver(item: int, k: int, view: memoryview) -> None:
+        nonlocal done
+        pending[group_of[item][k]] -= 1
+        while done < groups and not pending[done]:
+            landed(done)
+            done += 1
+
+    order = sorted((g, i, k) for i, gs in enumerate(group_of) for k, g in enumerate(gs))
+    return spans, deliver, [(i, k) for _, i, k in order]
+
+
+class SpanStream:
+    """Streams committed segments of one SSD tier span by span (in worker threads).
+
+    :param reader: opens and closes the tier's segment files
+    :param index: the tier's index
+    :param workers: the tier's threads
+    """
+
+    def __init__(self, reader: SegmentReader, index: SegmentIndex, workers: Workers) -> None:
+        self._reader = reader
+        self._index = index
+        self._workers = workers
+        self._spare: list[mmap.mmap] = []
+        """Prefaulted ``chunk_size`` buffers kept for later streams."""
+        self._lock = threading.Lock()
+
+    def close(self, tier: str) -> None:
+        """Unmap the buffers kept for later streams (the tier closes)."""
+        while self._spare:
+            close_mapping(self._spare.pop(), f"tier {tier!r}'s span buffer", collect=True)
+
+    def _span_buffer(self, size: int) -> mmap.mmap:
+        """A prefaulted buffer of at least ``size`` bytes from the pool (or a new one)."""
+        with self._lock:
+            for i, buf in enumerate(self._spare):
+                if len(buf) >= size:
+                    return self._spare.pop(i)
+        return prefaulted(max(size, self._reader.chunk))
+
+    def _give_back(self, buf: mmap.mmap) -> None:
+        with self._lock:
+            if len(buf) == self._reader.chunk and len(self._spare) < _SPARE_BUFFERS:
+                self._spare.append(buf)
+                return
+        with contextlib.suppress(BufferError):
+            buf.close()
+
+    def read(
+        self,
+        items: Items,
+        jobs: list[tuple[int, int]],
+        consume: Consumer,
+        into: Sequence[memoryview] | None,
+    ) -> tuple[list[int], tuple[int, Failure] | None]:
+        """The stream itself (see :meth:`SSDTier.read_spans`); returns the items verified, in
+        the order they were, and the failure that stopped it (the item, and the failure as
+        :meth:`SegmentReader.read_checked` reports one)."""
+        w = self._workers
+        readers, hasher_pool, copier = w.readers, w.hasher, w.copier
+        reader = self._reader
+        size = max(items[i][1][k][1] - items[i][1][k][0] for i, k in jobs)
+        ring = [] if into is not None else [self._span_buffer(size) for _ in range(_RING)]
+        free = list(ring)
+        # (item, span, buffer or None, view, read); a buffer returns to ``free`` once its
+        # span is hashed and consumed (``busy``, oldest first)
+        inflight: deque[tuple[int, int, mmap.mmap | None, memoryview, Future[int]]] = deque()
+        busy: deque[tuple[mmap.mmap | None, list[Future[None]]]] = deque()
+        fds: dict[int, int] = {}
+        reading: dict[int, _SegmentRead] = {}
+        verified: list[int] = []
+        issued = 0
+        try:
+            while True:
+                while issued < len(jobs) and len(inflight) < READ_DEPTH:
+                    while into is None and not free:  # the oldest span's buffer, once done
+                        done_buf, futures = busy.popleft()
+                        for f in futures:
+                            f.result()  # an exception from consume propagates
+                        if done_buf is not None:
+                            free.append(done_buf)
+                    i, k = jobs[issued]
+                    key, spans = items[i]
+                    if i not in fds:
+                        fd = reader.open_segment(key)
+                        if isinstance(fd, tuple):
+                            return verified, (i, fd)
+                        fds[i] = fd
+                    start, end = spans[k]
+                    buf: mmap.mmap | None = None
+                    if into is None:
+                        buf = free.pop()
+                        view = memoryview(buf)[: end - start]
+                    else:
+                        view = into[i][start:end]
+                    # pread_full releases the view it is given: give it its own
+                    read = readers.submit(pread_full, fds[i], view[:], start)
+                    inflight.append((i, k, buf, view, read))
+                    issued += 1
+                if not inflight:
+                    return verified, None
+                i, k, buf, view, future = inflight.popleft()
+                key, spans = items[i]
+                start, end = spans[k]
+                length = self._index.lengths[key]
+                rel = segment_file_name(key)
+                try:
+                    n = future.result()
+                except OSError as exc:
+                    why = (f"read segment {key[1]}", exc.errno or 0, exc.strerror or str(exc))
+                    return verified, (i, why)
+                # ``view`` is not released here: the copier thread may still be using it
+                # (its buffer is reused only once it is done, and unmapped at close)
+                try:
+                    if n < end - start:
+                        raise CorruptSegmentError(
+                            rel, f"file ends at {start + n} of {length} bytes (truncated)"
+                        )
+                    if k == 0:
+                        reading[i] = self._begin_segment_read(view, key, rel, length)
+                    seg = reading[i]
+                    futures = seg.feed(hasher_pool, view, start, end)
+                except CorruptSegmentError as exc:
+                    if buf is not None:
+                        free.append(buf)
+                    return verified, (i, (exc.detail, None, ""))
+                # copied out in the copier thread, so this one reissues reads meanwhile
+                copying = copier.submit(consume, i, k, view)
+                busy.append((buf, [*futures, copying]))
+                seg.copies.append(copying)
+                if end == length:
+                    try:
+                        reading.pop(i).finish()
+                    except CorruptSegmentError as exc:
+                        return verified, (i, (exc.detail, None, ""))
+                    reader.close_segment(fds.pop(i))
+                    verified.append(i)
+        finally:
+            # let every read, hash and copy finish before a buffer is reused
+            for *_, future in inflight:
+                with contextlib.suppress(Exception):
+                    future.result()
+            for _, futures in busy:
+                for f in futures:
+                    with contextlib.suppress(Exception):
+                        f.result()
+            for fd in fds.values():
+                reader.close_segment(fd)
+            for buf in ring:
+                self._give_back(buf)
+
+    def _begin_segment_read(
+        self, first: memoryview, key: SegmentKey, rel: str, length: int
+    ) -> _SegmentRead:
+        """Check a segment's header in its first span; the state that verifies the rest."""
+        expected = check_header(first, key, rel, self._index.tags.get(key), length)
+        mac = None
+        secret = self._reader.key
+        if secret is not None:
+            header, _ = parse_header(first, rel, length)
+            check_header_mac(header, secret, rel)
+            mac = (body_mac_hasher(secret), header)
+        return _SegmentRead(rel, hashed_from(first), expected, mac)
+
+
+class _SegmentRead:
+    """One segment being streamed: its checksum (and MAC) fed in order as spans arrive."""
+
+    def __init__(
+        self, rel: str, hashed: int, expected: int, mac: tuple[Any, SegmentHeader] | None
+    ) -> None:
+        self.rel = rel
+        self.hashed = hashed
+        """Absolute offset up to which bytes were handed to the hashers."""
+        self.expected = expected
+        self.xxh = xxhash.xxh3_64()
+        self.mac = mac
+        self.futures: list[Future[None]] = []
+        self.copies: list[Future[None]] = []
+        """The consumer's calls for the spans delivered so far."""
+
+    def feed(
+        self, pool: ThreadPoolExecutor, view: memoryview, start: int, end: int
+    ) -> list[Future[None]]:
+        """Hash the part of span ``[start, end)`` (in ``view``) not hashed yet, in ``pool``."""
+        if end <= self.hashed:
+            return []
+        part = view[self.hashed - start :]
+        self.hashed = end
+        futures = [pool.submit(self.xxh.update, part)]
+        if self.mac is not None:
+            futures.append(pool.submit(self.mac[0].update, part))
+        self.futures.extend(futures)
+        return futures
+
+    def finish(self) -> None:
+        """Check the digests once every span was fed (``CorruptSegmentError`` if wrong)."""
+        for f in self.futures:
+            f.result()
+        for f in self.copies:
+            f.result()  # an exception from consume propagates
+        if self.xxh.intdigest() != self.expected:
+            raise CorruptSegmentError(self.rel, "body checksum mismatch")
+        if self.mac is not None:
+            check_body_mac_digest(self.mac[0].digest(), self.mac[1], self.rel)

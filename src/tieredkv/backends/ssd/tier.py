@@ -1,0 +1,397 @@
+"""The SSD tier: the class that composes the directory, the index, recovery, the reader,
+the span stream and the writer (see :mod:`tieredkv.backends.ssd` for the design)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import NoReturn
+
+import anyio
+
+from ...errors import ClosedError, CorruptSegmentError, InvalidArgumentError, TierIOError
+from ...payload import ALIGN, SegmentHeader, check_cuts, check_int, derive_key
+from .._arguments import check_tier_arguments
+from ..base import SegmentKey, Tier, TierStats
+from .dirs import TierDirectory
+from .index import SegmentIndex
+from .layout import segment_file_name
+from .probe import probe_direct_io
+from .reader import Failure, SegmentReader, Workers
+from .recovery import Recovery
+from .stream import SpanStream, check_stream, layerwise_plan, span_order
+from .writer import Filled, SegmentWriter
+
+__all__ = ["SSDTier"]
+
+
+class SSDTier(Tier):
+    """Segment files on a local filesystem (meant for an SSD), with O_DIRECT and checksums.
+
+    :param directory: where the tier keeps its files (created if missing)
+    :param capacity: the byte budget for segment files
+    :param name: the tier's name in metadata and events
+    :param direct_io: ``None`` (default) uses O_DIRECT where the filesystem supports it and
+        falls back otherwise; ``True`` requires it; ``False`` never uses it
+    :param fsync: make every write durable before it counts as committed
+    :param max_threads: concurrent file operations (the per-tier thread limiter)
+    :param chunk_size: bytes per read call; a segment of at most this many bytes is read in
+        one call and hashed in the calling thread, a larger one in chunks of this size, read
+        ahead by reader threads while the hasher thread hashes the chunks already read
+    :param secret: authenticate segments with this secret (at least 16 bytes; keep it out
+        of the directory): see :mod:`tieredkv.backends.ssd` for what that catches and what not
+    """
+
+    kind = "ssd"
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        capacity: int,
+        *,
+        name: str = "ssd",
+        direct_io: bool | None = None,
+        fsync: bool = True,
+        max_threads: int = 4,
+        chunk_size: int = 8 << 20,
+        secret: bytes | None = None,
+    ) -> None:
+        check_tier_arguments(name, capacity, max_threads)
+        key = None if secret is None else derive_key(secret)
+        check_int(f"tier {name!r}: chunk_size", chunk_size, minimum=ALIGN)
+        if chunk_size % ALIGN:
+            raise InvalidArgumentError(f"chunk_size must be a positive multiple of {ALIGN}")
+        self.name = name
+        self.directory = Path(directory)
+        self._capacity = capacity
+        self._want_direct = direct_io
+        self._max_threads = max_threads
+        self._dir = TierDirectory(self.directory, name)
+        self._index = SegmentIndex(authenticated=key is not None)
+        self._recovery = Recovery(self._dir, self._index, key)
+        self._workers = Workers(name, max_threads)
+        self._reader = SegmentReader(self._dir, self._index, self._workers, key, chunk_size)
+        self._stream = SpanStream(self._reader, self._index, self._workers)
+        self._writer = SegmentWriter(self._dir, self._workers, key, fsync=fsync, capacity=capacity)
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._notes: list[str] = []
+        self._counters: dict[str, int] = {
+            "bytes_read": 0,
+            "bytes_written": 0,
+            "reads": 0,
+            "writes": 0,
+            "corrupt": 0,
+        }
+
+    # -- properties ----------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def used(self) -> int:
+        return self._index.used
+
+    @property
+    def persistent(self) -> bool:
+        return True
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether segments are written and checked with a MAC (a secret was given)."""
+        return self._reader.key is not None
+
+    @property
+    def span_bytes(self) -> int:
+        """Bytes per read call (``chunk_size``): the size :meth:`read_spans` reads best."""
+        return self._reader.chunk
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether files are read and written with O_DIRECT."""
+        return self._dir.direct
+
+    def _check_open(self) -> anyio.CapacityLimiter:
+        if self._limiter is None:
+            raise ClosedError(f"tier {self.name!r}")
+        return self._limiter
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def open(self) -> list[SegmentHeader]:
+        if self._limiter is not None:
+            return []
+        limiter = anyio.CapacityLimiter(self._max_threads)
+        headers = await anyio.to_thread.run_sync(self._open_sync, limiter=limiter)
+        self._workers.start()
+        self._limiter = limiter
+        return headers
+
+    def _open_sync(self) -> list[SegmentHeader]:
+        self._recovery.forget()
+        try:
+            self._dir.open()
+            try:
+                note = probe_direct_io(self._dir, self._want_direct, self._capacity)
+                if note is not None:
+                    self._notes.append(note)
+                self._dir.remove_leftovers()
+                return self._recovery.scan()
+            except TierIOError:
+                raise
+            except OSError as exc:
+                raise TierIOError(self.name, f"scan {str(self.directory)!r}", exc) from exc
+        except BaseException:
+            self._dir.close()
+            self._index.clear()
+            self._recovery.forget()
+            raise
+
+    def set_aside(self, session: str) -> tuple[int, ...]:
+        """The turns (segment numbers) of ``session`` whose files the last :meth:`open`
+        found damaged and moved to ``quarantine/``, in order.
+
+        Matched by file name, so it names them even when a header was unreadable garbage.
+        The cache reports a history that came back shorter because of them
+        (:meth:`~tieredkv.TieredKVCache.truncated`).
+        """
+        return self._recovery.set_aside(session)
+
+    async def aclose(self) -> None:
+        if self._limiter is None:
+            return
+        self._limiter = None
+        self._workers.stop()
+        self._stream.close(self.name)
+        if self._writer.doomed:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._writer.remove_doomed)
+        self._dir.close()
+        self._index.clear()
+
+    async def __aenter__(self) -> SSDTier:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # -- space ---------------------------------------------------------------------------
+    def reserve(self, key: SegmentKey, length: int) -> bool:
+        self._check_open()
+        if not self._index.reserve(key, length, self._capacity, self.name):
+            return False
+        self._writer.forget_doomed(key)  # a write of it will replace the leftover file
+        return True
+
+    def release(self, key: SegmentKey) -> None:
+        self._index.release(key)
+
+    # -- data ----------------------------------------------------------------------------
+    async def write(self, key: SegmentKey, data: memoryview) -> None:
+        await self._write(key, data, None)
+
+    async def write_filled(
+        self,
+        key: SegmentKey,
+        data: memoryview,
+        cuts: Sequence[int],
+        fill: Callable[[int], None],
+    ) -> None:
+        """Commit the reservation for ``key`` with ``data``, which ``fill(k)`` makes valid
+        part by part while the parts before it are written.
+
+        ``fill(k)`` (called in a worker thread, for k = 0, 1, ... in order) makes bytes
+        ``[0, cuts[k + 1])`` of ``data`` final, except the first page-aligned part's (up to
+        ``cuts[1]`` rounded down to 4 KiB), which only the last call makes final (it holds
+        the header, whose checksum covers everything). Each part is written as soon as it
+        is final, so serializing a segment and writing it overlap; the first part is
+        written last. Atomic and durable as :meth:`write`.
+        """
+        await self._write(key, data, (check_cuts(cuts, len(data)), fill))
+
+    async def _write(self, key: SegmentKey, data: memoryview, filled: Filled | None) -> None:
+        limiter = self._check_open()
+        length = self._index.reserved.get(key)
+        if length is None:
+            raise ValueError(f"segment {key[1]} has no reservation in tier {self.name!r}")
+        if len(data) != length:
+            raise ValueError(f"reserved {length} bytes, asked to write {len(data)}")
+        incarnation = self._index.begin_incarnation(key[0])
+        try:
+            tag = await anyio.to_thread.run_sync(
+                self._writer.write, key, data, incarnation, filled, limiter=limiter
+            )
+        except BaseException:
+            self._index.end_incarnation(key[0])
+            raise
+        self._index.commit(key, tag)
+        self._counters["writes"] += 1
+        self._counters["bytes_written"] += length
+
+    async def read_into(self, key: SegmentKey, out: memoryview) -> None:
+        await self.read_many_into([(key, out)])
+
+    async def read_many_into(self, items: Sequence[tuple[SegmentKey, memoryview]]) -> None:
+        """Read several committed segments, in order, in one worker-thread call.
+
+        A promotion reads a whole history (one segment per turn) this way: one hop to a
+        worker thread instead of one per segment. Stops at the first segment that fails;
+        the ones before it are complete. A damaged one is quarantined and raised as
+        :class:`~tieredkv.errors.CorruptSegmentError`.
+        """
+        limiter = self._check_open()
+        for key, out in items:
+            length = self._index.lengths.get(key)
+            if length is None:
+                raise KeyError(key)
+            if len(out) != length:
+                raise ValueError(f"segment is {length} bytes, the buffer {len(out)}")
+        done, failure = await anyio.to_thread.run_sync(
+            self._reader.read_many, items, limiter=limiter
+        )
+        for _, out in items[:done]:
+            self._counters["reads"] += 1
+            self._counters["bytes_read"] += len(out)
+        if failure is not None:
+            await self._raise_read_failure(items[done][0], failure)
+
+    async def _raise_read_failure(self, key: SegmentKey, failure: Failure) -> NoReturn:
+        """Quarantine ``key`` and raise :class:`CorruptSegmentError` if it was damaged (no
+        errno), or raise the I/O error as :class:`TierIOError`.
+
+        Raised here, outside any except block: the original exception's traceback would keep
+        views of the caller's buffers alive.
+        """
+        detail, code, reason = failure
+        if code is None:
+            await self._quarantine(key)
+            raise CorruptSegmentError(segment_file_name(key), detail)
+        raise TierIOError(self.name, detail, OSError(code, reason))
+
+    async def read_spans(
+        self,
+        items: Sequence[tuple[SegmentKey, Sequence[tuple[int, int]]]],
+        consume: Callable[[int, int, memoryview], None],
+        *,
+        into: Sequence[memoryview] | None = None,
+        order: Sequence[tuple[int, int]] | None = None,
+    ) -> None:
+        """Stream several committed segments to ``consume``, span by span, as they arrive.
+
+        Each item is a segment and its spans: byte ranges ``(start, end)`` that together
+        cover it from 0 to its length, in order, each starting at a multiple of 4 KiB at or
+        before the previous one's end (they may overlap by less than a page), each ending at
+        a multiple of 4 KiB or the segment's end. ``consume(item, span, view)`` gets each
+        span's bytes (valid only during the call) in a worker thread, in order, while later
+        spans are read: up to four reads are in flight across segment boundaries, each
+        segment's checksum (and MAC) is computed in the hasher thread as its spans arrive,
+        and the spans are read into a small pool of reused, prefaulted buffers, so a
+        history of any size needs a few chunks of memory, not a segment-sized buffer.
+
+        :param into: one buffer per item, the segment's length, to read the spans straight
+            into (at their offsets) instead of the pool's buffers: a promotion reads into its
+            new slots this way. With O_DIRECT they must be 4 KiB-aligned.
+        :param order: the ``(item, span)`` pairs in the order to read and deliver them
+            (default: every span of item 0, then of item 1, ...); each item's spans must come
+            in their own order. A layer-wise restore reads every segment's first span, then
+            every segment's second, and so on.
+
+        A segment is verified when its last span has arrived, so ``consume`` sees bytes
+        before they are checked: what it built is final only once this returns. A failure
+        stops the stream (the segments whose last span came before it were delivered and
+        verified); a damaged segment is quarantined and raised as
+        :class:`~tieredkv.errors.CorruptSegmentError`, an I/O error as
+        :class:`~tieredkv.errors.TierIOError`; an exception from ``consume`` propagates.
+        """
+        limiter = self._check_open()
+        check_stream(items, self._index, into, self._dir.direct)
+        jobs = span_order(items, order)
+        verified, failure = await anyio.to_thread.run_sync(
+            self._stream.read, items, jobs, consume, into, limiter=limiter
+        )
+        for i in verified:
+            self._counters["reads"] += 1
+            self._counters["bytes_read"] += self._index.lengths.get(items[i][0], 0)
+        if failure is not None:
+            i, why = failure
+            await self._raise_read_failure(items[i][0], why)
+
+    async def read_spans_into(
+        self,
+        items: Sequence[tuple[SegmentKey, memoryview]],
+        ends: Sequence[Sequence[int]],
+        landed: Callable[[int], None],
+    ) -> None:
+        """Read several committed segments span by span, in span order, verified.
+
+        See :class:`~tieredkv.backends.base.RangedReadTier`. Span boundaries must be
+        multiples of 4096 bytes and, with O_DIRECT, ``out`` 4096-aligned (as tier-0 slots
+        and staging buffers are). This is :meth:`read_spans` reading straight into ``out``,
+        every segment's span 0 first, then every segment's span 1, and so on: up to four
+        reads in flight, each segment's checksum and MAC computed as its spans land.
+        """
+        spans, deliver, order = layerwise_plan([len(out) for _, out in items], ends, landed)
+        await self.read_spans(
+            [(key, seg_spans) for (key, _), seg_spans in zip(items, spans, strict=True)],
+            deliver,
+            into=[out for _, out in items],
+            order=order,
+        )
+
+    async def delete(self, key: SegmentKey) -> None:
+        limiter = self._check_open()
+        if key not in self._index:
+            return
+        try:
+            await anyio.to_thread.run_sync(self._dir.unlink_segment, key, limiter=limiter)
+        except OSError as exc:
+            raise TierIOError(self.name, f"delete segment {key[1]}", exc) from exc
+        self._index.forget(key)
+
+    async def quarantine(self, key: SegmentKey, why: str) -> None:
+        """Move committed segment ``key``'s file to ``quarantine/`` (never deleted, never
+        served again) and forget it; for repair tools (``tieredkv fsck --repair`` moves
+        segments no cache would recover there). A cache never calls it.
+
+        :raises KeyError: if the tier holds no such segment
+        """
+        self._check_open()
+        if key not in self._index:
+            raise KeyError(key)
+        await self._quarantine(key, why, corrupt=False)
+
+    async def _quarantine(
+        self, key: SegmentKey, why: str = "failed verification on read", *, corrupt: bool = True
+    ) -> None:
+        if self._index.forget(key) is None:
+            return
+        self._counters["corrupt"] += corrupt
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self._dir.quarantine_key, key, why)
+
+    def contains(self, key: SegmentKey) -> bool:
+        return key in self._index
+
+    def length(self, key: SegmentKey) -> int:
+        return self._index.lengths[key]
+
+    def keys(self) -> Iterator[SegmentKey]:
+        """Committed segment keys."""
+        return iter(self._index)
+
+    def stats(self) -> TierStats:
+        return TierStats(
+            name=self.name,
+            kind=self.kind,
+            capacity=self._capacity,
+            used=self._index.used,
+            segments=len(self._index),
+            direct_io=self._dir.direct,
+            notes=tuple(self._notes),
+            bytes_read=self._counters["bytes_read"],
+            bytes_written=self._counters["bytes_written"],
+            reads=self._counters["reads"],
+            writes=self._counters["writes"],
+            corrupt=self._counters["corrupt"] + self._recovery.corrupt,
+        )
