@@ -54,7 +54,10 @@ def replica(redis_server: RedisServer) -> Replica:
     prefix = new_prefix()
 
     def make(host: int = 8 * MiB, mode: str = "inclusive") -> TieredKVCache:
-        shared = RedisTier(redis_server.url, 64 * MiB, prefix=prefix, value_size=64 << 10)
+        # a short lease: a takeover's first commit waits for the previous writer's to end
+        shared = RedisTier(
+            redis_server.url, 64 * MiB, prefix=prefix, value_size=64 << 10, lease_ttl=0.3
+        )
         return TieredKVCache([HostMemoryTier(host), shared], mode=mode)  # type: ignore[arg-type]
 
     return make
