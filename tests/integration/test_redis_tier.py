@@ -223,6 +223,7 @@ async def test_server_dying_mid_write_is_a_tier_error_and_shows_nothing(
             await anyio.sleep(0.05)  # (the server, stopped, cannot take the write meanwhile)
             await anyio.to_thread.run_sync(own_redis_server.kill)
 
+        await t.ensure_writer(s.key[0])  # the lease first: the kill is to hit the write
         own_redis_server.pause()
 
         failed: list[TierIOError] = []
