@@ -25,7 +25,15 @@ from pathlib import Path
 import pytest
 import redis
 
-__all__ = ["RedisServer", "current", "new_prefix", "redis_server", "require_redis_server"]
+__all__ = [
+    "RedisServer",
+    "current",
+    "new_prefix",
+    "own_aof_server",
+    "own_redis_server",
+    "redis_server",
+    "require_redis_server",
+]
 
 INSTALL_HINT = "install it with: apt-get install -y redis-server (or your OS's package)"
 
@@ -198,7 +206,18 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture
 def own_redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A server of the test's own, which the test may kill or restart."""
-    server = RedisServer(tmp_path)
+    yield from _own(tmp_path, persistent=False)
+
+
+@pytest.fixture
+def own_aof_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A server of the test's own with an append-only file (fsync at every write): a
+    restart brings back every write it acknowledged."""
+    yield from _own(tmp_path, persistent=True)
+
+
+def _own(directory: Path, *, persistent: bool) -> Iterator[RedisServer]:
+    server = RedisServer(directory, persistent=persistent)
     server.start()
     try:
         yield server

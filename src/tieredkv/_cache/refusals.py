@@ -30,11 +30,13 @@ def pending(s: Session, t: int) -> list[int]:
     return [seg.header.seq for seg in s.segs if seg.header.seq not in s.held[t]]
 
 
-def record_refusal(core: Core, s: Session, t: int, reason: str) -> None:
-    """Shared tier ``t`` refused ``s``'s uncommitted turns for good (``reason``, from the
-    tier's error): count, log and announce the ones not refused before, and keep them for
-    :func:`report`."""
-    turns = pending(s, t)
+def record_refusal(
+    core: Core, s: Session, t: int, reason: str, turns: list[int] | None = None
+) -> None:
+    """Shared tier ``t`` refused ``s``'s uncommitted turns (``turns``, by default every one
+    it has not committed) for good (``reason``, from the tier's error): count, log and
+    announce the ones not refused before, and keep them for :func:`report`."""
+    turns = pending(s, t) if turns is None else turns
     if not turns:
         return
     tier = core.tiers[t].name

@@ -37,7 +37,7 @@ from ..errors import SchemaMismatchError, TierIOError
 from ..payload import SegmentHeader, header_schema
 from .atomic import settle
 from .placement import remove_copy
-from .refusals import pending, record_refusal, report
+from .refusals import record_refusal, report
 from .state import Core, Seg, Session
 
 __all__ = ["check_writer", "discover", "shared_tiers"]
@@ -143,13 +143,19 @@ async def _adopt(
         if diff is not None:  # another model's KV under the same key: not ours
             raise SchemaMismatchError(s.key, diff)
     n = len(headers)
-    if _plain(local[:n]) == _plain(headers):
+    pairs = zip(_plain(local), _plain(headers), strict=False)  # (up to the shorter one)
+    same = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(local), n))
+    # this replica's turns past what it shares with the committed history, never committed
+    # here: if they are not the writer's to commit any more, they are refused
+    own = [seq for seq in range(same, len(local)) if seq not in s.held[t]]
+    if same == n:
         # this replica holds the committed history (and maybe its own turns after it)
         before = s.complete(t)
         s.held[t] = set(range(n))
         if len(local) > n and tier.token(s.key) is None:
             # its own later turns, but another replica is the writer now: refused
-            record_refusal(core, s, t, "another replica became the conversation's writer")
+            if own:
+                record_refusal(core, s, t, "another replica became its writer first", own)
             await _forget_all(core, s, lost=False)
             return True
         if s.complete(t) and not before:
@@ -160,8 +166,8 @@ async def _adopt(
         return True
     # the shared history is newer (another replica appended) or another one: take it, and
     # let go of this replica's copies (its own uncommitted turns are refused)
-    if pending(s, t):
-        record_refusal(core, s, t, "the conversation's shared history changed first")
+    if own:
+        record_refusal(core, s, t, "the conversation's shared history changed first", own)
     await _take(core, s, t, headers)
     return True
 

@@ -152,11 +152,7 @@ class WriteThrough:
             now = time.monotonic()
             for key, w in list(self._waiting.items()):
                 if not isinstance(w.error, CommitDelayedError) or w.due <= now:
-                    s = self._core.sessions.get(key)
-                    if s is None:
-                        del self._waiting[key]
-                    else:
-                        self.resume(s)
+                    self._kick(key)
             await self.flush()
             delays = [
                 w.due for w in self._waiting.values() if isinstance(w.error, CommitDelayedError)
@@ -262,6 +258,14 @@ class WriteThrough:
             core.policies[dst].on_admit(s.key, core.publish(s, now), now)
         return True
 
+    def _kick(self, key: str) -> None:
+        """Try a waiting commit now; forget it if there is nothing left to copy."""
+        s = self._core.sessions.get(key)
+        if s is not None and not s.dropped:
+            self.resume(s)
+        if s is None or not s.inflight:  # (nothing to copy, dropped, or not inclusive)
+            self._waiting.pop(key, None)
+
     def _later(self, s: Session, error: BaseException) -> None:
         """Try ``s``'s commit again later (after the takeover delay, or with backoff)."""
         w = self._waiting.setdefault(s.key, _Waiting())
@@ -288,15 +292,11 @@ class WriteThrough:
             now = time.monotonic()
             for key, w in list(self._waiting.items()):
                 s = core.sessions.get(key)
-                if s is None or s.dropped:
-                    del self._waiting[key]
-                elif s.inflight:  # a pump is at it already: look again later
+                if s is not None and s.inflight:  # a pump is at it already: look again later
                     w.due = max(w.due, now + _BACKOFF[0])
                 elif w.due <= now:
                     w.due = now + _BACKOFF[1]  # (until this attempt reports back)
-                    self.resume(s)
-                    if not s.inflight:  # nothing left to copy (or not inclusive)
-                        del self._waiting[key]
+                    self._kick(key)
 
 
 def _retrieved(task: asyncio.Task[None]) -> None:

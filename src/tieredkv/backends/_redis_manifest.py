@@ -118,6 +118,11 @@ def _int(fields: Mapping[bytes, bytes], name: bytes, default: int | None = None)
     return int(raw)
 
 
+def _lenient(fields: Mapping[bytes, bytes], name: bytes) -> int | None:
+    raw = fields.get(name)
+    return int(raw) if isinstance(raw, bytes) and _DIGITS.fullmatch(raw) else None
+
+
 def parse(
     fields: Mapping[bytes, bytes], session: str | None, key: bytes | None, where: str
 ) -> Manifest | None:
@@ -143,14 +148,16 @@ def parse(
         raise Damaged(f"its id {mid_raw[:40]!r} is not 32 hex digits")
     v = _int(fields, b"v")
     n = _int(fields, b"n")
+    # the writer's fields are not part of the history: garbage there (another client wrote
+    # it) means no valid writer, which the next takeover replaces
     m = Manifest(
         session=name,
         id=mid,
         v=v,
-        fence=_int(fields, b"fence") if b"fence" in fields else None,
+        fence=_lenient(fields, b"fence"),
         owner=fields.get(b"owner", b"").decode("utf-8", "replace"),
-        lease_end=_int(fields, b"le", 0),
-        not_before=_int(fields, b"nb", 0),
+        lease_end=_lenient(fields, b"le") or 0,
+        not_before=_lenient(fields, b"nb") or 0,
     )
     seqs = {f for f in fields if f.startswith((b"e:", b"k:"))}
     if seqs != {p + str(i).encode() for i in range(n) for p in (b"e:", b"k:")}:

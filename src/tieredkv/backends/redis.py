@@ -121,6 +121,8 @@ _LEASE_MARGIN = 0.9
 it sent the request that set it (the server counts from when it ran it, later): a margin
 for the two clocks' rates."""
 _RESOLVE_TIMEOUT = 2.0
+"""At most this long (and at most ``timeout``) to learn whether a commit whose reply was lost
+was made."""
 
 
 @dataclass
@@ -840,7 +842,10 @@ class RedisTier(SharedTier):
         client = self._client
         if client is None:
             return False
-        with contextlib.suppress(RedisError, OSError), anyio.fail_after(_RESOLVE_TIMEOUT):
+        with (
+            contextlib.suppress(RedisError, OSError),
+            anyio.fail_after(min(_RESOLVE_TIMEOUT, self._timeout)),
+        ):
             got = await client.hget(f"{self._base(key[0])}:m", f"k:{key[1]}")
             return _text(got) == entry.kfield if got is not None else False
         return False
