@@ -23,7 +23,7 @@ import anyio
 import anyio.abc
 import torch
 
-__all__ = ["TOKENS", "ReplicaProcess", "tags", "turn"]
+__all__ = ["TOKENS", "ReplicaProcess", "runs", "tags", "turn"]
 
 TOKENS = 16
 WIDTH = 32
@@ -56,6 +56,23 @@ def tags(history: dict[str, torch.Tensor], tokens: int = TOKENS) -> list[int]:
         assert torch.equal(v[block], torch.full_like(v[block], -tag)), f"turn at {at} is mixed"
         found.append(tag)
     return found
+
+
+def runs(history: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
+    """The ``(tag, tokens)`` of a loaded history's turns, for turns of any length (two
+    turns in a row never share a tag).
+
+    :raises AssertionError: if a turn is mixed (``v`` is not ``-k`` row by row, or a row
+        holds two values)
+    """
+    k, v = history["k"], history["v"]
+    assert set(history) == {"k", "v"}
+    assert k.shape == v.shape
+    assert torch.equal(v, -k), "v is not -k"
+    first = k[:, 0]
+    assert torch.equal(k, first[:, None].expand_as(k)), "a row holds two values"
+    values, counts = torch.unique_consecutive(first, return_counts=True)
+    return [(int(t), int(n)) for t, n in zip(values, counts, strict=True)]
 
 
 class ReplicaProcess:

@@ -17,6 +17,7 @@ import os
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -25,7 +26,7 @@ import pytest
 
 from tests.fleet import ReplicaProcess, tags, turn
 from tests.redis_server import RedisServer, new_prefix, own_aof_server, own_redis_server
-from tieredkv import HostMemoryTier, TieredKVCache
+from tieredkv import HostMemoryTier, TieredKVCache, cli
 from tieredkv.backends.redis import RedisTier, conversation_tag
 from tieredkv.errors import (
     SessionNotFoundError,
@@ -257,6 +258,20 @@ def _forged(value: bytes, tag: int) -> bytes:
     return bytes(data)
 
 
+def _forge_and_shorten(server: RedisServer, prefix: str) -> None:
+    """As another client of the server: forge turn 1 of "forged" (see :func:`_forged`), and
+    remove the last entry of the manifest of "short"."""
+    with server.client() as client:
+        tag = conversation_tag("forged")
+        [part] = list(client.scan_iter(match=f"{prefix}:{{{tag}}}:1:*"))
+        value = client.get(part)
+        assert value is not None
+        client.set(part, _forged(value, 77))
+        m = manifest(prefix, "short")
+        client.hdel(m, "e:2", "k:2")
+        client.hset(m, "n", "2")
+
+
 async def test_case05_with_a_secret_a_forged_value_or_a_shortened_manifest_is_refused(
     server: RedisServer,
 ) -> None:
@@ -268,15 +283,7 @@ async def test_case05_with_a_secret_a_forged_value_or_a_shortened_manifest_is_re
         await append(a, "forged", 0, 1, 2)
         await append(a, "short", 0, 1, 2)
         await a.flush()
-    with server.client() as client:
-        tag = conversation_tag("forged")
-        [part] = list(client.scan_iter(match=f"{prefix}:{{{tag}}}:1:*"))
-        value = client.get(part)
-        assert value is not None
-        client.set(part, _forged(value, 77))
-        m = manifest(prefix, "short")
-        client.hdel(m, "e:2", "k:2")
-        client.hset(m, "n", "2")
+    _forge_and_shorten(server, prefix)
     async with replica(server.url, prefix, secret=secret) as b:
         for session in ("forged", "short"):
             with pytest.raises(SessionNotFoundError):
@@ -285,6 +292,34 @@ async def test_case05_with_a_secret_a_forged_value_or_a_shortened_manifest_is_re
         assert b.tiers[1].stats().corrupt == 3
     async with replica(server.url, prefix) as unkeyed:  # what the MAC is for
         assert tags(await unkeyed.load("short")) == [0, 1]
+
+
+async def test_fsck_checks_a_redis_prefix(
+    server: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tieredkv fsck URL --prefix P [--secret-file F]``: exit status 0 and "clean" for a
+    prefix whose histories verify; 1 and each damaged manifest or segment named, with why,
+    once a value is forged and a manifest shortened; 2 without --prefix or with --repair."""
+    prefix, secret = new_prefix(), os.urandom(32)
+    (tmp_path / "secret").write_bytes(secret)
+    async with replica(server.url, prefix, secret=secret) as a:
+        await append(a, "forged", 0, 1, 2)
+        await append(a, "short", 0, 1, 2, tokens=8192)  # 2 MiB turns: 33 values each
+        await a.flush()
+    argv = ["fsck", server.url, "--prefix", prefix, "--secret-file", str(tmp_path / "secret")]
+    assert await anyio.to_thread.run_sync(cli.main, argv) == 0
+    out = capsys.readouterr().out
+    assert "6 good segment(s) in 2 conversation(s)" in out
+    assert out.rstrip().endswith("clean")
+    _forge_and_shorten(server, prefix)
+    assert await anyio.to_thread.run_sync(cli.main, argv) == 1
+    out = capsys.readouterr().out
+    assert f"damaged: {manifest(prefix, 'forged')} segment 1: " in out
+    assert f"damaged: {manifest(prefix, 'short')}: manifest MAC mismatch" in out
+    assert "33 leaked value(s)" in out  # the removed entry's values: nothing names them
+    assert out.rstrip().endswith("NOT clean")
+    assert await anyio.to_thread.run_sync(cli.main, ["fsck", server.url]) == 2
+    assert await anyio.to_thread.run_sync(cli.main, [*argv, "--repair"]) == 2
 
 
 # -- acknowledged turns lost, silently ------------------------------------------------------

@@ -36,13 +36,15 @@ from ..errors import CorruptSegmentError
 from ..payload import (
     ALIGN,
     SegmentHeader,
+    check_body_mac,
     check_header_mac,
     check_manifest_mac,
     manifest_mac,
     parse_header,
+    verify_segment,
 )
 
-__all__ = ["Damaged", "Entry", "Manifest", "encode_entry", "parse", "sign"]
+__all__ = ["Damaged", "Entry", "Manifest", "encode_entry", "parse", "sign", "verify_segment_read"]
 
 _NONCE = re.compile(r"[0-9a-f]{16}")
 _ID = re.compile(r"[0-9a-f]{32}")
@@ -199,3 +201,31 @@ def parse(
         except CorruptSegmentError as exc:
             raise Damaged(exc.detail) from None
     return m
+
+
+def verify_segment_read(
+    buf: memoryview,
+    key: tuple[str, int],
+    entry: Entry,
+    incarnation: bytes | None,
+    secret_key: bytes | None,
+    where: str,
+) -> SegmentHeader:
+    """Check a segment read back from its parts as a reader must before serving it: it
+    starts with the header bytes its committed entry records, passes its CRC and body hash
+    (and, with the tier's MAC key, both MACs and the manifest's incarnation), and names
+    ``key``.
+
+    :raises ~tieredkv.errors.CorruptSegmentError: if any check fails
+    """
+    if bytes(buf[: len(entry.head)]) != entry.head:
+        raise CorruptSegmentError(where, "its header is not the committed one")
+    header = verify_segment(buf, where)
+    if secret_key is not None:
+        check_header_mac(header, secret_key, where)
+        check_body_mac(buf, header, secret_key, where)
+        if header.incarnation != incarnation:
+            raise CorruptSegmentError(where, "written for another manifest")
+    if (header.session, header.seq) != key:
+        raise CorruptSegmentError(where, "the header names another segment")
+    return header

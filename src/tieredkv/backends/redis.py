@@ -87,14 +87,19 @@ from ..payload import (
     PREFIX,
     SegmentHeader,
     authenticated_head,
-    check_body_mac,
-    check_header_mac,
     derive_key,
     parse_header,
-    verify_segment,
 )
 from . import _redis_scripts as lua
-from ._redis_manifest import Damaged, Entry, Manifest, encode_entry, parse, sign
+from ._redis_manifest import (
+    Damaged,
+    Entry,
+    Manifest,
+    encode_entry,
+    parse,
+    sign,
+    verify_segment_read,
+)
 from .base import SegmentKey, TierStats
 from .shared import SharedState, SharedTier
 from .shared import plain_header as plain
@@ -952,7 +957,7 @@ class RedisTier(SharedTier):
         check = _Check(
             outs=[out for _, out in items],
             keys=keys,
-            heads=[e.head for e in entries],
+            entries=entries,
             incarnations=[self._incarnation(key[0]) for key in keys],
             key=self._key,
             url=self.url,
@@ -1079,7 +1084,7 @@ class _Check:
 
     outs: list[memoryview]
     keys: list[SegmentKey]
-    heads: list[bytes]
+    entries: list[Entry]
     incarnations: list[bytes | None]
     key: bytes | None
     url: str
@@ -1098,20 +1103,17 @@ class _Check:
             out[start:end] = value
             if end < len(out):
                 continue
-            where = f"{self.url} {part}"
             try:
-                if bytes(out[: len(self.heads[i])]) != self.heads[i]:
-                    raise CorruptSegmentError(where, "its header is not the committed one")
-                header = verify_segment(out, where)
-                if self.key is not None:
-                    check_header_mac(header, self.key, where)
-                    check_body_mac(out, header, self.key, where)
-                    if header.incarnation != self.incarnations[i]:
-                        raise CorruptSegmentError(where, "written for another manifest")
+                verify_segment_read(
+                    out,
+                    self.keys[i],
+                    self.entries[i],
+                    self.incarnations[i],
+                    self.key,
+                    f"{self.url} {part}",
+                )
             except CorruptSegmentError as exc:
                 return i, exc.detail, False
-            if (header.session, header.seq) != self.keys[i]:
-                return i, "the header names another segment", False
             self.done = i + 1
         return None
 
