@@ -113,7 +113,7 @@ class Result:
             f"operations: {sum(self.operations.values()):,} ({ops})",
             f"faults: {sum(self.faults.values())} ({faults}); lease expiries: "
             f"{self.lease_expiries}",
-            f"errors seen (all allowed): {errors}; refused turns reported: {self.refused}; "
+            f"errors callers saw: {errors}; refused turns reported: {self.refused}; "
             f"unproven misses: {self.unproven}",
             f"wrong histories: {len(self.wrong)}",
             f"lost acknowledged turns: {len(self.lost_turns)} (beyond the "

@@ -303,6 +303,8 @@ class RedisTier(SharedTier):
         """Per conversation, the manifest as this tier last committed or read it."""
         self._writers: dict[str, _Writer] = {}
         self._attempts: dict[SegmentKey, _Attempt] = {}
+        self._stale: set[str] = set()
+        """Conversations whose manifest must be read again before this tier commits."""
         self._skew = 0.0
         """Server clock minus this process's monotonic clock, ms: a lower bound."""
         self._used = 0
@@ -433,6 +435,7 @@ class RedisTier(SharedTier):
     def _absorb(self, m: Manifest) -> None:
         """Make ``m`` what this tier knows of its conversation, and index its segments."""
         self._known[m.session] = m
+        self._stale.discard(m.session)
         self._forget(m.session)
         for seq, entry in enumerate(m.entries):
             self._index[(m.session, seq)] = entry
@@ -454,6 +457,7 @@ class RedisTier(SharedTier):
         self._writers.clear()
         self._known.clear()
         self._attempts.clear()
+        self._stale.clear()
         self._used = 0
         with anyio.CancelScope(shield=True):
             # hand the conversations this replica wrote over at once, not after lease_ttl
@@ -515,7 +519,7 @@ class RedisTier(SharedTier):
         if token is not None and m.fence == token:
             self._writers[session] = _Writer(token, sent + _LEASE_MARGIN * self._lease_ttl)
         elif (w := self._writers.get(session)) is not None and m.fence != w.token:
-            del self._writers[session]  # another replica took it over
+            self._drop_writer(session, w)  # another replica took it over
         if prev is not None and prev.id == m.id and m.v < prev.v:
             # an older version than this tier committed or read: the server lost data
             self._counters.lost += 1
@@ -535,6 +539,7 @@ class RedisTier(SharedTier):
 
     def _drop_view(self, session: str, *, keep_writer: bool = False) -> None:
         self._known.pop(session, None)
+        self._stale.discard(session)
         self._forget(session)
         if not keep_writer:
             self._writers.pop(session, None)
@@ -612,18 +617,24 @@ class RedisTier(SharedTier):
         self._clock(reply[1])
         code = int(reply[0])
         if code == -4:  # no manifest: the server restarted empty or evicted it
-            del self._writers[session]
+            self._drop_writer(session, writer)
             prev = self._known.get(session)
             if prev is None or not prev.n:
                 self._known.pop(session, None)
                 return await self.acquire(session)  # nothing was committed yet: start again
             raise self._lost(session)
         if code == -1:
-            del self._writers[session]
+            self._drop_writer(session, writer)
             self._counters.refused += 1
             raise StaleWriterError(self.name, session, writer.token, _int(reply[2]))
         writer.lease_until = sent + _LEASE_MARGIN * self._lease_ttl
         return writer.token
+
+    def _drop_writer(self, session: str, writer: _Writer) -> None:
+        """This replica is not ``session``'s writer any more, if ``writer`` still says it is
+        (another call may have changed that while this one waited for the server)."""
+        if self._writers.get(session) is writer:
+            del self._writers[session]
 
     def _lost(self, session: str) -> HistoryConflictError:
         """The server lost the history of ``session`` that this tier committed."""
@@ -721,6 +732,8 @@ class RedisTier(SharedTier):
             self._commit_local(key, known.entries[seq])  # committed already (written back)
             return
         for attempt in range(2):
+            if session in self._stale:  # a commit of this tier's moved the version on
+                await self._reload(session)
             if session not in self._writers:
                 await self.acquire(session)
             known = self._known.get(session)
@@ -838,7 +851,7 @@ class RedisTier(SharedTier):
             for view in views:
                 view.release()
         self._clock(reply[1])
-        await self._after_commit(key, entry, header, known, reply, start)
+        await self._after_commit(key, entry, known, writer, reply, start)
 
     async def _resolve(self, key: SegmentKey, entry: Entry) -> bool:
         """Whether a commit whose reply did not come was made (``False`` also when that
@@ -859,23 +872,24 @@ class RedisTier(SharedTier):
         self,
         key: SegmentKey,
         entry: Entry,
-        header: SegmentHeader,
         known: Manifest,
+        writer: _Writer,
         reply: Sequence[Any],
         start: float,
     ) -> None:
+        """Settle a commit's reply (``known`` and ``writer``: what the commit was made
+        with; another call may have replaced them meanwhile)."""
         session, seq = key
-        writer = self._writers[session]
         code = int(reply[0])
         if code >= 0:
             v = _int(reply[2])
-            if v == known.v + 1:
+            if v == known.v + 1 and self._known.get(session) is known:
                 head, _ = parse_header(entry.head, "a committed segment")
                 known.entries.append(entry)
                 known.headers.append(head)
                 known.v = v
-            else:  # the version moved on meanwhile: read the manifest again
-                await self._reload(session)
+            else:  # the version moved on, or another call changed the view: read it again
+                self._stale.add(session)  # (before the next commit)
             writer.lease_until = start + _LEASE_MARGIN * self._lease_ttl
             self._commit_local(key, entry)
             self._counters.writes += 1
@@ -884,11 +898,12 @@ class RedisTier(SharedTier):
         if code in (-1, -2, -4):
             self._attempts.pop(key, None)  # refused for good: its parts are gone
         if code == -1:
-            self._writers.pop(session, None)
+            self._drop_writer(session, writer)
             self._counters.refused += 1
             raise StaleWriterError(self.name, session, writer.token, _int(reply[2]))
         if code == -2:
-            self._known.pop(session, None)
+            if self._known.get(session) is known:
+                del self._known[session]
             self._counters.conflicts += 1
             raise HistoryConflictError(
                 self.name,
@@ -916,14 +931,24 @@ class RedisTier(SharedTier):
         )
 
     async def _reload(self, session: str) -> None:
-        """Read ``session``'s manifest again into what this tier knows (not its index)."""
-        with contextlib.suppress(RedisError, OSError, Damaged):
+        """Read ``session``'s manifest again into what this tier knows (not its index).
+
+        :raises TierIOError: the server cannot be reached (it stays to be read again)
+        """
+        try:
             fields = _fields(await self._check_open().hgetall(f"{self._base(session)}:m"))
+        except (RedisError, OSError) as exc:
+            raise self._io_error("look up a conversation", exc) from exc
+        self._stale.discard(session)
+        try:
             m = parse(fields, session, self._key, self._where(session)) if fields else None
-            if m is not None:
-                self._known[session] = m
-                return
-        self._known.pop(session, None)
+        except Damaged:
+            m = None
+        if m is None:
+            self._known.pop(session, None)
+        else:
+            self._reconcile(session, m)
+            self._known[session] = m
 
     async def read_into(self, key: SegmentKey, out: memoryview) -> None:
         await self.read_many_into([(key, out)])
