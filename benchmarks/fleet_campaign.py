@@ -121,7 +121,7 @@ class Result:
             f"manifests)",
             f"unexpected exception types: {sum(self.unexpected.values())}"
             + (f" ({dict(self.unexpected)})" if self.unexpected else ""),
-            f"fsck of the prefix afterwards: {self.fsck}",
+            *([f"fsck of the prefix afterwards: {self.fsck}"] if self.fsck else []),
             *(f"  wrong: {w}" for w in self.wrong[:10]),
             *(f"  older: {w}" for w in self.lost[:10]),
         ]
@@ -344,10 +344,17 @@ async def campaign(opts: Options, workdir: Path) -> Result:
             server.resume()
         await anyio.to_thread.run_sync(server.stop)
     (workdir / "faults.jsonl").write_text("".join(json.dumps(f) + "\n" for f in faults))
-    records = [r for rid in range(opts.replicas) for r in _read(workdir / f"replica-{rid}.jsonl")]
-    result = check([*records, *final], faults, opts)
+    (workdir / "final.jsonl").write_text("".join(json.dumps(r) + "\n" for r in final))
+    result = check_directory(workdir, opts)
     result.fsck = fsck
     return result
+
+
+def check_directory(workdir: Path, opts: Options) -> Result:
+    """Run :func:`check` on the logs a campaign left in ``workdir`` (``--check DIR``)."""
+    records = [r for path in sorted(workdir.glob("*.jsonl")) for r in _read(path)]
+    faults = [r for r in records if "kind" in r]
+    return check([r for r in records if "kind" not in r], faults, opts)
 
 
 async def _final_loads(url: str, prefix: str, opts: Options, workdir: Path) -> list[dict[str, Any]]:
@@ -409,12 +416,14 @@ def check(records: list[dict[str, Any]], faults: list[dict[str, Any]], opts: Opt
     acked: dict[str, list[tuple[float, float, tuple[int, ...]]]] = defaultdict(list)
     """Per conversation: (when a flush returned, since when the history it acknowledged
     was on the server at the latest, that history)."""
-    losses: dict[str | None, list[float]] = defaultdict(list)  # None: every conversation
+    # when the server lost data (some moment between a fault's start and end), per
+    # conversation (None: every conversation)
+    losses: dict[str | None, list[tuple[float, float]]] = defaultdict(list)
     for f in faults:
         if f.get("loss"):
-            losses[None].append(f["t0"])
+            losses[None].append((f["t0"], f["t1"]))
         if f["kind"] == "lose-manifest":
-            losses[f["conv"]].append(f["t0"])
+            losses[f["conv"]].append((f["t0"], f["t1"]))
     for r in records:
         op = r.get("op")
         if op == "append" and r["ph"] == "begin":
@@ -443,7 +452,7 @@ def check(records: list[dict[str, Any]], faults: list[dict[str, Any]], opts: Opt
         possible[conv] = {h for h in possible[conv] if h[-1] not in failed}
 
     def lost_between(conv: str, start: float, end: float) -> bool:
-        return any(start < t < end for t in (*losses[None], *losses[conv]))
+        return any(t1 > start and t0 < end for t0, t1 in (*losses[None], *losses[conv]))
 
     for r in records:
         if r.get("op") != "load" or not r["ok"]:
@@ -465,7 +474,7 @@ def check(records: list[dict[str, Any]], faults: list[dict[str, Any]], opts: Opt
     for f in faults:  # the acknowledged turns the server itself lost
         hit: list[str] = list(acked) if f.get("loss") else [f["conv"]] if "conv" in f else []
         for conv in hit:
-            before = [a for a in acked.get(conv, []) if a[1] < f["t0"]]
+            before = [a for a in acked.get(conv, []) if a[1] < f["t1"]]
             if before:
                 result.lost_to_server.update((conv, tag) for tag in max(before)[2])
     return result
@@ -478,11 +487,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=3, help="replica processes (3)")
     parser.add_argument("--conversations", type=int, default=8, help="conversations (8)")
     parser.add_argument("--keep", metavar="DIR", help="keep the logs in DIR")
+    parser.add_argument("--check", metavar="DIR", help="only check the logs kept in DIR")
     parser.add_argument("--replica", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.replica:
         anyio.run(replica, json.loads(args.replica))
         return 0
+    if args.check:
+        result = check_directory(Path(args.check), Options())
+        print("\n".join(result.lines()))
+        return 0 if result.clean else 1
     opts = Options(
         duration=args.duration,
         seed=args.seed,
