@@ -36,6 +36,7 @@ from tieredkv.errors import (
     TurnRefusedError,
 )
 from tieredkv.meta import Event, Refused
+from tieredkv.metrics import CacheCollector
 from tieredkv.payload import PREFIX, _pack_prefix, hash_body, hashed_from, parse_header
 
 __all__ = ["own_aof_server", "own_redis_server"]  # fixtures used below
@@ -351,6 +352,12 @@ async def test_case06_a_turn_refused_in_the_background_is_reported_never_lost_si
         await a.flush()  # reported once
         assert a.stats().refused == 1
         assert [(e.session, e.turns) for e in events if isinstance(e, Refused)] == [("chat", (1,))]
+        scraped = {
+            sample.name: sample.value
+            for metric in CacheCollector(a).collect()
+            for sample in metric.samples
+        }
+        assert scraped["tieredkv_refused_total"] == 1
         assert tags(await a.load("chat")) == [0]
 
 
