@@ -188,7 +188,9 @@ async def test_case03_a_cleanup_that_met_an_outage_never_deletes_live_data_later
     replica and A load [a0, a1, a2, a3] (c4 is in C's own tier: exclusive mode), C loads
     [a0 .. a3, c4]."""
     prefix = new_prefix()
-    c_tier = _OutageAtDelete(aof_server.url, 512 * MiB, prefix=prefix, value_size=64 << 10)
+    c_tier = _OutageAtDelete(
+        aof_server.url, 512 * MiB, prefix=prefix, value_size=64 << 10, lease_ttl=2.0
+    )
     async with (
         replica(aof_server.url, prefix) as a,
         replica(aof_server.url, prefix, mode="exclusive", shared=c_tier) as c,
