@@ -1,4 +1,5 @@
-"""A real ``redis-server`` for tests: started on a free port, no persistence, stopped after.
+"""A real ``redis-server`` for tests: started on a free port, stopped after; without
+persistence, or with an append-only file fsynced at every write (``persistent=True``).
 
 Locally, a machine without ``redis-server`` skips the tests that need it, with a message
 saying how to install it; with ``CI=true`` in the environment a missing server fails them
@@ -24,7 +25,15 @@ from pathlib import Path
 import pytest
 import redis
 
-__all__ = ["RedisServer", "current", "new_prefix", "redis_server", "require_redis_server"]
+__all__ = [
+    "RedisServer",
+    "current",
+    "new_prefix",
+    "own_aof_server",
+    "own_redis_server",
+    "redis_server",
+    "require_redis_server",
+]
 
 INSTALL_HINT = "install it with: apt-get install -y redis-server (or your OS's package)"
 
@@ -48,16 +57,27 @@ def _free_port() -> int:
 
 
 class RedisServer:
-    """One ``redis-server`` process on 127.0.0.1 (``--save ''``, ``--appendonly no``).
+    """One ``redis-server`` process on 127.0.0.1 (``--save ''``; ``--appendonly no``, or
+    ``yes`` with ``--appendfsync always`` when ``persistent``).
 
     :param extra: more ``--option value`` arguments (``--maxmemory``, ``--cluster-enabled``)
+    :param persistent: keep an append-only file, so a restart comes back with every write
+        the server acknowledged
     """
 
-    def __init__(self, directory: Path, *, port: int | None = None, extra: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        port: int | None = None,
+        extra: tuple[str, ...] = (),
+        persistent: bool = False,
+    ):
         self.binary = require_redis_server()
         self.directory = directory
         self.port = port or _free_port()
         self.extra = extra
+        self.persistent = persistent
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -78,7 +98,11 @@ class RedisServer:
                     "--save",
                     "",
                     "--appendonly",
-                    "no",
+                    "yes" if self.persistent else "no",
+                    "--appendfsync",
+                    "always",
+                    "--appenddirname",
+                    f"aof-{self.port}",
                     "--dir",
                     str(self.directory),
                     "--logfile",
@@ -116,16 +140,36 @@ class RedisServer:
         """A synchronous client, for tests to inspect or damage what a tier stored."""
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
 
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "the server is not running"
+        return self.proc.pid
+
     def kill(self) -> None:
-        """SIGKILL the server (its data is gone: it keeps none on disk)."""
+        """SIGKILL the server (its data is gone unless it is ``persistent``)."""
         if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # (a stopped process dies only once resumed)
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
         self.proc = None
 
-    def restart(self) -> None:
-        """Kill the server and start an empty one on the same port."""
+    def pause(self) -> None:
+        """SIGSTOP the server: it keeps its connections and answers nothing until
+        :meth:`resume`, then runs what it received meanwhile."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a paused server."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def restart(self, *, empty: bool | None = None) -> None:
+        """Kill the server and start it again on the same port: empty, or (``persistent``
+        and not ``empty``) from its append-only file."""
         self.kill()
+        if empty or (empty is None and not self.persistent):
+            shutil.rmtree(self.directory / f"aof-{self.port}", ignore_errors=True)
         self.start()
 
     def stop(self) -> None:
@@ -162,7 +206,18 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture
 def own_redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A server of the test's own, which the test may kill or restart."""
-    server = RedisServer(tmp_path)
+    yield from _own(tmp_path, persistent=False)
+
+
+@pytest.fixture
+def own_aof_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A server of the test's own with an append-only file (fsync at every write): a
+    restart brings back every write it acknowledged."""
+    yield from _own(tmp_path, persistent=True)
+
+
+def _own(directory: Path, *, persistent: bool) -> Iterator[RedisServer]:
+    server = RedisServer(directory, persistent=persistent)
     server.start()
     try:
         yield server

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
 
 _EXPORTS = {
     "AddressableTier": ".backends.base",
@@ -36,6 +36,9 @@ _EXPORTS = {
     "LeaseHeldError": ".errors",
     "RestoreFailedError": ".errors",
     "StaleWriterError": ".errors",
+    "HistoryConflictError": ".errors",
+    "CommitDelayedError": ".errors",
+    "TurnRefusedError": ".errors",
     "UnknownPolicyError": ".errors",
     "Event": ".meta",
     "KVMeta": ".meta",
@@ -50,6 +53,7 @@ _EXPORTS = {
     "Loaded": ".meta",
     "Promoted": ".meta",
     "Stored": ".meta",
+    "Refused": ".meta",
     "TierInfo": ".meta",
     "Transfer": ".meta",
     "BidawEviction": ".policies.bidaw_eviction",
@@ -100,7 +104,9 @@ if TYPE_CHECKING:
     from .cache import TieredKVCache as TieredKVCache
     from .errors import CapacityError as CapacityError
     from .errors import ClosedError as ClosedError
+    from .errors import CommitDelayedError as CommitDelayedError
     from .errors import CorruptSegmentError as CorruptSegmentError
+    from .errors import HistoryConflictError as HistoryConflictError
     from .errors import InvalidArgumentError as InvalidArgumentError
     from .errors import InvalidTypeError as InvalidTypeError
     from .errors import LeaseHeldError as LeaseHeldError
@@ -110,6 +116,7 @@ if TYPE_CHECKING:
     from .errors import StaleWriterError as StaleWriterError
     from .errors import TieredKVError as TieredKVError
     from .errors import TierIOError as TierIOError
+    from .errors import TurnRefusedError as TurnRefusedError
     from .errors import UnknownPolicyError as UnknownPolicyError
     from .meta import Demoted as Demoted
     from .meta import Dropped as Dropped
@@ -120,6 +127,7 @@ if TYPE_CHECKING:
     from .meta import MetadataChannel as MetadataChannel
     from .meta import MetadataView as MetadataView
     from .meta import Promoted as Promoted
+    from .meta import Refused as Refused
     from .meta import Stored as Stored
     from .meta import TierInfo as TierInfo
     from .meta import Transfer as Transfer

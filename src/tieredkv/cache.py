@@ -229,9 +229,19 @@ class TieredKVCache:
             core.outputs.close()
 
     async def flush(self) -> None:
-        """Wait until every background write-through started so far has finished."""
+        """Wait until every background write-through started so far has finished.
+
+        With a shared tier (local-first: an append returns once its turn is in this
+        replica's tiers), ``flush()`` returning means every turn appended before it is
+        committed there, for every replica to load.
+
+        :raises TurnRefusedError: turns the shared tier refused for good (another replica
+            took the conversation over, or its history changed, first); reported once
+        :raises TierIOError: turns not committed yet (the shared tier is away); they stay
+            on this replica and are tried again in the background
+        """
         self._check_open()
-        await self._pumps.flush()
+        await self._pumps.flush_checked()
 
     def _check_open(self) -> None:
         if not self._open:
@@ -382,7 +392,10 @@ class TieredKVCache:
         when it fits there.
 
         :raises SessionNotFoundError: (a ``KeyError``) if the session has no KV in any tier,
-            including when its stored history was found damaged (it then counts as a miss)
+            including when its stored history was found damaged, or (with a shared tier)
+            cannot be proven current (it then counts as a miss)
+        :raises TurnRefusedError: with a shared tier, turns of this session appended here
+            were refused since (another replica took it over first); reported once
         """
         out: dict[str, torch.Tensor] = {}
         await self._load(session, fresh(out, self._core.outputs))
@@ -405,8 +418,12 @@ class TieredKVCache:
     async def _load(self, session: str, target: Target) -> int:
         self._check_open()
         core = self._core
-        if self._sharing:  # another replica may have stored or extended it; loading it
-            await discover(core, session, take=True)  # makes this replica its writer
+        # another replica may have stored or extended it; loading it makes this replica
+        # its writer; a history that cannot be proven current is a counted miss
+        if self._sharing and not await discover(core, session, take=True):
+            core.stats.misses += 1
+            core.stats.unproven += 1
+            raise SessionNotFoundError(session)
         s = core.sessions.get(session)
         if s is None:  # one being created: wait for its first append below
             raise SessionNotFoundError(session)
@@ -463,8 +480,10 @@ class TieredKVCache:
         """
         self._check_open()
         core = self._core
-        if self._sharing:
-            await discover(core, session, take=True)
+        if self._sharing and not await discover(core, session, take=True):
+            core.stats.misses += 1
+            core.stats.unproven += 1
+            raise SessionNotFoundError(session)
         s = core.sessions.get(session)
         if s is None:
             raise SessionNotFoundError(session)
@@ -513,8 +532,8 @@ class TieredKVCache:
         """
         self._check_open()
         core = self._core
-        if self._sharing:
-            await discover(core, session, take=False)
+        if self._sharing and not await discover(core, session, take=False):
+            raise SessionNotFoundError(session)  # its current history cannot be proven
         s = core.sessions.get(session)
         if s is None:  # one being created: wait for its first append below
             raise SessionNotFoundError(session)
@@ -591,8 +610,8 @@ class TieredKVCache:
         """
         self._check_open()
         check_key(session)
-        if self._sharing:
-            await discover(self._core, session, take=False)
+        if self._sharing and not await discover(self._core, session, take=False):
+            return False  # its current history cannot be proven (the shared tier is away)
         return self.contains(session)
 
     # -- drop ----------------------------------------------------------------------------

@@ -13,7 +13,9 @@ from __future__ import annotations
 __all__ = [
     "CapacityError",
     "ClosedError",
+    "CommitDelayedError",
     "CorruptSegmentError",
+    "HistoryConflictError",
     "InvalidArgumentError",
     "InvalidTypeError",
     "LeaseHeldError",
@@ -23,6 +25,7 @@ __all__ = [
     "StaleWriterError",
     "TierIOError",
     "TieredKVError",
+    "TurnRefusedError",
     "UnknownPolicyError",
 ]
 
@@ -174,3 +177,64 @@ class RestoreFailedError(TieredKVError, RuntimeError):
     def __init__(self, session: str) -> None:
         super().__init__(f"the streamed restore of session {session[:80]!r} failed")
         self.session = session
+
+
+def _shown(session: str, width: int = 80) -> str:
+    """A session key as messages show it: cut to ``width`` characters."""
+    return session if len(session) <= width else session[: width - 3] + "..."
+
+
+class HistoryConflictError(TieredKVError, RuntimeError):
+    """A shared tier refused to extend a conversation: its history there is not the one
+    this replica last read or wrote (another replica appended to it, it never loaded it, or
+    the server lost it). Nothing of the refused segment is stored."""
+
+    def __init__(self, tier: str, session: str, detail: str) -> None:
+        self.tier = tier
+        self.session = session
+        self.detail = detail
+        super().__init__(
+            f"tier {tier!r} refused to extend session {_shown(session)!r}: {detail}; load the "
+            f"conversation again (its current history is the shared one) before appending to it"
+        )
+
+
+class CommitDelayedError(TierIOError):
+    """A shared tier cannot commit to a conversation yet: this replica took it over from one
+    whose lease is still live (that replica may serve its copy until the lease ends, so
+    nothing may be committed before). Transient: the same write succeeds after
+    ``retry_in`` seconds."""
+
+    def __init__(self, tier: str, session: str, retry_in: float) -> None:
+        self.session = session
+        self.retry_in = retry_in
+        super().__init__(
+            tier,
+            f"commit to session {_shown(session)!r} for another {retry_in:.1f} s",
+            "it was taken over from a replica whose lease is still live; the turn is kept "
+            "and committed once that lease has ended",
+        )
+
+
+class TurnRefusedError(TieredKVError, RuntimeError):
+    """Turns this replica had acknowledged were refused by a shared tier in the background
+    (another replica took the conversation over, or its history changed, before they were
+    committed). Raised once, by the next call on that conversation or by
+    :meth:`~tieredkv.TieredKVCache.flush`; the turns are no longer in its history.
+
+    :param refusals: ``(session, turns)`` per conversation, the refused turn indices in order
+    """
+
+    def __init__(self, tier: str, refusals: list[tuple[str, list[int]]], reason: str) -> None:
+        self.tier = tier
+        self.refusals = refusals
+        self.reason = reason
+        self.session = refusals[0][0]
+        parts = []
+        for session, turns in refusals[:3]:
+            parts.append(f"session {_shown(session, 60)!r} turn(s) {', '.join(map(str, turns))}")
+        more = f" and {len(refusals) - 3} more session(s)" if len(refusals) > 3 else ""
+        super().__init__(
+            f"tier {tier!r} refused {'; '.join(parts)}{more} ({reason}): they are not part of "
+            f"the conversation's history any more; load it again and recompute those turns"
+        )

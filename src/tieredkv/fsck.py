@@ -1,4 +1,5 @@
-"""Check an SSD tier's directory offline: ``tieredkv fsck DIR`` and ``tieredkv inspect DIR``.
+"""Check an SSD tier's directory offline: ``tieredkv fsck DIR`` and ``tieredkv inspect DIR``
+(``tieredkv fsck redis://... --prefix P`` checks a Redis tier: :mod:`tieredkv.fsck_redis`).
 
 :func:`check_directory` reads every segment file of a :class:`~tieredkv.backends.SSDTier`
 directory and verifies it as the tier would before serving it: the header's CRC, its
@@ -376,11 +377,16 @@ def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
     """Add ``fsck`` and ``inspect`` to the ``tieredkv`` command's subparsers."""
     fsck = sub.add_parser(
         "fsck",
-        help="verify an SSD tier's directory offline (read-only unless --repair)",
-        description="Verify every segment file of an SSD tier's directory: exit status 0 "
-        "if it is clean, 1 if not, 2 for bad arguments.",
+        help="verify an SSD tier's directory or a Redis tier's prefix offline (read-only "
+        "unless --repair)",
+        description="Verify every segment file of an SSD tier's directory, or every "
+        "conversation a Redis tier keeps under --prefix: exit status 0 if it is clean, 1 if "
+        "not, 2 for bad arguments.",
     )
-    fsck.add_argument("directory", help="the SSD tier's directory")
+    fsck.add_argument(
+        "directory", help="the SSD tier's directory, or a Redis tier's server URL (with --prefix)"
+    )
+    fsck.add_argument("--prefix", help="with a redis:// URL: the Redis tier's key prefix")
     fsck.add_argument(
         "--repair",
         action="store_true",
@@ -400,6 +406,10 @@ def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run ``tieredkv fsck`` or ``tieredkv inspect``; returns the exit status."""
+    if args.command == "fsck" and args.directory.startswith(("redis://", "rediss://", "unix://")):
+        from .fsck_redis import run_redis_command
+
+        return run_redis_command(args)
     where = f"tieredkv {args.command}"
     try:
         secret = None

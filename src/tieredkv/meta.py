@@ -34,6 +34,7 @@ __all__ = [
     "MetadataChannel",
     "MetadataView",
     "Promoted",
+    "Refused",
     "Stored",
     "TierInfo",
     "Transfer",
@@ -216,7 +217,19 @@ class Dropped(_EventBase, frozen=True, kw_only=True):
     """The application dropped the session; every copy is gone."""
 
 
-Event = Stored | Loaded | Promoted | Demoted | Evicted | Dropped
+class Refused(_EventBase, frozen=True, kw_only=True):
+    """Turns of a session that this replica had acknowledged were refused by the shared
+    tier ``tier`` (another replica took the conversation over, or its history there changed,
+    before they were committed). ``turns`` are their indices; ``nbytes`` their size. They are
+    gone from the history; :class:`~tieredkv.errors.TurnRefusedError` reports them to the
+    caller."""
+
+    tier: str
+    turns: tuple[int, ...]
+    reason: str
+
+
+Event = Stored | Loaded | Promoted | Demoted | Evicted | Dropped | Refused
 """Tagged union of every event the channel emits."""
 
 

@@ -16,9 +16,9 @@ What is exported (every name starts with ``tieredkv_``):
   ``loads_total``, ``hits_total``, ``misses_total``, ``appends_total``,
   ``prefetches_total``, ``predicted_total``, ``promotions_total``, ``demotions_total``,
   ``evictions_total``, ``lost_total``, ``drops_total``, ``corrupt_total``, ``write_through_total``,
-  ``errors_total``, ``outputs_reused_total``, and the gauges ``sessions`` (sessions the
-  metadata channel knows) and ``output_idle_bytes`` (memory of dropped outputs kept for
-  later loads);
+  ``errors_total``, ``refused_total``, ``unproven_total``, ``outputs_reused_total``, and
+  the gauges ``sessions`` (sessions the metadata channel knows) and ``output_idle_bytes``
+  (memory of dropped outputs kept for later loads);
 * per tier (labels ``tier`` and ``kind``), from each tier's stats: ``tier_used_bytes``,
   ``tier_capacity_bytes``, ``tier_segments``, ``tier_read_bytes_total``,
   ``tier_written_bytes_total``, ``tier_reads_total``, ``tier_writes_total``,
@@ -86,6 +86,8 @@ _CACHE_COUNTERS = (
     ("corrupt", "Segments that failed verification (never served)."),
     ("write_through", "Segments copied down in the background (inclusive mode)."),
     ("errors", "I/O errors while moving data (the data stayed where it was)."),
+    ("refused", "Acknowledged turns a shared tier refused (another replica took over first)."),
+    ("unproven", "Loads missed: the current history could not be proven (shared tier away)."),
     ("outputs_reused", "Tensors load() returned in memory a dropped output left."),
 )
 _TIER_GAUGES = (

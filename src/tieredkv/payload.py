@@ -73,11 +73,13 @@ __all__ = [
     "check_header_mac",
     "check_cuts",
     "check_int",
+    "check_manifest_mac",
     "check_prefix",
     "derive_key",
     "hash_body",
     "hashed_from",
     "header_schema",
+    "manifest_mac",
     "parse_header",
     "plan_segment",
     "segment_tensors",
@@ -816,3 +818,24 @@ def check_body_mac_digest(digest: bytes, header: SegmentHeader, where: str) -> N
     """
     if not hmac.compare_digest(digest, header.body_mac):
         raise CorruptSegmentError(where, "body MAC mismatch (forged or altered)")
+
+
+def manifest_mac(data: bytes, key: bytes) -> bytes:
+    """The keyed BLAKE2b of a shared tier's manifest (its canonical bytes), so that a
+    client of the store without the secret can neither forge one nor remove an entry."""
+    return hashlib.blake2b(data, key=key, digest_size=MAC_BYTES, person=b"tieredkv-mnfst").digest()
+
+
+def check_manifest_mac(data: bytes, mac: bytes, key: bytes, where: str) -> None:
+    """Check a manifest's MAC (see :func:`manifest_mac`).
+
+    :raises ~tieredkv.errors.CorruptSegmentError: if it is missing or wrong
+    """
+    if not mac:
+        raise CorruptSegmentError(
+            where, "the manifest is not authenticated (written without the secret)"
+        )
+    if not hmac.compare_digest(manifest_mac(data, key), mac):
+        raise CorruptSegmentError(
+            where, "manifest MAC mismatch (forged, altered, or written with another secret)"
+        )

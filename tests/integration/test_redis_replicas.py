@@ -54,7 +54,10 @@ def replica(redis_server: RedisServer) -> Replica:
     prefix = new_prefix()
 
     def make(host: int = 8 * MiB, mode: str = "inclusive") -> TieredKVCache:
-        shared = RedisTier(redis_server.url, 64 * MiB, prefix=prefix, value_size=64 << 10)
+        # a short lease: a takeover's first commit waits for the previous writer's to end
+        shared = RedisTier(
+            redis_server.url, 64 * MiB, prefix=prefix, value_size=64 << 10, lease_ttl=0.3
+        )
         return TieredKVCache([HostMemoryTier(host), shared], mode=mode)  # type: ignore[arg-type]
 
     return make
@@ -153,7 +156,9 @@ from tieredkv import HostMemoryTier, TieredKVCache
 from tieredkv.backends.redis import RedisTier
 
 async def main() -> None:
-    shared = RedisTier(sys.argv[1], 64 << 20, prefix=sys.argv[2], value_size=64 << 10)
+    shared = RedisTier(
+        sys.argv[1], 64 << 20, prefix=sys.argv[2], value_size=64 << 10, lease_ttl=0.5
+    )
     async with TieredKVCache([HostMemoryTier(8 << 20), shared], mode="inclusive") as c:
         assert same_bytes(await c.load("chat"), history(2))
         await c.append("chat", turn(2), answer_tokens=30)
@@ -170,7 +175,11 @@ async def test_two_processes_share_a_conversation(redis_server: RedisServer) -> 
     process loads all three byte for byte."""
     prefix = new_prefix()
     root = str(Path(__file__).resolve().parents[2])
-    shared = RedisTier(redis_server.url, 64 * MiB, prefix=prefix, value_size=64 << 10)
+    # a short lease: the child takes the conversation over, and its first commit waits
+    # for this process's lease to end
+    shared = RedisTier(
+        redis_server.url, 64 * MiB, prefix=prefix, value_size=64 << 10, lease_ttl=0.5
+    )
     async with TieredKVCache([HostMemoryTier(8 * MiB), shared], mode="inclusive") as c:
         await c.append("chat", turn(0), answer_tokens=10)
         await c.append("chat", turn(1), answer_tokens=20)

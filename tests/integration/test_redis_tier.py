@@ -19,7 +19,9 @@ from tests.redis_server import RedisServer, new_prefix, own_redis_server, redis_
 from tests.segments import SegmentFactory, read_back, store
 from tieredkv.backends.redis import RedisTier, conversation_tag, driver_options
 from tieredkv.errors import (
+    CommitDelayedError,
     CorruptSegmentError,
+    HistoryConflictError,
     LeaseHeldError,
     StaleWriterError,
     TierIOError,
@@ -70,7 +72,7 @@ async def test_segment_is_split_into_values_under_one_hash_tag(
     keys = _keys(redis_server, prefix)
     parts = [k for k in keys if k.startswith(f"{prefix}:{{{tag}}}:0:")]
     assert len(parts) == -(-s.length // SMALL_VALUES) == 32
-    assert set(keys) == {*parts, f"{prefix}:{{{tag}}}:m", f"{prefix}:{{{tag}}}:lease"}
+    assert set(keys) == {*parts, f"{prefix}:{{{tag}}}:m"}  # the lease is in the manifest
     assert {key_slot(k.encode()) for k in keys} == {key_slot(tag.encode())}
     with redis_server.client() as c:
         stored = b"".join(
@@ -218,8 +220,11 @@ async def test_server_dying_mid_write_is_a_tier_error_and_shows_nothing(
         assert t.reserve(s.key, s.length)
 
         async def kill_soon() -> None:
-            await anyio.sleep(0.005)
+            await anyio.sleep(0.05)  # (the server, stopped, cannot take the write meanwhile)
             await anyio.to_thread.run_sync(own_redis_server.kill)
+
+        await t.ensure_writer(s.key[0])  # the lease first: the kill is to hit the write
+        own_redis_server.pause()
 
         failed: list[TierIOError] = []
 
@@ -305,41 +310,53 @@ async def test_another_replica_finds_the_conversation(
 
 
 async def test_stale_writer_is_refused_and_corrupts_nothing(
-    tier: RedisTier, peer: RedisTier, redis_server: RedisServer, prefix: str, seg: SegmentFactory
+    redis_server: RedisServer, prefix: str, seg: SegmentFactory
 ) -> None:
     """A replica that lost the conversation to another (force take-over) cannot append: its
-    write raises StaleWriterError and leaves no segment; the new writer's appends stand."""
+    write raises StaleWriterError and leaves nothing (its parts are unlinked at once). The
+    new writer reads the history and waits out the old writer's live lease (the server
+    answers CommitDelayedError with the time left, and keeps the parts for the retry);
+    then its append stands."""
     first, stale, fresh = seg(seq=0, tokens=8, seed=1), seg(seq=1, seed=2), seg(seq=1, seed=3)
-    await store(tier, first)
-    old = tier.token("s")
-    assert old is not None
-    with pytest.raises(LeaseHeldError, match="force=True"):
-        await peer.acquire("s")
-    new = await peer.acquire("s", force=True)
-    assert new > old
-    assert tier.reserve(stale.key, stale.length)
-    with pytest.raises(StaleWriterError, match=f"token {old} is stale") as info:
-        await tier.write(stale.key, stale.view)
-    assert info.value.current == new
-    assert not tier.contains(stale.key)
-    tier.release(stale.key)
-    await peer.lookup("s")
-    await store(peer, fresh)
-    assert [h.seq for h in await tier.lookup("s")] == [0, 1]
-    assert await read_back(tier, fresh) == fresh.data
-    # what the refused write left are unpublished values that expire
-    with redis_server.client() as c:
-        ttls = {k: c.pttl(k) for k in _keys(redis_server, prefix) if k.count(":") == 4}
-    published = 2 * 1  # first and fresh, one value each
-    assert sorted(t > 0 for t in ttls.values()) == [False] * published + [True]
-    assert tier.stats().notes[1].endswith("1 stale write(s) refused")
+    async with (
+        RedisTier(redis_server.url, CAPACITY, prefix=prefix, name="A", lease_ttl=0.5) as tier,
+        RedisTier(redis_server.url, CAPACITY, prefix=prefix, name="B", lease_ttl=0.5) as peer,
+    ):
+        await store(tier, first)
+        old = tier.token("s")
+        assert old is not None
+        with pytest.raises(LeaseHeldError, match="force=True"):
+            await peer.acquire("s")
+        new = await peer.acquire("s", force=True)
+        assert new > old
+        assert tier.reserve(stale.key, stale.length)
+        with pytest.raises(StaleWriterError, match=f"token {old} is stale") as info:
+            await tier.write(stale.key, stale.view)
+        assert info.value.current == new
+        assert not tier.contains(stale.key)
+        tier.release(stale.key)
+        await peer.lookup("s")
+        assert peer.reserve(fresh.key, fresh.length)
+        with pytest.raises(CommitDelayedError, match="lease is still live") as delayed:
+            await peer.write(fresh.key, fresh.view)
+        assert 0 < delayed.value.retry_in <= 0.5
+        await anyio.sleep(delayed.value.retry_in)
+        await peer.write(fresh.key, fresh.view)
+        assert [h.seq for h in await tier.lookup("s")] == [0, 1]
+        assert await read_back(tier, fresh) == fresh.data
+        with redis_server.client() as c:
+            ttls = {k: c.pttl(k) for k in _keys(redis_server, prefix) if k.count(":") == 4}
+        assert sorted(ttls.values()) == [-1, -1]  # first and fresh, committed; stale: gone
+        assert tier.stats().notes[1].endswith("1 stale write(s) refused")
 
 
-async def test_lease_expires_and_another_replica_takes_over(
+async def test_lease_expires_and_a_replica_that_read_the_history_takes_over(
     redis_server: RedisServer, prefix: str, seg: SegmentFactory
 ) -> None:
     """With a short lease, a second replica may acquire without force once the first has
-    been idle past the lease; the first's next write is refused."""
+    been idle past the lease, but only after it has read the conversation's history (a
+    replica that never did is refused: HistoryConflictError); the first's next write is
+    refused."""
     async with (
         RedisTier(redis_server.url, CAPACITY, prefix=prefix, lease_ttl=0.2) as a,
         RedisTier(redis_server.url, CAPACITY, prefix=prefix, lease_ttl=0.2) as b,
@@ -348,8 +365,11 @@ async def test_lease_expires_and_another_replica_takes_over(
         with pytest.raises(LeaseHeldError):
             await b.acquire("s")
         await anyio.sleep(0.3)
+        with pytest.raises(HistoryConflictError, match="this replica has not read"):
+            await b.acquire("s")
         token = a.token("s")
         assert token is not None
+        assert [h.seq for h in await b.lookup("s")] == [0]
         assert await b.acquire("s") > token
         late = seg(seq=1, seed=2)
         assert a.reserve(late.key, late.length)
@@ -357,20 +377,27 @@ async def test_lease_expires_and_another_replica_takes_over(
             await a.write(late.key, late.view)
 
 
-async def test_only_the_writer_deletes_from_the_server(
-    tier: RedisTier, peer: RedisTier, seg: SegmentFactory
+async def test_delete_only_forgets_and_the_writer_discards(
+    tier: RedisTier, peer: RedisTier, redis_server: RedisServer, prefix: str, seg: SegmentFactory
 ) -> None:
-    """A replica that is not the conversation's writer forgets a segment locally on delete();
-    the writer's delete removes it for everyone."""
+    """delete() only stops a replica counting a segment (another replica may be reading
+    it), the writer's too; discard() removes the conversation for everyone, and only by its
+    writer (another replica's discard changes nothing)."""
     s = seg(tokens=1200, seed=9)
     await store(tier, s)
     await peer.lookup("s")
     await peer.delete(s.key)
     assert not peer.contains(s.key)
     assert peer.used == 0
-    assert [h.seq for h in await peer.lookup("s")] == [0]
     await tier.delete(s.key)
+    assert not tier.contains(s.key)
+    assert [h.seq for h in await peer.lookup("s")] == [0]
+    assert await read_back(peer, s) == s.data
+    assert not await peer.discard("s")
+    assert [h.seq for h in await peer.lookup("s")] == [0]
+    assert await tier.discard("s")
     assert await peer.lookup("s") == []
+    assert [k for k in _keys(redis_server, prefix) if not k.endswith(":m")] == []
 
 
 async def test_open_recovers_published_conversations_only_when_asked(

@@ -25,9 +25,18 @@ from ..backends.base import (
     DefragmentingTier,
     SegmentKey,
 )
-from ..errors import CapacityError, CorruptSegmentError, TierIOError
+from ..backends.shared import SharedTier
+from ..errors import (
+    CapacityError,
+    CorruptSegmentError,
+    HistoryConflictError,
+    LeaseHeldError,
+    StaleWriterError,
+    TierIOError,
+)
 from ..meta import Demoted, Evicted, Promoted
 from .gather import scratch
+from .refusals import record_refusal
 from .state import Core, Session
 
 __all__ = [
@@ -97,8 +106,15 @@ async def remove_copy(core: Core, s: Session, t: int) -> bool:
 
 
 async def remove_all(core: Core, s: Session) -> None:
-    """Delete every copy of ``s`` (a drop); failures become orphans."""
-    for t in range(len(core.tiers)):
+    """Delete every copy of ``s`` (a drop); failures become orphans. A shared tier's copy
+    goes for every replica if this one is the conversation's writer (else it stays theirs)."""
+    for t, tier in enumerate(core.tiers):
+        if isinstance(tier, SharedTier):
+            try:
+                await tier.discard(s.key)
+            except TierIOError:
+                core.stats.errors += 1
+                _log.warning("tier %r: could not discard %.80r for every replica", tier.name, s.key)
         await remove_copy(core, s, t)
 
 
@@ -173,9 +189,12 @@ async def reserve(
             skip.add(victim)
             try:
                 await _move_victim(core, victim, t, lossless)
-            except TierIOError:
+            except TierIOError as exc:
                 core.stats.errors += 1  # the victim stays where it was
-                raise
+                if not _shared(core, exc.tier):
+                    raise
+                # the shared tier is away: that victim stays, room is made from others
+                # (one conversation's trouble never fails another's operation)
     return True
 
 
@@ -184,8 +203,9 @@ async def _move_victim(core: Core, victim: str, t: int, lossless: bool) -> None:
     if vs is None or not vs.held[t]:
         core.policies[t].on_remove(victim)  # stale entry
         return
-    if victim in core.busy or (lossless and vs.primary == t and t + 1 >= len(core.tiers)):
-        return
+    last = vs.primary == t and t + 1 >= len(core.tiers)
+    if victim in core.busy or (lossless and last and not isinstance(core.tiers[t], SharedTier)):
+        return  # (a shared tier's copy stays for the other replicas: this one only forgets it)
     try:
         vs.lock.acquire_nowait()
     except anyio.WouldBlock:
@@ -200,9 +220,22 @@ async def _move_victim(core: Core, victim: str, t: int, lossless: bool) -> None:
         pass  # the victim turned out damaged; it is gone, and so is its space
     except CapacityError:
         pass  # lossless, and the victim has nowhere to go: it stays
+    except (StaleWriterError, LeaseHeldError, HistoryConflictError) as exc:
+        # another replica is the victim's writer now: its turns not committed there are
+        # refused, and this copy of it is not current; let it go
+        record_refusal(core, vs, _level(core, exc.tier), str(exc))
+        await evict_copy(core, vs, t)
     finally:
         core.unbusy(victim)
         vs.lock.release()
+
+
+def _shared(core: Core, name: str) -> bool:
+    return any(tier.name == name and isinstance(tier, SharedTier) for tier in core.tiers)
+
+
+def _level(core: Core, name: str) -> int:
+    return next(t for t, tier in enumerate(core.tiers) if tier.name == name)
 
 
 # -- moving down --------------------------------------------------------------------------

@@ -1,32 +1,48 @@
 """Sharing conversations across replicas through a shared tier (see
 :class:`~tieredkv.backends.shared.SharedTier`, e.g. Redis).
 
-Several caches configured with the same shared tier see each other's conversations. A
-replica asks the shared tier about a conversation before it loads or prefetches it
-(:func:`discover`): what it finds there replaces this replica's view when it is newer
-(another replica appended turns) or another version, and this replica's stale copies in
-its own tiers are deleted. The metadata channel then gets the conversation's size, tokens
-and previous answer length from the shared tier's headers, so the policies work across
-replicas.
+Several caches configured with the same shared tier see each other's conversations; each
+conversation is a replicated log there, extended by one writer at a time. Before it serves
+a conversation, a replica asks the shared tier for its committed history
+(:func:`discover`) and serves only a history it can prove current:
 
-One writer per conversation: the replica that loads a conversation takes its writer
-lease (``take``), and an append first checks that this replica still holds it
-(:func:`check_writer`), so a replica that another has taken the conversation from gets
-:class:`~tieredkv.errors.StaleWriterError` and stores nothing.
+* its own copy, when the shared tier's history is the version this replica last committed
+  or read and its copy holds all of it (plus, if this replica is still the writer, its own
+  turns not committed yet);
+* otherwise the shared tier's history, which replaces this replica's copies (another
+  replica appended, or took the conversation over before this replica's turns were
+  committed: those turns are refused, see :mod:`tieredkv._cache.refusals`);
+* nothing, when the shared tier lost the history this replica knew (a server restarted
+  without persistence, ``maxmemory`` evicted the manifest) or holds a damaged one: this
+  replica's copies are dropped and the load is a counted miss (``stats().unproven``);
+* while the shared tier cannot be reached: its own copy if it is the conversation's writer
+  and its lease has not run out by its own clock (no other replica can have committed
+  since; :meth:`~tieredkv.backends.shared.SharedTier.may_serve_local`), else a counted
+  miss; its copies stay (the error is transient).
+
+A load takes the conversation over (``take``); an append first checks that this replica
+still is its writer (:func:`check_writer`), so a replica that another has taken the
+conversation from, or that never read its current history, gets
+:class:`~tieredkv.errors.StaleWriterError` or :class:`~tieredkv.errors.HistoryConflictError`
+and stores nothing.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
-from ..backends.shared import SharedTier
-from ..errors import SchemaMismatchError
+from ..backends.shared import SharedState, SharedTier, plain_header
+from ..errors import SchemaMismatchError, TierIOError
 from ..payload import SegmentHeader, header_schema
 from .atomic import settle
-from .placement import forget_copy, remove_copy
+from .placement import remove_copy
+from .refusals import record_refusal, report
 from .state import Core, Seg, Session
 
 __all__ = ["check_writer", "discover", "shared_tiers"]
+
+_log = logging.getLogger("tieredkv.cache")
 
 
 def shared_tiers(core: Core) -> list[tuple[int, SharedTier]]:
@@ -35,18 +51,42 @@ def shared_tiers(core: Core) -> list[tuple[int, SharedTier]]:
 
 
 async def check_writer(core: Core, session: str) -> None:
-    """Make sure this replica may append to ``session`` in every shared tier.
+    """Make sure this replica may append to ``session`` in every shared tier (called with
+    the session's lock held).
 
+    While a shared tier cannot be reached, a replica whose lease there is live appends on
+    (its turns are committed once the tier is back).
+
+    :raises TurnRefusedError: turns of this conversation were refused since the last call
+        (its copies here are dropped first)
     :raises StaleWriterError: another replica took the conversation over
     :raises LeaseHeldError: another replica's lease on a conversation new to this one is live
+    :raises HistoryConflictError: this replica has not read the conversation's current
+        history (or the shared tier lost it)
+    :raises TierIOError: a shared tier cannot be reached and this replica holds no live lease
     """
+    s = core.sessions[session]
+    if s.key in core.refused:
+        _, cancel = await settle(functools.partial(_drop_refused, core, s))
+        if cancel is not None:
+            raise cancel
     for _, tier in shared_tiers(core):
-        await tier.ensure_writer(session)
+        try:
+            await tier.ensure_writer(session)
+        except TierIOError:
+            if not (s.primary is not None and tier.may_serve_local(session)):
+                raise
 
 
-async def discover(core: Core, key: str, *, take: bool) -> None:
+async def discover(core: Core, key: str, *, take: bool) -> bool:
     """Bring the shared tiers' state of ``key`` into the index; with ``take``, this replica
-    takes the conversation's writer lease (another replica's next write is refused)."""
+    takes the conversation's writer lease (another replica's next commit is refused).
+
+    :returns: whether what the index now holds of ``key`` may be served (``False``: its
+        current history could not be proven; the caller counts a miss)
+    :raises TurnRefusedError: turns of this conversation were refused (reported once)
+    """
+    proven = True
     for t, tier in shared_tiers(core):
         s = core.sessions.get(key)
         if s is None:
@@ -56,46 +96,132 @@ async def discover(core: Core, key: str, *, take: bool) -> None:
                 if core.sessions.get(key) is not s:  # dropped while we waited
                     continue
                 # a move like any other: cancellation waits for it, then is raised
-                _, cancel = await settle(functools.partial(_look, core, s, t, tier, take))
+                ok, cancel = await settle(functools.partial(_look, core, s, t, tier, take))
                 if cancel is not None:
                     raise cancel
+                proven = proven and ok
         finally:
             core.discard_unused(s)  # nothing found: no empty entry stays behind
+    return proven
 
 
-async def _look(core: Core, s: Session, t: int, tier: SharedTier, take: bool) -> None:
+async def _look(core: Core, s: Session, t: int, tier: SharedTier, take: bool) -> bool:
     await s.wait_quiet()  # no write into the shared tier under way
-    await _adopt(core, s, t, await tier.lookup(s.key))
-    if take and s.primary is not None:
-        await tier.acquire(s.key, force=True)
+    if s.key in core.refused:
+        await _drop_refused(core, s)
+    try:
+        state = await tier.refresh(s.key, take=take)
+    except TierIOError as exc:
+        if s.primary is not None and s.primary != t and tier.may_serve_local(s.key):
+            return True  # this replica's lease is live: nobody else can have committed
+        _log.warning("%.80r cannot be proven current: %s", s.key, exc)
+        return not s.segs and not take
+    ok = await _adopt(core, s, t, tier, state, take)
+    if s.key in core.refused:  # this replica's copies already agree with the shared tier
+        _settle_refusal(core, s)
+    return ok
 
 
-async def _adopt(core: Core, s: Session, t: int, headers: list[SegmentHeader]) -> None:
-    """Make ``s`` agree with what shared tier ``t`` holds (``headers``, just looked up)."""
+async def _adopt(
+    core: Core, s: Session, t: int, tier: SharedTier, state: SharedState, take: bool
+) -> bool:
+    """Make ``s`` agree with what shared tier ``t`` holds (``state``, just refreshed)."""
+    if state.status in ("absent", "lost", "damaged"):
+        if not s.segs:
+            return state.status == "absent"
+        if state.status == "absent" and not s.held[t] and tier.token(s.key) is not None:
+            return True  # a conversation this replica started: none of it is committed yet
+        # the shared tier lost (or holds a damaged copy of) the history: this replica's
+        # copy cannot be proven current
+        _log.warning("the shared copy of %.80r is %s: not served", s.key, state.status)
+        await _forget_all(core, s)
+        return False
+    headers = list(state.headers)
     local = [seg.header for seg in s.segs]
     if headers and local and s.schema is not None:
         diff = s.schema.describe_difference(header_schema(headers[0]))
         if diff is not None:  # another model's KV under the same key: not ours
             raise SchemaMismatchError(s.key, diff)
     n = len(headers)
-    if n <= len(local) and headers == local[:n]:
-        # this replica's history is as new as the shared one, or newer
+    pairs = zip(_plain(local), _plain(headers), strict=False)  # (up to the shorter one)
+    same = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(local), n))
+    # this replica's turns past what it shares with the committed history, never committed
+    # here: if they are not the writer's to commit any more, they are refused
+    own = [seq for seq in range(same, len(local)) if seq not in s.held[t]]
+    if same == n:
+        # this replica holds the committed history (and maybe its own turns after it)
+        before = s.complete(t)
         s.held[t] = set(range(n))
-        if not s.complete(t) and (s.held[t] or s.primary == t):
-            # the shared copy lost segments: what is left of it there is of no use
-            await forget_copy(core, s, t)
-        return
-    # the shared copy is newer (another replica appended) or another version: take it and
-    # let go of this replica's stale copies
-    schema = header_schema(headers[0])
-    good = next((i for i, h in enumerate(headers) if header_schema(h) != schema), n)
+        if len(local) > n and tier.token(s.key) is None:
+            # its own later turns, but another replica is the writer now: refused
+            if own:
+                record_refusal(core, s, t, "another replica became its writer first", own)
+            await _forget_all(core, s, lost=False)
+            return True
+        if s.complete(t) and not before:
+            now = core.clock()
+            core.policies[t].on_admit(s.key, core.publish(s, now), now)
+        if len(local) > n:
+            core.restart_copy(s)  # commit the rest (a takeover after a restart, say)
+        return True
+    # the shared history is newer (another replica appended) or another one: take it, and
+    # let go of this replica's copies (its own uncommitted turns are refused)
+    if own:
+        record_refusal(core, s, t, "the conversation's shared history changed first", own)
+    await _take(core, s, t, headers)
+    return True
+
+
+def _plain(headers: list[SegmentHeader]) -> list[SegmentHeader]:
+    return [plain_header(h) for h in headers]
+
+
+async def _take(core: Core, s: Session, t: int, headers: list[SegmentHeader]) -> None:
+    """Replace ``s``'s copies by shared tier ``t``'s history ``headers``."""
+    schema = header_schema(headers[0]) if headers else None
+    good = next((i for i, h in enumerate(headers) if header_schema(h) != schema), len(headers))
     for u in range(len(core.tiers)):
         if u != t and s.held[u]:
             await remove_copy(core, s, u)
     s.segs = [Seg(h) for h in headers[:good]]
-    s.schema = schema
     s.held[t] = set(range(good))
+    if not good:
+        s.primary = None
+        if s.key in core.channel:
+            core.publish(s, core.clock())
+        return
+    s.schema = schema
     s.primary = t
     now = core.clock()
     meta = core.publish(s, now, answer=headers[good - 1].answer_tokens)
     core.policies[t].on_admit(s.key, meta, now)
+
+
+async def _forget_all(core: Core, s: Session, *, lost: bool = True) -> None:
+    """Drop every copy of ``s`` on this replica (a shared tier's copy only from this
+    replica's view): its history must be read again, or recomputed."""
+    for u in range(len(core.tiers)):
+        await remove_copy(core, s, u)
+    s.segs.clear()
+    s.primary = None
+    if lost:
+        core.stats.lost += 1
+    if s.key in core.channel:
+        core.publish(s, core.clock())
+
+
+async def _drop_refused(core: Core, s: Session) -> None:
+    """Before ``s`` is used again: drop this replica's copies (they hold refused turns),
+    and raise the refusal unless ``flush()`` reported it already."""
+    if s.segs:
+        await _forget_all(core, s, lost=False)
+    _settle_refusal(core, s)
+
+
+def _settle_refusal(core: Core, s: Session) -> None:
+    """``s``'s copies agree with the shared tier again: forget its refusal, raising it
+    unless it was reported already."""
+    try:
+        report(core, [s.key])
+    finally:
+        core.refused.pop(s.key, None)

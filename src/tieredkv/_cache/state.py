@@ -38,6 +38,7 @@ from .outputs import OutputPool
 __all__ = [
     "CacheStats",
     "Core",
+    "Refusal",
     "Seg",
     "Session",
     "check_key",
@@ -51,7 +52,7 @@ class CacheStats(msgspec.Struct, kw_only=True):
 
     :param hits: loads served from the performance tier (tier 0)
     :param misses: loads of a stored session served from a lower tier (promoted or not),
-        plus loads that found the history damaged
+        plus loads that found the history damaged or could not prove it current
     :param appends: segments stored
     :param loads: successful loads
     :param prefetches: prefetch calls that moved data up
@@ -74,6 +75,11 @@ class CacheStats(msgspec.Struct, kw_only=True):
         wrote down to a persistent tier (see ``close_timeout``)
     :param unsaved: conversations that only volatile tiers held which the last close could
         not write down (no free room, an I/O error, or the close timeout): lost with it
+    :param refused: turns this cache had acknowledged that a shared tier refused (another
+        replica took the conversation over first); reported by
+        :class:`~tieredkv.errors.TurnRefusedError`
+    :param unproven: loads not served because the conversation's current history could not
+        be proven (its shared tier unreachable, or its copy there lost); each is a miss
     :param outputs_reused: tensors :meth:`~tieredkv.TieredKVCache.load` returned in memory an
         earlier, dropped output left (already faulted in)
     :param output_idle_bytes: memory of dropped outputs kept for later loads now (at most
@@ -100,6 +106,8 @@ class CacheStats(msgspec.Struct, kw_only=True):
     truncated: int = 0
     written_down: int = 0
     unsaved: int = 0
+    refused: int = 0
+    unproven: int = 0
     outputs_reused: int = 0
     output_idle_bytes: int = 0
     tiers: tuple[TierStats, ...] = ()
@@ -167,6 +175,18 @@ class Session:
         return [(self.key, seg.header.seq) for seg in self.segs]
 
 
+class Refusal:
+    """Turns of a session that a shared tier refused (see :mod:`tieredkv._cache.refusals`)."""
+
+    __slots__ = ("reason", "reported", "tier", "turns")
+
+    def __init__(self, tier: str, turns: list[int], reason: str) -> None:
+        self.tier = tier
+        self.turns = turns
+        self.reason = reason
+        self.reported = False
+
+
 class Core:
     """What every part of the cache shares: tiers, policies, channel, index and counters."""
 
@@ -189,6 +209,10 @@ class Core:
         self.stats = CacheStats()
         self.protected: Callable[[], AbstractSet[str]] = frozenset
         self.orphans: set[tuple[int, SegmentKey]] = set()
+        self.refused: dict[str, Refusal] = {}
+        """Per session, turns a shared tier refused, until the session is next used."""
+        self.restart_copy: Callable[[Session], None] = lambda s: None
+        """Restart ``s``'s background copy to the next tier (set by the write-through)."""
         self.staging = Staging()
         self.outputs = OutputPool(output_reuse_bytes)
 

@@ -3,26 +3,65 @@
 After an append to tier ``t``, a pump copies the session's segments that tier ``t + 1``
 lacks, in order, so that evicting the session from ``t`` later costs no write on the
 critical path. The pump runs in a task of its own (no caller's cancellation reaches it),
-marks the session busy (never a victim), and builds the lower copy as a prefix: a copy
-that cannot be completed (no room, an I/O error) is removed rather than left to waste
-space. A copy joins the index segment by segment, and the lower tier's policy admits the
-session once the copy is complete.
+marks the session busy (never a victim), and builds the lower copy as a prefix. A copy
+joins the index segment by segment, and the lower tier's policy admits the session once
+the copy is complete. No exception of a pump is ever left unretrieved: each is logged,
+counted and, for a shared tier, reported by :meth:`WriteThrough.flush_checked`.
+
+Into a local tier, a copy that cannot be completed (no room, an I/O error) is removed
+rather than left to waste space, and one an I/O error stopped is tried again at close.
+
+Into a shared tier (the fleet's copy, see :mod:`tieredkv._cache.sharing`) this is the
+*local-first* acknowledgement: an append returns once its turn is in this replica's own
+tiers; the pump then commits it to the shared tier. What is committed is never taken out
+again by a failure here. A commit that fails for a transient reason (the server away or
+stalled, a takeover delay, no room as this cache counts it) keeps the turn here and is
+retried in the background (backoff from 0.1 to 5 s); one the shared tier refuses for good
+(another replica took the conversation over, or its history changed) is a refusal
+(:mod:`tieredkv._cache.refusals`). ``flush()`` retries at once what is waiting, waits out
+takeover delays, and returns only when every turn appended before it is committed, or
+raises.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import anyio
 
-from ..errors import CorruptSegmentError, TierIOError
+from ..backends.shared import SharedTier
+from ..errors import (
+    CommitDelayedError,
+    CorruptSegmentError,
+    HistoryConflictError,
+    LeaseHeldError,
+    StaleWriterError,
+    TierIOError,
+)
 from .placement import copy_segment, delete_or_orphan, remove_copy, reserve
+from .refusals import record_refusal, report
 from .state import Core, Session
 
 __all__ = ["WriteThrough"]
 
 _log = logging.getLogger("tieredkv.cache")
+
+_REFUSALS = (StaleWriterError, LeaseHeldError, HistoryConflictError)
+_BACKOFF = (0.1, 5.0)
+"""First and largest wait before a failed commit into a shared tier is tried again, s."""
+
+
+class _Waiting:
+    """A session whose commit into a shared tier is waiting to be tried again."""
+
+    __slots__ = ("attempts", "due", "error")
+
+    def __init__(self) -> None:
+        self.attempts = 0
+        self.due = 0.0
+        self.error: BaseException | None = None
 
 
 class WriteThrough:
@@ -34,7 +73,19 @@ class WriteThrough:
         self._pending = 0
         self._idle: anyio.Event | None = None
         self._failed: set[str] = set()
-        """Sessions whose copy an I/O error stopped (tried once more at close)."""
+        """Sessions whose copy into a local tier an I/O error stopped (tried again at close)."""
+        self._waiting: dict[str, _Waiting] = {}
+        """Sessions whose commit into a shared tier waits to be tried again."""
+        self._retrier: asyncio.Task[None] | None = None
+        self._wake: anyio.Event | None = None
+        core.restart_copy = self.resume
+
+    def _spawn(self, coro: object) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(_retrieved)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     def start(self, s: Session, dst: int) -> None:
         """Make sure a pump is copying ``s``'s missing segments into ``dst``."""
@@ -48,9 +99,7 @@ class WriteThrough:
         self._pending += 1
         if self._pending == 1:
             self._idle = anyio.Event()
-        task = asyncio.get_running_loop().create_task(self._pump(s, dst))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(self._pump(s, dst))
 
     async def stop(self, s: Session) -> None:
         """Stop ``s``'s background copy early and wait for it (a drop is coming).
@@ -64,6 +113,8 @@ class WriteThrough:
             s.stopping = False
             self.resume(s)
             raise
+        self._waiting.pop(s.key, None)
+        self._core.refused.pop(s.key, None)
 
     def resume(self, s: Session) -> None:
         """In inclusive mode, restart ``s``'s copy to the next tier if it is incomplete there
@@ -71,15 +122,16 @@ class WriteThrough:
         p = s.primary
         if self._core.mode != "inclusive" or p is None or p + 1 >= len(self._core.tiers):
             return
-        if not s.complete(p + 1) and not s.dropped:
+        if not s.complete(p + 1) and not s.dropped and s.key not in self._core.refused:
             self.start(s, p + 1)
 
     def retry_failed(self) -> None:
         """Restart the copies that an I/O error stopped (at close, so a restart finds those
-        sessions). A copy removed for want of room, or evicted, is not restarted: that was
-        the policy's choice, and copying it now would evict another session's copy."""
+        sessions), and every commit into a shared tier waiting to be tried again. A copy
+        removed for want of room, or evicted, is not restarted: that was the policy's
+        choice, and copying it now would evict another session's copy."""
         failed, self._failed = self._failed, set()
-        for key in failed:
+        for key in failed | self._waiting.keys():
             s = self._core.sessions.get(key)
             if s is not None:
                 self.resume(s)
@@ -89,10 +141,47 @@ class WriteThrough:
         while self._pending and self._idle is not None:
             await self._idle.wait()
 
+    async def flush_checked(self) -> None:
+        """Try again at once every commit into a shared tier that is waiting, wait for
+        every pump and takeover delay, then report what did not reach the shared tier.
+
+        :raises TurnRefusedError: turns the shared tier refused (reported once)
+        :raises TierIOError: turns still not committed (kept here, tried again later)
+        """
+        while True:
+            now = time.monotonic()
+            for key, w in list(self._waiting.items()):
+                if not isinstance(w.error, CommitDelayedError) or w.due <= now:
+                    self._kick(key)
+            await self.flush()
+            delays = [
+                w.due for w in self._waiting.values() if isinstance(w.error, CommitDelayedError)
+            ]
+            if not delays:
+                break
+            await anyio.sleep(max(0.0, min(delays) - time.monotonic()))
+        report(self._core, list(self._core.refused))
+        failing = [(k, w.error) for k, w in self._waiting.items() if w.error is not None]
+        if failing:
+            key, error = failing[0]
+            raise TierIOError(
+                error.tier if isinstance(error, TierIOError) else "shared",
+                f"commit the latest turns of {len(failing)} session(s) (the first: {key[:80]!r})",
+                f"{error}; they stay on this replica and are tried again in the background: "
+                f"flush() again later",
+            )
+
     def cancel_all(self) -> None:
-        """Stop the pumps (only at close, after an interrupted flush)."""
+        """Stop the pumps and the retries (only at close, after the last flush)."""
         for task in tuple(self._tasks):
             task.cancel()
+        if self._waiting:
+            _log.warning(
+                "closing with the latest turns of %d session(s) not committed to the shared "
+                "tier: the other replicas will not see them",
+                len(self._waiting),
+            )
+        self._waiting.clear()
 
     async def _pump(self, s: Session, dst: int) -> None:
         core = self._core
@@ -100,6 +189,11 @@ class WriteThrough:
             while not (s.dropped or s.stopping) and s.primary is not None and s.primary < dst:
                 if not await self._copy_next(s, dst):
                     break
+        except Exception as exc:  # a bug: never left unretrieved, never silent
+            core.stats.errors += 1
+            _log.exception("write-through of %.80r failed", s.key)
+            if isinstance(core.tiers[dst], SharedTier):
+                self._later(s, exc)
         finally:
             s.inflight -= 1
             core.unbusy(s.key)
@@ -115,9 +209,11 @@ class WriteThrough:
         assert s.primary is not None
         seg = next((g for g in s.segs if g.header.seq not in s.held[dst]), None)
         if seg is None:
+            self._waiting.pop(s.key, None)
             return False
         key = (s.key, seg.header.seq)
         to = core.tiers[dst]
+        shared = isinstance(to, SharedTier)
         try:
             stored = await reserve(core, dst, key, seg.length, {s.key}, lossless=True)
             if stored:
@@ -127,20 +223,84 @@ class WriteThrough:
                     to.release(key)
             else:
                 _log.info("write-through of %.80r stopped: tier %r is full", s.key, to.name)
-        except (TierIOError, CorruptSegmentError):
+        except _REFUSALS as exc:
+            record_refusal(core, s, dst, str(exc))
+            self._waiting.pop(s.key, None)
+            return False
+        except (TierIOError, CorruptSegmentError) as exc:
+            if shared and isinstance(exc, TierIOError):
+                if not isinstance(exc, CommitDelayedError):
+                    core.stats.errors += 1
+                    _log.warning("write-through of %.80r: %s; will retry", s.key, exc)
+                self._later(s, exc)
+                return False
             core.stats.errors += 1
             _log.exception("write-through of %.80r failed", s.key)
             self._failed.add(s.key)
             stored = False
-        if not stored:  # this copy can never be completed now: free its space
-            await remove_copy(core, s, dst)
+        if not stored:
+            if shared:  # what is committed stays; the rest waits for room
+                self._later(s, TierIOError(to.name, "take the turn", "the tier is full"))
+                return False
+            await remove_copy(core, s, dst)  # this copy can never be completed now
             return False
         if s.dropped or seg not in s.segs:  # dropped or lost meanwhile
             await delete_or_orphan(core, dst, key)
             return False
         s.held[dst].add(seg.header.seq)
         core.stats.write_through += 1
+        w = self._waiting.get(s.key)
+        if w is not None:
+            w.attempts, w.error = 0, None
         if s.complete(dst):
+            self._waiting.pop(s.key, None)
             now = core.clock()
             core.policies[dst].on_admit(s.key, core.publish(s, now), now)
         return True
+
+    def _kick(self, key: str) -> None:
+        """Try a waiting commit now; forget it if there is nothing left to copy."""
+        s = self._core.sessions.get(key)
+        if s is not None and not s.dropped:
+            self.resume(s)
+        if s is None or not s.inflight:  # (nothing to copy, dropped, or not inclusive)
+            self._waiting.pop(key, None)
+
+    def _later(self, s: Session, error: BaseException) -> None:
+        """Try ``s``'s commit again later (after the takeover delay, or with backoff)."""
+        w = self._waiting.setdefault(s.key, _Waiting())
+        w.error = error
+        if isinstance(error, CommitDelayedError):
+            delay = error.retry_in + 0.005
+        else:
+            delay = min(_BACKOFF[0] * 2**w.attempts, _BACKOFF[1])
+            w.attempts += 1
+        w.due = time.monotonic() + delay
+        if self._retrier is None or self._retrier.done():
+            self._retrier = self._spawn(self._retry_loop())
+        elif self._wake is not None:
+            self._wake.set()
+
+    async def _retry_loop(self) -> None:
+        """Restart the waiting commits when they are due, until none waits."""
+        core = self._core
+        while self._waiting:
+            due = min(w.due for w in self._waiting.values())
+            self._wake = anyio.Event()
+            with anyio.move_on_after(max(0.0, due - time.monotonic())):
+                await self._wake.wait()
+            now = time.monotonic()
+            for key, w in list(self._waiting.items()):
+                s = core.sessions.get(key)
+                if s is not None and s.inflight:  # a pump is at it already: look again later
+                    w.due = max(w.due, now + _BACKOFF[0])
+                elif w.due <= now:
+                    w.due = now + _BACKOFF[1]  # (until this attempt reports back)
+                    self._kick(key)
+
+
+def _retrieved(task: asyncio.Task[None]) -> None:
+    """A done callback: an exception the task let out is logged here, never left
+    unretrieved (the pumps catch everything themselves)."""
+    if not task.cancelled() and task.exception() is not None:
+        _log.error("a background task of the cache failed", exc_info=task.exception())

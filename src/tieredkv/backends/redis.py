@@ -1,64 +1,114 @@
-"""Redis / Valkey: a capacity tier that several replicas share.
+"""Redis / Valkey: a capacity tier that several replicas share, as one replicated log per
+conversation.
 
 Needs the optional extra ``tieredkv[redis]`` (the maintained asyncio client,
 ``redis.asyncio``); Valkey speaks the same protocol. Layout under the key ``prefix``, for a
 conversation whose key hashes (BLAKE2b-128, hex) to ``H``::
 
-    prefix:{H}:m                 the conversation's manifest (a hash, see below)
-    prefix:{H}:lease             the writer lease: the owning replica's id, with an expiry
+    prefix:{H}:m                 the conversation's manifest (a hash: see _redis_manifest)
     prefix:{H}:<seq>:<nonce>:<i> part i of segment seq (values of ``value_size`` bytes)
 
 The hash tag ``{H}`` keeps all of a conversation's keys in one Redis Cluster slot, so the
-Lua steps below run on one node. Hashing the session key keeps any key (``}``, NUL, 10 kB
-of text) out of the key syntax; the key itself is in the manifest and in every segment's
-header. ``nonce`` is new for every write, so a rewritten segment never mixes parts of two
-versions.
+Lua steps run on one node. Hashing the session key keeps any key (``}``, NUL, 10 kB of
+text) out of the key syntax; the key itself is in the manifest and in every segment's
+header. The nonce is new for every segment written, so parts of two writes never mix, and
+a part is visible only through the committed manifest entry that names it.
 
-The manifest holds, per segment, ``e:<seq>`` (length, parts, and the segment's header
-bytes, so a replica learns tokens and answer lengths without reading the body) and
-``k:<seq>`` (``nonce:parts``); plus ``session``, ``fence`` (the fencing token of the
-current writer) and ``gen`` (bumped by every change).
+**Commit.** The parts are written with a short expiry (``SET NX PX``, pipelined), then one
+Lua step (:data:`~._redis_scripts.COMMIT`) commits the segment if, all at once: the
+writer's fencing token is the manifest's, the manifest is the version (incarnation id and
+version number) the writer last committed or read and ``seq`` is its next segment, no
+takeover delay is pending, every part is still there, and the server's clock has not
+passed the write's deadline. The deadline is the time, in the server's clock, after which
+the writer stops waiting: the writer learns the server's clock from every reply (a lower
+bound of it), so a request the server runs only after a stall or a lost connection is
+refused by the server itself and can never commit behind the writer's back. A retried
+commit of the same segment (same nonce) is recognized and succeeds once. A refused
+commit unlinks its own parts; a writer that dies half-way leaves parts that expire after
+``part_ttl``.
 
-Write: the parts are written with a short expiry (pipelined), then one Lua script checks
-the writer's fencing token, checks that every part is still there, makes the parts
-permanent and adds the segment to the manifest, all at once. A reader goes through the
-manifest, so it never sees a segment before all its parts are written; a writer that dies
-half-way leaves only parts that expire. Read: the parts are fetched (pipelined, the next
-batch in flight while the previous one is copied), then the segment's header and body
-hash are checked (:func:`tieredkv.payload.verify_segment`) before it is served. A missing
-part (the server evicted it under ``maxmemory``, or restarted without persistence) or a
-failed check takes the conversation's segments out of the manifest and raises
-:class:`~tieredkv.errors.CorruptSegmentError`: the cache counts the session lost from this
-tier and recomputes, never serving part of it.
+**Writers.** One writer per conversation: the holder of the manifest's fencing token. A
+replica that loads a conversation takes it over (:meth:`RedisTier.refresh` with ``take``,
+in the same Lua step that reads the manifest); one that appends to a conversation it holds
+no token for gets one only if the history is the one it knows (a replica that never loaded
+a conversation cannot write into it). A takeover of a lease that is still live delays the
+new writer's first commit until that lease has ended, so a replica holding a live lease
+knows, by its own clock, that no other replica can have committed since: that is what
+lets it serve its local copy while the server cannot be reached
+(:meth:`RedisTier.may_serve_local`).
+
+**Reads.** The parts are fetched (pipelined, the next batch in flight while the previous
+one is copied); each segment's bytes must start with the header bytes its committed entry
+records, and pass its CRC and body hash (:func:`tieredkv.payload.verify_segment`). A
+missing part (the server evicted it under ``maxmemory``, or restarted without persistence)
+or a failed check takes the conversation out of the manifest (in the version that was
+read, never a later one) and raises :class:`~tieredkv.errors.CorruptSegmentError`.
+
+**Authentication.** With a ``secret`` every segment is written with a keyed MAC of its
+header and body and the manifest's incarnation id, and the manifest with a keyed MAC of
+its whole history (session, id, version, every entry), all checked on every read: a
+client of the server without the secret can neither forge nor alter a value or an entry,
+nor remove an entry (:mod:`tieredkv.payload` holds the MAC code the SSD tier uses too).
+
+**Deletion.** :meth:`RedisTier.delete` only stops this cache counting a segment; a
+conversation leaves the server for everyone only through :meth:`RedisTier.discard` by its
+writer (the cache's ``drop``) or a damaged read.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import hashlib
+import logging
 import re
 import secrets
+import time
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import msgspec
 
+from .._version import __version__
 from ..errors import (
     ClosedError,
+    CommitDelayedError,
     CorruptSegmentError,
+    HistoryConflictError,
     LeaseHeldError,
     StaleWriterError,
     TierIOError,
 )
-from ..payload import ALIGN, PREFIX, SegmentHeader, parse_header, verify_segment
+from ..payload import (
+    ALIGN,
+    PREFIX,
+    SegmentHeader,
+    authenticated_head,
+    derive_key,
+    parse_header,
+)
+from . import _redis_scripts as lua
+from ._redis_manifest import (
+    Damaged,
+    Entry,
+    Manifest,
+    encode_entry,
+    parse,
+    sign,
+    verify_segment_read,
+)
 from .base import SegmentKey, TierStats
-from .shared import SharedTier
+from .shared import SharedState, SharedTier
+from .shared import plain_header as plain
 
 try:
     import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import NoScriptError, RedisError
 except ImportError as _exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("RedisTier needs the redis client: pip install 'tieredkv[redis]'") from _exc
@@ -68,102 +118,45 @@ if TYPE_CHECKING:
 
 __all__ = ["RedisTier", "conversation_tag", "driver_options"]
 
+_log = logging.getLogger("tieredkv.redis")
+
 _MIN_VALUE = 64 << 10
-_PUBLISH = """
-local fence = redis.call('HGET', KEYS[1], 'fence')
-if fence ~= ARGV[2] then return {-1, fence or ''} end
-for i = 3, #KEYS do
-  if redis.call('EXISTS', KEYS[i]) == 0 then return {-2, KEYS[i]} end
-end
-for i = 3, #KEYS do redis.call('PERSIST', KEYS[i]) end
-local old = redis.call('HGET', KEYS[1], 'k:' .. ARGV[1])
-if old and old ~= ARGV[4] then
-  local nonce, n = string.match(old, '^(%w+):(%d+)$')
-  for i = 0, tonumber(n) - 1 do
-    redis.call('UNLINK', ARGV[5] .. ':' .. ARGV[1] .. ':' .. nonce .. ':' .. i)
-  end
-end
-redis.call('HSET', KEYS[1], 'e:' .. ARGV[1], ARGV[3], 'k:' .. ARGV[1], ARGV[4],
-           'session', ARGV[8])
-local gen = redis.call('HINCRBY', KEYS[1], 'gen', 1)
-local holder = redis.call('GET', KEYS[2])
-if not holder or holder == ARGV[6] then
-  redis.call('SET', KEYS[2], ARGV[6], 'PX', ARGV[7])
-end
-return {0, gen}
-"""
-"""KEYS: manifest, lease, parts...; ARGV: seq, token, entry, nonce:parts, base, owner,
-lease ms, session. Returns {0, gen}, {-1, current fence} or {-2, missing part}."""
-
-_ACQUIRE = """
-local holder = redis.call('GET', KEYS[2])
-if holder and holder ~= ARGV[1] and ARGV[3] ~= '1' then
-  return {-1, holder, redis.call('PTTL', KEYS[2])}
-end
-local now = redis.call('TIME')
-local token = math.max(tonumber(redis.call('HGET', KEYS[1], 'fence') or '0') + 1,
-                       tonumber(now[1]) * 1000000 + tonumber(now[2]))
-token = string.format('%d', token)
-redis.call('HSET', KEYS[1], 'fence', token, 'session', ARGV[4])
-redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
-return {token}
-"""
-"""KEYS: manifest, lease; ARGV: owner, lease ms, force (1/0), session. The token is above
-the last one and at least the server's clock in microseconds, so it keeps growing even if
-the server evicts or loses the manifest that holds the last one."""
-
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-"""KEYS: lease; ARGV: owner. Ends the lease if this replica holds it."""
-
-_DELETE = """
-local function drop(seq)
-  local old = redis.call('HGET', KEYS[1], 'k:' .. seq)
-  if not old then return end
-  local nonce, n = string.match(old, '^(%w+):(%d+)$')
-  for i = 0, tonumber(n) - 1 do
-    redis.call('UNLINK', ARGV[2] .. ':' .. seq .. ':' .. nonce .. ':' .. i)
-  end
-  redis.call('HDEL', KEYS[1], 'e:' .. seq, 'k:' .. seq)
-end
-if redis.call('HGET', KEYS[1], 'k:' .. ARGV[1]) ~= ARGV[3] then return 0 end
-if ARGV[4] == 'damaged' then
-  for _, field in ipairs(redis.call('HKEYS', KEYS[1])) do
-    local seq = string.match(field, '^k:(%d+)$')
-    if seq then drop(seq) end
-  end
-else
-  local fence = redis.call('HGET', KEYS[1], 'fence')
-  if fence and fence ~= ARGV[4] then return -1 end
-  drop(ARGV[1])
-end
-redis.call('HINCRBY', KEYS[1], 'gen', 1)
-return 1
-"""
-"""KEYS: manifest; ARGV: seq, base, nonce:parts, token or 'damaged'. A segment is deleted
-only in the version this replica knows; a plain delete only by the current writer (else it
-is left to that writer: -1); 'damaged' takes every segment of the conversation out."""
+_LEASE_MARGIN = 0.9
+"""A replica counts its lease as ending after this share of ``lease_ttl`` from the moment
+it sent the request that set it (the server counts from when it ran it, later): a margin
+for the two clocks' rates."""
+_RESOLVE_TIMEOUT = 2.0
+"""At most this long (and at most ``timeout``) to learn whether a commit whose reply was lost
+was made."""
 
 
-class _Entry(msgspec.Struct, array_like=True, frozen=True):
-    """One published segment, as stored in the manifest's ``e:<seq>`` field."""
-
-    length: int
-    nonce: str
-    parts: int
-    value_size: int
-    head: bytes
-    """The segment's prefix and header bytes."""
-
-    @property
-    def kfield(self) -> str:
-        return f"{self.nonce}:{self.parts}"
+@dataclass
+class _Writer:
+    token: int
+    lease_until: float
+    """By this process's monotonic clock: until then no other replica can commit."""
 
 
-_encode_entry = msgspec.msgpack.Encoder().encode
-_decode_entry = msgspec.msgpack.Decoder(_Entry).decode
+@dataclass
+class _Attempt:
+    """A segment written whose commit's outcome this tier has not learned yet."""
+
+    entry: Entry
+    mid: str
+    header: SegmentHeader
+
+
+@dataclass
+class _Counters:
+    bytes_read: int = 0
+    bytes_written: int = 0
+    reads: int = 0
+    writes: int = 0
+    corrupt: int = 0
+    missing: int = 0
+    refused: int = 0
+    conflicts: int = 0
+    lost: int = 0
 
 
 def conversation_tag(session: str) -> str:
@@ -176,6 +169,27 @@ def _redacted(url: str) -> str:
     return re.sub(r"(://[^:@/]*:)[^@/]*@", r"\1***@", url)
 
 
+def _text(value: object) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _int(value: object, default: int = -1) -> int:
+    try:
+        return int(value)  # type: ignore[call-overload,no-any-return]
+    except (TypeError, ValueError):
+        return default
+
+
+def _fields(reply: Sequence[Any] | Mapping[Any, Any]) -> dict[bytes, bytes]:
+    """A manifest's fields, from ``HGETALL`` (a dict) or a Lua script (a flat list)."""
+    pairs = (
+        reply.items()
+        if isinstance(reply, Mapping)
+        else ((reply[i], reply[i + 1]) for i in range(0, len(reply) - 1, 2))
+    )
+    return {k: v for k, v in pairs if isinstance(k, bytes) and isinstance(v, bytes)}
+
+
 class RedisTier(SharedTier):
     """Segments in Redis or Valkey, shared by every cache configured with the same server
     and ``prefix``.
@@ -184,23 +198,34 @@ class RedisTier(SharedTier):
         may be in it), or a ready ``redis.asyncio`` client (``Redis`` or ``RedisCluster``),
         which the tier uses as is and does not close
     :param capacity: the byte budget for this tier's segments, as this cache counts them
-        (what it wrote, recovered at open or discovered through :meth:`lookup`)
+        (what it wrote, recovered at open or discovered through :meth:`refresh`)
     :param name: the tier's name in metadata and events
     :param prefix: the first part of every key; deployments sharing a server use different
         prefixes (or share conversations, with the same models)
     :param value_size: bytes per Redis value; a segment is split into values of this size
         (a multiple of 4096, at least 64 KiB)
-    :param timeout: seconds to connect and to wait for a reply
+    :param timeout: seconds to connect, to wait for a reply, and for a segment's write to
+        commit (after that the server refuses to commit it)
     :param max_connections: connections in the pool (a caller waits ``timeout`` for one)
-    :param lease_ttl: seconds a writer lease lasts after the conversation's last write
-    :param part_ttl: seconds a written but unpublished part lives (a writer that dies
+    :param lease_ttl: seconds a writer lease lasts after the replica's last commit, load or
+        append check. While it lasts the replica may serve its copy when the server cannot
+        be reached, and a replica that takes the conversation over commits only after it
+        has ended
+    :param part_ttl: seconds a written but uncommitted part lives (a writer that dies
         half-way leaves nothing longer than this)
     :param read_batch: values fetched per round trip while reading
     :param recover: whether :meth:`open` returns every conversation under ``prefix`` (as a
-        persistent tier does); ``False`` leaves them to :meth:`lookup`
+        persistent tier does); ``False`` leaves them to :meth:`refresh`
     :param owner: this replica's id in leases (default: a random one per tier)
+    :param secret: authenticate every value and manifest with this secret (at least 16
+        bytes, the same on every replica; keep it out of the server): a client of the
+        server without it can neither forge, alter nor shorten a history
     :param client_options: passed to the client's connection pool (``password``,
         ``username``, ``ssl_ca_certs``, ``ssl_certfile``, ...), with a URL only
+
+    A tier built from a URL retries a command on a dropped connection (up to 3 times,
+    50 ms to 1 s apart), as after a server restart: every command it sends is idempotent.
+    A client passed in keeps its own retry settings.
     """
 
     kind = "redis"
@@ -220,6 +245,7 @@ class RedisTier(SharedTier):
         read_batch: int = 4,
         recover: bool = True,
         owner: str | None = None,
+        secret: bytes | None = None,
         **client_options: Any,
     ) -> None:
         if not isinstance(name, str) or not name:
@@ -257,25 +283,32 @@ class RedisTier(SharedTier):
         self.prefix = prefix
         self.value_size = value_size
         self.owner = owner or uuid.uuid4().hex
+        self._key = None if secret is None else derive_key(secret)
         self._server = server
         self._client_options = client_options
         self._capacity = capacity
         self._timeout = timeout
         self._max_connections = max_connections
+        self._lease_ttl = lease_ttl
         self._lease_ms = round(lease_ttl * 1000)
         self._part_ms = round(part_ttl * 1000)
         self._batch = read_batch
         self._recover = recover
         self._client: aioredis.Redis | aioredis.RedisCluster | None = None
         self._scripts: dict[str, AsyncScript] = {}
-        self._index: dict[SegmentKey, _Entry] = {}
+        self._index: dict[SegmentKey, Entry] = {}
+        """The committed segments this cache counts (and may read)."""
         self._reserved: dict[SegmentKey, int] = {}
-        self._tokens: dict[str, int] = {}
+        self._known: dict[str, Manifest] = {}
+        """Per conversation, the manifest as this tier last committed or read it."""
+        self._writers: dict[str, _Writer] = {}
+        self._attempts: dict[SegmentKey, _Attempt] = {}
+        self._stale: set[str] = set()
+        """Conversations whose manifest must be read again before this tier commits."""
+        self._skew = 0.0
+        """Server clock minus this process's monotonic clock, ms: a lower bound."""
         self._used = 0
-        self._counters: dict[str, int] = dict.fromkeys(
-            ("bytes_read", "bytes_written", "reads", "writes", "corrupt", "missing", "refused"),
-            0,
-        )
+        self._counters = _Counters()
 
     # -- properties ----------------------------------------------------------------------
     @property
@@ -292,9 +325,14 @@ class RedisTier(SharedTier):
         return True
 
     @property
+    def authenticated(self) -> bool:
+        """Whether values and manifests are written and checked with a MAC."""
+        return self._key is not None
+
+    @property
     def missing(self) -> int:
         """Segments found with a value gone (server eviction or restart), never served."""
-        return self._counters["missing"]
+        return self._counters.missing
 
     def _check_open(self) -> aioredis.Redis | aioredis.RedisCluster:
         if self._client is None:
@@ -304,12 +342,22 @@ class RedisTier(SharedTier):
     def _base(self, session: str) -> str:
         return f"{self.prefix}:{{{conversation_tag(session)}}}"
 
-    def _parts(self, key: SegmentKey, entry: _Entry) -> list[str]:
+    def _parts(self, key: SegmentKey, entry: Entry) -> list[str]:
         base = f"{self._base(key[0])}:{key[1]}:{entry.nonce}"
         return [f"{base}:{i}" for i in range(entry.parts)]
 
     def _io_error(self, action: str, exc: BaseException) -> TierIOError:
-        return TierIOError(self.name, f"{action} on {self.url}", f"{type(exc).__name__}: {exc}")
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return TierIOError(self.name, f"{action} on {self.url}", detail)
+
+    def _clock(self, server_ms: object) -> None:
+        """Learn the server's clock from a reply received just now."""
+        ms = _int(server_ms, 0)
+        if ms > 0:
+            self._skew = ms - time.monotonic() * 1000
+
+    def _where(self, session: str) -> str:
+        return f"{self.url} {self._base(session)}"
 
     # -- lifecycle -----------------------------------------------------------------------
     async def open(self) -> list[SegmentHeader]:
@@ -319,6 +367,10 @@ class RedisTier(SharedTier):
             # the client looks its version up in package metadata (file I/O) for each
             # connection unless told: once, in a worker thread
             options = {**await anyio.to_thread.run_sync(driver_options), **self._client_options}
+            options.setdefault(
+                "retry",
+                Retry(ExponentialBackoff(cap=1.0, base=0.05), 3, (RedisConnectionError,)),
+            )
             pool = aioredis.BlockingConnectionPool.from_url(
                 self._server,
                 max_connections=self._max_connections,
@@ -336,7 +388,8 @@ class RedisTier(SharedTier):
                     f"(decode_responses=True); pass one that returns bytes"
                 )
         try:
-            await client.ping()
+            seconds, micros = await client.time()
+            self._clock(int(seconds) * 1000 + int(micros) // 1000)
         except (RedisError, OSError) as exc:
             if isinstance(self._server, str):
                 await client.aclose()
@@ -347,10 +400,8 @@ class RedisTier(SharedTier):
                 f"{type(exc).__name__}: {exc}",
             ) from exc
         self._scripts = {
-            "publish": client.register_script(_PUBLISH),
-            "acquire": client.register_script(_ACQUIRE),
-            "delete": client.register_script(_DELETE),
-            "release": client.register_script(_RELEASE),
+            name: client.register_script(getattr(lua, name.upper()))
+            for name in ("take", "acquire", "ensure", "commit", "drop", "release")
         }
         self._client = client
         if not self._recover:
@@ -366,48 +417,29 @@ class RedisTier(SharedTier):
         headers: list[SegmentHeader] = []
         try:
             async for name in client.scan_iter(match=f"{self.prefix}:{{*}}:m", count=1000):
-                manifest = await client.hgetall(name)
-                headers.extend(self._absorb_manifest(manifest, None))
+                fields = _fields(await client.hgetall(name))
+                try:
+                    m = parse(fields, None, self._key, f"{self.url} {_text(name)}")
+                except Damaged as exc:
+                    self._counters.corrupt += 1
+                    _log.warning("%s: manifest %s is damaged: %s", self.name, _text(name), exc)
+                    continue
+                if m is None or f"{self._base(m.session)}:m" != _text(name):
+                    continue
+                self._absorb(m)
+                headers.extend(m.headers)
         except (RedisError, OSError) as exc:
             raise self._io_error("list conversations", exc) from exc
         return headers
 
-    def _absorb_manifest(
-        self, manifest: Mapping[bytes | str, bytes | str], session: str | None
-    ) -> list[SegmentHeader]:
-        """Index the manifest's segments (replacing what was known of the conversation);
-        return their headers, in ``seq`` order, or ``[]`` if they are not 0, 1, ... ."""
-        raw = manifest.get(b"session")
-        if not isinstance(raw, bytes):
-            return []
-        key = raw.decode("utf-8", "replace")
-        if session is not None and key != session:
-            return []  # a BLAKE2b-128 collision: not this conversation
-        found: dict[int, tuple[_Entry, SegmentHeader]] = {}
-        for field, value in manifest.items():
-            if not isinstance(field, bytes) or not field.startswith(b"e:"):
-                continue
-            seq = int(field[2:])
-            where = f"{self.url} {self._base(key)} segment {seq}"
-            try:
-                entry = _decode_entry(value if isinstance(value, bytes) else b"")
-                header, _ = parse_header(entry.head, where)
-            except (msgspec.DecodeError, CorruptSegmentError):
-                self._counters["corrupt"] += 1
-                return []
-            if (header.session, header.seq) != (key, seq) or header.length != entry.length:
-                self._counters["corrupt"] += 1
-                return []
-            found[seq] = (entry, header)
-        self._forget(key)
-        if sorted(found) != list(range(len(found))):
-            self._counters["corrupt"] += 1
-            return []
-        for seq in range(len(found)):
-            entry = found[seq][0]
-            self._index[(key, seq)] = entry
+    def _absorb(self, m: Manifest) -> None:
+        """Make ``m`` what this tier knows of its conversation, and index its segments."""
+        self._known[m.session] = m
+        self._stale.discard(m.session)
+        self._forget(m.session)
+        for seq, entry in enumerate(m.entries):
+            self._index[(m.session, seq)] = entry
             self._used += entry.length
-        return [found[seq][1] for seq in range(len(found))]
 
     def _forget(self, session: str) -> None:
         """Drop this tier's index entries for ``session`` (not the server's data)."""
@@ -419,16 +451,19 @@ class RedisTier(SharedTier):
         if client is None:
             return
         self._client = None
-        leases = [f"{self._base(session)}:lease" for session in self._tokens]
+        manifests = [f"{self._base(session)}:m" for session in self._writers]
         self._index.clear()
         self._reserved.clear()
-        self._tokens.clear()
+        self._writers.clear()
+        self._known.clear()
+        self._attempts.clear()
+        self._stale.clear()
         self._used = 0
         with anyio.CancelScope(shield=True):
             # hand the conversations this replica wrote over at once, not after lease_ttl
-            with contextlib.suppress(RedisError, OSError):
-                for lease in leases:
-                    await self._scripts["release"](keys=[lease], args=[self.owner])
+            with contextlib.suppress(RedisError, OSError), anyio.fail_after(self._timeout):
+                for m in manifests:
+                    await self._scripts["release"](keys=[m], args=[self.owner])
             if isinstance(self._server, str):
                 await client.aclose()
 
@@ -440,64 +475,211 @@ class RedisTier(SharedTier):
         await self.aclose()
 
     # -- sharing -------------------------------------------------------------------------
-    async def lookup(self, session: str) -> list[SegmentHeader]:
-        client = self._check_open()
+    async def refresh(self, session: str, *, take: bool = False) -> SharedState:
+        self._check_open()
+        manifest = f"{self._base(session)}:m"
+        writer = self._writers.get(session)
+        sent = time.monotonic()
+        token: int | None = None
         try:
-            manifest = await client.hgetall(f"{self._base(session)}:m")
+            if take:
+                reply = await self._scripts["take"](
+                    keys=[manifest],
+                    args=[self.owner, self._lease_ms, str(writer.token) if writer else ""],
+                )
+                self._clock(reply[1])
+                fields = _fields(reply[2]) if int(reply[0]) != -1 else {}
+                if int(reply[0]) == 0:
+                    token = _int(reply[3])
+            else:
+                fields = _fields(await self._check_open().hgetall(manifest))
         except (RedisError, OSError) as exc:
             raise self._io_error("look up a conversation", exc) from exc
-        if not manifest:
+        return self._settle(session, fields, token, sent)
+
+    def _settle(
+        self, session: str, fields: dict[bytes, bytes], token: int | None, sent: float
+    ) -> SharedState:
+        """Compare the manifest just read with what this tier knew; index it."""
+        prev = self._known.get(session)
+        try:
+            m = parse(fields, session, self._key, self._where(session)) if fields else None
+        except Damaged as exc:
+            self._counters.corrupt += 1
+            _log.warning("%s: the manifest of %.80r is damaged: %s", self.name, session, exc)
+            self._drop_view(session, keep_writer=True)  # (its writer may still discard it)
+            return SharedState(status="damaged")
+        if m is None:
+            self._drop_view(session, keep_writer=True)
+            if prev is not None and prev.n:
+                self._counters.lost += 1
+                return SharedState(status="lost")
+            return SharedState(status="absent")
+        self._reconcile(session, m)
+        if token is not None and m.fence == token:
+            self._writers[session] = _Writer(token, sent + _LEASE_MARGIN * self._lease_ttl)
+        elif (w := self._writers.get(session)) is not None and m.fence != w.token:
+            self._drop_writer(session, w)  # another replica took it over
+        if prev is not None and prev.id == m.id and m.v < prev.v:
+            # an older version than this tier committed or read: the server lost data
+            self._counters.lost += 1
+            self._known[session] = m
             self._forget(session)
-            return []
-        return self._absorb_manifest(manifest, session)
+            return SharedState(status="lost")
+        self._absorb(m)
+        same = prev is not None and (prev.id, prev.v) == (m.id, m.v)
+        return SharedState(status="current" if same else "changed", headers=tuple(m.headers))
+
+    def _reconcile(self, session: str, m: Manifest) -> None:
+        """Settle the writes of ``session`` whose outcome was unknown, from its manifest."""
+        for key in [k for k in self._attempts if k[0] == session]:
+            attempt = self._attempts[key]
+            if attempt.mid != m.id or key[1] < m.n:
+                del self._attempts[key]  # committed (the entry names it) or never will be
+
+    def _drop_view(self, session: str, *, keep_writer: bool = False) -> None:
+        self._known.pop(session, None)
+        self._stale.discard(session)
+        self._forget(session)
+        if not keep_writer:
+            self._writers.pop(session, None)
+
+    async def lookup(self, session: str) -> list[SegmentHeader]:
+        state = await self.refresh(session)
+        return list(state.headers)
 
     async def acquire(self, session: str, *, force: bool = False) -> int:
         self._check_open()
-        base = self._base(session)
+        prev = self._known.get(session)
+        new_id = secrets.token_hex(16)
+        sent = time.monotonic()
         try:
             reply = await self._scripts["acquire"](
-                keys=[f"{base}:m", f"{base}:lease"],
-                args=[self.owner, self._lease_ms, "1" if force else "0", session],
+                keys=[f"{self._base(session)}:m"],
+                args=[
+                    self.owner,
+                    self._lease_ms,
+                    "1" if force else "0",
+                    session,
+                    prev.id if prev else "",
+                    str(prev.v) if prev else "",
+                    new_id,
+                ],
             )
         except (RedisError, OSError) as exc:
             raise self._io_error("take a conversation's lease", exc) from exc
-        if int(reply[0]) < 0:
-            holder = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
-            raise LeaseHeldError(self.name, session, holder, max(0, int(reply[2])) / 1000)
-        token = int(reply[0])
-        self._tokens[session] = token
+        self._clock(reply[1])
+        code = int(reply[0])
+        if code == -1:
+            raise LeaseHeldError(self.name, session, _text(reply[2]), max(0, _int(reply[3])) / 1000)
+        if code == -2:
+            self._counters.conflicts += 1
+            raise HistoryConflictError(
+                self.name,
+                session,
+                f"the shared tier holds version {_int(reply[3])} of its history "
+                f"({_int(reply[4])} turn(s)), which this replica has not read",
+            )
+        token = _int(reply[2])
+        if _int(reply[5]) == 0 and (prev is None or prev.n == 0):
+            # an empty history (this call may have created it): known as a whole
+            self._known[session] = Manifest(
+                session=session, id=_text(reply[3]), v=_int(reply[4]), fence=token
+            )
+        self._writers[session] = _Writer(token, sent + _LEASE_MARGIN * self._lease_ttl)
         return token
 
     async def ensure_writer(self, session: str) -> int:
         """Make sure this replica may append to ``session``; return its fencing token.
 
         Takes the lease if this replica holds no token for ``session`` (a new conversation,
-        or one whose lease has expired); checks with the server that a token it holds is
-        still the conversation's current one.
+        or one whose lease has expired) and knows its current history; confirms a token it
+        holds with the server and renews its lease.
 
         :raises StaleWriterError: another replica took the conversation over since
         :raises LeaseHeldError: this replica holds no token and another one's lease is live
+        :raises HistoryConflictError: this replica holds no token and has not read the
+            current history, or the server lost the history this replica committed
         :raises TierIOError: if the server cannot be reached
         """
-        client = self._check_open()
-        token = self._tokens.get(session)
-        if token is None:
+        self._check_open()
+        writer = self._writers.get(session)
+        if writer is None:
             return await self.acquire(session)
+        sent = time.monotonic()
         try:
-            current = await client.hget(f"{self._base(session)}:m", "fence")
+            reply = await self._scripts["ensure"](
+                keys=[f"{self._base(session)}:m"],
+                args=[self.owner, self._lease_ms, writer.token],
+            )
         except (RedisError, OSError) as exc:
             raise self._io_error("check a conversation's writer", exc) from exc
-        if current is None or int(current) != token:
-            self._tokens.pop(session, None)
-            if current is None:  # the manifest is gone (evicted, or the server restarted)
-                return await self.acquire(session)
-            self._counters["refused"] += 1
-            raise StaleWriterError(self.name, session, token, int(current))
-        return token
+        self._clock(reply[1])
+        code = int(reply[0])
+        if code == -4:  # no manifest: the server restarted empty or evicted it
+            self._drop_writer(session, writer)
+            prev = self._known.get(session)
+            if prev is None or not prev.n:
+                self._known.pop(session, None)
+                return await self.acquire(session)  # nothing was committed yet: start again
+            raise self._lost(session)
+        if code == -1:
+            self._drop_writer(session, writer)
+            self._counters.refused += 1
+            raise StaleWriterError(self.name, session, writer.token, _int(reply[2]))
+        writer.lease_until = sent + _LEASE_MARGIN * self._lease_ttl
+        return writer.token
+
+    def _drop_writer(self, session: str, writer: _Writer) -> None:
+        """This replica is not ``session``'s writer any more, if ``writer`` still says it is
+        (another call may have changed that while this one waited for the server)."""
+        if self._writers.get(session) is writer:
+            del self._writers[session]
+
+    def _lost(self, session: str) -> HistoryConflictError:
+        """The server lost the history of ``session`` that this tier committed."""
+        self._drop_view(session)
+        self._counters.lost += 1
+        return HistoryConflictError(
+            self.name,
+            session,
+            "the server lost the history this replica committed (it restarted without "
+            "persistence or evicted it)",
+        )
 
     def token(self, session: str) -> int | None:
         """This replica's fencing token for ``session`` (``None``: it is not the writer)."""
-        return self._tokens.get(session)
+        writer = self._writers.get(session)
+        return None if writer is None else writer.token
+
+    def may_serve_local(self, session: str) -> bool:
+        writer = self._writers.get(session)
+        return writer is not None and time.monotonic() < writer.lease_until
+
+    async def discard(self, session: str) -> bool:
+        self._check_open()
+        writer = self._writers.get(session)
+        self._forget(session)
+        if writer is None:
+            return False
+        new_id = secrets.token_hex(16)
+        try:
+            reply = await self._scripts["drop"](
+                keys=[f"{self._base(session)}:m"],
+                args=["discard", writer.token, "", self._base(session), new_id],
+            )
+        except (RedisError, OSError) as exc:
+            raise self._io_error("discard a conversation", exc) from exc
+        self._clock(reply[1])
+        if int(reply[0]) < 0:
+            self._drop_view(session)
+            return False
+        self._known.pop(session, None)
+        if int(reply[0]) == 1:  # an empty history, under a new incarnation id
+            self._known[session] = Manifest(
+                session=session, id=new_id, v=_int(reply[2]), fence=writer.token
+            )
+        return True
 
     # -- space ---------------------------------------------------------------------------
     def reserve(self, key: SegmentKey, length: int) -> bool:
@@ -519,93 +701,254 @@ class RedisTier(SharedTier):
 
     # -- data ----------------------------------------------------------------------------
     async def write(self, key: SegmentKey, data: memoryview) -> None:
-        """Write a segment's parts, then publish it in the manifest (one Lua step).
+        """Write a segment's parts, then commit it as the conversation's next segment (one
+        Lua step).
 
         :raises StaleWriterError: another replica took the conversation over since this one
-            acquired it (nothing is stored)
+            became its writer (nothing is stored)
         :raises LeaseHeldError: this replica holds no lease and another replica's is live
-        :raises TierIOError: the server failed or went away (nothing becomes visible)
+        :raises HistoryConflictError: the shared history is not the one this replica
+            extends (another replica appended, it never read it, the server lost it)
+        :raises CommitDelayedError: this replica took the conversation over from one whose
+            lease is live; the same write succeeds after ``retry_in`` seconds
+        :raises TierIOError: the server failed or went away; nothing is visible unless the
+            commit ran before the write's deadline and its reply was lost (the tier then
+            learns it from the manifest, and the same write later succeeds at once)
         """
-        client = self._check_open()
+        self._check_open()
         length = self._reserved.get(key)
         if length is None:
             raise ValueError(f"segment {key[1]} has no reservation in tier {self.name!r}")
         if len(data) != length:
             raise ValueError(f"reserved {length} bytes, asked to write {len(data)}")
         session, seq = key
-        # the manifest keeps the header: a replica learns tokens and answer lengths from it
         hlen = PREFIX.unpack_from(data, 0)[1] if len(data) >= PREFIX.size else 0
         head_len = min(len(data), PREFIX.size + hlen)
         header, _ = parse_header(data[:head_len], f"segment {seq} to write")
         if (header.session, header.seq) != key or header.length != length:
             raise ValueError(f"the bytes to write are not segment {seq} of this session")
-        token = self._tokens.get(session)
-        if token is None:
-            token = await self.acquire(session)
+        known = self._known.get(session)
+        if known is not None and seq < known.n and plain(known.headers[seq]) == plain(header):
+            self._commit_local(key, known.entries[seq])  # committed already (written back)
+            return
+        for attempt in range(2):
+            if session in self._stale:  # a commit of this tier's moved the version on
+                await self._reload(session)
+            if session not in self._writers:
+                await self.acquire(session)
+            known = self._known.get(session)
+            if known is None:
+                self._counters.conflicts += 1
+                raise HistoryConflictError(
+                    self.name, session, "this replica has not read its shared history"
+                )
+            if seq != known.n:
+                self._counters.conflicts += 1
+                raise HistoryConflictError(
+                    self.name,
+                    session,
+                    f"the shared history has {known.n} turn(s), this is turn {seq}",
+                )
+            try:
+                await self._commit(key, data, header, head_len, known)
+                return
+            except _Vanished:
+                if attempt or known.n:
+                    raise self._lost(session) from None
+                self._drop_view(session)  # nothing was committed yet: start the log again
+
+    def _commit_local(self, key: SegmentKey, entry: Entry) -> None:
+        del self._reserved[key]
+        self._index[key] = entry
+        self._attempts.pop(key, None)
+
+    async def _commit(
+        self,
+        key: SegmentKey,
+        data: memoryview,
+        header: SegmentHeader,
+        head_len: int,
+        known: Manifest,
+    ) -> None:
+        client = self._check_open()
+        session, seq = key
+        writer = self._writers[session]
+        length = len(data)
         vs = self.value_size
-        views = [data[at : at + vs] for at in range(0, length, vs)]
-        entry = _Entry(
-            length=length,
-            nonce=secrets.token_hex(8),
-            parts=len(views),
-            value_size=vs,
-            head=bytes(data[:head_len]),
-        )
+        prior = self._attempts.get(key)
+        if prior is not None and prior.mid == known.id and plain(prior.header) == plain(header):
+            entry = prior.entry  # the same segment again: the same parts (a retry)
+        else:
+            if self._key is not None:
+                head = await anyio.to_thread.run_sync(
+                    authenticated_head, data, self._key, bytes.fromhex(known.id)
+                )
+            else:
+                head = bytes(data[:head_len])
+            entry = Entry(
+                length=length,
+                nonce=secrets.token_hex(8),
+                parts=-(-length // vs),
+                value_size=vs,
+                head=head,
+            )
+        self._attempts[key] = _Attempt(entry, known.id, header)
+        # the values: the first ones carry the (authenticated) head in place of data's
+        cover = -(-len(entry.head) // vs)
+        first = bytearray(data[: cover * vs])
+        first[: len(entry.head)] = entry.head
+        views = [memoryview(first)[at : at + vs] for at in range(0, len(first), vs)]
+        views += [data[at : at + vs] for at in range(cover * vs, length, vs)]
         parts = self._parts(key, entry)
-        base = self._base(session)
-        keys = [f"{base}:m", f"{base}:lease", *parts]
-        args: list[str | int | bytes] = [seq, token, _encode_entry(entry), entry.kfield, base]
-        args += [self.owner, self._lease_ms, session]
-        publish = self._scripts["publish"]
+        manifest = f"{self._base(session)}:m"
+        mac = (
+            b""
+            if self._key is None
+            else sign(session, known.id, known.v + 1, [*known.entries, entry], self._key)
+        )
+        start = time.monotonic()
+        deadline = round((start + self._timeout) * 1000 + self._skew)
+        keys = [manifest, *parts]
+        args: list[str | int | bytes] = [
+            seq,
+            writer.token,
+            encode_entry(entry),
+            entry.kfield,
+            known.id,
+            known.v,
+            deadline,
+            mac,
+            self.owner,
+            self._lease_ms,
+        ]
+        commit = self._scripts["commit"]
         try:
-            # one round trip: the values, then the publish step, which the server runs
-            # after them and which checks that they all arrived
-            # (a Cluster client refuses scripts in pipelines: two round trips there)
-            cluster = isinstance(client, aioredis.RedisCluster)
-            async with client.pipeline(transaction=False) as pipe:
-                for part, view in zip(parts, views, strict=True):
-                    pipe.set(part, view, px=self._part_ms)
-                if not cluster:
-                    pipe.evalsha(publish.sha, len(keys), *keys, *args)
-                results = await pipe.execute(raise_on_error=False)
-            for failed in results[: len(parts)]:  # a value refused (out of memory)
-                if isinstance(failed, Exception):
-                    raise failed  # (the publish step found it missing: nothing published)
-            reply = await publish(keys=keys, args=args) if cluster else results[-1]
-            if isinstance(reply, NoScriptError):  # the server lost its script cache
-                reply = await publish(keys=keys, args=args)
-            elif isinstance(reply, Exception):
-                raise reply
+            with anyio.fail_after(self._timeout):
+                # one round trip: the values, then the commit, which the server runs after
+                # them and which checks that they all arrived
+                # (a Cluster client refuses scripts in pipelines: two round trips there)
+                cluster = isinstance(client, aioredis.RedisCluster)
+                async with client.pipeline(transaction=False) as pipe:
+                    for part, view in zip(parts, views, strict=True):
+                        pipe.set(part, view, px=self._part_ms, nx=True)
+                    if not cluster:
+                        pipe.evalsha(commit.sha, len(keys), *keys, *args)
+                    results = await pipe.execute(raise_on_error=False)
+                for failed in results[: len(parts)]:  # a value refused (out of memory)
+                    if isinstance(failed, Exception):
+                        raise failed  # (the commit step found it missing: nothing committed)
+                reply = await commit(keys=keys, args=args) if cluster else results[-1]
+                if isinstance(reply, NoScriptError):  # the server lost its script cache
+                    reply = await commit(keys=keys, args=args)
+                elif isinstance(reply, Exception):
+                    raise reply
         except (RedisError, OSError) as exc:
-            raise self._io_error(f"write segment {seq} ({length:,} bytes)", exc) from exc
+            if not await self._resolve(key, entry):
+                raise self._io_error(f"write segment {seq} ({length:,} bytes)", exc) from exc
+            reply = [1, 0, -1]  # committed after all: its reply was lost
         finally:
             # the client may keep the command's arguments: let go of the caller's buffer
             for view in views:
                 view.release()
-        status = int(reply[0])
-        if status == -1:
-            self._tokens.pop(session, None)
-            current = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
-            if not current:
-                raise TierIOError(
-                    self.name,
-                    f"write segment {seq} on {self.url}",
-                    "the server evicted the conversation's manifest during the write (it is "
-                    "out of memory: raise its maxmemory)",
-                )
-            self._counters["refused"] += 1
-            raise StaleWriterError(self.name, session, token, int(current))
-        if status == -2:
+        self._clock(reply[1])
+        await self._after_commit(key, entry, known, writer, reply, start)
+
+    async def _resolve(self, key: SegmentKey, entry: Entry) -> bool:
+        """Whether a commit whose reply did not come was made (``False`` also when that
+        cannot be learned now: the attempt stays recorded, and a retry or a refresh
+        settles it)."""
+        client = self._client
+        if client is None:
+            return False
+        with (
+            contextlib.suppress(RedisError, OSError),
+            anyio.fail_after(min(_RESOLVE_TIMEOUT, self._timeout)),
+        ):
+            got = await client.hget(f"{self._base(key[0])}:m", f"k:{key[1]}")
+            return _text(got) == entry.kfield if got is not None else False
+        return False
+
+    async def _after_commit(
+        self,
+        key: SegmentKey,
+        entry: Entry,
+        known: Manifest,
+        writer: _Writer,
+        reply: Sequence[Any],
+        start: float,
+    ) -> None:
+        """Settle a commit's reply (``known`` and ``writer``: what the commit was made
+        with; another call may have replaced them meanwhile)."""
+        session, seq = key
+        code = int(reply[0])
+        if code >= 0:
+            v = _int(reply[2])
+            if v == known.v + 1 and self._known.get(session) is known:
+                head, _ = parse_header(entry.head, "a committed segment")
+                known.entries.append(entry)
+                known.headers.append(head)
+                known.v = v
+            else:  # the version moved on, or another call changed the view: read it again
+                self._stale.add(session)  # (before the next commit)
+            writer.lease_until = start + _LEASE_MARGIN * self._lease_ttl
+            self._commit_local(key, entry)
+            self._counters.writes += 1
+            self._counters.bytes_written += entry.length
+            return
+        if code in (-1, -2, -4):
+            self._attempts.pop(key, None)  # refused for good: its parts are gone
+        if code == -1:
+            self._drop_writer(session, writer)
+            self._counters.refused += 1
+            raise StaleWriterError(self.name, session, writer.token, _int(reply[2]))
+        if code == -2:
+            if self._known.get(session) is known:
+                del self._known[session]
+            self._counters.conflicts += 1
+            raise HistoryConflictError(
+                self.name,
+                session,
+                f"the shared tier holds version {_int(reply[3])} of its history "
+                f"({_int(reply[4])} turn(s)), not version {known.v} ({known.n} turn(s)) that "
+                f"this replica extends",
+            )
+        if code == -3:
+            raise CommitDelayedError(self.name, session, max(0, _int(reply[2])) / 1000)
+        if code == -4:
+            raise _Vanished
+        if code == -5:
             raise TierIOError(
                 self.name,
                 f"write segment {seq} on {self.url}",
-                "a part was evicted before the segment was published (the server is out of "
-                "memory: raise its maxmemory or this tier's part_ttl)",
+                "the server ran the commit after the writer had stopped waiting for it, and "
+                "refused it (nothing was committed; the write may be retried)",
             )
-        del self._reserved[key]
-        self._index[key] = entry
-        self._counters["writes"] += 1
-        self._counters["bytes_written"] += length
+        raise TierIOError(
+            self.name,
+            f"write segment {seq} on {self.url}",
+            "a part was evicted before the segment was committed (the server is out of "
+            "memory: raise its maxmemory or this tier's part_ttl)",
+        )
+
+    async def _reload(self, session: str) -> None:
+        """Read ``session``'s manifest again into what this tier knows (not its index).
+
+        :raises TierIOError: the server cannot be reached (it stays to be read again)
+        """
+        try:
+            fields = _fields(await self._check_open().hgetall(f"{self._base(session)}:m"))
+        except (RedisError, OSError) as exc:
+            raise self._io_error("look up a conversation", exc) from exc
+        self._stale.discard(session)
+        try:
+            m = parse(fields, session, self._key, self._where(session)) if fields else None
+        except Damaged:
+            m = None
+        if m is None:
+            self._known.pop(session, None)
+        else:
+            self._reconcile(session, m)
+            self._known[session] = m
 
     async def read_into(self, key: SegmentKey, out: memoryview) -> None:
         await self.read_many_into([(key, out)])
@@ -616,9 +959,11 @@ class RedisTier(SharedTier):
         Stops at the first segment that fails; the ones before it are complete. A segment
         with a value gone, or that fails its checks, takes its conversation out of the
         manifest and is raised as :class:`~tieredkv.errors.CorruptSegmentError`.
+
+        :raises TierIOError: the server failed or went away
         """
         client = self._check_open()
-        entries: list[_Entry] = []
+        entries: list[Entry] = []
         for key, out in items:
             entry = self._index.get(key)
             if entry is None:
@@ -633,34 +978,43 @@ class RedisTier(SharedTier):
             for p, part in enumerate(self._parts(key, entry))
         ]
         batches = [plan[at : at + self._batch] for at in range(0, len(plan), self._batch)]
-        outs = [out for _, out in items]
         keys = [key for key, _ in items]
-        done = 0
+        check = _Check(
+            outs=[out for _, out in items],
+            keys=keys,
+            entries=entries,
+            incarnations=[self._incarnation(key[0]) for key in keys],
+            key=self._key,
+            url=self.url,
+        )
         failure: tuple[int, str, bool] | None = None
+        loop = asyncio.get_running_loop()
+        ahead: asyncio.Task[list[bytes | None]] | None = None
         try:
             values = await self._fetch(client, batches[0])
             for b, batch in enumerate(batches):
-                ahead: list[list[bytes | None]] = []
-                async with anyio.create_task_group() as tg:
-                    if b + 1 < len(batches):
-                        tg.start_soon(self._fetch_into, client, batches[b + 1], ahead)
-                    done, failure = await anyio.to_thread.run_sync(
-                        _absorb, batch, values, outs, keys, done, self.url
-                    )
-                    if failure is not None:
-                        tg.cancel_scope.cancel()
+                if b + 1 < len(batches):  # the next batch in flight while this one is copied
+                    ahead = loop.create_task(self._fetch(client, batches[b + 1]))
+                failure = await anyio.to_thread.run_sync(check.absorb, batch, values)
                 if failure is not None:
                     break
-                values = ahead[0] if ahead else []
+                values, ahead = (await ahead if ahead is not None else []), None
         except (RedisError, OSError) as exc:
-            raise self._io_error(f"read segment {keys[done][1]}", exc) from exc
-        for out in outs[:done]:
-            self._counters["reads"] += 1
-            self._counters["bytes_read"] += len(out)
+            raise self._io_error(f"read segment {keys[check.done][1]}", exc) from exc
+        finally:
+            with anyio.CancelScope(shield=True):
+                await _reap(ahead)
+        for out in check.outs[: check.done]:
+            self._counters.reads += 1
+            self._counters.bytes_read += len(out)
         if failure is not None:
             bad, detail, missing = failure
-            await self._take_out(keys[bad], entries[bad], missing)
-            raise CorruptSegmentError(f"{self.url} {self._base(keys[bad][0])}", detail)
+            await self._take_out(keys[bad], missing)
+            raise CorruptSegmentError(f"{self._where(keys[bad][0])}", detail)
+
+    def _incarnation(self, session: str) -> bytes | None:
+        known = self._known.get(session)
+        return None if known is None or self._key is None else bytes.fromhex(known.id)
 
     async def _fetch(
         self, client: aioredis.Redis | aioredis.RedisCluster, batch: list[tuple[int, str, int, int]]
@@ -671,50 +1025,37 @@ class RedisTier(SharedTier):
             values: list[bytes | None] = await pipe.execute()
         return values
 
-    async def _fetch_into(
-        self,
-        client: aioredis.Redis | aioredis.RedisCluster,
-        batch: list[tuple[int, str, int, int]],
-        into: list[list[bytes | None]],
-    ) -> None:
-        into.append(await self._fetch(client, batch))
-
-    async def _take_out(self, key: SegmentKey, entry: _Entry, missing: bool) -> None:
-        """Count a damaged segment and take its conversation out of service, here and
-        (if the manifest still names this version of it) in the server."""
-        self._counters["corrupt"] += 1
+    async def _take_out(self, key: SegmentKey, missing: bool) -> None:
+        """Count a damaged segment and take its conversation out of service, here and (if
+        the manifest is still the version that was read) in the server."""
+        self._counters.corrupt += 1
         if missing:
-            self._counters["missing"] += 1
-        self._forget(key[0])
+            self._counters.missing += 1
+        session = key[0]
+        known = self._known.get(session)
+        self._drop_view(session, keep_writer=True)
+        if known is None:
+            return
         with anyio.CancelScope(shield=True):
             # if the server is failing too, the parts are checked again on every read
-            with contextlib.suppress(RedisError, OSError):
-                await self._scripts["delete"](
-                    keys=[f"{self._base(key[0])}:m"],
-                    args=[key[1], self._base(key[0]), entry.kfield, "damaged"],
+            with contextlib.suppress(RedisError, OSError), anyio.fail_after(self._timeout):
+                await self._scripts["drop"](
+                    keys=[f"{self._base(session)}:m"],
+                    args=[
+                        "damaged",
+                        known.v,
+                        known.id,
+                        self._base(session),
+                        secrets.token_hex(16),
+                    ],
                 )
 
     async def delete(self, key: SegmentKey) -> None:
-        """Remove a segment from this tier.
-
-        Only the conversation's current writer (the replica holding its fencing token)
-        deletes it from the server; any other replica just stops counting it, leaving the
-        conversation to its writer.
-        """
+        """Stop counting a segment in this cache. Never removes it from the server: other
+        replicas may be reading it (see :meth:`discard`)."""
         self._check_open()
-        entry = self._index.get(key)
-        if entry is None:
-            return
-        token = self._tokens.get(key[0])
-        if token is not None:
-            try:
-                await self._scripts["delete"](
-                    keys=[f"{self._base(key[0])}:m"],
-                    args=[key[1], self._base(key[0]), entry.kfield, token],
-                )
-            except (RedisError, OSError) as exc:
-                raise self._io_error(f"delete segment {key[1]}", exc) from exc
-        if self._index.pop(key, None) is not None:
+        entry = self._index.pop(key, None)
+        if entry is not None:
             self._used -= entry.length
 
     def contains(self, key: SegmentKey) -> bool:
@@ -724,23 +1065,82 @@ class RedisTier(SharedTier):
         return self._index[key].length
 
     def stats(self) -> TierStats:
+        c = self._counters
         return TierStats(
             name=self.name,
             kind=self.kind,
             capacity=self._capacity,
             used=self._used,
             segments=len(self._index),
-            bytes_read=self._counters["bytes_read"],
-            bytes_written=self._counters["bytes_written"],
-            reads=self._counters["reads"],
-            writes=self._counters["writes"],
-            corrupt=self._counters["corrupt"],
+            bytes_read=c.bytes_read,
+            bytes_written=c.bytes_written,
+            reads=c.reads,
+            writes=c.writes,
+            corrupt=c.corrupt,
             notes=(
-                f"server {self.url}, prefix {self.prefix!r}, values of {self.value_size:,} bytes",
-                f"{self._counters['missing']} segment(s) found with a value gone (evicted or "
-                f"lost by the server), {self._counters['refused']} stale write(s) refused",
+                f"server {self.url}, prefix {self.prefix!r}, values of {self.value_size:,} bytes"
+                + (", authenticated" if self._key is not None else ""),
+                f"{c.missing} segment(s) found with a value gone (evicted or lost by the "
+                f"server), {c.refused} stale write(s) refused",
+                f"{c.conflicts} write(s) refused for another history, {c.lost} history(ies) "
+                f"found lost by the server",
             ),
         )
+
+
+class _Vanished(Exception):
+    """The manifest is gone (COMMIT's -4)."""
+
+
+async def _reap(task: asyncio.Task[Any] | None) -> None:
+    """Cancel a fetch started ahead and wait for it; its outcome no longer matters."""
+    if task is None:
+        return
+    task.cancel()
+    await asyncio.wait([task])
+    if not task.cancelled():
+        task.exception()  # retrieved: never "Task exception was never retrieved"
+
+
+@dataclass
+class _Check:
+    """Copies fetched values into the output buffers (in a worker thread) and verifies
+    each segment whose last value arrived."""
+
+    outs: list[memoryview]
+    keys: list[SegmentKey]
+    entries: list[Entry]
+    incarnations: list[bytes | None]
+    key: bytes | None
+    url: str
+    done: int = 0
+
+    def absorb(
+        self, batch: list[tuple[int, str, int, int]], values: list[bytes | None]
+    ) -> tuple[int, str, bool] | None:
+        """Returns the failure (item, detail, value missing), or ``None``."""
+        for (i, part, start, end), value in zip(batch, values, strict=True):
+            if value is None:
+                return i, f"value {part} is gone (evicted or lost by the server)", True
+            if len(value) != end - start:
+                return i, f"value {part} is {len(value)} bytes, expected {end - start}", False
+            out = self.outs[i]
+            out[start:end] = value
+            if end < len(out):
+                continue
+            try:
+                verify_segment_read(
+                    out,
+                    self.keys[i],
+                    self.entries[i],
+                    self.incarnations[i],
+                    self.key,
+                    f"{self.url} {part}",
+                )
+            except CorruptSegmentError as exc:
+                return i, exc.detail, False
+            self.done = i + 1
+        return None
 
 
 @functools.cache
@@ -752,8 +1152,6 @@ def driver_options() -> dict[str, Any]:
     the client's version up in package metadata, on the event loop. The first call reads
     that metadata: make it before the event loop runs, or in a worker thread.
     """
-    from .. import __version__
-
     try:
         from redis.driver_info import DriverInfo  # redis >= 8
     except ImportError:
@@ -762,31 +1160,3 @@ def driver_options() -> dict[str, Any]:
         version: str = get_lib_version()  # type: ignore[no-untyped-call]
         return {"lib_name": f"redis-py(tieredkv_v{__version__})", "lib_version": version}
     return {"driver_info": DriverInfo().add_upstream_driver("tieredkv", __version__)}
-
-
-def _absorb(
-    batch: list[tuple[int, str, int, int]],
-    values: list[bytes | None],
-    outs: list[memoryview],
-    keys: list[SegmentKey],
-    done: int,
-    url: str,
-) -> tuple[int, tuple[int, str, bool] | None]:
-    """Copy a batch of fetched values into the output buffers (in a worker thread) and
-    verify each segment whose last value arrived; returns (segments complete, failure)."""
-    for (i, part, start, end), value in zip(batch, values, strict=True):
-        if value is None:
-            return done, (i, f"value {part} is gone (evicted or lost by the server)", True)
-        if len(value) != end - start:
-            return done, (i, f"value {part} is {len(value)} bytes, expected {end - start}", False)
-        out = outs[i]
-        out[start:end] = value
-        if end == len(out):
-            try:
-                header = verify_segment(out, f"{url} {part}")
-            except CorruptSegmentError as exc:
-                return done, (i, exc.detail, False)
-            if (header.session, header.seq) != keys[i]:
-                return done, (i, "the header names another segment", False)
-            done = i + 1
-    return done, None

@@ -1,0 +1,525 @@
+"""The fleet campaign: replicas in processes of their own share one redis-server while it is
+killed and restarted (empty, or from its append-only file), stalled (SIGSTOP), and loses
+manifests (as ``maxmemory`` evicts them); replicas are killed and come back, leases
+expire, and several replicas write the same conversations at once. Afterwards a checker
+compares every history a replica served with the log of what was acknowledged (issue 22's
+invariants I1-I4), and ``tieredkv fsck`` checks what the server holds.
+
+    .venv/bin/python benchmarks/fleet_campaign.py --duration 300 --seed 1
+
+prints the counts and exits 1 if the checker found anything. The test command runs a
+short, seeded one (``tests/integration/test_fleet_campaign.py``).
+
+What is checked, per conversation (every turn names itself: :mod:`tests.fleet`):
+
+* every history a load served is exactly one that an append acknowledged on some replica
+  (the history it extended, plus its turn): never a splice, never a turn of another
+  conversation, never a turn whose append failed, never a changed byte;
+* no load serves a history older than one acknowledged to the fleet (a ``flush()`` that
+  returned) before the load began, unless the server lost data in between (an empty
+  restart, a lost manifest): those turns are counted as lost by the server, and anything
+  else is counted as a lost acknowledged turn;
+* every exception a replica saw is one the contract names (a miss, a transient
+  ``TierIOError``, a refusal), and no task exception was left unretrieved.
+
+Replicas are local-first (inclusive mode): an append is acknowledged when it returns; a
+``flush()`` that returns acknowledges it to the fleet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the campaign reuses the tests' turns and server
+    sys.path.insert(0, str(ROOT))
+
+from tests.fleet import runs, turn  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
+
+from tieredkv.backends.redis import conversation_tag  # noqa: E402
+
+ALLOWED = {
+    "SessionNotFoundError",  # a miss: the history could not be found or proven current
+    "TierIOError",  # the server away or stalled: nothing happened, or the turn waits here
+    "CommitDelayedError",
+    "StaleWriterError",  # another replica took the conversation over
+    "LeaseHeldError",
+    "HistoryConflictError",  # the shared history is not the one this replica read
+    "TurnRefusedError",  # turns acknowledged here were refused (reported once)
+}
+"""The exceptions a replica may see: each a TieredKVError saying what to do."""
+
+FAULTS = {"stall": 3, "kill-aof": 2, "replica-kill": 2, "kill-empty": 1, "lose-manifest": 1}
+"""Fault kinds and their weights."""
+
+TOKENS = (16, 16, 16, 256, 256, 1024)
+"""Turn sizes (tokens of 256 bytes): 4 KiB, 64 KiB (one value) and 256 KiB (four)."""
+
+
+@dataclass
+class Options:
+    duration: float = 300.0
+    seed: int = 1
+    replicas: int = 3
+    conversations: int = 8
+    lease_ttl: float = 1.0
+    timeout: float = 0.5
+    host: int = 4 << 20
+    fault_every: tuple[float, float] = (0.8, 2.5)
+
+
+@dataclass
+class Result:
+    """The campaign's counts."""
+
+    operations: Counter[str] = field(default_factory=Counter)
+    faults: Counter[str] = field(default_factory=Counter)
+    wrong: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
+    """Loads that served a history older than one acknowledged to the fleet."""
+    lost_turns: set[tuple[str, int]] = field(default_factory=set)
+    lost_to_server: set[tuple[str, int]] = field(default_factory=set)
+    unexpected: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+    lease_expiries: int = 0
+    refused: int = 0
+    unproven: int = 0
+    fsck: str = ""
+
+    @property
+    def clean(self) -> bool:
+        return not (self.wrong or self.lost or self.unexpected)
+
+    def lines(self) -> list[str]:
+        ops = ", ".join(f"{k} {v:,}" for k, v in sorted(self.operations.items()))
+        faults = ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items()))
+        errors = ", ".join(f"{k} {v:,}" for k, v in sorted(self.errors.items())) or "none"
+        return [
+            f"operations: {sum(self.operations.values()):,} ({ops})",
+            f"faults: {sum(self.faults.values())} ({faults}); lease expiries: "
+            f"{self.lease_expiries}",
+            f"errors callers saw: {errors}; refused turns reported: {self.refused}; "
+            f"unproven misses: {self.unproven}",
+            f"wrong histories: {len(self.wrong)}",
+            f"lost acknowledged turns: {len(self.lost_turns)} (beyond the "
+            f"{len(self.lost_to_server)} the server itself lost in empty restarts and lost "
+            f"manifests)",
+            f"unexpected exception types: {sum(self.unexpected.values())}"
+            + (f" ({dict(self.unexpected)})" if self.unexpected else ""),
+            *([f"fsck of the prefix afterwards: {self.fsck}"] if self.fsck else []),
+            *(f"  wrong: {w}" for w in self.wrong[:10]),
+            *(f"  older: {w}" for w in self.lost[:10]),
+        ]
+
+
+# -- a replica ------------------------------------------------------------------------------
+
+
+class _Log:
+    def __init__(self, path: Path, rid: int, inc: int) -> None:
+        self._file = path.open("a", buffering=1)
+        self._base = {"r": rid, "i": inc}
+
+    def __call__(self, **record: Any) -> None:
+        self._file.write(json.dumps({**self._base, **record}) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+async def replica(args: dict[str, Any]) -> None:
+    """One replica: random appends, loads, flushes and idle spells, every one logged."""
+    import asyncio
+
+    from tieredkv import HostMemoryTier, TieredKVCache
+    from tieredkv.backends.redis import RedisTier
+    from tieredkv.errors import SessionNotFoundError, TurnRefusedError
+
+    rid, inc = args["rid"], args["inc"]
+    rng = random.Random(args["seed"] * 1000003 + rid * 101 + inc)
+    log = _Log(Path(args["log"]), rid, inc)
+    stop = asyncio.Event()  # SIGTERM: finish the operation under way, close, exit
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.set_exception_handler(lambda _loop, ctx: log(op="unretrieved", msg=str(ctx)[:300]))
+    convs = [f"c{i}" for i in range(args["conversations"])]
+    views: dict[str, list[int] | None] = {c: [] for c in convs}  # what this cache holds
+    since: dict[str, float] = dict.fromkeys(convs, time.monotonic())
+    """When the view's history was last read from the server (or, from none, begun)."""
+    counter = 0
+    while not stop.is_set():
+        shared = RedisTier(
+            args["url"],
+            1 << 40,
+            prefix=args["prefix"],
+            value_size=64 << 10,
+            lease_ttl=args["lease_ttl"],
+            timeout=args["timeout"],
+            recover=False,
+        )
+        cache = TieredKVCache([HostMemoryTier(args["host"]), shared], mode="inclusive")
+        try:
+            await cache.open()
+            break
+        except Exception as exc:  # the server is down: try again
+            log(op="open", ok=False, err=type(exc).__name__, t0=time.monotonic())
+            await anyio.sleep(0.2)
+    else:
+        return
+    log(op="open", ok=True, t0=time.monotonic())
+
+    def failed(exc: Exception, **record: Any) -> None:
+        log(**record, t1=time.monotonic(), ok=False, err=type(exc).__name__, msg=str(exc)[:200])
+
+    try:
+        while not stop.is_set():
+            conv = rng.choice(convs)
+            view = views[conv]
+            r = rng.random()
+            t0 = time.monotonic()
+            if view is None or r < 0.35:
+                before = cache.stats().unproven
+                try:
+                    history = await cache.load(conv)
+                except SessionNotFoundError as exc:
+                    unproven = cache.stats().unproven > before
+                    failed(exc, op="load", t0=t0, conv=conv, unproven=unproven)
+                    views[conv] = None if unproven else []
+                    since[conv] = t0
+                except Exception as exc:
+                    failed(exc, op="load", t0=t0, conv=conv)
+                    views[conv] = None
+                else:
+                    got = runs(history)
+                    log(op="load", t0=t0, t1=time.monotonic(), conv=conv, ok=True, turns=got)
+                    views[conv], since[conv] = [tag for tag, _ in got], t0
+            elif r < 0.85:
+                counter += 1
+                tag = (rid * 1000 + inc) * 100000 + counter
+                tokens = rng.choice(TOKENS)
+                log(op="append", ph="begin", t0=t0, conv=conv, tag=tag, tokens=tokens, base=view)
+                try:
+                    await cache.append(conv, turn(tag, tokens), answer_tokens=1)
+                except Exception as exc:
+                    failed(exc, op="append", ph="end", t0=t0, conv=conv, tag=tag)
+                    views[conv] = None
+                else:
+                    t1 = time.monotonic()
+                    log(op="append", ph="end", t0=t0, t1=t1, conv=conv, tag=tag, ok=True)
+                    meta = cache.channel.get(conv)
+                    if meta is None or meta.turns != len(view) + 1:
+                        log(op="inconsistent", conv=conv, base=view, turns=meta and meta.turns)
+                    views[conv] = [*view, tag]
+                    if not view:
+                        since[conv] = t0
+            elif r < 0.95:
+                covers = {c: [since[c], v] for c, v in views.items() if v}
+                try:
+                    await cache.flush()
+                except TurnRefusedError as exc:
+                    failed(exc, op="flush", t0=t0, refused=[s for s, _ in exc.refusals])
+                    for session, _ in exc.refusals:
+                        views[session] = None
+                except Exception as exc:
+                    failed(exc, op="flush", t0=t0)
+                else:
+                    log(op="flush", t0=t0, t1=time.monotonic(), ok=True, covers=covers)
+            else:  # idle: long enough, sometimes, for the lease to run out
+                await anyio.sleep(rng.uniform(0, 2 * args["lease_ttl"]))
+                log(op="idle", t0=t0, t1=time.monotonic())
+            await anyio.sleep(rng.uniform(0, 0.01))
+    finally:
+        st = cache.stats()
+        log(op="stats", refused=st.refused, unproven=st.unproven, errors=st.errors)
+        with anyio.CancelScope(shield=True):
+            await cache.aclose()
+        log.close()
+
+
+# -- the campaign ---------------------------------------------------------------------------
+
+
+async def campaign(opts: Options, workdir: Path) -> Result:
+    """Run the campaign in ``workdir`` (a fresh directory); return its counts."""
+    rng = random.Random(opts.seed)
+    server = RedisServer(workdir, persistent=True)
+    await anyio.to_thread.run_sync(server.start)
+    prefix = f"fleet{opts.seed}"
+    faults: list[dict[str, Any]] = []
+    procs: dict[int, anyio.abc.Process] = {}
+    incarnations: Counter[int] = Counter()
+
+    async def spawn(rid: int) -> None:
+        incarnations[rid] += 1
+        args = {
+            "rid": rid,
+            "inc": incarnations[rid],
+            "seed": opts.seed,
+            "url": server.url,
+            "prefix": prefix,
+            "log": str(workdir / f"replica-{rid}.jsonl"),
+            "conversations": opts.conversations,
+            "lease_ttl": opts.lease_ttl,
+            "timeout": opts.timeout,
+            "host": opts.host,
+        }
+        err = (workdir / f"replica-{rid}.stderr").open("ab")
+        procs[rid] = await anyio.open_process(
+            [sys.executable, __file__, "--replica", json.dumps(args)],
+            stdin=None,
+            stdout=err,
+            stderr=err,
+            cwd=ROOT,
+        )
+        err.close()
+
+    try:
+        for rid in range(opts.replicas):
+            await spawn(rid)
+        extra = [k for k, w in FAULTS.items() for _ in range(w - 1)]
+        deadline = time.monotonic() + opts.duration
+        cycle: list[str] = []
+        while True:
+            await anyio.sleep(rng.uniform(*opts.fault_every))
+            if time.monotonic() >= deadline:
+                break
+            if not cycle:  # every kind once (in a random order), then the weighted rest
+                cycle = rng.sample(extra, len(extra)) + rng.sample(list(FAULTS), len(FAULTS))
+            kind = cycle.pop()
+            record = {"kind": kind, "t0": time.monotonic()}
+            if kind == "stall":
+                server.pause()
+                await anyio.sleep(rng.uniform(0.2, 1.5))
+                server.resume()
+            elif kind in ("kill-aof", "kill-empty"):
+                await anyio.to_thread.run_sync(server.kill)
+                record["loss"] = kind == "kill-empty"
+                await anyio.sleep(rng.uniform(0.1, 1.0))
+                await anyio.to_thread.run_sync(
+                    lambda: server.restart(empty=kind == "kill-empty")  # noqa: B023
+                )
+            elif kind == "lose-manifest":
+                conv = f"c{rng.randrange(opts.conversations)}"
+                with server.client() as client:
+                    client.delete(f"{prefix}:{{{conversation_tag(conv)}}}:m")
+                record["conv"] = conv
+            else:  # replica-kill
+                rid = rng.randrange(opts.replicas)
+                procs[rid].send_signal(signal.SIGKILL)
+                await procs[rid].wait()
+                await anyio.sleep(rng.uniform(0.2, 1.0))
+                await spawn(rid)
+            record["t1"] = time.monotonic()
+            faults.append(record)
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            with anyio.move_on_after(120):
+                await proc.wait()
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        final = await _final_loads(server.url, prefix, opts, workdir)
+        fsck = await anyio.to_thread.run_sync(_fsck, server.url, prefix)
+    finally:
+        for proc in procs.values():
+            if proc.returncode is None:
+                proc.kill()
+        if server.proc is not None:
+            server.resume()
+        await anyio.to_thread.run_sync(server.stop)
+    (workdir / "faults.jsonl").write_text("".join(json.dumps(f) + "\n" for f in faults))
+    (workdir / "final.jsonl").write_text("".join(json.dumps(r) + "\n" for r in final))
+    result = check_directory(workdir, opts)
+    result.fsck = fsck
+    return result
+
+
+def check_directory(workdir: Path, opts: Options) -> Result:
+    """Run :func:`check` on the logs a campaign left in ``workdir`` (``--check DIR``)."""
+    records = [r for path in sorted(workdir.glob("*.jsonl")) for r in _read(path)]
+    faults = [r for r in records if "kind" in r]
+    return check([r for r in records if "kind" not in r], faults, opts)
+
+
+async def _final_loads(url: str, prefix: str, opts: Options, workdir: Path) -> list[dict[str, Any]]:
+    """With the faults over: a fresh replica loads every conversation once."""
+    from tieredkv import HostMemoryTier, TieredKVCache
+    from tieredkv.backends.redis import RedisTier
+    from tieredkv.errors import SessionNotFoundError
+
+    shared = RedisTier(url, 1 << 40, prefix=prefix, value_size=64 << 10, recover=False)
+    out = []
+    async with TieredKVCache([HostMemoryTier(256 << 20), shared], mode="inclusive") as cache:
+        for i in range(opts.conversations):
+            conv, t0 = f"c{i}", time.monotonic()
+            record: dict[str, Any] = {"r": "final", "op": "load", "conv": conv, "t0": t0}
+            try:
+                turns = runs(await cache.load(conv))
+            except SessionNotFoundError:
+                record.update(ok=False, err="SessionNotFoundError", t1=time.monotonic())
+            else:
+                record.update(ok=True, turns=turns, t1=time.monotonic())
+            out.append(record)
+    return out
+
+
+def _fsck(url: str, prefix: str) -> str:
+    from tieredkv.fsck_redis import check_prefix
+
+    report = check_prefix(url, prefix)
+    return (
+        f"{report.segments} good segment(s) in {len(report.sessions)} conversation(s), "
+        f"{len(report.damaged)} damaged, {report.pending} pending and {report.leaked} leaked "
+        f"value(s) (leaked: those of manifests the campaign deleted)"
+        + "".join(f"; damaged {d.path}: {d.problem}" for d in report.damaged[:3])
+    )
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # the last line of a replica killed mid-write
+            continue
+    return out
+
+
+# -- the checker ----------------------------------------------------------------------------
+
+
+def check(records: list[dict[str, Any]], faults: list[dict[str, Any]], opts: Options) -> Result:
+    """Compare every served history with the acknowledged ones (see the module docstring)."""
+    result = Result()
+    result.faults = Counter(f["kind"] for f in faults)
+    tags: dict[int, tuple[str, int]] = {}
+    failed: set[int] = set()
+    possible: dict[str, set[tuple[int, ...]]] = defaultdict(set)
+    acked: dict[str, list[tuple[float, float, tuple[int, ...]]]] = defaultdict(list)
+    """Per conversation: (when a flush returned, since when the history it acknowledged
+    was on the server at the latest, that history)."""
+    # when the server lost data (some moment between a fault's start and end), per
+    # conversation (None: every conversation)
+    losses: dict[str | None, list[tuple[float, float]]] = defaultdict(list)
+    for f in faults:
+        if f.get("loss"):
+            losses[None].append((f["t0"], f["t1"]))
+        if f["kind"] == "lose-manifest":
+            losses[f["conv"]].append((f["t0"], f["t1"]))
+    for r in records:
+        op = r.get("op")
+        if op == "append" and r["ph"] == "begin":
+            tags[r["tag"]] = (r["conv"], r["tokens"])
+            if r["base"] is not None:
+                possible[r["conv"]].add((*r["base"], r["tag"]))
+        elif op == "append" and not r["ok"]:
+            failed.add(r["tag"])
+        elif op == "flush" and r["ok"]:
+            for conv, (began, view) in r["covers"].items():
+                acked[conv].append((r["t1"], began, tuple(view)))
+        elif op == "idle" and r["t1"] - r["t0"] > opts.lease_ttl:
+            result.lease_expiries += 1
+        elif op == "stats":
+            result.refused += r["refused"]
+            result.unproven += r["unproven"]
+        elif op in ("unretrieved", "inconsistent"):
+            result.unexpected[op] += 1
+        if op in ("append", "load", "flush") and r.get("ph") != "begin":
+            result.operations[op] += 1
+            if not r.get("ok", True):
+                result.errors[r["err"]] += 1
+                if r["err"] not in ALLOWED:
+                    result.unexpected[r["err"]] += 1
+    for conv in possible:  # a failed append left no trace: no history holds its turn
+        possible[conv] = {h for h in possible[conv] if h[-1] not in failed}
+
+    def lost_between(conv: str, start: float, end: float) -> bool:
+        return any(t1 > start and t0 < end for t0, t1 in (*losses[None], *losses[conv]))
+
+    for r in records:
+        if r.get("op") != "load" or not r["ok"]:
+            continue
+        conv, served = r["conv"], tuple(tag for tag, _ in r["turns"])
+        where = f"replica {r['r']} at {r['t0']:.3f} loaded {conv} = {list(served)}"
+        wrong = [(tag, n) for tag, n in r["turns"] if tags.get(tag) != (conv, n)]
+        if wrong:
+            result.wrong.append(f"{where}: turns of another conversation or size {wrong}")
+        elif served not in possible[conv]:
+            result.wrong.append(f"{where}: not a history any append acknowledged")
+        before = [a for a in acked[conv] if a[0] < r["t0"]]
+        if before:
+            t, began, floor = max(before)
+            # (a loss since that history was read from the server may have taken it)
+            if not lost_between(conv, began, r["t1"]) and served[: len(floor)] != floor:
+                result.lost.append(f"{where}: older than {list(floor)}, acknowledged at {t:.3f}")
+                result.lost_turns.update((conv, tag) for tag in floor if tag not in served)
+    for f in faults:  # the acknowledged turns the server itself lost
+        hit: list[str] = list(acked) if f.get("loss") else [f["conv"]] if "conv" in f else []
+        for conv in hit:
+            before = [a for a in acked.get(conv, []) if a[1] < f["t1"]]
+            if before:
+                result.lost_to_server.update((conv, tag) for tag in max(before)[2])
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=300.0, help="seconds of faults (300)")
+    parser.add_argument("--seed", type=int, default=1, help="the faults' and workload's seed (1)")
+    parser.add_argument("--replicas", type=int, default=3, help="replica processes (3)")
+    parser.add_argument("--conversations", type=int, default=8, help="conversations (8)")
+    parser.add_argument("--keep", metavar="DIR", help="keep the logs in DIR")
+    parser.add_argument("--check", metavar="DIR", help="only check the logs kept in DIR")
+    parser.add_argument("--replica", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.replica:
+        anyio.run(replica, json.loads(args.replica))
+        return 0
+    if args.check:
+        result = check_directory(Path(args.check), Options())
+        print("\n".join(result.lines()))
+        return 0 if result.clean else 1
+    opts = Options(
+        duration=args.duration,
+        seed=args.seed,
+        replicas=args.replicas,
+        conversations=args.conversations,
+    )
+    workdir = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="fleet-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    began = time.monotonic()
+    try:
+        result = anyio.run(campaign, opts, workdir)
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(
+        f"fleet campaign: seed {opts.seed}, {opts.replicas} replicas, {opts.conversations} "
+        f"conversations, {opts.duration:.0f} s of faults "
+        f"({time.monotonic() - began:.0f} s in all)"
+    )
+    for line in result.lines():
+        print(line)
+    return 0 if result.clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Turns a shared tier refused: counted, logged, announced, and reported to the caller once.
+
+In the local-first write-through (see :mod:`tieredkv._cache.writethrough`), an appended
+turn is acknowledged once it is in this replica's own tiers and committed to the shared
+tier in the background. If the shared tier refuses it for good (another replica took the
+conversation over, or its history there changed, first), the turn can never join the
+conversation's history: it is counted (``stats().refused``), logged, announced as a
+:class:`~tieredkv.meta.Refused` event, and reported by a
+:class:`~tieredkv.errors.TurnRefusedError` from the next call on that conversation or from
+:meth:`~tieredkv.TieredKVCache.flush`, whichever comes first. The next call on the
+conversation also drops this replica's copies of it (they hold the refused turns), so it
+is loaded afresh from the shared tier.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..errors import TurnRefusedError
+from ..meta import Refused
+from .state import Core, Refusal, Session
+
+__all__ = ["pending", "record_refusal", "report"]
+
+_log = logging.getLogger("tieredkv.cache")
+
+
+def pending(s: Session, t: int) -> list[int]:
+    """The turns of ``s`` that shared tier ``t`` has not committed, in order."""
+    return [seg.header.seq for seg in s.segs if seg.header.seq not in s.held[t]]
+
+
+def record_refusal(
+    core: Core, s: Session, t: int, reason: str, turns: list[int] | None = None
+) -> None:
+    """Shared tier ``t`` refused ``s``'s uncommitted turns (``turns``, by default every one
+    it has not committed) for good (``reason``, from the tier's error): count, log and
+    announce the ones not refused before, and keep them for :func:`report`."""
+    turns = pending(s, t) if turns is None else turns
+    if not turns:
+        return
+    tier = core.tiers[t].name
+    old = core.refused.get(s.key)
+    new = [seq for seq in turns if old is None or seq not in old.turns]
+    if old is None:
+        core.refused[s.key] = Refusal(tier, turns, reason)
+    else:
+        old.turns = sorted({*old.turns, *turns})
+        old.reported = old.reported and not new
+    if not new:
+        return
+    core.stats.refused += len(new)
+    lengths = {seg.header.seq: seg.length for seg in s.segs}
+    _log.warning(
+        "tier %r refused turn(s) %s of %.80r, acknowledged here: %s", tier, new, s.key, reason
+    )
+    core.channel.emit(
+        Refused(
+            session=s.key,
+            time=core.clock(),
+            nbytes=sum(lengths[seq] for seq in new),
+            tier=tier,
+            turns=tuple(new),
+            reason=reason,
+        )
+    )
+
+
+def report(core: Core, sessions: list[str]) -> None:
+    """Raise the refusals of ``sessions`` not reported yet, as one
+    :class:`~tieredkv.errors.TurnRefusedError` (and mark them reported)."""
+    found = [(key, core.refused[key]) for key in sessions if key in core.refused]
+    fresh = [(key, r) for key, r in found if not r.reported]
+    if not fresh:
+        return
+    for _, r in fresh:
+        r.reported = True
+    raise TurnRefusedError(
+        fresh[0][1].tier, [(key, list(r.turns)) for key, r in fresh], fresh[0][1].reason
+    )

@@ -1,0 +1,231 @@
+"""The manifest of a conversation in a Redis tier: its fields, parsing and authentication.
+
+A manifest is one Redis hash per conversation (``prefix:{H}:m``)::
+
+    session   the conversation's key (UTF-8)
+    id        the manifest's incarnation: 32 hex digits, new whenever it is created (a
+              manifest the server lost and a replica built again has another one)
+    v         the version: +1 for every change of the history (commit, discard, take-out)
+    n         committed segments: e:0 ... e:<n-1>, no others
+    e:<seq>   the segment's entry (msgpack: length, nonce, parts, value size, and its
+              prefix and header bytes, so a replica learns tokens and answer lengths
+              without reading the body)
+    k:<seq>   "<nonce>:<parts>", for the Lua steps (they cannot decode msgpack)
+    fence     the current writer's fencing token (decimal)
+    owner     the replica holding the writer lease, and ``le`` when it ends (server ms)
+    nb        no commit before this server time (ms): set when a replica takes the
+              conversation over from one whose lease was live
+    mac       with a secret and n > 0: keyed BLAKE2b of (session, id, v, every entry)
+
+The parts of segment ``seq`` live under ``prefix:{H}:<seq>:<nonce>:<i>``; the nonce is new
+for every segment written, so a part is only ever visible through the committed entry
+that names it. :func:`parse` checks everything a reader relies on and raises
+:class:`Damaged` otherwise: a manifest another client of the server wrote or altered is
+never trusted further than its checks.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import msgspec
+
+from ..errors import CorruptSegmentError
+from ..payload import (
+    ALIGN,
+    SegmentHeader,
+    check_body_mac,
+    check_header_mac,
+    check_manifest_mac,
+    manifest_mac,
+    parse_header,
+    verify_segment,
+)
+
+__all__ = ["Damaged", "Entry", "Manifest", "encode_entry", "parse", "sign", "verify_segment_read"]
+
+_NONCE = re.compile(r"[0-9a-f]{16}")
+_ID = re.compile(r"[0-9a-f]{32}")
+_DIGITS = re.compile(rb"0|[1-9][0-9]{0,18}")
+
+
+class Entry(msgspec.Struct, array_like=True, frozen=True):
+    """One committed segment, as stored in the manifest's ``e:<seq>`` field."""
+
+    length: int
+    nonce: str
+    parts: int
+    value_size: int
+    head: bytes
+    """The segment's prefix and header bytes, exactly as stored in its first part."""
+
+    @property
+    def kfield(self) -> str:
+        return f"{self.nonce}:{self.parts}"
+
+
+encode_entry = msgspec.msgpack.Encoder().encode
+_decode_entry = msgspec.msgpack.Decoder(Entry).decode
+_encode = msgspec.msgpack.Encoder().encode
+
+
+class Damaged(Exception):
+    """A manifest that fails its checks (``detail`` says which)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+@dataclass
+class Manifest:
+    """A parsed, checked manifest."""
+
+    session: str
+    id: str
+    v: int
+    entries: list[Entry] = field(default_factory=list)
+    headers: list[SegmentHeader] = field(default_factory=list)
+    fence: int | None = None
+    owner: str = ""
+    lease_end: int = 0
+    not_before: int = 0
+
+    @property
+    def n(self) -> int:
+        return len(self.entries)
+
+
+def sign(session: str, mid: str, v: int, entries: list[Entry], key: bytes) -> bytes:
+    """The manifest MAC of a history: (session, id, version, every entry) under ``key``."""
+    return manifest_mac(_message(session, mid, v, entries), key)
+
+
+def _message(session: str, mid: str, v: int, entries: list[Entry]) -> bytes:
+    return _encode(["tieredkv-manifest-1", session, mid, v, [encode_entry(e) for e in entries]])
+
+
+def _int(fields: Mapping[bytes, bytes], name: bytes, default: int | None = None) -> int:
+    raw = fields.get(name)
+    if raw is None:
+        if default is None:
+            raise Damaged(f"its {name.decode()!r} field is missing")
+        return default
+    if not isinstance(raw, bytes) or not _DIGITS.fullmatch(raw):
+        raise Damaged(
+            f"its {name.decode()!r} field {raw[:40]!r} is not a count (another client wrote it?)"
+        )
+    return int(raw)
+
+
+def _lenient(fields: Mapping[bytes, bytes], name: bytes) -> int | None:
+    raw = fields.get(name)
+    return int(raw) if isinstance(raw, bytes) and _DIGITS.fullmatch(raw) else None
+
+
+def parse(
+    fields: Mapping[bytes, bytes], session: str | None, key: bytes | None, where: str
+) -> Manifest | None:
+    """Check and parse a manifest (``HGETALL``'s reply).
+
+    :param session: the conversation expected (``None``: any, as a scan finds it)
+    :param key: the tier's MAC key, if it has a secret
+    :returns: ``None`` if the manifest is another conversation's (a hash collision)
+    :raises Damaged: if any check fails
+    """
+    raw = fields.get(b"session")
+    if not isinstance(raw, bytes):
+        raise Damaged("it names no conversation")
+    try:
+        name = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise Damaged("its conversation key is not UTF-8") from None
+    if session is not None and name != session:
+        return None
+    mid_raw = fields.get(b"id", b"")
+    mid = mid_raw.decode("ascii", "replace")
+    if not _ID.fullmatch(mid):
+        raise Damaged(f"its id {mid_raw[:40]!r} is not 32 hex digits")
+    v = _int(fields, b"v")
+    n = _int(fields, b"n")
+    # the writer's fields are not part of the history: garbage there (another client wrote
+    # it) means no valid writer, which the next takeover replaces
+    m = Manifest(
+        session=name,
+        id=mid,
+        v=v,
+        fence=_lenient(fields, b"fence"),
+        owner=fields.get(b"owner", b"").decode("utf-8", "replace"),
+        lease_end=_lenient(fields, b"le") or 0,
+        not_before=_lenient(fields, b"nb") or 0,
+    )
+    seqs = {f for f in fields if f.startswith((b"e:", b"k:"))}
+    if seqs != {p + str(i).encode() for i in range(n) for p in (b"e:", b"k:")}:
+        raise Damaged(f"its entries are not exactly segments 0 to {n - 1}")
+    incarnation = bytes.fromhex(mid)
+    for seq in range(n):
+        at = f"{where} segment {seq}"
+        try:
+            entry = _decode_entry(fields[f"e:{seq}".encode()])
+        except msgspec.DecodeError as exc:
+            raise Damaged(f"entry {seq} cannot be decoded ({exc})") from None
+        vs = entry.value_size
+        if (
+            not _NONCE.fullmatch(entry.nonce)
+            or vs < ALIGN
+            or vs % ALIGN
+            or entry.length <= 0
+            or entry.parts != -(-entry.length // vs)
+            or fields[f"k:{seq}".encode()] != entry.kfield.encode()
+        ):
+            raise Damaged(f"entry {seq} is inconsistent")
+        try:
+            header, _ = parse_header(entry.head, at)
+            if key is not None:
+                check_header_mac(header, key, at)
+                if header.incarnation != incarnation:
+                    raise CorruptSegmentError(at, "written for another incarnation of the manifest")
+        except CorruptSegmentError as exc:
+            raise Damaged(f"entry {seq}: {exc.detail}") from None
+        if (header.session, header.seq) != (name, seq) or header.length != entry.length:
+            raise Damaged(f"entry {seq} describes another segment")
+        m.entries.append(entry)
+        m.headers.append(header)
+    if key is not None and n:
+        try:
+            check_manifest_mac(
+                _message(name, mid, v, m.entries), fields.get(b"mac", b""), key, where
+            )
+        except CorruptSegmentError as exc:
+            raise Damaged(exc.detail) from None
+    return m
+
+
+def verify_segment_read(
+    buf: memoryview,
+    key: tuple[str, int],
+    entry: Entry,
+    incarnation: bytes | None,
+    secret_key: bytes | None,
+    where: str,
+) -> SegmentHeader:
+    """Check a segment read back from its parts as a reader must before serving it: it
+    starts with the header bytes its committed entry records, passes its CRC and body hash
+    (and, with the tier's MAC key, both MACs and the manifest's incarnation), and names
+    ``key``.
+
+    :raises ~tieredkv.errors.CorruptSegmentError: if any check fails
+    """
+    if bytes(buf[: len(entry.head)]) != entry.head:
+        raise CorruptSegmentError(where, "its header is not the committed one")
+    header = verify_segment(buf, where)
+    if secret_key is not None:
+        check_header_mac(header, secret_key, where)
+        check_body_mac(buf, header, secret_key, where)
+        if header.incarnation != incarnation:
+            raise CorruptSegmentError(where, "written for another manifest")
+    if (header.session, header.seq) != key:
+        raise CorruptSegmentError(where, "the header names another segment")
+    return header

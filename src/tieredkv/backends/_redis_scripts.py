@@ -1,0 +1,182 @@
+"""The Lua steps of a Redis tier: every change to a conversation's manifest is one of these,
+run by the server atomically (the manifest's fields: :mod:`._redis_manifest`).
+
+Each returns ``{code, now_ms, ...}``: the server's clock in milliseconds comes back with
+every reply, so a client can bound when the server may still apply a request it stopped
+waiting for (see ``COMMIT``'s deadline). Fields another client wrote as garbage read as 0
+(``num``) rather than failing the script; the client then checks the manifest it reads.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ACQUIRE", "COMMIT", "DROP", "ENSURE", "RELEASE", "TAKE"]
+
+_COMMON = """
+local function num(x) return tonumber(x) or 0 end
+local function fmt(x) return string.format('%d', x) end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local function new_token(fence) return fmt(math.max(num(fence) + 1, now_us)) end
+"""
+
+TAKE = (
+    _COMMON
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {-1, now} end
+local f = redis.call('HMGET', KEYS[1], 'fence', 'owner', 'le', 'nb', 'n')
+if num(f[5]) == 0 then return {-2, now, redis.call('HGETALL', KEYS[1])} end
+local token = f[1]
+if not token or token ~= ARGV[3] then
+  token = new_token(f[1])
+  local nb = num(f[4])
+  if f[2] and f[2] ~= ARGV[1] and num(f[3]) > now then nb = math.max(nb, num(f[3])) end
+  redis.call('HSET', KEYS[1], 'fence', token, 'nb', fmt(nb))
+end
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'le', fmt(now + tonumber(ARGV[2])))
+return {0, now, redis.call('HGETALL', KEYS[1]), token}
+"""
+)
+"""KEYS: manifest; ARGV: owner, lease ms, the token this replica holds ('' for none).
+Becomes the writer of a conversation with committed segments and returns its manifest:
+{0, now, fields, token}; {-1, now}: no manifest; {-2, now, fields}: no segments (nothing
+taken). Taking over a live lease of another replica sets ``nb`` to that lease's end."""
+
+ACQUIRE = (
+    _COMMON
+    + """
+local f = redis.call('HMGET', KEYS[1], 'fence', 'owner', 'le', 'nb', 'id', 'v', 'n')
+local live = f[2] and f[2] ~= ARGV[1] and num(f[3]) > now
+if live and ARGV[3] ~= '1' then return {-1, now, f[2], num(f[3]) - now} end
+local id = f[5]
+if ARGV[3] ~= '1' then
+  local empty = num(f[7]) == 0 and (ARGV[5] == '' or ARGV[5] == id)
+  if not empty and not (id == ARGV[5] and f[6] == ARGV[6]) then
+    return {-2, now, id or '', num(f[6]), num(f[7])}
+  end
+end
+local token = new_token(f[1])
+local nb = num(f[4])
+if live then nb = math.max(nb, num(f[3])) end
+if not id then
+  id = ARGV[7]
+  redis.call('HSET', KEYS[1], 'session', ARGV[4], 'id', id, 'v', '0', 'n', '0')
+end
+redis.call('HSET', KEYS[1], 'fence', token, 'owner', ARGV[1],
+           'le', fmt(now + tonumber(ARGV[2])), 'nb', fmt(nb))
+return {0, now, token, id, num(f[6]), num(f[7])}
+"""
+)
+"""KEYS: manifest; ARGV: owner, lease ms, force (1/0), session, the manifest id and version
+this replica knows ('' and '' for none), a new id (used if there is no manifest yet).
+Returns {0, now, token, id, v, n}; {-1, now, holder, ms left}: another replica's lease is
+live; {-2, now, id, v, n}: without force, the history is not the one this replica knows.
+A token is above the last one and at least the server's clock in microseconds."""
+
+ENSURE = (
+    _COMMON
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {-4, now} end
+local f = redis.call('HMGET', KEYS[1], 'fence', 'id', 'v', 'n')
+if f[1] ~= ARGV[3] then return {-1, now, f[1] or ''} end
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'le', fmt(now + tonumber(ARGV[2])))
+return {0, now, f[2] or '', num(f[3]), num(f[4])}
+"""
+)
+"""KEYS: manifest; ARGV: owner, lease ms, token. Confirms the token and renews the lease:
+{0, now, id, v, n}; {-1, now, fence}: another replica took over; {-4, now}: no manifest."""
+
+COMMIT = (
+    _COMMON
+    + """
+local seq = ARGV[1]
+if redis.call('HGET', KEYS[1], 'k:' .. seq) == ARGV[4] then
+  return {1, now, num(redis.call('HGET', KEYS[1], 'v'))}
+end
+if now > tonumber(ARGV[7]) then return {-5, now} end
+local function refuse(code, a, b, c)
+  for i = 2, #KEYS do redis.call('UNLINK', KEYS[i]) end
+  return {code, now, a or '', b or 0, c or 0}
+end
+if redis.call('EXISTS', KEYS[1]) == 0 then return refuse(-4) end
+local f = redis.call('HMGET', KEYS[1], 'fence', 'id', 'v', 'n', 'nb')
+if f[1] ~= ARGV[2] then return refuse(-1, f[1]) end
+if f[2] ~= ARGV[5] or f[3] ~= ARGV[6] or f[4] ~= seq then
+  return refuse(-2, f[2], num(f[3]), num(f[4]))
+end
+if num(f[5]) > now then return {-3, now, num(f[5]) - now} end
+for i = 2, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 0 then return {-6, now, KEYS[i]} end
+end
+for i = 2, #KEYS do redis.call('PERSIST', KEYS[i]) end
+local v = num(f[3]) + 1
+redis.call('HSET', KEYS[1], 'e:' .. seq, ARGV[3], 'k:' .. seq, ARGV[4], 'n', fmt(tonumber(seq) + 1),
+           'v', fmt(v), 'owner', ARGV[9], 'le', fmt(now + tonumber(ARGV[10])))
+if ARGV[8] ~= '' then redis.call('HSET', KEYS[1], 'mac', ARGV[8])
+else redis.call('HDEL', KEYS[1], 'mac') end
+return {0, now, v}
+"""
+)
+"""KEYS: manifest, parts...; ARGV: seq, token, entry, nonce:parts, manifest id and version
+the writer extends, deadline (server ms), the new manifest MAC (''), owner, lease ms.
+
+Commits segment ``seq`` only if the token is the current fence, the manifest is the
+version the writer extends and ``seq`` is its next segment, no takeover delay is pending,
+every part is there, and the server's clock has not passed the deadline (after which the
+writer has stopped waiting: a request the server runs later is refused, so it can never
+commit behind the writer's back). Returns {0, now, v} (committed), {1, now, v} (this very
+segment was committed before: a retry), or a refusal: {-1, now, fence} (another writer),
+{-2, now, id, v, n} (another history), {-3, now, ms} (takeover delay), {-4, now} (no
+manifest), {-5, now} (past the deadline), {-6, now, part} (a part is missing). Refusals
+-1, -2 and -4 unlink the given parts (they are this write's own, referenced by nothing)."""
+
+DROP = (
+    _COMMON
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0, now} end
+local f = redis.call('HMGET', KEYS[1], 'fence', 'id', 'v')
+if ARGV[1] == 'discard' then
+  if f[1] ~= ARGV[2] then return {-1, now, f[1] or ''} end
+elseif f[2] ~= ARGV[3] or f[3] ~= ARGV[2] then
+  return {0, now}
+end
+for _, field in ipairs(redis.call('HKEYS', KEYS[1])) do
+  local seq = string.match(field, '^k:(%d+)$')
+  if seq then
+    local nonce, n = string.match(redis.call('HGET', KEYS[1], field), '^(%x+):(%d+)$')
+    if nonce then
+      for i = 0, tonumber(n) - 1 do
+        redis.call('UNLINK', ARGV[4] .. ':' .. seq .. ':' .. nonce .. ':' .. i)
+      end
+    end
+    redis.call('HDEL', KEYS[1], field)
+  elseif string.match(field, '^e:') then
+    redis.call('HDEL', KEYS[1], field)
+  end
+end
+local v = num(f[3]) + 1
+redis.call('HSET', KEYS[1], 'n', '0', 'v', fmt(v), 'id', ARGV[5])
+redis.call('HDEL', KEYS[1], 'mac')
+return {1, now, v}
+"""
+)
+"""KEYS: manifest; ARGV: 'discard' and the writer's token, or 'damaged' and the version
+found damaged; the manifest id found damaged (unused for a discard); the keys' base; a
+new manifest id. Removes every segment (values included), advances the version and gives
+the empty history a new incarnation id (so no value of the old one can be put back): a
+discard only by the current writer ({-1, now, fence} otherwise), a damaged history only
+in the version that was found damaged (a later one is left alone). Returns {1, now, v}
+when it removed them, {0, now} when there was nothing to do."""
+
+RELEASE = (
+    _COMMON
+    + """
+if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'le', '0')
+  return {1, now}
+end
+return {0, now}
+"""
+)
+"""KEYS: manifest; ARGV: owner. Ends this replica's lease (its token stays the fence until
+another replica takes the conversation, which then needs no delay)."""

@@ -1,0 +1,199 @@
+"""Check a Redis tier's conversations offline: ``tieredkv fsck redis://HOST:PORT/DB --prefix P``.
+
+:func:`check_prefix` reads every manifest under a :class:`~tieredkv.backends.RedisTier`'s
+``prefix`` and every value it names, and verifies them as a replica does before serving
+them (:mod:`tieredkv.backends._redis_manifest`): the manifest's fields and entries, each
+segment's header, CRC and body hash, its header bytes against its committed entry and,
+given the tiers' secret, the manifest's MAC and both MACs of every segment. It also lists
+the values no manifest names: *pending* ones (an uncommitted write's, with an expiry: they
+vanish on their own) and *leaked* ones (no expiry: memory nothing will free). It sends only
+reads (``SCAN``, ``HGETALL``, ``GET``, ``PTTL``), so it can run against a live server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .backends._redis_manifest import Damaged as _Damaged
+from .backends._redis_manifest import parse, verify_segment_read
+from .backends.redis import RedisTier, _redacted
+from .errors import (
+    CorruptSegmentError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    TieredKVError,
+    TierIOError,
+)
+from .fsck import Damaged, SessionSummary
+from .payload import derive_key
+
+try:
+    import redis
+except ImportError as _exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("checking a Redis tier needs: pip install 'tieredkv[redis]'") from _exc
+
+__all__ = ["RedisReport", "check_prefix", "run_redis_command"]
+
+_PART = re.compile(r"^(?P<base>.*:\{[0-9a-f]{32}\}):(?P<seq>\d+):(?P<nonce>[0-9a-f]+):\d+$")
+
+
+@dataclass
+class RedisReport:
+    """The result of :func:`check_prefix`.
+
+    :param url: the server (without its password)
+    :param prefix: the key prefix checked
+    :param segments: good committed segments
+    :param bytes: their total size
+    :param sessions: per conversation with a good history, in key order
+    :param damaged: what a replica would refuse to serve (a manifest, or a segment), and why
+    :param pending: values of uncommitted writes (they expire)
+    :param leaked: values that no manifest names and that never expire
+    """
+
+    url: str
+    prefix: str
+    segments: int = 0
+    bytes: int = 0
+    sessions: list[SessionSummary] = field(default_factory=list)
+    damaged: list[Damaged] = field(default_factory=list)
+    pending: int = 0
+    leaked: int = 0
+
+    @property
+    def clean(self) -> bool:
+        """Whether every manifest and segment verified and no value leaked."""
+        return not self.damaged and not self.leaked
+
+
+def check_prefix(url: str, prefix: str, *, secret: bytes | None = None) -> RedisReport:
+    """Verify every conversation a Redis tier keeps under ``prefix`` on ``url``, read-only.
+
+    :param secret: the tiers' secret, to check MACs as well
+    :raises ~tieredkv.errors.TierIOError: if the server cannot be reached
+    :raises ~tieredkv.errors.InvalidArgumentError: for a bad URL or prefix, or a secret
+        shorter than 16 bytes
+    """
+    RedisTier(url, 1, prefix=prefix)  # (checks the URL and the prefix)
+    key = None if secret is None else derive_key(secret)
+    report = RedisReport(url=_redacted(url), prefix=prefix)
+    client = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=10)
+    try:
+        named = _check_manifests(client, report, key)
+        _check_parts(client, report, named)
+    except (redis.RedisError, OSError) as exc:
+        raise TierIOError("fsck", f"read {report.url}", f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        client.close()
+    report.sessions.sort(key=lambda s: s.session)
+    report.damaged.sort(key=lambda d: d.path)
+    return report
+
+
+def _check_manifests(client: redis.Redis, report: RedisReport, key: bytes | None) -> set[str]:
+    """Check every manifest and the segments it names; return the names of their values."""
+    named: set[str] = set()
+    for raw in client.scan_iter(match=f"{report.prefix}:{{*}}:m", count=1000):
+        name = raw.decode("utf-8", "replace")
+        base = name[: -len(":m")]
+        fields = {
+            k: v
+            for k, v in client.hgetall(raw).items()
+            if isinstance(k, bytes) and isinstance(v, bytes)
+        }
+        named |= _named_by(base, fields)  # (a damaged manifest's values are not leaked)
+        try:
+            m = parse(fields, None, key, f"{report.url} {name}")
+        except _Damaged as exc:
+            report.damaged.append(Damaged(name, exc.detail))
+            continue
+        if m is None:
+            continue
+        summary = SessionSummary(m.session)
+        incarnation = bytes.fromhex(m.id) if key is not None else None
+        for seq, (entry, header) in enumerate(zip(m.entries, m.headers, strict=True)):
+            parts = [f"{base}:{seq}:{entry.nonce}:{i}" for i in range(entry.parts)]
+            values = client.mget(parts)
+            where = f"{name} segment {seq}"
+            gone = [p for p, v in zip(parts, values, strict=True) if v is None]
+            if gone:
+                report.damaged.append(Damaged(where, f"value {gone[0]} is gone"))
+                break
+            buf = memoryview(b"".join(v for v in values if isinstance(v, bytes)))
+            try:
+                if len(buf) != entry.length:
+                    raise CorruptSegmentError(where, f"{len(buf)} bytes, expected {entry.length}")
+                verify_segment_read(buf, (m.session, seq), entry, incarnation, key, where)
+            except CorruptSegmentError as exc:
+                report.damaged.append(Damaged(where, exc.detail))
+                break
+            summary.turns += 1
+            summary.tokens += header.tokens
+            summary.bytes += entry.length
+            report.segments += 1
+            report.bytes += entry.length
+        report.sessions.append(summary)
+    return named
+
+
+def _named_by(base: str, fields: dict[bytes, bytes]) -> set[str]:
+    """The values a manifest's ``k:<seq>`` fields name, whether it checks out or not."""
+    names: set[str] = set()
+    for name, value in fields.items():
+        seq = re.fullmatch(rb"k:(\d{1,19})", name)
+        kf = re.fullmatch(rb"([0-9a-f]{1,64}):(\d{1,6})", value)
+        if seq and kf:
+            nonce = kf[1].decode()
+            names.update(f"{base}:{int(seq[1])}:{nonce}:{i}" for i in range(int(kf[2])))
+    return names
+
+
+def _check_parts(client: redis.Redis, report: RedisReport, named: set[str]) -> None:
+    """Count the values no manifest names: pending (with an expiry) or leaked."""
+    for raw in client.scan_iter(match=f"{report.prefix}:{{*}}:*", count=1000):
+        name = raw.decode("utf-8", "replace")
+        if name.endswith(":m") or name in named or not _PART.match(name):
+            continue
+        if client.pttl(raw) >= 0:
+            report.pending += 1
+        elif client.exists(raw):
+            report.leaked += 1
+
+
+def run_redis_command(args: argparse.Namespace) -> int:
+    """``tieredkv fsck URL --prefix P``: print the report; exit status 0 if clean, 1 if not,
+    2 for bad arguments or a server that cannot be reached."""
+    where = "tieredkv fsck"
+    if args.repair:
+        print(f"{where}: error: --repair applies to an SSD tier's directory", file=sys.stderr)
+        return 2
+    if not args.prefix:
+        print(f"{where}: error: checking a Redis server needs --prefix", file=sys.stderr)
+        return 2
+    try:
+        secret = None
+        if args.secret_file is not None:
+            try:
+                secret = Path(args.secret_file).read_bytes()
+            except OSError as exc:
+                raise InvalidArgumentError(
+                    f"cannot read the secret file {args.secret_file!r} ({exc.strerror})"
+                ) from exc
+        report = check_prefix(args.directory, args.prefix, secret=secret)
+    except (TieredKVError, ValueError, InvalidTypeError) as exc:
+        print(f"{where}: error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"{report.url} prefix {report.prefix!r}: {report.segments} good segment(s) in "
+        f"{len(report.sessions)} conversation(s), {report.bytes:,} bytes; "
+        f"{len(report.damaged)} damaged; {report.pending} pending value(s); "
+        f"{report.leaked} leaked value(s)"
+    )
+    for d in report.damaged:
+        print(f"  damaged: {d.path}: {d.problem}")
+    print("clean" if report.clean else "NOT clean")
+    return 0 if report.clean else 1

@@ -1,0 +1,77 @@
+"""A replica process for the fleet tests: ``python -m tests.fleet_replica URL PREFIX OPTIONS``.
+
+``OPTIONS`` is a JSON object: ``lease_ttl``, ``timeout``, ``mode`` (``"inclusive"``),
+``host`` (bytes of its host tier), ``secret`` (hex). The process opens one cache (a host
+tier over a :class:`~tieredkv.backends.redis.RedisTier` on ``URL`` and ``PREFIX``),
+answers ``{"ok": true}`` once open, then runs the commands it reads from stdin, one JSON
+line each (``append`` session tag, ``load`` session, ``flush``, ``contains`` session,
+``stats``, ``close``), answering each with one JSON line on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import anyio
+
+from tests.fleet import TOKENS, tags, turn
+from tieredkv import HostMemoryTier, TieredKVCache
+from tieredkv.backends.redis import RedisTier
+
+
+async def _run(cache: TieredKVCache, command: dict[str, Any]) -> dict[str, Any]:
+    op = command["op"]
+    if op == "append":
+        tokens = command.get("tokens", TOKENS)
+        await cache.append(command["session"], turn(command["tag"], tokens), answer_tokens=1)
+        return {"ok": True}
+    if op == "load":
+        history = await cache.load(command["session"])
+        return {"ok": True, "turns": tags(history, command.get("tokens", TOKENS))}
+    if op == "flush":
+        await cache.flush()
+        return {"ok": True}
+    if op == "contains":
+        return {"ok": True, "value": cache.contains(command["session"])}
+    if op == "stats":
+        st = cache.stats()
+        return {"ok": True, "refused": st.refused, "unproven": st.unproven, "errors": st.errors}
+    raise ValueError(f"unknown command {op!r}")
+
+
+async def main(url: str, prefix: str, options: dict[str, Any]) -> None:
+    extra: dict[str, Any] = {}
+    if options.get("secret"):  # (only when given: a tier without the option takes none)
+        extra["secret"] = bytes.fromhex(options["secret"])
+    shared = RedisTier(
+        url,
+        256 << 20,
+        prefix=prefix,
+        value_size=64 << 10,
+        lease_ttl=options.get("lease_ttl", 30.0),
+        timeout=options.get("timeout", 10.0),
+        **extra,
+    )
+    host = HostMemoryTier(options.get("host", 16 << 20))
+    out = anyio.wrap_file(sys.stdout)
+    async with TieredKVCache([host, shared], mode=options.get("mode", "inclusive")) as cache:
+        await out.write(json.dumps({"ok": True}) + "\n")
+        await out.flush()
+        async for line in anyio.wrap_file(sys.stdin):
+            command = json.loads(line)
+            if command["op"] == "close":
+                break
+            try:
+                answer = await _run(cache, command)
+            except Exception as exc:
+                answer = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+            await out.write(json.dumps(answer) + "\n")
+            await out.flush()
+    await out.write(json.dumps({"ok": True}) + "\n")
+    await out.flush()
+
+
+if __name__ == "__main__":
+    anyio.run(main, sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))

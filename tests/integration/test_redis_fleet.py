@@ -1,0 +1,562 @@
+"""Issue 22's cases 1-11: a fleet of replicas sharing one RedisTier on a real redis-server,
+with the server killed, restarted (empty or from its append-only file), stalled (SIGSTOP),
+out of memory, or written to by another client.
+
+Every turn names itself (:mod:`tests.fleet`), so each load is checked turn by turn: never a
+splice, never an older history served as current, never a turn lost silently. Replicas
+whose leases and fencing tokens matter run in processes of their own
+(:class:`tests.fleet.ReplicaProcess`). Leases and timeouts are short, so each case runs in
+seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from tests.fleet import ReplicaProcess, tags, turn
+from tests.redis_server import RedisServer, new_prefix, own_aof_server, own_redis_server
+from tieredkv import HostMemoryTier, TieredKVCache, cli
+from tieredkv.backends.redis import RedisTier, conversation_tag
+from tieredkv.errors import (
+    SessionNotFoundError,
+    StaleWriterError,
+    TieredKVError,
+    TierIOError,
+    TurnRefusedError,
+)
+from tieredkv.meta import Event, Refused
+from tieredkv.metrics import CacheCollector
+from tieredkv.payload import PREFIX, _pack_prefix, hash_body, hashed_from, parse_header
+
+__all__ = ["own_aof_server", "own_redis_server"]  # fixtures used below
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def server(own_redis_server: RedisServer) -> RedisServer:
+    """A server of the test's own, without persistence."""
+    return own_redis_server
+
+
+@pytest.fixture
+def aof_server(own_aof_server: RedisServer) -> RedisServer:
+    """A server of the test's own with an append-only file (fsync at every write)."""
+    return own_aof_server
+
+
+def tier(url: str, prefix: str, **options: Any) -> RedisTier:
+    options = {"lease_ttl": 2.0, "timeout": 1.0, "value_size": 64 << 10, **options}
+    return RedisTier(url, 512 * MiB, prefix=prefix, **options)
+
+
+def replica(
+    url: str,
+    prefix: str,
+    *,
+    host: int = 64 * MiB,
+    mode: str = "inclusive",
+    shared: RedisTier | None = None,
+    **options: Any,
+) -> TieredKVCache:
+    """A replica: its own host tier over the shared tier (same server and prefix)."""
+    shared = shared if shared is not None else tier(url, prefix, **options)
+    return TieredKVCache([HostMemoryTier(host), shared], mode=mode)  # type: ignore[arg-type]
+
+
+async def append(cache: TieredKVCache, session: str, *tags_: int, tokens: int = 16) -> None:
+    for tag in tags_:
+        await cache.append(session, turn(tag, tokens), answer_tokens=1)
+
+
+def manifest(prefix: str, session: str) -> str:
+    return f"{prefix}:{{{conversation_tag(session)}}}:m"
+
+
+@asynccontextmanager
+async def no_lost_task_exceptions() -> AsyncIterator[list[dict[str, Any]]]:
+    """Fail if any task's exception goes unretrieved ("Task exception was never retrieved")."""
+    loop = asyncio.get_running_loop()
+    seen: list[dict[str, Any]] = []
+    old = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: seen.append(context))
+    try:
+        yield seen
+        gc.collect()
+        await anyio.lowlevel.checkpoint()
+        assert seen == [], seen
+    finally:
+        loop.set_exception_handler(old)
+
+
+# -- wrong histories served ---------------------------------------------------------------
+
+
+async def test_case01_a_replica_that_never_loaded_a_conversation_cannot_splice_into_it(
+    server: RedisServer,
+) -> None:
+    """Case 1. A appends t0 t1 t2 and idles past lease_ttl; C, another process that never
+    loaded the conversation (contains() is False there), appends x: the shared tier refuses
+    it (HistoryConflictError: the history is not one C has read) and stores nothing. Every
+    replica, A and C included, then loads [t0, t1, t2]."""
+    prefix = new_prefix()
+    async with (
+        ReplicaProcess(server.url, prefix, lease_ttl=0.3) as c,  # open before A writes
+        replica(server.url, prefix, lease_ttl=0.3) as a,
+    ):
+        await append(a, "chat", 10, 11, 12)
+        await a.flush()
+        await anyio.sleep(0.4)  # A's lease has run out
+        assert await c.call("contains", session="chat") == {"ok": True, "value": False}
+        refused = await c.append("chat", 99)
+        assert refused["error"] == "HistoryConflictError", refused
+        assert (await c.flush())["ok"]
+        assert (await c.load("chat"))["turns"] == [10, 11, 12]
+        assert tags(await a.load("chat")) == [10, 11, 12]
+    async with replica(server.url, prefix) as fresh:
+        assert tags(await fresh.load("chat")) == [10, 11, 12]
+
+
+async def test_case02_a_late_write_after_a_stall_neither_splices_nor_serves_a_stale_copy(
+    server: RedisServer,
+) -> None:
+    """Case 2. C holds an older copy [t0, t1]; A, the writer, commits t2, then appends t3
+    while the server stalls (SIGSTOP) past A's timeout: A keeps the turn (its lease is
+    live) and deletes nothing, and flush() raises TierIOError instead of returning. The
+    server resumes and runs what it had received (A's late commit among it: refused, it
+    came after A's deadline); A's flush() commits t3 once. C, another process, loads
+    [t0..t3] (not its older copy) and appends c4: every replica loads [t0, t1, t2, t3, c4]."""
+    prefix = new_prefix()
+    options: dict[str, Any] = {"lease_ttl": 4.0, "timeout": 0.5}
+    async with (
+        replica(server.url, prefix, **options) as a,
+        ReplicaProcess(server.url, prefix, **options) as c,
+    ):
+        await append(a, "chat", 0, 1)
+        await a.flush()
+        assert (await c.load("chat"))["turns"] == [0, 1]
+        assert tags(await a.load("chat")) == [0, 1]  # A takes it back
+        await append(a, "chat", 2)
+        await a.flush()
+        server.pause()
+        try:
+            await append(a, "chat", 3)  # the lease is live: kept here, committed later
+            with pytest.raises(TierIOError, match="tried again in the background"):
+                await a.flush()
+        finally:
+            server.resume()
+        await a.flush()
+        assert (await c.load("chat"))["turns"] == [0, 1, 2, 3]
+        assert (await c.append("chat", 4))["ok"]
+        assert (await c.flush())["ok"]  # (waits out A's lease: C took the conversation over)
+        assert tags(await a.load("chat")) == [0, 1, 2, 3, 4]
+    async with replica(server.url, prefix) as fresh:
+        assert tags(await fresh.load("chat")) == [0, 1, 2, 3, 4]
+
+
+class _OutageAtDelete(RedisTier):
+    """A tier whose server is killed just before its first delete() (the cleanup of a
+    promoted copy meets an outage)."""
+
+    server: RedisServer | None = None
+
+    async def delete(self, key: tuple[str, int]) -> None:
+        if self.server is not None:
+            await anyio.to_thread.run_sync(self.server.kill)
+            self.server = None
+        await super().delete(key)
+
+
+async def test_case03_a_cleanup_that_met_an_outage_never_deletes_live_data_later(
+    aof_server: RedisServer,
+) -> None:
+    """Case 3. C (exclusive mode) loads the conversation, and its cleanup of the promoted
+    shared copy meets an outage (the server is killed just before it, then restarted from
+    its append-only file). A takes the conversation back and appends a3; C loads it again
+    and appends c4. Nothing C's cleanup left behind deletes the live history: a fresh
+    replica and A load [a0, a1, a2, a3] (c4 is in C's own tier: exclusive mode), C loads
+    [a0 .. a3, c4]."""
+    prefix = new_prefix()
+    c_tier = _OutageAtDelete(
+        aof_server.url, 512 * MiB, prefix=prefix, value_size=64 << 10, lease_ttl=2.0
+    )
+    async with (
+        replica(aof_server.url, prefix) as a,
+        replica(aof_server.url, prefix, mode="exclusive", shared=c_tier) as c,
+    ):
+        await append(a, "chat", 0, 1, 2)
+        await a.flush()
+        c_tier.server = aof_server
+        assert tags(await c.load("chat")) == [0, 1, 2]
+        assert c.where("chat") == "host"
+        await anyio.to_thread.run_sync(aof_server.start)  # from its append-only file
+        assert tags(await a.load("chat")) == [0, 1, 2]
+        await append(a, "chat", 3)
+        await a.flush()
+        assert tags(await c.load("chat")) == [0, 1, 2, 3]
+        await append(c, "chat", 4)
+        await c.flush()
+        assert tags(await c.load("chat")) == [0, 1, 2, 3, 4]
+        assert tags(await a.load("chat")) == [0, 1, 2, 3]
+    async with replica(aof_server.url, prefix) as fresh:
+        assert tags(await fresh.load("chat")) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("loss", ["empty restart", "manifest evicted"])
+async def test_case04_no_replica_serves_its_older_copy_once_the_server_lost_the_history(
+    server: RedisServer, loss: str
+) -> None:
+    """Case 4. B loads [t0]; A takes the conversation back and appends t1 t2 (flushed:
+    acknowledged). Then the server restarts empty, or loses the manifest (deleted, as
+    maxmemory evicts it). B's load is a counted miss (stats().unproven), never its own
+    [t0]; A's too (it cannot prove its copy current either: the history is gone); a fresh
+    replica finds nothing."""
+    prefix = new_prefix()
+    async with replica(server.url, prefix) as a, replica(server.url, prefix) as b:
+        await append(a, "chat", 0)
+        await a.flush()
+        assert tags(await b.load("chat")) == [0]
+        assert tags(await a.load("chat")) == [0]
+        await append(a, "chat", 1, 2)
+        await a.flush()
+        if loss == "empty restart":
+            await anyio.to_thread.run_sync(server.restart)
+        else:
+            with server.client() as client:
+                assert client.delete(manifest(prefix, "chat")) == 1
+        with pytest.raises(SessionNotFoundError):
+            await b.load("chat")
+        assert (b.stats().unproven, b.stats().misses) == (1, 2)  # (its first load: a miss)
+        with pytest.raises(SessionNotFoundError):
+            await a.load("chat")
+        assert a.stats().unproven == 1
+        assert not b.contains("chat")
+    async with replica(server.url, prefix) as fresh:
+        with pytest.raises(SessionNotFoundError):
+            await fresh.load("chat")
+
+
+def _forged(value: bytes, tag: int) -> bytes:
+    """The first value of a one-value segment of :func:`tests.fleet.turn`, with its first
+    turn element changed to ``tag`` and its unkeyed checks (xxh3, CRC) made right again, as
+    any client of the server can."""
+    data = bytearray(value)
+    header, _ = parse_header(bytes(data), "stored")
+    k = next(spec for spec in header.tensors if spec.name == "k")
+    at = header.body_offset + k.offset
+    data[at : at + 4] = tag.to_bytes(4, "little", signed=True)
+    start = hashed_from(bytes(data))
+    _pack_prefix(data, bytes(data[PREFIX.size : start]), hash_body(bytes(data[start:])))
+    return bytes(data)
+
+
+def _forge_and_shorten(server: RedisServer, prefix: str) -> None:
+    """As another client of the server: forge turn 1 of "forged" (see :func:`_forged`), and
+    remove the last entry of the manifest of "short"."""
+    with server.client() as client:
+        tag = conversation_tag("forged")
+        [part] = list(client.scan_iter(match=f"{prefix}:{{{tag}}}:1:*"))
+        value = client.get(part)
+        assert value is not None
+        client.set(part, _forged(value, 77))
+        m = manifest(prefix, "short")
+        client.hdel(m, "e:2", "k:2")
+        client.hset(m, "n", "2")
+
+
+async def test_case05_with_a_secret_a_forged_value_or_a_shortened_manifest_is_refused(
+    server: RedisServer,
+) -> None:
+    """Case 5. With RedisTier(secret=...): a value rewritten with its xxh3 and CRC
+    recomputed (no secret) is never served, nor is a manifest with its last entry removed
+    (2 of 3 turns as if whole): each load is a miss, and fsck names the damage."""
+    prefix, secret = new_prefix(), os.urandom(32)
+    async with replica(server.url, prefix, secret=secret) as a:
+        await append(a, "forged", 0, 1, 2)
+        await append(a, "short", 0, 1, 2)
+        await a.flush()
+    _forge_and_shorten(server, prefix)
+    async with replica(server.url, prefix, secret=secret) as b:
+        for session in ("forged", "short"):
+            with pytest.raises(SessionNotFoundError):
+                await b.load(session)
+        # the damaged manifest found at open and at the load, and the forged value
+        assert b.tiers[1].stats().corrupt == 3
+    async with replica(server.url, prefix) as unkeyed:  # what the MAC is for
+        assert tags(await unkeyed.load("short")) == [0, 1]
+
+
+async def test_fsck_checks_a_redis_prefix(
+    server: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tieredkv fsck URL --prefix P [--secret-file F]``: exit status 0 and "clean" for a
+    prefix whose histories verify; 1 and each damaged manifest or segment named, with why,
+    once a value is forged and a manifest shortened; 2 without --prefix or with --repair."""
+    prefix, secret = new_prefix(), os.urandom(32)
+    (tmp_path / "secret").write_bytes(secret)
+    async with replica(server.url, prefix, secret=secret) as a:
+        await append(a, "forged", 0, 1, 2)
+        await append(a, "short", 0, 1, 2, tokens=8192)  # 2 MiB turns: 33 values each
+        await a.flush()
+    argv = ["fsck", server.url, "--prefix", prefix, "--secret-file", str(tmp_path / "secret")]
+    assert await anyio.to_thread.run_sync(cli.main, argv) == 0
+    out = capsys.readouterr().out
+    assert "6 good segment(s) in 2 conversation(s)" in out
+    assert out.rstrip().endswith("clean")
+    _forge_and_shorten(server, prefix)
+    assert await anyio.to_thread.run_sync(cli.main, argv) == 1
+    out = capsys.readouterr().out
+    assert f"damaged: {manifest(prefix, 'forged')} segment 1: " in out
+    assert f"damaged: {manifest(prefix, 'short')}: manifest MAC mismatch" in out
+    assert "33 leaked value(s)" in out  # the removed entry's values: nothing names them
+    assert out.rstrip().endswith("NOT clean")
+    assert await anyio.to_thread.run_sync(cli.main, ["fsck", server.url]) == 2
+    assert await anyio.to_thread.run_sync(cli.main, [*argv, "--repair"]) == 2
+
+
+# -- acknowledged turns lost, silently ------------------------------------------------------
+
+
+async def test_case06_a_turn_refused_in_the_background_is_reported_never_lost_silently(
+    server: RedisServer,
+) -> None:
+    """Case 6. A appends t0 and flushes, then appends a 64 MiB t1; while its write-through
+    is still running, B (another process) loads the conversation, taking it over. The
+    server refuses A's commit: A.flush() raises TurnRefusedError naming turn 1, once;
+    stats().refused is 1, a Refused event says which turn, and no task exception is left
+    unretrieved. A's next load serves B's history [t0]."""
+    prefix = new_prefix()
+    events: list[Event] = []
+    async with (
+        no_lost_task_exceptions(),
+        ReplicaProcess(server.url, prefix, lease_ttl=0.5) as b,
+        replica(server.url, prefix, host=256 * MiB, lease_ttl=0.5, timeout=10.0) as a,
+    ):
+        a.channel.subscribe(events.append)
+        await append(a, "chat", 0)
+        await a.flush()
+        await append(a, "chat", 1, tokens=256 * 1024)  # 64 MiB: its write-through takes a while
+        assert (await b.load("chat"))["turns"] == [0]
+        with pytest.raises(TurnRefusedError, match=r"session 'chat' turn\(s\) 1 ") as info:
+            await a.flush()
+        assert info.value.refusals == [("chat", [1])]
+        await a.flush()  # reported once
+        assert a.stats().refused == 1
+        assert [(e.session, e.turns) for e in events if isinstance(e, Refused)] == [("chat", (1,))]
+        scraped = {
+            sample.name: sample.value
+            for metric in CacheCollector(a).collect()
+            for sample in metric.samples
+        }
+        assert scraped["tieredkv_refused_total"] == 1
+        assert tags(await a.load("chat")) == [0]
+
+
+async def test_case07_a_turn_that_did_not_reach_the_shared_tier_is_never_reported_flushed(
+    server: RedisServer,
+) -> None:
+    """Case 7. A appends t0 and flushes. While the server refuses writes (out of memory:
+    maxmemory 1 byte, noeviction), A appends t1: the append returns (A's lease is live), but
+    flush() raises TierIOError instead of returning as if t1 were committed, and B still
+    loads [t0]. Once the server takes writes again, A's flush() commits t1 and B loads
+    [t0, t1]."""
+    prefix = new_prefix()
+    async with replica(server.url, prefix, lease_ttl=10.0) as a:
+        await append(a, "chat", 0)
+        await a.flush()
+        with server.client() as client:
+            client.config_set("maxmemory", "1")
+        try:
+            await append(a, "chat", 1)
+            with pytest.raises(TierIOError, match="tried again in the background"):
+                await a.flush()
+        finally:
+            with server.client() as client:
+                client.config_set("maxmemory", "0")
+        await a.flush()
+    async with replica(server.url, prefix) as b:
+        assert tags(await b.load("chat")) == [0, 1]
+
+
+# -- errors outside the contract ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fault", ["kill", "stall"])
+async def test_case08_a_server_lost_during_a_multi_batch_read_is_a_tier_error(
+    server: RedisServer, fault: str
+) -> None:
+    """Case 8. The server killed (or stalled past the timeout) while a 32 MiB history is
+    read in many pipelined batches: the read raises TierIOError, never a raw
+    ExceptionGroup, whatever batch it hit (several moments tried)."""
+    prefix = new_prefix()
+    async with replica(server.url, prefix) as a:
+        await append(a, "chat", 0, 1, 2, 3, tokens=32 * 1024)  # 4 x 8 MiB
+        await a.flush()
+    failures = 0
+    for delay in (0.002, 0.01, 0.03):
+        if server.proc is None:
+            server.start()
+            async with replica(server.url, prefix) as a:
+                await append(a, "chat", 0, 1, 2, 3, tokens=32 * 1024)
+                await a.flush()
+        async with tier(server.url, prefix, timeout=0.5, read_batch=2) as t:
+            keys = [("chat", seq) for seq in range(4)]
+            bufs = [bytearray(t.length(key)) for key in keys]
+            cut = threading.Timer(delay, server.kill if fault == "kill" else server.pause)
+            cut.start()
+            try:
+                await t.read_many_into(
+                    [(key, memoryview(buf)) for key, buf in zip(keys, bufs, strict=True)]
+                )
+            except TierIOError:
+                failures += 1
+            finally:
+                cut.join()
+                if fault == "stall":
+                    server.resume()
+    assert failures >= 1
+
+
+async def test_case09_making_room_never_fails_because_of_another_conversations_lease(
+    server: RedisServer,
+) -> None:
+    """Case 9. A's host tier holds one conversation. A holds X with turn 1 not committed
+    yet (A took X over from C, whose lease is live, so A's commit waits) when B, another
+    process, takes X over. A's load of Y must evict X, whose write to the shared tier is
+    refused (B is X's writer): load(Y) still succeeds; X's turn 1 is reported as refused,
+    and A's next load of X serves B's history [x0]."""
+    prefix = new_prefix()
+    big = 16 * 1024  # 4 MiB turns
+    async with (
+        replica(server.url, prefix, lease_ttl=3.0) as c,
+        ReplicaProcess(server.url, prefix, lease_ttl=3.0) as b,
+        replica(server.url, prefix, host=9 * MiB, lease_ttl=3.0) as a,
+    ):
+        await append(c, "Y", 50, tokens=big)
+        await append(c, "X", 0, tokens=big)
+        await c.flush()
+        assert tags(await a.load("X"), big) == [0]  # A takes X over: commits wait for C's lease
+        await append(a, "X", 1, tokens=big)
+        assert (await b.load("X", tokens=big))["turns"] == [0]  # B takes X over from A
+        assert tags(await a.load("Y"), big) == [50]
+        assert a.where("Y") == "host"
+        with pytest.raises(TurnRefusedError, match=r"session 'X' turn\(s\) 1 "):
+            await a.flush()
+        assert tags(await a.load("X"), big) == [0]
+
+
+async def test_case10_garbage_in_the_manifest_is_a_typed_error_or_a_counted_miss(
+    server: RedisServer,
+) -> None:
+    """Case 10. Another client writes garbage into a manifest. A garbage fence: the writer's
+    next append raises StaleWriterError (not a bare ValueError) and the history is still
+    served (a load takes the conversation over with a new token). A garbage version: the
+    history cannot be trusted, so a load is a counted miss."""
+    prefix = new_prefix()
+    async with replica(server.url, prefix) as a, replica(server.url, prefix) as b:
+        await append(a, "chat", 0)
+        await append(a, "other", 0)
+        await a.flush()
+        with server.client() as client:
+            client.hset(manifest(prefix, "chat"), "fence", "garbage")
+            client.hset(manifest(prefix, "other"), "v", "not a number")
+        with pytest.raises(StaleWriterError):
+            await append(a, "chat", 1)
+        assert tags(await b.load("chat")) == [0]
+        await append(b, "chat", 1)
+        await b.flush()
+        assert tags(await a.load("chat")) == [0, 1]
+        with pytest.raises(SessionNotFoundError):
+            await b.load("other")
+        assert b.stats().unproven == 1
+
+
+async def test_case11_a_restart_is_transparent_and_an_owner_serves_through_an_outage(
+    aof_server: RedisServer,
+) -> None:
+    """Case 11. After the server restarts (from its append-only file), the first calls on
+    every pooled connection succeed (each command is retried once the connection drops).
+    While the server is down, B, the writer of eight conversations (it loaded them last;
+    its lease is live) with them in its host tier, serves every load of them, and so does
+    A, whose lease B took over (B may not commit before that lease has ended, so A's copies
+    are current too). Once the leases have run out by each replica's own clock, both count
+    misses; when the server is back, both load again."""
+    prefix = new_prefix()
+    sessions = [f"user-{i}" for i in range(8)]
+    lease = 6.0
+    async with (
+        replica(aof_server.url, prefix, lease_ttl=lease, timeout=0.3) as a,
+        replica(aof_server.url, prefix, lease_ttl=lease, timeout=0.3) as b,
+    ):
+        for i, session in enumerate(sessions):
+            await append(a, session, i)
+        await a.flush()
+
+        async def load_all(cache: TieredKVCache) -> list[list[int]]:
+            out: list[list[int]] = [[] for _ in sessions]
+
+            async def one(i: int) -> None:
+                out[i] = tags(await cache.load(sessions[i]))
+
+            async with anyio.create_task_group() as tg:  # concurrent: every pooled connection
+                for i in range(len(sessions)):
+                    tg.start_soon(one, i)
+            return out
+
+        everything = [[i] for i in range(8)]
+        assert await load_all(a) == everything
+        await anyio.to_thread.run_sync(aof_server.restart)
+        assert await load_all(a) == everything
+        assert await load_all(b) == everything  # B takes them all over
+        taken = anyio.current_time()
+        await anyio.to_thread.run_sync(aof_server.kill)
+        for _ in range(3):
+            assert await load_all(b) == everything
+        # A's lease from its loads is live too, and B's takeover delays B's first commit to
+        # its end: no replica can have committed since, so A's copies are current as well
+        assert await load_all(a) == everything
+        await anyio.sleep(max(0.0, taken + lease - anyio.current_time()))  # both leases over
+        for cache in (a, b):
+            for session in sessions[:2]:
+                with pytest.raises(SessionNotFoundError):
+                    await cache.load(session)
+            assert cache.stats().unproven == 2
+        await anyio.to_thread.run_sync(aof_server.start)
+        assert await load_all(a) == everything
+        assert await load_all(b) == everything
+
+
+async def test_every_failure_a_caller_sees_is_a_tieredkv_error(server: RedisServer) -> None:
+    """I4: against a killed server, every call a replica makes fails with a TieredKVError
+    subclass (or misses) saying what to do; none raises a client library's exception."""
+    prefix = new_prefix()
+    async with replica(server.url, prefix, lease_ttl=0.2, timeout=0.3) as a:
+        await append(a, "chat", 0)
+        await a.flush()
+        await anyio.to_thread.run_sync(server.kill)
+        await anyio.sleep(0.3)  # the lease has run out too
+        for call in (
+            lambda: a.load("chat"),
+            lambda: append(a, "chat", 1),
+            lambda: append(a, "new", 0),
+            lambda: a.prefetch("chat"),
+            lambda: a.discover("chat"),
+            lambda: a.flush(),
+        ):
+            error: BaseException | None = None
+            try:
+                await call()
+            except Exception as exc:
+                error = exc
+            assert error is None or (isinstance(error, TieredKVError) and str(error)), repr(error)
