@@ -140,7 +140,9 @@ class SimResult(msgspec.Struct, frozen=True, kw_only=True):
     :param ttft_mean: time to first token, mean
     :param ttft_p99: its 99th percentile
     :param accesses: counted turns with history (each reads its history KV)
-    :param host_hits: of those, the ones whose KV was in host memory at arrival
+    :param host_hits: of those, the ones whose KV was in host memory at arrival and was
+        read from there (a KV evicted while its turn queued, and read back from SSD when
+        the turn ran, is a miss)
     :param ssd_read_bytes: bytes loaded from SSD (whole run)
     :param ssd_write_bytes: bytes written to SSD (whole run)
     :param recomputed_tokens: history tokens recomputed instead of loaded (whole run)
@@ -265,7 +267,8 @@ class Simulator:
 
     After :meth:`run`, per-turn arrays (indexed like ``turns``) are available:
     :attr:`arrival`, :attr:`start` (prefill start), :attr:`first_token`, :attr:`finish`,
-    and :attr:`hit` (1 host hit, 0 miss, -1 no history or no cache).
+    and :attr:`hit` (1 host hit, 0 miss, -1 no history or no cache; a turn whose KV was
+    evicted while it queued and read back from SSD is a miss).
 
     :param turns: the workload (sorted by time)
     :param system: the serving system
@@ -592,6 +595,7 @@ class Simulator:
 
     def _on_load(self, user: int, now: float) -> None:
         s = self._sess[user]
+        fetched = user in self._fetching  # a handed-out request waits for this load
         self._fetching.discard(user)
         self._loads -= 1
         ok = s.on_ssd and not s.in_host and self._reserve(s.nbytes, now)
@@ -604,6 +608,8 @@ class Simulator:
             self._direct_loads += 1
         self.scheduler.load_finished(s.name, now, ok=True)
         self._start_loads(now)
+        if fetched and self._phase == _DECODE and not self._seg_interrupted:
+            self._interrupt(now)  # the request it waited for may run at the next iteration
         self._poke(now)
         self._predict(now)
 
@@ -674,7 +680,7 @@ class Simulator:
             if cached and hist > 0 and not (sess.in_host or sess.staged) and sess.on_ssd:
                 # Handed out, but its KV was evicted since it queued (nothing protected it):
                 # the engine loads it from SSD on the spot, and the row waits for it.
-                self._fetch(sess, now)
+                self._fetch(sess, row, now)
                 fetching = True
                 break
             if not (cached and (sess.in_host or sess.staged)):
@@ -701,11 +707,17 @@ class Simulator:
             and len(self.scheduler) > 0
         )
 
-    def _fetch(self, s: _Sess, now: float) -> None:
-        """Load ``s``'s KV from SSD for a handed-out request (once; it lands as any load)."""
+    def _fetch(self, s: _Sess, row: int, now: float) -> None:
+        """Load ``s``'s KV from SSD for the handed-out request ``row`` (once; it lands as
+        any load). The turn found its KV in host memory when it arrived, but reads it
+        from SSD: it counts as a miss."""
         user = self._by_name[s.name]
         if user in self._fetching:
             return
+        if self.hit[row] == 1:
+            self.hit[row] = 0
+            if self._counted[row]:
+                self._hits -= 1
         self._fetching.add(user)
         self._loads += 1
         self._ssd_read += s.nbytes

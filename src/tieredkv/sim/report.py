@@ -19,9 +19,10 @@ the paper studies.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from .calibration import calibration_rows, paper_setup
 from .costmodel import get_model
 from .engine import SimConfig, SimResult
 from .replay import replay
+from .saturation import PAPER_SLO, default_slo, workload_slo
 from .sweep import Job, curve_throughput, run_curves
 from .synthetic import SyntheticWorkload, describe
 from .systems import ABLATIONS, SystemSpec, get_system
@@ -47,6 +49,7 @@ __all__ = [
     "default_rates",
     "default_slo",
     "reproduce",
+    "summary_note",
     "summary_table",
 ]
 
@@ -59,10 +62,6 @@ TRACE_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1.0)
 """Default sweep of a recorded trace, as fractions of its native users per minute: never
 above what the trace carries, and down to where one GPU keeps up with it."""
 
-PAPER_SLO = 5.0
-"""The paper's mean-latency SLO, seconds, for answers of 44 tokens on average."""
-_PAPER_ANSWER = 44.0
-
 
 def default_rates(workload: WorkloadSpec) -> tuple[float, ...]:
     """The sweep ``reproduce`` runs when none is given: :data:`SYNTHETIC_RATES` for
@@ -72,13 +71,6 @@ def default_rates(workload: WorkloadSpec) -> tuple[float, ...]:
         return SYNTHETIC_RATES
     # two decimals, rounded down: a rate above the native one cannot be sampled
     return tuple(math.floor(native * f * 100) / 100 for f in TRACE_FRACTIONS)
-
-
-def default_slo(mean_answer: float) -> float:
-    """The paper's 5 s SLO, stretched for workloads whose answers are longer than the
-    industrial trace's 44 tokens on average (decoding time grows with the answer):
-    ``5 * max(1, mean_answer / 44)`` seconds."""
-    return PAPER_SLO * max(1.0, mean_answer / _PAPER_ANSWER)
 
 
 class ReproduceOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -125,6 +117,8 @@ class ReproduceReport(msgspec.Struct, kw_only=True):
     :param spearman: Spearman correlation of answer length and lower bound
     :param beyond_host: share of accesses whose reuse distance exceeds host memory
     :param load_cv: per system name, KV load-time CV at the reference rate
+    :param reference: per system name, the result at the reference rate (simulated there
+        even when the sweep does not include that rate)
     :param rates: the rates swept (sorted), users per minute
     :param slo: the SLO of the throughput metric, seconds
     :param native_rate: users per minute of a recorded trace (``None``: generated)
@@ -148,6 +142,7 @@ class ReproduceReport(msgspec.Struct, kw_only=True):
     spearman: float
     beyond_host: float
     load_cv: dict[str, float]
+    reference: dict[str, SimResult] = msgspec.field(default_factory=dict)
     rates: tuple[float, ...] = ()
     slo: float = PAPER_SLO
     native_rate: float | None = None
@@ -197,10 +192,7 @@ def reproduce(
         users = max(1, round(ref * wl.minutes))
         synthetic = SyntheticWorkload(users=users, arrival_rate=ref / 60, seed=wl.seed)
         shape["synthetic"] = describe(synthetic.generate())
-    slo = opts.slo
-    if slo is None:  # the synthetic workload is the paper's shape: its SLO as is
-        answer = shape["workload"].get("answer_mean", _PAPER_ANSWER)
-        slo = PAPER_SLO if wl.kind == "synthetic" else default_slo(answer)
+    slo = opts.slo if opts.slo is not None else workload_slo(wl, ref_turns)
 
     # every simulation, deduplicated (a preset and an equal ablation step run once)
     jobs: dict[bytes, Job] = {}
@@ -212,6 +204,9 @@ def reproduce(
         return key
 
     sweep_keys = {name: [job(get_system(name), r, base) for r in rates] for name in opts.systems}
+    # the single-rate figures of every system, at the reference rate itself (a job of the
+    # sweep when the sweep includes that rate)
+    ref_keys = {name: job(get_system(name), ref, base) for name in opts.systems}
     rate_set = sorted({*rates, ref})
     ablation_keys = {s.name: [job(s, r, base) for r in rate_set] for s in ABLATIONS}
     host_keys = {
@@ -238,7 +233,7 @@ def reproduce(
         *(ks for per in host_keys.values() for ks in per.values()),
         *(ks for per in ssd_keys.values() for ks in per.values()),
     ]
-    must = {k for ks in full for k in ks}
+    must = {k for ks in full for k in ks} | set(ref_keys.values())
     must |= {ks[rate_set.index(ref)] for ks in ablation_keys.values()}
     sim_share = 0.9
 
@@ -247,7 +242,12 @@ def reproduce(
             progress(sim_share * f)
 
     results = run_curves(
-        jobs, [*full, *partial], slo, must=must, workers=opts.workers, progress=sim_progress
+        jobs,
+        [*full, *([k] for k in ref_keys.values()), *partial],
+        slo,
+        must=must,
+        workers=opts.workers,
+        progress=sim_progress,
     )
 
     def tput(ks: Sequence[bytes], rs: Sequence[float]) -> float:
@@ -265,11 +265,8 @@ def reproduce(
     ssd_bandwidth = {
         name: {bw: tput(ks, rates) for bw, ks in per.items()} for name, per in ssd_keys.items()
     }
-    load_cv = {
-        name: results[job(get_system(name), ref, base)].load_time_cv
-        for name in opts.systems
-        if job(get_system(name), ref, base) in results
-    }
+    reference = {name: results[k] for name, k in ref_keys.items()}
+    load_cv = {name: r.load_time_cv for name, r in reference.items()}
 
     # eviction-only replay and the reuse-distance analysis at the reference rate
     turns = ref_turns
@@ -311,6 +308,7 @@ def reproduce(
         spearman=g.spearman,
         beyond_host=share_beyond(d, host_bytes),
         load_cv=load_cv,
+        reference=reference,
         rates=rates,
         slo=slo,
         native_rate=native,
@@ -321,7 +319,10 @@ def reproduce(
 
 # -- rendering ------------------------------------------------------------------------
 def _cell(v: object) -> str:
-    """A table cell: floats to 3 decimals below 10, else 1 (``-`` when not finite)."""
+    """A table cell: integers (counts) with thousands separators; floats to 3 decimals
+    below 10, else 1 (``-`` when not finite)."""
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        return f"{int(v):,}"
     if isinstance(v, float):
         if not np.isfinite(v):
             return "-"
@@ -340,11 +341,9 @@ def summary_table(report: ReproduceReport) -> str:
     """The report's summary: per system, throughput at the SLO and latency at the
     reference rate (Markdown)."""
     ref = report.reference_rate
-    rates = list(report.rates)
     rows: list[list[object]] = []
     bidaw_tp = report.throughputs.get("bidaw")
-    for name, results in report.sweep.items():
-        r = results[rates.index(ref)] if ref in rates else results[-1]
+    for name, r in report.reference.items():
         tp = report.throughputs[name]
         rel = f"{bidaw_tp / tp:.2f}x" if bidaw_tp and tp > 0 and name != "bidaw" else "-"
         rows.append(
@@ -378,6 +377,23 @@ def summary_table(report: ReproduceReport) -> str:
     )
 
 
+def summary_note(report: ReproduceReport) -> str | None:
+    """A plain note under the summary when no throughput of it says anything about
+    caching: the ideal system (all KV in host memory) misses the SLO at every swept rate
+    (``None`` otherwise, or when the ideal did not run)."""
+    ideal = report.sweep.get("ideal")
+    if not ideal or any(r.latency_mean <= report.slo for r in ideal):
+        return None
+    lowest = min(report.rates)
+    return (
+        f"the ideal system (all KV in host memory) misses the {report.slo:.3g} s SLO at every "
+        f"swept rate, {ideal[0].latency_mean:,.1f} s at the lowest ({lowest:g} users/min): "
+        "every throughput here is 0 and the latencies measure queues, or requests too long "
+        "for this model and GPU, not caching; sweep lower --rates, or choose a faster "
+        "--model/--gpu"
+    )
+
+
 def render_markdown(report: ReproduceReport, command: str) -> str:
     """The report as Markdown (figures referenced by file name, if any were written)."""
     o = report.options
@@ -405,14 +421,17 @@ def render_markdown(report: ReproduceReport, command: str) -> str:
             ["setting", "value"],
             [
                 ["workload", source],
-                ["minutes of arrivals (generated workloads)", wl.minutes],
+                ["minutes of arrivals (generated workloads)", f"{wl.minutes:g}"],
                 ["seed", wl.seed],
                 ["model", c.model],
                 ["GPU", c.gpu],
-                ["host memory (GB)", c.host_gb],
-                ["SSD bandwidth (GB/s)", c.ssd_gbps],
+                ["host memory (GB)", f"{c.host_gb:g}"],
+                ["SSD bandwidth (GB/s)", f"{c.ssd_gbps:g}"],
                 ["history cap (tokens)", c.history_cap],
-                ["turns counted from / to (s)", f"{c.warmup:g} / {c.until if c.until else 'end'}"],
+                [
+                    "turns counted from / to (s)",
+                    f"{c.warmup:g} / {'end' if c.until is None else f'{c.until:g}'}",
+                ],
                 ["latency SLO of the throughput metric (s)", report.slo],
                 ["reference rate (users/min)", ref],
                 [
@@ -432,6 +451,9 @@ def render_markdown(report: ReproduceReport, command: str) -> str:
     )
     out.append("\n## Summary\n")
     out.append(summary_table(report))
+    note = summary_note(report)
+    if note is not None:
+        out.append(f"\n**{note[0].upper()}{note[1:]}.**\n")
     out.append(_calibration_section(report, c))
 
     out.append("\n\n## 1. Response latency vs arrival rate\n")
@@ -471,8 +493,7 @@ def render_markdown(report: ReproduceReport, command: str) -> str:
             ["system", "mean", "P50", "P90", "P95", "P99"],
             [
                 [s, x.latency_mean, x.latency_p50, x.latency_p90, x.latency_p95, x.latency_p99]
-                for s, res in report.sweep.items()
-                for x in [res[rates.index(ref)] if ref in rates else res[-1]]
+                for s, x in report.reference.items()
             ],
         )
     )
@@ -586,6 +607,15 @@ _SHAPE_ROWS = (
 )
 
 
+_COUNTS = frozenset(("users", "turns"))
+"""Shape statistics that are counts (printed as integers)."""
+
+
+def _count(v: float) -> object:
+    """A count measured as a float, as an integer (``nan`` stays, printed ``-``)."""
+    return int(v) if np.isfinite(v) else v
+
+
 def _shape_section(report: ReproduceReport) -> str:
     """The workload's shape at the reference rate, next to the synthetic stand-in's."""
     shapes = report.shape
@@ -594,7 +624,11 @@ def _shape_section(report: ReproduceReport) -> str:
     names = list(shapes)
     header = ["statistic", *("this workload" if n == "workload" else n for n in names)]
     nan = float("nan")
-    rows = [[label, *(shapes[n].get(key, nan) for n in names)] for key, label in _SHAPE_ROWS]
+    rows = [
+        [label, *(_count(shapes[n].get(key, nan)) if key in _COUNTS else shapes[n].get(key, nan)
+                  for n in names)]
+        for key, label in _SHAPE_ROWS
+    ]  # fmt: skip
     text = f"\nWorkload shape at {report.reference_rate:g} users/min"
     if "synthetic" in shapes:
         text += (
@@ -658,6 +692,8 @@ def write_report(report: ReproduceReport, out_dir: str | os.PathLike[str], comma
 
 
 def _plots(report: ReproduceReport, out: Path) -> list[str]:
+    """Draw and save every figure as PNG into ``out``; returns their file names (none
+    without matplotlib)."""
     try:
         import matplotlib  # type: ignore[import-not-found, unused-ignore]
 
@@ -665,63 +701,85 @@ def _plots(report: ReproduceReport, out: Path) -> list[str]:
         import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         return []
-    rates = list(report.rates)
     written: list[str] = []
-
-    def save(fig: Any, name: str) -> None:
+    for name, fig in figures(report):
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
         written.append(name)
+    return written
+
+
+def figures(report: ReproduceReport) -> Iterator[tuple[str, Any]]:
+    """The report's figures, as ``(file name, matplotlib figure)``: each with a title,
+    axes labelled with their units, and a legend where it draws several series (the
+    caller closes them).
+
+    :raises ModuleNotFoundError: without matplotlib
+    """
+    import matplotlib  # type: ignore[import-not-found, unused-ignore]
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
+
+    rates = list(report.rates)
+    per_rate = "arrival rate (users per minute)"
+    where = f"{report.options.config.model}, {report.options.config.host_gb:g} GB host memory"
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for name, results in report.sweep.items():
         ax.plot(rates, [r.latency_mean for r in results], marker="o", label=name)
     ax.axhline(report.slo, color="grey", linestyle="--", linewidth=1, label=f"SLO {report.slo:g} s")
     ax.set_yscale("log")
-    ax.set_xlabel("arrival rate (users per minute)")
-    ax.set_ylabel("mean response latency (s)")
+    ax.set_xlabel(per_rate)
+    ax.set_ylabel("mean response latency (s, log scale)")
+    ax.set_title(f"Response latency vs arrival rate ({where})")
     ax.legend()
-    save(fig, "latency_vs_rate.png")
+    yield "latency_vs_rate.png", fig
 
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     names = list(report.replay_hits)
     ax.bar(names, [report.replay_hits[n][0] for n in names], color="tab:blue")
-    ax.set_ylabel("host-memory hit ratio")
+    ax.set_xlabel("eviction policy")
+    ax.set_ylabel("host-memory hit ratio (hits / accesses)")
     ax.set_ylim(0, 1)
-    save(fig, "hit_ratio.png")
+    ax.set_title(f"Hit ratio per eviction policy at {report.reference_rate:g} users/min")
+    yield "hit_ratio.png", fig
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for name, results in report.sweep.items():
         ax.plot(rates, [max(r.queueing_mean, 1e-3) for r in results], marker="o", label=name)
     ax.set_yscale("log")
-    ax.set_xlabel("arrival rate (users per minute)")
-    ax.set_ylabel("mean queueing time (s)")
+    ax.set_xlabel(per_rate)
+    ax.set_ylabel("mean queueing time (s, log scale)")
+    ax.set_title("Queueing time (arrival to prefill) vs arrival rate")
     ax.legend()
-    save(fig, "queueing.png")
+    yield "queueing.png", fig
 
     fig, ax = plt.subplots(figsize=(7.2, 3.8))
     steps = list(report.ablation)
     ax.barh(steps[::-1], [report.ablation[s][1] for s in steps][::-1], color="tab:green")
-    ax.set_xlabel(f"throughput (users/min, mean latency <= {report.slo:g} s)")
-    save(fig, "ablation.png")
+    ax.set_xlabel(f"throughput (users per minute at mean latency <= {report.slo:g} s)")
+    ax.set_ylabel("configuration")
+    ax.set_title("Ablation: Bidaw's mechanisms added one by one")
+    yield "ablation.png", fig
 
-    for fname, data, xlabel in (
-        ("host_memory.png", report.host_memory, "host memory (GB)"),
-        ("ssd_bandwidth.png", report.ssd_bandwidth, "SSD bandwidth (GB/s)"),
+    for fname, data, xlabel, what in (
+        ("host_memory.png", report.host_memory, "host memory (GB)", "host-memory size"),
+        ("ssd_bandwidth.png", report.ssd_bandwidth, "SSD bandwidth (GB/s)", "SSD bandwidth"),
     ):
         fig, ax = plt.subplots(figsize=(6.0, 3.8))
         for name, per in data.items():
             ax.plot(list(per), list(per.values()), marker="o", label=name)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("throughput (users/min)")
+        ax.set_ylabel(f"throughput (users per minute at <= {report.slo:g} s)")
+        ax.set_title(f"Throughput vs {what}")
         ax.legend()
-        save(fig, fname)
+        yield fname, fig
 
     fig, ax = plt.subplots(figsize=(6.0, 3.8))
     ax.plot([a for a, _, _ in report.groups], [lb / 1e9 for _, lb, _ in report.groups], marker="o")
     ax.set_xlabel("previous answer length (tokens)")
     ax.set_ylabel("reuse distance lower bound (GB)")
-    ax.set_title(f"Spearman {report.spearman:.2f}")
-    save(fig, "reuse_distance.png")
-    return written
+    ax.set_title(f"Reuse distance vs previous answer (Spearman {report.spearman:.2f})")
+    yield "reuse_distance.png", fig
