@@ -507,9 +507,9 @@ def _setup(args: argparse.Namespace) -> tuple[object, object, list[str]]:
 def _simulate(args: argparse.Namespace) -> int:
     import msgspec
 
+    from .sim.config import steady_state
     from .sim.engine import SimConfig, simulate
     from .sim.progress import ProgressBar
-    from .sim.report import _measure
     from .sim.saturation import PROBE_FACTOR, ideal_rate, saturation_note, workload_slo
     from .sim.systems import get_system
     from .sim.workloads import WorkloadSpec
@@ -527,7 +527,7 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.predictive:
         overrides["predictive_prefetch"] = args.predictive == "yes"
     native = workload.native_rate()
-    config = _measure(config, workload)
+    config = steady_state(config, workload)
     chosen = ""
     if args.rate is not None:
         rate = args.rate

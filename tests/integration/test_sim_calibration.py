@@ -21,8 +21,8 @@ from tieredkv.sim.calibration import (
     TRACE_SHAPED,
     TRACE_SHAPED_RATE,
 )
+from tieredkv.sim.config import steady_state
 from tieredkv.sim.engine import SimConfig, SimResult
-from tieredkv.sim.report import _measure
 from tieredkv.sim.sweep import Job, run_job
 from tieredkv.sim.synthetic import describe
 from tieredkv.sim.systems import ABLATIONS, get_system
@@ -42,7 +42,7 @@ def fg_high(bw: float) -> float:
 
 
 def config(bw: float) -> SimConfig:
-    return _measure(SimConfig(ssd_gbps=bw), WORKLOAD)
+    return steady_state(SimConfig(ssd_gbps=bw), WORKLOAD)
 
 
 class Runs:
@@ -126,7 +126,7 @@ def trace_shaped(name: str, rate: float, *, host_gb: float = 200.0) -> SimResult
         workload=TRACE_SHAPED,
         rate=rate,
         system=get_system(name),
-        config=_measure(SimConfig(host_gb=host_gb), TRACE_SHAPED),
+        config=steady_state(SimConfig(host_gb=host_gb), TRACE_SHAPED),
     )
     return run_job(job)
 
@@ -150,7 +150,7 @@ def test_the_trace_shaped_workload_has_the_industrial_traces_shape() -> None:
     assert 33 <= shape["query_mean"] <= 38
     assert 42 <= shape["answer_mean"] <= 47
     assert 38 <= shape["gap_median"] <= 48
-    config = _measure(SimConfig(), TRACE_SHAPED)
+    config = steady_state(SimConfig(), TRACE_SHAPED)
     t, live = live_kv(turns, 819_200)
     window = live[(t >= config.warmup) & (t <= TRACE_SHAPED.minutes * 60)]
     assert 0.9 <= 200e9 / window.mean() <= 1.1

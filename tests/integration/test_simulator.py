@@ -16,12 +16,12 @@ import pytest
 
 from tieredkv.cli import main
 from tieredkv.sim.analysis import answer_groups, live_kv, reuse_distances
+from tieredkv.sim.config import steady_state
 from tieredkv.sim.engine import SimConfig, SimResult, simulate
 from tieredkv.sim.report import (
     TRACE_FRACTIONS,
     ReproduceOptions,
     ReproduceReport,
-    _measure,
     figures,
     render_markdown,
     reproduce,
@@ -295,7 +295,7 @@ def test_every_figure_of_the_report_is_at_the_rate_its_heading_names(
     wl, config = options.workload, options.config
     assert report.reference_rate == 7
     turns = wl.turns(7)
-    measured = _measure(config, wl)
+    measured = steady_state(config, wl)
     for name in options.systems:
         at_7 = simulate(turns, get_system(name), measured)
         assert report.reference[name] == at_7
