@@ -507,6 +507,7 @@ def _setup(args: argparse.Namespace) -> tuple[object, object, list[str]]:
 def _simulate(args: argparse.Namespace) -> int:
     import msgspec
 
+    from .policies.registry import scheduler_parameters
     from .sim.config import steady_state
     from .sim.engine import SimConfig, simulate
     from .sim.progress import ProgressBar
@@ -520,6 +521,8 @@ def _simulate(args: argparse.Namespace) -> int:
     overrides: dict[str, object] = {}
     if args.scheduler:
         overrides["scheduler"] = args.scheduler
+        if "window" not in scheduler_parameters(args.scheduler):
+            overrides["prefetch_window"] = None  # CachedAttention's window is FCFS's
     if args.eviction:
         overrides["eviction"] = args.eviction
     if args.inclusive:

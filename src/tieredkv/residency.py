@@ -21,6 +21,21 @@ When victims must be evicted between an access and an admission (the replay evic
 the session it is admitting), the caller makes the two calls with the evictions between
 them: the order inside each call is the rule, the order of the calls is the caller's.
 Nothing here performs I/O or reads a clock: ``now`` comes in, like everything else.
+
+How the live cache's sites map onto it (its ``Core.publish`` computes the metadata and
+puts it; with this helper it computes it, and :class:`Residency` puts it):
+
+- a turn stored in tier ``t`` (``_cache/turns.commit_segment``):
+  ``accessed(meta, now, admit=t, event=Stored(...))``;
+- a load served (``commit_load``): ``accessed(meta, now, event=Loaded(...))``;
+- a promotion into tier 0 (``placement.finish_promotion``):
+  ``admitted(meta, now, 0, Promoted(...))``, then in exclusive mode
+  ``removed(key, src, meta_after)`` for the copy it came from;
+- a demotion from ``t`` to ``u``: ``removed(key, t)``, then
+  ``admitted(meta, now, u, Demoted(...))``;
+- an eviction from ``t``: ``removed(key, t, meta_after, Evicted(...))``;
+- a recovery, a copy found in a shared tier, a write-through landing in ``t``:
+  ``admitted(meta, now, t)``.
 """
 
 from __future__ import annotations
@@ -54,7 +69,7 @@ class Residency:
         passed in are dropped (a replay has no subscribers)
     """
 
-    __slots__ = ("_emit", "_policies", "_put")
+    __slots__ = ("_emit", "_on_access", "_on_admit", "_on_remove", "_policies", "_put")
 
     def __init__(
         self,
@@ -65,6 +80,10 @@ class Residency:
     ) -> None:
         self._put = channel.put
         self._policies = tuple(policies)
+        # bound once: these run for every turn of a simulation
+        self._on_access = tuple(p.on_access for p in self._policies)
+        self._on_admit = tuple(p.on_admit for p in self._policies)
+        self._on_remove = tuple(p.on_remove for p in self._policies)
         self._emit = emit
 
     @property
@@ -81,7 +100,7 @@ class Residency:
         return meta
 
     def accessed(
-        self, meta: KVMeta, now: float, *, admit: int | None = None, event: Event | None = None
+        self, meta: KVMeta, now: float, admit: int | None = None, event: Event | None = None
     ) -> KVMeta:
         """The session was accessed (a turn appended, or its history loaded): publish
         ``meta``, tell every policy of the access, and with ``admit`` the policy of that
@@ -89,10 +108,10 @@ class Residency:
         or grew in it); then announce ``event``."""
         self._put(meta)
         session = meta.session
-        for policy in self._policies:
-            policy.on_access(session, meta, now)
-        if admit is not None and admit < len(self._policies):
-            self._policies[admit].on_admit(session, meta, now)
+        for on_access in self._on_access:
+            on_access(session, meta, now)
+        if admit is not None and admit < len(self._on_admit):
+            self._on_admit[admit](session, meta, now)
         if event is not None and self._emit is not None:
             self._emit(event)
         return meta
@@ -102,8 +121,8 @@ class Residency:
         demotion, a recovery, a copy written through) without an access: publish ``meta``,
         tell that tier's policy, announce ``event``."""
         self._put(meta)
-        if tier < len(self._policies):
-            self._policies[tier].on_admit(meta.session, meta, now)
+        if tier < len(self._on_admit):
+            self._on_admit[tier](meta.session, meta, now)
         if event is not None and self._emit is not None:
             self._emit(event)
         return meta
@@ -119,7 +138,7 @@ class Residency:
         its new ``meta`` if given, tell that tier's policy, announce ``event``."""
         if meta is not None:
             self._put(meta)
-        if tier < len(self._policies):
-            self._policies[tier].on_remove(session)
+        if tier < len(self._on_remove):
+            self._on_remove[tier](session)
         if event is not None and self._emit is not None:
             self._emit(event)

@@ -261,3 +261,16 @@ def test_demo_keep_leaves_a_directory_that_fsck_and_inspect_read(
         capsys, ["demo", "--keep", str(tmp_path / "file")]
     )
     assert (tmp_path / "file").read_text() == "keep me"
+
+
+def test_simulate_scheduler_replaces_every_systems_scheduler(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--scheduler bidaw on CachedAttention (whose FCFS has a look-ahead window): the
+    window goes with the scheduler it belongs to."""
+    argv = ["simulate", "--minutes", "2", "--rate", "5", "--scheduler", "bidaw",
+            "--systems", "cachedattention,flashgen", "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("\ncachedattention ") == 1
+    assert out.count("\nflashgen ") == 1

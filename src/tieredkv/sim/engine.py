@@ -218,7 +218,7 @@ class Simulator:
             context=[h + q for h, q in zip(self._hist_before, self._query, strict=True)],
             answer=self._answer,
             first_token=self.first_token,
-            push=lambda when, gen: self._push(when, _GPU, gen),
+            push=self._push_gpu,
             token_budget=cfg.token_budget,
             max_seqs=cfg.max_seqs,
             layerwise_overlap=system.layerwise_overlap,
@@ -252,6 +252,9 @@ class Simulator:
 
     def _push(self, when: float, kind: int, arg: int) -> None:
         heapq.heappush(self._events, (when, next(self._seq), kind, arg))
+
+    def _push_gpu(self, when: float, gen: int) -> None:
+        heapq.heappush(self._events, (when, next(self._seq), _GPU, gen))
 
     def _cleaned(self, s: Session, when: float) -> None:
         self._host.cleaned(s, when)

@@ -147,7 +147,7 @@ def replay(
     )
     view = _View(sessions, window, tiers)
     metas = view._metas
-    # the live cache's order: publish, then the access; room is made; then the admission
+    # every notification in the one order (publish, then the policy)
     residency = Residency(view, [policy])
     accessed = residency.accessed
     admitted = residency.admitted
@@ -185,24 +185,26 @@ def replay(
             accesses=rounds[i] + 1,
         )
         view._i = i
-        accessed(meta, now)
         old = held or 0
         need = used - old + nbytes - host_bytes
-        if need > 0:
-            chosen = (
-                victims(need, now, view, frozenset((session,))) if nbytes <= host_bytes else None
-            )
-            if chosen is None:
-                rejected += 1
-                if held is not None:  # it cannot grow in place: it leaves host memory
-                    del resident[session]
-                    used -= held
-                    removed(session, 0)
-                continue
-            for victim in chosen:
-                used -= resident.pop(victim)
-                removed(victim, 0)
-            evictions += len(chosen)
+        if need <= 0:  # it fits: the access, then the admission
+            accessed(meta, now, 0)
+            resident[session] = nbytes
+            used += nbytes - old
+            continue
+        accessed(meta, now)  # the access first; then room is made; then the admission
+        chosen = victims(need, now, view, frozenset((session,))) if nbytes <= host_bytes else None
+        if chosen is None:
+            rejected += 1
+            if held is not None:  # it cannot grow in place: it leaves host memory
+                del resident[session]
+                used -= held
+                removed(session, 0)
+            continue
+        for victim in chosen:
+            used -= resident.pop(victim)
+            removed(victim, 0)
+        evictions += len(chosen)
         resident[session] = nbytes
         used += nbytes - old
         admitted(meta, now, 0)
