@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import re
@@ -416,20 +417,28 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     port = args.metrics_port
-    try:
-        anyio.run(
-            lambda: run_demo(
-                conversations=args.conversations,
-                turns=args.turns,
-                host_bytes=int(args.host_mb * (1 << 20)),
-                seed=args.seed,
-                directory=Path(args.keep) if args.keep is not None else None,
-                metrics_port=port,
-                linger=math.inf if port is not None else 0.0,
+    with contextlib.ExitStack() as stack:
+        # the temporary folder is made and removed here, outside the event loop
+        if args.keep is not None:
+            directory = Path(args.keep)
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="tieredkv-demo-"))
+            directory = Path(tmp) / "ssd"
+        try:
+            anyio.run(
+                lambda: run_demo(
+                    conversations=args.conversations,
+                    turns=args.turns,
+                    host_bytes=int(args.host_mb * (1 << 20)),
+                    seed=args.seed,
+                    directory=directory,
+                    keep=args.keep is not None,
+                    metrics_port=port,
+                    linger=math.inf if port is not None else 0.0,
+                )
             )
-        )
-    except KeyboardInterrupt:
-        return 130  # Ctrl-C: the cache and the metrics endpoint were closed on the way out
+        except KeyboardInterrupt:
+            return 130  # Ctrl-C: the cache and the metrics endpoint were closed on the way out
     return 0
 
 

@@ -42,6 +42,7 @@ async def run_demo(
     host_bytes: int = 6 << 20,
     directory: Path | None = None,
     seed: int = 0,
+    keep: bool = False,
     echo: bool = True,
     metrics_port: int | None = None,
     linger: float = 0.0,
@@ -51,8 +52,10 @@ async def run_demo(
     :param conversations: concurrent conversations
     :param turns: turns per conversation
     :param host_bytes: the host tier's budget (small, to force demotions)
-    :param directory: the SSD tier's directory, kept after the demo (for ``tieredkv fsck``
-        or ``inspect``; it should be new or empty); ``None``: a temporary directory, removed
+    :param directory: the SSD tier's directory (new or empty); ``None``: a temporary
+        directory, removed at the end
+    :param keep: say at the end that ``directory`` keeps the SSD tier's files (for
+        ``tieredkv fsck`` or ``inspect``)
     :param seed: seed of the synthetic KV and turn lengths
     :param echo: print the tables
     :param metrics_port: serve the cache's Prometheus metrics on this port (``0``: any free
@@ -116,7 +119,7 @@ async def run_demo(
                     f"read {t.bytes_read:>11,} B  written {t.bytes_written:>11,} B"
                 )
             say("\nevery load matched what was appended, byte for byte")
-            if directory is not None:
+            if keep:
                 say(
                     f"the SSD tier's files are kept in {where} (what is in host memory at the "
                     f"end is not: it ends with the process); check them: tieredkv fsck {where}"
