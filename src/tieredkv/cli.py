@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import re
 import shlex
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -22,6 +24,12 @@ class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line (no usage block) with exit status 2."""
 
     def error(self, message: str) -> NoReturn:
+        flag = re.fullmatch(r"argument (--[\w-]+): expected one argument", message)
+        if flag is not None:  # its value is missing, or starts with "-" (taken for an option)
+            message = (
+                f"argument {flag[1]}: expected a value after it (write a value that starts "
+                f"with '-' as {flag[1]}=VALUE)"
+            )
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -43,10 +51,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="a two-tier cache taking and serving a few conversations")
-    demo.add_argument("--conversations", type=int, default=5)
-    demo.add_argument("--turns", type=int, default=4)
-    demo.add_argument("--host-mb", type=float, default=6.0, help="host tier budget in MiB")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--conversations", type=int, default=5, help="conversations taking turns (default 5)"
+    )
+    demo.add_argument("--turns", type=int, default=4, help="turns per conversation (default 4)")
+    demo.add_argument(
+        "--host-mb", type=float, default=6.0, help="host tier budget in MiB (default 6)"
+    )
+    demo.add_argument(
+        "--seed", type=int, default=0, help="seed of the KV and the turn lengths (default 0)"
+    )
+    demo.add_argument(
+        "--keep",
+        metavar="DIR",
+        help="keep the SSD tier's files in DIR (a new or empty folder) for a later "
+        "'tieredkv fsck DIR' or 'tieredkv inspect DIR' (default: a temporary folder, removed)",
+    )
     demo.add_argument(
         "--metrics-port",
         type=int,
@@ -61,7 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sim.add_argument(
         "--rate",
         type=float,
-        help="users per minute (default 25; for a trace, half its native rate)",
+        help="users per minute (default 25; for a trace, the highest of its native rate / 2, "
+        "/ 4, ... at which the ideal system meets the SLO)",
     )
     sim.add_argument(
         "--scheduler", help="replace every system's scheduler (fcfs, bidaw, or a registered one)"
@@ -116,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .fsck import add_commands, run_command
 
     add_commands(sub)
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(_glue_negative_values(words, sub.choices.values()))
     if args.command in ("fsck", "inspect"):
         return run_command(args)
     try:
@@ -133,6 +155,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _reproduce(args, argv)
     except (ValueError, ModuleNotFoundError, OSError, TieredKVError) as exc:
         parser.exit(2, f"tieredkv {args.command}: error: {exc}\n")
+
+
+_NEGATIVE = re.compile(r"-\.?\d")
+
+
+def _glue_negative_values(
+    words: list[str], parsers: Iterable[argparse.ArgumentParser]
+) -> list[str]:
+    """``--rates -5,10`` as ``--rates=-5,10``: argparse takes a value that starts with a
+    minus sign and is not one number for an option, and would say only "expected one
+    argument"; glued, the value reaches the checks, which say what is wrong with it."""
+    valued = {
+        flag
+        for p in parsers
+        for action in p._actions
+        if action.nargs != 0
+        for flag in action.option_strings
+    }
+    out: list[str] = []
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word in valued and i + 1 < len(words) and _NEGATIVE.match(words[i + 1]):
+            out.append(f"{word}={words[i + 1]}")
+            i += 2
+            continue
+        out.append(word)
+        i += 1
+    return out
 
 
 # -- validation: every argument, before any work ------------------------------------------
@@ -166,6 +217,8 @@ def _check_demo(args: argparse.Namespace) -> None:
     _at_least(args.turns, 1, "--turns")
     _positive(args.host_mb, "--host-mb")
     _at_least(args.seed, 0, "--seed")
+    if args.keep is not None:
+        _check_keep(args.keep)
     if args.metrics_port is not None:
         if not 0 <= args.metrics_port <= 65535:
             raise _Invalid(f"--metrics-port must be in 0-65535 (got {args.metrics_port})")
@@ -175,6 +228,11 @@ def _check_demo(args: argparse.Namespace) -> None:
             raise _Invalid(
                 "--metrics-port needs prometheus-client: pip install 'tieredkv[metrics]'"
             ) from None
+
+
+def _check_keep(folder: str) -> None:
+    """The folder ``demo --keep`` leaves its SSD tier in: new or empty, and writable."""
+    _writable_folder(folder, "--keep", "the SSD tier's files", empty=True)
 
 
 def _check_costs(args: argparse.Namespace) -> None:
@@ -320,16 +378,27 @@ def _check_mooncake_trace(path: str) -> None:
 
 def _check_out(out: str) -> None:
     """The report folder: created if missing, and a file can be written in it."""
-    path = Path(out)
+    _writable_folder(out, "--out", "a report")
+
+
+def _writable_folder(folder: str, flag: str, what: str, *, empty: bool = False) -> None:
+    """``folder`` is a folder (created if missing) in which a file can be written, and
+    with ``empty``, holds nothing yet."""
+    path = Path(folder)
     if path.exists() and not path.is_dir():
-        raise _Invalid(f"--out {out}: exists and is not a folder; choose a folder")
+        raise _Invalid(f"{flag} {folder}: exists and is not a folder; choose a folder")
+    if empty and path.is_dir() and any(path.iterdir()):
+        raise _Invalid(
+            f"{flag} {folder}: is not empty (a demo's tier starts afresh); choose a new or "
+            "empty folder"
+        )
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as exc:
         raise _Invalid(
-            f"--out {out}: cannot write a report there ({exc.strerror or exc}); "
+            f"{flag} {folder}: cannot write {what} there ({exc.strerror or exc}); "
             "choose a writable folder"
         ) from None
 
@@ -348,19 +417,28 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     port = args.metrics_port
-    try:
-        anyio.run(
-            lambda: run_demo(
-                conversations=args.conversations,
-                turns=args.turns,
-                host_bytes=int(args.host_mb * (1 << 20)),
-                seed=args.seed,
-                metrics_port=port,
-                linger=math.inf if port is not None else 0.0,
+    with contextlib.ExitStack() as stack:
+        # the temporary folder is made and removed here, outside the event loop
+        if args.keep is not None:
+            directory = Path(args.keep)
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="tieredkv-demo-"))
+            directory = Path(tmp) / "ssd"
+        try:
+            anyio.run(
+                lambda: run_demo(
+                    conversations=args.conversations,
+                    turns=args.turns,
+                    host_bytes=int(args.host_mb * (1 << 20)),
+                    seed=args.seed,
+                    directory=directory,
+                    keep=args.keep is not None,
+                    metrics_port=port,
+                    linger=math.inf if port is not None else 0.0,
+                )
             )
-        )
-    except KeyboardInterrupt:
-        return 130  # Ctrl-C: the cache and the metrics endpoint were closed on the way out
+        except KeyboardInterrupt:
+            return 130  # Ctrl-C: the cache and the metrics endpoint were closed on the way out
     return 0
 
 
@@ -438,9 +516,11 @@ def _setup(args: argparse.Namespace) -> tuple[object, object, list[str]]:
 def _simulate(args: argparse.Namespace) -> int:
     import msgspec
 
+    from .policies.registry import scheduler_parameters
+    from .sim.config import steady_state
     from .sim.engine import SimConfig, simulate
     from .sim.progress import ProgressBar
-    from .sim.report import _measure
+    from .sim.saturation import PROBE_FACTOR, ideal_rate, saturation_note, workload_slo
     from .sim.systems import get_system
     from .sim.workloads import WorkloadSpec
 
@@ -450,6 +530,8 @@ def _simulate(args: argparse.Namespace) -> int:
     overrides: dict[str, object] = {}
     if args.scheduler:
         overrides["scheduler"] = args.scheduler
+        if "window" not in scheduler_parameters(args.scheduler):
+            overrides["prefetch_window"] = None  # CachedAttention's window is FCFS's
     if args.eviction:
         overrides["eviction"] = args.eviction
     if args.inclusive:
@@ -457,9 +539,22 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.predictive:
         overrides["predictive_prefetch"] = args.predictive == "yes"
     native = workload.native_rate()
-    rate = args.rate if args.rate is not None else (native / 2 if native else 25.0)
+    config = steady_state(config, workload)
+    chosen = ""
+    if args.rate is not None:
+        rate = args.rate
+    elif native is None:
+        rate = 25.0
+    else:  # a trace: a rate where one GPU keeps up with it (the ideal meets the SLO)
+        rate, _, met = ideal_rate(workload, config)
+        chosen = (
+            " (the highest of the trace's native rate / 2, / 4, ... at which the ideal "
+            "system meets the SLO; --rate to choose)"
+            if met
+            else " (the trace's native rate / 256: even there the ideal system misses the SLO)"
+        )
     turns = workload.turns(rate)
-    config = _measure(config, workload)
+    slo = workload_slo(workload, turns)
     rows = []
     bar = ProgressBar("tieredkv simulate", enabled=not args.no_progress)
     for i, name in enumerate(names):
@@ -473,10 +568,22 @@ def _simulate(args: argparse.Namespace) -> int:
             print(msgspec.json.encode(result).decode())
         rows.append(result)
     bar.close()
+    note = None
+    if rows and all(r.latency_mean > slo for r in rows):
+        # does the table say anything about caching? ask the ideal system, here and lower
+        ideal = next((r for r in rows if r.system == "ideal"), None)
+        if ideal is None:
+            ideal = simulate(turns, get_system("ideal"), config)
+        if ideal.latency_mean > slo:
+            low = rate / PROBE_FACTOR
+            probe = (low, simulate(workload.turns(low), get_system("ideal"), config))
+            note = saturation_note(ideal, slo, probe=probe)
+    if args.json and note is not None:
+        print(f"tieredkv simulate: {note}", file=sys.stderr)
     if not args.json:
         print(
-            f"\n{workload.kind} workload, {rate:g} users/min"
-            + (f" (the trace carries {native:.2f})" if native else "")
+            f"\n{workload.kind} workload, {rate:.4g} users/min{chosen}"
+            + (f"; the trace carries {native:.2f}" if native else "")
             + f": {len(turns):,} turns of "
             f"{turns.users():,} users; {config.model} on {config.gpu}, {config.host_gb:g} GB "
             f"host memory, {config.ssd_gbps:g} GB/s SSD\n"
@@ -494,14 +601,25 @@ def _simulate(args: argparse.Namespace) -> int:
                 f"{r.latency_p95:8.2f} {r.latency_p99:8.2f} {r.queueing_mean:8.2f} "
                 f"{r.ttft_mean:8.2f} {hit} {r.ssd_read_bytes / 1e9:10.1f} {r.gpu_busy:8.2f}"
             )
-        print("\nlatencies and queueing in seconds; turns counted:", rows[0].turns if rows else 0)
+        print(
+            f"\nlatencies and queueing in seconds (SLO {slo:.3g} s); turns counted:",
+            rows[0].turns if rows else 0,
+        )
+        if note is not None:
+            print(f"\n{note}.")
     return 0
 
 
 def _reproduce(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     from .sim.engine import SimConfig
     from .sim.progress import ProgressBar
-    from .sim.report import ReproduceOptions, reproduce, summary_table, write_report
+    from .sim.report import (
+        ReproduceOptions,
+        reproduce,
+        summary_note,
+        summary_table,
+        write_report,
+    )
     from .sim.workloads import WorkloadSpec
 
     workload, config, names = _setup(args)
@@ -526,6 +644,9 @@ def _reproduce(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     words = ["tieredkv", "reproduce", *(sys.argv[1:] if argv is None else argv)[1:]]
     path = write_report(report, args.out, shlex.join(words))
     print(summary_table(report))
+    note = summary_note(report)
+    if note is not None:
+        print(f"\n{note}.")
     print(f"\nreport: {path} ({report.seconds:.0f} s)")
     if not report.plots:
         print("plots skipped: matplotlib is not installed (pip install 'tieredkv[plots]')")

@@ -9,7 +9,9 @@ between host memory and SSD as they take turns.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -40,6 +42,7 @@ async def run_demo(
     host_bytes: int = 6 << 20,
     directory: Path | None = None,
     seed: int = 0,
+    keep: bool = False,
     echo: bool = True,
     metrics_port: int | None = None,
     linger: float = 0.0,
@@ -49,7 +52,10 @@ async def run_demo(
     :param conversations: concurrent conversations
     :param turns: turns per conversation
     :param host_bytes: the host tier's budget (small, to force demotions)
-    :param directory: where the SSD tier keeps its files (a temporary directory by default)
+    :param directory: the SSD tier's directory (new or empty); ``None``: a temporary
+        directory, removed at the end
+    :param keep: say at the end that ``directory`` keeps the SSD tier's files (for
+        ``tieredkv fsck`` or ``inspect``)
     :param seed: seed of the synthetic KV and turn lengths
     :param echo: print the tables
     :param metrics_port: serve the cache's Prometheus metrics on this port (``0``: any free
@@ -60,9 +66,8 @@ async def run_demo(
     say = print if echo else (lambda *a, **k: None)
     rng = np.random.default_rng(seed)
     history: dict[str, list[torch.Tensor]] = {}
-    with tempfile.TemporaryDirectory(prefix="tieredkv-demo-") as tmp:
-        root = directory or Path(tmp)
-        ssd = SSDTier(root / "ssd", 256 << 20)
+    async with _ssd_directory(directory) as where:
+        ssd = SSDTier(where, 256 << 20)
         tiers: list[Tier] = [HostMemoryTier(host_bytes), ssd]
         async with (
             TieredKVCache(tiers, token_dim=3) as cache,
@@ -72,7 +77,7 @@ async def run_demo(
                 say(f"Prometheus metrics: {url}")
             say(
                 f"host tier {host_bytes:,} B ({cache.stats().tiers[0].notes[0]}), SSD tier "
-                f"at {root / 'ssd'} (O_DIRECT: {ssd.direct_io})\n"
+                f"at {where} (O_DIRECT: {ssd.direct_io})\n"
             )
             say(f"{'turn':>4}  {'conversation':<12} {'tokens':>6}  {'history from':<12}  where now")
             # conversations take turns in a random order, like users who think between turns
@@ -114,11 +119,35 @@ async def run_demo(
                     f"read {t.bytes_read:>11,} B  written {t.bytes_written:>11,} B"
                 )
             say("\nevery load matched what was appended, byte for byte")
+            if keep:
+                say(
+                    f"the SSD tier's files are kept in {where} (what is in host memory at the "
+                    f"end is not: it ends with the process); check them: tieredkv fsck {where}"
+                )
             if url is not None and linger > 0:
                 until = "until Ctrl-C" if math.isinf(linger) else f"for {linger:g} s"
                 say(f"serving the metrics at {url} {until}", flush=True)
                 await anyio.sleep(linger)
             return {"hits": stats.hits, "misses": stats.misses, "loads": stats.loads}
+
+
+@contextlib.asynccontextmanager
+async def _ssd_directory(directory: Path | None) -> AsyncIterator[Path]:
+    """``directory``, or a temporary one removed afterwards (made and removed in a worker
+    thread: the event loop never waits for the file system)."""
+    if directory is not None:
+        yield directory
+        return
+    tmp = await anyio.to_thread.run_sync(
+        functools.partial(tempfile.mkdtemp, prefix="tieredkv-demo-")
+    )
+    try:
+        yield Path(tmp) / "ssd"
+    finally:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(
+                functools.partial(shutil.rmtree, tmp, ignore_errors=True)
+            )
 
 
 @contextlib.asynccontextmanager

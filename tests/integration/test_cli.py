@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from tieredkv.cli import main
@@ -66,6 +67,9 @@ BAD_ARGUMENTS = [
     (["reproduce", "--rates", "10,fast"], "--rates must be numbers separated by commas"),
     (["reproduce", "--rates", ","], "--rates names no rate"),
     (["reproduce", "--rates", "10,-5"], "every rate of --rates must be a positive number"),
+    (["reproduce", "--rates", "-5,10"], "every rate of --rates must be a positive number (got -5)"),
+    (["reproduce", "--rates", "-.5"], "every rate of --rates must be a positive number (got -0.5)"),
+    (["reproduce", "--rates"], "argument --rates: expected a value after it (write a value that"),
     (["reproduce", "--rate", "0"], "--rate must be a positive number (got 0)"),
     (["reproduce", "--slo", "0"], "--slo must be a positive number (got 0)"),
     (["reproduce", "--eviction", "lru"], "unrecognized arguments: --eviction lru"),
@@ -178,3 +182,95 @@ def test_a_valid_trace_passes_the_checks(capsys: pytest.CaptureFixture[str]) -> 
     )  # fmt: skip
     assert code == 0
     assert "mooncake workload, 20 users/min" in capsys.readouterr().out
+
+
+def test_simulate_on_a_trace_picks_a_rate_the_ideal_keeps_up_with(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Without --rate, a trace runs at the highest of its native rate / 2, / 4, ... at
+    which the ideal system meets the SLO (half the native rate saturated every system)."""
+    argv = ["simulate", "--workload", "mooncake", "--trace", str(MOONCAKE_TRACE),
+            "--systems", "bidaw,ideal", "--model", "llama-3-8b", "--gpu", "h200",
+            "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "at which the ideal system meets the SLO; --rate to choose)" in out
+    ideal = next(line for line in out.splitlines() if line.startswith("ideal "))
+    assert float(ideal.split()[1]) <= 40.0  # the SLO of 340-token answers: 5 * 343 / 44 s
+    assert "saturated" not in out
+
+
+def test_simulate_says_plainly_when_every_system_misses_the_slo(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    trace = ["--workload", "mooncake", "--trace", str(MOONCAKE_TRACE), "--no-progress"]
+    # at the trace's own rate one H200 cannot keep up: a queue, whatever the cache
+    assert main(["simulate", *trace, "--systems", "bidaw,ideal", "--model", "llama-3-8b",
+                 "--gpu", "h200", "--rate", "138"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "\nsaturated: even the ideal system (all KV in host memory) misses the 40 s " in out
+    assert "at 17.25 users/min the ideal system meets the SLO (" in out  # 138 / 8
+    assert out.rstrip().endswith("lower --rate.")
+    # OPT-13B on an A800: the 8-12k-token prompts take longer than the SLO at any rate
+    assert main(["simulate", *trace, "--systems", "ideal", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert msgspec.json.decode(captured.out.splitlines()[-1])["system"] == "ideal"
+    assert captured.err.startswith("tieredkv simulate: too slow for the SLO: even the ideal")
+    assert "a lower rate will not help" in captured.err
+    # a system that misses the SLO where the ideal meets it is a finding, not a saturation
+    slow = ["simulate", "--minutes", "20", "--rate", "25", "--systems", "vllm", "--no-progress"]
+    assert main(slow) == 0
+    out = capsys.readouterr().out
+    vllm = next(line for line in out.splitlines() if line.startswith("vllm "))
+    assert float(vllm.split()[1]) > 5.0
+    assert "ideal system" not in out
+
+
+def test_demo_options_have_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for flag, words in [
+        ("--conversations CONVERSATIONS", "conversations taking turns (default 5)"),
+        ("--turns TURNS", "turns per conversation (default 4)"),
+        ("--seed SEED", "seed of the KV and the turn lengths (default 0)"),
+        ("--keep DIR", "keep the SSD tier's files in DIR"),
+    ]:
+        assert f"{flag} {words}" in text, flag
+
+
+def test_demo_keep_leaves_a_directory_that_fsck_and_inspect_read(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    kept = tmp_path / "kept"
+    assert main(["demo", "--keep", str(kept)]) == 0
+    out = capsys.readouterr().out
+    assert f"the SSD tier's files are kept in {kept}" in out
+    assert f"tieredkv fsck {kept}" in out
+    assert main(["fsck", str(kept)]) == 0  # clean
+    assert capsys.readouterr().out.rstrip().endswith("clean")
+    assert main(["inspect", str(kept)]) == 0
+    sessions = [line for line in capsys.readouterr().out.splitlines() if "conversation-" in line]
+    assert sessions  # the conversations demoted to SSD, with every turn
+    # a second demo into the same folder would start afresh over the kept tier: refused
+    line = _rejected(capsys, ["demo", "--keep", str(kept)])
+    assert f"--keep {kept}: is not empty" in line
+    (tmp_path / "file").write_text("keep me")
+    assert "exists and is not a folder" in _rejected(
+        capsys, ["demo", "--keep", str(tmp_path / "file")]
+    )
+    assert (tmp_path / "file").read_text() == "keep me"
+
+
+def test_simulate_scheduler_replaces_every_systems_scheduler(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--scheduler bidaw on CachedAttention (whose FCFS has a look-ahead window): the
+    window goes with the scheduler it belongs to."""
+    argv = ["simulate", "--minutes", "2", "--rate", "5", "--scheduler", "bidaw",
+            "--systems", "cachedattention,flashgen", "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("\ncachedattention ") == 1
+    assert out.count("\nflashgen ") == 1

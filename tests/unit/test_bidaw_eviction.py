@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tieredkv.meta import KVMeta, MetadataChannel, TierInfo
 from tieredkv.policies import BidawEviction
-from tieredkv.policies._reuse import ReuseTracker
+from tieredkv.policies.reuse import ReuseTracker
 
 GB = 10**9
 

@@ -14,6 +14,7 @@ from tieredkv.policies import (
     BidawEviction,
     BidawScheduler,
     Eviction,
+    LookAheadFCFS,
     QueueEnhanced,
     Scheduler,
     eviction_names,
@@ -21,6 +22,7 @@ from tieredkv.policies import (
     make_scheduler,
     register_eviction,
     scheduler_names,
+    scheduler_parameters,
 )
 
 
@@ -34,9 +36,24 @@ def test_every_eviction_policy_is_registered() -> None:
 
 
 def test_every_scheduler_is_registered() -> None:
-    assert scheduler_names() == ["fcfs", "bidaw"]
+    assert scheduler_names() == ["fcfs", "bidaw", "fcfs-lookahead"]
     assert type(make_scheduler("fcfs")) is FCFS
     assert type(make_scheduler("bidaw")) is BidawScheduler
+    default = make_scheduler("fcfs-lookahead")
+    assert isinstance(default, LookAheadFCFS)
+    assert type(default) is LookAheadFCFS
+    assert default.window == 30  # CachedAttention's
+    # FCFS with a look-ahead window is CachedAttention's scheduler
+    lookahead = make_scheduler("fcfs", window=5)
+    assert isinstance(lookahead, LookAheadFCFS)
+    assert type(lookahead) is LookAheadFCFS
+    assert lookahead.window == 5
+    assert scheduler_parameters("FCFS") == {"max_loads", "prefetch", "window"}
+    assert {"max_loads", "bandwidth", "latency"} <= scheduler_parameters("bidaw")
+    with pytest.raises(UnknownPolicyError, match="known: bidaw, fcfs, fcfs-lookahead"):
+        scheduler_parameters("sjf")
+    with pytest.raises(ValueError, match="needs prefetch=True"):
+        make_scheduler("fcfs", window=5, prefetch=False)
 
 
 def test_names_are_forgiving_and_kwargs_reach_the_constructor() -> None:

@@ -15,6 +15,7 @@ from .fcfs import FCFS as FCFS
 from .fifo import FIFO as FIFO
 from .ghost import GhostCache as GhostCache
 from .lfu import LFU as LFU
+from .lookahead import LookAheadFCFS as LookAheadFCFS
 from .lru import LRU as LRU
 from .queue_enhanced import QueueEnhanced as QueueEnhanced
 from .registry import eviction_names as eviction_names
@@ -23,6 +24,7 @@ from .registry import make_scheduler as make_scheduler
 from .registry import register_eviction as register_eviction
 from .registry import register_scheduler as register_scheduler
 from .registry import scheduler_names as scheduler_names
+from .registry import scheduler_parameters as scheduler_parameters
 from .scheduling import Request as Request
 from .scheduling import Scheduler as Scheduler
 
@@ -37,6 +39,7 @@ __all__ = [
     "Eviction",
     "Foresight",
     "GhostCache",
+    "LookAheadFCFS",
     "QueueEnhanced",
     "Request",
     "Scheduler",
@@ -46,4 +49,5 @@ __all__ = [
     "register_eviction",
     "register_scheduler",
     "scheduler_names",
+    "scheduler_parameters",
 ]

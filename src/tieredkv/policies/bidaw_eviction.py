@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import bisect
-import heapq
 import itertools
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence, Set
 
 import numpy as np
 
 from ..meta import KVMeta, MetadataView
-from ._reuse import ReuseTracker
 from .ghost import GhostCache
+from .ranking import RESCORE_BINS, ResidentRanking
+from .reuse import ReuseTracker
 
 __all__ = ["DEFAULT_ANSWER_EDGES", "BidawEviction"]
-
-_Candidate = tuple[float, int, int, str, int]  # (score, end, group, session, group version)
-_RESCORE_BINS = 2  # rescore candidates after this many bins of traffic
 
 DEFAULT_ANSWER_EDGES: tuple[int, ...] = (8, 16, 24, 32, 40, 48, 64, 80, 112, 160, 256)
 """Upper edges (exclusive, in tokens) of the previous-answer-length buckets; one more
@@ -82,14 +79,12 @@ class BidawEviction:
     the first period fills, after 16, 32, 64, ... accesses, so a young cache learns early);
     each table is
     lowered to the largest function below it that rises to the peak of its first mode and
-    then never rises again (once overdue, potential only falls). Residents are grouped by
-    (bucket, power-of-two size class) and kept in access order within a group; elapsed
-    distance falls along that order, so a group's lowest score is at its oldest or its
-    newest member. A heap of those two candidates per group is patched for the groups that
-    changed and rescored after two bins of traffic; :meth:`victims` pops it, walking a
-    group past protected or already chosen sessions, O((changed groups + victims) log n).
-    Ties go to the oldest. Before any table exists (no capacity, no samples) the order is
-    LRU. ``docs/explanation/bidaw-eviction.md`` has the measurements behind these choices.
+    then never rises again (once overdue, potential only falls). Residents are ranked by
+    a :class:`~tieredkv.policies.ranking.ResidentRanking` (grouped by bucket and size
+    class, a heap of each group's two ends, O((changed groups + victims) log n) per
+    :meth:`victims` call); ties go to the oldest. Before any table exists (no capacity, no
+    samples) the order is LRU. ``docs/explanation/bidaw-eviction.md`` has the
+    measurements behind these choices.
 
     State is bounded: sessions whose elapsed distance passes the horizon are forgotten
     (resident ones are flagged overdue, potential 0), at most ``max_tracked`` are tracked,
@@ -157,20 +152,9 @@ class BidawEviction:
         self._returned = [0.0] * self._buckets
         self._departed = [0.0] * self._buckets
         self._resident: dict[str, int] = {}
-        self._groups: dict[int, OrderedDict[str, None]] = {}
         self._bytes = 0
         self._tables: list[list[float]] | None = None
-        # Candidates: the oldest and newest resident of every group, scored, in a heap that
-        # is patched (as notifications come, not in victims()) for the groups that changed,
-        # and rescored a few groups per access, in turn, so that every group is rescored
-        # within two bins of traffic (an elapsed distance moves by two bins at most).
-        self._versions: dict[int, int] = {}  # group -> version, bumped on every change
-        self._dirty: set[int] = set()
-        self._candidates: list[_Candidate] = []
-        self._rescore_all = True  # new tables, or no scores yet
-        self._cycle: deque[int] = deque()  # groups in rescoring order
-        self._in_cycle: set[int] = set()
-        self._credit = 0.0  # groups due for rescoring
+        self._ranking = ResidentRanking(self._score, size_aware=size_aware)
         self._accesses = 0
         if capacity is not None:
             self._set_capacity(capacity)
@@ -221,10 +205,10 @@ class BidawEviction:
         old = self._resident.get(session)
         self._resident[session] = meta.nbytes
         self._bytes += meta.nbytes - (old or 0)
-        if old is None or self._group_of(seen.bucket, meta.nbytes) != seen.group:
+        if old is None or self._ranking.group_of(seen.bucket, meta.nbytes) != seen.group:
             self._place(session, seen, meta.nbytes)
         elif old != meta.nbytes:  # same group, new size: its score changed
-            self._touch(seen.group)
+            self._ranking.touch(seen.group)
         self._flush()
 
     def on_remove(self, session: str) -> None:
@@ -233,7 +217,8 @@ class BidawEviction:
             return
         self._bytes -= size
         seen = self._seen[session]
-        self._unplace(session, seen)
+        self._ranking.unplace(session, seen.group)
+        seen.group = -1
         if seen.overdue:  # retired past the horizon: nothing left to learn from it
             del self._seen[session]
             self._tracker.forget(session)
@@ -250,34 +235,7 @@ class BidawEviction:
             tiers = view.tiers
             self._set_capacity(tiers[0].capacity if tiers else max(self._bytes, 1))
         self._flush()
-        heap = self._candidates
-        versions = self._versions
-        kept: list[_Candidate] = []  # live candidates popped: they go back afterwards
-        deeper: list[_Candidate] = []  # this call's candidates behind taken/protected ones
-        taken: set[str] = set()
-        freed = 0
-        while freed < need:
-            if deeper and (not heap or deeper[0] < heap[0]):
-                _, end, group, session, _ = heapq.heappop(deeper)
-            elif heap:
-                entry = heapq.heappop(heap)
-                _, end, group, session, version = entry
-                if versions.get(group) != version:
-                    continue  # the group changed since: a fresh entry is in the heap
-                kept.append(entry)
-            else:
-                break
-            if session in taken:
-                continue  # reached from the group's other end too
-            if session not in protected:
-                chosen.append(session)
-                taken.add(session)
-                freed += self._resident[session]
-            following = self._behind(group, end, protected, taken)
-            if following is not None:
-                heapq.heappush(deeper, following)
-        for entry in kept:
-            heapq.heappush(heap, entry)
+        chosen, freed = self._ranking.choose(need, protected, self._resident)
         return chosen if freed >= need else None
 
     def potential(self, session: str) -> float | None:
@@ -356,85 +314,18 @@ class BidawEviction:
 
     def _rescore_some(self, nbytes: int) -> None:
         """Rescore groups in turn, as many as ``nbytes`` of traffic call for."""
-        groups = self._groups
-        if self._capacity is None or not groups:
+        if self._capacity is None:
             return
-        step = self._capacity * _RESCORE_BINS / self.bins_per_capacity
-        self._credit = min(self._credit + len(groups) * nbytes / step, len(groups))
-        cycle = self._cycle
-        while self._credit >= 1 and cycle:
-            group = cycle.popleft()
-            if group not in groups:
-                self._in_cycle.discard(group)
-                continue
-            self._credit -= 1
-            self._touch(group)
-            cycle.append(group)
+        self._ranking.rescore_some(nbytes, self._capacity * RESCORE_BINS / self.bins_per_capacity)
 
     def _flush(self) -> None:
-        """Bring the candidates heap up to date with the groups that changed."""
+        """Bring the candidates up to date with the groups that changed."""
         if self._capacity is None:
             return  # no scores before the capacity is known (the first victims() call)
-        versions = self._versions
-        if self._rescore_all:
-            self._candidates = []
-            self._dirty = set(self._groups)
-            self._rescore_all = False
-        elif len(self._candidates) > 2 * len(self._groups) + 32:  # few stale to pop
-            live = [c for c in self._candidates if versions.get(c[2]) == c[4]]
-            heapq.heapify(live)
-            self._candidates = live
-        heap = self._candidates
-        for group in self._dirty:
-            order = self._groups.get(group)
-            if order is None:
-                continue
-            version = versions[group]
-            oldest = next(iter(order))
-            heapq.heappush(heap, (self._score(oldest), 0, group, oldest, version))
-            newest = next(reversed(order))
-            if newest != oldest:
-                heapq.heappush(heap, (self._score(newest), 1, group, newest, version))
-        self._dirty.clear()
-
-    def _behind(
-        self, group: int, end: int, protected: Set[str], taken: set[str]
-    ) -> _Candidate | None:
-        """The first resident from ``end`` of ``group`` neither taken nor protected."""
-        order = self._groups[group]
-        for session in iter(order) if end == 0 else reversed(order):
-            if session not in taken and session not in protected:
-                return (self._score(session), end, group, session, self._versions[group])
-        return None
-
-    def _touch(self, group: int) -> None:
-        self._versions[group] = self._versions.get(group, 0) + 1
-        self._dirty.add(group)
-
-    def _group_of(self, bucket: int, nbytes: int) -> int:
-        # Size classes are powers of two: within a group sizes differ by 2x at most.
-        return bucket << 7 | (nbytes.bit_length() if self.size_aware else 0)
+        self._ranking.flush()
 
     def _place(self, session: str, seen: _Seen, nbytes: int) -> None:
-        if seen.group >= 0:
-            self._unplace(session, seen)
-        seen.group = self._group_of(seen.bucket, nbytes)
-        order = self._groups.get(seen.group)
-        if order is None:
-            order = self._groups[seen.group] = OrderedDict()
-            if seen.group not in self._in_cycle:
-                self._in_cycle.add(seen.group)
-                self._cycle.append(seen.group)
-        order[session] = None
-        self._touch(seen.group)
-
-    def _unplace(self, session: str, seen: _Seen) -> None:
-        order = self._groups[seen.group]
-        del order[session]
-        if not order:
-            del self._groups[seen.group]
-        self._touch(seen.group)
-        seen.group = -1
+        seen.group = self._ranking.place(session, seen.group, seen.bucket, nbytes)
 
     def _sweep(self) -> None:
         capacity = self._capacity
@@ -491,7 +382,7 @@ class BidawEviction:
         tail = np.cumsum(mass[:, ::-1], axis=1)[:, ::-1] + never[:, None]
         tables = numerator / np.maximum(tail, 1e-12)
         self._tables = [_unimodal(row) for row in tables.tolist()]
-        self._rescore_all = True
+        self._ranking.rescore_all()
 
 
 def _unimodal(row: list[float]) -> list[float]:

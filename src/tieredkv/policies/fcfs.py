@@ -26,18 +26,34 @@ class FCFS(LoadQueue):
     engine asks for work (:meth:`pop_ready`) and finds the head of the queue waiting for
     its KV; only then does that one load start, and the engine idles until it lands. With
     ``prefetch=True`` (the default) loads start in arrival order as soon as requests are
-    queued, so a queued request's load overlaps the running one (CachedAttention's
-    scheduler-aware prefetching); the head still blocks the line if its load is late.
+    queued, so a queued request's load overlaps the running one; the head still blocks the
+    line if its load is late. With a look-ahead ``window`` (CachedAttention's
+    scheduler-aware fetching, :class:`~tieredkv.policies.LookAheadFCFS`) only the loads of
+    the next ``window`` queued requests may start, in queue order: a request's place in the
+    queue is the number of requests submitted before it and not yet handed out, so requests
+    must be submitted in arrival order (a request submitted out of order makes the window
+    approximate, never unsafe).
 
     :param max_loads: loads in flight at most
     :param prefetch: start the loads of queued requests ahead of time (else on demand)
+    :param window: with ``prefetch``, queued requests (from the head) whose loads may
+        start (``None``: every queued request's)
+    :raises ValueError: for a window below 1, or a window without ``prefetch``
     """
 
     name = "fcfs"
 
-    def __init__(self, max_loads: int = 1, *, prefetch: bool = True) -> None:
+    def __init__(
+        self, max_loads: int = 1, *, prefetch: bool = True, window: int | None = None
+    ) -> None:
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1 queued requests (got {window})")
+        if window is not None and not prefetch:
+            raise ValueError("a look-ahead window bounds prefetching: it needs prefetch=True")
         super().__init__(max_loads)
         self.prefetch = prefetch
+        self.window = window
+        self._handed = 0  # requests handed out so far (the head's place in the queue)
         self._wanted: Load | None = None  # on demand: the head's load, once asked for
         self._queue: list[tuple[tuple[float, int], Entry]] = []
         self._load_queue: list[tuple[tuple[float, int], Load]] = []
@@ -58,11 +74,24 @@ class FCFS(LoadQueue):
         if not self.prefetch:
             load, self._wanted = self._wanted, None
             return load if load is not None and not load.done and not load.started else None
-        while self._load_queue:
-            _, load = heapq.heappop(self._load_queue)
-            if not load.done:  # else finished before we started it (reported early)
-                return load
+        queue = self._load_queue
+        while queue:
+            load = queue[0][1]
+            if load.done:  # finished before we started it (reported early)
+                heapq.heappop(queue)
+                continue
+            # entries are numbered 1, 2, ... at submission: the head's number is handed + 1
+            if self.window is not None and load.entries[0].key[1] - 1 - self._handed >= (
+                self.window
+            ):
+                return None
+            heapq.heappop(queue)
+            return load
         return None
+
+    def _hand_out(self, request: Request) -> None:
+        super()._hand_out(request)
+        self._handed += 1
 
     def load_finished(self, session: str, now: float, *, ok: bool = True) -> list[Request]:
         load = self._finish_load(session)

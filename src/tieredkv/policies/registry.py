@@ -12,6 +12,7 @@ Names are case-insensitive and ``_`` equals ``-``. Third-party policies join wit
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,7 @@ from .bidaw_scheduler import BidawScheduler
 from .fcfs import FCFS
 from .fifo import FIFO
 from .lfu import LFU
+from .lookahead import LookAheadFCFS
 from .lru import LRU
 from .queue_enhanced import QueueEnhanced
 from .scheduling import Scheduler
@@ -34,6 +36,7 @@ __all__ = [
     "register_eviction",
     "register_scheduler",
     "scheduler_names",
+    "scheduler_parameters",
 ]
 
 _EVICTIONS: dict[str, Callable[..., Eviction]] = {
@@ -44,9 +47,22 @@ _EVICTIONS: dict[str, Callable[..., Eviction]] = {
     "belady": Belady,
     "bidaw": BidawEviction,
 }
+
+
+def fcfs(max_loads: int = 1, *, prefetch: bool = True, window: int | None = None) -> FCFS:
+    """The ``"fcfs"`` scheduler: :class:`FCFS`, or with a look-ahead ``window``
+    :class:`LookAheadFCFS` (which decides as ``FCFS(window=...)`` does)."""
+    if window is None:
+        return FCFS(max_loads, prefetch=prefetch)
+    if not prefetch:
+        raise ValueError("a look-ahead window bounds prefetching: it needs prefetch=True")
+    return LookAheadFCFS(max_loads, window=window)
+
+
 _SCHEDULERS: dict[str, Callable[..., Scheduler]] = {
-    "fcfs": FCFS,
+    "fcfs": fcfs,
     "bidaw": BidawScheduler,
+    "fcfs-lookahead": LookAheadFCFS,
 }
 
 
@@ -80,6 +96,20 @@ def make_scheduler(name: str, **kwargs: Any) -> Scheduler:
     except KeyError:
         raise UnknownPolicyError("scheduler", name, list(_SCHEDULERS)) from None
     return factory(**kwargs)
+
+
+def scheduler_parameters(name: str) -> frozenset[str]:
+    """The keyword arguments the scheduler ``name``'s factory takes (an engine passes the
+    settings a scheduler knows what to do with: ``window``, ``prefetch``, ``bandwidth``,
+    ``latency``, ...; every registered factory takes ``max_loads``).
+
+    :raises UnknownPolicyError: for a name not registered (the message lists the known ones)
+    """
+    try:
+        factory = _SCHEDULERS[_key(name)]
+    except KeyError:
+        raise UnknownPolicyError("scheduler", name, list(_SCHEDULERS)) from None
+    return frozenset(inspect.signature(factory).parameters)
 
 
 def eviction_names() -> list[str]:

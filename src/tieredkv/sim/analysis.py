@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from ..policies._reuse import ReuseTracker
+from ..policies.reuse import ReuseTracker
 from .trace import Turns
 
 __all__ = [

@@ -26,6 +26,7 @@ import msgspec
 
 from ..meta import KVMeta, TierInfo, advance_meta
 from ..policies.base import Eviction
+from ..residency import Residency
 from .trace import Turns
 
 __all__ = ["OPT_13B_BYTES_PER_TOKEN", "ReplayResult", "replay"]
@@ -97,6 +98,9 @@ class _View:
     def get(self, session: str) -> KVMeta | None:
         return self._metas.get(session)
 
+    def put(self, meta: KVMeta) -> None:
+        self._metas[meta.session] = meta
+
     @property
     def waiting(self) -> tuple[str, ...]:
         # Computed on demand: only QueueEnhanced asks, and only when evicting.
@@ -143,12 +147,14 @@ def replay(
     )
     view = _View(sessions, window, tiers)
     metas = view._metas
+    # every notification in the one order (publish, then the policy)
+    residency = Residency(view, [policy])
+    accessed = residency.accessed
+    admitted = residency.admitted
+    removed = residency.removed
     resident: dict[str, int] = {}
     history: dict[str, int] = {}  # session -> bytes of its history after its latest turn
     used = hits = misses = hit_bytes = miss_bytes = evictions = rejected = 0
-    on_access = policy.on_access
-    on_admit = policy.on_admit
-    on_remove = policy.on_remove
     victims = policy.victims
     for i, session in enumerate(sessions):
         now = times[i]
@@ -178,29 +184,30 @@ def replay(
             next_access=times[n] if n >= 0 else None,
             accesses=rounds[i] + 1,
         )
-        metas[session] = meta
         view._i = i
-        on_access(session, meta, now)
         old = held or 0
         need = used - old + nbytes - host_bytes
-        if need > 0:
-            chosen = (
-                victims(need, now, view, frozenset((session,))) if nbytes <= host_bytes else None
-            )
-            if chosen is None:
-                rejected += 1
-                if held is not None:  # it cannot grow in place: it leaves host memory
-                    del resident[session]
-                    used -= held
-                    on_remove(session)
-                continue
-            for victim in chosen:
-                used -= resident.pop(victim)
-                on_remove(victim)
-            evictions += len(chosen)
+        if need <= 0:  # it fits: the access, then the admission
+            accessed(meta, now, 0)
+            resident[session] = nbytes
+            used += nbytes - old
+            continue
+        accessed(meta, now)  # the access first; then room is made; then the admission
+        chosen = victims(need, now, view, frozenset((session,))) if nbytes <= host_bytes else None
+        if chosen is None:
+            rejected += 1
+            if held is not None:  # it cannot grow in place: it leaves host memory
+                del resident[session]
+                used -= held
+                removed(session, 0)
+            continue
+        for victim in chosen:
+            used -= resident.pop(victim)
+            removed(victim, 0)
+        evictions += len(chosen)
         resident[session] = nbytes
         used += nbytes - old
-        on_admit(session, meta, now)
+        admitted(meta, now, 0)
     return ReplayResult(
         policy=policy.name,
         host_bytes=host_bytes,

@@ -13,27 +13,27 @@ Experiments (each a section, a table and a figure):
 
 The *reference rate* of the single-rate experiments is, unless given, the lowest swept
 rate at which host memory holds under half of the mean live KV (K/V bytes): the pressure
-the paper studies.
+the paper studies. The report is rendered by :mod:`.render` (Markdown) and :mod:`.plots`
+(figures); both are re-exported here.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any
 
 import msgspec
 import numpy as np
 
 from ..policies import make_eviction
 from .analysis import answer_groups, live_kv, reuse_distances, share_beyond
-from .calibration import calibration_rows, paper_setup
+from .config import SimConfig, SimResult, steady_state
 from .costmodel import get_model
-from .engine import SimConfig, SimResult
+from .plots import figures
+from .render import render_markdown, summary_note, summary_table, write_report
 from .replay import replay
+from .saturation import PAPER_SLO, default_slo, workload_slo
 from .sweep import Job, curve_throughput, run_curves
 from .synthetic import SyntheticWorkload, describe
 from .systems import ABLATIONS, SystemSpec, get_system
@@ -46,8 +46,12 @@ __all__ = [
     "ReproduceReport",
     "default_rates",
     "default_slo",
+    "figures",
+    "render_markdown",
     "reproduce",
+    "summary_note",
     "summary_table",
+    "write_report",
 ]
 
 REPLAY_POLICIES = ("fifo", "lru", "lfu", "queue-enhanced", "bidaw", "belady")
@@ -59,10 +63,6 @@ TRACE_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1.0)
 """Default sweep of a recorded trace, as fractions of its native users per minute: never
 above what the trace carries, and down to where one GPU keeps up with it."""
 
-PAPER_SLO = 5.0
-"""The paper's mean-latency SLO, seconds, for answers of 44 tokens on average."""
-_PAPER_ANSWER = 44.0
-
 
 def default_rates(workload: WorkloadSpec) -> tuple[float, ...]:
     """The sweep ``reproduce`` runs when none is given: :data:`SYNTHETIC_RATES` for
@@ -72,13 +72,6 @@ def default_rates(workload: WorkloadSpec) -> tuple[float, ...]:
         return SYNTHETIC_RATES
     # two decimals, rounded down: a rate above the native one cannot be sampled
     return tuple(math.floor(native * f * 100) / 100 for f in TRACE_FRACTIONS)
-
-
-def default_slo(mean_answer: float) -> float:
-    """The paper's 5 s SLO, stretched for workloads whose answers are longer than the
-    industrial trace's 44 tokens on average (decoding time grows with the answer):
-    ``5 * max(1, mean_answer / 44)`` seconds."""
-    return PAPER_SLO * max(1.0, mean_answer / _PAPER_ANSWER)
 
 
 class ReproduceOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -125,6 +118,8 @@ class ReproduceReport(msgspec.Struct, kw_only=True):
     :param spearman: Spearman correlation of answer length and lower bound
     :param beyond_host: share of accesses whose reuse distance exceeds host memory
     :param load_cv: per system name, KV load-time CV at the reference rate
+    :param reference: per system name, the result at the reference rate (simulated there
+        even when the sweep does not include that rate)
     :param rates: the rates swept (sorted), users per minute
     :param slo: the SLO of the throughput metric, seconds
     :param native_rate: users per minute of a recorded trace (``None``: generated)
@@ -148,20 +143,13 @@ class ReproduceReport(msgspec.Struct, kw_only=True):
     spearman: float
     beyond_host: float
     load_cv: dict[str, float]
+    reference: dict[str, SimResult] = msgspec.field(default_factory=dict)
     rates: tuple[float, ...] = ()
     slo: float = PAPER_SLO
     native_rate: float | None = None
     shape: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
     seconds: float = 0.0
     plots: list[str] = msgspec.field(default_factory=list)
-
-
-def _measure(config: SimConfig, workload: WorkloadSpec) -> SimConfig:
-    """Count the steady state of a generated workload only (not its ramp-up and -down)."""
-    if workload.kind in ("synthetic", "sharegpt") and config.warmup == 0 and config.until is None:
-        end = workload.minutes * 60.0
-        return msgspec.structs.replace(config, warmup=0.375 * end, until=end)
-    return config
 
 
 def reproduce(
@@ -171,7 +159,7 @@ def reproduce(
     started = time.monotonic()
     opts = options
     wl = opts.workload
-    base = _measure(opts.config, wl)
+    base = steady_state(opts.config, wl)
     model = get_model(base.model)
     kv_bpt = model.kv_bytes_per_token
     host_bytes = base.host_gb * 1e9
@@ -197,10 +185,7 @@ def reproduce(
         users = max(1, round(ref * wl.minutes))
         synthetic = SyntheticWorkload(users=users, arrival_rate=ref / 60, seed=wl.seed)
         shape["synthetic"] = describe(synthetic.generate())
-    slo = opts.slo
-    if slo is None:  # the synthetic workload is the paper's shape: its SLO as is
-        answer = shape["workload"].get("answer_mean", _PAPER_ANSWER)
-        slo = PAPER_SLO if wl.kind == "synthetic" else default_slo(answer)
+    slo = opts.slo if opts.slo is not None else workload_slo(wl, ref_turns)
 
     # every simulation, deduplicated (a preset and an equal ablation step run once)
     jobs: dict[bytes, Job] = {}
@@ -212,6 +197,9 @@ def reproduce(
         return key
 
     sweep_keys = {name: [job(get_system(name), r, base) for r in rates] for name in opts.systems}
+    # the single-rate figures of every system, at the reference rate itself (a job of the
+    # sweep when the sweep includes that rate)
+    ref_keys = {name: job(get_system(name), ref, base) for name in opts.systems}
     rate_set = sorted({*rates, ref})
     ablation_keys = {s.name: [job(s, r, base) for r in rate_set] for s in ABLATIONS}
     host_keys = {
@@ -238,7 +226,7 @@ def reproduce(
         *(ks for per in host_keys.values() for ks in per.values()),
         *(ks for per in ssd_keys.values() for ks in per.values()),
     ]
-    must = {k for ks in full for k in ks}
+    must = {k for ks in full for k in ks} | set(ref_keys.values())
     must |= {ks[rate_set.index(ref)] for ks in ablation_keys.values()}
     sim_share = 0.9
 
@@ -247,7 +235,12 @@ def reproduce(
             progress(sim_share * f)
 
     results = run_curves(
-        jobs, [*full, *partial], slo, must=must, workers=opts.workers, progress=sim_progress
+        jobs,
+        [*full, *([k] for k in ref_keys.values()), *partial],
+        slo,
+        must=must,
+        workers=opts.workers,
+        progress=sim_progress,
     )
 
     def tput(ks: Sequence[bytes], rs: Sequence[float]) -> float:
@@ -265,11 +258,8 @@ def reproduce(
     ssd_bandwidth = {
         name: {bw: tput(ks, rates) for bw, ks in per.items()} for name, per in ssd_keys.items()
     }
-    load_cv = {
-        name: results[job(get_system(name), ref, base)].load_time_cv
-        for name in opts.systems
-        if job(get_system(name), ref, base) in results
-    }
+    reference = {name: results[k] for name, k in ref_keys.items()}
+    load_cv = {name: r.load_time_cv for name, r in reference.items()}
 
     # eviction-only replay and the reuse-distance analysis at the reference rate
     turns = ref_turns
@@ -311,417 +301,10 @@ def reproduce(
         spearman=g.spearman,
         beyond_host=share_beyond(d, host_bytes),
         load_cv=load_cv,
+        reference=reference,
         rates=rates,
         slo=slo,
         native_rate=native,
         shape=shape,
         seconds=time.monotonic() - started,
     )
-
-
-# -- rendering ------------------------------------------------------------------------
-def _cell(v: object) -> str:
-    """A table cell: floats to 3 decimals below 10, else 1 (``-`` when not finite)."""
-    if isinstance(v, float):
-        if not np.isfinite(v):
-            return "-"
-        return f"{v:,.3f}" if abs(v) < 10 else f"{v:,.1f}"
-    return str(v)
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cell = _cell
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def summary_table(report: ReproduceReport) -> str:
-    """The report's summary: per system, throughput at the SLO and latency at the
-    reference rate (Markdown)."""
-    ref = report.reference_rate
-    rates = list(report.rates)
-    rows: list[list[object]] = []
-    bidaw_tp = report.throughputs.get("bidaw")
-    for name, results in report.sweep.items():
-        r = results[rates.index(ref)] if ref in rates else results[-1]
-        tp = report.throughputs[name]
-        rel = f"{bidaw_tp / tp:.2f}x" if bidaw_tp and tp > 0 and name != "bidaw" else "-"
-        rows.append(
-            [
-                name,
-                tp,
-                rel,
-                r.latency_mean,
-                r.latency_p90,
-                r.latency_p99,
-                r.queueing_mean,
-                r.ttft_mean,
-                r.host_hit_ratio if r.accesses else float("nan"),
-                r.gpu_busy,
-            ]
-        )
-    return _table(
-        [
-            "system",
-            f"throughput (users/min, mean latency <= {report.slo:g} s)",
-            "bidaw's throughput over it",
-            f"mean latency @ {ref:g}/min (s)",
-            "P90 (s)",
-            "P99 (s)",
-            "queueing (s)",
-            "TTFT (s)",
-            "host hit ratio",
-            "GPU busy",
-        ],
-        rows,
-    )
-
-
-def render_markdown(report: ReproduceReport, command: str) -> str:
-    """The report as Markdown (figures referenced by file name, if any were written)."""
-    o = report.options
-    c = _measure(o.config, o.workload)
-    ref = report.reference_rate
-    rates = list(report.rates)
-    plots = set(report.plots)
-
-    def fig(name: str, caption: str) -> str:
-        return f"\n![{caption}]({name})\n" if name in plots else ""
-
-    out: list[str] = []
-    out.append("# tieredkv reproduce: Bidaw (FAST'26) experiments in simulation\n")
-    out.append(f"Command: `{command}` ({report.seconds:.0f} s wall time).\n")
-    if not plots:
-        out.append(
-            "Plots were not drawn: matplotlib is not installed "
-            "(`pip install 'tieredkv[plots]'` and run again). Tables only.\n"
-        )
-    wl = o.workload
-    source = wl.kind if not wl.paths else f"{wl.kind} ({', '.join(wl.paths)})"
-    out.append("## Setup\n")
-    out.append(
-        _table(
-            ["setting", "value"],
-            [
-                ["workload", source],
-                ["minutes of arrivals (generated workloads)", wl.minutes],
-                ["seed", wl.seed],
-                ["model", c.model],
-                ["GPU", c.gpu],
-                ["host memory (GB)", c.host_gb],
-                ["SSD bandwidth (GB/s)", c.ssd_gbps],
-                ["history cap (tokens)", c.history_cap],
-                ["turns counted from / to (s)", f"{c.warmup:g} / {c.until if c.until else 'end'}"],
-                ["latency SLO of the throughput metric (s)", report.slo],
-                ["reference rate (users/min)", ref],
-                [
-                    "native rate of the trace (users/min)",
-                    report.native_rate if report.native_rate is not None else "- (generated)",
-                ],
-            ],
-        )
-    )
-    out.append(_shape_section(report))
-    out.append("\nLoad: mean live KV (K/V bytes of every active conversation) per rate.\n")
-    out.append(
-        _table(
-            ["rate (users/min)", "mean live KV (GB)", "host memory / live KV"],
-            [[r, report.live[r][0] / 1e9, report.live[r][1]] for r in rates],
-        )
-    )
-    out.append("\n## Summary\n")
-    out.append(summary_table(report))
-    out.append(_calibration_section(report, c))
-
-    out.append("\n\n## 1. Response latency vs arrival rate\n")
-    out.append(fig("latency_vs_rate.png", "mean latency vs arrival rate"))
-    out.append(
-        _table(
-            ["rate (users/min)", *report.sweep],
-            [
-                [r, *(report.sweep[s][i].latency_mean for s in report.sweep)]
-                for i, r in enumerate(rates)
-            ],
-        )
-    )
-    out.append(
-        "\nMean / P95 / P99 response latency (s) per system and rate; the ideal's P99 is "
-        "the yardstick of the tail (Bidaw's should stay within 2x of it where the ideal "
-        "meets the SLO):\n"
-    )
-    out.append(
-        _table(
-            ["rate (users/min)", *report.sweep],
-            [
-                [
-                    r,
-                    *(
-                        f"{_cell(x.latency_mean)} / {_cell(x.latency_p95)} / {_cell(x.latency_p99)}"
-                        for x in (report.sweep[s][i] for s in report.sweep)
-                    ),
-                ]
-                for i, r in enumerate(rates)
-            ],
-        )
-    )
-    out.append("\nTail latency at the reference rate (s):\n")
-    out.append(
-        _table(
-            ["system", "mean", "P50", "P90", "P95", "P99"],
-            [
-                [s, x.latency_mean, x.latency_p50, x.latency_p90, x.latency_p95, x.latency_p99]
-                for s, res in report.sweep.items()
-                for x in [res[rates.index(ref)] if ref in rates else res[-1]]
-            ],
-        )
-    )
-
-    out.append("\n\n## 2. Host-memory hit ratio per eviction policy\n")
-    out.append(
-        f"Eviction-only replay at {ref:g} users/min, {c.host_gb:g} GB of host memory, "
-        "K/V bytes (turns before the warm-up not counted).\n"
-    )
-    out.append(fig("hit_ratio.png", "hit ratio per policy"))
-    out.append(
-        _table(
-            ["policy", "hit ratio", "byte hit ratio"],
-            [[p, h, b] for p, (h, b) in report.replay_hits.items()],
-        )
-    )
-
-    out.append("\n\n## 3. Queueing time\n")
-    out.append(fig("queueing.png", "queueing time vs arrival rate"))
-    out.append(
-        _table(
-            ["rate (users/min)", *report.sweep],
-            [
-                [r, *(report.sweep[s][i].queueing_mean for s in report.sweep)]
-                for i, r in enumerate(rates)
-            ],
-        )
-    )
-
-    out.append("\n\n## 4. Ablation\n")
-    out.append(fig("ablation.png", "ablation"))
-    steps = list(report.ablation.items())
-    base_tp = steps[0][1][1] if steps else 0.0
-    out.append(
-        _table(
-            [
-                "configuration",
-                f"mean latency @ {ref:g}/min (s)",
-                "queueing (s)",
-                "host hit ratio",
-                "throughput (users/min)",
-                "vs CachedAttention",
-            ],
-            [
-                [
-                    name,
-                    r.latency_mean,
-                    r.queueing_mean,
-                    r.host_hit_ratio,
-                    tp,
-                    f"{tp / base_tp:.2f}x" if base_tp > 0 else "-",
-                ]
-                for name, (r, tp) in steps
-            ],
-        )
-    )
-
-    out.append("\n\n## 5. Host-memory size\n")
-    out.append(fig("host_memory.png", "throughput vs host memory"))
-    out.append(
-        _table(
-            ["system", *(f"{gb:g} GB" for gb in o.host_sizes)],
-            [[s, *per.values()] for s, per in report.host_memory.items()],
-        )
-    )
-    out.append("\n\n## 6. SSD bandwidth\n")
-    out.append(fig("ssd_bandwidth.png", "throughput vs SSD bandwidth"))
-    out.append(
-        _table(
-            ["system", *(f"{bw:g} GB/s" for bw in o.ssd_bandwidths)],
-            [[s, *per.values()] for s, per in report.ssd_bandwidth.items()],
-        )
-    )
-
-    out.append("\n\n## 7. Reuse distance vs previous answer length\n")
-    out.append(fig("reuse_distance.png", "reuse distance lower bound vs answer length"))
-    out.append(
-        f"At {ref:g} users/min: Spearman correlation of previous answer length and the "
-        f"lower bound of the weighted reuse distance **{report.spearman:.3f}** "
-        f"(paper: 0.94-0.98); accesses whose reuse distance exceeds {c.host_gb:g} GB "
-        f"of host memory: **{report.beyond_host:.1%}** (paper: 80%). KV load-time "
-        "coefficient of variation per system: "
-        + ", ".join(f"{s} {v:.0%}" for s, v in report.load_cv.items())
-        + " (paper: > 90%).\n"
-    )
-    out.append(
-        _table(
-            ["previous answer (tokens, group start)", "lower bound (GB)", "accesses"],
-            [[a, lb / 1e9, n] for a, lb, n in report.groups],
-        )
-    )
-    out.append("")
-    return "\n".join(out)
-
-
-_SHAPE_ROWS = (
-    ("users", "users"),
-    ("turns", "turns"),
-    ("rate_mean", "new users per minute, mean"),
-    ("rate_peak", "new users per minute, busiest 10 minutes"),
-    ("turns_mean", "turns per user, mean"),
-    ("turns_median", "turns per user, median"),
-    ("turns_p90", "turns per user, P90"),
-    ("query_mean", "query tokens, mean"),
-    ("answer_mean", "answer tokens, mean"),
-    ("gap_p10", "think time between turns (s), P10"),
-    ("gap_median", "think time between turns (s), median"),
-    ("gap_p90", "think time between turns (s), P90"),
-    ("final_context_median", "final context per user (tokens), median"),
-    ("final_context_p90", "final context per user (tokens), P90"),
-)
-
-
-def _shape_section(report: ReproduceReport) -> str:
-    """The workload's shape at the reference rate, next to the synthetic stand-in's."""
-    shapes = report.shape
-    if not shapes:
-        return ""
-    names = list(shapes)
-    header = ["statistic", *("this workload" if n == "workload" else n for n in names)]
-    nan = float("nan")
-    rows = [[label, *(shapes[n].get(key, nan) for n in names)] for key, label in _SHAPE_ROWS]
-    text = f"\nWorkload shape at {report.reference_rate:g} users/min"
-    if "synthetic" in shapes:
-        text += (
-            " next to the synthetic workload's at the same rate (the stand-in the paper's "
-            "figures are calibrated on): where they differ, so will the results"
-        )
-    if report.native_rate is not None:
-        text += (
-            f". The trace carries {report.native_rate:.1f} users per minute; a rate below "
-            "it keeps that fraction of its users (Bidaw format) or stretches its time "
-            "(Mooncake)"
-        )
-    return text + ".\n\n" + _table(header, rows) + "\n"
-
-
-def _calibration_section(report: ReproduceReport, config: SimConfig) -> str:
-    """The paper's anchors next to this run's (only meaningful in the paper's setup)."""
-    out = ["\n\n## Paper vs simulated\n"]
-    if (
-        not paper_setup(config)
-        or config.ssd_gbps != 1.5
-        or report.options.workload.kind != ("synthetic")
-    ):
-        out.append(
-            "The paper's anchors were measured with OPT-13B on an A800, 200 GB of host memory "
-            "and a 1.5 GB/s SSD on the authors' trace, which the synthetic workload stands "
-            "in for; this run differs, so they are not compared.\n"
-        )
-        return "\n".join(out)
-    rows = calibration_rows(report.rates, report.sweep, report.ssd_bandwidth, report.slo)
-    out.append(
-        "The supported rates come from sections 1 and 6 (interpolated on the swept rates); "
-        "`docs/explanation/simulator.md` explains where they differ.\n"
-    )
-    out.append(
-        _table(
-            ["figure", "paper", "simulated", "simulated / paper"],
-            [
-                [
-                    r.figure,
-                    r.paper,
-                    r.simulated,
-                    f"{r.deviation:+.0%}" if np.isfinite(r.simulated) else "-",
-                ]
-                for r in rows
-            ],
-        )
-    )
-    return "\n".join(out)
-
-
-def write_report(report: ReproduceReport, out_dir: str | os.PathLike[str], command: str) -> Path:
-    """Write ``report.md`` (and PNG figures when matplotlib is available) into
-    ``out_dir``; returns the Markdown file's path."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    report.plots = _plots(report, out)
-    path = out / "report.md"
-    path.write_text(render_markdown(report, command), encoding="utf-8")
-    return path
-
-
-def _plots(report: ReproduceReport, out: Path) -> list[str]:
-    try:
-        import matplotlib  # type: ignore[import-not-found, unused-ignore]
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
-    except ImportError:
-        return []
-    rates = list(report.rates)
-    written: list[str] = []
-
-    def save(fig: Any, name: str) -> None:
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        written.append(name)
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name, results in report.sweep.items():
-        ax.plot(rates, [r.latency_mean for r in results], marker="o", label=name)
-    ax.axhline(report.slo, color="grey", linestyle="--", linewidth=1, label=f"SLO {report.slo:g} s")
-    ax.set_yscale("log")
-    ax.set_xlabel("arrival rate (users per minute)")
-    ax.set_ylabel("mean response latency (s)")
-    ax.legend()
-    save(fig, "latency_vs_rate.png")
-
-    fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    names = list(report.replay_hits)
-    ax.bar(names, [report.replay_hits[n][0] for n in names], color="tab:blue")
-    ax.set_ylabel("host-memory hit ratio")
-    ax.set_ylim(0, 1)
-    save(fig, "hit_ratio.png")
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name, results in report.sweep.items():
-        ax.plot(rates, [max(r.queueing_mean, 1e-3) for r in results], marker="o", label=name)
-    ax.set_yscale("log")
-    ax.set_xlabel("arrival rate (users per minute)")
-    ax.set_ylabel("mean queueing time (s)")
-    ax.legend()
-    save(fig, "queueing.png")
-
-    fig, ax = plt.subplots(figsize=(7.2, 3.8))
-    steps = list(report.ablation)
-    ax.barh(steps[::-1], [report.ablation[s][1] for s in steps][::-1], color="tab:green")
-    ax.set_xlabel(f"throughput (users/min, mean latency <= {report.slo:g} s)")
-    save(fig, "ablation.png")
-
-    for fname, data, xlabel in (
-        ("host_memory.png", report.host_memory, "host memory (GB)"),
-        ("ssd_bandwidth.png", report.ssd_bandwidth, "SSD bandwidth (GB/s)"),
-    ):
-        fig, ax = plt.subplots(figsize=(6.0, 3.8))
-        for name, per in data.items():
-            ax.plot(list(per), list(per.values()), marker="o", label=name)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("throughput (users/min)")
-        ax.legend()
-        save(fig, fname)
-
-    fig, ax = plt.subplots(figsize=(6.0, 3.8))
-    ax.plot([a for a, _, _ in report.groups], [lb / 1e9 for _, lb, _ in report.groups], marker="o")
-    ax.set_xlabel("previous answer length (tokens)")
-    ax.set_ylabel("reuse distance lower bound (GB)")
-    ax.set_title(f"Spearman {report.spearman:.2f}")
-    save(fig, "reuse_distance.png")
-    return written

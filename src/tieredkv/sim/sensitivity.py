@@ -22,8 +22,8 @@ from typing import Any
 
 import msgspec
 
+from .config import steady_state
 from .engine import SimConfig
-from .report import _measure
 from .sweep import Job, curve_throughput, run_curves
 from .systems import get_system
 from .workloads import WorkloadSpec
@@ -72,7 +72,7 @@ def _point(axis: str, value: Any, minutes: float) -> tuple[WorkloadSpec, SimConf
     scale = value if axis == "answer_scale" else 1.0
     workload = WorkloadSpec(minutes=minutes, answer_scale=scale)
     config = SimConfig() if axis == "answer_scale" else SimConfig(**{axis: value})
-    return workload, _measure(config, workload)
+    return workload, steady_state(config, workload)
 
 
 def sensitivity(

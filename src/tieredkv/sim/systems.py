@@ -24,16 +24,15 @@ switches of ``bidaw`` are overrides: ``scheduler="fcfs"``, ``eviction="queue-enh
 
 from __future__ import annotations
 
-import heapq
 from typing import Any
 
 import msgspec
 
-from ..policies._loads import Load
-from ..policies.fcfs import FCFS
-from ..policies.scheduling import Request
+from ..policies.lookahead import LookAheadFCFS
+from ..policies.registry import make_scheduler, scheduler_parameters
+from ..policies.scheduling import Scheduler
 
-__all__ = ["ABLATIONS", "SYSTEMS", "LookAheadFCFS", "SystemSpec", "get_system"]
+__all__ = ["ABLATIONS", "SYSTEMS", "LookAheadFCFS", "SystemSpec", "build_scheduler", "get_system"]
 
 
 class SystemSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -55,7 +54,8 @@ class SystemSpec(msgspec.Struct, frozen=True, kw_only=True):
     :param eviction_kwargs: extra constructor arguments of the eviction policy
     :param prefetch_window: with the ``fcfs`` scheduler, start SSD loads only for the next
         ``prefetch_window`` queued requests (CachedAttention's look-ahead prefetching window;
-        :class:`LookAheadFCFS`); ``None``: for every queued request, in arrival order
+        :class:`~tieredkv.policies.LookAheadFCFS`, re-exported here); ``None``: for every
+        queued request, in arrival order
     :param prefetch: with the ``fcfs`` scheduler, start the loads of queued requests ahead of
         time; ``False``: a request's load starts when the engine asks for it (on demand)
     :param background_writes: SSD writes (demotions, write-through) are asynchronous
@@ -121,47 +121,33 @@ class SystemSpec(msgspec.Struct, frozen=True, kw_only=True):
             )
 
 
-class LookAheadFCFS(FCFS):
-    """FCFS whose SSD loads start only for the next ``window`` queued requests.
+def build_scheduler(system: SystemSpec, *, ssd_latency: float, ssd_bandwidth: float) -> Scheduler:
+    """A new scheduler for ``system``, built through the policy registry with the settings
+    its factory takes (:func:`~tieredkv.policies.scheduler_parameters`): ``max_loads``;
+    ``window`` (``prefetch_window``) or else ``prefetch``; the SSD's ``latency``; and its
+    ``bandwidth`` with ``hrrn_by_time``.
 
-    CachedAttention (Gao et al., USENIX ATC'24, section 3.3) prefetches, from SSD into host
-    memory, the KV of the jobs inside a look-ahead window of its FCFS job queue, in queue
-    order, so that loads overlap the running jobs without filling host memory with KV that
-    runs much later. This is :class:`~tieredkv.policies.FCFS` (``prefetch=True``) with that
-    window. A request's place in the queue is the number of requests submitted before it
-    and not yet handed out, so requests must be submitted in arrival order (the simulator
-    does; a request submitted out of order makes the window approximate, never unsafe).
-
-    :param max_loads: loads in flight at most
-    :param window: queued requests (from the head) whose loads may start
+    :param ssd_latency: fixed seconds per SSD transfer
+    :param ssd_bandwidth: SSD bytes per second
+    :raises ValueError: for a ``prefetch_window`` on a scheduler that takes no window
+    :raises UnknownPolicyError: for a scheduler name not registered
     """
-
-    name = "fcfs-lookahead"
-
-    def __init__(self, max_loads: int = 1, *, window: int = 30) -> None:
-        if window < 1:
-            raise ValueError(f"window must be >= 1 queued requests (got {window})")
-        super().__init__(max_loads, prefetch=True)
-        self.window = window
-        self._handed = 0  # requests handed out so far
-
-    def _next_load(self, now: float) -> Load | None:
-        queue = self._load_queue
-        while queue:
-            load = queue[0][1]
-            if load.done:
-                heapq.heappop(queue)  # finished before it was started
-                continue
-            # entries are numbered 1, 2, ... at submission: the head's number is handed + 1
-            if load.entries[0].key[1] - 1 - self._handed >= self.window:
-                return None
-            heapq.heappop(queue)
-            return load
-        return None
-
-    def _hand_out(self, request: Request) -> None:
-        super()._hand_out(request)
-        self._handed += 1
+    takes = scheduler_parameters(system.scheduler)
+    kwargs: dict[str, object] = {"max_loads": system.max_loads}
+    if system.prefetch_window is not None:
+        if "window" not in takes:
+            raise ValueError(
+                f"prefetch_window applies to a scheduler with a look-ahead window, such as "
+                f"fcfs (got {system.scheduler!r})"
+            )
+        kwargs["window"] = system.prefetch_window
+    elif "prefetch" in takes:
+        kwargs["prefetch"] = system.prefetch
+    if "latency" in takes:
+        kwargs["latency"] = ssd_latency
+    if "bandwidth" in takes and system.hrrn_by_time:
+        kwargs["bandwidth"] = ssd_bandwidth
+    return make_scheduler(system.scheduler, **kwargs)
 
 
 SYSTEMS: dict[str, SystemSpec] = {
