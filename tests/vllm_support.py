@@ -32,6 +32,7 @@ __all__ = [
     "Turn",
     "answers",
     "kv_transfer_config",
+    "require_vllm",
     "run_engine",
     "tiny_model",
 ]
@@ -54,7 +55,13 @@ class Spec(msgspec.Struct, kw_only=True):
     :param conversations: the first prompt of each conversation (token ids)
     :param queries: per round, per conversation, the next query's token ids (a
         conversation with no entry in a round does not take part in it)
-    :param max_tokens: answer tokens per turn
+    :param max_tokens: answer tokens per turn (exactly: end-of-sequence is ignored)
+    :param first_max_tokens: per conversation, answer tokens of its first turn (default
+        ``max_tokens``)
+    :param max_tokens_per_round: per round, per conversation, answer tokens (default
+        ``max_tokens``)
+    :param pool_blocks: vLLM's KV pool in blocks (``num_gpu_blocks_override``; 0: sized by
+        ``kv_space_gib``)
     :param block_size: vLLM's block size (the CPU backend takes multiples of 32)
     :param max_model_len: the longest prompt plus answer
     :param metrics_urls: URLs to fetch after the last round (their text is returned)
@@ -67,10 +74,13 @@ class Spec(msgspec.Struct, kw_only=True):
     connector: str | None = None
     extra: dict[str, Any] = {}
     prefix_caching: bool = False
-    kv_space_gib: float = 1.0
+    kv_space_gib: int = 1
     conversations: list[list[int]] = []
     queries: list[dict[int, list[int]]] = []
     max_tokens: int = 8
+    first_max_tokens: list[int] = []
+    max_tokens_per_round: list[dict[int, int]] = []
+    pool_blocks: int = 0
     block_size: int = 32
     max_model_len: int = 4096
     metrics_urls: list[str] = []
@@ -105,6 +115,24 @@ class Result(msgspec.Struct, kw_only=True):
     metrics: list[str]
     start_seconds: float
     run_seconds: float
+
+
+def require_vllm() -> None:
+    """Skip the calling test module without vLLM installed (fail it under ``CI=true``: CI
+    must never skip the vLLM tests silently)."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    message = (
+        "vLLM is not installed: pip install -e '.[test,vllm]' && pip uninstall -y "
+        "torchvision torchaudio torchcodec (the README's test command)"
+    )
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI=true: {message}", pytrace=False)
+    pytest.skip(message, allow_module_level=True)
 
 
 def tiny_model(
@@ -184,15 +212,25 @@ def _serve(spec: Spec) -> Result:
         enforce_eager=True,
         seed=0,
         disable_log_stats=False,
+        num_gpu_blocks_override=spec.pool_blocks or None,
     )
     started = time.monotonic()
-    params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, detokenize=False)
     prompts = [list(p) for p in spec.conversations]
     turns: list[Turn] = []
 
+    def params(n: int) -> Any:
+        return SamplingParams(
+            max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0, detokenize=False
+        )
+
     def run(engine: Any, round_: int, convs: list[int]) -> None:
         batch: list[Any] = [{"prompt_token_ids": prompts[c]} for c in convs]
-        outs = engine.generate(batch, params, use_tqdm=False)
+        if round_ < 0:
+            lengths = spec.first_max_tokens or [spec.max_tokens] * len(convs)
+        else:
+            per = spec.max_tokens_per_round[round_] if spec.max_tokens_per_round else {}
+            lengths = [per.get(c, spec.max_tokens) for c in convs]
+        outs = engine.generate(batch, [params(n) for n in lengths], use_tqdm=False)
         for c, out in zip(convs, outs, strict=True):
             answer = list(out.outputs[0].token_ids)
             m = out.metrics

@@ -301,3 +301,31 @@ def test_worker_skips_a_turn_that_does_not_follow_the_stored_one(tmp_path: Path)
         assert s.cache.channel["vllm-x-3"].tokens == 4
     finally:
         s.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_worker_moves_cuda_blocks_through_pinned_staging(tmp_path: Path) -> None:
+    """The CUDA path: blocks leave device memory through pinned host buffers and come back
+    to other device blocks byte for byte, in the step (sync) and in the background."""
+    from tieredkv.integrations.vllm.ops import SaveOp
+
+    kv = {name: t.cuda() for name, t in paged_kv().items()}
+    for layer in kv.values():
+        layer.copy_(torch.randn_like(layer))
+    expected = {name: layer[[2, 4]].cpu() for name, layer in kv.items()}
+    tokens = tuple(range(8))
+    s = store(tmp_path, kv)
+    try:
+        s.save(SaveOp("r1", "vllm-x-c", (2, 4), 0, 2, tokens, answer_tokens=1))
+        s.wait_idle()
+        assert [ok for _, ok in s.finished_saves()] == [True]
+        assert s.load_sync(LoadOp("r2", "vllm-x-c", (6, 7), 0, 2, tokens, sync=True))
+        s.load_async(LoadOp("r3", "vllm-x-c", (9, 10), 0, 2, tokens, sync=False))
+        s.wait_idle()
+        assert [ok for _, ok in s.finished_loads()] == [True]
+        for name, layer in kv.items():
+            assert torch.equal(layer[[6, 7]].cpu(), expected[name])
+            assert torch.equal(layer[[9, 10]].cpu(), expected[name])
+    finally:
+        s.close()

@@ -182,6 +182,16 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._sending: set[str] = set()
         self._finished_loads: list[Any] = []
         if role == KVConnectorRole.SCHEDULER:
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                # a history the cache cannot serve (damaged, lost, an I/O error) is a miss:
+                # vLLM recomputes its blocks rather than failing the request (vLLM reads
+                # this setting right after building its connector)
+                _log.warning(
+                    "TieredKVConnector sets kv_load_failure_policy='recompute' (was %r): a "
+                    "failed load is recomputed, never an error for the request",
+                    self._kv_transfer_config.kv_load_failure_policy,
+                )
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
             self._scheduler = SchedulerSide(self.config, self.fp, self.block_size)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

@@ -80,18 +80,21 @@ def sidecar_dir(config: ConnectorConfig) -> Path | None:
 
 
 class _Staging:
-    """Pinned host buffers for CUDA copies, one per shape and dtype, reused."""
+    """Pinned host buffers for CUDA copies, one per (use, layer, shape, dtype), reused: a
+    copy in flight never shares its buffer with another."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
+        self._buffers: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+        self._lock = threading.Lock()
 
-    def host(self, like: torch.Tensor) -> torch.Tensor:
-        key = (tuple(like.shape), like.dtype)
-        buf = self._buffers.get(key)
-        if buf is None:
-            buf = self._buffers[key] = torch.empty(
-                key[0], dtype=like.dtype, pin_memory=torch.cuda.is_available()
-            )
+    def host(self, use: str, like: torch.Tensor) -> torch.Tensor:
+        key = (use, tuple(like.shape), like.dtype)
+        with self._lock:
+            buf = self._buffers.get(key)
+            if buf is None:
+                buf = self._buffers[key] = torch.empty(
+                    key[1], dtype=like.dtype, pin_memory=torch.cuda.is_available()
+                )
         return buf
 
 
@@ -235,7 +238,7 @@ class WorkerStore:
             picked = layer.index_select(0, ids)  # [n, H, N, C]
             flat = picked.permute(1, 0, 2, 3).reshape(picked.shape[1], -1, picked.shape[3])
             if flat.is_cuda:
-                host = self._staging.host(flat)
+                host = self._staging.host(f"save:{name}", flat)
                 host.copy_(flat, non_blocking=True)
                 out[name] = host
             else:
@@ -255,7 +258,7 @@ class WorkerStore:
             heads, _, c = src.shape
             blocks = src.reshape(heads, (last - first) * self._split, -1, c).permute(1, 0, 2, 3)
             if layer.is_cuda:
-                host = self._staging.host(blocks.contiguous())
+                host = self._staging.host(f"load:{threading.get_ident()}:{name}", blocks)
                 host.copy_(blocks)
                 blocks = host.to(layer.device, non_blocking=True)
             layer.index_copy_(0, self._kernel_ids(block_ids[first:last], layer.device), blocks)
