@@ -20,7 +20,7 @@ from tieredkv.integrations.vllm.config import ConnectorConfig, parse_config
 from tieredkv.integrations.vllm.index import PrefixIndex, Sidecar, read_sidecars
 from tieredkv.integrations.vllm.keys import block_hashes, fingerprint
 from tieredkv.integrations.vllm.ops import LoadOp, WorkerReport
-from tieredkv.integrations.vllm.scheduler import SchedulerSide
+from tieredkv.integrations.vllm.scheduler import SAVE_WAIT, SchedulerSide
 from tieredkv.integrations.vllm.worker import HOST, SSD, WorkerStore
 
 BS = 4  # tokens per block
@@ -108,7 +108,8 @@ class Clock:
 
 def test_scheduler_side_plans_saves_and_loads(tmp_path: Path) -> None:
     cfg = parse_config({"ssd_path": str(tmp_path), "scheduler": "bidaw"})
-    side = SchedulerSide(cfg, FP, BS, clock=Clock())
+    clock = Clock()
+    side = SchedulerSide(cfg, FP, BS, clock=clock)
     prompt = list(range(10))
     assert side.match("r1", prompt, 0) == (0, False)
     # r1 finished with KV for 13 tokens (prompt + 3 answer tokens computed): 3 blocks
@@ -117,7 +118,11 @@ def test_scheduler_side_plans_saves_and_loads(tmp_path: Path) -> None:
     save = side.plan().saves[0]
     assert (save.start, save.end, save.block_ids) == (0, 3, (7, 8, 9))
     assert side.saving()
-    # until the worker reports it stored, nothing matches
+    # until the worker reports it stored, a prompt that continues it waits (vLLM asks
+    # again next step), for SAVE_WAIT seconds at most; others do not wait
+    assert side.match("r2", [*tokens, 5, 5], 0) == (None, False)
+    assert side.match("other", [9] * 14, 0) == (0, False)
+    clock.now += SAVE_WAIT + 1
     assert side.match("r2", [*tokens, 5, 5], 0) == (0, False)
     side.update(WorkerReport(stored=[("r1", save.session, 3, True)]), set())
     assert not side.saving()

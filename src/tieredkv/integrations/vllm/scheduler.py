@@ -33,7 +33,10 @@ from .keys import session_key
 from .ops import LoadOp, SaveOp, StepPlan, WorkerReport
 from .worker import HOST, REDIS, SSD, decode_meta, sidecar_dir
 
-__all__ = ["SchedulerSide"]
+__all__ = ["SAVE_WAIT", "SchedulerSide"]
+
+SAVE_WAIT = 5.0
+"""Seconds a prompt waits, at most, for the turn it continues to be reported stored."""
 
 _log = logging.getLogger(__name__)
 
@@ -81,6 +84,7 @@ class SchedulerSide:
         self._started: dict[str, set[str]] = {}  # session -> request ids loading
         self._pending_saves: dict[str, tuple[str, list[bytes]]] = {}
         self._failed: set[str] = set()
+        self._deferred: dict[str, float] = {}  # request -> when it first waited for a save
         directory = sidecar_dir(config)
         if directory is not None:
             now = clock()
@@ -103,18 +107,24 @@ class SchedulerSide:
                 )
 
     # -- matching ------------------------------------------------------------------------
-    def match(self, req_id: str, tokens: Sequence[int], local_tokens: int) -> tuple[int, bool]:
+    def match(
+        self, req_id: str, tokens: Sequence[int], local_tokens: int
+    ) -> tuple[int | None, bool]:
         """Tokens of this prompt beyond ``local_tokens`` that a stored conversation holds,
         and whether they load asynchronously (the history is below host memory).
 
         The last prompt token is never counted (vLLM must compute at least one), and a
         request whose load failed once is never offered a load again (it recomputes:
-        no livelock, vLLM #49176).
+        no livelock, vLLM #49176). ``None`` (vLLM asks again at its next step) while the
+        turn this prompt continues is still being stored, for at most ``SAVE_WAIT``
+        seconds: a client that sends its next turn at once then finds it.
         """
         self._matches.pop(req_id, None)
-        if req_id in self._failed or not len(self.index):
+        if req_id in self._failed or not (len(self.index) or self._pending_saves):
             return 0, False
         hashes = self.index.hashes(tokens[: max(0, len(tokens) - 1)])
+        if self._continues_a_pending_save(req_id, hashes):
+            return None, False
         session, blocks = self.index.match(hashes)
         local = local_tokens // self.block_size
         if session is None or blocks <= local:
@@ -122,6 +132,19 @@ class SchedulerSide:
         sync = not kv_needs_load(self.channel.get(session), self.channel)
         self._matches[req_id] = _Match(session, local, blocks, sync)
         return (blocks - local) * self.block_size, not sync
+
+    def _continues_a_pending_save(self, req_id: str, hashes: Sequence[bytes]) -> bool:
+        """Whether the prompt extends a turn not yet reported stored (and we still wait)."""
+        now = self.clock()
+        since = self._deferred.setdefault(req_id, now)
+        if now - since > SAVE_WAIT:
+            return False
+        for _, saved in self._pending_saves.values():
+            n = min(len(saved), len(hashes))
+            if n and saved[n - 1] == hashes[n - 1]:
+                return True
+        self._deferred.pop(req_id, None)
+        return False
 
     def allocated(
         self, req_id: str, tokens: Sequence[int], block_ids: Sequence[int], external: int
@@ -183,6 +206,7 @@ class SchedulerSide:
         """
         self._matches.pop(req_id, None)
         self._failed.discard(req_id)
+        self._deferred.pop(req_id, None)
         end = min(computed, len(tokens) - 1, len(block_ids) * self.block_size) // self.block_size
         if end <= 0:
             return False
