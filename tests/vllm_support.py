@@ -291,7 +291,7 @@ def run_engine(spec: Spec, work: Path, *, timeout: float = 900.0) -> Result:
         check=False,
     )
     if proc.returncode != 0 or not out_path.exists():
-        tail = (proc.stdout + proc.stderr)[-6000:]
+        tail = (proc.stdout + proc.stderr)[-12000:]
         raise RuntimeError(f"the vLLM engine run failed (exit {proc.returncode}):\n{tail}")
     return msgspec.json.decode(out_path.read_bytes(), type=Result)
 

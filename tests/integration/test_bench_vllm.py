@@ -1,7 +1,8 @@
 """The vLLM benchmark runs end to end on its quick workload (a 2-layer model, a few
 turns), every row answers as recompute does, and it prints each ratio with its target.
 
-Five vLLM engines start one after another (about two to four minutes on two cores)."""
+Six vLLM engines start one after another (two of them stop at start on the CPU backend):
+about four to six minutes on two cores."""
 
 from __future__ import annotations
 
