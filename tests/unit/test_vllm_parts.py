@@ -132,6 +132,7 @@ def test_scheduler_side_plans_saves_and_loads(tmp_path: Path) -> None:
     side.allocated("r2", [*tokens, 5, 5], [1, 2, 3, 4], 12)
     load = side.plan().loads[0]
     assert (load.session, load.first, load.blocks, load.sync) == (save.session, 0, 3, True)
+    assert side.from_host.pop("r2") is True  # vLLM counts it as a host hit
     assert load.tokens == tuple(tokens[:12])
     # the worker says the history went to the SSD: the next match loads asynchronously
     from tieredkv.meta import KVMeta
@@ -144,6 +145,7 @@ def test_scheduler_side_plans_saves_and_loads(tmp_path: Path) -> None:
     side.allocated("r3", [*tokens, 6, 6], [1, 2, 3, 4], 8)
     load = side.plan().loads[0]  # max_loads=1 and nothing in flight: it starts at once
     assert (load.first, load.blocks, load.sync, load.block_ids) == (1, 3, False, (1, 2, 3))
+    assert side.from_host["r3"] is False  # ... and this one as a disk hit
     # a failed load: the request never matches again (no livelock), the session is kept
     side.update(WorkerReport(loaded=[("r3", save.session, False)]), {"r3"})
     assert side.match("r3", [*tokens, 6, 6], 0) == (0, False)

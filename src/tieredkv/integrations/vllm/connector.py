@@ -225,6 +225,15 @@ class TieredKVConnector(KVConnectorBase_V1):
                 num_external_tokens,
             )
 
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        assert self._scheduler is not None
+        host = self._scheduler.from_host.pop(request.request_id, True)
+        if num_external_tokens == 0:
+            return {}
+        return {CacheHitSource.HOST if host else CacheHitSource.DISK: num_external_tokens}
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return TieredKVMetadata(plan=self._scheduler.plan())

@@ -85,6 +85,9 @@ class SchedulerSide:
         self._pending_saves: dict[str, tuple[str, list[bytes]]] = {}
         self._failed: set[str] = set()
         self._deferred: dict[str, float] = {}  # request -> when it first waited for a save
+        self.from_host: dict[str, bool] = {}
+        """Per request with a load planned: whether it comes from host memory (vLLM's
+        per-source hit counts read it once)."""
         directory = sidecar_dir(config)
         if directory is not None:
             now = clock()
@@ -163,6 +166,7 @@ class SchedulerSide:
             tokens=tuple(tokens[: blocks * self.block_size]),
             sync=m.sync,
         )
+        self.from_host[req_id] = m.sync
         if m.sync:
             self._planned.loads.append(op)
             return
@@ -207,6 +211,7 @@ class SchedulerSide:
         self._matches.pop(req_id, None)
         self._failed.discard(req_id)
         self._deferred.pop(req_id, None)
+        self.from_host.pop(req_id, None)
         end = min(computed, len(tokens) - 1, len(block_ids) * self.block_size) // self.block_size
         if end <= 0:
             return False
