@@ -1,8 +1,8 @@
 """tieredkv inside vLLM against vLLM's own options, on a multi-turn workload, on this CPU.
 
-Run: ``.venv/bin/python benchmarks/bench_vllm.py`` (needs the ``vllm`` extra; ~15-25 min on
-2 cores with the default ~0.4B-parameter model). ``--quick`` runs a 2-layer model on a few
-turns (what the test suite does, to prove the benchmark runs).
+Run: ``.venv/bin/python benchmarks/bench_vllm.py`` (needs the ``vllm`` extra; 17 min on 2
+cores shared with other work, with the default ~0.4B-parameter model). ``--quick`` runs a
+2-layer model on a few turns (what the test suite does, to prove the benchmark runs).
 
 The workload is the synthetic generator's (:class:`tieredkv.sim.synthetic.SyntheticWorkload`):
 conversations with a first context (a system prompt / document) and turns of a query and

@@ -257,11 +257,6 @@ class TieredKVConnector(KVConnectorBase_V1):
         )
         return delay, None
 
-    def has_pending_push_work(self) -> bool:
-        # keep vLLM stepping until the workers report every planned turn stored, so a
-        # next turn arriving after an idle moment finds it in the index
-        return self._scheduler is not None and self._scheduler.saving()
-
     # -- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._store is not None
