@@ -38,7 +38,7 @@ trap 'rm -rf "$bench_dir"' EXIT
 df -h "$bench_dir" | tail -1
 
 step 90 "CUDA tests" "$PY" -m pytest -q -rs -p no:cacheprovider \
-    tests/unit/test_cuda_paths.py tests/unit/test_codecs.py \
+    tests/unit/test_cuda_paths.py tests/unit/test_codecs.py tests/unit/test_vllm_parts.py \
     tests/integration/test_transformers_adapter.py tests/contract/test_tier_contract.py
 targets=(--only "FCFS + LRU" --only Bidaw --only "all in memory")
 step 150 "serving benchmark on the GPU: default workload, one round" "$PY" \

@@ -1,0 +1,134 @@
+"""The connector's settings, read from vLLM's ``kv_connector_extra_config``.
+
+Every key is checked once, where the connector is built (in the scheduler process and in
+each worker alike), and a bad one fails with :class:`~tieredkv.errors.InvalidArgumentError`
+naming the key and what to write instead; nothing is stored before that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import msgspec
+
+from ...errors import InvalidArgumentError, UnknownPolicyError
+from ...policies.registry import eviction_names, make_eviction, make_scheduler, scheduler_names
+
+__all__ = ["ConnectorConfig", "parse_config"]
+
+
+class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``kv_connector_extra_config`` may hold (every key is optional).
+
+    :param host_bytes: bytes of host memory for the performance tier (default 1 GiB)
+    :param ssd_path: directory of the SSD tier; ``None`` keeps KV in host memory only (and
+        a restart starts empty)
+    :param ssd_bytes: byte budget of the SSD tier (default 16 GiB)
+    :param eviction: eviction policy of the host tier, a registry name (``"bidaw"``,
+        ``"lru"``, ...)
+    :param scheduler: the order of pending loads from the SSD tier: ``"bidaw"`` (disk-HRRN)
+        or ``"fcfs"``
+    :param max_loads: SSD loads in flight at once
+    :param mode: ``"inclusive"`` (default: every turn is also written to the SSD tier in
+        the background, so a restart, or a crash after the write, finds it; evicting from
+        host memory then writes nothing) or ``"exclusive"`` (a history lives in one tier;
+        what is in host memory at shutdown is gone)
+    :param redis_url: a Redis/Valkey URL for a tier below the others, or ``None``
+    :param redis_bytes: byte budget of the Redis tier (default 4 GiB)
+    :param fsync: make SSD writes durable before they count as stored (default on)
+    :param metrics_port: serve the worker's ``tieredkv.metrics`` on this port (0: off)
+    :param codec: what is stored: ``"kv"`` (vLLM's paged KV blocks, byte for byte; the
+        only codec that can run inside vLLM, see the how-to)
+    """
+
+    host_bytes: int = 1 << 30
+    ssd_path: str | None = None
+    ssd_bytes: int = 16 << 30
+    eviction: str = "bidaw"
+    scheduler: str = "bidaw"
+    max_loads: int = 1
+    mode: Literal["exclusive", "inclusive"] = "inclusive"
+    redis_url: str | None = None
+    redis_bytes: int = 4 << 30
+    fsync: bool = True
+    metrics_port: int = 0
+    codec: str = "kv"
+
+
+_KEYS = tuple(ConnectorConfig.__struct_fields__)
+
+
+def _positive_int(key: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgumentError(
+            f"kv_connector_extra_config[{key!r}] must be an integer >= {minimum}, not {value!r}"
+        )
+    return value
+
+
+def parse_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
+    """Check ``kv_connector_extra_config`` and return the settings.
+
+    :raises InvalidArgumentError: for an unknown key, a value of the wrong type or range,
+        or a policy name that is not registered (the message names the key)
+    """
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(_KEYS))
+    if unknown:
+        raise InvalidArgumentError(
+            f"kv_connector_extra_config has unknown key(s) {unknown}; the TieredKVConnector "
+            f"takes {list(_KEYS)}"
+        )
+    for key in ("host_bytes", "ssd_bytes", "redis_bytes"):
+        if key in extra:
+            _positive_int(key, extra[key], 4096)
+    if "max_loads" in extra:
+        _positive_int("max_loads", extra["max_loads"], 1)
+    if "metrics_port" in extra:
+        port = _positive_int("metrics_port", extra["metrics_port"], 0)
+        if port > 65535:
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config['metrics_port'] must be 0..65535, not {port}"
+            )
+    for key in ("ssd_path", "redis_url"):
+        value = extra.get(key)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config[{key!r}] must be a non-empty string or null, "
+                f"not {value!r}"
+            )
+    if extra.get("mode", "inclusive") not in ("exclusive", "inclusive"):
+        raise InvalidArgumentError(
+            "kv_connector_extra_config['mode'] must be 'exclusive' or 'inclusive', "
+            f"not {extra['mode']!r}"
+        )
+    if "fsync" in extra and not isinstance(extra["fsync"], bool):
+        raise InvalidArgumentError(
+            f"kv_connector_extra_config['fsync'] must be true or false, not {extra['fsync']!r}"
+        )
+    if extra.get("codec", "kv") != "kv":
+        raise InvalidArgumentError(
+            f"kv_connector_extra_config['codec'] must be 'kv', not {extra['codec']!r}: vLLM "
+            "computes K/V inside its attention kernels, so the activation codec cannot "
+            "rebuild them there (see docs/how-to/serve-with-vllm.md)"
+        )
+    for key, names, make in (
+        ("eviction", eviction_names, make_eviction),
+        ("scheduler", scheduler_names, make_scheduler),
+    ):
+        value = extra.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config[{key!r}] must be a policy name, one of {names()}"
+            )
+        try:
+            make(value)
+        except UnknownPolicyError:
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config[{key!r}] = {value!r} is not a known policy; "
+                f"use one of {names()}"
+            ) from None
+    return msgspec.convert(extra, ConnectorConfig)

@@ -1,0 +1,351 @@
+"""``TieredKVConnector``: vLLM's KV connector API (``KVConnectorBase_V1``) over tieredkv.
+
+vLLM builds one instance in its scheduler process (role ``SCHEDULER``: it runs
+:class:`~.scheduler.SchedulerSide`) and one in each worker (role ``WORKER``: it runs
+:class:`~.worker.WorkerStore`, which owns the :class:`~tieredkv.TieredKVCache`). The two
+share no memory: the scheduler side's plan for a step travels to the workers in the
+connector metadata vLLM hands them, and the workers' report comes back in the worker
+metadata of the step's output, as vLLM's own offloading connector does it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ...errors import InvalidArgumentError
+from .config import ConnectorConfig, parse_config
+from .keys import fingerprint
+from .ops import StepPlan, WorkerReport
+from .scheduler import SchedulerSide
+from .worker import WorkerStore
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["TieredKVConnector", "TieredKVConnectorStats"]
+
+_log = logging.getLogger(__name__)
+
+#: counters the workers report per step (vLLM's connector stats); times in seconds
+STAT_KEYS = (
+    "loads",
+    "host_hits",
+    "lower_hits",
+    "load_errors",
+    "loaded_tokens",
+    "load_seconds",
+    "saved_tokens",
+    "saved_bytes",
+    "save_errors",
+)
+
+
+@dataclass
+class TieredKVMetadata(KVConnectorMetadata):
+    """The scheduler side's plan for one step (loads and saves)."""
+
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+@dataclass
+class TieredKVWorkerMetadata(KVConnectorWorkerMetadata):
+    """A worker's report for one step."""
+
+    report: WorkerReport = field(default_factory=WorkerReport)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, TieredKVWorkerMetadata)
+        self.report.merge(other.report)
+        return self
+
+
+class TieredKVConnectorStats(KVConnectorStats):
+    """The workers' counters over an interval: loads (host hits and lower-tier hits),
+    load errors, tokens loaded and saved, bytes saved, seconds spent loading."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {key: self.data.get(key, 0) for key in STAT_KEYS}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class TieredKVPromMetrics(KVConnectorPromMetrics):
+    """The connector's counters as Prometheus counters in vLLM's ``/metrics``
+    (``vllm:tieredkv_<counter>_total``, labelled per engine)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for key in STAT_KEYS:
+            counter = self._counter_cls(
+                name=f"vllm:tieredkv_{key}",
+                documentation=f"tieredkv connector: {key.replace('_', ' ')}",
+                labelnames=labelnames,
+            )
+            self._counters[key] = {
+                idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()
+            }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            per_engine = self._counters.get(key)
+            if per_engine is not None and value:
+                per_engine[engine_idx].inc(value)
+
+
+def model_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+    """What makes this engine's KV blocks interchangeable (see :func:`.keys.fingerprint`)."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise InvalidArgumentError(
+            f"the TieredKVConnector serves models with one KV cache group; this one has "
+            f"{len(groups)} (hybrid attention)"
+        )
+    spec = groups[0].kv_cache_spec
+    parallel = vllm_config.parallel_config
+    layout = (
+        f"{type(spec).__name__}:{len(groups[0].layer_names)}L:"
+        f"{getattr(spec, 'num_kv_heads', '?')}H:{getattr(spec, 'head_size', '?')}D:"
+        f"{kv_cache_config.kv_cache_layout}:tp{parallel.tensor_parallel_size}"
+        f":pp{parallel.pipeline_parallel_size}"
+    )
+    model = vllm_config.model_config
+    return fingerprint(
+        model=str(model.model),
+        revision=model.revision,
+        dtype=str(model.dtype),
+        kv_dtype=f"{vllm_config.cache_config.cache_dtype}/{getattr(spec, 'dtype', '?')}",
+        block_size=vllm_config.cache_config.block_size,
+        layout=layout,
+    )
+
+
+class TieredKVConnector(KVConnectorBase_V1):
+    """Bidaw's tiered KV cache inside vLLM: select it with
+    ``KVTransferConfig(kv_connector="TieredKVConnector",
+    kv_connector_module_path="tieredkv.integrations.vllm", kv_role="kv_both",
+    kv_connector_extra_config={...})`` (keys: :class:`~.config.ConnectorConfig`)."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.config: ConnectorConfig = parse_config(extra)
+        self.block_size: int = vllm_config.cache_config.block_size
+        self.fp = model_fingerprint(vllm_config, kv_cache_config)
+        self._scheduler: SchedulerSide | None = None
+        self._store: WorkerStore | None = None
+        self._load_errors: set[int] = set()
+        self._recving: set[str] = set()
+        self._failed: set[str] = set()
+        self._sending: set[str] = set()
+        self._finished_loads: list[Any] = []
+        if role == KVConnectorRole.SCHEDULER:
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                # a history the cache cannot serve (damaged, lost, an I/O error) is a miss:
+                # vLLM recomputes its blocks rather than failing the request (vLLM reads
+                # this setting right after building its connector)
+                _log.warning(
+                    "TieredKVConnector sets kv_load_failure_policy='recompute' (was %r): a "
+                    "failed load is recomputed, never an error for the request",
+                    self._kv_transfer_config.kv_load_failure_policy,
+                )
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            self._scheduler = SchedulerSide(self.config, self.fp, self.block_size)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._store = WorkerStore(
+                self.config, self.fp, self.block_size, rank=get_tensor_model_parallel_rank()
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped save is a future miss, never wrong KV
+
+    # -- scheduler side ------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.match(
+            request.request_id, request.prompt_token_ids or [], num_computed_tokens
+        )
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        if num_external_tokens > 0:
+            self._scheduler.allocated(
+                request.request_id,
+                request.prompt_token_ids or [],
+                blocks.get_block_ids()[0],
+                num_external_tokens,
+            )
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        assert self._scheduler is not None
+        host = self._scheduler.from_host.pop(request.request_id, True)
+        if num_external_tokens == 0:
+            return {}
+        return {CacheHitSource.HOST if host else CacheHitSource.DISK: num_external_tokens}
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return TieredKVMetadata(plan=self._scheduler.plan())
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        meta = connector_output.kv_connector_worker_meta
+        report = meta.report if isinstance(meta, TieredKVWorkerMetadata) else None
+        self._scheduler.update(report, set(connector_output.failed_recving or ()))
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        delay = self._scheduler.finished(
+            request.request_id,
+            request.all_token_ids,
+            block_ids,
+            min(request.num_computed_tokens, request.num_tokens - 1),
+            request.num_output_tokens,
+        )
+        return delay, None
+
+    # -- worker side ---------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._store is not None
+        self._store.open(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._store is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TieredKVMetadata)
+        for op in meta.plan.loads:
+            if op.sync:
+                ok = self._store.load_sync(op)
+                self._finished_loads.append((op, ok))
+                if not ok:
+                    self._load_errors.update(op.block_ids[op.first : op.blocks])
+            else:
+                self._store.load_async(op)
+                self._recving.add(op.req_id)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv (sync) or between steps (async)
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # a turn is stored once its request finished (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        assert self._store is not None
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TieredKVMetadata)
+        for op in meta.plan.saves:
+            try:
+                self._store.save(op)
+            except Exception:
+                _log.exception("copying %s's blocks out failed; the turn is not stored", op.req_id)
+            self._sending.add(op.req_id)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._store is not None
+        out = KVConnectorTransferResults()
+        out.finished_sending, self._sending = self._sending, set()
+        for op, ok in self._store.finished_loads():
+            self._finished_loads.append((op, ok))
+            self._recving.discard(op.req_id)
+            out.finished_recving.add(op.req_id)
+            if not ok:
+                out.failed_recving.add(op.req_id)
+                self._load_errors.update(op.block_ids[op.first : op.blocks])
+        return out
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        assert self._store is not None
+        loads, self._finished_loads = self._finished_loads, []
+        report = self._store.report(loads, self._store.finished_saves())
+        return None if report.empty() else TieredKVWorkerMetadata(report=report)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._store is None:
+            return None
+        data = self._store.take_counters()
+        return TieredKVConnectorStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return TieredKVConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return TieredKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._store is not None:
+            self._store.close()

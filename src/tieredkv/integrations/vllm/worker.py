@@ -1,0 +1,442 @@
+"""The worker side: moves vLLM's paged KV blocks to and from a :class:`TieredKVCache`.
+
+Each worker process owns one cache (host memory tier, SSD tier, optionally Redis) and runs
+it on an event loop in a thread of its own (an anyio blocking portal), so that vLLM's
+model thread only ever waits for what the current step needs:
+
+* a **save** copies a finished request's new blocks out of the paged KV (a gather, on the
+  model thread; on CUDA into pinned host memory) and hands the tensors to the cache's
+  :meth:`~TieredKVCache.append` on the loop thread: the request's blocks are free at once,
+  and the host tier, eviction to SSD and the sidecar write happen off the forward pass;
+* a **sync load** (the history is in host memory) runs within the step: the cache copies
+  the history out, the token ids stored with it are compared with the request's, and the
+  blocks are scattered into the request's block table before the forward pass;
+* an **async load** (the history is below host memory) runs on the loop thread: the cache
+  promotes it to host memory and the same copy and scatter follow; the request's id is
+  reported finished at the next step that finds it done.
+
+A stored turn holds, per attention layer, the blocks' KV as ``[heads, tokens, C]`` (vLLM's
+standardized per-layer view ``[blocks, heads, block tokens, C]`` with the blocks laid end
+to end), and the turn's token ids as ``tokens`` (``[1, tokens, 1]``, int64), so a load can
+prove that what it serves belongs to the prompt.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import anyio.from_thread
+import msgspec
+import torch
+
+from ...backends.base import Tier
+from ...backends.memory import HostMemoryTier
+from ...backends.ssd import SSDTier
+from ...cache import TieredKVCache
+from ...errors import SessionNotFoundError, TierIOError
+from ...meta import Dropped, Event, Evicted, KVMeta
+from .config import ConnectorConfig
+from .index import Sidecar, read_sidecars, remove_sidecar, write_sidecar
+from .ops import LoadOp, SaveOp, WorkerReport
+
+__all__ = ["HOST", "SSD", "WorkerStore", "make_tiers"]
+
+_log = logging.getLogger(__name__)
+
+HOST = "host"
+"""Name of the host-memory tier."""
+SSD = "ssd"
+"""Name of the SSD tier."""
+REDIS = "redis"
+"""Name of the Redis tier."""
+TOKENS = "tokens"
+"""Name of the stored tensor that holds a turn's token ids."""
+
+
+def make_tiers(config: ConnectorConfig, rank: int) -> list[Tier]:
+    """The tiers a worker of tensor-parallel rank ``rank`` stores into."""
+    tiers: list[Tier] = [HostMemoryTier(config.host_bytes, name=HOST)]
+    if config.ssd_path is not None:
+        path = Path(config.ssd_path) / f"rank{rank}"
+        tiers.append(SSDTier(path, config.ssd_bytes, name=SSD, fsync=config.fsync))
+    if config.redis_url is not None:
+        from ...backends.redis import RedisTier
+
+        tiers.append(RedisTier(config.redis_url, config.redis_bytes, name=REDIS))
+    return tiers
+
+
+def sidecar_dir(config: ConnectorConfig) -> Path | None:
+    """Where the index sidecars live (``None`` without an SSD tier)."""
+    return None if config.ssd_path is None else Path(config.ssd_path) / "index"
+
+
+class _Staging:
+    """Pinned host buffers for CUDA copies, one per (use, layer, shape, dtype), reused: a
+    copy in flight never shares its buffer with another."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def host(self, use: str, like: torch.Tensor) -> torch.Tensor:
+        key = (use, tuple(like.shape), like.dtype)
+        with self._lock:
+            buf = self._buffers.get(key)
+            if buf is None:
+                buf = self._buffers[key] = torch.empty(
+                    key[1], dtype=like.dtype, pin_memory=torch.cuda.is_available()
+                )
+        return buf
+
+
+class WorkerStore:
+    """One worker's cache and the copies between it and vLLM's paged KV.
+
+    :param config: the connector's settings
+    :param fp: the model/dtype/layout fingerprint (session keys start with it)
+    :param block_size: tokens per vLLM block
+    :param rank: the tensor-parallel rank (rank 0 writes the index sidecars)
+    :param tiers: the tiers (default: :func:`make_tiers`)
+    """
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        fp: str,
+        block_size: int,
+        *,
+        rank: int = 0,
+        tiers: Sequence[Tier] | None = None,
+    ) -> None:
+        self.config = config
+        self.fp = fp
+        self.block_size = block_size
+        self.rank = rank
+        self._sidecars = sidecar_dir(config) if rank == 0 else None
+        self.cache = TieredKVCache(
+            list(tiers) if tiers is not None else make_tiers(config, rank),
+            eviction=config.eviction,
+            mode=config.mode,
+            token_dim=1,
+        )
+        self.layers: dict[str, torch.Tensor] = {}
+        self._split = 1  # kernel blocks per vLLM block
+        self._stack = contextlib.ExitStack()
+        self._portal: anyio.from_thread.BlockingPortal | None = None
+        self._lock = threading.Lock()
+        self._touched: dict[str, None] = {}
+        self._gone: set[str] = set()
+        self._pending_loads: dict[str, tuple[LoadOp, concurrent.futures.Future[Any]]] = {}
+        self._pending_saves: dict[str, tuple[SaveOp, concurrent.futures.Future[Any]]] = {}
+        self._staging = _Staging()
+        self._server: Any = None
+        self.counters: dict[str, float] = {}
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def open(self, layers: Mapping[str, torch.Tensor]) -> None:
+        """Take vLLM's per-layer KV tensors (``[blocks, heads, block tokens, C]``), open
+        the cache (rebuilding it from the SSD tier) and tidy what a crash left."""
+        if not layers:
+            raise ValueError("register_kv_caches gave no KV cache tensors")
+        self.layers = dict(layers)
+        first = next(iter(self.layers.values()))
+        kernel = int(first.shape[2])
+        if self.block_size % kernel:
+            raise ValueError(
+                f"vLLM's kernel block size {kernel} does not divide its block size "
+                f"{self.block_size}"
+            )
+        self._split = self.block_size // kernel
+        self._portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal())
+        self.cache.channel.subscribe(self._on_event)
+        self._portal.call(self.cache.open)
+        self._stack.callback(self._close_cache)
+        self._tidy()
+        if self.config.metrics_port:
+            from ... import metrics
+
+            self._server = metrics.serve(self.cache, self.config.metrics_port)
+            self._stack.callback(self._server.close)
+
+    def _close_cache(self) -> None:
+        assert self._portal is not None
+        for _, fut in list(self._pending_saves.values()) + list(self._pending_loads.values()):
+            with contextlib.suppress(Exception):
+                fut.result()
+        self._portal.call(self.cache.aclose)
+
+    def close(self) -> None:
+        """Finish pending saves and loads, close the cache and its thread."""
+        self._stack.close()
+
+    def _tidy(self) -> None:
+        """After a restart: conversations stored without a sidecar (a crash between the
+        commit and the sidecar) are dropped, sidecars of conversations the cache lost are
+        removed, and a sidecar that leads the stored KV is cut back to it."""
+        if self._sidecars is None:
+            return
+        prefix = f"vllm-{self.fp}-"
+        stored = {s for s in self.cache.sessions() if s.startswith(prefix)}
+        known = set()
+        for sidecar in read_sidecars(self._sidecars, self.fp):
+            meta = self.cache.channel.get(sidecar.session)
+            if meta is None or meta.tier is None:
+                remove_sidecar(self._sidecars, sidecar.session)
+                continue
+            known.add(sidecar.session)
+            if meta.tokens < len(sidecar.tokens):
+                cut = meta.tokens // self.block_size * self.block_size
+                cut_back = Sidecar(
+                    session=sidecar.session, fingerprint=self.fp, tokens=sidecar.tokens[:cut]
+                )
+                write_sidecar(self._sidecars, cut_back)
+        with self._lock:  # the first report tells the scheduler side where each one is
+            self._touched.update(dict.fromkeys(sorted(known)))
+        assert self._portal is not None
+        for session in sorted(stored - known):
+            _log.info("dropping %s: stored without an index entry", session)
+            self._portal.call(self.cache.drop, session)
+
+    # -- events --------------------------------------------------------------------------
+    def _on_event(self, event: Event) -> None:
+        with self._lock:
+            self._touched[event.session] = None
+            if (isinstance(event, Evicted) and event.lost) or isinstance(event, Dropped):
+                self._gone.add(event.session)
+
+    def _count(self, key: str, value: float = 1) -> None:
+        with self._lock:
+            self.counters[key] = self.counters.get(key, 0) + value
+
+    def take_counters(self) -> dict[str, float]:
+        """The counters since the last call (vLLM's connector stats)."""
+        with self._lock:
+            out, self.counters = self.counters, {}
+        return out
+
+    # -- block copies --------------------------------------------------------------------
+    def _kernel_ids(self, block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        if self._split > 1:
+            ids = (ids[:, None] * self._split + torch.arange(self._split)).reshape(-1)
+        return ids.to(device)
+
+    def gather(self, block_ids: Sequence[int]) -> dict[str, torch.Tensor]:
+        """The KV of these blocks, per layer ``[heads, tokens, C]`` in host memory."""
+        out: dict[str, torch.Tensor] = {}
+        for name, layer in self.layers.items():
+            ids = self._kernel_ids(block_ids, layer.device)
+            picked = layer.index_select(0, ids)  # [n, H, N, C]
+            flat = picked.permute(1, 0, 2, 3).reshape(picked.shape[1], -1, picked.shape[3])
+            if flat.is_cuda:
+                host = self._staging.host(f"save:{name}", flat)
+                host.copy_(flat, non_blocking=True)
+                out[name] = host
+            else:
+                out[name] = flat
+        if any(t.is_pinned() for t in out.values()):
+            torch.cuda.current_stream().synchronize()
+            out = {k: v.clone() for k, v in out.items()}  # the staging buffer is reused
+        return out
+
+    def scatter(
+        self, history: Mapping[str, torch.Tensor], block_ids: Sequence[int], first: int, last: int
+    ) -> None:
+        """Copy tokens of blocks ``first .. last-1`` of a loaded history into these blocks."""
+        bs = self.block_size
+        for name, layer in self.layers.items():
+            src = history[name][:, first * bs : last * bs, :]
+            heads, _, c = src.shape
+            blocks = src.reshape(heads, (last - first) * self._split, -1, c).permute(1, 0, 2, 3)
+            if layer.is_cuda:
+                host = self._staging.host(f"load:{threading.get_ident()}:{name}", blocks)
+                host.copy_(blocks)
+                blocks = host.to(layer.device, non_blocking=True)
+            layer.index_copy_(0, self._kernel_ids(block_ids[first:last], layer.device), blocks)
+        if any(layer.is_cuda for layer in self.layers.values()):
+            torch.cuda.current_stream().synchronize()
+
+    # -- loads ---------------------------------------------------------------------------
+    async def _fetch(self, op: LoadOp) -> dict[str, torch.Tensor] | None:
+        """The stored history if it is there, whole, and the request's; ``None`` else."""
+        began = time.monotonic()
+        try:
+            history = await self.cache.load(op.session)
+        except SessionNotFoundError:  # dropped, lost or found damaged: recompute
+            self._forget(op.session)
+            return None
+        except TierIOError:  # transient: the data stays, this request recomputes
+            _log.warning("loading %s failed; %s recomputes", op.session, op.req_id, exc_info=True)
+            return None
+        need = op.blocks * self.block_size
+        stored = history[TOKENS]
+        if stored.shape[1] < need or not torch.equal(
+            stored[0, :need, 0], torch.tensor(op.tokens, dtype=torch.int64)
+        ):
+            # the stored KV is some conversation's, only not this prompt's: kept
+            _log.warning("%s does not hold %s's tokens; it recomputes", op.session, op.req_id)
+            return None
+        self._count("load_seconds", time.monotonic() - began)
+        return history
+
+    def _forget(self, session: str) -> None:
+        with self._lock:
+            self._gone.add(session)
+
+    async def _load_async(self, op: LoadOp) -> bool:
+        history = await self._fetch(op)
+        if history is None:
+            return False
+        await anyio.to_thread.run_sync(self.scatter, history, op.block_ids, op.first, op.blocks)
+        return True
+
+    def load_sync(self, op: LoadOp) -> bool:
+        """Fill the request's blocks now; ``False`` if it must recompute them."""
+        assert self._portal is not None
+        try:
+            history = self._portal.call(self._fetch, op)
+            if history is not None:
+                self.scatter(history, op.block_ids, op.first, op.blocks)
+        except Exception:
+            _log.exception("loading %s for %s failed", op.session, op.req_id)
+            history = None
+        self._loaded(op, history is not None, host=True)
+        return history is not None
+
+    def _loaded(self, op: LoadOp, ok: bool, *, host: bool) -> None:
+        if ok:
+            self._count("loads")
+            self._count("host_hits" if host else "lower_hits")
+            self._count("loaded_tokens", (op.blocks - op.first) * self.block_size)
+        else:
+            self._count("load_errors")
+
+    def load_async(self, op: LoadOp) -> None:
+        """Start filling the request's blocks in the background."""
+        assert self._portal is not None
+        self._pending_loads[op.req_id] = (op, self._portal.start_task_soon(self._load_async, op))
+
+    def finished_loads(self) -> list[tuple[LoadOp, bool]]:
+        """Background loads that finished since the last call, with their outcome."""
+        done = _drain(self._pending_loads, "loading")
+        for op, ok in done:
+            self._loaded(op, ok, host=False)
+        return done
+
+    # -- saves ---------------------------------------------------------------------------
+    def save(self, op: SaveOp) -> None:
+        """Copy the request's new blocks out (its blocks may be freed once this returns)
+        and append them to the conversation in the background."""
+        assert self._portal is not None
+        tensors = self.gather(op.block_ids[op.start : op.end])
+        bs = self.block_size
+        tensors[TOKENS] = torch.tensor(
+            op.tokens[op.start * bs : op.end * bs], dtype=torch.int64
+        ).reshape(1, -1, 1)
+        future = self._portal.start_task_soon(self._append, op, tensors)
+        self._pending_saves[op.req_id] = (op, future)
+
+    async def _append(self, op: SaveOp, tensors: dict[str, torch.Tensor]) -> bool:
+        meta = self.cache.channel.get(op.session)
+        have = 0 if meta is None or meta.tier is None else meta.tokens
+        if meta is not None and meta.tier is None:  # lost: it restarts from nothing
+            if op.start:
+                return False
+            await self.cache.drop(op.session)
+        if have != op.start * self.block_size:
+            _log.info(
+                "not storing %s's turn: %s holds %d tokens, the turn starts at %d",
+                op.req_id,
+                op.session,
+                have,
+                op.start * self.block_size,
+            )
+            return False
+        stored = await self.cache.append(op.session, tensors, answer_tokens=op.answer_tokens)
+        self._count("saved_tokens", (op.end - op.start) * self.block_size)
+        self._count("saved_bytes", sum(t.numel() * t.element_size() for t in tensors.values()))
+        if self._sidecars is not None:
+            sidecar = Sidecar(
+                session=op.session,
+                fingerprint=self.fp,
+                tokens=list(op.tokens[: stored.tokens]),
+            )
+            await anyio.to_thread.run_sync(write_sidecar, self._sidecars, sidecar)
+        return True
+
+    def finished_saves(self) -> list[tuple[SaveOp, bool]]:
+        """Saves whose append finished since the last call, with their outcome."""
+        done = _drain(self._pending_saves, "storing")
+        for _, ok in done:
+            if not ok:
+                self._count("save_errors")
+        return done
+
+    # -- reports -------------------------------------------------------------------------
+    def report(
+        self, loads: Sequence[tuple[LoadOp, bool]], saves: Sequence[tuple[SaveOp, bool]]
+    ) -> WorkerReport:
+        """This step's report to the scheduler side."""
+        out = WorkerReport(
+            loaded=[(op.req_id, op.session, ok) for op, ok in loads],
+            stored=[(op.req_id, op.session, op.end, ok) for op, ok in saves],
+        )
+        with self._lock:
+            touched, self._touched = list(self._touched), {}
+            out.gone, self._gone = self._gone, set()
+        if self._sidecars is not None:  # here, off the event loop's thread
+            for session in out.gone:
+                remove_sidecar(self._sidecars, session)
+        for session in touched:
+            meta = self.cache.channel.get(session)
+            out.metas[session] = None if meta is None else msgspec.msgpack.encode(meta)
+        return out
+
+    def wait_idle(self, timeout: float = 60.0, poll: Callable[[], None] | None = None) -> None:
+        """Block until no save or load is pending (tests and shutdown)."""
+        deadline = time.monotonic() + timeout
+        while self._pending_saves or self._pending_loads:
+            futs = [f for _, f in (*self._pending_saves.values(), *self._pending_loads.values())]
+            concurrent.futures.wait(futs, timeout=max(0.0, deadline - time.monotonic()))
+            if poll is not None:
+                poll()
+            if time.monotonic() > deadline:
+                raise TimeoutError("tieredkv saves/loads still pending")
+            if poll is None:
+                break
+
+
+_Op = TypeVar("_Op", LoadOp, SaveOp)
+
+
+def _drain(
+    pending: dict[str, tuple[_Op, concurrent.futures.Future[Any]]], what: str
+) -> list[tuple[_Op, bool]]:
+    """Take the finished operations out of ``pending``, with whether each succeeded (an
+    exception counts as a failure and is logged)."""
+    done = []
+    for req_id, (op, fut) in list(pending.items()):
+        if not fut.done():
+            continue
+        del pending[req_id]
+        try:
+            ok = bool(fut.result())
+        except Exception:
+            _log.exception("%s %s for %s failed", what, op.session, op.req_id)
+            ok = False
+        done.append((op, ok))
+    return done
+
+
+def decode_meta(data: bytes) -> KVMeta:
+    """A :class:`KVMeta` from a worker report."""
+    return msgspec.msgpack.decode(data, type=KVMeta)

@@ -1,0 +1,54 @@
+"""The vLLM benchmark runs end to end on its quick workload (a 2-layer model, a few
+turns), every row answers as recompute does, and it prints each ratio with its target.
+
+Six vLLM engines start one after another (two of them stop at start on the CPU backend):
+about four to six minutes on two cores."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.vllm_support import require_vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.timeout(1200)
+require_vllm()
+
+
+def test_bench_vllm_quick_runs_and_prints_its_ratios(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = importlib.util.spec_from_file_location(
+        "bench_vllm", ROOT / "benchmarks" / "bench_vllm.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_vllm"] = bench
+    try:
+        spec.loader.exec_module(bench)
+        assert bench.main(["--quick", "--dir", str(tmp_path)]) == 0  # 1: an answer differs
+    finally:
+        del sys.modules["bench_vllm"]
+    out = capsys.readouterr().out
+    for line in (
+        "returning-turn TTFT, tieredkv bidaw / recompute:",
+        "(target <= 0.2x)",
+        "(target >= 1.25x)",
+        "host hit ratio, Bidaw / LRU:",
+        "answers: every row equals recompute",
+    ):
+        assert line in out, out
+    for row in (
+        "vllm recompute",
+        "vllm offloading",
+        "vllm example",
+        "tieredkv lru",
+        "tieredkv bidaw",
+    ):
+        assert f"\n{row} " in out, out

