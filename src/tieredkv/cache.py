@@ -61,6 +61,7 @@ from ._cache.sharing import check_writer, discover, shared_tiers
 from ._cache.state import CacheStats, Core, Session, check_key, check_tiers, policies_per_tier
 from ._cache.turns import commit_append, commit_load, plan_turn, restore, store
 from ._cache.writethrough import WriteThrough
+from ._checks import check_int
 from .backends.base import AddressableTier, Tier
 from .errors import (
     ClosedError,
@@ -71,7 +72,6 @@ from .errors import (
     SessionNotFoundError,
 )
 from .meta import Dropped, KVMeta, MetadataChannel, TierInfo
-from .payload import check_int
 from .policies.base import Eviction
 
 __all__ = ["CacheStats", "LayerwiseLoad", "RestoreFailedError", "TieredKVCache", "Truncation"]

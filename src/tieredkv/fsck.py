@@ -332,8 +332,8 @@ def repair_directory(
     """
     import anyio
 
+    from ._checks import MAX_COUNT
     from .backends.ssd import SSDTier
-    from .payload import MAX_COUNT
 
     async def reread() -> None:
         tier = SSDTier(directory, MAX_COUNT, secret=secret, name="fsck")

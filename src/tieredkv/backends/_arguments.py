@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from .._checks import check_int
 from ..errors import InvalidArgumentError
-from ..payload import check_int
 
 __all__ = ["MAX_THREADS", "check_tier_arguments"]
 

@@ -10,8 +10,9 @@ from typing import NoReturn
 
 import anyio
 
+from ..._checks import check_cuts, check_int
 from ...errors import ClosedError, CorruptSegmentError, InvalidArgumentError, TierIOError
-from ...payload import ALIGN, SegmentHeader, check_cuts, check_int, derive_key
+from ...payload import ALIGN, SegmentHeader, derive_key
 from .._arguments import check_tier_arguments
 from ..base import SegmentKey, Tier, TierStats
 from .dirs import TierDirectory

