@@ -51,7 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.vllm_support import Result, Spec, answers, run_engine, tiny_model
 
+from tieredkv.policies.registry import make_eviction
+from tieredkv.sim.replay import replay
 from tieredkv.sim.synthetic import SyntheticWorkload
+from tieredkv.sim.trace import Turns
 from tieredkv.sim.workloads import iter_turns
 
 BS = 32
@@ -64,16 +67,21 @@ def free_port() -> int:
 
 
 class Workload:
-    """Turns in arrival order: ``firsts[c]`` (context + first query) and, per later turn,
-    ``(conversation, query tokens)``, with every turn's answer length."""
+    """Turns in arrival order: ``firsts[c]`` (context + first query), ``first_rounds[c]``
+    (how many returning turns arrived before it) and, per returning turn,
+    ``(conversation, query tokens)``, with every turn's answer length; ``turns`` is the
+    same stream as the simulator's :class:`~tieredkv.sim.trace.Turns` (the context counted
+    in the first query), for :func:`predicted_hit_ratios`."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(
+        self, args: argparse.Namespace, users: int | None = None, turns: int | None = None
+    ) -> None:
         synth = SyntheticWorkload(
-            users=args.users,
+            users=users or args.users,
             arrival_rate=args.rate,
-            turns_median=args.turns,
+            turns_median=turns or args.turns,
             turns_sigma=0.3,
-            turns_max=args.turns,
+            turns_max=turns or args.turns,
             query_median=args.query,
             query_max=4 * args.query,
             answer_median=args.answer,
@@ -87,17 +95,25 @@ class Workload:
         rng = np.random.default_rng(args.seed)
         self.firsts: list[list[int]] = []
         self.first_answers: list[int] = []
+        self.first_rounds: list[int] = []
         self.rounds: list[dict[int, list[int]]] = []
         self.round_answers: list[dict[int, int]] = []
+        queries = []
         for turn in iter_turns(synth):
             query = rng.integers(1, args.vocab - 1, size=max(1, turn.query)).tolist()
             if turn.index == 0:
                 context = rng.integers(1, args.vocab - 1, size=args.context).tolist()
                 self.firsts.append(context + query)
                 self.first_answers.append(max(1, turn.answer))
+                self.first_rounds.append(len(self.rounds))
+                queries.append(len(context + query))
             else:
                 self.rounds.append({turn.user: query})
                 self.round_answers.append({turn.user: max(1, turn.answer)})
+                queries.append(len(query))
+        self.turns = Turns(
+            synth.user, synth.time, queries, np.maximum(synth.answer, 1), synth.round_index
+        )
 
 
 def _final_tokens(wl: Workload) -> list[int]:
@@ -125,6 +141,7 @@ def spec_for(
         queries=wl.rounds,
         first_max_tokens=wl.first_answers,
         max_tokens_per_round=wl.round_answers,
+        first_rounds=wl.first_rounds,
         block_size=BS,
         max_model_len=args.max_model_len,
         pool_blocks=args.pool_blocks,
@@ -132,10 +149,30 @@ def spec_for(
     )
 
 
+def kv_bytes_per_token(args: argparse.Namespace) -> int:
+    """fp32 KV bytes per token of the benchmark's model."""
+    return int(args.layers * 2 * args.kv_heads * (args.hidden // args.heads) * 4)
+
+
 def histories_bytes(wl: Workload, args: argparse.Namespace) -> int:
     """KV bytes of every conversation's final history (fp32)."""
-    per_token = args.layers * 2 * args.kv_heads * (args.hidden // args.heads) * 4
-    return int(sum(_final_tokens(wl)) * per_token)
+    return int(sum(_final_tokens(wl)) * kv_bytes_per_token(args))
+
+
+def predicted_hit_ratios(wl: Workload, args: argparse.Namespace, host: int) -> dict[str, float]:
+    """Host hit ratio of Bidaw and LRU eviction on this workload and host budget, from the
+    project's eviction-only replay (:func:`tieredkv.sim.replay.replay`): what the vLLM
+    rows should show, before they run."""
+    return {
+        policy: replay(
+            wl.turns,
+            make_eviction(policy),
+            host_bytes=host,
+            bytes_per_token=kv_bytes_per_token(args),
+            history_cap=1 << 20,
+        ).hit_ratio
+        for policy in ("bidaw", "lru")
+    }
 
 
 def why_not(output: str) -> str:
@@ -170,12 +207,15 @@ def summarize(result: Result) -> dict[str, float]:
     return out
 
 
+QUICK_MODEL = {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 512}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 2-layer model, a few turns")
     parser.add_argument("--users", type=int, default=8)
     parser.add_argument("--turns", type=int, default=3, help="turns per conversation")
-    parser.add_argument("--rate", type=float, default=0.2, help="new users per second")
+    parser.add_argument("--rate", type=float, default=1.0, help="new users per second")
     parser.add_argument("--context", type=int, default=384, help="first-turn context tokens")
     parser.add_argument("--query", type=int, default=25, help="median query tokens")
     parser.add_argument("--answer", type=int, default=12, help="median answer tokens")
@@ -188,6 +228,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool-blocks", type=int, default=0, help="vLLM KV blocks (0: auto)")
     parser.add_argument("--host-fraction", type=float, default=0.33)
     parser.add_argument(
+        "--hit-users",
+        type=int,
+        default=24,
+        help="users of the host-hit workload (run on the 2-layer model); 0: the main rows'",
+    )
+    parser.add_argument("--hit-turns", type=int, default=6, help="turns per hit-workload user")
+    parser.add_argument(
+        "--hit-fraction", type=float, default=0.2, help="host tier / histories, hit workload"
+    )
+    parser.add_argument(
         "--max-model-len", type=int, default=0, help="0: the longest conversation's tokens"
     )
     parser.add_argument("--kv-space-gib", type=int, default=2)
@@ -198,91 +248,159 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.quick:
-        args.users, args.turns, args.context = 4, 3, 96
-        args.layers, args.hidden, args.heads, args.kv_heads = 2, 256, 4, 2
-        args.intermediate, args.vocab, args.answer = 512, 512, 8
-    wl = Workload(args)
+        args.users, args.turns, args.context, args.hit_users = 4, 3, 96, 0
+        vars(args).update(QUICK_MODEL)
+        args.vocab, args.answer = 512, 8
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        work = Path(tmp)
+        wl = Workload(args)
+        host = max(1 << 20, int(histories_bytes(wl, args) * args.host_fraction))
+        rows = run_rows(args, wl, work / "main", host, skip)
+        hits = None
+        if args.hit_users:
+            hit_args = argparse.Namespace(**{**vars(args), **QUICK_MODEL, "max_model_len": 0})
+            hit_args.pool_blocks = 0
+            hit_wl = Workload(hit_args, users=args.hit_users, turns=args.hit_turns)
+            hit_host = max(1 << 16, int(histories_bytes(hit_wl, hit_args) * args.hit_fraction))
+            only = {"vllm offloading", "vllm tiering-fs", "vllm example"}
+            hits = run_rows(hit_args, hit_wl, work / "hits", hit_host, skip | only)
+            predicted = predicted_hit_ratios(hit_wl, hit_args, hit_host)
+        else:
+            predicted = predicted_hit_ratios(wl, args, host)
+        return report(rows, hits, predicted)
+
+
+def run_rows(
+    args: argparse.Namespace,
+    wl: Workload,
+    work: Path,
+    host: int,
+    skip: set[str],
+) -> dict[str, tuple[Result | None, str]]:
+    """Each row's engine over the workload (a model built in ``work`` from ``args``)."""
     longest = max(_final_tokens(wl))
     if args.max_model_len == 0:
         args.max_model_len = (longest // BS + 2) * BS
     if args.pool_blocks == 0:  # three of the longest conversations, as a small GPU holds
         args.pool_blocks = 3 * (args.max_model_len // BS)
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        work = Path(tmp)
-        model = tiny_model(
-            work / "model",
-            layers=args.layers,
-            hidden=args.hidden,
-            heads=args.heads,
-            kv_heads=args.kv_heads,
-            intermediate=args.intermediate,
-            vocab=args.vocab,
-        )
-        host = max(1 << 20, int(histories_bytes(wl, args) * args.host_fraction))
-        print(
-            f"workload: {len(wl.firsts)} conversations, {len(wl.rounds)} returning turns, "
-            f"histories {histories_bytes(wl, args) / 2**20:.1f} MiB of KV; vLLM pool "
-            f"{args.pool_blocks} blocks of {BS} tokens; tieredkv host tier "
-            f"{host / 2**20:.1f} MiB, the rest on SSD ({work})",
-            flush=True,
-        )
-        rows: dict[str, tuple[Result | None, str]] = {}
-        skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    model = tiny_model(
+        work / "model",
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        intermediate=args.intermediate,
+        vocab=args.vocab,
+    )
+    print(
+        f"workload: {len(wl.firsts)} conversations, {len(wl.rounds)} returning turns, "
+        f"histories {histories_bytes(wl, args) / 2**20:.1f} MiB of KV ({args.layers}-layer "
+        f"model); vLLM pool {args.pool_blocks} blocks of {BS} tokens; tieredkv host tier "
+        f"{host / 2**20:.1f} MiB, the rest on SSD ({work})",
+        flush=True,
+    )
+    rows: dict[str, tuple[Result | None, str]] = {}
 
-        def run(name: str, connector: str | None, extra: dict[str, Any]) -> None:
-            if name in skip:
-                return
-            port = free_port()
-            spec = spec_for(args, wl, model, connector, extra)
-            if connector == "tieredkv":
-                spec.extra = {**extra, "metrics_port": port}
-                spec.metrics_urls = [f"http://127.0.0.1:{port}/metrics"]
-            began = time.monotonic()
-            try:
-                result = run_engine(spec, work / name.replace(" ", "-"))
-            except RuntimeError as exc:
-                rows[name] = (None, why_not(str(exc)))
-                print(f"{name}: did not run: {rows[name][1]}", flush=True)
-                return
-            rows[name] = (result, "")
-            print(f"{name}: ran in {time.monotonic() - began:.0f} s", flush=True)
+    def run(name: str, connector: str | None, extra: dict[str, Any]) -> None:
+        if name in skip:
+            return
+        port = free_port()
+        spec = spec_for(args, wl, model, connector, extra)
+        if connector == "tieredkv":
+            spec.extra = {**extra, "metrics_port": port}
+            spec.metrics_urls = [f"http://127.0.0.1:{port}/metrics"]
+        began = time.monotonic()
+        try:
+            result = run_engine(spec, work / name.replace(" ", "-"), timeout=3600)
+        except RuntimeError as exc:
+            rows[name] = (None, why_not(str(exc)))
+            print(f"{name}: did not run: {rows[name][1]}", flush=True)
+            return
+        rows[name] = (result, "")
+        print(f"{name}: ran in {time.monotonic() - began:.0f} s", flush=True)
 
-        run("vllm recompute", None, {})
+    run("vllm recompute", None, {})
+    run(
+        "vllm offloading",
+        "offloading",
+        {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": host},
+    )
+    run(
+        "vllm tiering-fs",
+        "offloading",
+        {
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": host,
+            "secondary_tiers": [{"type": "fs", "root_dir": str(work / "tiering-fs")}],
+        },
+    )
+    run("vllm example", "example", {"shared_storage_path": str(work / "example")})
+    for policy in ("lru", "bidaw"):
         run(
-            "vllm offloading",
-            "offloading",
-            {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": host},
-        )
-        run(
-            "vllm tiering-fs",
-            "offloading",
+            f"tieredkv {policy}",
+            "tieredkv",
             {
-                "spec_name": "TieringOffloadingSpec",
-                "cpu_bytes_to_use": host,
-                "secondary_tiers": [{"type": "fs", "root_dir": str(work / "tiering-fs")}],
+                "host_bytes": host,
+                "ssd_path": str(work / f"kv-{policy}"),
+                "ssd_bytes": 64 << 30,
+                "eviction": policy,
+                "scheduler": "bidaw",
             },
         )
-        run("vllm example", "example", {"shared_storage_path": str(work / "example")})
-        for policy in ("lru", "bidaw"):
-            run(
-                f"tieredkv {policy}",
-                "tieredkv",
-                {
-                    "host_bytes": host,
-                    "ssd_path": str(work / f"kv-{policy}"),
-                    "ssd_bytes": 64 << 30,
-                    "eviction": policy,
-                    "scheduler": "bidaw",
-                },
-            )
-        return report(rows)
+    return rows
 
 
-def report(rows: dict[str, tuple[Result | None, str]]) -> int:
+def report(
+    rows: dict[str, tuple[Result | None, str]],
+    hits: dict[str, tuple[Result | None, str]] | None,
+    predicted: dict[str, float],
+) -> int:
+    """Print the table and the ratios; 0 if every row answered as recompute did."""
+    stats, lossless = table(rows)
+    if stats is None:
+        return 1
+    base = stats["vllm recompute"]
+    bidaw = stats.get("tieredkv bidaw")
+    if bidaw is not None:
+        ratio = bidaw["ttft_mean"] / base["ttft_mean"]
+        print(f"returning-turn TTFT, tieredkv bidaw / recompute: {ratio:.3f}x (target <= 0.2x)")
+        natives = [n for n in stats if n.startswith("vllm ")]
+        best = min(natives, key=lambda n: stats[n]["ttft_mean"])
+        gain = stats[best]["ttft_mean"] / bidaw["ttft_mean"]
+        print(
+            f"returning-turn TTFT, best vLLM-native option ({best}) / tieredkv bidaw: "
+            f"{gain:.2f}x (target >= 1.25x)"
+        )
+    if hits is not None:
+        print("\nhost-memory pressure (the host-hit workload, a 2-layer model):")
+        hit_stats, hit_lossless = table(hits)
+        lossless &= hit_lossless
+    else:
+        hit_stats = stats
+    bidaw, lru = (hit_stats or {}).get("tieredkv bidaw"), (hit_stats or {}).get("tieredkv lru")
+    b_sim, l_sim = predicted["bidaw"], predicted["lru"]
+    sim_text = f"{b_sim / l_sim:.2f}x" if l_sim > 0 else "n/a"
+    print(
+        f"host hit ratio, replay's prediction, Bidaw / LRU: {b_sim:.3f} / {l_sim:.3f} = {sim_text}"
+    )
+    if bidaw is not None and lru is not None:
+        b, lr = bidaw["host_hit"], lru["host_hit"]
+        ratio_text = f"{b / lr:.2f}x" if lr > 0 else "n/a (LRU had no host hits)"
+        print(f"host hit ratio, Bidaw / LRU: {b:.3f} / {lr:.3f} = {ratio_text} (target >= 1.3x)")
+    print("answers: " + ("every row equals recompute" if lossless else "SOME ROW DIFFERS"))
+    return 0 if lossless else 1
+
+
+def table(
+    rows: dict[str, tuple[Result | None, str]],
+) -> tuple[dict[str, dict[str, float]] | None, bool]:
+    """Print the rows, each against the recompute row; their summaries and whether every
+    row answered as recompute did (``None``: the recompute row did not run)."""
     base_result = rows.get("vllm recompute", (None, ""))[0]
     if base_result is None:
         print("the recompute row did not run: no ratios")
-        return 1
+        return None, False
     ref = answers(base_result)
     base = summarize(base_result)
     stats = {name: summarize(r) for name, (r, _) in rows.items() if r is not None}
@@ -306,23 +424,7 @@ def report(rows: dict[str, tuple[Result | None, str]]) -> int:
             f"{s['throughput'] / base['throughput']:>7.2f}  {'equal' if same else 'DIFFERENT'}"
         )
     print()
-    bidaw, lru = stats.get("tieredkv bidaw"), stats.get("tieredkv lru")
-    if bidaw is not None:
-        ratio = bidaw["ttft_mean"] / base["ttft_mean"]
-        print(f"returning-turn TTFT, tieredkv bidaw / recompute: {ratio:.3f}x (target <= 0.2x)")
-        natives = [n for n in stats if n.startswith("vllm ")]
-        best = min(natives, key=lambda n: stats[n]["ttft_mean"])
-        gain = stats[best]["ttft_mean"] / bidaw["ttft_mean"]
-        print(
-            f"returning-turn TTFT, best vLLM-native option ({best}) / tieredkv bidaw: "
-            f"{gain:.2f}x (target >= 1.25x)"
-        )
-    if bidaw is not None and lru is not None:
-        b, lr = bidaw["host_hit"], lru["host_hit"]
-        ratio_text = f"{b / lr:.2f}x" if lr > 0 else "n/a (LRU had no host hits)"
-        print(f"host hit ratio, Bidaw / LRU: {b:.3f} / {lr:.3f} = {ratio_text} (target >= 1.3x)")
-    print("answers: " + ("every row equals recompute" if lossless else "SOME ROW DIFFERS"))
-    return 0 if lossless else 1
+    return stats, lossless
 
 
 if __name__ == "__main__":

@@ -68,6 +68,9 @@ class Spec(msgspec.Struct, kw_only=True):
     :param dtype: the model's dtype
     :param gap: seconds to wait between rounds (lets background saves finish, as the
         think time between a user's turns does)
+    :param first_rounds: per conversation, the round its first prompt runs just before
+        (default: every first prompt runs at once, before round 0), so that first turns
+        arrive among the returning ones, in the order of their arrival
     """
 
     model: str
@@ -86,6 +89,7 @@ class Spec(msgspec.Struct, kw_only=True):
     metrics_urls: list[str] = []
     dtype: str = "float32"
     gap: float = 0.0
+    first_rounds: list[int] = []
 
 
 class Turn(msgspec.Struct, kw_only=True):
@@ -226,7 +230,8 @@ def _serve(spec: Spec) -> Result:
     def run(engine: Any, round_: int, convs: list[int]) -> None:
         batch: list[Any] = [{"prompt_token_ids": prompts[c]} for c in convs]
         if round_ < 0:
-            lengths = spec.first_max_tokens or [spec.max_tokens] * len(convs)
+            firsts = spec.first_max_tokens
+            lengths = [firsts[c] if firsts else spec.max_tokens for c in convs]
         else:
             per = spec.max_tokens_per_round[round_] if spec.max_tokens_per_round else {}
             lengths = [per.get(c, spec.max_tokens) for c in convs]
@@ -249,13 +254,20 @@ def _serve(spec: Spec) -> Result:
             )
             prompts[c] = prompts[c] + answer
 
-    run(llm, -1, list(range(len(prompts))))
+    due = spec.first_rounds or [0] * len(prompts)
+    run(llm, -1, [c for c in range(len(prompts)) if due[c] <= 0])
     for r, queries in enumerate(spec.queries):
         time.sleep(spec.gap)
+        firsts = [c for c in range(len(prompts)) if due[c] == r and r > 0]
+        if firsts:
+            run(llm, -1, firsts)
         convs = sorted(queries)
         for c in convs:
             prompts[c] = prompts[c] + list(queries[c])
         run(llm, r, convs)
+    late = [c for c in range(len(prompts)) if due[c] >= max(1, len(spec.queries))]
+    if late:  # first prompts that arrive after the last returning turn
+        run(llm, -1, late)
     ran = time.monotonic()
     metrics = []
     for url in spec.metrics_urls:

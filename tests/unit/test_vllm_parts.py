@@ -50,6 +50,8 @@ def test_config_defaults_and_values() -> None:
         ({"max_loads": 0}, "max_loads"),
         ({"metrics_port": 70000}, "metrics_port"),
         ({"fsync": "yes"}, "fsync"),
+        ({"layerwise": 1}, "layerwise"),
+        ({"sync_load_bytes": -1}, "sync_load_bytes"),
     ],
 )
 def test_bad_config_names_the_key(extra: dict[str, object], named: str) -> None:
@@ -184,6 +186,35 @@ def test_scheduler_side_orders_pending_loads_with_its_policy(tmp_path: Path) -> 
         assert [op.req_id for op in side.plan().loads] == [first], policy
 
 
+def test_scheduler_side_loads_a_small_ssd_history_within_the_step(tmp_path: Path) -> None:
+    """With ``sync_load_bytes``, a history below host memory of at most that size loads
+    within the step (layer by layer), counted as a disk hit; a bigger one still waits in
+    the load queue; without ``layerwise`` none does."""
+    import msgspec
+
+    from tieredkv.meta import KVMeta
+
+    for extra, small_sync in (
+        ({"sync_load_bytes": 4096}, True),
+        ({"sync_load_bytes": 4096, "layerwise": False}, False),
+        ({}, False),
+    ):
+        cfg = parse_config({"ssd_path": str(tmp_path), **extra})
+        side = SchedulerSide(cfg, FP, BS)
+        metas: dict[str, bytes | None] = {}
+        for name, nbytes, first in (("small", 4096, 1), ("big", 4097, 2)):
+            side.index.put(name, side.index.hashes([first] * 8))
+            meta = KVMeta(session=name, tier=SSD, copies=(SSD,), nbytes=nbytes, tokens=8)
+            metas[name] = msgspec.msgpack.encode(meta)
+        side.update(WorkerReport(metas=metas), set())
+        assert side.match("a", [1] * 9, 0) == (8, not small_sync), extra
+        side.allocated("a", [1] * 9, [4, 5, 6], 8)
+        assert side.from_host.pop("a") is False  # a disk hit either way
+        assert side.match("b", [2] * 9, 0) == (8, True)
+        loads = side.plan().loads
+        assert [(op.req_id, op.sync, op.host) for op in loads][:1] == [("a", small_sync, False)]
+
+
 def test_scheduler_side_rebuilds_its_index_from_sidecars(tmp_path: Path) -> None:
     from tieredkv.integrations.vllm.index import write_sidecar
 
@@ -213,7 +244,11 @@ def store(tmp_path: Path, kv: dict[str, torch.Tensor], **extra: object) -> Worke
     return s
 
 
-def test_worker_saves_blocks_and_loads_them_into_other_blocks(tmp_path: Path) -> None:
+def saved_turn(
+    tmp_path: Path, session: str
+) -> tuple[WorkerStore, dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[int, ...]]:
+    """A store whose paged KV is random, with blocks 3, 5, 6 saved as ``session``'s first
+    turn (12 tokens); returns the store, the paged KV, those blocks' KV and the tokens."""
     from tieredkv.integrations.vllm.ops import SaveOp
 
     kv = paged_kv()
@@ -222,10 +257,15 @@ def test_worker_saves_blocks_and_loads_them_into_other_blocks(tmp_path: Path) ->
     expected = {name: layer[[3, 5, 6]].clone() for name, layer in kv.items()}
     tokens = tuple(range(100, 112))
     s = store(tmp_path, kv)
+    s.save(SaveOp("r1", session, (3, 5, 6), 0, 3, tokens, answer_tokens=4))
+    s.wait_idle()
+    assert s.finished_saves()[0][1] is True
+    return s, kv, expected, tokens
+
+
+def test_worker_saves_blocks_and_loads_them_into_other_blocks(tmp_path: Path) -> None:
+    s, kv, expected, tokens = saved_turn(tmp_path, "vllm-x-1")
     try:
-        s.save(SaveOp("r1", "vllm-x-1", (3, 5, 6), 0, 3, tokens, answer_tokens=4))
-        s.wait_idle()
-        assert s.finished_saves()[0][1] is True
         report = s.report([], [])
         meta = report.metas["vllm-x-1"]
         assert meta is not None
@@ -249,7 +289,7 @@ def test_worker_saves_blocks_and_loads_them_into_other_blocks(tmp_path: Path) ->
     s2 = store(tmp_path, kv2)
     try:
         assert s2.cache.where("vllm-x-1") == SSD
-        s2.load_async(LoadOp("r4", "vllm-x-1", (0, 1, 2), 0, 3, tokens, sync=False))
+        s2.load_async(LoadOp("r4", "vllm-x-1", (0, 1, 2), 0, 3, tokens, sync=False, host=False))
         s2.wait_idle()
         assert [(op.req_id, ok) for op, ok in s2.finished_loads()] == [("r4", True)]
         for name, layer in kv2.items():
@@ -284,7 +324,7 @@ def test_worker_refuses_a_damaged_segment_and_forgets_it(tmp_path: Path) -> None
     s2 = store(tmp_path, kv2)
     try:
         if s2.cache.where("vllm-x-2") is not None:  # recovery may already refuse it
-            s2.load_async(LoadOp("r2", "vllm-x-2", (4, 5), 0, 2, tokens, sync=False))
+            s2.load_async(LoadOp("r2", "vllm-x-2", (4, 5), 0, 2, tokens, sync=False, host=False))
             s2.wait_idle()
             assert [ok for _, ok in s2.finished_loads()] == [False]
             assert "vllm-x-2" in s2.report([], []).gone
@@ -310,6 +350,82 @@ def test_worker_skips_a_turn_that_does_not_follow_the_stored_one(tmp_path: Path)
         s.close()
 
 
+def test_worker_loads_layer_by_layer_while_the_model_computes(tmp_path: Path) -> None:
+    """A load within the step lands layer by layer: layer 0's blocks are filled while layer
+    1's bytes may still be on their way, from host memory and from the SSD alike; a layer
+    vLLM never waited for is filled before the step ends; the bytes are the saved ones."""
+    s, kv, expected, tokens = saved_turn(tmp_path, "vllm-x-5")
+    try:
+        assert s.copied() == {"r1"}  # vLLM may free the request's blocks now
+        before = {name: layer.clone() for name, layer in kv.items()}
+        stream = s.start_stream(LoadOp("r2", "vllm-x-5", (8, 9, 10), 1, 3, tokens, sync=True))
+        s.wait_layer([stream], LAYERS[0])  # what vLLM calls before layer 0's attention
+        assert torch.equal(kv[LAYERS[0]][[9, 10]], expected[LAYERS[0]][1:])
+        assert stream.done == {0}
+        assert s.finish_stream(stream)  # layer 1: filled here; every byte verified
+        for name, layer in kv.items():
+            assert torch.equal(layer[[9, 10]], expected[name][1:])
+            assert torch.equal(layer[8], before[name][8])  # untouched
+        # the wrong tokens: refused before any block is filled
+        wrong = (*tokens[:-1], 7)
+        stream = s.start_stream(LoadOp("r3", "vllm-x-5", (11, 12, 13), 0, 3, wrong, sync=True))
+        assert not s.finish_stream(stream)
+        assert torch.equal(kv[LAYERS[0]][11:14], before[LAYERS[0]][11:14])
+        # a conversation the cache does not hold: a miss, nothing filled
+        stream = s.start_stream(LoadOp("r4", "vllm-x-none", (1,), 0, 1, tokens[:4], sync=True))
+        assert not s.finish_stream(stream)
+    finally:
+        s.close()
+    # from the SSD (a restart), within the step: promoted to host memory on the way
+    kv2 = paged_kv()
+    s2 = store(tmp_path, kv2)
+    try:
+        assert s2.cache.where("vllm-x-5") == SSD
+        op = LoadOp("r5", "vllm-x-5", (0, 1, 2), 0, 3, tokens, sync=True, host=False)
+        stream = s2.start_stream(op)
+        for name in LAYERS:
+            s2.wait_layer([stream], name)
+        assert s2.finish_stream(stream)
+        for name, layer in kv2.items():
+            assert torch.equal(layer[[0, 1, 2]], expected[name])
+        assert s2.cache.where("vllm-x-5") == HOST
+        counters = s2.take_counters()
+        assert (counters["lower_hits"], counters["loaded_tokens"]) == (1, 12)
+        assert counters["streamed_layers"] == 2
+    finally:
+        s2.close()
+
+
+def test_worker_layerwise_load_of_a_damaged_segment_fails_and_forgets_it(tmp_path: Path) -> None:
+    """A layer-wise load from a damaged segment may fill blocks with unverified bytes, but
+    it reports failure (vLLM recomputes those blocks and drops the step's output for the
+    request) and the conversation is forgotten."""
+    from tieredkv.integrations.vllm.ops import SaveOp
+
+    kv = paged_kv()
+    kv[LAYERS[0]].fill_(1.5)
+    tokens = tuple(range(8))
+    s = store(tmp_path, kv)
+    s.save(SaveOp("r1", "vllm-x-6", (1, 2), 0, 2, tokens, answer_tokens=1))
+    s.wait_idle()
+    s.finished_saves()
+    s.close()
+    for p in (tmp_path / "rank0").rglob("*.seg"):  # flip a byte in the last layer's span
+        data = bytearray(p.read_bytes())
+        data[-16] ^= 0xFF
+        p.write_bytes(bytes(data))
+    s2 = store(tmp_path, paged_kv())
+    try:
+        if s2.cache.where("vllm-x-6") is not None:  # recovery may already refuse it
+            op = LoadOp("r2", "vllm-x-6", (4, 5), 0, 2, tokens, sync=True, host=False)
+            assert not s2.finish_stream(s2.start_stream(op))
+            assert "vllm-x-6" in s2.report([], []).gone
+            assert s2.take_counters()["load_errors"] == 1
+        assert not (tmp_path / "index" / "vllm-x-6.json").exists()
+    finally:
+        s2.close()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_worker_moves_cuda_blocks_through_pinned_staging(tmp_path: Path) -> None:
@@ -328,7 +444,7 @@ def test_worker_moves_cuda_blocks_through_pinned_staging(tmp_path: Path) -> None
         s.wait_idle()
         assert [ok for _, ok in s.finished_saves()] == [True]
         assert s.load_sync(LoadOp("r2", "vllm-x-c", (6, 7), 0, 2, tokens, sync=True))
-        s.load_async(LoadOp("r3", "vllm-x-c", (9, 10), 0, 2, tokens, sync=False))
+        s.load_async(LoadOp("r3", "vllm-x-c", (9, 10), 0, 2, tokens, sync=False, host=False))
         s.wait_idle()
         assert [ok for _, ok in s.finished_loads()] == [True]
         for name, layer in kv.items():

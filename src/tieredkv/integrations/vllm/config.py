@@ -38,6 +38,12 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     :param redis_bytes: byte budget of the Redis tier (default 4 GiB)
     :param fsync: make SSD writes durable before they count as stored (default on)
     :param metrics_port: serve the worker's ``tieredkv.metrics`` on this port (0: off)
+    :param layerwise: loads within a step land layer by layer: the forward pass computes
+        layer ``i`` while layer ``i+1`` is copied or read (default on; off: the whole
+        history is copied in before the forward pass starts)
+    :param sync_load_bytes: a history below host memory of at most this many bytes loads
+        within the step, layer by layer, rather than waiting in the load queue (0: never,
+        the default; needs ``layerwise``)
     :param codec: what is stored: ``"kv"`` (vLLM's paged KV blocks, byte for byte; the
         only codec that can run inside vLLM, see the how-to)
     """
@@ -53,6 +59,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     redis_bytes: int = 4 << 30
     fsync: bool = True
     metrics_port: int = 0
+    layerwise: bool = True
+    sync_load_bytes: int = 0
     codec: str = "kv"
 
 
@@ -103,10 +111,13 @@ def parse_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
             "kv_connector_extra_config['mode'] must be 'exclusive' or 'inclusive', "
             f"not {extra['mode']!r}"
         )
-    if "fsync" in extra and not isinstance(extra["fsync"], bool):
-        raise InvalidArgumentError(
-            f"kv_connector_extra_config['fsync'] must be true or false, not {extra['fsync']!r}"
-        )
+    if "sync_load_bytes" in extra:
+        _positive_int("sync_load_bytes", extra["sync_load_bytes"], 0)
+    for key in ("fsync", "layerwise"):
+        if key in extra and not isinstance(extra[key], bool):
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config[{key!r}] must be true or false, not {extra[key]!r}"
+            )
     if extra.get("codec", "kv") != "kv":
         raise InvalidArgumentError(
             f"kv_connector_extra_config['codec'] must be 'kv', not {extra['codec']!r}: vLLM "

@@ -31,9 +31,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ...errors import InvalidArgumentError
 from .config import ConnectorConfig, parse_config
 from .keys import fingerprint
-from .ops import StepPlan, WorkerReport
+from .ops import LoadOp, StepPlan, WorkerReport
 from .scheduler import SchedulerSide
-from .worker import WorkerStore
+from .worker import LayerStream, WorkerStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,6 +56,7 @@ STAT_KEYS = (
     "lower_hits",
     "load_errors",
     "loaded_tokens",
+    "streamed_layers",
     "load_seconds",
     "saved_tokens",
     "saved_bytes",
@@ -84,7 +85,8 @@ class TieredKVWorkerMetadata(KVConnectorWorkerMetadata):
 
 class TieredKVConnectorStats(KVConnectorStats):
     """The workers' counters over an interval: loads (host hits and lower-tier hits),
-    load errors, tokens loaded and saved, bytes saved, seconds spent loading."""
+    load errors, tokens loaded and saved, layers a load filled while vLLM waited for them
+    (layer by layer, within the forward pass), bytes saved, seconds spent loading."""
 
     def reset(self) -> None:
         self.data = {}
@@ -181,6 +183,7 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._failed: set[str] = set()
         self._sending: set[str] = set()
         self._finished_loads: list[Any] = []
+        self._streams: list[LayerStream] = []
         if role == KVConnectorRole.SCHEDULER:
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 # a history the cache cannot serve (damaged, lost, an I/O error) is a miss:
@@ -267,17 +270,31 @@ class TieredKVConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, TieredKVMetadata)
         for op in meta.plan.loads:
-            if op.sync:
-                ok = self._store.load_sync(op)
-                self._finished_loads.append((op, ok))
-                if not ok:
-                    self._load_errors.update(op.block_ids[op.first : op.blocks])
+            if op.sync and self.config.layerwise:
+                self._streams.append(self._store.start_stream(op))
+            elif op.sync:
+                self._sync_loaded(op, self._store.load_sync(op))
             else:
                 self._store.load_async(op)
                 self._recving.add(op.req_id)
 
+    def _sync_loaded(self, op: LoadOp, ok: bool) -> None:
+        self._finished_loads.append((op, ok))
+        if not ok:
+            self._load_errors.update(op.block_ids[op.first : op.blocks])
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv (sync) or between steps (async)
+        if self._streams:
+            assert self._store is not None
+            self._store.wait_layer(self._streams, layer_name)
+
+    def _finish_streams(self) -> None:
+        """Every layer-wise load of this step: its layers in, its bytes verified (before
+        vLLM returns anything computed from them; a failed one's blocks are recomputed)."""
+        streams, self._streams = self._streams, []
+        for stream in streams:
+            assert self._store is not None
+            self._sync_loaded(stream.op, self._store.finish_stream(stream))
 
     def save_kv_layer(
         self,
@@ -286,10 +303,14 @@ class TieredKVConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        return  # a turn is stored once its request finished (wait_for_save)
+        # a turn ends when its request finishes, which is known only after the step's
+        # sampling: its blocks are copied out then (wait_for_save), off the forward pass;
+        # copying every step's new blocks layer by layer would copy every decode step's
+        return
 
     def wait_for_save(self) -> None:
         assert self._store is not None
+        self._finish_streams()
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
@@ -299,12 +320,13 @@ class TieredKVConnector(KVConnectorBase_V1):
                 self._store.save(op)
             except Exception:
                 _log.exception("copying %s's blocks out failed; the turn is not stored", op.req_id)
-            self._sending.add(op.req_id)
+                self._sending.add(op.req_id)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._store is not None
+        self._finish_streams()
         out = KVConnectorTransferResults()
-        out.finished_sending, self._sending = self._sending, set()
+        out.finished_sending, self._sending = self._sending | self._store.copied(), set()
         for op, ok in self._store.finished_loads():
             self._finished_loads.append((op, ok))
             self._recving.discard(op.req_id)

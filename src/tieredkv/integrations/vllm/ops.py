@@ -22,7 +22,9 @@ class LoadOp:
     :param blocks: the matched blocks; blocks ``first .. blocks-1`` are filled
     :param tokens: the request's token ids of the matched blocks (compared with the stored
         ones before anything is copied)
-    :param sync: load within this step (the history is in host memory) or in the background
+    :param sync: load within this step (the history is in host memory, or small enough
+        to read from below it while the forward pass runs) or in the background
+    :param host: the history was in host memory when the load was planned
     """
 
     req_id: str
@@ -32,6 +34,7 @@ class LoadOp:
     blocks: int
     tokens: tuple[int, ...]
     sync: bool
+    host: bool = True
 
 
 @dataclass(frozen=True)

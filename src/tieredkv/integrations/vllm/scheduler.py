@@ -46,7 +46,8 @@ class _Match:
     session: str
     local: int  # blocks vLLM holds itself
     blocks: int  # blocks matched in the store
-    sync: bool
+    sync: bool  # loaded within the step
+    host: bool  # from host memory
 
 
 class SchedulerSide:
@@ -132,8 +133,14 @@ class SchedulerSide:
         local = local_tokens // self.block_size
         if session is None or blocks <= local:
             return 0, False
-        sync = not kv_needs_load(self.channel.get(session), self.channel)
-        self._matches[req_id] = _Match(session, local, blocks, sync)
+        meta = self.channel.get(session)
+        host = not kv_needs_load(meta, self.channel)
+        sync = host or (
+            self.config.layerwise
+            and meta is not None
+            and meta.nbytes <= self.config.sync_load_bytes
+        )
+        self._matches[req_id] = _Match(session, local, blocks, sync, host)
         return (blocks - local) * self.block_size, not sync
 
     def _continues_a_pending_save(self, req_id: str, hashes: Sequence[bytes]) -> bool:
@@ -165,8 +172,9 @@ class SchedulerSide:
             blocks=blocks,
             tokens=tuple(tokens[: blocks * self.block_size]),
             sync=m.sync,
+            host=m.host,
         )
-        self.from_host[req_id] = m.sync
+        self.from_host[req_id] = m.host
         if m.sync:
             self._planned.loads.append(op)
             return

@@ -4,13 +4,17 @@ Each worker process owns one cache (host memory tier, SSD tier, optionally Redis
 it on an event loop in a thread of its own (an anyio blocking portal), so that vLLM's
 model thread only ever waits for what the current step needs:
 
-* a **save** copies a finished request's new blocks out of the paged KV (a gather, on the
-  model thread; on CUDA into pinned host memory) and hands the tensors to the cache's
-  :meth:`~TieredKVCache.append` on the loop thread: the request's blocks are free at once,
-  and the host tier, eviction to SSD and the sidecar write happen off the forward pass;
-* a **sync load** (the history is in host memory) runs within the step: the cache copies
-  the history out, the token ids stored with it are compared with the request's, and the
-  blocks are scattered into the request's block table before the forward pass;
+* a **save** copies a finished request's new blocks out of the paged KV (a gather, on a
+  thread of the loop while vLLM runs its next steps; on CUDA on the model thread, into
+  pinned host memory) and hands the tensors to the cache's :meth:`~TieredKVCache.append`:
+  the request's blocks go back to vLLM once copied (:meth:`WorkerStore.copied`), and the
+  host tier, the write to SSD and the sidecar happen off the forward pass;
+* a **sync load** (the history is in host memory, or small enough to read from below it
+  within the step) is streamed layer by layer (:meth:`WorkerStore.start_stream`, over
+  :meth:`~TieredKVCache.load_layerwise`): the token ids stored with it land first and are
+  compared with the request's, then each layer is scattered into the request's block
+  table just before vLLM's attention reads it, while later layers are still being copied
+  or read; the step's output leaves only after every byte was verified;
 * an **async load** (the history is below host memory) runs on the loop thread: the cache
   promotes it to host memory and the same copy and scatter follow; the request's id is
   reported finished at the next step that finds it done.
@@ -33,6 +37,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
+import anyio.abc
 import anyio.from_thread
 import msgspec
 import torch
@@ -40,8 +45,8 @@ import torch
 from ...backends.base import Tier
 from ...backends.memory import HostMemoryTier
 from ...backends.ssd import SSDTier
-from ...cache import TieredKVCache
-from ...errors import SessionNotFoundError, TierIOError
+from ...cache import LayerwiseLoad, TieredKVCache
+from ...errors import RestoreFailedError, SessionNotFoundError, TierIOError
 from ...meta import Dropped, Event, Evicted, KVMeta
 from .config import ConnectorConfig
 from .index import Sidecar, read_sidecars, remove_sidecar, write_sidecar
@@ -137,6 +142,7 @@ class WorkerStore:
         self._gone: set[str] = set()
         self._pending_loads: dict[str, tuple[LoadOp, concurrent.futures.Future[Any]]] = {}
         self._pending_saves: dict[str, tuple[SaveOp, concurrent.futures.Future[Any]]] = {}
+        self._copying: dict[str, concurrent.futures.Future[None]] = {}
         self._staging = _Staging()
         self._server: Any = None
         self.counters: dict[str, float] = {}
@@ -252,18 +258,26 @@ class WorkerStore:
         self, history: Mapping[str, torch.Tensor], block_ids: Sequence[int], first: int, last: int
     ) -> None:
         """Copy tokens of blocks ``first .. last-1`` of a loaded history into these blocks."""
-        bs = self.block_size
-        for name, layer in self.layers.items():
-            src = history[name][:, first * bs : last * bs, :]
-            heads, _, c = src.shape
-            blocks = src.reshape(heads, (last - first) * self._split, -1, c).permute(1, 0, 2, 3)
-            if layer.is_cuda:
-                host = self._staging.host(f"load:{threading.get_ident()}:{name}", blocks)
-                host.copy_(blocks)
-                blocks = host.to(layer.device, non_blocking=True)
-            layer.index_copy_(0, self._kernel_ids(block_ids[first:last], layer.device), blocks)
+        for name in self.layers:
+            self.scatter_layer(name, history[name], block_ids, first, last)
         if any(layer.is_cuda for layer in self.layers.values()):
             torch.cuda.current_stream().synchronize()
+
+    def scatter_layer(
+        self, name: str, history: torch.Tensor, block_ids: Sequence[int], first: int, last: int
+    ) -> None:
+        """:meth:`scatter` for one layer (``history``: its ``[heads, tokens, C]``); on CUDA
+        the copy is queued on the current stream."""
+        bs = self.block_size
+        layer = self.layers[name]
+        src = history[:, first * bs : last * bs, :]
+        heads, _, c = src.shape
+        blocks = src.reshape(heads, (last - first) * self._split, -1, c).permute(1, 0, 2, 3)
+        if layer.is_cuda:
+            host = self._staging.host(f"load:{threading.get_ident()}:{name}", blocks)
+            host.copy_(blocks)
+            blocks = host.to(layer.device, non_blocking=True)
+        layer.index_copy_(0, self._kernel_ids(block_ids[first:last], layer.device), blocks)
 
     # -- loads ---------------------------------------------------------------------------
     async def _fetch(self, op: LoadOp) -> dict[str, torch.Tensor] | None:
@@ -309,8 +323,97 @@ class WorkerStore:
         except Exception:
             _log.exception("loading %s for %s failed", op.session, op.req_id)
             history = None
-        self._loaded(op, history is not None, host=True)
+        self._loaded(op, history is not None, host=op.host)
         return history is not None
+
+    # -- layer-wise loads -------------------------------------------------------------
+    def start_stream(self, op: LoadOp) -> LayerStream:
+        """Start filling the request's blocks layer by layer, within this step: the cache
+        reads (from host memory, or from the SSD with a promotion on the way) on its loop
+        thread while the model thread computes; :meth:`wait_layer` scatters a layer once
+        its bytes are in, :meth:`finish_stream` says whether everything was verified."""
+        assert self._portal is not None
+        stream = LayerStream(op, list(self.layers))
+        try:
+            stream.future, stream.load = self._portal.start_task(self._stream, op, stream)
+        except Exception:
+            # nothing of it reached the paged KV: the request recomputes these blocks
+            _log.warning("loading %s for %s failed", op.session, op.req_id, exc_info=True)
+            stream.failed = True
+        return stream
+
+    async def _stream(
+        self, op: LoadOp, stream: LayerStream, *, task_status: anyio.abc.TaskStatus[Any]
+    ) -> bool:
+        began = time.monotonic()
+        # the token ids first: the request's are checked before any block is filled
+        groups = [[TOKENS, stream.names[0]], *([n] for n in stream.names[1:])]
+        try:
+            meta = self.cache.channel.get(op.session)
+            if meta is None or meta.tier is None or meta.tokens < op.blocks * self.block_size:
+                raise SessionNotFoundError(op.session)
+            out = {TOKENS: torch.empty((1, meta.tokens, 1), dtype=torch.int64)}
+            for name, layer in self.layers.items():
+                shape = (int(layer.shape[1]), meta.tokens, int(layer.shape[3]))
+                out[name] = torch.empty(shape, dtype=layer.dtype, pin_memory=layer.is_cuda)
+            stream.out = out
+            async with self.cache.load_layerwise(op.session, out, groups) as load:
+                task_status.started(load)
+                await load.finished()
+        except SessionNotFoundError:  # dropped, lost or found damaged: recompute
+            self._forget(op.session)
+            return False
+        except (TierIOError, RestoreFailedError):  # the data stays, this request recomputes
+            _log.warning("loading %s failed; %s recomputes", op.session, op.req_id, exc_info=True)
+            return False
+        self._count("load_seconds", time.monotonic() - began)
+        return True
+
+    def wait_layer(self, streams: Sequence[LayerStream], name: str, *, late: bool = False) -> None:
+        """Scatter layer ``name`` of every stream into the paged KV once its bytes are in
+        (called before vLLM's attention reads that layer; ``late``: after the forward pass,
+        for a layer vLLM did not wait for)."""
+        for stream in streams:
+            g = stream.group.get(name)
+            if g is None or stream.failed or g in stream.done:
+                continue
+            assert stream.load is not None
+            op = stream.op
+            try:
+                stream.load.wait(g)
+            except RestoreFailedError:
+                stream.failed = True
+                continue
+            if g == 0:
+                need = op.blocks * self.block_size
+                stored = stream.out[TOKENS][0, :need, 0]
+                if not torch.equal(stored, torch.tensor(op.tokens, dtype=torch.int64)):
+                    _log.warning(
+                        "%s does not hold %s's tokens; it recomputes", op.session, op.req_id
+                    )
+                    stream.failed = True
+                    continue
+            self.scatter_layer(name, stream.out[name], op.block_ids, op.first, op.blocks)
+            stream.done.add(g)
+            if not late:
+                self._count("streamed_layers")
+        if any(layer.is_cuda for layer in self.layers.values()):
+            torch.cuda.current_stream().synchronize()  # the staging buffers are reused
+
+    def finish_stream(self, stream: LayerStream) -> bool:
+        """Fill what no :meth:`wait_layer` filled, wait until every byte is verified, and
+        say whether the blocks hold the request's history (``False``: recompute them)."""
+        for name in stream.names:
+            self.wait_layer([stream], name, late=True)
+        ok = False
+        if stream.future is not None:
+            try:
+                ok = bool(stream.future.result()) and not stream.failed
+            except Exception:
+                _log.exception("loading %s for %s failed", stream.op.session, stream.op.req_id)
+        stream.out = {}
+        self._loaded(stream.op, ok, host=stream.op.host)
+        return ok
 
     def _loaded(self, op: LoadOp, ok: bool, *, host: bool) -> None:
         if ok:
@@ -329,21 +432,52 @@ class WorkerStore:
         """Background loads that finished since the last call, with their outcome."""
         done = _drain(self._pending_loads, "loading")
         for op, ok in done:
-            self._loaded(op, ok, host=False)
+            self._loaded(op, ok, host=op.host)
         return done
 
     # -- saves ---------------------------------------------------------------------------
     def save(self, op: SaveOp) -> None:
-        """Copy the request's new blocks out (its blocks may be freed once this returns)
-        and append them to the conversation in the background."""
+        """Copy the request's new blocks out and append them to the conversation, in the
+        background: the copy runs on a thread of the cache's loop while vLLM goes on with
+        its next step (on CUDA it runs here, through pinned buffers); :meth:`copied` says
+        when the request's blocks may be freed."""
         assert self._portal is not None
-        tensors = self.gather(op.block_ids[op.start : op.end])
-        bs = self.block_size
-        tensors[TOKENS] = torch.tensor(
-            op.tokens[op.start * bs : op.end * bs], dtype=torch.int64
-        ).reshape(1, -1, 1)
-        future = self._portal.start_task_soon(self._append, op, tensors)
+        copied: concurrent.futures.Future[None] = concurrent.futures.Future()
+        tensors = None
+        if any(layer.is_cuda for layer in self.layers.values()):
+            tensors = self._tensors(op)
+            copied.set_result(None)
+        future = self._portal.start_task_soon(self._save, op, tensors, copied)
         self._pending_saves[op.req_id] = (op, future)
+        self._copying[op.req_id] = copied
+
+    def _tensors(self, op: SaveOp) -> dict[str, torch.Tensor]:
+        """The turn's token ids (first: a load checks them before it fills a block) and the
+        KV of its blocks."""
+        bs = self.block_size
+        tokens = torch.tensor(op.tokens[op.start * bs : op.end * bs], dtype=torch.int64)
+        return {TOKENS: tokens.reshape(1, -1, 1), **self.gather(op.block_ids[op.start : op.end])}
+
+    async def _save(
+        self,
+        op: SaveOp,
+        tensors: dict[str, torch.Tensor] | None,
+        copied: concurrent.futures.Future[None],
+    ) -> bool:
+        if tensors is None:
+            try:
+                tensors = await anyio.to_thread.run_sync(self._tensors, op)
+            finally:  # copied, or failed: either way vLLM may have the blocks back
+                copied.set_result(None)
+        return await self._append(op, tensors)
+
+    def copied(self) -> set[str]:
+        """Requests whose saved blocks were copied out since the last call (vLLM may
+        free or reuse those blocks now)."""
+        done = {req for req, fut in self._copying.items() if fut.done()}
+        for req in done:
+            del self._copying[req]
+        return done
 
     async def _append(self, op: SaveOp, tensors: dict[str, torch.Tensor]) -> bool:
         meta = self.cache.channel.get(op.session)
@@ -413,6 +547,20 @@ class WorkerStore:
                 raise TimeoutError("tieredkv saves/loads still pending")
             if poll is None:
                 break
+
+
+class LayerStream:
+    """A layer-wise load in flight during one forward pass."""
+
+    def __init__(self, op: LoadOp, names: list[str]) -> None:
+        self.op = op
+        self.names = names
+        self.group = {name: g for g, name in enumerate(names)}
+        self.future: concurrent.futures.Future[bool] | None = None
+        self.load: LayerwiseLoad | None = None
+        self.out: dict[str, torch.Tensor] = {}
+        self.done: set[int] = set()
+        self.failed = False
 
 
 _Op = TypeVar("_Op", LoadOp, SaveOp)
