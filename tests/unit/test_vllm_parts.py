@@ -350,6 +350,29 @@ def test_worker_skips_a_turn_that_does_not_follow_the_stored_one(tmp_path: Path)
         s.close()
 
 
+def test_worker_restart_catches_up_a_sidecar_that_lags_the_stored_kv(tmp_path: Path) -> None:
+    """A turn is reported stored before its sidecar is written; a crash in between leaves
+    a sidecar one turn behind: the restart rewrites it from the stored token ids."""
+    from tieredkv.integrations.vllm.index import write_sidecar
+    from tieredkv.integrations.vllm.ops import SaveOp
+
+    s, _, _, tokens = saved_turn(tmp_path, "vllm-x-7")
+    more = (*tokens, *range(200, 204))
+    s.save(SaveOp("r2", "vllm-x-7", (3, 5, 6, 7), 3, 4, more, answer_tokens=1))
+    s.wait_idle()
+    assert [ok for _, ok in s.finished_saves()] == [True]
+    s.close()
+    write_sidecar(
+        tmp_path / "index", Sidecar(session="vllm-x-7", fingerprint=FP, tokens=list(tokens))
+    )
+    s2 = store(tmp_path, paged_kv())
+    try:
+        assert [c.tokens for c in read_sidecars(tmp_path / "index", FP)] == [list(more)]
+        assert s2.cache.channel["vllm-x-7"].tokens == 16
+    finally:
+        s2.close()
+
+
 def test_worker_loads_layer_by_layer_while_the_model_computes(tmp_path: Path) -> None:
     """A load within the step lands layer by layer: layer 0's blocks are filled while layer
     1's bytes may still be on their way, from host memory and from the SSD alike; a layer

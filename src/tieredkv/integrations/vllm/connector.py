@@ -49,6 +49,10 @@ __all__ = ["TieredKVConnector", "TieredKVConnectorStats"]
 
 _log = logging.getLogger(__name__)
 
+IDLE_WAIT = 0.01
+"""Seconds a worker waits, at most, in a step where vLLM computes nothing, for one of its
+pending loads, copies or saves to finish."""
+
 #: counters the workers report per step (vLLM's connector stats); times in seconds
 STAT_KEYS = (
     "loads",
@@ -239,7 +243,9 @@ class TieredKVConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return TieredKVMetadata(plan=self._scheduler.plan())
+        plan = self._scheduler.plan()
+        plan.idle = scheduler_output.total_num_scheduled_tokens == 0
+        return TieredKVMetadata(plan=plan)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
@@ -325,6 +331,12 @@ class TieredKVConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._store is not None
         self._finish_streams()
+        meta = self._connector_metadata
+        if isinstance(meta, TieredKVMetadata) and meta.plan.idle:
+            # vLLM computes nothing this step and steps again at once: waiting here for
+            # a load or a copy to finish, a few ms at most, keeps that loop from taking
+            # the CPU (and this process's GIL) from the copies it waits for
+            self._store.wait_any(IDLE_WAIT)
         out = KVConnectorTransferResults()
         out.finished_sending, self._sending = self._sending | self._store.copied(), set()
         for op, ok in self._store.finished_loads():

@@ -62,10 +62,15 @@ class SaveOp:
 
 @dataclass
 class StepPlan:
-    """One step's loads and saves."""
+    """One step's loads and saves.
+
+    :param idle: vLLM scheduled no tokens this step (it only waits, for loads or saves):
+        the worker may then wait a little for one of them rather than return at once
+    """
 
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
+    idle: bool = False
 
 
 @dataclass

@@ -143,6 +143,8 @@ class WorkerStore:
         self._pending_loads: dict[str, tuple[LoadOp, concurrent.futures.Future[Any]]] = {}
         self._pending_saves: dict[str, tuple[SaveOp, concurrent.futures.Future[Any]]] = {}
         self._copying: dict[str, concurrent.futures.Future[None]] = {}
+        self._save_tasks: set[concurrent.futures.Future[None]] = set()
+        self._sidecar_locks: dict[str, anyio.Lock] = {}
         self._staging = _Staging()
         self._server: Any = None
         self.counters: dict[str, float] = {}
@@ -175,7 +177,8 @@ class WorkerStore:
 
     def _close_cache(self) -> None:
         assert self._portal is not None
-        for _, fut in list(self._pending_saves.values()) + list(self._pending_loads.values()):
+        pending = [f for _, f in (*self._pending_saves.values(), *self._pending_loads.values())]
+        for fut in [*pending, *self._tasks()]:
             with contextlib.suppress(Exception):
                 fut.result()
         self._portal.call(self.cache.aclose)
@@ -187,7 +190,9 @@ class WorkerStore:
     def _tidy(self) -> None:
         """After a restart: conversations stored without a sidecar (a crash between the
         commit and the sidecar) are dropped, sidecars of conversations the cache lost are
-        removed, and a sidecar that leads the stored KV is cut back to it."""
+        removed, a sidecar that leads the stored KV is cut back to it, and one that lags
+        it (a crash after a turn was stored, before its sidecar) is rewritten from the
+        token ids stored with the KV."""
         if self._sidecars is None:
             return
         prefix = f"vllm-{self.fp}-"
@@ -205,12 +210,32 @@ class WorkerStore:
                     session=sidecar.session, fingerprint=self.fp, tokens=sidecar.tokens[:cut]
                 )
                 write_sidecar(self._sidecars, cut_back)
+            elif meta.tokens > len(sidecar.tokens) and not self._catch_up(sidecar.session):
+                known.discard(sidecar.session)
+                remove_sidecar(self._sidecars, sidecar.session)
         with self._lock:  # the first report tells the scheduler side where each one is
             self._touched.update(dict.fromkeys(sorted(known)))
         assert self._portal is not None
         for session in sorted(stored - known):
             _log.info("dropping %s: stored without an index entry", session)
             self._portal.call(self.cache.drop, session)
+
+    def _catch_up(self, session: str) -> bool:
+        """Rewrite ``session``'s sidecar from its stored token ids; ``False`` if they
+        cannot be read (the conversation is then dropped)."""
+        assert self._portal is not None
+        assert self._sidecars is not None
+        try:
+            history = self._portal.call(self.cache.load, session)
+        except (SessionNotFoundError, TierIOError):
+            _log.warning("cannot read %s's token ids", session, exc_info=True)
+            return False
+        tokens = history[TOKENS][0, :, 0].tolist()
+        cut = len(tokens) // self.block_size * self.block_size
+        write_sidecar(
+            self._sidecars, Sidecar(session=session, fingerprint=self.fp, tokens=tokens[:cut])
+        )
+        return True
 
     # -- events --------------------------------------------------------------------------
     def _on_event(self, event: Event) -> None:
@@ -447,8 +472,12 @@ class WorkerStore:
         if any(layer.is_cuda for layer in self.layers.values()):
             tensors = self._tensors(op)
             copied.set_result(None)
-        future = self._portal.start_task_soon(self._save, op, tensors, copied)
-        self._pending_saves[op.req_id] = (op, future)
+        stored: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        task = self._portal.start_task_soon(self._save, op, tensors, copied, stored)
+        with self._lock:
+            self._save_tasks.add(task)
+        task.add_done_callback(self._task_done)
+        self._pending_saves[op.req_id] = (op, stored)
         self._copying[op.req_id] = copied
 
     def _tensors(self, op: SaveOp) -> dict[str, torch.Tensor]:
@@ -463,13 +492,39 @@ class WorkerStore:
         op: SaveOp,
         tensors: dict[str, torch.Tensor] | None,
         copied: concurrent.futures.Future[None],
-    ) -> bool:
-        if tensors is None:
-            try:
-                tensors = await anyio.to_thread.run_sync(self._tensors, op)
-            finally:  # copied, or failed: either way vLLM may have the blocks back
-                copied.set_result(None)
-        return await self._append(op, tensors)
+        stored: concurrent.futures.Future[bool],
+    ) -> None:
+        try:
+            if tensors is None:
+                try:
+                    tensors = await anyio.to_thread.run_sync(self._tensors, op)
+                finally:  # copied, or failed: either way vLLM may have the blocks back
+                    copied.set_result(None)
+            meta = await self._append(op, tensors)
+        except BaseException as exc:
+            stored.set_exception(exc)
+            raise
+        # stored: the scheduler side may serve it from now on; the sidecar (what a
+        # restart rebuilds the index from) follows, off the next request's path: a crash
+        # before it only drops this conversation at the restart (see _tidy)
+        stored.set_result(meta is not None)
+        if meta is not None and self._sidecars is not None:
+            sidecar = Sidecar(
+                session=op.session, fingerprint=self.fp, tokens=list(op.tokens[: meta.tokens])
+            )
+            lock = self._sidecar_locks.setdefault(op.session, anyio.Lock())
+            async with lock:  # in the order the turns were stored (anyio's lock is fair)
+                await anyio.to_thread.run_sync(write_sidecar, self._sidecars, sidecar)
+            if not lock.statistics().tasks_waiting:
+                self._sidecar_locks.pop(op.session, None)
+
+    def _task_done(self, task: concurrent.futures.Future[None]) -> None:
+        with self._lock:
+            self._save_tasks.discard(task)
+
+    def _tasks(self) -> list[concurrent.futures.Future[None]]:
+        with self._lock:
+            return list(self._save_tasks)
 
     def copied(self) -> set[str]:
         """Requests whose saved blocks were copied out since the last call (vLLM may
@@ -479,12 +534,14 @@ class WorkerStore:
             del self._copying[req]
         return done
 
-    async def _append(self, op: SaveOp, tensors: dict[str, torch.Tensor]) -> bool:
+    async def _append(self, op: SaveOp, tensors: dict[str, torch.Tensor]) -> KVMeta | None:
+        """Append the turn if the conversation holds exactly what it continues; the
+        conversation's metadata after it, or ``None`` if it was not stored."""
         meta = self.cache.channel.get(op.session)
         have = 0 if meta is None or meta.tier is None else meta.tokens
         if meta is not None and meta.tier is None:  # lost: it restarts from nothing
             if op.start:
-                return False
+                return None
             await self.cache.drop(op.session)
         if have != op.start * self.block_size:
             _log.info(
@@ -494,18 +551,11 @@ class WorkerStore:
                 have,
                 op.start * self.block_size,
             )
-            return False
+            return None
         stored = await self.cache.append(op.session, tensors, answer_tokens=op.answer_tokens)
         self._count("saved_tokens", (op.end - op.start) * self.block_size)
         self._count("saved_bytes", sum(t.numel() * t.element_size() for t in tensors.values()))
-        if self._sidecars is not None:
-            sidecar = Sidecar(
-                session=op.session,
-                fingerprint=self.fp,
-                tokens=list(op.tokens[: stored.tokens]),
-            )
-            await anyio.to_thread.run_sync(write_sidecar, self._sidecars, sidecar)
-        return True
+        return stored
 
     def finished_saves(self) -> list[tuple[SaveOp, bool]]:
         """Saves whose append finished since the last call, with their outcome."""
@@ -535,11 +585,23 @@ class WorkerStore:
             out.metas[session] = None if meta is None else msgspec.msgpack.encode(meta)
         return out
 
+    def wait_any(self, timeout: float) -> None:
+        """Block until a pending load, copy or save finishes, ``timeout`` seconds at most
+        (at once if none is pending)."""
+        futs: list[concurrent.futures.Future[Any]] = [
+            *(f for _, f in self._pending_loads.values()),
+            *(f for _, f in self._pending_saves.values()),
+            *self._copying.values(),
+        ]
+        if futs:
+            concurrent.futures.wait(futs, timeout, concurrent.futures.FIRST_COMPLETED)
+
     def wait_idle(self, timeout: float = 60.0, poll: Callable[[], None] | None = None) -> None:
         """Block until no save or load is pending (tests and shutdown)."""
         deadline = time.monotonic() + timeout
-        while self._pending_saves or self._pending_loads:
+        while self._pending_saves or self._pending_loads or self._tasks():
             futs = [f for _, f in (*self._pending_saves.values(), *self._pending_loads.values())]
+            futs += self._tasks()
             concurrent.futures.wait(futs, timeout=max(0.0, deadline - time.monotonic()))
             if poll is not None:
                 poll()
