@@ -332,13 +332,13 @@ def test_vllm_serve_with_the_connector_over_http(work: Path, recompute: Result) 
         assert value(worker, "tieredkv_tier_hits_total", 'tier="host"') == 2
         loaded = value(text, "vllm:tieredkv_loaded_tokens_total")
         assert loaded > 0
-        by_source = r'[^}]*source="{}"[^}]*'
-        assert value(
-            text, "vllm:prompt_tokens_cached_by_source_total", by_source.format("host")
-        ) == (loaded)
-        assert (
-            value(text, "vllm:prompt_tokens_cached_by_source_total", by_source.format("disk")) == 0
-        )
+
+        def by_source(source: str) -> str:
+            return '[^}]*source="' + source + '"[^}]*'
+
+        cached_by_source = "vllm:prompt_tokens_cached_by_source_total"
+        assert value(text, cached_by_source, by_source("host")) == loaded
+        assert value(text, cached_by_source, by_source("disk")) == 0
         assert value(text, "vllm:tieredkv_saved_tokens_total") > 0
     finally:
         if server.poll() is None:
