@@ -218,6 +218,7 @@ async def test_a_collector_serves_in_an_application_registry() -> None:
     assert 'tieredkv_tier_written_bytes_total{kind="memory",tier="host"} ' in text
 
 
+@pytest.mark.slow  # a demo process, scraped until Ctrl-C: CI runs it
 def test_demo_serves_its_metrics_until_ctrl_c() -> None:
     demo = subprocess.Popen(
         [sys.executable, "-m", "tieredkv", "demo", "--metrics-port", "0"],
