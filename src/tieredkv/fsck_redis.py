@@ -18,9 +18,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .backends._redis_client import redacted as _redacted
 from .backends._redis_manifest import Damaged as _Damaged
 from .backends._redis_manifest import parse, verify_segment_read
-from .backends.redis import RedisTier, _redacted
+from .backends.redis import RedisTier
 from .errors import (
     CorruptSegmentError,
     InvalidArgumentError,
