@@ -211,7 +211,7 @@ async def test_read_into_wrong_size_buffer_is_an_error(tier: Tier, seg: SegmentF
     s = seg(tokens=8)
     await store(tier, s)
     with aligned_buffer(s.length + 4096) as out, pytest.raises(ValueError, match="bytes"):
-        await tier.read_into(s.key, out)
+        await tier.read([s.key], [out])
 
 
 async def test_read_of_absent_key_raises_keyerror(tier: Tier, seg: SegmentFactory) -> None:
@@ -219,10 +219,10 @@ async def test_read_of_absent_key_raises_keyerror(tier: Tier, seg: SegmentFactor
     s = seg(tokens=8)
     with aligned_buffer(s.length) as out:
         with pytest.raises(KeyError):
-            await tier.read_into(s.key, out)
+            await tier.read([s.key], [out])
         assert tier.reserve(s.key, s.length)
         with pytest.raises(KeyError):
-            await tier.read_into(s.key, out)
+            await tier.read([s.key], [out])
 
 
 async def test_stats_counters_are_exact(tier: Tier, seg: SegmentFactory, kind: str) -> None:
@@ -263,7 +263,7 @@ async def test_use_after_aclose_raises_closed_error(tier: Tier, seg: SegmentFact
     with pytest.raises(ClosedError):
         await tier.write(t.key, t.view)
     with aligned_buffer(s.length) as out, pytest.raises(ClosedError):
-        await tier.read_into(s.key, out)
+        await tier.read([s.key], [out])
     with pytest.raises(ClosedError):
         await tier.delete(s.key)
 
@@ -476,6 +476,6 @@ async def test_arena_aclose_after_a_failed_read(arena_tier: Tier, seg: SegmentFa
     s = seg(tokens=1200)
     await store(arena_tier, s)
     with aligned_buffer(s.length + 4096) as out, pytest.raises(ValueError, match="bytes") as info:
-        await arena_tier.read_into(s.key, out)
+        await arena_tier.read([s.key], [out])
     await arena_tier.aclose()
     assert info.value is not None
