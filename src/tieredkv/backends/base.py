@@ -181,7 +181,9 @@ class Tier(Protocol):
 
         :raises KeyError: if a key is not committed here
         :raises ValueError: if a buffer is not its segment's length, or ``spans`` or
-            ``order`` break the rules above
+            ``order`` break the rules above (a tier that verifies a header as it arrives,
+            as the SSD tier does, also refuses a first span that does not hold the whole
+            header)
         """
         ...
 
