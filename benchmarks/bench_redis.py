@@ -150,7 +150,7 @@ async def measure(url: str, h: History, value_size: int, reps: int, raw: bool) -
                     await tier.write(key, view)
 
             async def load() -> None:
-                await tier.read_many_into(list(zip(h.keys, outs, strict=True)))
+                await tier.read(h.keys, outs)
 
             async def clear() -> None:  # (delete() only stops this tier counting a segment)
                 await tier.discard(h.keys[0][0])

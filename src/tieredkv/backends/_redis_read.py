@@ -25,19 +25,26 @@ from ..errors import CorruptSegmentError
 from ._redis_client import Client, RedisError
 from ._redis_manifest import Entry, verify_segment_read
 from ._redis_state import Replica
-from .base import SegmentKey
+from .base import Consumer, SegmentKey, Spans, check_read, deliver
 
 __all__ = ["Reads"]
 
 
 class Reads(Replica):
-    """``read_into`` and ``read_many_into`` for a Redis tier."""
+    """``read`` (the one vectored read of the Tier protocol) for a Redis tier."""
 
-    async def read_into(self, key: SegmentKey, out: memoryview) -> None:
-        await self.read_many_into([(key, out)])
-
-    async def read_many_into(self, items: Sequence[tuple[SegmentKey, memoryview]]) -> None:
-        """Read several committed segments, in order, fetching their values pipelined.
+    async def read(
+        self,
+        keys: Sequence[SegmentKey],
+        into: Sequence[memoryview] | None = None,
+        *,
+        spans: Sequence[Spans] | None = None,
+        consume: Consumer | None = None,
+        order: Sequence[tuple[int, int]] | None = None,
+    ) -> None:
+        """Read several committed segments, in order, fetching their values pipelined (see
+        :meth:`~tieredkv.backends.base.Tier.read`; each segment's spans are handed to
+        ``consume`` once all of it is in and verified).
 
         Stops at the first segment that fails; the ones before it are complete. A segment
         with a value gone, or that fails its checks, takes its conversation out of the
@@ -47,13 +54,17 @@ class Reads(Replica):
         """
         client = self._check_open()
         entries: list[Entry] = []
-        for key, out in items:
+        for key in keys:
             entry = self._index.get(key)
             if entry is None:
                 raise KeyError(key)
-            if len(out) != entry.length:
-                raise ValueError(f"segment is {entry.length} bytes, the buffer {len(out)}")
             entries.append(entry)
+        check_read([entry.length for entry in entries], into, spans, order)
+        if not entries:
+            return
+        if into is None:
+            into = [memoryview(bytearray(entry.length)) for entry in entries]
+        items = list(zip(keys, into, strict=True))
         # (item, redis key, start, end) for every value, in order
         plan = [
             (i, part, p * entry.value_size, min(entry.length, (p + 1) * entry.value_size))
@@ -61,10 +72,9 @@ class Reads(Replica):
             for p, part in enumerate(self._parts(key, entry))
         ]
         batches = [plan[at : at + self._batch] for at in range(0, len(plan), self._batch)]
-        keys = [key for key, _ in items]
         check = _Check(
             outs=[out for _, out in items],
-            keys=keys,
+            keys=list(keys),
             entries=entries,
             incarnations=[self._incarnation(key[0]) for key in keys],
             key=self._key,
@@ -90,6 +100,14 @@ class Reads(Replica):
         for out in check.outs[: check.done]:
             self._counters.reads += 1
             self._counters.bytes_read += len(out)
+        if consume is not None and check.done:
+            delivered = check.outs[: check.done]
+
+            def hand_over() -> None:
+                for i, out in enumerate(delivered):
+                    deliver(consume, spans, i, out)
+
+            await anyio.to_thread.run_sync(hand_over)
         if failure is not None:
             bad, detail, missing = failure
             await self._take_out(keys[bad], missing)
