@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .backends._retry import retry_io, tries
+from ._retry import retry_io, tries
 from .backends.ssd.layout import (
     MIXED_INCARNATIONS,
     O_DIR,

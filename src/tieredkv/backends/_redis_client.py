@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import anyio
 
+from .._urls import redacted
 from .._version import __version__
 from ..errors import ClosedError, TierIOError
 from . import _redis_scripts as lua
@@ -58,11 +58,6 @@ Client: TypeAlias = "aioredis.Redis | aioredis.RedisCluster"
 only through this one, which says how to install it)."""
 
 _SCRIPTS = ("take", "acquire", "ensure", "commit", "drop", "release")
-
-
-def redacted(url: str) -> str:
-    """``url`` without its password."""
-    return re.sub(r"(://[^:@/]*:)[^@/]*@", r"\1***@", url)
 
 
 def text(value: object) -> str:

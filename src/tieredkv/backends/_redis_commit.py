@@ -23,9 +23,9 @@ from ..errors import CommitDelayedError, HistoryConflictError, StaleWriterError,
 from ..payload import PREFIX, SegmentHeader, authenticated_head, parse_header
 from ._redis_client import NoScriptError, RedisCluster, RedisError, text, to_int
 from ._redis_lease import Leases
-from ._redis_manifest import Damaged, Entry, Manifest, encode_entry, parse, sign
 from ._redis_state import Attempt, Writer
 from .base import SegmentKey
+from .redis_manifest import Damaged, Entry, Manifest, encode_entry, parse, sign
 from .shared import plain_header as plain
 
 __all__ = ["Commits"]

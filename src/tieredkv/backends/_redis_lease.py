@@ -18,8 +18,8 @@ from ..errors import HistoryConflictError, LeaseHeldError, StaleWriterError
 from ..payload import SegmentHeader
 from ._redis_client import fields as manifest_fields
 from ._redis_client import text, to_int
-from ._redis_manifest import Damaged, Manifest, parse
 from ._redis_state import Replica, Writer
+from .redis_manifest import Damaged, Manifest, parse
 from .shared import SharedState
 
 __all__ = ["Leases"]

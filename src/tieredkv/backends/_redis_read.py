@@ -4,7 +4,7 @@ verified before they are served.
 The parts are fetched in batches of ``read_batch`` values, the next batch in flight while
 the previous one is copied (in a worker thread) into the caller's buffers; each segment's
 bytes must start with the header bytes its committed entry records and pass its CRC and
-body hash (and, with a secret, both MACs: :func:`~._redis_manifest.verify_segment_read`).
+body hash (and, with a secret, both MACs: :func:`~.redis_manifest.verify_segment_read`).
 A value gone (the server evicted it, or restarted without persistence) or a failed check
 takes the conversation out of the manifest, in the version that was read, never a later
 one, and raises :class:`~tieredkv.errors.CorruptSegmentError`.
@@ -23,9 +23,9 @@ import anyio
 
 from ..errors import CorruptSegmentError
 from ._redis_client import Client, RedisError
-from ._redis_manifest import Entry, verify_segment_read
 from ._redis_state import Replica
 from .base import Consumer, SegmentKey, Spans, check_read, deliver
+from .redis_manifest import Entry, verify_segment_read
 
 __all__ = ["Reads"]
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from ..errors import HistoryConflictError, TierIOError
 from ..payload import SegmentHeader
 from ._redis_client import Client, Connection
-from ._redis_manifest import Entry, Manifest, conversation_tag
 from .base import SegmentKey
+from .redis_manifest import Entry, Manifest, conversation_tag
 
 __all__ = ["LEASE_MARGIN", "Attempt", "Counters", "Replica", "Writer"]
 

@@ -5,7 +5,7 @@ Needs the optional extra ``tieredkv[redis]`` (the maintained asyncio client,
 ``redis.asyncio``); Valkey speaks the same protocol. Layout under the key ``prefix``, for a
 conversation whose key hashes (BLAKE2b-128, hex) to ``H``::
 
-    prefix:{H}:m                 the conversation's manifest (a hash: see _redis_manifest)
+    prefix:{H}:m                 the conversation's manifest (a hash: see redis_manifest)
     prefix:{H}:<seq>:<nonce>:<i> part i of segment seq (values of ``value_size`` bytes)
 
 The hash tag ``{H}`` keeps all of a conversation's keys in one Redis Cluster slot, so the
@@ -65,9 +65,9 @@ from ..payload import ALIGN, SegmentHeader, derive_key
 from ._redis_client import Client, Connection, RedisError, driver_options, text
 from ._redis_client import fields as manifest_fields
 from ._redis_commit import Commits
-from ._redis_manifest import Damaged, conversation_tag, parse
 from ._redis_read import Reads
 from .base import SegmentKey, TierStats
+from .redis_manifest import Damaged, conversation_tag, parse
 from .shared import SharedTier
 
 __all__ = ["RedisTier", "conversation_tag", "driver_options"]

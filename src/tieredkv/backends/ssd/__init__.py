@@ -17,7 +17,7 @@ Every header is checked at open (:func:`~tieredkv.payload.parse_header`: CRC, th
 against the file's length); a file whose header was read and found wrong is quarantined and
 the tier opens with the rest (:meth:`SSDTier.set_aside` names them per session). An I/O
 error is not evidence of damage: a header read that fails is tried again (5 tries over
-0.44 s, :mod:`tieredkv.backends._retry`), and if it still fails, :meth:`SSDTier.open` fails
+0.44 s, :mod:`tieredkv._retry`), and if it still fails, :meth:`SSDTier.open` fails
 with a :class:`~tieredkv.errors.TierIOError` naming the file, having moved and deleted
 nothing, so a later open sees every file. While open, a read serves a
 file only if its prefix (which covers the header's CRC and the body's hash) is the one this
