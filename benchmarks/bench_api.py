@@ -22,7 +22,8 @@ written (a mismatch exits 1).
   the clock, one ``pwrite`` + ``fsync`` each; read with ``--depth`` 8 MiB reads in flight
   into a preallocated buffer: the device's ceiling (tieredkv must also serialize, checksum
   and copy);
-- ``safetensors``: ``save_file`` + ``fsync`` per turn; ``load_file`` per turn + ``torch.cat``.
+- ``safetensors``: ``save_file`` + ``fsync`` per turn; ``load_file`` per turn + ``torch.cat``
+  (``safetensors 1 thread``: the same with ``torch.set_num_threads(1)``).
   ``safetensors alone`` is the same child run first and last in the run, with nothing
   around it: its stand-alone figure, printed beside the in-round one.
 
@@ -34,14 +35,19 @@ cache, >= 1.2x for a new one; the same for append; load >= 0.9x, append >= 0.8x 
 most 0.25 CPU-s per GB for load and append.
 
 Why the peer ran 2-3x slower inside the previous version of this benchmark (every system
-in one process; ``benchmarks/_peer_slowdown.py`` measures it, see
-docs/explanation/api-performance.md): that process held about 4 GB of the benchmark's own
-buffers and an open cache's threads, and ``safetensors``' ``load_file`` and ``save_file``
-allocate a fresh turn-sized buffer per file, whose pages the kernel must fault in and zero
-on every call (they are returned to the OS each time), so the peer's time was dominated by
-page faults whose cost grew with what the process already had mapped, and by
-``torch.cat`` into new memory on torch's intra-op threads, which the open cache's idle
-worker threads did not slow measurably. See the doc for the measured split.
+in one process) than alone: measured with ``benchmarks/_peer_slowdown.py`` (the same
+``st_write``/``st_read``, a fresh process per condition, the old benchmark's process
+rebuilt one part at a time), the old process's 4x-the-history buffers changed nothing
+(read 0.16 GB/s alone and with them), its open cache's threads a little (0.14), both
+together 0.11 GB/s (1.45x slower than alone; one run of 4 turns of 64 MiB, 2 reps, load
+average 5-9); but the same process with
+``torch.set_num_threads(1)`` read at 0.46 GB/s and 0.95 CPU-s/GB, against 3.3-5.0 CPU-s/GB
+with torch's default two threads. ``load_file`` + ``torch.cat`` is dominated by torch's
+OpenMP threads, which spin-wait for each other and, on 2 cores that other processes also
+use, wait for one that is not running: the peer's speed follows the machine's CPU load
+more than anything the benchmark does, which is why it ran at different speeds minutes
+apart. So the peer is run both ways here (``safetensors`` with torch's default threads,
+``safetensors 1 thread``), and the ratios take the faster of the two (``best``).
 
 Needs the ``bench`` extra (``safetensors``)::
 
@@ -75,7 +81,7 @@ ALIGN = 4096
 WIDTH = 1024  # fp16 elements per token per tensor: 2 KiB per token
 Turn = dict[str, torch.Tensor]
 
-SYSTEMS = ("tieredkv", "new cache", "raw", "safetensors")
+SYSTEMS = ("tieredkv", "new cache", "raw", "safetensors", "safetensors 1 thread")
 """The systems of a round, in the order round 0 runs them."""
 
 
@@ -233,6 +239,8 @@ def child(system: str, op: str, root: Path, turns: list[Turn], depth: int, drop:
     """Run one system's ``op`` (``write``, ``read``; the open cache: ``both``) in this
     process; return what it measured, as JSON-able values."""
     res: dict[str, Any] = {}
+    if system == "safetensors 1 thread":
+        torch.set_num_threads(1)  # torch.cat on one thread: no OpenMP threads to wait for
     if system == "tieredkv":
         res = anyio.run(open_cache_child, root, turns, drop)
     elif op == "write":
