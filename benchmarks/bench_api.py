@@ -390,12 +390,10 @@ def report(rows: Row, nbytes: int, args: argparse.Namespace) -> None:
         peer_target = 1.5 if cache == "tieredkv" else 1.2
         for op, raw_op, raw_target in (("load", "load", 0.9), ("append", "append", 0.8)):
             mine = gbps(f"{cache} {op}")
-            ratios.append(
-                (f"{label}: {op} / safetensors", mine / gbps(f"safetensors {op}"), peer_target)
-            )
-            ratios.append(
-                (f"{label}: {op} / raw O_DIRECT", mine / gbps(f"raw {raw_op}"), raw_target)
-            )
+            peer = max(gbps(f"safetensors {op}"), gbps(f"safetensors 1 thread {op}"))
+            raw = gbps(f"raw {raw_op}")
+            ratios.append((f"{label}: {op} / safetensors (best)", mine / peer, peer_target))
+            ratios.append((f"{label}: {op} / raw O_DIRECT", mine / raw, raw_target))
         into = gbps(f"{cache} load_into")
         ratios.append((f"{label}: load_into / raw O_DIRECT", into / gbps("raw load"), 0.9))
     for label, value, target in ratios:

@@ -18,7 +18,7 @@ import ctypes
 import numpy as np
 import torch
 
-__all__ = ["copy_bytes", "copy_tensor"]
+__all__ = ["copy_bytes", "copy_from", "copy_tensor"]
 
 _memmove = ctypes.memmove  # a ctypes foreign call: it releases the GIL
 
@@ -35,6 +35,17 @@ def copy_bytes(dst: int, src: torch.Tensor, nbytes: int) -> bool:
     if not (src.is_cpu and src.is_contiguous() and src.nbytes == nbytes and nbytes) or _lazy(src):
         return False
     _memmove(dst, src.data_ptr(), nbytes)
+    return True
+
+
+def copy_from(dst: torch.Tensor, src: int, nbytes: int) -> bool:
+    """Copy ``nbytes`` bytes from the address ``src`` (which the caller owns, for at least
+    ``nbytes``) into a contiguous CPU tensor of exactly ``nbytes``, in this thread; ``False``
+    (nothing copied) when ``dst`` is not such a tensor. The inverse of :func:`copy_bytes`:
+    a segment's bytes straight into their place in an output, with no view of them."""
+    if not (dst.is_cpu and dst.is_contiguous() and dst.nbytes == nbytes and nbytes) or _lazy(dst):
+        return False
+    _memmove(dst.data_ptr(), src, nbytes)
     return True
 
 

@@ -38,7 +38,7 @@ def test_bench_api_quick_runs_every_system_and_prints_its_ratios(tmp_path: Path)
     out = done.stdout
     assert "every read byte-checked" in out
     assert "reads made cold by fadvise" in out
-    figure = re.compile(r"^(?P<name>[a-z_ ]+?) +(?P<gbps>\d+\.\d\d) +(?P<cpu>\d+\.\d{3}) +\d+ ")
+    figure = re.compile(r"^(?P<name>[a-z0-9_ ]+?) +(?P<gbps>\d+\.\d\d) +(?P<cpu>\d+\.\d{3}) +\d+ ")
     rows = {m["name"]: m for line in out.splitlines() if (m := figure.match(line))}
     for system, ops in (
         ("tieredkv", ("append", "load", "load_into")),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tieredkv._copy import copy_bytes, copy_tensor
+from tieredkv._copy import copy_bytes, copy_from, copy_tensor
 
 
 @pytest.mark.parametrize(
@@ -71,3 +71,15 @@ def test_copy_bytes_takes_only_contiguous_cpu_tensors_of_the_size_given() -> Non
     assert torch.equal(buf[8:40].view(torch.int16), src)
     assert not buf[:8].any()
     assert not buf[40:].any()
+
+
+def test_copy_from_fills_only_contiguous_cpu_tensors_of_the_size_given() -> None:
+    src = torch.arange(16, dtype=torch.int16)
+    out = torch.zeros(4, 8, dtype=torch.int16)
+    assert not copy_from(out[:, :4], src.data_ptr(), 16)  # strided: refused, nothing copied
+    assert not copy_from(out[1:3], src.data_ptr(), 31)  # another size: refused
+    assert not out.any()
+    assert copy_from(out[1:3], src.data_ptr(), 32)  # a narrowed token range: contiguous
+    assert torch.equal(out[1:3].reshape(-1), src)
+    assert not out[0].any()
+    assert not out[3].any()
