@@ -1,32 +1,58 @@
-"""What users call, against what they would use instead, in one run: durable writes and
-cold reads of a conversation's KV.
+"""What users call, against what they would use instead: durable appends and cold loads of
+a conversation's KV, each system in a process of its own.
 
-One conversation of ``--turns`` turns, each ``--tensors`` named fp16 tensors of
-``--tensor-mib`` MiB (a Llama-3-8B-shaped turn is 64 tensors: 32 layers x K and V). Written
-durably, then read back cold (the page cache dropped before every read where permitted;
-``tieredkv`` reads with O_DIRECT either way):
+One conversation of N turns, each ``--tensors`` named fp16 tensors (``[tokens, 1024]``),
+at each turn size of ``--sizes`` (``MIB:TURNS`` pairs; default 16 turns of 8 MiB, a small
+model's turn, and 8 turns of 64 MiB, a Llama-3-8B-shaped turn of 32 layers x K and V).
+Every system runs in a child process of its own, started fresh for each system in each
+round (forked from a server process that has imported torch, safetensors and tieredkv and
+holds nothing else); the order of the systems rotates from round to round.
+Before every timed read the child makes its own files cold: ``fsync`` +
+``posix_fadvise(DONTNEED)`` on each, and ``drop_caches`` as well where permitted (root;
+the header line says which ran). Every read is checked byte for byte against what was
+written (a mismatch exits 1).
 
-- ``tieredkv``: ``TieredKVCache([SSDTier(dir)])`` ``append`` per turn (durable when it
-  returns), then ``load`` (new tensors) and ``load_into`` (preallocated, prefaulted
-  tensors), in a cache that stays open across rounds, as a serving process's does (it made
-  one untimed append and load first: its staging buffers exist, and a load's outputs
-  reuse the memory of the previous load's once dropped); the ``new cache`` rows open a
-  cache for the call instead (every buffer and output is new memory, faulted in on first
-  touch);
+- ``tieredkv`` (an open cache): a child opens ``TieredKVCache([SSDTier(dir)])``, makes one
+  untimed append and load of the same shapes (its staging buffers exist; the load's
+  outputs, dropped, are memory the next load reuses), then times ``append`` of every turn
+  (durable when each returns), ``load`` and ``load_into`` (preallocated, prefaulted);
+- ``new cache``: a child per call, timing the cache's ``open``, the call and ``aclose``:
+  what a restarted server meets (every buffer and output is new memory);
 - ``raw O_DIRECT``: the same bytes, one file per turn, prepared in aligned buffers before
-  the clock starts, one ``pwrite`` + ``fsync`` each; reads with ``--depth`` reads of 8 MiB
-  in flight (threads) into an aligned buffer: the device's ceiling as this machine sees it
-  (tieredkv must also serialize, checksum and copy);
-- ``safetensors``: ``save_file`` + ``fsync`` per turn; ``load_file`` per turn + ``torch.cat``;
-- ``torch.save``: ``torch.save`` + ``fsync`` per turn; ``torch.load`` + ``torch.cat``.
+  the clock, one ``pwrite`` + ``fsync`` each; read with ``--depth`` 8 MiB reads in flight
+  into a preallocated buffer: the device's ceiling (tieredkv must also serialize, checksum
+  and copy);
+- ``safetensors``: ``save_file`` + ``fsync`` per turn; ``load_file`` per turn + ``torch.cat``
+  (``safetensors 1 thread``: the same with ``torch.set_num_threads(1)``).
+  ``safetensors alone`` is the same child run first and last in the run, with nothing
+  around it: its stand-alone figure, printed beside the in-round one.
 
-Rounds alternate the systems; each figure is the median of ``--rounds``. Needs the
-``bench`` extra (``safetensors``). Prints GB/s and
-the ratios of issue 17 (targets: load >= 0.9x raw, >= 1.2x safetensors; durable append >=
-0.8x raw, >= 1.5x safetensors)::
+Each figure is the median of ``--rounds`` (every round's figure is printed too), with the
+child's CPU seconds per GB (user + system of every thread, ``getrusage(RUSAGE_SELF)``) and
+minor page faults per GB beside the GB/s: CPU time is what the model shares on a 2-core
+host, and it hardly moves with a busy disk. Ratios: load >= 1.5x safetensors for an open
+cache, >= 1.2x for a new one; the same for append; load >= 0.9x, append >= 0.8x raw; at
+most 0.25 CPU-s per GB for load and append.
 
-    .venv/bin/python benchmarks/bench_api.py [--dir DIR] [--turns 8] [--tensors 64]
-        [--tensor-mib 1] [--rounds 3]
+Why the peer ran 2-3x slower inside the previous version of this benchmark (every system
+in one process) than alone: measured with ``benchmarks/_peer_slowdown.py`` (the same
+``st_write``/``st_read``, a fresh process per condition, the old benchmark's process
+rebuilt one part at a time), the old process's 4x-the-history buffers changed nothing
+(read 0.16 GB/s alone and with them), its open cache's threads a little (0.14), both
+together 0.11 GB/s (1.45x slower than alone; one run of 4 turns of 64 MiB, 2 reps, load
+average 5-9); but the same process with
+``torch.set_num_threads(1)`` read at 0.46 GB/s and 0.95 CPU-s/GB, against 3.3-5.0 CPU-s/GB
+with torch's default two threads. ``load_file`` + ``torch.cat`` is dominated by torch's
+OpenMP threads, which spin-wait for each other and, on 2 cores that other processes also
+use, wait for one that is not running: the peer's speed follows the machine's CPU load
+more than anything the benchmark does, which is why it ran at different speeds minutes
+apart. So the peer is run both ways here (``safetensors`` with torch's default threads,
+``safetensors 1 thread``), and the ratios take the faster of the two (``best``).
+
+Needs the ``bench`` extra (``safetensors``)::
+
+    .venv/bin/python benchmarks/bench_api.py [--dir DIR] [--sizes 8:16,64:8] [--tensors 64]
+        [--rounds 5] [--depth 4] [--quick]
 """
 
 from __future__ import annotations
@@ -34,60 +60,56 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import mmap
+import multiprocessing
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
-import anyio.from_thread
 import torch
 
+from _measure import Took, cold, measured
 from tieredkv import SSDTier, TieredKVCache
 
 MB = 1 << 20
 ALIGN = 4096
+WIDTH = 1024  # fp16 elements per token per tensor: 2 KiB per token
 Turn = dict[str, torch.Tensor]
 
+SYSTEMS = ("tieredkv", "new cache", "raw", "safetensors", "safetensors 1 thread")
+"""The systems of a round, in the order round 0 runs them."""
 
-def make_turns(turns: int, tensors: int, tensor_mib: int) -> list[Turn]:
-    """Deterministic fp16 turns, ``[tokens, 1024]`` per tensor (2 KiB per token)."""
-    tokens = tensor_mib * MB // 2048
+
+def make_turns(turns: int, tensors: int, turn_mib: int) -> list[Turn]:
+    """Deterministic fp16 turns of ``turn_mib`` MiB, ``[tokens, 1024]`` per tensor."""
+    tokens = turn_mib * MB // tensors // (2 * WIDTH)
+    if tokens < 1:
+        raise ValueError(f"a {turn_mib} MiB turn cannot hold {tensors} tensors of a token")
     g = torch.Generator().manual_seed(0)
     return [
         {
-            f"layer{i // 2}.{'kv'[i % 2]}": torch.randn(tokens, 1024, generator=g).half()
+            f"layer{i // 2}.{'kv'[i % 2]}": torch.randn(tokens, WIDTH, generator=g).half()
             for i in range(tensors)
         }
         for _ in range(turns)
     ]
 
 
-def drop_page_cache() -> bool:
-    """Drop clean pages (root only); ``False`` where not permitted."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return True
-    except OSError:
-        return False
+def history(turns: list[Turn]) -> Turn:
+    return {k: torch.cat([t[k] for t in turns]) for k in turns[0]}
 
 
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def same(got: Turn, want: Turn) -> bool:
+    return got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def fsync_path(path: Path, flags: int = os.O_RDONLY) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     finally:
@@ -95,24 +117,8 @@ def fsync_dir(path: Path) -> None:
 
 
 # -- tieredkv ---------------------------------------------------------------------------
-class Steady:
-    """One cache, open for the whole benchmark (in a portal's event loop thread)."""
-
-    def __init__(self, root: Path, warm: list[Turn]) -> None:
-        self._portal_cm = anyio.from_thread.start_blocking_portal()
-        self.portal = self._portal_cm.__enter__()
-        self.cache = TieredKVCache([SSDTier(root, 64 << 30)])
-        self.portal.call(self.cache.open)
-        self.write("warm-up", warm)
-        self.portal.call(self.cache.load, "warm-up")  # dropped: its memory is kept
-        self.portal.call(self.cache.drop, "warm-up")
-
-    def write(self, session: str, turns: list[Turn]) -> None:
-        self.portal.call(append_turns, self.cache, session, turns)
-
-    def close(self) -> None:
-        self.portal.call(self.cache.aclose)
-        self._portal_cm.__exit__(None, None, None)
+def new_cache(root: Path) -> TieredKVCache:
+    return TieredKVCache([SSDTier(root, 64 << 30)])
 
 
 async def append_turns(cache: TieredKVCache, session: str, turns: list[Turn]) -> None:
@@ -121,40 +127,63 @@ async def append_turns(cache: TieredKVCache, session: str, turns: list[Turn]) ->
         await cache.append(session, t, answer_tokens=i)
 
 
-async def tkv_write(root: Path, turns: list[Turn]) -> None:
-    async with TieredKVCache([SSDTier(root, 64 << 30)]) as cache:
+async def fresh_append(root: Path, turns: list[Turn]) -> None:
+    async with new_cache(root) as cache:
         await append_turns(cache, "user", turns)
 
 
-async def tkv_load(root: Path) -> dict[str, torch.Tensor]:
-    async with TieredKVCache([SSDTier(root, 64 << 30)]) as cache:
+async def fresh_load(root: Path) -> Turn:
+    async with new_cache(root) as cache:
         return await cache.load("user")
 
 
-async def tkv_load_into(root: Path, out: dict[str, torch.Tensor]) -> None:
-    async with TieredKVCache([SSDTier(root, 64 << 30)]) as cache:
+async def fresh_load_into(root: Path, out: Turn) -> None:
+    async with new_cache(root) as cache:
         await cache.load_into("user", out)
 
 
+async def open_cache_child(root: Path, turns: list[Turn], drop: bool) -> dict[str, Any]:
+    """An open cache's append, load and load_into (after one untimed append and load)."""
+    want = history(turns)
+    out = {k: torch.zeros_like(v) for k, v in want.items()}  # prefaulted
+    res: dict[str, Any] = {}
+    async with new_cache(root) as cache:
+        await append_turns(cache, "warm-up", turns)
+        await cache.load("warm-up")  # dropped: its memory is kept for the next load
+        await cache.drop("warm-up")
+        with measured() as res["append"]:
+            await append_turns(cache, "user", turns)
+        res["cold"] = cold(root, drop)
+        with measured() as res["load"]:
+            got = await cache.load("user")
+        res["ok"] = same(got, want)
+        del got
+        cold(root, drop)
+        with measured() as res["load_into"]:
+            await cache.load_into("user", out)
+        res["ok"] = res["ok"] and same(out, want)
+    return res
+
+
 # -- raw O_DIRECT -------------------------------------------------------------------------
-def turn_bytes(turn: Turn) -> bytes:
-    return b"".join(t.numpy().tobytes() for t in turn.values())
+def aligned_buffer(n: int) -> mmap.mmap:
+    return mmap.mmap(-1, -(-n // ALIGN) * ALIGN)
 
 
-def aligned_blobs(blobs: list[bytes]) -> list[mmap.mmap]:
+def turn_blobs(turns: list[Turn]) -> list[mmap.mmap]:
     """Each turn's bytes in a page-aligned buffer (O_DIRECT needs one), made before timing."""
     out = []
-    for blob in blobs:
-        buf = mmap.mmap(-1, -(-len(blob) // ALIGN) * ALIGN)
+    for turn in turns:
+        blob = b"".join(t.numpy().tobytes() for t in turn.values())
+        buf = aligned_buffer(len(blob))
         buf[: len(blob)] = blob
         out.append(buf)
     return out
 
 
 def raw_write(root: Path, bufs: list[mmap.mmap]) -> None:
-    """The device's durable write speed: each turn's prepared aligned bytes written with one
-    O_DIRECT ``pwrite`` and ``fsync``-ed (no serialization, no copy: a ceiling, not a
-    competitor)."""
+    """Each turn's prepared aligned bytes written with one O_DIRECT ``pwrite`` and
+    ``fsync``-ed (no serialization, no copy: a ceiling, not a competitor)."""
     for i, buf in enumerate(bufs):
         path = root / f"turn{i}.raw"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
@@ -163,34 +192,31 @@ def raw_write(root: Path, bufs: list[mmap.mmap]) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-    fsync_dir(root)
+    fsync_path(root, os.O_RDONLY | os.O_DIRECTORY)
 
 
-def raw_read(root: Path, turns: int, depth: int) -> None:
-    """Read every turn file with ``depth`` reads of 8 MiB in flight."""
-    jobs = []
-    for i in range(turns):
-        path = root / f"turn{i}.raw"
-        size = path.stat().st_size
-        jobs += [(path, off, min(8 * MB, size - off)) for off in range(0, size, 8 * MB)]
-    buf = mmap.mmap(-1, 8 * MB * depth)
+def raw_read(root: Path, bufs: list[mmap.mmap], depth: int) -> None:
+    """Read every turn file into ``bufs`` with ``depth`` reads of 8 MiB in flight."""
+    jobs = [
+        (root / f"turn{i}.raw", buf, off, min(8 * MB, len(buf) - off))
+        for i, buf in enumerate(bufs)
+        for off in range(0, len(buf), 8 * MB)
+    ]
 
-    def read(k: int, job: tuple[Path, int, int]) -> None:
-        path, off, n = job
+    def read(job: tuple[Path, mmap.mmap, int, int]) -> None:
+        path, buf, off, n = job
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
         try:
-            view = memoryview(buf)[(k % depth) * 8 * MB : (k % depth) * 8 * MB + n]
-            os.preadv(fd, [view], off)
-            view.release()
+            with memoryview(buf) as whole, whole[off : off + n] as view:
+                os.preadv(fd, [view], off)
         finally:
             os.close(fd)
 
     with concurrent.futures.ThreadPoolExecutor(depth) as pool:
-        list(pool.map(read, range(len(jobs)), jobs))
-    buf.close()
+        list(pool.map(read, jobs))
 
 
-# -- safetensors / torch.save ---------------------------------------------------------------
+# -- safetensors ------------------------------------------------------------------------
 def st_write(root: Path, turns: list[Turn]) -> None:
     from safetensors.torch import save_file
 
@@ -198,188 +224,239 @@ def st_write(root: Path, turns: list[Turn]) -> None:
         path = root / f"turn{i}.safetensors"
         save_file(t, str(path))
         fsync_path(path)
-    fsync_dir(root)
+    fsync_path(root, os.O_RDONLY | os.O_DIRECTORY)
 
 
-def st_read(root: Path, turns: int) -> dict[str, torch.Tensor]:
+def st_read(root: Path, turns: int) -> Turn:
     from safetensors.torch import load_file
 
     parts = [load_file(str(root / f"turn{i}.safetensors")) for i in range(turns)]
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
-def pt_write(root: Path, turns: list[Turn]) -> None:
-    for i, t in enumerate(turns):
-        path = root / f"turn{i}.pt"
-        torch.save(t, path)
-        fsync_path(path)
-    fsync_dir(root)
+# -- one child ------------------------------------------------------------------------------
+def child(system: str, op: str, root: Path, turns: list[Turn], depth: int, drop: bool) -> Any:
+    """Run one system's ``op`` (``write``, ``read``; the open cache: ``both``) in this
+    process; return what it measured, as JSON-able values."""
+    res: dict[str, Any] = {}
+    if system == "safetensors 1 thread":
+        torch.set_num_threads(1)  # torch.cat on one thread: no OpenMP threads to wait for
+    if system == "tieredkv":
+        res = anyio.run(open_cache_child, root, turns, drop)
+    elif op == "write":
+        if system == "raw":
+            bufs = turn_blobs(turns)
+            with measured() as res["append"]:
+                raw_write(root, bufs)
+        elif system == "new cache":
+            with measured() as res["append"]:
+                anyio.run(fresh_append, root, turns)
+        else:
+            with measured() as res["append"]:
+                st_write(root, turns)
+        res["ok"] = True
+    else:
+        want = history(turns)
+        res["cold"] = cold(root, drop)
+        if system == "raw":
+            blobs = turn_blobs(turns)
+            bufs = [aligned_buffer(len(b)) for b in blobs]
+            for b in bufs:
+                b.write(b"\0" * len(b))  # prefaulted, as load_into's outputs are
+            with measured() as res["load"]:
+                raw_read(root, bufs, depth)
+            res["ok"] = all(b[:] == g[:] for b, g in zip(blobs, bufs, strict=True))
+        elif system == "new cache" and op == "read_into":
+            out = {k: torch.zeros_like(v) for k, v in want.items()}
+            with measured() as res["load_into"]:
+                anyio.run(fresh_load_into, root, out)
+            res["ok"] = same(out, want)
+        elif system == "new cache":
+            with measured() as res["load"]:
+                got = anyio.run(fresh_load, root)
+            res["ok"] = same(got, want)
+        else:
+            with measured() as res["load"]:
+                got = st_read(root, len(turns))
+            res["ok"] = same(got, want)
+    return {k: v.as_dict() if isinstance(v, Took) else v for k, v in res.items()}
 
 
-def pt_read(root: Path, turns: int) -> dict[str, torch.Tensor]:
-    parts = [torch.load(root / f"turn{i}.pt") for i in range(turns)]
-    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+def child_main(system: str, op: str, root: Path, size: tuple[int, int], opts: Any) -> Any:
+    """A child process's work: make the turns (untimed), then :func:`child`."""
+    mib, n = size
+    turns = make_turns(n, opts.tensors, mib)
+    return child(system, op, root, turns, opts.depth, opts.drop)
 
 
-def settle() -> None:
+def run_child(args: argparse.Namespace, system: str, op: str, root: Path, mib: int, n: int) -> Any:
+    """``system``'s ``op`` in a new process, forked from a server that has imported torch,
+    safetensors and tieredkv and nothing else (none of this process's memory or threads)."""
+    settle(0.0 if args.quick else 0.3)
+    opts = argparse.Namespace(tensors=args.tensors, depth=args.depth, drop=args.drop)
+    return args.pool.submit(child_main, system, op, root, (mib, n), opts).result()
+
+
+def process_per_task() -> concurrent.futures.ProcessPoolExecutor:
+    """An executor that runs each task in a process of its own."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "safetensors.torch", "tieredkv"])
+    return concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx, max_tasks_per_child=1)
+
+
+def settle(pause: float = 0.3) -> None:
     """Let the device finish what came before (writeback, and the discards of deleted files
     on a ``discard``-mounted file system) so it does not slow the next system measured."""
     os.sync()
-    time.sleep(0.3)
+    time.sleep(pause)
 
 
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def system_steps(system: str) -> list[str]:
+    if system == "tieredkv":
+        return ["both"]
+    if system == "new cache":
+        return ["write", "read", "read_into"]
+    return ["write", "read"]
 
 
-reads_got: dict[str, dict[str, torch.Tensor]] = {}
-"""What each cold read returned in the current round (checked against the data)."""
+# -- the parent -----------------------------------------------------------------------------
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    sizes = []
+    for part in text.split(","):
+        mib, _, turns = part.partition(":")
+        try:
+            pair = int(mib), int(turns)
+        except ValueError:
+            raise ValueError(
+                f"--sizes wants MIB:TURNS pairs like 8:16,64:8, not {part!r}"
+            ) from None
+        if min(pair) < 1:
+            raise ValueError(f"--sizes: {part!r} needs at least 1 MiB and 1 turn")
+        sizes.append(pair)
+    return sizes
 
 
-def one_round(
-    r: int,
-    steady: Steady,
-    dirs: dict[str, Path],
-    turns: list[Turn],
-    blobs: list[mmap.mmap],
-    out: dict[str, torch.Tensor],
-    out2: dict[str, torch.Tensor],
-    writes: dict[str, list[float]],
-    reads: dict[str, list[float]],
-    depth: int,
-) -> None:
-    """Each system writes once, then reads once cold."""
-    session = f"user{r}"
-    writers: list[tuple[str, Callable[[], object]]] = [
-        ("tieredkv", lambda: steady.write(session, turns)),
-        ("tieredkv, new cache", lambda: anyio.run(tkv_write, dirs["tieredkv"], turns)),
-        ("raw", lambda: raw_write(dirs["raw"], blobs)),
-        ("safetensors", lambda: st_write(dirs["safetensors"], turns)),
-        ("torch", lambda: pt_write(dirs["torch"], turns)),
-    ]
-    # each round starts with another system: the one after a cleanup meets its discards
-    for name, fn in writers[r % len(writers) :] + writers[: r % len(writers)]:
-        settle()
-        writes[name].append(timed(fn))
-    n = len(turns)
-    systems: list[tuple[str, Callable[[], object]]] = [
-        ("tieredkv load", lambda: steady.portal.call(steady.cache.load, session)),
-        ("tieredkv load_into", lambda: steady.portal.call(steady.cache.load_into, session, out)),
-        ("load, new cache", lambda: anyio.run(tkv_load, dirs["tieredkv"])),
-        ("load_into, new cache", lambda: anyio.run(tkv_load_into, dirs["tieredkv"], out2)),
-        ("raw", lambda: raw_read(dirs["raw"], n, depth)),
-        ("safetensors", lambda: st_read(dirs["safetensors"], n)),
-        ("torch", lambda: pt_read(dirs["torch"], n)),
-    ]
-    for name, fn in systems[r % len(systems) :] + systems[: r % len(systems)]:
-        settle()
-        drop_page_cache()
-        start = time.perf_counter()
-        result = fn()
-        reads[name].append(time.perf_counter() - start)
-        if isinstance(result, dict):
-            reads_got[name] = result
+Row = dict[str, list[dict[str, float]]]
+"""Per figure (``tieredkv append``, ...), each round's measurement."""
+
+
+def bench_size(args: argparse.Namespace, base: Path, mib: int, n: int) -> Row:
+    rows: Row = {}
+
+    def record(system: str, got: Any) -> None:
+        if not got.get("ok"):
+            raise AssertionError(f"{system} read back other bytes than were written")
+        for op in ("append", "load", "load_into"):
+            if op in got:
+                rows.setdefault(f"{system} {op}", []).append(got[op])
+        if "cold" in got:
+            args.cold_ran.add(got["cold"])
+
+    def alone() -> None:
+        d = Path(tempfile.mkdtemp(prefix="alone-", dir=base))
+        for op in ("write", "read"):
+            record("safetensors alone", run_child(args, "safetensors", op, d, mib, n))
+        shutil.rmtree(d)
+
+    alone()
+    for r in range(args.rounds):
+        order = SYSTEMS[r % len(SYSTEMS) :] + SYSTEMS[: r % len(SYSTEMS)]
+        for system in order:
+            d = Path(tempfile.mkdtemp(prefix=f"{system.replace(' ', '-')}-", dir=base))
+            for op in system_steps(system):
+                record(system, run_child(args, system, op, d, mib, n))
+            shutil.rmtree(d)
+    if not args.quick:
+        alone()
+    return rows
+
+
+def report(rows: Row, nbytes: int, args: argparse.Namespace) -> None:
+    gb = nbytes / 1e9
+
+    def med(name: str, what: str) -> float:
+        return statistics.median(m[what] for m in rows[name])
+
+    def gbps(name: str) -> float:
+        return gb / med(name, "wall")
+
+    print(f"{'':<26}{'GB/s':>7}{'CPU-s/GB':>10}{'faults/GB':>11}   GB/s per round")
+    for name, ms in rows.items():
+        per = " ".join(f"{gb / m['wall']:5.2f}" for m in ms)
+        cpu, faults = med(name, "cpu") / gb, med(name, "minflt") / gb
+        print(f"{name:<26}{gbps(name):>7.2f}{cpu:>10.3f}{faults:>11.0f}   {per}")
+    ratios: list[tuple[str, float, float]] = []
+    for label, cache in (("open cache", "tieredkv"), ("new cache", "new cache")):
+        peer_target = 1.5 if cache == "tieredkv" else 1.2
+        for op, raw_op, raw_target in (("load", "load", 0.9), ("append", "append", 0.8)):
+            mine = gbps(f"{cache} {op}")
+            peer = max(gbps(f"safetensors {op}"), gbps(f"safetensors 1 thread {op}"))
+            raw = gbps(f"raw {raw_op}")
+            ratios.append((f"{label}: {op} / safetensors (best)", mine / peer, peer_target))
+            ratios.append((f"{label}: {op} / raw O_DIRECT", mine / raw, raw_target))
+        into = gbps(f"{cache} load_into")
+        ratios.append((f"{label}: load_into / raw O_DIRECT", into / gbps("raw load"), 0.9))
+    for label, value, target in ratios:
+        verdict = "met" if value >= target else "missed"
+        print(f"ratio {label:<40}{value:6.2f}  (target >= {target}: {verdict})")
+    for name in ("tieredkv append", "tieredkv load", "new cache append", "new cache load"):
+        cpu = med(name, "cpu") / gb
+        verdict = "met" if cpu <= 0.25 else "missed"
+        print(f"cpu   {name:<40}{cpu:6.3f}  CPU-s/GB (target <= 0.25: {verdict})")
+    for op in ("append", "load"):
+        print(
+            f"peer  safetensors {op}: alone {gbps(f'safetensors alone {op}'):.2f} GB/s, "
+            f"in the rounds {gbps(f'safetensors {op}'):.2f} GB/s"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dir", type=Path, help="a directory on the SSD (default: a temp dir)")
-    parser.add_argument("--turns", type=int, default=8)
-    parser.add_argument("--tensors", type=int, default=64)
-    parser.add_argument("--tensor-mib", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sizes", default="8:16,64:8", help="MIB:TURNS pairs (turn size)")
+    parser.add_argument("--tensors", type=int, default=64, help="tensors per turn")
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--depth", type=int, default=4, help="raw reads in flight")
+    parser.add_argument("--no-drop", dest="drop", action="store_false", help="no drop_caches")
+    parser.add_argument(
+        "--quick", action="store_true", help="1 round of 2 turns of 1 MiB, no pauses (tests)"
+    )
     args = parser.parse_args(argv)
-    for name in ("turns", "tensors", "tensor_mib", "rounds", "depth"):
+    if args.quick:
+        args.sizes, args.tensors, args.rounds = "1:2", 4, 1
+    try:
+        sizes = parse_sizes(args.sizes)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for name in ("tensors", "rounds", "depth"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+            parser.error(f"--{name} must be at least 1")
     try:
         import safetensors.torch  # noqa: F401
     except ImportError:
         parser.error("this benchmark compares against safetensors: pip install -e '.[bench]'")
     base = Path(tempfile.mkdtemp(prefix="bench-api-", dir=args.dir))
-    turns = make_turns(args.turns, args.tensors, args.tensor_mib)
-    nbytes = sum(t.numel() * t.element_size() for turn in turns for t in turn.values())
-    blobs = aligned_blobs([turn_bytes(t) for t in turns])
-    want = {k: torch.cat([t[k] for t in turns]) for k in turns[0]}
-    out = {k: torch.empty_like(v) for k, v in want.items()}
-    out2 = {k: torch.empty_like(v) for k, v in want.items()}
-    for v in [*out.values(), *out2.values()]:
-        v.zero_()  # prefaulted
-    cold = drop_page_cache()
-    writes: dict[str, list[float]] = {
-        n: [] for n in ("tieredkv", "tieredkv, new cache", "raw", "safetensors", "torch")
-    }
-    reads: dict[str, list[float]] = {
-        n: []
-        for n in (
-            "tieredkv load",
-            "tieredkv load_into",
-            "load, new cache",
-            "load_into, new cache",
-            "raw",
-            "safetensors",
-            "torch",
-        )
-    }
-    (base / "steady").mkdir()
-    steady = Steady(base / "steady", turns)
+    args.cold_ran = set()
+    args.pool = process_per_task()
     try:
-        for r in range(args.rounds):
-            dirs = {n: base / f"{n}-{r}" for n in ("tieredkv", "raw", "safetensors", "torch")}
-            for d in dirs.values():
-                d.mkdir()
-            one_round(r, steady, dirs, turns, blobs, out, out2, writes, reads, args.depth)
-            got = [*reads_got.items(), ("tieredkv load_into", out), ("new cache", out2)]
-            for name, tensors in got:
-                if any(not torch.equal(tensors[k], v) for k, v in want.items()):
-                    print(f"{name} returned different bytes", file=sys.stderr)
-                    return 1
-            for v in [*out.values(), *out2.values()]:
-                v.zero_()  # so that the next round's load_into must write every byte
-            reads_got.clear()  # the steady cache's outputs go back to it for reuse
-            steady.portal.call(steady.cache.drop, f"user{r}")
-            for d in dirs.values():
-                shutil.rmtree(d)
+        for mib, n in sizes:
+            try:
+                rows = bench_size(args, base, mib, n)
+            except AssertionError as exc:
+                print(exc, file=sys.stderr)
+                return 1
+            nbytes = n * args.tensors * (mib * MB // args.tensors // (2 * WIDTH)) * 2 * WIDTH
+            print(
+                f"\n== {n} turns x {args.tensors} tensors = {mib} MiB turns, "
+                f"{nbytes / 1e6:.0f} MB; median of {args.rounds} rounds, a process per system "
+                f"per round; reads made cold by {' and '.join(sorted(args.cold_ran))}; every "
+                f"read byte-checked; load average {os.getloadavg()[0]:.2f}",
+                flush=True,
+            )
+            report(rows, nbytes, args)
     finally:
-        steady.close()
+        args.pool.shutdown()
         shutil.rmtree(base, ignore_errors=True)
-
-    def gbps(seconds: list[float]) -> float:
-        return nbytes / statistics.median(seconds) / 1e9
-
-    print(
-        f"{args.turns} turns x {args.tensors} tensors x {args.tensor_mib} MiB = "
-        f"{nbytes / 1e6:.0f} MB; median of {args.rounds} rounds; page cache "
-        f"{'dropped before each read' if cold else 'NOT dropped (not permitted)'}"
-    )
-    print(f"{'durable write':<22}{'GB/s':>7}   {'cold read':<22}{'GB/s':>7}")
-    wrows = list(writes.items())
-    rrows = list(reads.items())
-    for i in range(max(len(wrows), len(rrows))):
-        left = f"{wrows[i][0]:<22}{gbps(wrows[i][1]):>7.2f}" if i < len(wrows) else " " * 29
-        right = f"{rrows[i][0]:<22}{gbps(rrows[i][1]):>7.2f}" if i < len(rrows) else ""
-        print(f"{left}   {right}")
-    print("GB/s per round (the disk is shared: rounds vary):")
-    for kind, rows in (("write", writes), ("read", reads)):
-        for name, seconds in rows.items():
-            print(f"  {kind} {name:<22}" + " ".join(f"{nbytes / x / 1e9:5.2f}" for x in seconds))
-    w, rd = {k: gbps(v) for k, v in writes.items()}, {k: gbps(v) for k, v in reads.items()}
-    for label, value, target in [
-        ("load / raw O_DIRECT read", rd["tieredkv load"] / rd["raw"], 0.9),
-        ("load_into / raw O_DIRECT read", rd["tieredkv load_into"] / rd["raw"], 0.9),
-        ("load / safetensors load_file", rd["tieredkv load"] / rd["safetensors"], 1.2),
-        ("append / raw O_DIRECT write+fsync", w["tieredkv"] / w["raw"], 0.8),
-        ("append / safetensors save_file+fsync", w["tieredkv"] / w["safetensors"], 1.5),
-        ("new cache: load / raw read", rd["load, new cache"] / rd["raw"], 0.9),
-        ("new cache: load / safetensors", rd["load, new cache"] / rd["safetensors"], 1.2),
-        ("new cache: append / raw write", w["tieredkv, new cache"] / w["raw"], 0.8),
-        ("new cache: append / safetensors", w["tieredkv, new cache"] / w["safetensors"], 1.5),
-    ]:
-        verdict = "met" if value >= target else "missed"
-        print(f"ratio {label:<38}{value:6.2f}  (target >= {target}: {verdict})")
     return 0
 
 

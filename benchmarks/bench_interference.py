@@ -11,7 +11,7 @@ and the library's real code paths:
   the host tier, prefill a 70-token query, decode 6 tokens, store the turn; K/V codec, one
   torch thread), rotating over 8 conversations in a ``TieredKVCache`` of a host tier over
   an O_DIRECT ``SSDTier`` (inclusive, as in the serving benchmark);
-* background: ``SSDTier.read_many_into`` of a stored 1,000-token history (about 62 MiB:
+* background: ``SSDTier.read`` of a stored 1,000-token history (about 62 MiB:
   O_DIRECT reads checked by their xxh3 checksum, the promotion path), over and over, idle
   between loads so that the SSD is busy ``duty`` of the time.
 
@@ -148,7 +148,7 @@ async def alternate_loads(
     turn: Callable[[int], Awaitable[float]],
 ) -> tuple[float, float, float]:
     """:func:`alternate` turns (``turn(n)`` runs the n-th) without and with a background
-    task that reads the segments ``keys`` (``read_many_into``, the promotion path) over and
+    task that reads the segments ``keys`` (one ``read`` of them all, the promotion path) over and
     over, idle between reads so that the SSD is busy ``duty`` of the time. Median turn
     seconds without and with the loads, and the loads' GB/s."""
     buffers = [mmap.mmap(-1, ssd.length(k)) for k in keys]
@@ -164,7 +164,7 @@ async def alternate_loads(
                 await anyio.sleep(0.005)
                 continue
             began = time.perf_counter()
-            await ssd.read_many_into(list(zip(keys, views, strict=True)))
+            await ssd.read(keys, views)
             took = time.perf_counter() - began
             loaded += sum(len(v) for v in views)
             load_time += took

@@ -1,6 +1,6 @@
 """Tier throughput against the hardware's own ceiling, measured in one run on the same files.
 
-(a) ``SSDTier.read_into`` of 64 MB segments (O_DIRECT, checksum verified while reading)
+(a) ``SSDTier.read`` of 64 MB segments (O_DIRECT, checksum verified while reading)
     against a raw O_DIRECT read of the same file: one ``os.preadv`` of the whole file into an
     aligned mmap buffer. Target: tier / raw >= 0.90.
 (b) Host tier: ``await cache.load(session)`` (new tensors) and ``await cache.load_into``
@@ -118,7 +118,7 @@ async def bench_ssd(root: Path, segments: int, reps: int, segment_mb: int) -> li
                 for key in keys:
                     path = tier.directory / "segments" / segment_file_name(key)
                     pair = [
-                        (tier_s, functools.partial(tier.read_into, key, out)),
+                        (tier_s, functools.partial(tier.read, [key], [out])),
                         (raw_s, functools.partial(anyio.to_thread.run_sync, raw_read, path, out)),
                     ]
                     if (rep + key[1]) % 2:
@@ -127,7 +127,7 @@ async def bench_ssd(root: Path, segments: int, reps: int, segment_mb: int) -> li
                         dt = await timed(run)
                         if rep:
                             samples.append(dt)
-            await tier.read_into(keys[-1], out)
+            await tier.read([keys[-1]], [out])
             via_tier = out.tobytes()
             out[:] = bytes(length)
             await anyio.to_thread.run_sync(raw_read, path, out)
@@ -137,7 +137,7 @@ async def bench_ssd(root: Path, segments: int, reps: int, segment_mb: int) -> li
             out.release()
             out_mm.close()
     return [
-        Row(f"SSDTier.read_into {segment_mb} MB (O_DIRECT + xxh3)", length, tier_s),
+        Row(f"SSDTier.read {segment_mb} MB (O_DIRECT + xxh3)", length, tier_s),
         Row(f"raw O_DIRECT preadv {segment_mb} MB", length, raw_s),
     ]
 
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in (*ssd, *host):
         print(f"{row.name:<44} {row.nbytes / MB:>7.0f} {row.median * 1e3:>10.2f} {row.gbps:>7.2f}")
     ratios = [
-        ("SSD read_into / raw O_DIRECT", ssd[0].gbps / ssd[1].gbps, SSD_TARGET),
+        ("SSD read / raw O_DIRECT", ssd[0].gbps / ssd[1].gbps, SSD_TARGET),
         ("host load / empty_like+copy", host[0].gbps / host[1].gbps, HOST_TARGET),
         ("host load_into / empty_like+copy", host[2].gbps / host[1].gbps, HOST_TARGET),
         ("host load_into / copy into preallocated", host[2].gbps / host[3].gbps, HOST_TARGET),

@@ -67,6 +67,9 @@ ALLOWED = {
 FAULTS = {"stall": 3, "kill-aof": 2, "replica-kill": 2, "kill-empty": 1, "lose-manifest": 1}
 """Fault kinds and their weights."""
 
+OPERATIONS = ("append", "load", "flush")
+"""The operations the checker counts (those a caller sees complete or fail)."""
+
 TOKENS = (16, 16, 16, 256, 256, 1024)
 """Turn sizes (tokens of 256 bytes): 4 KiB, 64 KiB (one value) and 256 KiB (four)."""
 
@@ -81,6 +84,9 @@ class Options:
     timeout: float = 0.5
     host: int = 4 << 20
     fault_every: tuple[float, float] = (0.8, 2.5)
+    min_operations: int = 0
+    """Keep the faults going past ``duration`` (up to three times it) until the replicas
+    have completed this many operations: a loaded machine still gets a campaign of size."""
 
 
 @dataclass
@@ -296,7 +302,11 @@ async def campaign(opts: Options, workdir: Path) -> Result:
         cycle: list[str] = []
         while True:
             await anyio.sleep(rng.uniform(*opts.fault_every))
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline and (
+                now >= deadline + 2 * opts.duration
+                or _completed(workdir, opts.replicas) >= opts.min_operations
+            ):
                 break
             if not cycle:  # every kind once (in a random order), then the weighted rest
                 cycle = rng.sample(extra, len(extra)) + rng.sample(list(FAULTS), len(FAULTS))
@@ -391,6 +401,12 @@ def _fsck(url: str, prefix: str) -> str:
     )
 
 
+def _completed(workdir: Path, replicas: int) -> int:
+    """Operations the replicas have completed so far (their logs, read while they write)."""
+    records = [r for rid in range(replicas) for r in _read(workdir / f"replica-{rid}.jsonl")]
+    return sum(1 for r in records if r.get("op") in OPERATIONS and r.get("ph") != "begin")
+
+
 def _read(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
@@ -442,7 +458,7 @@ def check(records: list[dict[str, Any]], faults: list[dict[str, Any]], opts: Opt
             result.unproven += r["unproven"]
         elif op in ("unretrieved", "inconsistent"):
             result.unexpected[op] += 1
-        if op in ("append", "load", "flush") and r.get("ph") != "begin":
+        if op in OPERATIONS and r.get("ph") != "begin":
             result.operations[op] += 1
             if not r.get("ok", True):
                 result.errors[r["err"]] += 1
@@ -486,6 +502,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1, help="the faults' and workload's seed (1)")
     parser.add_argument("--replicas", type=int, default=3, help="replica processes (3)")
     parser.add_argument("--conversations", type=int, default=8, help="conversations (8)")
+    parser.add_argument(
+        "--min-operations",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep the faults going past --duration (up to 3x) until N operations completed (0)",
+    )
     parser.add_argument("--keep", metavar="DIR", help="keep the logs in DIR")
     parser.add_argument("--check", metavar="DIR", help="only check the logs kept in DIR")
     parser.add_argument("--replica", help=argparse.SUPPRESS)
@@ -502,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         replicas=args.replicas,
         conversations=args.conversations,
+        min_operations=args.min_operations,
     )
     workdir = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="fleet-"))
     workdir.mkdir(parents=True, exist_ok=True)

@@ -141,5 +141,5 @@ async def read_back(tier: Tier, s: Segment, *, aligned: bool = True) -> bytes:
     """The bytes ``tier`` holds for ``s``, read into an aligned or unaligned buffer."""
     buffer = aligned_buffer if aligned else unaligned_buffer
     with buffer(tier.length(s.key)) as out:
-        await tier.read_into(s.key, out)
+        await tier.read([s.key], [out])
         return bytes(out)

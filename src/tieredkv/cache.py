@@ -29,7 +29,6 @@ The parts live in :mod:`tieredkv._cache`, one concern each.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -37,41 +36,31 @@ from collections.abc import Set as AbstractSet
 from types import TracebackType
 from typing import Any, Literal, Self
 
-import anyio
 import msgspec
 import torch
 
 from ._cache.atomic import settle
-from ._cache.closing import check_timeout, write_down
-from ._cache.gather import (
-    Target,
-    check_into,
-    fresh,
-)
-from ._cache.layerwise import LayerwiseLoad, check_groups, reported, stream
-from ._cache.placement import (
-    delete_or_orphan,
-    promote,
-    purge_orphans,
-    remove_all,
-)
-from ._cache.predict import choose
-from ._cache.recovery import Truncation, recover
-from ._cache.sharing import check_writer, discover, shared_tiers
-from ._cache.state import CacheStats, Core, Session, check_key, check_tiers, policies_per_tier
-from ._cache.turns import commit_append, commit_load, plan_turn, restore, store
+from ._cache.closing import check_timeout, close
+from ._cache.gather import Target, check_into, fresh
+from ._cache.layerwise import LayerwiseLoad, layerwise
+from ._cache.placement import drop
+from ._cache.predict import prefetch, prefetch_predicted
+from ._cache.recovery import Truncation, open_tiers
+from ._cache.sharing import discover, locked_stored
+from ._cache.state import CacheStats, Core, check_key, policies_per_tier
+from ._cache.tierio import resolve
+from ._cache.turns import append, load
 from ._cache.writethrough import WriteThrough
 from ._checks import check_int
-from .backends.base import AddressableTier, Tier
+from .backends.base import Tier
 from .errors import (
     ClosedError,
-    CorruptSegmentError,
     InvalidArgumentError,
     InvalidTypeError,
     RestoreFailedError,
     SessionNotFoundError,
 )
-from .meta import Dropped, KVMeta, MetadataChannel, TierInfo
+from .meta import KVMeta, MetadataChannel
 from .policies.base import Eviction
 
 __all__ = ["CacheStats", "LayerwiseLoad", "RestoreFailedError", "TieredKVCache", "Truncation"]
@@ -123,19 +112,18 @@ class TieredKVCache:
         output_reuse_bytes: int = 1 << 30,
         close_timeout: float = 60.0,
     ) -> None:
-        tiers = check_tiers(tiers)
+        io, copies = resolve(tiers)
         check_int("output_reuse_bytes", output_reuse_bytes, minimum=0)
         self._close_timeout = check_timeout("close_timeout", close_timeout)
         if mode not in ("exclusive", "inclusive"):
             raise InvalidArgumentError(f"mode must be 'exclusive' or 'inclusive', not {mode!r}")
         if isinstance(token_dim, bool) or not isinstance(token_dim, int):
             raise InvalidTypeError(f"token_dim must be an int, not {type(token_dim).__name__}")
-        policies = policies_per_tier(eviction, len(tiers))
+        policies = policies_per_tier(eviction, len(io))
         self.channel = channel if channel is not None else MetadataChannel()
         """The metadata channel: per-session :class:`~tieredkv.meta.KVMeta` and events."""
-        self._core = Core(tiers, policies, self.channel, mode, clock, output_reuse_bytes)
+        self._core = Core(io, copies, policies, self.channel, mode, clock, output_reuse_bytes)
         self._pumps = WriteThrough(self._core)
-        self._sharing = bool(shared_tiers(self._core))  # replicas share a tier
         self._token_dim = token_dim
         self._open = False
         self._truncated: dict[str, Truncation] = {}
@@ -157,24 +145,8 @@ class TieredKVCache:
         """Open every tier and rebuild the index from what persistent tiers kept."""
         if self._open:
             return
-        core = self._core
-        opened: list[Tier] = []
-        recovered = []
-        try:
-            for tier in core.tiers:
-                recovered.append(await tier.open())
-                opened.append(tier)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                for tier in opened:
-                    await tier.aclose()
-            raise
-        self.channel.set_tiers(
-            TierInfo(name=t.name, level=i, capacity=t.capacity) for i, t in enumerate(core.tiers)
-        )
+        self._truncated, cancel = await open_tiers(self._core)
         self._open = True
-        core.outputs.open()
-        self._truncated, cancel = await settle(lambda: recover(core, recovered))
         if cancel is not None:
             raise cancel
 
@@ -196,37 +168,9 @@ class TieredKVCache:
         if not self._open:
             return
         self._open = False
-        _, cancel = await settle(self._close)
+        _, cancel = await settle(lambda: close(self._core, self._pumps, self._close_timeout))
         if cancel is not None:
             raise cancel
-
-    async def _close(self) -> None:
-        core = self._core
-        deadline = time.monotonic() + self._close_timeout
-        try:
-            self._pumps.retry_failed()
-            with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
-                await self._pumps.flush()
-            for s in core.sessions.values():  # out of time: copies stop at a segment's end
-                s.stopping = True
-            await self._pumps.flush()
-            await purge_orphans(core)
-            await write_down(core, deadline, self._close_timeout)
-            await purge_orphans(core)
-        except Exception:
-            _log.exception("closing the cache failed; closing its tiers")
-        finally:
-            self._pumps.cancel_all()  # none left
-            for tier in core.tiers:
-                try:
-                    await tier.aclose()
-                except Exception:
-                    _log.exception("closing tier %r failed", tier.name)
-            core.sessions.clear()
-            core.busy.clear()
-            core.orphans.clear()
-            core.staging.close()
-            core.outputs.close()
 
     async def flush(self) -> None:
         """Wait until every background write-through started so far has finished.
@@ -281,7 +225,7 @@ class TieredKVCache:
         s = self._core.sessions.get(session)
         if s is None or s.primary is None:
             return False
-        return isinstance(self._core.tiers[s.primary], AddressableTier)
+        return self._core.io[s.primary].view is not None
 
     def contains(self, session: str) -> bool:
         """Whether the session's history is stored in some tier."""
@@ -347,37 +291,7 @@ class TieredKVCache:
         self._check_open()
         check_key(session)
         dim = self._token_dim if token_dim is None else token_dim
-        sessions = self._core.sessions
-        while True:
-            s = sessions.get(session)
-            if s is None:
-                s = sessions[session] = Session(session, len(self._core.tiers))
-            try:
-                async with self._core.hold(s):
-                    if sessions.get(session) is not s:  # dropped while we waited
-                        continue
-                    if self._sharing:  # one writer per conversation across replicas
-                        await check_writer(self._core, session)
-                    return await self._append_locked(s, tensors, answer_tokens, dim, codec)
-            finally:
-                self._core.discard_unused(s)  # a first append that failed or was cancelled
-
-    async def _append_locked(
-        self, s: Session, tensors: Mapping[str, Any], answer_tokens: int, dim: int, codec: str
-    ) -> KVMeta:
-        core = self._core
-        began = core.clock()
-        plan = plan_turn(core, s, tensors, answer_tokens, dim, codec)
-        t, cancel = await settle(lambda: store(core, s, plan))
-        if cancel is not None:  # roll back: the segment never happened
-            await settle(lambda: delete_or_orphan(core, t, (s.key, plan.header.seq)))
-            core.stats.cancelled += 1
-            raise cancel
-        # the point of no return: from here on, nothing awaits
-        meta = commit_append(core, s, plan, t, answer_tokens, began)
-        if core.mode == "inclusive" and t + 1 < len(core.tiers):
-            self._pumps.start(s, t + 1)
-        return meta
+        return await append(self._core, self._pumps, session, tensors, answer_tokens, dim, codec)
 
     # -- load ----------------------------------------------------------------------------
     async def load(self, session: str) -> dict[str, torch.Tensor]:
@@ -417,33 +331,8 @@ class TieredKVCache:
 
     async def _load(self, session: str, target: Target) -> int:
         self._check_open()
-        core = self._core
-        # another replica may have stored or extended it; loading it makes this replica
-        # its writer; a history that cannot be proven current is a counted miss
-        if self._sharing and not await discover(core, session, take=True):
-            core.stats.misses += 1
-            core.stats.unproven += 1
-            raise SessionNotFoundError(session)
-        s = core.sessions.get(session)
-        if s is None:  # one being created: wait for its first append below
-            raise SessionNotFoundError(session)
-        async with core.hold(s):
-            if s.primary is None:
-                raise SessionNotFoundError(session)
-            assert s.schema is not None
-            out = target(s.schema, s.tokens())
-            began = core.clock()
-            hit = s.primary == 0
-            try:
-                _, cancel = await settle(lambda: restore(core, s, out))
-            except CorruptSegmentError:
-                core.stats.misses += 1
-                raise SessionNotFoundError(session) from None
-            if cancel is not None:
-                core.stats.cancelled += 1
-                raise cancel
-            commit_load(core, s, hit, began)
-            return s.tokens()
+        async with locked_stored(self._core, session, load=True) as s:
+            return await load(self._core, s, target)
 
     # -- streamed (layer-wise) load -------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -480,45 +369,11 @@ class TieredKVCache:
         """
         self._check_open()
         core = self._core
-        if self._sharing and not await discover(core, session, take=True):
-            core.stats.misses += 1
-            core.stats.unproven += 1
-            raise SessionNotFoundError(session)
-        s = core.sessions.get(session)
-        if s is None:
-            raise SessionNotFoundError(session)
-        async with core.hold(s):
-            if s.primary is None:
-                raise SessionNotFoundError(session)
-            assert s.schema is not None
-            parts = check_groups(s.schema, groups)
-            target = check_into(out)(s.schema, s.tokens())
-            began = core.clock()
-            hit = s.primary == 0
-            load = LayerwiseLoad(session, len(parts), s.tokens())
-            load._start(lambda: stream(core, s, target, parts, load))
-            try:
-                yield load
-            except BaseException as exc:
-                error, cancel = await settle(load._outcome)
-                if isinstance(exc, anyio.get_cancelled_exc_class()) or cancel is not None:
-                    core.stats.cancelled += 1
-                if isinstance(error, CorruptSegmentError):
-                    core.stats.misses += 1
-                if cancel is not None:
-                    raise cancel from None
-                if error is not None and isinstance(exc, RestoreFailedError):
-                    raise reported(session, error) from None
-                raise
-            error, cancel = await settle(load._outcome)
-            if isinstance(error, CorruptSegmentError):
-                core.stats.misses += 1
-            if cancel is not None:
-                core.stats.cancelled += 1
-                raise cancel
-            if error is not None:
-                raise reported(session, error) from None
-            commit_load(core, s, hit, began)
+        async with (
+            locked_stored(core, session, load=True) as s,
+            layerwise(core, s, out, groups) as lw,
+        ):
+            yield lw
 
     # -- prefetch ------------------------------------------------------------------------
     async def prefetch(self, session: str) -> str | None:
@@ -531,25 +386,9 @@ class TieredKVCache:
         :raises SessionNotFoundError: if the session has no KV in any tier
         """
         self._check_open()
-        core = self._core
-        if self._sharing and not await discover(core, session, take=False):
-            raise SessionNotFoundError(session)  # its current history cannot be proven
-        s = core.sessions.get(session)
-        if s is None:  # one being created: wait for its first append below
-            raise SessionNotFoundError(session)
-        async with core.hold(s):
-            if s.primary is None:
-                raise SessionNotFoundError(session)
-            if s.primary != 0:
-                try:
-                    moved, cancel = await settle(lambda: promote(core, s))
-                except CorruptSegmentError:
-                    return None
-                if cancel is not None:
-                    core.stats.cancelled += 1
-                    raise cancel
-                if moved:
-                    core.stats.prefetches += 1
+        async with locked_stored(self._core, session, load=False) as s:
+            if await prefetch(self._core, s) is None:
+                return None
             return self.where(session)
 
     async def prefetch_predicted(self, limit: int = 1, *, scan: int = 4096) -> list[str]:
@@ -575,29 +414,7 @@ class TieredKVCache:
         self._check_open()
         check_int("limit", limit, minimum=0)
         check_int("scan", scan, minimum=1)
-        core = self._core
-        promoted: list[str] = []
-        while len(promoted) < limit and not core.busy:
-            chosen = choose(core, scan)
-            if chosen is None:
-                break
-            s, _, _ = chosen
-            async with core.hold(s):
-                if s.primary is None or s.primary == 0:
-                    continue
-                try:
-                    moved, cancel = await settle(functools.partial(promote, core, s))
-                except CorruptSegmentError:
-                    continue
-                if cancel is not None:
-                    core.stats.cancelled += 1
-                    raise cancel
-            if not moved:
-                break  # room could not be made after all: try again when called next
-            core.stats.prefetches += 1
-            core.stats.predicted += 1
-            promoted.append(s.key)
-        return promoted
+        return await prefetch_predicted(self._core, limit, scan)
 
     # -- sharing across replicas ---------------------------------------------------------
     async def discover(self, session: str) -> bool:
@@ -610,7 +427,7 @@ class TieredKVCache:
         """
         self._check_open()
         check_key(session)
-        if self._sharing and not await discover(self._core, session, take=False):
+        if self._core.sharing and not await discover(self._core, session, take=False):
             return False  # its current history cannot be proven (the shared tier is away)
         return self.contains(session)
 
@@ -626,17 +443,4 @@ class TieredKVCache:
         if s is None:
             raise SessionNotFoundError(session)
         async with core.hold(s):
-            await self._pumps.stop(s)  # cancelled here, the drop did nothing
-            # the point of no return: the session leaves the index, then its files go
-            s.dropped = True
-            nbytes = s.nbytes()
-            if core.sessions.get(session) is s:
-                del core.sessions[session]
-            self.channel.remove(session)
-            core.stats.drops += 1
-            _, cancel = await settle(lambda: remove_all(core, s))
-            s.segs.clear()
-            s.primary = None
-            self.channel.emit(Dropped(session=session, time=core.clock(), nbytes=nbytes))
-            if cancel is not None:
-                raise cancel
+            await drop(core, s, self._pumps.stop)

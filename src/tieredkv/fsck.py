@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .backends._retry import retry_io, tries
+from ._retry import retry_io, tries
 from .backends.ssd.layout import (
     MIXED_INCARNATIONS,
     O_DIR,
@@ -349,7 +349,7 @@ def repair_directory(
             for h in sorted(headers, key=lambda h: (h.session, h.seq)):
                 buf = bytearray(h.length)
                 try:  # a damaged one is quarantined by the read
-                    await tier.read_into((h.session, h.seq), memoryview(buf))
+                    await tier.read([(h.session, h.seq)], [memoryview(buf)])
                 except CorruptSegmentError:
                     continue
                 except TierIOError:  # reported by the check that follows

@@ -2,7 +2,7 @@
 
 :func:`check_prefix` reads every manifest under a :class:`~tieredkv.backends.RedisTier`'s
 ``prefix`` and every value it names, and verifies them as a replica does before serving
-them (:mod:`tieredkv.backends._redis_manifest`): the manifest's fields and entries, each
+them (:mod:`tieredkv.backends.redis_manifest`): the manifest's fields and entries, each
 segment's header, CRC and body hash, its header bytes against its committed entry and,
 given the tiers' secret, the manifest's MAC and both MACs of every segment. It also lists
 the values no manifest names: *pending* ones (an uncommitted write's, with an expiry: they
@@ -18,9 +18,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .backends._redis_manifest import Damaged as _Damaged
-from .backends._redis_manifest import parse, verify_segment_read
-from .backends.redis import RedisTier, _redacted
+from ._urls import redacted as _redacted
+from .backends.redis import RedisTier
+from .backends.redis_manifest import Damaged as _Damaged
+from .backends.redis_manifest import parse, verify_segment_read
 from .errors import (
     CorruptSegmentError,
     InvalidArgumentError,

@@ -16,8 +16,11 @@ What is exported (every name starts with ``tieredkv_``):
   ``loads_total``, ``hits_total``, ``misses_total``, ``appends_total``,
   ``prefetches_total``, ``predicted_total``, ``promotions_total``, ``demotions_total``,
   ``evictions_total``, ``lost_total``, ``drops_total``, ``corrupt_total``, ``write_through_total``,
-  ``errors_total``, ``refused_total``, ``unproven_total``, ``outputs_reused_total``, and
-  the gauges ``sessions`` (sessions the metadata channel knows) and ``output_idle_bytes``
+  ``errors_total``, ``cancelled_total``, ``truncated_total`` (sessions the open brought back
+  shorter than stored), ``written_down_total`` and ``unsaved_total`` (what a close wrote down
+  from volatile tiers, and could not), ``refused_total``, ``unproven_total``,
+  ``outputs_reused_total``, and the gauges ``sessions`` (sessions the metadata channel knows),
+  ``orphans`` (segments whose cleanup failed, awaiting deletion) and ``output_idle_bytes``
   (memory of dropped outputs kept for later loads);
 * per tier (labels ``tier`` and ``kind``), from each tier's stats: ``tier_used_bytes``,
   ``tier_capacity_bytes``, ``tier_segments``, ``tier_read_bytes_total``,
@@ -86,6 +89,10 @@ _CACHE_COUNTERS = (
     ("corrupt", "Segments that failed verification (never served)."),
     ("write_through", "Segments copied down in the background (inclusive mode)."),
     ("errors", "I/O errors while moving data (the data stayed where it was)."),
+    ("cancelled", "Operations cancelled by their caller (each rolled back)."),
+    ("truncated", "Sessions the cache's open brought back shorter than stored, or not at all."),
+    ("written_down", "Conversations only volatile tiers held that the close wrote down."),
+    ("unsaved", "Conversations only volatile tiers held that the close could not write down."),
     ("refused", "Acknowledged turns a shared tier refused (another replica took over first)."),
     ("unproven", "Loads missed: the current history could not be proven (shared tier away)."),
     ("outputs_reused", "Tensors load() returned in memory a dropped output left."),
@@ -227,6 +234,11 @@ class CacheCollector:
             yield CounterMetricFamily(f"tieredkv_{field}", doc, value=getattr(stats, field))
         yield GaugeMetricFamily(
             "tieredkv_sessions", "Sessions the metadata channel knows.", value=len(cache.channel)
+        )
+        yield GaugeMetricFamily(
+            "tieredkv_orphans",
+            "Segments whose cleanup failed, awaiting deletion.",
+            value=stats.orphans,
         )
         yield GaugeMetricFamily(
             "tieredkv_output_idle_bytes",

@@ -22,20 +22,23 @@ the session it is admitting), the caller makes the two calls with the evictions 
 them: the order inside each call is the rule, the order of the calls is the caller's.
 Nothing here performs I/O or reads a clock: ``now`` comes in, like everything else.
 
-How the live cache's sites map onto it (its ``Core.publish`` computes the metadata and
-puts it; with this helper it computes it, and :class:`Residency` puts it):
+How the live cache's sites map onto it (:class:`~tieredkv._cache.state.Core` computes a
+session's metadata from its index, and its ``residency`` does the rest):
 
-- a turn stored in tier ``t`` (``_cache/turns.commit_segment``):
+- a turn stored in tier ``t`` (``_cache/turns.commit_append``):
   ``accessed(meta, now, admit=t, event=Stored(...))``;
 - a load served (``commit_load``): ``accessed(meta, now, event=Loaded(...))``;
 - a promotion into tier 0 (``placement.finish_promotion``):
-  ``admitted(meta, now, 0, Promoted(...))``, then in exclusive mode
-  ``removed(key, src, meta_after)`` for the copy it came from;
-- a demotion from ``t`` to ``u``: ``removed(key, t)``, then
-  ``admitted(meta, now, u, Demoted(...))``;
-- an eviction from ``t``: ``removed(key, t, meta_after, Evicted(...))``;
-- a recovery, a copy found in a shared tier, a write-through landing in ``t``:
-  ``admitted(meta, now, t)``.
+  ``admitted(meta, now, 0, Promoted(...))``, then in exclusive mode ``removed(key, src)``
+  for the copy it came from, and ``published(meta_after)``;
+- a copy leaving tier ``t`` (``placement.remove_copy``: a demotion, an eviction, a drop,
+  a partial copy let go): ``removed(key, t)``; a demotion then
+  ``admitted(meta, now, u, Demoted(...))``, an eviction ``published(meta, Evicted(...))``;
+- a recovery, a copy found in a shared tier, a write-through landing in ``t``, a write-down
+  at close: ``admitted(meta, now, t)``;
+- a transfer starting or ending, a placement that changed without a move: ``published``;
+- a drop: ``unpublished(key)``, the copies ``removed``, then ``announced(Dropped(...))``;
+  a refused turn: ``announced(Refused(...))``.
 """
 
 from __future__ import annotations
@@ -67,9 +70,11 @@ class Residency:
         pass the tiers that have one first; an index past the end is not notified)
     :param emit: where events are announced (``MetadataChannel.emit``); ``None``: events
         passed in are dropped (a replay has no subscribers)
+    :param remove: where a forgotten session's metadata is taken off
+        (``MetadataChannel.remove``; needed only for :meth:`unpublished`)
     """
 
-    __slots__ = ("_emit", "_on_access", "_on_admit", "_on_remove", "_policies", "_put")
+    __slots__ = ("_emit", "_on_access", "_on_admit", "_on_remove", "_policies", "_put", "_remove")
 
     def __init__(
         self,
@@ -77,8 +82,10 @@ class Residency:
         policies: Sequence[Eviction],
         *,
         emit: Callable[[Event], None] | None = None,
+        remove: Callable[[str], object] | None = None,
     ) -> None:
         self._put = channel.put
+        self._remove = remove
         self._policies = tuple(policies)
         # bound once: these run for every turn of a simulation
         self._on_access = tuple(p.on_access for p in self._policies)
@@ -141,4 +148,17 @@ class Residency:
         if tier < len(self._on_remove):
             self._on_remove[tier](session)
         if event is not None and self._emit is not None:
+            self._emit(event)
+
+    def unpublished(self, session: str) -> None:
+        """The session is forgotten (dropped): take its metadata off the channel (its
+        copies are then ``removed``, and the drop ``announced``)."""
+        if self._remove is None:
+            raise TypeError("this Residency was built without remove=")
+        self._remove(session)
+
+    def announced(self, event: Event) -> None:
+        """Announce ``event`` with no change of residency or metadata (a drop's end, a turn
+        a shared tier refused)."""
+        if self._emit is not None:
             self._emit(event)

@@ -7,6 +7,7 @@ exactly. Tier-specific facts (pinned memory, O_DIRECT) are at the end of the mod
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from tests.segments import (
 from tieredkv.backends import AddressableTier, HostMemoryTier, MmapTier, SSDTier, Tier
 from tieredkv.backends.redis import RedisTier
 from tieredkv.errors import ClosedError
+from tieredkv.payload import ALIGN
 
 CAPACITY = 4 << 20
 KINDS = ["host", "mmap", "ssd-direct", "ssd-buffered", "redis"]
@@ -77,7 +79,7 @@ def test_every_tier_implements_the_protocol(tier: Tier, kind: str) -> None:
 async def test_write_then_read_into_is_byte_exact(
     tier: Tier, seg: SegmentFactory, tokens: int
 ) -> None:
-    """reserve + write + read_into returns exactly the segment's bytes (small and large)."""
+    """reserve + write + read returns exactly the segment's bytes (small and large)."""
     s = seg(tokens=tokens, seed=tokens)
     await store(tier, s)
     assert await read_back(tier, s) == s.data
@@ -207,22 +209,22 @@ async def test_write_of_wrong_length_is_an_error(tier: Tier, seg: SegmentFactory
 
 
 async def test_read_into_wrong_size_buffer_is_an_error(tier: Tier, seg: SegmentFactory) -> None:
-    """read_into() with a buffer of another length raises ValueError."""
+    """read() with a buffer of another length raises ValueError."""
     s = seg(tokens=8)
     await store(tier, s)
     with aligned_buffer(s.length + 4096) as out, pytest.raises(ValueError, match="bytes"):
-        await tier.read_into(s.key, out)
+        await tier.read([s.key], [out])
 
 
 async def test_read_of_absent_key_raises_keyerror(tier: Tier, seg: SegmentFactory) -> None:
-    """read_into() of a key never written, or only reserved, raises KeyError."""
+    """read() of a key never written, or only reserved, raises KeyError."""
     s = seg(tokens=8)
     with aligned_buffer(s.length) as out:
         with pytest.raises(KeyError):
-            await tier.read_into(s.key, out)
+            await tier.read([s.key], [out])
         assert tier.reserve(s.key, s.length)
         with pytest.raises(KeyError):
-            await tier.read_into(s.key, out)
+            await tier.read([s.key], [out])
 
 
 async def test_stats_counters_are_exact(tier: Tier, seg: SegmentFactory, kind: str) -> None:
@@ -252,7 +254,7 @@ async def test_stats_counters_are_exact(tier: Tier, seg: SegmentFactory, kind: s
 
 
 async def test_use_after_aclose_raises_closed_error(tier: Tier, seg: SegmentFactory) -> None:
-    """After aclose(), reserve/write/read_into/delete raise ClosedError (aclose is idempotent)."""
+    """After aclose(), reserve/write/read/delete raise ClosedError (aclose is idempotent)."""
     s, t = seg(seq=0, tokens=8), seg(seq=1, tokens=8)
     await store(tier, s)
     assert tier.reserve(t.key, t.length)
@@ -263,7 +265,7 @@ async def test_use_after_aclose_raises_closed_error(tier: Tier, seg: SegmentFact
     with pytest.raises(ClosedError):
         await tier.write(t.key, t.view)
     with aligned_buffer(s.length) as out, pytest.raises(ClosedError):
-        await tier.read_into(s.key, out)
+        await tier.read([s.key], [out])
     with pytest.raises(ClosedError):
         await tier.delete(s.key)
 
@@ -313,6 +315,137 @@ async def test_cancelled_write_is_all_or_nothing(
         assert await read_back(tier, s) == s.data
 
 
+# -- the one read: several segments, spans, a consumer, an order ---------------------------
+
+
+def three_spans(length: int) -> list[tuple[int, int]]:
+    """Spans of a segment of ``length`` bytes as the read allows them: the first two pages
+    (the whole header), a second span that re-reads the first's last page, then the rest."""
+    half = length // 2 // ALIGN * ALIGN
+    assert 2 * ALIGN < half < length
+    return [(0, 2 * ALIGN), (ALIGN, half), (half, length)]
+
+
+async def test_one_read_of_several_segments_is_byte_exact(tier: Tier, seg: SegmentFactory) -> None:
+    """One read of three segments into three buffers: each buffer holds its segment's exact
+    bytes, and each segment counts as one read."""
+    segs = [seg(seq=i, tokens=300 + 700 * i, seed=20 + i) for i in range(3)]
+    for s in segs:
+        await store(tier, s)
+    with contextlib.ExitStack() as stack:
+        outs = [stack.enter_context(aligned_buffer(s.length)) for s in segs]
+        await tier.read([s.key for s in segs], outs)
+        assert [bytes(out) for out in outs] == [s.data for s in segs]
+    assert tier.stats().reads == 3
+    assert tier.stats().bytes_read == sum(s.length for s in segs)
+    await tier.read([], [])  # nothing to read is no error
+    assert tier.stats().reads == 3
+
+
+@pytest.mark.parametrize("into", [False, True], ids=["own-memory", "into"])
+@pytest.mark.parametrize("layer_major", [False, True], ids=["segment-order", "layer-order"])
+async def test_read_hands_every_span_to_consume_exactly(
+    tier: Tier, seg: SegmentFactory, into: bool, layer_major: bool
+) -> None:
+    """With spans and a consumer, every span of every segment reaches ``consume`` once,
+    each segment's in their order, holding exactly the segment's bytes of that range (the
+    overlapping page included); with ``into`` the buffers also end up holding the segments.
+    In any ``order`` the caller asks (a tier that reads whole segments may deliver each
+    segment's spans together)."""
+    segs = [seg(seq=i, tokens=3000 + 500 * i, seed=30 + i) for i in range(3)]
+    for s in segs:
+        await store(tier, s)
+    spans = [three_spans(s.length) for s in segs]
+    order = [(i, k) for k in range(3) for i in range(3)] if layer_major else None
+    got: dict[tuple[int, int], bytes] = {}
+    seen: list[tuple[int, int]] = []
+
+    def consume(i: int, k: int, view: memoryview) -> None:
+        seen.append((i, k))
+        got[i, k] = bytes(view)
+
+    with contextlib.ExitStack() as stack:
+        outs = [stack.enter_context(aligned_buffer(s.length)) for s in segs] if into else None
+        await tier.read([s.key for s in segs], outs, spans=spans, consume=consume, order=order)
+        if outs is not None:
+            assert [bytes(out) for out in outs] == [s.data for s in segs]
+    assert sorted(seen) == [(i, k) for i in range(3) for k in range(3)]
+    for i in range(3):
+        assert [k for j, k in seen if j == i] == [0, 1, 2]
+    for (i, k), data in got.items():
+        start, end = spans[i][k]
+        assert data == segs[i].data[start:end]
+    assert tier.stats().reads == 3
+
+
+async def test_bad_reads_are_refused_before_any_io(tier: Tier, seg: SegmentFactory) -> None:
+    """Spans that are unaligned, leave a gap or stop short, an order that skips or repeats a
+    span, and buffers or span lists that do not match the keys: ValueErrors, nothing read;
+    an absent key among present ones: KeyError, nothing read."""
+    s, t = seg(seq=0, tokens=3000, seed=40), seg(seq=1, tokens=3000, seed=41)
+    await store(tier, s)
+    await store(tier, t)
+    n = s.length
+    keys = [s.key, t.key]
+    ok = three_spans(n)
+    for spans, order, match in [
+        ([[(0, 100), (100, n)], ok], None, "aligned"),
+        ([[(0, 2 * ALIGN), (3 * ALIGN, n)], ok], None, "continue"),  # a gap
+        ([[(0, 2 * ALIGN)], ok], None, "end at"),  # stops short
+        ([ok], None, "span lists"),  # one span list for two segments
+        ([ok, ok], [(0, 1), (0, 0), (0, 2), (1, 0), (1, 1), (1, 2)], "order"),
+        ([ok, ok], [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)], "order"),  # one left out
+        ([ok, ok], [(0, 0), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)], "order"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            await tier.read(keys, spans=spans, consume=lambda *a: None, order=order)
+    with aligned_buffer(n) as out, pytest.raises(ValueError, match="buffers"):
+        await tier.read(keys, [out])  # one buffer for two segments
+    with aligned_buffer(n) as a, aligned_buffer(n) as b, pytest.raises(KeyError):
+        await tier.read([s.key, ("absent", 0), t.key], [a, b, b])
+    assert tier.stats().reads == 0
+    assert await read_back(tier, s) == s.data
+
+
+async def test_a_failing_consumer_propagates_and_keeps_the_segment(
+    tier: Tier, seg: SegmentFactory
+) -> None:
+    """What ``consume`` raises comes out of the read as it is; the segment stays in service,
+    undamaged, and reads back exactly."""
+    s = seg(tokens=3000, seed=50)
+    await store(tier, s)
+
+    def consume(i: int, k: int, view: memoryview) -> None:
+        if k == 1:
+            raise RuntimeError("consumer gave up")
+
+    with pytest.raises(RuntimeError, match="consumer gave up"):
+        await tier.read([s.key], spans=[three_spans(s.length)], consume=consume)
+    assert tier.contains(s.key)
+    assert tier.stats().corrupt == 0
+    assert await read_back(tier, s) == s.data
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.0005, 0.003, 0.02])
+async def test_a_cancelled_read_writes_nothing_afterwards(
+    tier: Tier, seg: SegmentFactory, delay: float
+) -> None:
+    """A read cancelled at any point leaves its buffers alone once the cancellation is
+    through (no thread still writes into them), and the segments read back exactly."""
+    segs = [seg(seq=i, tokens=4000, seed=60 + i) for i in range(3)]
+    for s in segs:
+        await store(tier, s)
+    with contextlib.ExitStack() as stack:
+        outs = [stack.enter_context(aligned_buffer(s.length)) for s in segs]
+        with anyio.move_on_after(delay):
+            await tier.read([s.key for s in segs], outs)
+        after = [bytes(out) for out in outs]
+        await anyio.sleep(0.05)
+        assert [bytes(out) for out in outs] == after
+    for s in segs:
+        assert await read_back(tier, s) == s.data
+
+
 # -- addressable tiers ------------------------------------------------------------------
 
 
@@ -325,7 +458,7 @@ async def arena_tier(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIte
 
 
 async def test_arena_view_and_commit_round_trip(arena_tier: Tier, seg: SegmentFactory) -> None:
-    """Filling view(key) in place and commit() stores the segment; read_into returns it."""
+    """Filling view(key) in place and commit() stores the segment; read returns it."""
     assert isinstance(arena_tier, AddressableTier)
     s = seg(tokens=1200, seed=11)
     assert arena_tier.reserve(s.key, s.length)
@@ -386,7 +519,7 @@ async def test_arena_views_after_aclose_raise_closed_error(
 
 
 def test_ssd_tier_is_not_addressable(tmp_path: Path) -> None:
-    """The SSD tier has no in-place view: the cache must go through write/read_into."""
+    """The SSD tier has no in-place view: the cache must go through write/read."""
     assert not isinstance(SSDTier(tmp_path / "ssd", CAPACITY), AddressableTier)
     assert isinstance(HostMemoryTier(CAPACITY), AddressableTier)
     assert isinstance(MmapTier(tmp_path / "m", CAPACITY), AddressableTier)
@@ -471,11 +604,11 @@ async def test_arena_aclose_while_a_view_is_held(arena_tier: Tier, seg: SegmentF
 
 
 async def test_arena_aclose_after_a_failed_read(arena_tier: Tier, seg: SegmentFactory) -> None:
-    """A read_into that raised (its traceback referencing the tier's memory) does not make
+    """A read that raised (its traceback referencing the tier's memory) does not make
     aclose() fail, however long the exception lives."""
     s = seg(tokens=1200)
     await store(arena_tier, s)
     with aligned_buffer(s.length + 4096) as out, pytest.raises(ValueError, match="bytes") as info:
-        await arena_tier.read_into(s.key, out)
+        await arena_tier.read([s.key], [out])
     await arena_tier.aclose()
     assert info.value is not None

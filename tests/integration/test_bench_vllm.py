@@ -16,7 +16,7 @@ from tests.vllm_support import require_vllm
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.timeout(1200)
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]  # CI runs it (`pytest -m slow`)
 require_vllm()
 
 

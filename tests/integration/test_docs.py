@@ -73,7 +73,16 @@ def test_a_block_that_is_not_python_by_itself_is_found(tmp_path: Path) -> None:
     assert "IndentationError" in result.stderr
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def _engine(page: Path) -> bool:
+    """Whether the page starts a vLLM engine (tens of seconds: those run with ``-m slow``)."""
+    return "from vllm import" in page.read_text()
+
+
+@pytest.mark.parametrize(
+    "page",
+    [pytest.param(p, marks=pytest.mark.slow) if _engine(p) else p for p in PAGES],
+    ids=[p.name for p in PAGES],
+)
 def test_page_code_runs(page: Path, tmp_path: Path) -> None:
     blocks = blocks_of(page)
     if not blocks:
@@ -82,7 +91,7 @@ def test_page_code_runs(page: Path, tmp_path: Path) -> None:
         require_redis_server()  # the page starts one (skipped locally without it, not in CI)
     # a page that starts a vLLM engine: vLLM and torch warn about their own deprecations
     # while it starts (not turned into errors here), and the start takes tens of seconds
-    engine = "from vllm import" in page.read_text()
+    engine = _engine(page)
     if engine:
         require_vllm()
     if page.name in _JOINED:

@@ -222,6 +222,7 @@ SITES = ("open", "pwrite", "fsync", "replace", "preadv", "unlink", "mkdir")
 """The os calls the SSD tier makes under this script (checked: each is called)."""
 
 
+@pytest.mark.slow  # 1-3 s per call of the site, 7 sites: CI runs it
 @pytest.mark.parametrize("site", SITES)
 async def test_an_io_error_at_each_call_of_a_site(tmp_path: Path, site: str) -> None:
     """For one os call site, fail its 1st, 2nd, ... call in turn (one fresh cache each) under

@@ -19,9 +19,11 @@ import torch
 
 pytest.importorskip("prometheus_client")
 
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from tieredkv import HostMemoryTier, SSDTier, TieredKVCache
+from tieredkv.backends.ssd import segment_file_name
 from tieredkv.metrics import LATENCY_BUCKETS, CacheCollector, MetricsServer, serve
 from tieredkv.policies import FCFS, BidawScheduler
 from tieredkv.policies.scheduling import Request
@@ -87,8 +89,10 @@ async def test_scraped_metrics_match_cache_stats(tmp_path: Path) -> None:
     assert min(stats.misses, stats.hits, stats.promotions, stats.demotions) > 0
     for field in ("loads", "hits", "misses", "appends", "prefetches", "promotions",
                   "demotions", "evictions", "lost", "drops", "corrupt", "write_through",
-                  "errors", "outputs_reused"):  # fmt: skip
+                  "errors", "cancelled", "truncated", "written_down", "unsaved", "refused",
+                  "unproven", "outputs_reused"):  # fmt: skip
         assert _one(samples, f"tieredkv_{field}_total") == getattr(stats, field), field
+    assert _one(samples, "tieredkv_orphans") == stats.orphans
     assert _one(samples, "tieredkv_sessions") == 4
     assert _one(samples, "tieredkv_output_idle_bytes") == stats.output_idle_bytes
     for t in stats.tiers:
@@ -133,6 +137,31 @@ async def test_scraped_metrics_match_cache_stats(tmp_path: Path) -> None:
     assert _one(samples, "tieredkv_scheduler_loads_in_flight") == scheduler.loads_in_flight == 1
 
 
+async def test_a_truncating_open_and_a_close_that_writes_down_are_scraped(tmp_path: Path) -> None:
+    """Issue 22 (I7): what an open truncated and a close wrote down reach the metrics too."""
+    # a close in exclusive mode writes the host-only conversations down to the SSD
+    async with TieredKVCache([HostMemoryTier(64 << 20), SSDTier(tmp_path / "ssd", 64 << 20)]) as c:
+        for session in ("a", "b"):
+            for t in range(2):
+                await c.append(session, _turn(t), answer_tokens=4, token_dim=2)
+        collector = CacheCollector(c)
+        registry = CollectorRegistry()
+        registry.register(collector)
+    assert c.stats().written_down == 2
+    assert registry.get_sample_value("tieredkv_written_down_total") == 2
+    assert registry.get_sample_value("tieredkv_unsaved_total") == 0
+    # damage b's last turn: the next open keeps its first turn and says so
+    damaged = tmp_path / "ssd" / "segments" / segment_file_name(("b", 1))
+    raw = bytearray(damaged.read_bytes())
+    raw[40] ^= 0xFF
+    damaged.write_bytes(bytes(raw))
+    async with TieredKVCache([SSDTier(tmp_path / "ssd", 64 << 20)]) as cache:
+        registry = CollectorRegistry()
+        registry.register(CacheCollector(cache))
+        assert cache.stats().truncated == 1
+        assert registry.get_sample_value("tieredkv_truncated_total") == 1
+
+
 async def test_attach_swaps_the_cache_and_close_frees_the_port() -> None:
     server = serve(None, 0)
     try:
@@ -175,7 +204,7 @@ def test_a_bad_port_is_refused_clearly() -> None:
 
 
 async def test_a_collector_serves_in_an_application_registry() -> None:
-    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client import generate_latest
 
     registry = CollectorRegistry()
     collector = CacheCollector()
@@ -189,6 +218,7 @@ async def test_a_collector_serves_in_an_application_registry() -> None:
     assert 'tieredkv_tier_written_bytes_total{kind="memory",tier="host"} ' in text
 
 
+@pytest.mark.slow  # a demo process, scraped until Ctrl-C: CI runs it
 def test_demo_serves_its_metrics_until_ctrl_c() -> None:
     demo = subprocess.Popen(
         [sys.executable, "-m", "tieredkv", "demo", "--metrics-port", "0"],

@@ -416,9 +416,7 @@ async def test_case08_a_server_lost_during_a_multi_batch_read_is_a_tier_error(
             cut = threading.Timer(delay, server.kill if fault == "kill" else server.pause)
             cut.start()
             try:
-                await t.read_many_into(
-                    [(key, memoryview(buf)) for key, buf in zip(keys, bufs, strict=True)]
-                )
+                await t.read(keys, [memoryview(buf) for buf in bufs])
             except TierIOError:
                 failures += 1
             finally:

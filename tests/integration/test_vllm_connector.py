@@ -30,7 +30,7 @@ import pytest
 
 from tests.vllm_support import Result, Spec, answers, require_vllm, run_engine, tiny_model
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]  # engine starts: `pytest -m slow`
 require_vllm()
 
 BS = 32

@@ -64,7 +64,7 @@ async def fill(tier: ArenaTier, sizes: list[int]) -> list[SegmentKey]:
 async def assert_intact(tier: ArenaTier, keys: list[SegmentKey], sizes: list[int]) -> None:
     for key in keys:
         out = bytearray(sizes[key[1]])
-        await tier.read_into(key, memoryview(out))
+        await tier.read([key], [memoryview(out)])
         assert bytes(out) == pattern(key[1], sizes[key[1]])
 
 

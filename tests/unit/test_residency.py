@@ -4,8 +4,13 @@ announce the event, whatever the change; the simulator and the replay go through
 from __future__ import annotations
 
 from collections.abc import Set
+from pathlib import Path
 
-from tieredkv.meta import Evicted, KVMeta, MetadataChannel, MetadataView, Stored
+import pytest
+import torch
+
+from tieredkv import HostMemoryTier, SSDTier, TieredKVCache
+from tieredkv.meta import Dropped, Evicted, KVMeta, MetadataChannel, MetadataView, Stored
 from tieredkv.policies import LRU
 from tieredkv.residency import Residency
 from tieredkv.sim.engine import SimConfig, Simulator
@@ -147,3 +152,64 @@ def test_the_replay_notifies_in_that_order() -> None:
             assert entry[1:] == last_access[1:]  # the session and meta the access published
     # every eviction told to the policy (and a history that could not grow in place)
     assert sum(e[0] == "on_remove" for e in log) >= result.evictions
+
+
+def test_unpublished_takes_the_session_off_and_announced_only_announces() -> None:
+    """A drop: the metadata leaves the channel (a Residency built without ``remove=`` says
+    so), the policies are told nothing by it, and an event announced alone is just emitted."""
+    log: list[tuple[str, ...]] = []
+    channel = MetadataChannel()
+    channel.subscribe(lambda event: log.append(("event", type(event).__name__)))
+    host = Recorder(log, channel, "host")
+    residency = Residency(channel, [host], emit=channel.emit, remove=channel.remove)
+    meta = KVMeta(session="u", tier="host", copies=("host",), nbytes=10, tokens=5, turns=1)
+    residency.published(meta)
+    residency.unpublished("u")
+    assert channel.get("u") is None
+    residency.announced(Dropped(session="u", time=1.0, nbytes=10))
+    assert log == [("event", "Dropped")]
+    with pytest.raises(TypeError, match="remove="):
+        Residency(channel, [host]).unpublished("u")
+
+
+async def test_the_cache_notifies_in_that_order(tmp_path: Path) -> None:
+    """The live cache: a turn that spills to the SSD tier, a load that promotes it back and
+    a drop each publish before any policy hears of them and announce their event last;
+    every policy sees each access; a drop tells each tier's policy it left."""
+    log: list[tuple[str, ...]] = []
+    channel = MetadataChannel()
+    channel.subscribe(lambda event: log.append(("event", type(event).__name__)))
+    host, ssd = Recorder(log, channel, "host"), Recorder(log, channel, "ssd")
+    kv = {"kv": torch.arange(64 * 256, dtype=torch.int16).reshape(64, 256)}
+    tiers = [HostMemoryTier(64 << 10), SSDTier(tmp_path / "ssd", 4 << 20)]
+    async with TieredKVCache(tiers, eviction=[host, ssd], channel=channel) as cache:
+        await cache.append("a", kv, answer_tokens=1)
+        assert log == [
+            ("host", "on_access", "a", "tokens=64"),
+            ("ssd", "on_access", "a", "tokens=64"),
+            ("host", "on_admit", "a", "tokens=64"),
+            ("event", "Stored"),
+        ]
+        log.clear()
+        await cache.append("b", kv, answer_tokens=1)  # "a" is demoted to make room
+        assert cache.where("a") == "ssd"
+        assert log.index(("host", "on_remove", "a", "tokens=64")) < log.index(
+            ("ssd", "on_admit", "a", "tokens=64")
+        )
+        assert log[-1] == ("event", "Stored")
+        assert ("event", "Demoted") in log
+        log.clear()
+        out = await cache.load("a")  # promoted back ("b" goes down)
+        assert torch.equal(out["kv"], kv["kv"])
+        assert cache.where("a") == "host"
+        assert ("host", "on_admit", "a", "tokens=64") in log
+        assert log[-1] == ("event", "Loaded")
+        assert log.index(("event", "Promoted")) < log.index(("host", "on_access", "a", "tokens=64"))
+        log.clear()
+        await cache.drop("a")
+        assert log == [  # off the channel first; every tier's policy is told it left
+            ("host", "on_remove", "a", "unpublished"),
+            ("ssd", "on_remove", "a", "unpublished"),
+            ("event", "Dropped"),
+        ]
+        assert channel.get("a") is None

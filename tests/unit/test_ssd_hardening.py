@@ -122,7 +122,7 @@ async def test_file_swapped_while_open_is_refused(ssd_dir: Path, seg: SegmentFac
             aligned_buffer(s.length) as out,
             pytest.raises(CorruptSegmentError, match="not the one"),
         ):
-            await tier.read_into(s.key, out)
+            await tier.read([s.key], [out])
         assert not tier.contains(s.key)
     assert quarantined(ssd_dir) == [seg_path(ssd_dir, s).name]
 
@@ -376,7 +376,7 @@ async def test_forged_and_foreign_segments_are_refused(ssd_dir: Path, seg: Segme
             aligned_buffer(s_body.length) as out,
             pytest.raises(CorruptSegmentError, match="body MAC"),
         ):
-            await tier.read_into(s_body.key, out)
+            await tier.read([s_body.key], [out])
         assert await read_back(tier, good) == seg_path(ssd_dir, good).read_bytes()
     assert quarantined(ssd_dir) == sorted(
         seg_path(ssd_dir, s).name for s in (s_head, plain, s_body)
@@ -433,7 +433,7 @@ async def test_rollback_while_open_is_refused(ssd_dir: Path, seg: SegmentFactory
         assert seg_path(ssd_dir, s).read_bytes() != saved
         seg_path(ssd_dir, s).write_bytes(saved)
         with aligned_buffer(s.length) as out, pytest.raises(CorruptSegmentError):
-            await tier.read_into(s.key, out)
+            await tier.read([s.key], [out])
 
 
 @pytest.mark.parametrize(

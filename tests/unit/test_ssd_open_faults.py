@@ -19,7 +19,7 @@ import torch
 from tests.faults import FaultInjector
 from tests.segments import Segment, SegmentFactory, read_back, store
 from tieredkv import HostMemoryTier, SSDTier, TieredKVCache
-from tieredkv.backends._retry import RETRY_DELAYS
+from tieredkv._retry import RETRY_DELAYS
 from tieredkv.backends.ssd import segment_file_name
 from tieredkv.errors import TierIOError
 

@@ -1,4 +1,4 @@
-"""Streamed reads: ``SSDTier.read_spans`` and the cache's loads through it.
+"""Streamed reads: ``SSDTier.read`` with spans, and the cache's loads through it.
 
 A load from an SSD tier streams the history span by span (each span holding whole tensors)
 into the output tensors, with the checksum computed as the spans arrive. These tests pin
@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import itertools
 import mmap
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from tests.invariants import problems
 from tests.segments import SegmentFactory, read_back, store
 from tieredkv import SSDTier, TieredKVCache
 from tieredkv._cache.gather import fill_cuts, span_plan
-from tieredkv.backends.base import StreamingReadTier
+from tieredkv.backends.base import Consumer, SegmentKey, Spans, StreamingTier
 from tieredkv.backends.ssd import segment_file_name
 from tieredkv.errors import CorruptSegmentError, SessionNotFoundError, TierIOError
 from tieredkv.payload import ALIGN, PartWriter, align_up, plan_segment
@@ -36,6 +37,24 @@ CAPACITY = 256 << 20
 def aligned(n: int) -> mmap.mmap:
     """A page-aligned buffer of ``n`` bytes (what the cache's staging buffers are)."""
     return mmap.mmap(-1, n)
+
+
+async def read_spans(
+    tier: SSDTier,
+    items: Sequence[tuple[SegmentKey, Spans]],
+    consume: Consumer,
+    *,
+    into: Sequence[memoryview] | None = None,
+    order: Sequence[tuple[int, int]] | None = None,
+) -> None:
+    """``tier.read`` of the segments and spans ``items`` (``(key, spans)`` pairs)."""
+    await tier.read(
+        [key for key, _ in items],
+        into,
+        spans=[spans for _, spans in items],
+        consume=consume,
+        order=order,
+    )
 
 
 def reassemble(length: int, spans: list[tuple[int, int]], got: list[bytes]) -> bytes:
@@ -107,7 +126,7 @@ async def test_read_spans_delivers_every_span_in_order(ssd_dir: Path, seg: Segme
     are each segment's exact bytes; the read counters count each segment once."""
     segs = [seg(seq=i, tokens=900 + 300 * i, seed=i) for i in range(4)]
     async with SSDTier(ssd_dir, CAPACITY, chunk_size=3 * ALIGN) as tier:
-        assert isinstance(tier, StreamingReadTier)
+        assert isinstance(tier, StreamingTier)
         for s in segs:
             await store(tier, s)
         plans = [span_plan(s.header, tier.span_bytes)[0] for s in segs]
@@ -118,7 +137,7 @@ async def test_read_spans_delivers_every_span_in_order(ssd_dir: Path, seg: Segme
             order.append((item, k))
             got[item].append(bytes(view))
 
-        await tier.read_spans([(s.key, p) for s, p in zip(segs, plans, strict=True)], consume)
+        await read_spans(tier, [(s.key, p) for s, p in zip(segs, plans, strict=True)], consume)
         assert order == [(i, k) for i, p in enumerate(plans) for k in range(len(p))]
         for s, p, g in zip(segs, plans, got, strict=True):
             assert reassemble(s.length, p, g) == s.data
@@ -140,7 +159,7 @@ async def test_bad_spans_are_refused_before_any_io(ssd_dir: Path, seg: SegmentFa
             ([(0, n + ALIGN)], "continue"),
         ]:
             with pytest.raises(ValueError, match=match):
-                await tier.read_spans([(s.key, spans)], lambda *a: None)
+                await read_spans(tier, [(s.key, spans)], lambda *a: None)
         assert tier.stats().reads == 0
 
 
@@ -161,7 +180,8 @@ async def test_damage_stops_the_stream_and_is_quarantined(
         plans = [span_plan(s.header, tier.span_bytes)[0] for s in segs]
         got: list[list[bytes]] = [[] for _ in segs]
         with pytest.raises(CorruptSegmentError, match="checksum"):
-            await tier.read_spans(
+            await read_spans(
+                tier,
                 [(s.key, p) for s, p in zip(segs, plans, strict=True)],
                 lambda i, k, v: got[i].append(bytes(v)),
             )
@@ -184,11 +204,11 @@ async def test_io_error_mid_stream_is_tier_io_error(ssd_dir: Path, seg: SegmentF
         with FaultInjector() as faults:
             faults.fail_nth("preadv", faults.calls["preadv"] + 3, errno.EIO)
             with pytest.raises(TierIOError) as info:
-                await tier.read_spans(items, lambda *a: None)
+                await read_spans(tier, items, lambda *a: None)
         assert info.value.errno == errno.EIO
         assert all(tier.contains(s.key) for s in segs)
         got: list[list[bytes]] = [[] for _ in segs]
-        await tier.read_spans(items, lambda i, k, v: got[i].append(bytes(v)))
+        await read_spans(tier, items, lambda i, k, v: got[i].append(bytes(v)))
         for s, (_, p), g in zip(segs, items, got, strict=True):
             assert reassemble(s.length, list(p), g) == s.data
 
@@ -196,7 +216,7 @@ async def test_io_error_mid_stream_is_tier_io_error(ssd_dir: Path, seg: SegmentF
 async def test_a_failing_consumer_propagates_and_the_tier_stays_usable(
     ssd_dir: Path, seg: SegmentFactory
 ) -> None:
-    """The consumer's own exception comes out of read_spans as it is; no segment is taken
+    """The consumer's own exception comes out of the read as it is; no segment is taken
     out of service and the next stream works."""
     s = seg(tokens=5000, seed=3)
     async with SSDTier(ssd_dir, CAPACITY, chunk_size=ALIGN) as tier:
@@ -209,11 +229,11 @@ async def test_a_failing_consumer_propagates_and_the_tier_stays_usable(
                 raise RuntimeError("consumer gave up")
 
         with pytest.raises(RuntimeError, match="consumer gave up"):
-            await tier.read_spans([(s.key, spans)], consume)
+            await read_spans(tier, [(s.key, spans)], consume)
         assert tier.contains(s.key)
         assert tier.stats().corrupt == 0
         got: list[bytes] = []
-        await tier.read_spans([(s.key, spans)], lambda i, k, v: got.append(bytes(v)))
+        await read_spans(tier, [(s.key, spans)], lambda i, k, v: got.append(bytes(v)))
         assert reassemble(s.length, spans, got) == s.data
 
 
@@ -302,7 +322,7 @@ async def test_write_filled_stores_exactly_what_write_into_serializes(
         assert bytes(buf) == bytes(whole)
     async with SSDTier(ssd_dir, CAPACITY, secret=secret) as tier:
         out = aligned(plan.length)
-        await tier.read_into(key, memoryview(out))
+        await tier.read([key], [memoryview(out)])
         if secret is None:
             assert bytes(out) == bytes(whole)
         assert bytes(out)[plan.header.body_offset :] == bytes(whole)[plan.header.body_offset :]
@@ -373,7 +393,8 @@ async def test_spans_read_straight_into_buffers_in_layer_order(
         bufs = [aligned(s.length) for s in segs]
         order = layer_major(plans)
         seen: list[tuple[int, int]] = []
-        await tier.read_spans(
+        await read_spans(
+            tier,
             list(zip([s.key for s in segs], plans, strict=True)),
             lambda i, k, v: seen.append((i, k)),
             into=[memoryview(b) for b in bufs],
@@ -399,7 +420,8 @@ async def test_damage_found_in_layer_order_names_the_segment(
         path.write_bytes(bytes(data))
         plans = [span_plan(s.header, ALIGN)[0] for s in segs]
         with pytest.raises(CorruptSegmentError):
-            await tier.read_spans(
+            await read_spans(
+                tier,
                 list(zip([s.key for s in segs], plans, strict=True)),
                 lambda *a: None,
                 into=[memoryview(aligned(s.length)) for s in segs],
@@ -421,12 +443,12 @@ async def test_bad_order_and_buffers_are_refused(ssd_dir: Path, seg: SegmentFact
         items = [(s.key, spans)]
         for order in ([(0, 1), (0, 0)], [(0, 0)], [(0, 0), (0, 0), (0, 1)], [(1, 0)]):
             with pytest.raises(ValueError, match="order"):
-                await tier.read_spans(items, lambda *a: None, order=order)
+                await read_spans(tier, items, lambda *a: None, order=order)
         with pytest.raises(ValueError, match="bytes"):
-            await tier.read_spans(items, lambda *a: None, into=[memoryview(aligned(ALIGN))])
+            await read_spans(tier, items, lambda *a: None, into=[memoryview(aligned(ALIGN))])
         odd = memoryview(aligned(s.length + 1))[1:]
         with pytest.raises(ValueError, match="aligned"):
-            await tier.read_spans(items, lambda *a: None, into=[odd])
+            await read_spans(tier, items, lambda *a: None, into=[odd])
         assert tier.stats().reads == 0
 
 
@@ -439,11 +461,11 @@ async def test_a_first_span_shorter_than_the_header_is_refused(
     async with SSDTier(ssd_dir, CAPACITY, secret=b"0123456789abcdef-header") as tier:
         await store(tier, s)
         with pytest.raises(ValueError, match="header"):
-            await tier.read_spans([(s.key, [(0, ALIGN), (ALIGN, s.length)])], lambda *a: None)
+            await read_spans(tier, [(s.key, [(0, ALIGN), (ALIGN, s.length)])], lambda *a: None)
         assert tier.contains(s.key)
         got: list[bytes] = []
         spans = span_plan(s.header, ALIGN)[0]
-        await tier.read_spans([(s.key, spans)], lambda i, k, v: got.append(bytes(v)))
+        await read_spans(tier, [(s.key, spans)], lambda i, k, v: got.append(bytes(v)))
         assert tier.stats().corrupt == 0
 
 

@@ -160,7 +160,7 @@ async def test_leftover_tmp_files_are_removed_at_open(ssd_dir: Path, seg: Segmen
 async def test_flipped_body_byte_is_detected_and_quarantined(
     ssd_dir: Path, seg: SegmentFactory, direct_io: bool
 ) -> None:
-    """A flipped byte in the body: read_into raises CorruptSegmentError, the file moves to
+    """A flipped byte in the body: read raises CorruptSegmentError, the file moves to
     quarantine/, the key is gone, used drops; other segments are unaffected."""
     bad, good = seg(seq=0, tokens=5000, seed=1), seg(seq=1, tokens=5000, seed=2)
     async with SSDTier(ssd_dir, CAPACITY, direct_io=direct_io) as tier:
@@ -169,7 +169,7 @@ async def test_flipped_body_byte_is_detected_and_quarantined(
         path = ssd_dir / "segments" / segment_file_name(bad.key)
         flip_byte(path, bad.header.body_offset + bad.header.body_len - 3)
         with aligned_buffer(bad.length) as out, pytest.raises(CorruptSegmentError, match="body"):
-            await tier.read_into(bad.key, out)
+            await tier.read([bad.key], [out])
         assert not tier.contains(bad.key)
         assert tier.used == good.length
         assert tier.stats().corrupt == 1
@@ -179,7 +179,7 @@ async def test_flipped_body_byte_is_detected_and_quarantined(
         assert len(quarantined) == 1
         assert quarantined[0].name.startswith(path.name)
         with aligned_buffer(bad.length) as out, pytest.raises(KeyError):
-            await tier.read_into(bad.key, out)
+            await tier.read([bad.key], [out])
         assert await read_back(tier, good) == good.data
     async with SSDTier(ssd_dir, CAPACITY) as tier:  # nor does it come back after a restart
         assert not tier.contains(bad.key)
@@ -211,7 +211,7 @@ async def test_a_flipped_byte_anywhere_is_detected(
         await store(tier, s)
         flip_byte(ssd_dir / "segments" / segment_file_name(s.key), offsets[where])
         with aligned_buffer(s.length) as out, pytest.raises(CorruptSegmentError):
-            await tier.read_into(s.key, out)
+            await tier.read([s.key], [out])
         assert not tier.contains(s.key)
 
 
@@ -223,7 +223,7 @@ async def test_flipped_body_byte_with_unaligned_buffer(ssd_dir: Path, seg: Segme
         await store(tier, s)
         flip_byte(ssd_dir / "segments" / segment_file_name(s.key), s.header.body_offset + 10)
         with unaligned_buffer(s.length) as out, pytest.raises(CorruptSegmentError):
-            await tier.read_into(s.key, out)
+            await tier.read([s.key], [out])
         assert not tier.contains(s.key)
 
 
@@ -238,7 +238,7 @@ async def test_truncated_file_while_open_is_corrupt(
         await store(tier, s)
         os.truncate(ssd_dir / "segments" / segment_file_name(s.key), s.length - 8192)
         with aligned_buffer(s.length) as out, pytest.raises(CorruptSegmentError, match="trunc"):
-            await tier.read_into(s.key, out)
+            await tier.read([s.key], [out])
         assert not tier.contains(s.key)
         assert tier.used == 0
 
@@ -293,7 +293,7 @@ async def test_file_renamed_to_another_key_is_not_served(
         pb = ssd_dir / "segments" / segment_file_name(b.key)
         os.replace(pa, pb)  # bob's name, alice's bytes
         with aligned_buffer(b.length) as out, pytest.raises(CorruptSegmentError):
-            await tier.read_into(b.key, out)
+            await tier.read([b.key], [out])
         assert not tier.contains(b.key)
     # at restart: alice's data under seq 1 of alice's own hash (a plausible mix-up)
     async with SSDTier(ssd_dir, CAPACITY) as tier:
@@ -431,7 +431,7 @@ async def test_read_io_error_is_tier_io_error(
         real = os.preadv
         monkeypatch.setattr(os, "preadv", failing(real, errno.EIO))
         with aligned_buffer(s.length) as out, pytest.raises(TierIOError) as info:
-            await tier.read_into(s.key, out)
+            await tier.read([s.key], [out])
         monkeypatch.setattr(os, "preadv", real)
         assert info.value.errno == errno.EIO
         assert tier.contains(s.key)
@@ -457,10 +457,10 @@ async def test_unaligned_buffers_work_with_o_direct(
             await tier.write(s.key, src)
         assert (ssd_dir / "segments" / segment_file_name(s.key)).read_bytes() == s.data
         with unaligned_buffer(s.length) as out:
-            await tier.read_into(s.key, out)
+            await tier.read([s.key], [out])
             assert bytes(out) == s.data
         out_b = bytearray(s.length)  # heap memory: no alignment guarantee at all
-        await tier.read_into(s.key, memoryview(out_b))
+        await tier.read([s.key], [memoryview(out_b)])
         assert bytes(out_b) == s.data
 
 
@@ -477,7 +477,7 @@ async def test_small_read_chunks_and_long_headers(
         end = s.header.body_offset + s.header.body_len
         flip_byte(ssd_dir / "segments" / segment_file_name(s.key), end - 1)
         with aligned_buffer(s.length) as out, pytest.raises(CorruptSegmentError, match="body"):
-            await tier.read_into(s.key, out)
+            await tier.read([s.key], [out])
 
 
 def test_bad_constructor_arguments_are_refused(tmp_path: Path) -> None:
@@ -498,7 +498,7 @@ async def test_reserve_of_unaligned_length_is_refused(ssd_dir: Path) -> None:
         assert tier.used == 0
 
 
-async def test_read_many_into_reads_in_order_and_stops_at_damage(
+async def test_a_history_read_in_one_call_is_in_order_and_stops_at_damage(
     ssd_dir: Path, seg: SegmentFactory
 ) -> None:
     """A history read in one call: every segment byte-exact; a damaged one in the middle
@@ -513,14 +513,14 @@ async def test_read_many_into_reads_in_order_and_stops_at_damage(
             for s in segs:
                 views.append(out[at : at + s.length])
                 at += s.length
-            await tier.read_many_into([(s.key, v) for s, v in zip(segs, views, strict=True)])
+            await tier.read([s.key for s in segs], views)
             assert [bytes(v) for v in views] == [s.data for s in segs]
             assert tier.stats().reads == 3
             flip_byte(ssd_dir / "segments" / segment_file_name(segs[1].key), 5000)
             for v in views:
                 v[:] = bytes(len(v))
             with pytest.raises(CorruptSegmentError):
-                await tier.read_many_into([(s.key, v) for s, v in zip(segs, views, strict=True)])
+                await tier.read([s.key for s in segs], views)
             assert bytes(views[0]) == segs[0].data
             for v in views:
                 v.release()

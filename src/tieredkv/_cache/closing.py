@@ -17,12 +17,14 @@ import logging
 import math
 import time
 
-from ..backends.shared import SharedTier
-from ..errors import CorruptSegmentError, InvalidArgumentError, InvalidTypeError, TierIOError
-from .placement import copy_into_room, remove_copy
-from .state import Core, Session
+import anyio
 
-__all__ = ["check_timeout", "write_down"]
+from ..errors import CorruptSegmentError, InvalidArgumentError, InvalidTypeError, TierIOError
+from .placement import copy_into_room, purge_orphans, remove_copy
+from .state import Core, Session
+from .writethrough import WriteThrough
+
+__all__ = ["check_timeout", "close", "write_down"]
 
 _log = logging.getLogger("tieredkv.cache")
 
@@ -42,6 +44,37 @@ def check_timeout(what: str, value: object) -> float:
     return float(value)
 
 
+async def close(core: Core, pumps: WriteThrough, budget: float) -> None:
+    """Keep what the cache holds, then close every tier (see
+    :meth:`~tieredkv.TieredKVCache.aclose`), within ``budget`` seconds; never raises for
+    what fails on the way (it is logged)."""
+    deadline = time.monotonic() + budget
+    try:
+        pumps.retry_failed()
+        with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
+            await pumps.flush()
+        for s in core.sessions.values():  # out of time: copies stop at a segment's end
+            s.stopping = True
+        await pumps.flush()
+        await purge_orphans(core)
+        await write_down(core, deadline, budget)
+        await purge_orphans(core)
+    except Exception:
+        _log.exception("closing the cache failed; closing its tiers")
+    finally:
+        pumps.cancel_all()  # none left
+        for tier in core.tiers:
+            try:
+                await tier.aclose()
+            except Exception:
+                _log.exception("closing tier %r failed", tier.name)
+        core.sessions.clear()
+        core.busy.clear()
+        core.orphans.clear()
+        core.staging.close()
+        core.outputs.close()
+
+
 async def write_down(core: Core, deadline: float, budget: float) -> None:
     """Write every conversation that only volatile tiers hold down to a persistent tier,
     starting none after ``deadline`` (``time.monotonic``; ``budget``, the close timeout it
@@ -51,7 +84,7 @@ async def write_down(core: Core, deadline: float, budget: float) -> None:
     """
     tiers = core.tiers
     keep = [t for t, tier in enumerate(tiers) if tier.persistent]
-    targets = [t for t in keep if not isinstance(tiers[t], SharedTier)]
+    targets = [t for t in keep if core.io[t].shared is None]
     pending = [s for s in core.sessions.values() if s.primary is not None and not _kept(s, keep)]
     core.stats.written_down = core.stats.unsaved = 0
     if not targets or not pending:
@@ -160,4 +193,4 @@ async def _drop_partial(core: Core, s: Session, targets: list[int]) -> None:
             await remove_copy(core, s, t)
             changed = True
     if changed:
-        core.publish(s, core.clock())
+        core.publish(s)

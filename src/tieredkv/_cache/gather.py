@@ -12,41 +12,29 @@ import anyio
 import torch
 
 from .._copy import copy_tensor
-from ..backends.arena import INLINE_COPY, close_mapping, prefaulted
-from ..backends.base import (
-    AddressableTier,
-    FilledWriteTier,
-    ReadCountingTier,
-    SegmentKey,
-    Tier,
-)
+from ..backends.arena import close_mapping, prefaulted
 from ..errors import InvalidArgumentError
 from ..payload import (
     ALIGN,
-    PartWriter,
     Schema,
     SegmentHeader,
-    SegmentPlan,
     TensorSpec,
     align_up,
     dtype_of,
-    segment_tensors,
     tensor_at,
 )
 from .outputs import OutputPool
 
 __all__ = [
+    "Scatter",
     "Staging",
-    "StreamScatter",
     "Target",
     "check_into",
-    "copy_out_addressable",
     "fill_cuts",
     "fresh",
-    "scatter",
+    "run",
     "scratch",
     "span_plan",
-    "write_new",
 ]
 
 Target = Callable[[Schema, int], dict[str, torch.Tensor]]
@@ -92,73 +80,15 @@ def check_into(out: Mapping[str, torch.Tensor]) -> Target:
     return check
 
 
-async def write_new(tier: Tier, key: SegmentKey, plan: SegmentPlan, staging: Staging) -> None:
-    """Serialize a new segment straight into ``tier``'s reservation for ``key`` and commit it.
+class Scatter:
+    """Copies a history's tensors into ``out`` as a tier delivers its segments, span by span
+    (the ``consume`` of :meth:`~tieredkv.backends.base.Tier.read`).
 
-    An addressable tier's slot is filled in place; a :class:`FilledWriteTier` writes each
-    part of the staging buffer while the next part is serialized (copy and checksum overlap
-    the device's write); any other tier gets the whole buffer once it is filled.
-    """
-    length = plan.length
-    if isinstance(tier, AddressableTier):
-        await run(plan.write_into, tier.view(key), big=length > INLINE_COPY)
-        tier.commit(key)
-        return
-    with staging.buffer(length) as view:
-        if isinstance(tier, FilledWriteTier):
-            cuts = fill_cuts(plan.header, tier.span_bytes)
-            writer = PartWriter(plan, view, cuts, staging.hash_pool())
-            try:
-                await tier.write_filled(key, view, cuts, writer)
-            finally:
-                writer.wait()  # nothing may still read the buffer once it is reused
-            return
-        await run(plan.write_into, view, big=length > INLINE_COPY)
-        await tier.write(key, view)
-
-
-async def copy_out_addressable(
-    tier: AddressableTier,
-    parts: list[tuple[SegmentKey, SegmentHeader]],
-    out: dict[str, torch.Tensor],
-    dim: int,
-) -> None:
-    """Scatter every segment from ``tier``'s slots into ``out`` in one worker-thread hop.
-
-    A history has one segment per turn, and each hop waits for the event loop (and the GIL)
-    on a busy server. The caller keeps the slots from being freed until this returns.
-    """
-    cuda = any(t.is_cuda for t in out.values())
-    views = [(tier.view(key), header) for key, header in parts]
-    total = sum(header.length for _, header in parts)
-    await run(_scatter_all, views, out, dim, cuda, big=total > INLINE_COPY)
-    if isinstance(tier, ReadCountingTier):
-        for _, header in parts:
-            tier.note_read(header.length)
-    if cuda:
-        await anyio.to_thread.run_sync(torch.cuda.synchronize)
-
-
-def scatter(
-    buf: memoryview,
-    header: SegmentHeader,
-    out: dict[str, torch.Tensor],
-    dim: int,
-    offset: int,
-    non_blocking: bool,
-) -> None:
-    """Copy one segment's tensors into ``out`` at token ``offset``."""
-    # non_blocking only from the pinned arena, which stays valid until the final synchronize
-    for name, view in segment_tensors(buf, header).items():
-        copy_tensor(out[name].narrow(dim, offset, header.tokens), view, non_blocking=non_blocking)
-
-
-class StreamScatter:
-    """Copies a history's tensors into ``out`` as a :class:`StreamingReadTier` delivers its
-    segments span by span (the ``consume`` of :meth:`StreamingReadTier.read_spans`).
-
-    Each segment is cut into spans of about ``span`` bytes that hold whole tensors, so every
-    tensor is copied once, from one span, straight into its place in ``out``.
+    Each segment is cut into spans of about ``span`` bytes that hold whole tensors (one
+    span, the whole segment, when ``span`` is ``None``), so every tensor is copied once,
+    from one span, straight into its place in ``out``. ``non_blocking`` copies into CUDA
+    tensors without waiting: only from memory that stays valid until the caller
+    synchronizes (a pinned tier's slots).
     """
 
     def __init__(
@@ -166,17 +96,20 @@ class StreamScatter:
         headers: list[SegmentHeader],
         out: dict[str, torch.Tensor],
         dim: int,
-        span: int,
+        span: int | None,
+        *,
+        non_blocking: bool = False,
     ) -> None:
         self._headers = headers
         self._out = out
         self._dim = dim
+        self._non_blocking = non_blocking
         self.spans: list[list[tuple[int, int]]] = []
         self._groups: list[list[list[TensorSpec]]] = []
         self._offsets: list[int] = []
         offset = 0
         for header in headers:
-            spans, groups = span_plan(header, span)
+            spans, groups = span_plan(header, header.length if span is None else span)
             self.spans.append(spans)
             self._groups.append(groups)
             self._offsets.append(offset)
@@ -191,7 +124,7 @@ class StreamScatter:
                 continue
             src = tensor_at(view, spec, header.body_offset + spec.offset - start)
             dst = self._out[spec.name].narrow(self._dim, offset, header.tokens)
-            copy_tensor(dst, src)
+            copy_tensor(dst, src, non_blocking=self._non_blocking)
 
 
 _RAMP = (1 << 20, 2 << 20, 4 << 20)
@@ -200,7 +133,7 @@ after a 1 MiB copy rather than a whole span's (about 1.5 ms sooner per 64 MiB ap
 
 
 def fill_cuts(header: SegmentHeader, span: int) -> list[int]:
-    """Where a segment written part by part (:class:`FilledWriteTier`) is cut: the header
+    """Where a segment written part by part (a streaming tier's ``write_filled``) is cut: the header
     alone first (written last, once the checksum is known: a page, not a span's worth),
     then parts of whole tensors growing from 1 MiB to ``span`` bytes."""
     start = header.body_offset
@@ -238,18 +171,6 @@ def span_plan(
         end = max(end, hi)
     spans.append((start, header.length))
     return spans, groups
-
-
-def _scatter_all(
-    parts: list[tuple[memoryview, SegmentHeader]],
-    out: dict[str, torch.Tensor],
-    dim: int,
-    non_blocking: bool,
-) -> None:
-    offset = 0
-    for buf, header in parts:
-        scatter(buf, header, out, dim, offset, non_blocking)
-        offset += header.tokens
 
 
 class Staging:

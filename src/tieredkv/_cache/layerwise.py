@@ -29,15 +29,15 @@ success, and a caller returns nothing computed from it before then
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import ExitStack
 
 import anyio
 import torch
 
 from .._copy import copy_tensor
-from ..backends.base import AddressableTier, RangedReadTier, ReadCountingTier
 from ..errors import (
     CorruptSegmentError,
     InvalidArgumentError,
@@ -46,10 +46,13 @@ from ..errors import (
     TierIOError,
 )
 from ..payload import Schema, SegmentHeader, align_up, segment_tensors
+from .atomic import settle
+from .gather import check_into
 from .placement import drop_damaged, finish_promotion, start_promotion
 from .state import Core, Session
+from .turns import commit_load
 
-__all__ = ["LayerwiseLoad", "check_groups", "reported", "stream"]
+__all__ = ["LayerwiseLoad", "check_groups", "layerwise", "reported", "stream"]
 
 
 class LayerwiseLoad:
@@ -177,25 +180,26 @@ class _Scatter:
     """Copies each landed group of every segment from its buffer into the outputs."""
 
     def __init__(
-        self,
-        s: Session,
-        buffers: list[memoryview],
-        out: dict[str, torch.Tensor],
-        groups: list[list[str]],
-        load: LayerwiseLoad,
+        self, s: Session, out: dict[str, torch.Tensor], groups: list[list[str]], load: LayerwiseLoad
     ) -> None:
-        dim = s.schema.token_dim if s.schema is not None else 0
+        self._s = s
+        self._out = out
+        self._groups = groups
         self._moves: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in groups]
+        self._load = load
+
+    def use(self, buffers: Sequence[memoryview]) -> None:
+        """Copy from ``buffers`` (one per segment, each holding all of it once it lands)."""
+        dim = self._s.schema.token_dim if self._s.schema is not None else 0
         offset = 0
-        for seg, buf in zip(s.segs, buffers, strict=True):
+        for seg, buf in zip(self._s.segs, buffers, strict=True):
             views = segment_tensors(buf, seg.header)
-            for g, group in enumerate(groups):
+            for g, group in enumerate(self._groups):
                 self._moves[g].extend(
-                    (out[name].narrow(dim, offset, seg.header.tokens), views[name])
+                    (self._out[name].narrow(dim, offset, seg.header.tokens), views[name])
                     for name in group
                 )
             offset += seg.header.tokens
-        self._load = load
 
     def __call__(self, group: int) -> None:
         for dst, src in self._moves[group]:
@@ -206,9 +210,51 @@ class _Scatter:
         for g in range(len(self._moves)):
             self(g)
 
+    def all_from(self, buffers: list[memoryview]) -> None:
+        self.use(buffers)
+        self.all()
+
     def close(self) -> None:
         """Drop the tensor views of the buffers (so the buffers can be released)."""
         self._moves = []
+
+
+@contextlib.asynccontextmanager
+async def layerwise(
+    core: Core, s: Session, out: Mapping[str, torch.Tensor], groups: Sequence[Sequence[str]]
+) -> AsyncIterator[LayerwiseLoad]:
+    """``async with``: stream ``s`` (locked, stored) into ``out`` group by group while the
+    caller computes (see :meth:`~tieredkv.TieredKVCache.load_layerwise`); leaving waits for
+    the restore, raises what it raised, and counts the load only if the block finished."""
+    assert s.schema is not None
+    parts = check_groups(s.schema, groups)
+    target = check_into(out)(s.schema, s.tokens())
+    began = core.clock()
+    hit = s.primary == 0
+    load = LayerwiseLoad(s.key, len(parts), s.tokens())
+    load._start(lambda: stream(core, s, target, parts, load))
+    try:
+        yield load
+    except BaseException as exc:
+        error, cancel = await settle(load._outcome)
+        if isinstance(exc, anyio.get_cancelled_exc_class()) or cancel is not None:
+            core.stats.cancelled += 1
+        if isinstance(error, CorruptSegmentError):
+            core.stats.misses += 1
+        if cancel is not None:
+            raise cancel from None
+        if error is not None and isinstance(exc, RestoreFailedError):
+            raise reported(s.key, error) from None
+        raise
+    error, cancel = await settle(load._outcome)
+    if isinstance(error, CorruptSegmentError):
+        core.stats.misses += 1
+    if cancel is not None:
+        core.stats.cancelled += 1
+        raise cancel
+    if error is not None:
+        raise reported(s.key, error) from None
+    commit_load(core, s, hit, began)
 
 
 async def stream(
@@ -222,28 +268,23 @@ async def stream(
     the session's lock held); promote it to tier 0 on the way when it fits there."""
     assert s.primary is not None
     src = s.primary
-    tiers = core.tiers
-    fits = isinstance(tiers[0], AddressableTier) and s.nbytes() <= tiers[0].capacity
+    fits = core.io[0].view is not None and s.nbytes() <= core.tiers[0].capacity
     if src != 0 and fits and await _stream_promoting(core, s, out, groups, load):
         return
-    tier = tiers[s.primary]
-    if isinstance(tier, AddressableTier):
-        views = [tier.view(key) for key in s.segment_keys()]
-        scatter = _Scatter(s, views, out, groups, load)
+    io = core.io[s.primary]
+    scatter = _Scatter(s, out, groups, load)
+    if io.view is not None:
         try:
-            await anyio.to_thread.run_sync(scatter.all)
+            await io.read_in_place(s.segment_keys(), scatter.all_from)
         finally:
             scatter.close()
-        if isinstance(tier, ReadCountingTier):
-            for seg in s.segs:
-                tier.note_read(seg.length)
         return
     with core.staging.buffer(s.nbytes()) as whole:
         buffers, at = [], 0
         for seg in s.segs:
             buffers.append(whole[at : at + seg.length])
             at += seg.length
-        scatter = _Scatter(s, buffers, out, groups, load)
+        scatter.use(buffers)
         try:
             await _read_checked(core, s, src, buffers, groups, scatter)
         finally:
@@ -261,19 +302,18 @@ async def _read_checked(
     scatter: _Scatter,
 ) -> None:
     """Read ``s``'s segments from tier ``src`` into ``buffers`` (``None``: already there);
-    ``scatter`` each group as it lands: span by span where the tier can and every segment
-    is read, else once everything is in. A damaged segment costs ``s`` that copy."""
-    tier = core.tiers[src]
+    ``scatter`` each group as it lands: span by span where the tier streams and every
+    segment is read, else once everything is in. A damaged segment costs ``s`` that copy."""
+    io = core.io[src]
     keys = s.segment_keys()
     try:
-        if isinstance(tier, RangedReadTier) and all(b is not None for b in buffers):
-            items = [(k, b) for k, b in zip(keys, buffers, strict=True) if b is not None]
+        if all(b is not None for b in buffers):
+            into = [b for b in buffers if b is not None]
             ends = [_ends(seg.header, groups) for seg in s.segs]
-            await tier.read_spans_into(items, ends, scatter)
+            await io.read_landing(keys, into, ends, scatter)
             return
-        for key, buf in zip(keys, buffers, strict=True):
-            if buf is not None:
-                await tier.read_into(key, buf)
+        wanted = [(k, b) for k, b in zip(keys, buffers, strict=True) if b is not None]
+        await io.tier.read([k for k, _ in wanted], [b for _, b in wanted])
     except CorruptSegmentError as exc:
         await drop_damaged(core, s, src, exc.where)
         raise
@@ -295,8 +335,9 @@ async def _stream_promoting(
     changed) if room cannot be made there."""
     assert s.primary is not None
     src = s.primary
-    top = core.tiers[0]
-    assert isinstance(top, AddressableTier)
+    top = core.io[0]
+    assert top.view is not None
+    assert top.commit is not None
     began = core.clock()
     missing = await start_promotion(core, s, src)
     if missing is None:
@@ -304,22 +345,15 @@ async def _stream_promoting(
     try:
         with ExitStack() as release:
             for key in missing:
-                release.callback(top.release, key)  # until committed
-            views = [top.view(key) for key in s.segment_keys()]
+                release.callback(top.tier.release, key)  # until committed
+            keys = s.segment_keys()
+            views = [top.view(key) for key in keys]
             wanted = set(missing)
-            scatter = _Scatter(s, views, out, groups, load)
+            scatter = _Scatter(s, out, groups, load)
+            scatter.use(views)
             try:
-                await _read_checked(
-                    core,
-                    s,
-                    src,
-                    [
-                        v if k in wanted else None
-                        for k, v in zip(s.segment_keys(), views, strict=True)
-                    ],
-                    groups,
-                    scatter,
-                )
+                into = [v if k in wanted else None for k, v in zip(keys, views, strict=True)]
+                await _read_checked(core, s, src, into, groups, scatter)
             finally:
                 scatter.close()
             for key in missing:

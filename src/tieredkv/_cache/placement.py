@@ -16,16 +16,11 @@ cancellation reaches it) with the session's lock held, and keeps the invariants 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 import anyio
 
-from ..backends.base import (
-    AddressableTier,
-    BatchReadTier,
-    DefragmentingTier,
-    SegmentKey,
-)
-from ..backends.shared import SharedTier
+from ..backends.base import SegmentKey
 from ..errors import (
     CapacityError,
     CorruptSegmentError,
@@ -34,16 +29,17 @@ from ..errors import (
     StaleWriterError,
     TierIOError,
 )
-from ..meta import Demoted, Evicted, Promoted
-from .gather import scratch
+from ..meta import Demoted, Dropped, Evicted, Promoted
+from .atomic import settle
 from .refusals import record_refusal
 from .state import Core, Session
 
 __all__ = [
     "copy_into_room",
-    "copy_segment",
+    "copy_segments",
     "delete_or_orphan",
     "demote",
+    "drop",
     "drop_damaged",
     "evict_copy",
     "finish_promotion",
@@ -101,25 +97,45 @@ async def remove_copy(core: Core, s: Session, t: int) -> bool:
     for seq in sorted(s.held[t], reverse=True):
         s.held[t].discard(seq)
         clean = await delete_or_orphan(core, t, (s.key, seq)) and clean
-    core.policies[t].on_remove(s.key)
+    core.residency.removed(s.key, t)
     return clean
 
 
 async def remove_all(core: Core, s: Session) -> None:
     """Delete every copy of ``s`` (a drop); failures become orphans. A shared tier's copy
     goes for every replica if this one is the conversation's writer (else it stays theirs)."""
-    for t, tier in enumerate(core.tiers):
-        if isinstance(tier, SharedTier):
+    for t, io in enumerate(core.io):
+        if io.shared is not None:
             try:
-                await tier.discard(s.key)
+                await io.shared.discard(s.key)
             except TierIOError:
                 core.stats.errors += 1
-                _log.warning("tier %r: could not discard %.80r for every replica", tier.name, s.key)
+                _log.warning("tier %r: could not discard %.80r for every replica", io.name, s.key)
         await remove_copy(core, s, t)
 
 
+async def drop(core: Core, s: Session, stop: Callable[[Session], Awaitable[None]]) -> None:
+    """Forget ``s`` (locked): its background copy stopped (``stop``: cancelled there, the
+    drop did nothing), then it leaves the index and the channel (the point of no return),
+    then every copy is deleted, whatever cancels the caller (raised at the end)."""
+    await stop(s)
+    s.dropped = True
+    nbytes = s.nbytes()
+    if core.sessions.get(s.key) is s:
+        del core.sessions[s.key]
+    core.residency.unpublished(s.key)
+    core.stats.drops += 1
+    _, cancel = await settle(lambda: remove_all(core, s))
+    s.segs.clear()
+    s.primary = None
+    core.residency.announced(Dropped(session=s.key, time=core.clock(), nbytes=nbytes))
+    if cancel is not None:
+        raise cancel
+
+
 async def forget_copy(core: Core, s: Session, t: int) -> bool:
-    """Remove the copy in ``t``; re-elect the primary; return whether the session is lost."""
+    """Remove the copy in ``t``; re-elect the primary; return whether the session is lost
+    (the caller publishes the outcome)."""
     await remove_copy(core, s, t)
     if s.primary == t:
         s.primary = next((u for u in range(len(core.tiers)) if s.complete(u)), None)
@@ -128,7 +144,6 @@ async def forget_copy(core: Core, s: Session, t: int) -> bool:
             await remove_copy(core, s, u)  # partial copies are of no use
         s.segs.clear()
         core.stats.lost += 1
-    core.publish(s, core.clock())
     return s.primary is None
 
 
@@ -137,9 +152,9 @@ async def evict_copy(core: Core, s: Session, t: int) -> None:
     nbytes = s.nbytes()
     lost = await forget_copy(core, s, t)
     core.stats.evictions += 1
-    core.channel.emit(
-        Evicted(session=s.key, time=core.clock(), nbytes=nbytes, tier=core.tiers[t].name, lost=lost)
-    )
+    now = core.clock()
+    event = Evicted(session=s.key, time=now, nbytes=nbytes, tier=core.tiers[t].name, lost=lost)
+    core.residency.published(core.meta(s, now), event)
 
 
 async def drop_damaged(core: Core, s: Session, t: int, where: str) -> None:
@@ -147,6 +162,7 @@ async def drop_damaged(core: Core, s: Session, t: int, where: str) -> None:
     core.stats.corrupt += 1
     _log.warning("session %.80r: %s in tier %r is damaged", s.key, where, core.tiers[t].name)
     await forget_copy(core, s, t)
+    core.publish(s)
 
 
 # -- making room --------------------------------------------------------------------------
@@ -171,12 +187,13 @@ async def reserve(
         raise TierIOError(tier.name, f"delete the stale segment {key[1]}", "still failing")
     skip = set(protect)
     busy = core.busy
+    defragment = core.io[t].defragment
     while not tier.reserve(key, length):
         short = length - (tier.capacity - tier.used)
         if (
             short <= 0
-            and isinstance(tier, DefragmentingTier)
-            and tier.defragment(length, lambda k: k[0] not in busy) is not None
+            and defragment is not None
+            and defragment(length, lambda k: k[0] not in busy) is not None
             and tier.reserve(key, length)
         ):
             break
@@ -201,10 +218,10 @@ async def reserve(
 async def _move_victim(core: Core, victim: str, t: int, lossless: bool) -> None:
     vs = core.sessions.get(victim)
     if vs is None or not vs.held[t]:
-        core.policies[t].on_remove(victim)  # stale entry
+        core.residency.removed(victim, t)  # stale entry
         return
     last = vs.primary == t and t + 1 >= len(core.tiers)
-    if victim in core.busy or (lossless and last and not isinstance(core.tiers[t], SharedTier)):
+    if victim in core.busy or (lossless and last and core.io[t].shared is None):
         return  # (a shared tier's copy stays for the other replicas: this one only forgets it)
     try:
         vs.lock.acquire_nowait()
@@ -231,7 +248,7 @@ async def _move_victim(core: Core, victim: str, t: int, lossless: bool) -> None:
 
 
 def _shared(core: Core, name: str) -> bool:
-    return any(tier.name == name and isinstance(tier, SharedTier) for tier in core.tiers)
+    return any(io.name == name and io.shared is not None for io in core.io)
 
 
 def _level(core: Core, name: str) -> int:
@@ -282,13 +299,9 @@ async def demote(core: Core, s: Session, t: int, *, may_lose: bool = True) -> No
 def _after_demote(core: Core, s: Session, t: int, u: int, total: int) -> None:
     core.stats.demotions += 1
     now = core.clock()
-    meta = core.publish(s, now)
-    core.policies[u].on_admit(s.key, meta, now)
-    core.channel.emit(
-        Demoted(
-            session=s.key, time=now, nbytes=total, src=core.tiers[t].name, dst=core.tiers[u].name
-        )
-    )
+    src, dst = core.tiers[t].name, core.tiers[u].name
+    event = Demoted(session=s.key, time=now, nbytes=total, src=src, dst=dst)
+    core.residency.admitted(core.meta(s, now), now, u, event)
 
 
 async def reserve_all(core: Core, s: Session, dst: int, keys: list[SegmentKey]) -> bool:
@@ -338,7 +351,7 @@ async def copy_into_room(core: Core, s: Session, dst: int) -> bool:
         for key in reserved:
             tier.release(key)
     now = core.clock()
-    core.policies[dst].on_admit(s.key, core.publish(s, now), now)
+    core.residency.admitted(core.meta(s, now), now, dst)
     return True
 
 
@@ -348,64 +361,32 @@ async def _copy_into(core: Core, s: Session, src: int, dst: int, keys: list[Segm
     All or nothing: on an error the reservations are released, what was written is deleted
     again, and the error propagates.
     """
-    to = core.tiers[dst]
-    pending = list(keys)  # reserved, not yet written
     written: list[SegmentKey] = []
     try:
-        if (
-            dst == 0
-            and isinstance(to, AddressableTier)
-            and isinstance(core.tiers[src], BatchReadTier)
-        ):
-            await _read_many(core, s, src, pending)
-            written, pending = pending, []
-        else:
-            for key in keys:
-                await copy_segment(core, s, src, dst, key)
-                pending.remove(key)
-                written.append(key)
+        await copy_segments(core, s, src, dst, keys, written)
         for key in written:
             s.held[dst].add(key[1])
         written = []
     finally:
-        for key in pending:
-            to.release(key)
+        for key in keys:
+            core.tiers[dst].release(key)  # (no-op for those committed)
         for key in written:
             await delete_or_orphan(core, dst, key)
 
 
-async def _read_many(core: Core, s: Session, src: int, keys: list[SegmentKey]) -> None:
-    """Read a whole history from ``src`` into tier 0's reservations in one tier call."""
-    top, frm = core.tiers[0], core.tiers[src]
-    assert isinstance(top, AddressableTier)
-    assert isinstance(frm, BatchReadTier)
-    try:
-        await frm.read_many_into([(key, top.view(key)) for key in keys])
-    except CorruptSegmentError as exc:
-        await drop_damaged(core, s, src, exc.where)
-        raise
-    for key in keys:
-        top.commit(key)
-
-
-async def copy_segment(core: Core, s: Session, src: int, dst: int, key: SegmentKey) -> None:
-    """Copy one committed segment into ``dst``'s reservation for it (and commit it there).
+async def copy_segments(
+    core: Core, s: Session, src: int, dst: int, keys: list[SegmentKey], written: list[SegmentKey]
+) -> None:
+    """Copy committed segments ``keys`` of ``s`` into ``dst``'s reservations for them (and
+    commit them there), appending each to ``written`` once committed, the way chosen for the
+    pair when the cache was built (:func:`~tieredkv._cache.tierio.copier`).
 
     A segment found damaged in ``src`` costs ``s`` that copy (and raises).
     """
-    to, frm = core.tiers[dst], core.tiers[src]
     try:
-        if isinstance(to, AddressableTier):
-            await frm.read_into(key, to.view(key))
-            to.commit(key)
-        elif isinstance(frm, AddressableTier):
-            await to.write(key, frm.view(key))
-        else:
-            with scratch(frm.length(key)) as view:
-                await frm.read_into(key, view)
-                await to.write(key, view)
-    except CorruptSegmentError:
-        await drop_damaged(core, s, src, f"segment {key[1]}")
+        await core.copies[src][dst](keys, written)
+    except CorruptSegmentError as exc:
+        await drop_damaged(core, s, src, exc.where)
         raise
 
 
@@ -467,18 +448,15 @@ async def finish_promotion(core: Core, s: Session, src: int, began: float) -> No
     s.primary = 0
     core.stats.promotions += 1
     now = core.clock()
-    meta = core.publish(s, now)
-    core.policies[0].on_admit(s.key, meta, now)
-    core.channel.emit(
-        Promoted(
-            session=s.key,
-            time=now,
-            nbytes=s.nbytes(),
-            src=core.tiers[src].name,
-            dst=core.tiers[0].name,
-            seconds=now - began,
-        )
+    event = Promoted(
+        session=s.key,
+        time=now,
+        nbytes=s.nbytes(),
+        src=core.tiers[src].name,
+        dst=core.tiers[0].name,
+        seconds=now - began,
     )
+    core.residency.admitted(core.meta(s, now), now, 0, event)
     if core.mode == "exclusive":
         await remove_copy(core, s, src)
-        core.publish(s, core.clock())
+        core.publish(s)

@@ -15,13 +15,17 @@ the cache's ordinary, atomic one.
 
 from __future__ import annotations
 
+import functools
 import heapq
 
+from ..errors import CorruptSegmentError
 from ..policies.base import Eviction, Foresight
 from ..policies.prefetch import pick
+from .atomic import settle
+from .placement import promote
 from .state import Core, Session
 
-__all__ = ["Candidate", "choose"]
+__all__ = ["Candidate", "choose", "prefetch", "prefetch_predicted"]
 
 Candidate = tuple[Session, float, list[str]]
 """A session to promote, its chance of a hit, and the residents it would displace."""
@@ -67,3 +71,43 @@ def choose(core: Core, scan: int) -> Candidate | None:
         return None
     key, chance, victims = chosen
     return core.sessions[key], chance, victims
+
+
+async def prefetch(core: Core, s: Session) -> bool | None:
+    """Promote ``s`` (locked, stored) to tier 0 if it fits, atomically whatever cancels it;
+    whether it moved (``None``: it was found damaged, and is gone)."""
+    if s.primary == 0:
+        return False
+    try:
+        moved, cancel = await settle(functools.partial(promote, core, s))
+    except CorruptSegmentError:
+        return None
+    if cancel is not None:
+        core.stats.cancelled += 1
+        raise cancel
+    if moved:
+        core.stats.prefetches += 1
+    return moved
+
+
+async def prefetch_predicted(core: Core, limit: int, scan: int) -> list[str]:
+    """Promote up to ``limit`` sessions the tier-0 policy expects back soon, while no other
+    operation is under way (see :meth:`~tieredkv.TieredKVCache.prefetch_predicted`); the
+    sessions promoted, in order."""
+    promoted: list[str] = []
+    while len(promoted) < limit and not core.busy:
+        chosen = choose(core, scan)
+        if chosen is None:
+            break
+        s, _, _ = chosen
+        async with core.hold(s):
+            if s.primary is None or s.primary == 0:
+                continue
+            moved = await prefetch(core, s)
+            if moved is None:
+                continue
+        if not moved:
+            break  # room could not be made after all: try again when called next
+        core.stats.predicted += 1
+        promoted.append(s.key)
+    return promoted

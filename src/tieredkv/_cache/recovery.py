@@ -15,15 +15,18 @@ it, so that a shorter history is never served without a word.
 from __future__ import annotations
 
 import logging
-from typing import Protocol, runtime_checkable
 
+import anyio
 import msgspec
 
+from ..backends.base import Tier
+from ..meta import TierInfo
 from ..payload import SegmentHeader, header_schema
+from .atomic import settle
 from .placement import delete_or_orphan, evict_copy, remove_copy
 from .state import Core, Seg, Session
 
-__all__ = ["Truncation", "recover"]
+__all__ = ["Truncation", "open_tiers", "recover"]
 
 _log = logging.getLogger("tieredkv.cache")
 
@@ -44,11 +47,27 @@ class Truncation(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
 
 
-@runtime_checkable
-class _SetsAside(Protocol):
-    """A tier that names the segments its open set aside as damaged (the SSD tier)."""
-
-    def set_aside(self, session: str) -> tuple[int, ...]: ...
+async def open_tiers(core: Core) -> tuple[dict[str, Truncation], BaseException | None]:
+    """Open every tier (closing those opened if one fails), tell the channel about them,
+    and rebuild the index from what persistent tiers kept; the truncated sessions, and a
+    cancellation that arrived while the index was rebuilt (it completes first; the caller
+    raises it)."""
+    opened: list[Tier] = []
+    recovered = []
+    try:
+        for tier in core.tiers:
+            recovered.append(await tier.open())
+            opened.append(tier)
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            for tier in opened:
+                await tier.aclose()
+        raise
+    core.channel.set_tiers(
+        TierInfo(name=t.name, level=i, capacity=t.capacity) for i, t in enumerate(core.tiers)
+    )
+    core.outputs.open()
+    return await settle(lambda: recover(core, recovered))
 
 
 async def recover(core: Core, recovered: list[list[SegmentHeader]]) -> dict[str, Truncation]:
@@ -79,10 +98,11 @@ async def recover(core: Core, recovered: list[list[SegmentHeader]]) -> dict[str,
                 await remove_copy(core, s, t)
         s.primary = next(t for t in range(ntiers) if s.complete(t))
         core.sessions[key] = s
-        meta = core.publish(s, now, answer=s.segs[-1].header.answer_tokens, restart=True)
+        meta = core.meta(s, now, answer=s.segs[-1].header.answer_tokens, restart=True)
+        core.residency.published(meta)
         for t in range(ntiers):
             if s.complete(t):
-                core.policies[t].on_admit(key, meta, now)
+                core.residency.admitted(meta, now, t)
     for t, tier in enumerate(core.tiers):  # a tier may have shrunk since the last run
         if tier.used > tier.capacity:
             victims = core.policies[t].victims(tier.used - tier.capacity, now, core.channel) or []
@@ -107,9 +127,9 @@ def _truncation(
 ) -> Truncation | None:
     """What ``s`` (just rebuilt) lost against what its tiers held, or ``None``."""
     aside: set[int] = set()
-    for tier in core.tiers:
-        if isinstance(tier, _SetsAside):
-            aside.update(tier.set_aside(s.key))
+    for io in core.io:
+        if io.set_aside is not None:
+            aside.update(io.set_aside(s.key))
     found = set(aside).union(*per_tier)
     kept = len(s.segs) if any(s.complete(t) for t in range(len(core.tiers))) else 0
     stored = max(found) + 1 if found else 0

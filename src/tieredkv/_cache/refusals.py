@@ -54,7 +54,7 @@ def record_refusal(
     _log.warning(
         "tier %r refused turn(s) %s of %.80r, acknowledged here: %s", tier, new, s.key, reason
     )
-    core.channel.emit(
+    core.residency.announced(
         Refused(
             session=s.key,
             time=core.clock(),

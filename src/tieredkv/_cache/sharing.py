@@ -29,25 +29,50 @@ and stores nothing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import AsyncIterator
 
 from ..backends.shared import SharedState, SharedTier, plain_header
-from ..errors import SchemaMismatchError, TierIOError
+from ..errors import SchemaMismatchError, SessionNotFoundError, TierIOError
 from ..payload import SegmentHeader, header_schema
 from .atomic import settle
 from .placement import remove_copy
 from .refusals import record_refusal, report
 from .state import Core, Seg, Session
 
-__all__ = ["check_writer", "discover", "shared_tiers"]
+__all__ = ["check_writer", "discover", "locked_stored", "shared_tiers"]
 
 _log = logging.getLogger("tieredkv.cache")
 
 
 def shared_tiers(core: Core) -> list[tuple[int, SharedTier]]:
     """The shared tiers, with their levels."""
-    return [(t, tier) for t, tier in enumerate(core.tiers) if isinstance(tier, SharedTier)]
+    return [(t, io.shared) for t, io in enumerate(core.io) if io.shared is not None]
+
+
+@contextlib.asynccontextmanager
+async def locked_stored(core: Core, key: str, *, load: bool) -> AsyncIterator[Session]:
+    """``async with``: the stored session ``key``, its lock held. With a shared tier, what
+    it holds of ``key`` is taken in first (:func:`discover`); a ``load`` takes the
+    conversation over, and counts a history that cannot be proven current as a miss.
+
+    :raises SessionNotFoundError: if it is stored nowhere (or cannot be proven current)
+    :raises TurnRefusedError: turns of this conversation were refused (reported once)
+    """
+    if core.sharing and not await discover(core, key, take=load):
+        if load:
+            core.stats.misses += 1
+            core.stats.unproven += 1
+        raise SessionNotFoundError(key)
+    s = core.sessions.get(key)
+    if s is None:  # one being created: wait for its first append
+        raise SessionNotFoundError(key)
+    async with core.hold(s):
+        if s.primary is None:
+            raise SessionNotFoundError(key)
+        yield s
 
 
 async def check_writer(core: Core, session: str) -> None:
@@ -160,7 +185,7 @@ async def _adopt(
             return True
         if s.complete(t) and not before:
             now = core.clock()
-            core.policies[t].on_admit(s.key, core.publish(s, now), now)
+            core.residency.admitted(core.meta(s, now), now, t)
         if len(local) > n:
             core.restart_copy(s)  # commit the rest (a takeover after a restart, say)
         return True
@@ -188,13 +213,13 @@ async def _take(core: Core, s: Session, t: int, headers: list[SegmentHeader]) ->
     if not good:
         s.primary = None
         if s.key in core.channel:
-            core.publish(s, core.clock())
+            core.publish(s)
         return
     s.schema = schema
     s.primary = t
     now = core.clock()
-    meta = core.publish(s, now, answer=headers[good - 1].answer_tokens)
-    core.policies[t].on_admit(s.key, meta, now)
+    meta = core.meta(s, now, answer=headers[good - 1].answer_tokens)
+    core.residency.admitted(meta, now, t)
 
 
 async def _forget_all(core: Core, s: Session, *, lost: bool = True) -> None:
@@ -207,7 +232,7 @@ async def _forget_all(core: Core, s: Session, *, lost: bool = True) -> None:
     if lost:
         core.stats.lost += 1
     if s.key in core.channel:
-        core.publish(s, core.clock())
+        core.publish(s)
 
 
 async def _drop_refused(core: Core, s: Session) -> None:

@@ -25,15 +25,17 @@ from typing import Literal
 import anyio
 import msgspec
 
-from ..backends.base import SegmentKey, Tier, TierStats
+from ..backends.base import SegmentKey, TierStats
 from ..errors import InvalidArgumentError, InvalidTypeError
-from ..meta import KVMeta, MetadataChannel, Transfer, advance_meta
+from ..meta import Event, KVMeta, MetadataChannel, Transfer, advance_meta
 from ..payload import Schema, SegmentHeader
 from ..policies.base import Eviction
 from ..policies.lru import LRU
 from ..policies.registry import make_eviction
+from ..residency import Residency
 from .gather import Staging
 from .outputs import OutputPool
+from .tierio import Copy, TierIO
 
 __all__ = [
     "CacheStats",
@@ -42,7 +44,6 @@ __all__ = [
     "Seg",
     "Session",
     "check_key",
-    "check_tiers",
     "policies_per_tier",
 ]
 
@@ -192,16 +193,25 @@ class Core:
 
     def __init__(
         self,
-        tiers: Sequence[Tier],
+        io: Sequence[TierIO],
+        copies: Sequence[Sequence[Copy]],
         policies: Sequence[Eviction],
         channel: MetadataChannel,
         mode: str,
         clock: Callable[[], float],
         output_reuse_bytes: int = 0,
     ) -> None:
-        self.tiers = list(tiers)
+        self.io = list(io)
+        """Each tier's I/O, bound once (:mod:`tieredkv._cache.tierio`)."""
+        self.copies = [list(row) for row in copies]
+        """``copies[src][dst]``: how segments are copied from tier ``src`` to ``dst``."""
+        self.tiers = [tio.tier for tio in self.io]
+        self.sharing = any(tio.shared is not None for tio in self.io)
+        """Whether a tier is shared with other replicas."""
         self.policies = list(policies)
         self.channel = channel
+        self.residency = Residency(channel, policies, emit=channel.emit, remove=channel.remove)
+        """Every change of where a session lives goes through it (:mod:`tieredkv.residency`)."""
         self.mode = mode
         self.clock = clock
         self.sessions: dict[str, Session] = {}
@@ -234,8 +244,9 @@ class Core:
             del self.busy[key]
 
     def set_transfer(self, s: Session, transfer: Transfer | None) -> None:
-        if s.key in self.channel:
-            self.channel.update(s.key, in_flight=transfer)
+        meta = self.channel.get(s.key)
+        if meta is not None:
+            self.residency.published(msgspec.structs.replace(meta, in_flight=transfer))
 
     def transfer(
         self, kind: Literal["promote", "demote", "write-through"], s: Session, src: int, dst: int
@@ -248,7 +259,7 @@ class Core:
             started=self.clock(),
         )
 
-    def publish(
+    def meta(
         self,
         s: Session,
         now: float,
@@ -257,13 +268,13 @@ class Core:
         answer: int | None = None,
         restart: bool = False,
     ) -> KVMeta:
-        """Write ``s``'s metadata (placement from the index) to the channel."""
+        """``s``'s metadata (placement from the index) as it stands now, not published."""
         copies = tuple(
             self.tiers[t].name
             for t in sorted(range(len(self.tiers)), key=lambda t: t != s.primary)
             if s.complete(t)
         )
-        meta = advance_meta(
+        return advance_meta(
             self.channel.get(s.key),
             session=s.key,
             tier=None if s.primary is None else self.tiers[s.primary].name,
@@ -277,8 +288,15 @@ class Core:
             codec=s.schema.codec if s.schema is not None else "kv",
             restart=restart,
         )
-        self.channel.put(meta)
-        return meta
+
+    def publish(self, s: Session) -> KVMeta:
+        """Publish ``s``'s metadata now (its placement changed, not its residency)."""
+        return self.residency.published(self.meta(s, self.clock()))
+
+    def admit(self, s: Session, t: int, event: Event | None = None) -> KVMeta:
+        """``s``'s whole history became resident in tier ``t`` (without an access)."""
+        now = self.clock()
+        return self.residency.admitted(self.meta(s, now), now, t, event)
 
 
 class Held:
@@ -313,20 +331,6 @@ def check_key(session: object) -> None:
             f"session key is not valid Unicode text ({exc.reason} at {exc.start}); "
             f"remove lone surrogates"
         ) from None
-
-
-def check_tiers(tiers: Sequence[Tier]) -> list[Tier]:
-    """The tiers as a list, refused unless each implements the protocol under its own name."""
-    tiers = list(tiers)
-    if not tiers:
-        raise InvalidArgumentError("TieredKVCache needs at least one tier")
-    for tier in tiers:
-        if not isinstance(tier, Tier):
-            raise InvalidTypeError(f"{tier!r} does not implement the Tier protocol")
-    names = [tier.name for tier in tiers]
-    if len(set(names)) != len(names):
-        raise InvalidArgumentError(f"tier names must be unique, got {names}")
-    return tiers
 
 
 def policies_per_tier(

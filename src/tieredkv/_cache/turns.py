@@ -7,23 +7,102 @@ returns, with nothing awaited in between: that is the operation's point of no re
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Mapping
 from typing import Any
 
-import anyio
 import torch
 
-from ..backends.base import AddressableTier, SegmentKey, StreamingReadTier
-from ..errors import CapacityError, CorruptSegmentError, SchemaMismatchError
+from ..backends.base import SegmentKey
+from ..errors import (
+    CapacityError,
+    CorruptSegmentError,
+    SchemaMismatchError,
+    SessionNotFoundError,
+)
 from ..meta import KVMeta, Loaded, Stored
 from ..payload import SegmentPlan, plan_segment
-from .gather import StreamScatter, copy_out_addressable, scatter, write_new
-from .placement import demote, drop_damaged, promote, purge_orphans, reserve
+from .atomic import settle
+from .gather import Target
+from .placement import delete_or_orphan, demote, drop_damaged, promote, purge_orphans, reserve
+from .sharing import check_writer
 from .state import Core, Seg, Session
+from .writethrough import WriteThrough
 
-__all__ = ["commit_append", "commit_load", "plan_turn", "restore", "store"]
+__all__ = ["append", "commit_append", "commit_load", "load", "plan_turn", "restore", "store"]
+
+
+async def append(
+    core: Core,
+    pumps: WriteThrough,
+    session: str,
+    tensors: Mapping[str, Any],
+    answer_tokens: int,
+    dim: int,
+    codec: str,
+) -> KVMeta:
+    """Store one turn of ``session`` (see :meth:`~tieredkv.TieredKVCache.append`): under the
+    session's lock, all or nothing whatever cancels it; in inclusive mode a background copy
+    to the next tier follows."""
+    sessions = core.sessions
+    while True:
+        s = sessions.get(session)
+        if s is None:
+            s = sessions[session] = Session(session, len(core.tiers))
+        try:
+            async with core.hold(s):
+                if sessions.get(session) is not s:  # dropped while we waited
+                    continue
+                if core.sharing:  # one writer per conversation across replicas
+                    await check_writer(core, session)
+                return await _append_locked(core, pumps, s, tensors, answer_tokens, dim, codec)
+        finally:
+            core.discard_unused(s)  # a first append that failed or was cancelled
+
+
+async def _append_locked(
+    core: Core,
+    pumps: WriteThrough,
+    s: Session,
+    tensors: Mapping[str, Any],
+    answer_tokens: int,
+    dim: int,
+    codec: str,
+) -> KVMeta:
+    began = core.clock()
+    plan = plan_turn(core, s, tensors, answer_tokens, dim, codec)
+    t, cancel = await settle(lambda: store(core, s, plan))
+    if cancel is not None:  # roll back: the segment never happened
+        await settle(lambda: delete_or_orphan(core, t, (s.key, plan.header.seq)))
+        core.stats.cancelled += 1
+        raise cancel
+    # the point of no return: from here on, nothing awaits
+    meta = commit_append(core, s, plan, t, answer_tokens, began)
+    if core.mode == "inclusive" and t + 1 < len(core.tiers):
+        pumps.start(s, t + 1)
+    return meta
+
+
+async def load(core: Core, s: Session, target: Target) -> int:
+    """Restore ``s`` (locked, stored) into what ``target`` gives, count it and record the
+    access; its token count. All or nothing whatever cancels it.
+
+    :raises SessionNotFoundError: the history was found damaged (a miss)
+    """
+    assert s.schema is not None
+    out = target(s.schema, s.tokens())
+    began = core.clock()
+    hit = s.primary == 0
+    try:
+        _, cancel = await settle(lambda: restore(core, s, out))
+    except CorruptSegmentError:
+        core.stats.misses += 1
+        raise SessionNotFoundError(s.key) from None
+    if cancel is not None:
+        core.stats.cancelled += 1
+        raise cancel
+    commit_load(core, s, hit, began)
+    return s.tokens()
 
 
 def plan_turn(
@@ -75,105 +154,27 @@ async def store(core: Core, s: Session, plan: SegmentPlan) -> int:
                 await s.wait_quiet()
                 await demote(core, s, t, may_lose=False)
             t += 1
-        await write_new(core.tiers[t], key, plan, core.staging)
+        await core.io[t].write_new(key, plan, core.staging)
     finally:
         core.tiers[t].release(key)
     return t
 
 
 async def restore(core: Core, s: Session, out: dict[str, torch.Tensor]) -> None:
-    """Promote ``s`` if it is not in tier 0 (and fits), then copy it into ``out``."""
+    """Promote ``s`` if it is not in tier 0 (and fits), then copy it into ``out`` (the way
+    its tier's I/O was bound: :mod:`tieredkv._cache.tierio`). A damaged segment costs ``s``
+    that copy (and raises)."""
     if s.primary != 0:
         await promote(core, s)
     assert s.primary is not None
     assert s.schema is not None
     t = s.primary
-    tier = core.tiers[t]
-    dim = s.schema.token_dim
-    if isinstance(tier, AddressableTier):
-        parts = [(k, g.header) for k, g in zip(s.segment_keys(), s.segs, strict=True)]
-        await copy_out_addressable(tier, parts, out, dim)
-        return
-    if isinstance(tier, StreamingReadTier):
-        await _stream(core, s, t, tier, out, dim)
-        return
-    await _read_through_staging(core, s, t, out, dim)
-
-
-async def _stream(
-    core: Core,
-    s: Session,
-    t: int,
-    tier: StreamingReadTier,
-    out: dict[str, torch.Tensor],
-    dim: int,
-) -> None:
-    """Copy ``s``'s history into ``out`` as tier ``t`` streams it, span by span: one
-    worker-thread call for the whole history, the device's queue kept full across segments,
-    and each tensor copied once, from the span that holds it, while later spans are read."""
-    consume = StreamScatter([seg.header for seg in s.segs], out, dim, tier.span_bytes)
-    items = list(zip(s.segment_keys(), consume.spans, strict=True))
+    headers = [seg.header for seg in s.segs]
     try:
-        await tier.read_spans(items, consume)
+        await core.io[t].restore(s.segment_keys(), headers, out, s.schema.token_dim, core.staging)
     except CorruptSegmentError as exc:
         await drop_damaged(core, s, t, exc.where)
         raise
-
-
-_READS_AHEAD = 2
-"""Segment reads in flight while a load scatters the segment before them."""
-
-
-async def _read_through_staging(
-    core: Core, s: Session, t: int, out: dict[str, torch.Tensor], dim: int
-) -> None:
-    """Read ``s``'s segments from tier ``t`` into reused staging buffers and scatter each
-    into ``out`` as it arrives.
-
-    For tiers that neither stream (:class:`StreamingReadTier`: the SSD tier loads through
-    :func:`_stream`) nor give addressable slots, such as a shared tier. Up to
-    :data:`_READS_AHEAD` segment reads are in flight while segment i is scattered (in a
-    worker thread), so the tier is not idle while the copy runs. A failed read stops the
-    load at the first segment that failed; reads already in flight finish first (a worker
-    thread is never abandoned while it writes into a staging buffer).
-    """
-    tier = core.tiers[t]
-    segs = s.segs
-    size = max(seg.length for seg in segs)
-    depth = min(len(segs), _READS_AHEAD + 1)
-    failure: dict[int, BaseException] = {}
-    done = [anyio.Event() for _ in segs]
-
-    with contextlib.ExitStack() as stack:
-        bufs = [stack.enter_context(core.staging.buffer(size)) for _ in range(depth)]
-
-        async def read(i: int) -> None:
-            seg = segs[i]
-            try:
-                await tier.read_into((s.key, seg.header.seq), bufs[i % depth][: seg.length])
-            except BaseException as exc:  # re-raised below, outside the task group
-                failure[i] = exc
-            finally:
-                done[i].set()
-
-        async with anyio.create_task_group() as tg:
-            for i in range(depth - 1):
-                tg.start_soon(read, i)
-            offset = 0
-            for i, seg in enumerate(segs):
-                await done[i].wait()
-                if failure:
-                    break
-                if i + depth - 1 < len(segs):  # into the buffer segment i - 1 was copied from
-                    tg.start_soon(read, i + depth - 1)
-                view = bufs[i % depth][: seg.length]
-                await anyio.to_thread.run_sync(scatter, view, seg.header, out, dim, offset, False)
-                offset += seg.header.tokens
-    if failure:
-        exc = failure[min(failure)]
-        if isinstance(exc, CorruptSegmentError):
-            await drop_damaged(core, s, t, exc.where)
-        raise exc
 
 
 def commit_append(
@@ -187,23 +188,17 @@ def commit_append(
         s.primary = t
     core.stats.appends += 1
     now = core.clock()
-    meta = core.publish(s, now, access=True, answer=answer_tokens)
-    # the access first, then the admission (as the replay does): a policy must see a new
-    # session's first turn as its first access, not as a reuse at distance 0
-    for policy in core.policies:
-        policy.on_access(s.key, meta, now)
-    core.policies[t].on_admit(s.key, meta, now)
-    core.channel.emit(
-        Stored(
-            session=s.key,
-            time=now,
-            nbytes=plan.length,
-            tier=core.tiers[t].name,
-            tokens=plan.header.tokens,
-            seconds=now - began,
-        )
+    event = Stored(
+        session=s.key,
+        time=now,
+        nbytes=plan.length,
+        tier=core.tiers[t].name,
+        tokens=plan.header.tokens,
+        seconds=now - began,
     )
-    return meta
+    # the access, then the admission: a new session's first turn is its first access
+    meta = core.meta(s, now, access=True, answer=answer_tokens)
+    return core.residency.accessed(meta, now, admit=t, event=event)
 
 
 def commit_load(core: Core, s: Session, hit: bool, began: float) -> None:
@@ -214,17 +209,14 @@ def commit_load(core: Core, s: Session, hit: bool, began: float) -> None:
     else:
         core.stats.misses += 1
     core.stats.loads += 1
-    meta = core.publish(s, now, access=True)
-    for policy in core.policies:
-        policy.on_access(s.key, meta, now)
+    meta = core.meta(s, now, access=True)
     assert s.primary is not None
-    core.channel.emit(
-        Loaded(
-            session=s.key,
-            time=now,
-            nbytes=meta.nbytes,
-            tier=core.tiers[s.primary].name,
-            hit=hit,
-            seconds=now - began,
-        )
+    event = Loaded(
+        session=s.key,
+        time=now,
+        nbytes=meta.nbytes,
+        tier=core.tiers[s.primary].name,
+        hit=hit,
+        seconds=now - began,
     )
+    core.residency.accessed(meta, now, event=event)

@@ -31,7 +31,6 @@ import time
 
 import anyio
 
-from ..backends.shared import SharedTier
 from ..errors import (
     CommitDelayedError,
     CorruptSegmentError,
@@ -40,7 +39,7 @@ from ..errors import (
     StaleWriterError,
     TierIOError,
 )
-from .placement import copy_segment, delete_or_orphan, remove_copy, reserve
+from .placement import copy_segments, delete_or_orphan, remove_copy, reserve
 from .refusals import record_refusal, report
 from .state import Core, Session
 
@@ -192,7 +191,7 @@ class WriteThrough:
         except Exception as exc:  # a bug: never left unretrieved, never silent
             core.stats.errors += 1
             _log.exception("write-through of %.80r failed", s.key)
-            if isinstance(core.tiers[dst], SharedTier):
+            if core.io[dst].shared is not None:
                 self._later(s, exc)
         finally:
             s.inflight -= 1
@@ -213,12 +212,12 @@ class WriteThrough:
             return False
         key = (s.key, seg.header.seq)
         to = core.tiers[dst]
-        shared = isinstance(to, SharedTier)
+        shared = core.io[dst].shared is not None
         try:
             stored = await reserve(core, dst, key, seg.length, {s.key}, lossless=True)
             if stored:
                 try:
-                    await copy_segment(core, s, s.primary, dst, key)
+                    await copy_segments(core, s, s.primary, dst, [key], [])
                 finally:
                     to.release(key)
             else:
@@ -255,7 +254,7 @@ class WriteThrough:
         if s.complete(dst):
             self._waiting.pop(s.key, None)
             now = core.clock()
-            core.policies[dst].on_admit(s.key, core.publish(s, now), now)
+            core.residency.admitted(core.meta(s, now), now, dst)
         return True
 
     def _kick(self, key: str) -> None:

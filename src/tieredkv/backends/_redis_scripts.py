@@ -1,5 +1,5 @@
 """The Lua steps of a Redis tier: every change to a conversation's manifest is one of these,
-run by the server atomically (the manifest's fields: :mod:`._redis_manifest`).
+run by the server atomically (the manifest's fields: :mod:`.redis_manifest`).
 
 Each returns ``{code, now_ms, ...}``: the server's clock in milliseconds comes back with
 every reply, so a client can bound when the server may still apply a request it stopped

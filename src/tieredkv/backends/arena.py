@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -23,7 +23,7 @@ from ._arguments import check_tier_arguments
 # re-exported: the cache's staging buffers (tieredkv._cache.gather) import them from here
 from ._buffers import close_mapping as close_mapping
 from ._buffers import prefaulted as prefaulted
-from .base import AddressableTier, SegmentKey, TierStats
+from .base import AddressableTier, Consumer, SegmentKey, Spans, TierStats, check_read
 
 __all__ = [
     "INLINE_COPY",
@@ -350,34 +350,62 @@ class ArenaTier(AddressableTier):
             self._counters["bytes_written"] += slot.length
 
     # -- data ----------------------------------------------------------------------------
-    async def _copy(self, dst: memoryview, src: memoryview) -> None:
-        if len(dst) != len(src):
-            raise ValueError(f"copy of {len(src)} bytes into a buffer of {len(dst)}")
-        if len(src) <= self.inline_copy_limit:
-            dst[:] = src
-        else:
-            await anyio.to_thread.run_sync(_copy_bytes, dst, src, limiter=self._limiter)
-
     async def write(self, key: SegmentKey, data: memoryview) -> None:
         slot = self._slot(key)
         if slot.committed:
             raise ValueError(f"segment {key[1]} is already committed in tier {self.name!r}")
-        await self._copy(self.view(key), data)
+        dst = self.view(key)
+        if len(dst) != len(data):
+            raise ValueError(f"copy of {len(data)} bytes into a buffer of {len(dst)}")
+        if len(data) <= self.inline_copy_limit:
+            dst[:] = data
+        else:
+            await anyio.to_thread.run_sync(_copy_bytes, dst, data, limiter=self._limiter)
         self.commit(key)
 
-    async def read_into(self, key: SegmentKey, out: memoryview) -> None:
-        self._arena()
-        slot = self._slots.get(key)
-        if slot is None or not slot.committed:
-            raise KeyError(key)
-        await self._copy(out, self.view(key))
-        self._counters["reads"] += 1
-        self._counters["bytes_read"] += slot.length
+    async def read(
+        self,
+        keys: Sequence[SegmentKey],
+        into: Sequence[memoryview] | None = None,
+        *,
+        spans: Sequence[Spans] | None = None,
+        consume: Consumer | None = None,
+        order: Sequence[tuple[int, int]] | None = None,
+    ) -> None:
+        """Copy committed segments into ``into`` and/or hand ``consume`` their spans (see
+        :meth:`~tieredkv.backends.base.Tier.read`): without ``into``, ``consume`` gets views
+        of the slots themselves (no copy), valid while the segment is committed.
 
-    def note_read(self, nbytes: int) -> None:
-        """Count a read the cache did in place through :meth:`view`."""
-        self._counters["reads"] += 1
-        self._counters["bytes_read"] += nbytes
+        Everything runs in one worker-thread call when it is larger than
+        ``inline_copy_limit`` (on the event loop otherwise), in ``order`` when given.
+        """
+        arena = self._arena()
+        slots = []
+        for key in keys:
+            slot = self._slots.get(key)
+            if slot is None or not slot.committed:
+                raise KeyError(key)
+            slots.append(slot)
+        jobs = check_read([slot.length for slot in slots], into, spans, order)
+        sources = [arena[slot.offset : slot.offset + slot.length] for slot in slots]
+
+        def copy() -> None:
+            if into is not None:
+                for dst, src in zip(into, sources, strict=True):
+                    _copy_bytes(dst, src)
+            if consume is not None:
+                held = into if into is not None else sources
+                for i, k in jobs:
+                    start, end = spans[i][k] if spans is not None else (0, len(held[i]))
+                    consume(i, k, held[i][start:end])
+
+        total = sum(slot.length for slot in slots)
+        if total <= self.inline_copy_limit:
+            copy()
+        else:
+            await anyio.to_thread.run_sync(copy, limiter=self._limiter)
+        self._counters["reads"] += len(slots)
+        self._counters["bytes_read"] += total
 
     async def delete(self, key: SegmentKey) -> None:
         self._arena()
@@ -419,6 +447,9 @@ class ArenaTier(AddressableTier):
 
 
 def _copy_bytes(dst: memoryview, src: memoryview) -> None:
+    if len(src) <= INLINE_COPY:
+        dst[:] = src
+        return
     # torch and numpy copies release the GIL, unlike memoryview slice assignment; torch also
     # splits a large copy over threads but wants a writable source
     if src.readonly:

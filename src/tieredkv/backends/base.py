@@ -11,13 +11,19 @@ write leaks nothing:
 2. ``await write(key, data)`` fills and commits the reservation. On any error (or
    cancellation) the reservation is still held and the caller ``release``-s it.
 
-Addressable tiers (host memory, mmap) also offer ``view(key)``, a writable memoryview of a
-reserved or committed slot, and ``commit(key)``: the cache serializes a new segment or reads
-a lower tier's bytes straight into the slot, with no intermediate copy.
+Every tier reads through one method, :meth:`Tier.read`: a vectored span read of several
+segments, into the caller's buffers or handed span by span to a consumer, which must
+deliver exactly the bytes written, or raise :class:`~tieredkv.errors.CorruptSegmentError`
+after taking the damaged segment out of service. Persistent tiers list what survived a
+restart from :meth:`Tier.open`.
 
-``read_into`` must deliver exactly the bytes written, or raise
-:class:`~tieredkv.errors.CorruptSegmentError` after taking the damaged segment out of
-service. Persistent tiers list what survived a restart from :meth:`Tier.open`.
+Addressable tiers (host memory, mmap) also offer a zero-copy view
+(:class:`AddressableTier`): ``view(key)``, a writable memoryview of a reserved or committed
+slot, and ``commit(key)``: the cache serializes a new segment or reads a lower tier's bytes
+straight into the slot, with no intermediate copy. Two more optional protocols let a tier
+go faster (:class:`StreamingTier`, :class:`DefragmentingTier`). The cache resolves what
+each tier offers once, when it is built (:mod:`tieredkv._cache.tierio`); a tier that offers
+none of them works through :class:`Tier` alone.
 
 Blocking work (file I/O, large copies) runs in worker threads, never on the event loop.
 """
@@ -25,27 +31,34 @@ Blocking work (file I/O, large copies) runs in worker threads, never on the even
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeAlias, runtime_checkable
 
 import msgspec
 
+from ..payload import ALIGN as _ALIGN
 from ..payload import SegmentHeader
 
 __all__ = [
     "AddressableTier",
-    "BatchReadTier",
+    "Consumer",
     "DefragmentingTier",
-    "FilledWriteTier",
-    "RangedReadTier",
-    "ReadCountingTier",
     "SegmentKey",
-    "StreamingReadTier",
+    "Spans",
+    "StreamingTier",
     "Tier",
     "TierStats",
+    "check_read",
+    "deliver",
 ]
 
 SegmentKey = tuple[str, int]
 """``(session, seq)``: a session's ``seq``-th segment (one per appended turn)."""
+
+Spans: TypeAlias = Sequence[tuple[int, int]]
+"""One segment's spans for :meth:`Tier.read`: byte ranges ``(start, end)``."""
+
+Consumer: TypeAlias = Callable[[int, int, memoryview], None]
+"""What :meth:`Tier.read` hands each span to: ``consume(item, span, view)``."""
 
 
 class TierStats(msgspec.Struct, kw_only=True):
@@ -131,8 +144,47 @@ class Tier(Protocol):
         """Fill the reservation for ``key`` with ``data`` and commit it (atomically)."""
         ...
 
-    async def read_into(self, key: SegmentKey, out: memoryview) -> None:
-        """Copy the committed segment into ``out`` (exactly its length)."""
+    async def read(
+        self,
+        keys: Sequence[SegmentKey],
+        into: Sequence[memoryview] | None = None,
+        *,
+        spans: Sequence[Spans] | None = None,
+        consume: Consumer | None = None,
+        order: Sequence[tuple[int, int]] | None = None,
+    ) -> None:
+        """Read the committed segments ``keys``, in order: the tier's one read.
+
+        :param into: one buffer per key, of exactly the segment's length: its bytes land
+            there (at their offsets)
+        :param spans: per key, the byte ranges ``consume`` gets: together they cover the
+            segment from 0 to its length, in order, each starting at a multiple of 4 KiB at
+            or before the previous one's end and ending at a multiple of 4 KiB or at the
+            segment's end (default: one span, the whole segment)
+        :param consume: called as ``consume(i, k, view)`` once span ``k`` of ``keys[i]`` is
+            in, in span order for each segment, by one thread at a time (perhaps a worker
+            thread); ``view`` holds the span's bytes: part of ``into[i]`` when given, else
+            the tier's own memory, valid only during the call (an :class:`AddressableTier`
+            hands views of its slots: valid while the segment is committed)
+        :param order: the ``(i, k)`` pairs in the order the caller wants them read and
+            delivered, every span once, each segment's in their order (default: every span
+            of ``keys[0]``, then of ``keys[1]``, ...); a tier that reads whole segments may
+            deliver each segment's spans together, in ``keys`` order
+
+        Each segment is verified as a whole before this returns (``consume`` may see bytes
+        before they are checked: what it built is final only once this returns). Stops at
+        the first failure, the segments before it delivered and verified: a damaged one is
+        taken out of service and raised as :class:`~tieredkv.errors.CorruptSegmentError`,
+        an I/O error raised as :class:`~tieredkv.errors.TierIOError`, an exception of
+        ``consume`` as it is. No read still writes into ``into`` once this returns or
+        raises. :func:`deliver` hands a segment read whole to ``consume``.
+
+        :raises KeyError: if a key is not committed here
+        :raises ValueError: if a buffer is not its segment's length, or ``spans`` or
+            ``order`` break the rules above (a tier that verifies a header as it arrives,
+            as the SSD tier does, also refuses a first span that does not hold the whole
+            header)
+        """
         ...
 
     async def delete(self, key: SegmentKey) -> None:
@@ -157,7 +209,8 @@ class Tier(Protocol):
 
 @runtime_checkable
 class AddressableTier(Tier, Protocol):
-    """A tier whose slots are memory the cache can read and write in place."""
+    """A tier whose slots are memory the cache can read and write in place (the zero-copy
+    view). Its :meth:`~Tier.read` hands ``consume`` views of the slots themselves."""
 
     def view(self, key: SegmentKey) -> memoryview:
         """Writable view of the reserved or committed slot for ``key``."""
@@ -168,58 +221,19 @@ class AddressableTier(Tier, Protocol):
         ...
 
 
-# -- optional capabilities ---------------------------------------------------------------
-# The cache uses these where a tier declares them (checked with isinstance, once, when the
-# cache is built), and falls back to the plain Tier protocol elsewhere.
-
-
 @runtime_checkable
-class BatchReadTier(Tier, Protocol):
-    """A tier that reads several segments in one call (one worker-thread hop)."""
+class StreamingTier(Tier, Protocol):
+    """A tier that moves segments best span by span, as its device delivers or takes them.
 
-    async def read_many_into(self, items: Sequence[tuple[SegmentKey, memoryview]]) -> None:
-        """Read each ``(key, out)`` in order; stop at the first failure.
-
-        The segments before a failure are complete; a damaged one is taken out of service
-        and raised as :class:`~tieredkv.errors.CorruptSegmentError`.
-        """
-        ...
-
-
-@runtime_checkable
-class StreamingReadTier(Tier, Protocol):
-    """A tier that streams segments to a consumer span by span, as the device delivers them
-    (a load then needs no segment-sized buffer, and copies while the device reads)."""
+    The cache then loads a history by handing :meth:`~Tier.read` spans of whole tensors of
+    about :attr:`span_bytes` (each copied into the output tensors while later spans are
+    read: a load needs a few spans of memory, not a segment-sized buffer) and appends by
+    serializing a segment part by part while the tier writes the parts already filled.
+    """
 
     @property
     def span_bytes(self) -> int:
-        """The span size this tier reads best (spans may be larger where one tensor is)."""
-        ...
-
-    async def read_spans(
-        self,
-        items: Sequence[tuple[SegmentKey, Sequence[tuple[int, int]]]],
-        consume: Callable[[int, int, memoryview], None],
-    ) -> None:
-        """Deliver each segment's spans to ``consume(item, span, view)`` in order.
-
-        The spans of a segment cover it from 0 to its length, in order, each starting at a
-        multiple of 4 KiB at or before the previous one's end. ``view`` is valid only during
-        the call, and its bytes are checked only once the segment's last span has arrived:
-        what ``consume`` built is final when this returns. Stops at the first failure (the
-        segments before it were delivered and verified); a damaged segment is taken out of
-        service and raised as :class:`~tieredkv.errors.CorruptSegmentError`.
-        """
-        ...
-
-
-@runtime_checkable
-class FilledWriteTier(Tier, Protocol):
-    """A tier that writes a new segment while the caller is still serializing it."""
-
-    @property
-    def span_bytes(self) -> int:
-        """The part size this tier writes best."""
+        """The span (and part) size this tier reads and writes best."""
         ...
 
     async def write_filled(
@@ -248,40 +262,68 @@ class DefragmentingTier(Tier, Protocol):
         ...
 
 
-@runtime_checkable
-class ReadCountingTier(AddressableTier, Protocol):
-    """An addressable tier that counts reads done in place through :meth:`view`."""
+def deliver(
+    consume: Consumer | None, spans: Sequence[Spans] | None, item: int, segment: memoryview
+) -> None:
+    """Hand segment ``item`` (``segment``: all its bytes, read and verified) to ``consume``
+    span by span, as :meth:`Tier.read` asks: what a tier that reads whole segments does."""
+    if consume is None:
+        return
+    for k, (start, end) in enumerate(spans[item] if spans is not None else ((0, len(segment)),)):
+        consume(item, k, segment[start:end])
 
-    def note_read(self, nbytes: int) -> None:
-        """Count one read of ``nbytes`` done through a view."""
-        ...
+
+def check_read(
+    lengths: Sequence[int],
+    into: Sequence[memoryview] | None,
+    spans: Sequence[Spans] | None,
+    order: Sequence[tuple[int, int]] | None,
+) -> list[tuple[int, int]]:
+    """Refuse a :meth:`Tier.read` of segments of ``lengths`` bytes whose buffers, spans or
+    order break its rules (``ValueError``, saying which); return the ``(i, k)`` pairs in the
+    order to deliver them."""
+    if into is not None:
+        if len(into) != len(lengths):
+            raise ValueError(f"{len(lengths)} segments but {len(into)} buffers")
+        for buf, length in zip(into, lengths, strict=True):
+            if len(buf) != length:
+                raise ValueError(f"segment is {length} bytes, the buffer {len(buf)}")
+    if spans is None:
+        counts = [1] * len(lengths)
+    else:
+        if len(spans) != len(lengths):
+            raise ValueError(f"{len(lengths)} segments but {len(spans)} span lists")
+        for seg_spans, length in zip(spans, lengths, strict=True):
+            _check_spans(seg_spans, length)
+        counts = [len(seg_spans) for seg_spans in spans]
+    if order is None:
+        return [(i, k) for i, n in enumerate(counts) for k in range(n)]
+    jobs = list(order)
+    nxt = [0] * len(counts)
+    for i, k in jobs:
+        if not 0 <= i < len(counts) or k != nxt[i]:
+            raise ValueError(
+                f"order must list each segment's spans once, in their order; ({i}, {k}) is "
+                f"not the next span of a segment"
+            )
+        nxt[i] += 1
+    if nxt != counts:
+        raise ValueError("order leaves out some spans")
+    return jobs
 
 
-@runtime_checkable
-class RangedReadTier(Tier, Protocol):
-    """A tier that reads segments span by span, saying when each span of all of them is in.
-
-    A streamed (layer-wise) restore reads the bytes of the first layers of every segment of
-    a history first, so a model can start on them while later layers are still read
-    (:meth:`tieredkv.TieredKVCache.load_layerwise`).
-    """
-
-    async def read_spans_into(
-        self,
-        items: Sequence[tuple[SegmentKey, memoryview]],
-        ends: Sequence[Sequence[int]],
-        landed: Callable[[int], None],
-    ) -> None:
-        """Read each ``(key, out)`` in consecutive spans: span ``g`` of segment ``i`` is
-        ``[ends[i][g - 1], ends[i][g])`` (span 0 from 0; ``ends[i][-1]`` is the segment's
-        length; every segment has the same number of spans).
-
-        Spans are read in order of ``g`` (all segments' span 0, then span 1, ...), several
-        reads in flight; ``landed(g)`` is called (from a worker thread) once spans ``0 ..
-        g`` of every segment are in ``out``, before the bytes are verified. Every segment is
-        verified as a whole (as :meth:`Tier.read_into` does) before this returns; a damaged
-        one is taken out of service and raised as
-        :class:`~tieredkv.errors.CorruptSegmentError`, after which ``landed`` is not called
-        again. Every read has finished when this returns or raises.
-        """
-        ...
+def _check_spans(spans: Spans, length: int) -> None:
+    """Refuse spans that do not cover a segment of ``length`` bytes as :meth:`Tier.read`
+    needs (``ValueError``)."""
+    end = 0
+    for start, stop in spans:
+        if start % _ALIGN or (stop % _ALIGN and stop != length):
+            raise ValueError(f"span ({start}, {stop}) is not aligned to {_ALIGN} bytes")
+        if not start <= end < stop <= length:
+            raise ValueError(
+                f"span ({start}, {stop}) does not continue the spans before it (which end at "
+                f"{end}) within the segment's {length} bytes"
+            )
+        end = stop
+    if end != length:
+        raise ValueError(f"the spans end at {end}, the segment at {length}")

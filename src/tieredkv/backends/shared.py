@@ -78,7 +78,7 @@ class SharedTier(Tier, Protocol):
 
         Afterwards :meth:`~tieredkv.backends.base.Tier.contains`,
         :meth:`~tieredkv.backends.base.Tier.length` and
-        :meth:`~tieredkv.backends.base.Tier.read_into` reflect the store's current
+        :meth:`~tieredkv.backends.base.Tier.read` reflect the store's current
         manifest for ``session``.
 
         :param take: also become the conversation's writer, in the same atomic step (only

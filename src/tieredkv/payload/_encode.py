@@ -13,7 +13,7 @@ import torch
 import xxhash
 
 from .._checks import check_cuts, check_int
-from .._copy import copy_tensor
+from .._copy import copy_bytes, copy_tensor
 from ..errors import InvalidArgumentError, InvalidTypeError
 from ._format import (
     _DTYPES,
@@ -72,6 +72,7 @@ class SegmentPlan:
         """
         h = self.header
         dest = torch.frombuffer(buf, dtype=torch.uint8)  # length >= ALIGN: never empty
+        base = dest.data_ptr()  # valid while ``dest`` holds ``buf``
         cursor = lo
         if lo == 0:
             start = PREFIX.size + len(self.header_bytes)
@@ -83,7 +84,11 @@ class SegmentPlan:
                 continue
             if at > cursor:
                 dest[cursor:at].zero_()
-            if spec.nbytes:
+            if at + spec.nbytes > len(dest):
+                raise ValueError(f"tensor {spec.name!r} runs past the {len(dest)}-byte buffer")
+            # a contiguous CPU tensor's bytes straight to their place (one memmove); any
+            # other tensor through a typed view of its place
+            if spec.nbytes and not copy_bytes(base + at, tensor, spec.nbytes):
                 slot = dest[at : at + spec.nbytes].view(tensor.dtype).view(tensor.shape)
                 copy_tensor(slot, tensor)
             cursor = at + spec.nbytes

@@ -17,7 +17,7 @@ Every header is checked at open (:func:`~tieredkv.payload.parse_header`: CRC, th
 against the file's length); a file whose header was read and found wrong is quarantined and
 the tier opens with the rest (:meth:`SSDTier.set_aside` names them per session). An I/O
 error is not evidence of damage: a header read that fails is tried again (5 tries over
-0.44 s, :mod:`tieredkv.backends._retry`), and if it still fails, :meth:`SSDTier.open` fails
+0.44 s, :mod:`tieredkv._retry`), and if it still fails, :meth:`SSDTier.open` fails
 with a :class:`~tieredkv.errors.TierIOError` naming the file, having moved and deleted
 nothing, so a later open sees every file. While open, a read serves a
 file only if its prefix (which covers the header's CRC and the body's hash) is the one this
@@ -60,11 +60,11 @@ filesystems) the tier falls back to buffered I/O, drops the pages it touched wit
 
 Reads verify the header CRC and the body's xxh3 hash while the data streams in: up to four
 chunk reads are kept in flight, and the hash of each chunk (in a second thread; xxh3
-releases the GIL) overlaps the reads of the next ones. :meth:`SSDTier.read_spans` streams
-whole histories that way, handing each span to a consumer (in a third thread) as it
-arrives; :meth:`SSDTier.write_filled` writes a segment part by part while its caller is
-still serializing the next part. A segment that fails is moved
-to ``quarantine/`` and reported as :class:`~tieredkv.errors.CorruptSegmentError`; the cache
+releases the GIL) overlaps the reads of the next ones. :meth:`SSDTier.read` (the tier's
+one read) streams whole histories that way when asked for spans, handing each span to a
+consumer (in a third thread) as it arrives; :meth:`SSDTier.write_filled` writes a segment
+part by part while its caller is still serializing the next part. A segment that fails is
+moved to ``quarantine/`` and reported as :class:`~tieredkv.errors.CorruptSegmentError`; the cache
 treats it as a miss.
 
 The package, one concern per module:

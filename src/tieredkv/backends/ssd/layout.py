@@ -137,7 +137,7 @@ def read_header_at(
     What was read and found wrong (and a symbolic link, which is never read through) is a
     :class:`~tieredkv.errors.CorruptSegmentError`. An I/O error is raised as the
     :class:`OSError` it is: it proves nothing about the file (try again, see
-    :func:`~tieredkv.backends._retry.retry_io`).
+    :func:`~tieredkv._retry.retry_io`).
     """
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sub)

@@ -4,7 +4,7 @@ Every header is checked at open (:func:`~tieredkv.payload.parse_header`: CRC, th
 against the file's length); a file whose header was read and found wrong is quarantined and
 the tier opens with the rest (:meth:`Recovery.set_aside` names them per session). An I/O
 error is not evidence of damage: a header read that fails is tried again (5 tries over
-0.44 s, :mod:`tieredkv.backends._retry`), and if it still fails, the open fails with a
+0.44 s, :mod:`tieredkv._retry`), and if it still fails, the open fails with a
 :class:`~tieredkv.errors.TierIOError` naming the file, having moved and deleted nothing,
 so a later open sees every file. With a secret, every header's MAC is checked and a
 session whose files carry more than one incarnation is quarantined whole.
@@ -16,9 +16,9 @@ import errno
 import functools
 import os
 
+from ..._retry import retry_io, tries
 from ...errors import CorruptSegmentError, TierIOError
 from ...payload import SegmentHeader
-from .._retry import retry_io, tries
 from .dirs import TierDirectory
 from .index import SegmentIndex
 from .layout import (

@@ -1,22 +1,20 @@
-"""Streaming segments out of an SSD tier span by span (:meth:`SSDTier.read_spans`).
+"""Streaming segments out of an SSD tier span by span (:meth:`SSDTier.read` with spans).
 
 Whole histories stream to a consumer (in a third thread) span by span as they arrive: up
 to four reads are in flight across segment boundaries, each segment's checksum (and MAC)
 is computed in the hasher thread as its spans arrive, and the spans are read into a small
 pool of reused, prefaulted buffers (or straight into the caller's buffers), so a history
 of any size needs a few chunks of memory, not a segment-sized buffer. A layer-wise restore
-(:func:`layerwise_plan`) reads every segment's first span, then every segment's second,
-and so on.
+reads every segment's first span, then every segment's second, and so on.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import mmap
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -34,18 +32,15 @@ from ...payload import (
     parse_header,
 )
 from .._buffers import aligned, close_mapping, prefaulted
-from ..base import SegmentKey
+from ..base import Consumer, SegmentKey, Spans
 from .index import SegmentIndex
 from .layout import pread_full, segment_file_name
 from .reader import READ_DEPTH, Failure, SegmentReader, Workers, check_header
 
-__all__ = ["SpanStream", "check_stream", "layerwise_plan", "span_order"]
+__all__ = ["SpanStream", "check_stream"]
 
-Items = Sequence[tuple[SegmentKey, Sequence[tuple[int, int]]]]
-"""Segments and their spans, as :meth:`SSDTier.read_spans` takes them."""
-
-Consumer = Callable[[int, int, memoryview], None]
-"""What a stream hands each span to: ``consume(item, span, view)``."""
+Items = Sequence[tuple[SegmentKey, Spans]]
+"""Segments and their spans."""
 
 _RING = READ_DEPTH + 2
 """Span buffers one stream cycles through: the reads in flight, one being hashed and copied
@@ -61,14 +56,10 @@ def check_stream(
     into: Sequence[memoryview] | None,
     direct: bool,
 ) -> None:
-    """Refuse a stream :meth:`SSDTier.read_spans` cannot read: a segment not held, spans
-    that do not cover it or split its header, buffers of the wrong length or (with
-    O_DIRECT) alignment (``KeyError``, ``ValueError``)."""
+    """Refuse a stream that :func:`~tieredkv.backends.base.check_read` lets through but
+    this tier cannot read: a first span that splits a segment's header, or (with O_DIRECT)
+    buffers that are not 4 KiB-aligned (``ValueError``)."""
     for i, (key, spans) in enumerate(items):
-        length = index.lengths.get(key)
-        if length is None:
-            raise KeyError(key)
-        _check_spans(spans, length)
         tag = index.tags.get(key)
         if tag is not None and spans[0][1] < PREFIX.size + PREFIX.unpack_from(tag)[1]:
             raise ValueError(
@@ -76,95 +67,8 @@ def check_stream(
                 f"header ({PREFIX.size + PREFIX.unpack_from(tag)[1]} bytes): it must hold "
                 f"the whole header"
             )
-        if into is not None:
-            if len(into[i]) != length:
-                raise ValueError(f"segment is {length} bytes, the buffer {len(into[i])}")
-            if direct and not aligned(into[i]):
-                raise ValueError(f"with O_DIRECT the buffers must be {ALIGN}-aligned")
-    if into is not None and len(into) != len(items):
-        raise ValueError(f"{len(items)} segments but {len(into)} buffers")
-
-
-def span_order(items: Items, order: Sequence[tuple[int, int]] | None) -> list[tuple[int, int]]:
-    """The ``(item, span)`` pairs to read, in order; ``ValueError`` if ``order`` misses one,
-    repeats one, or puts an item's spans out of their order."""
-    if order is None:
-        return [(i, k) for i, (_, spans) in enumerate(items) for k in range(len(spans))]
-    jobs = list(order)
-    nxt = [0] * len(items)
-    for i, k in jobs:
-        if not 0 <= i < len(items) or k != nxt[i]:
-            raise ValueError(
-                f"order must list each item's spans once, in their order; ({i}, {k}) is not "
-                f"the next span of an item"
-            )
-        nxt[i] += 1
-    if nxt != [len(spans) for _, spans in items]:
-        raise ValueError("order leaves out some spans")
-    return jobs
-
-
-def _check_spans(spans: Sequence[tuple[int, int]], length: int) -> None:
-    """Refuse spans that do not cover a segment of ``length`` bytes as :meth:`SSDTier.read_spans`
-    needs (``ValueError``)."""
-    end = 0
-    for start, stop in spans:
-        if start % ALIGN or (stop % ALIGN and stop != length):
-            raise ValueError(f"span ({start}, {stop}) is not aligned to {ALIGN} bytes")
-        if not start <= end < stop <= length:
-            raise ValueError(
-                f"span ({start}, {stop}) does not continue the spans before it (which end at "
-                f"{end}) within the segment's {length} bytes"
-            )
-        end = stop
-    if end != length:
-        raise ValueError(f"the spans end at {end}, the segment at {length}")
-
-
-def layerwise_plan(
-    lengths: Sequence[int], ends: Sequence[Sequence[int]], landed: Callable[[int], None]
-) -> tuple[list[list[tuple[int, int]]], Consumer, list[tuple[int, int]]]:
-    """The stream of a layer-wise read (:meth:`SSDTier.read_spans_into`): each segment's
-    spans (``ends`` are its span ends, the same number per segment), the consumer that
-    calls ``landed(g)`` once span group ``g`` of every segment has arrived (in group order),
-    and the order that reads every segment's group 0, then every segment's group 1, ...
-
-    :raises ValueError: span ends that are not non-decreasing multiples of 4 KiB ending at
-        each segment's length, or not the same number for every segment
-    """
-    groups = len(ends[0]) if ends else 0
-    spans: list[list[tuple[int, int]]] = []
-    group_of: list[list[int]] = []  # each span's group
-    for length, cuts in zip(lengths, ends, strict=True):
-        if len(cuts) != groups or not cuts or cuts[-1] != length:
-            raise ValueError("every segment needs the same number of spans, ending at its length")
-        if any(b < a for a, b in itertools.pairwise([0, *cuts])) or any(c % ALIGN for c in cuts):
-            raise ValueError(f"span ends must be non-decreasing multiples of {ALIGN}")
-        seg_spans: list[tuple[int, int]] = []
-        seg_groups: list[int] = []
-        start = 0
-        for g, end in enumerate(cuts):
-            if end > start:  # an empty span has nothing to read
-                seg_spans.append((start, end))
-                seg_groups.append(g)
-            start = end
-        spans.append(seg_spans)
-        group_of.append(seg_groups)
-    pending = [0] * groups  # spans of each group not delivered yet
-    for seg_groups in group_of:
-        for g in seg_groups:
-            pending[g] += 1
-    done = 0  # groups reported landed
-
-    def deliver(item: int, k: int, view: memoryview) -> None:
-        nonlocal done
-        pending[group_of[item][k]] -= 1
-        while done < groups and not pending[done]:
-            landed(done)
-            done += 1
-
-    order = sorted((g, i, k) for i, gs in enumerate(group_of) for k, g in enumerate(gs))
-    return spans, deliver, [(i, k) for _, i, k in order]
+        if into is not None and direct and not aligned(into[i]):
+            raise ValueError(f"with O_DIRECT the buffers must be {ALIGN}-aligned")
 
 
 class SpanStream:
@@ -208,10 +112,10 @@ class SpanStream:
         self,
         items: Items,
         jobs: list[tuple[int, int]],
-        consume: Consumer,
+        consume: Consumer | None,
         into: Sequence[memoryview] | None,
     ) -> tuple[list[int], tuple[int, Failure] | None]:
-        """The stream itself (see :meth:`SSDTier.read_spans`); returns the items verified, in
+        """The stream itself (see :meth:`SSDTier.read`); returns the items verified, in
         the order they were, and the failure that stopped it (the item, and the failure as
         :meth:`SegmentReader.read_checked` reports one)."""
         w = self._workers
@@ -283,9 +187,11 @@ class SpanStream:
                         free.append(buf)
                     return verified, (i, (exc.detail, None, ""))
                 # copied out in the copier thread, so this one reissues reads meanwhile
-                copying = copier.submit(consume, i, k, view)
-                busy.append((buf, [*futures, copying]))
-                seg.copies.append(copying)
+                if consume is not None:
+                    copying = copier.submit(consume, i, k, view)
+                    futures = [*futures, copying]
+                    seg.copies.append(copying)
+                busy.append((buf, futures))
                 if end == length:
                     try:
                         reading.pop(i).finish()

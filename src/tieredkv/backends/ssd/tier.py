@@ -14,14 +14,14 @@ from ..._checks import check_cuts, check_int
 from ...errors import ClosedError, CorruptSegmentError, InvalidArgumentError, TierIOError
 from ...payload import ALIGN, SegmentHeader, derive_key
 from .._arguments import check_tier_arguments
-from ..base import SegmentKey, Tier, TierStats
+from ..base import Consumer, SegmentKey, Spans, Tier, TierStats, check_read
 from .dirs import TierDirectory
 from .index import SegmentIndex
 from .layout import segment_file_name
 from .probe import probe_direct_io
 from .reader import Failure, SegmentReader, Workers
 from .recovery import Recovery
-from .stream import SpanStream, check_stream, layerwise_plan, span_order
+from .stream import SpanStream, check_stream
 from .writer import Filled, SegmentWriter
 
 __all__ = ["SSDTier"]
@@ -105,7 +105,7 @@ class SSDTier(Tier):
 
     @property
     def span_bytes(self) -> int:
-        """Bytes per read call (``chunk_size``): the size :meth:`read_spans` reads best."""
+        """Bytes per read call (``chunk_size``): the span size :meth:`read` streams best."""
         return self._reader.chunk
 
     @property
@@ -230,32 +230,66 @@ class SSDTier(Tier):
         self._counters["writes"] += 1
         self._counters["bytes_written"] += length
 
-    async def read_into(self, key: SegmentKey, out: memoryview) -> None:
-        await self.read_many_into([(key, out)])
+    async def read(
+        self,
+        keys: Sequence[SegmentKey],
+        into: Sequence[memoryview] | None = None,
+        *,
+        spans: Sequence[Spans] | None = None,
+        consume: Consumer | None = None,
+        order: Sequence[tuple[int, int]] | None = None,
+    ) -> None:
+        """Read committed segments, verified (see :meth:`~tieredkv.backends.base.Tier.read`).
 
-    async def read_many_into(self, items: Sequence[tuple[SegmentKey, memoryview]]) -> None:
-        """Read several committed segments, in order, in one worker-thread call.
+        Whole segments into ``into`` (no ``spans``, no ``consume``: a promotion reading a
+        history into its new slots) are read in one worker-thread call, in order: a
+        segment of at most ``chunk_size`` bytes with one read call, hashed in that thread;
+        a larger one in chunks, read ahead by reader threads while the hasher thread hashes
+        the chunks already read.
 
-        A promotion reads a whole history (one segment per turn) this way: one hop to a
-        worker thread instead of one per segment. Stops at the first segment that fails;
-        the ones before it are complete. A damaged one is quarantined and raised as
-        :class:`~tieredkv.errors.CorruptSegmentError`.
+        Otherwise the segments stream span by span (the spans may overlap by less than a
+        page; the first must hold the whole header): up to four reads in flight across
+        segment boundaries, in ``order``, each segment's checksum (and MAC) computed in the
+        hasher thread as its spans arrive, ``consume`` called in a third thread while later
+        spans are read; without ``into`` the spans are read into a small pool of reused,
+        prefaulted buffers, so a history of any size needs a few chunks of memory, not a
+        segment-sized buffer. With O_DIRECT, ``into`` must be 4 KiB-aligned (as tier-0
+        slots and staging buffers are) when it is streamed into.
         """
         limiter = self._check_open()
-        for key, out in items:
+        lengths = []
+        for key in keys:
             length = self._index.lengths.get(key)
             if length is None:
                 raise KeyError(key)
-            if len(out) != length:
-                raise ValueError(f"segment is {length} bytes, the buffer {len(out)}")
-        done, failure = await anyio.to_thread.run_sync(
-            self._reader.read_many, items, limiter=limiter
-        )
-        for _, out in items[:done]:
+            lengths.append(length)
+        if not lengths:
+            check_read(lengths, into, spans, order)
+            return
+        if spans is None and consume is None and order is None:
+            if into is None:
+                raise ValueError("read needs buffers (into) or a consumer (consume)")
+            check_read(lengths, into, None, None)
+            items = list(zip(keys, into, strict=True))
+            done, failure = await anyio.to_thread.run_sync(
+                self._reader.read_many, items, limiter=limiter
+            )
+            verified: Sequence[int] = range(done)
+            stopped = None if failure is None else (done, failure)
+        else:
+            jobs = check_read(lengths, into, spans, order)
+            whole = [((0, length),) for length in lengths]
+            items_spans = list(zip(keys, whole if spans is None else spans, strict=True))
+            check_stream(items_spans, self._index, into, self._dir.direct)
+            verified, stopped = await anyio.to_thread.run_sync(
+                self._stream.read, items_spans, jobs, consume, into, limiter=limiter
+            )
+        for i in verified:
             self._counters["reads"] += 1
-            self._counters["bytes_read"] += len(out)
-        if failure is not None:
-            await self._raise_read_failure(items[done][0], failure)
+            self._counters["bytes_read"] += lengths[i]
+        if stopped is not None:
+            i, why = stopped
+            await self._raise_read_failure(keys[i], why)
 
     async def _raise_read_failure(self, key: SegmentKey, failure: Failure) -> NoReturn:
         """Quarantine ``key`` and raise :class:`CorruptSegmentError` if it was damaged (no
@@ -269,76 +303,6 @@ class SSDTier(Tier):
             await self._quarantine(key)
             raise CorruptSegmentError(segment_file_name(key), detail)
         raise TierIOError(self.name, detail, OSError(code, reason))
-
-    async def read_spans(
-        self,
-        items: Sequence[tuple[SegmentKey, Sequence[tuple[int, int]]]],
-        consume: Callable[[int, int, memoryview], None],
-        *,
-        into: Sequence[memoryview] | None = None,
-        order: Sequence[tuple[int, int]] | None = None,
-    ) -> None:
-        """Stream several committed segments to ``consume``, span by span, as they arrive.
-
-        Each item is a segment and its spans: byte ranges ``(start, end)`` that together
-        cover it from 0 to its length, in order, each starting at a multiple of 4 KiB at or
-        before the previous one's end (they may overlap by less than a page), each ending at
-        a multiple of 4 KiB or the segment's end. ``consume(item, span, view)`` gets each
-        span's bytes (valid only during the call) in a worker thread, in order, while later
-        spans are read: up to four reads are in flight across segment boundaries, each
-        segment's checksum (and MAC) is computed in the hasher thread as its spans arrive,
-        and the spans are read into a small pool of reused, prefaulted buffers, so a
-        history of any size needs a few chunks of memory, not a segment-sized buffer.
-
-        :param into: one buffer per item, the segment's length, to read the spans straight
-            into (at their offsets) instead of the pool's buffers: a promotion reads into its
-            new slots this way. With O_DIRECT they must be 4 KiB-aligned.
-        :param order: the ``(item, span)`` pairs in the order to read and deliver them
-            (default: every span of item 0, then of item 1, ...); each item's spans must come
-            in their own order. A layer-wise restore reads every segment's first span, then
-            every segment's second, and so on.
-
-        A segment is verified when its last span has arrived, so ``consume`` sees bytes
-        before they are checked: what it built is final only once this returns. A failure
-        stops the stream (the segments whose last span came before it were delivered and
-        verified); a damaged segment is quarantined and raised as
-        :class:`~tieredkv.errors.CorruptSegmentError`, an I/O error as
-        :class:`~tieredkv.errors.TierIOError`; an exception from ``consume`` propagates.
-        """
-        limiter = self._check_open()
-        check_stream(items, self._index, into, self._dir.direct)
-        jobs = span_order(items, order)
-        verified, failure = await anyio.to_thread.run_sync(
-            self._stream.read, items, jobs, consume, into, limiter=limiter
-        )
-        for i in verified:
-            self._counters["reads"] += 1
-            self._counters["bytes_read"] += self._index.lengths.get(items[i][0], 0)
-        if failure is not None:
-            i, why = failure
-            await self._raise_read_failure(items[i][0], why)
-
-    async def read_spans_into(
-        self,
-        items: Sequence[tuple[SegmentKey, memoryview]],
-        ends: Sequence[Sequence[int]],
-        landed: Callable[[int], None],
-    ) -> None:
-        """Read several committed segments span by span, in span order, verified.
-
-        See :class:`~tieredkv.backends.base.RangedReadTier`. Span boundaries must be
-        multiples of 4096 bytes and, with O_DIRECT, ``out`` 4096-aligned (as tier-0 slots
-        and staging buffers are). This is :meth:`read_spans` reading straight into ``out``,
-        every segment's span 0 first, then every segment's span 1, and so on: up to four
-        reads in flight, each segment's checksum and MAC computed as its spans land.
-        """
-        spans, deliver, order = layerwise_plan([len(out) for _, out in items], ends, landed)
-        await self.read_spans(
-            [(key, seg_spans) for (key, _), seg_spans in zip(items, spans, strict=True)],
-            deliver,
-            into=[out for _, out in items],
-            order=order,
-        )
 
     async def delete(self, key: SegmentKey) -> None:
         limiter = self._check_open()

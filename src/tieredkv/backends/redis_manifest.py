@@ -1,6 +1,7 @@
 """The manifest of a conversation in a Redis tier: its fields, parsing and authentication.
 
-A manifest is one Redis hash per conversation (``prefix:{H}:m``)::
+A manifest is one Redis hash per conversation (``prefix:{H}:m``, ``H`` its
+:func:`conversation_tag`)::
 
     session   the conversation's key (UTF-8)
     id        the manifest's incarnation: 32 hex digits, new whenever it is created (a
@@ -26,6 +27,7 @@ never trusted further than its checks.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,11 +46,25 @@ from ..payload import (
     verify_segment,
 )
 
-__all__ = ["Damaged", "Entry", "Manifest", "encode_entry", "parse", "sign", "verify_segment_read"]
+__all__ = [
+    "Damaged",
+    "Entry",
+    "Manifest",
+    "conversation_tag",
+    "encode_entry",
+    "parse",
+    "sign",
+    "verify_segment_read",
+]
 
 _NONCE = re.compile(r"[0-9a-f]{16}")
 _ID = re.compile(r"[0-9a-f]{32}")
 _DIGITS = re.compile(rb"0|[1-9][0-9]{0,18}")
+
+
+def conversation_tag(session: str) -> str:
+    """The hash tag of a conversation's keys: BLAKE2b-128 of its key, in hex."""
+    return hashlib.blake2b(session.encode("utf-8"), digest_size=16).hexdigest()
 
 
 class Entry(msgspec.Struct, array_like=True, frozen=True):

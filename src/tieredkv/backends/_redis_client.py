@@ -1,0 +1,249 @@
+"""A Redis tier's connection to its server: the client, the Lua steps, the server's clock.
+
+A tier built from a URL builds its own client: a blocking pool of ``max_connections``
+connections (a caller waits ``timeout`` for one), every connect and reply bounded by
+``timeout``, and a command retried on a dropped connection (up to 3 times, 50 ms to 1 s
+apart), as after a server restart: every command the tier sends is idempotent. A client
+passed in is used as it is, with its own retry settings, and never closed by the tier.
+
+Every failure of the server or of the network leaves this module as a
+:class:`~tieredkv.errors.TierIOError` naming the tier, the server (without its password)
+and what was being done; a call on a closed tier raises
+:class:`~tieredkv.errors.ClosedError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import anyio
+
+from .._urls import redacted
+from .._version import __version__
+from ..errors import ClosedError, TierIOError
+from . import _redis_scripts as lua
+
+try:
+    import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import NoScriptError, RedisError
+except ImportError as _exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("RedisTier needs the redis client: pip install 'tieredkv[redis]'") from _exc
+
+if TYPE_CHECKING:
+    from redis.commands.core import AsyncScript
+
+__all__ = [
+    "Client",
+    "Connection",
+    "NoScriptError",
+    "RedisCluster",
+    "RedisError",
+    "driver_options",
+    "fields",
+    "redacted",
+    "text",
+    "to_int",
+]
+
+RedisCluster = aioredis.RedisCluster
+Client: TypeAlias = "aioredis.Redis | aioredis.RedisCluster"
+"""The clients a tier works with (the modules beside this one import the client library
+only through this one, which says how to install it)."""
+
+_SCRIPTS = ("take", "acquire", "ensure", "commit", "drop", "release")
+
+
+def text(value: object) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def to_int(value: object, default: int = -1) -> int:
+    try:
+        return int(value)  # type: ignore[call-overload,no-any-return]
+    except (TypeError, ValueError):
+        return default
+
+
+def fields(reply: Sequence[Any] | Mapping[Any, Any]) -> dict[bytes, bytes]:
+    """A manifest's fields, from ``HGETALL`` (a dict) or a Lua script (a flat list)."""
+    pairs = (
+        reply.items()
+        if isinstance(reply, Mapping)
+        else ((reply[i], reply[i + 1]) for i in range(0, len(reply) - 1, 2))
+    )
+    return {k: v for k, v in pairs if isinstance(k, bytes) and isinstance(v, bytes)}
+
+
+class Connection:
+    """The client of one tier (``name``) and what it learned of the server.
+
+    :param server: a URL (checked here) or a ready client
+    :param client_options: for the pool a URL's client is built with (none with a client)
+    """
+
+    def __init__(
+        self,
+        server: str | Client,
+        *,
+        name: str,
+        timeout: float,
+        max_connections: int,
+        client_options: dict[str, Any],
+    ) -> None:
+        if isinstance(server, str):
+            if not server.startswith(("redis://", "rediss://", "unix://")):
+                raise ValueError(
+                    f"tier {name!r}: {redacted(server)!r} is not a redis://, rediss:// or "
+                    f"unix:// URL"
+                )
+            self.url = redacted(server)
+        elif client_options:
+            raise ValueError(
+                f"tier {name!r}: client options {sorted(client_options)} apply to a URL; "
+                f"configure the client you pass instead"
+            )
+        else:
+            self.url = repr(server)
+        self.name = name
+        self.timeout = timeout
+        self._server = server
+        self._client_options = client_options
+        self._max_connections = max_connections
+        self.client: Client | None = None
+        """Set once :meth:`open` has connected, ``None`` again once closed."""
+        self.scripts: dict[str, AsyncScript] = {}
+        self.skew = 0.0
+        """Server clock minus this process's monotonic clock, ms: a lower bound."""
+
+    async def open(self) -> None:
+        """Build the client (or check the one given), learn the server's clock, register
+        the Lua steps.
+
+        :raises TierIOError: the server cannot be reached
+        :raises ValueError: the client given decodes replies to ``str``
+        """
+        if isinstance(self._server, str):
+            # the client looks its version up in package metadata (file I/O) for each
+            # connection unless told: once, in a worker thread
+            options = {**await anyio.to_thread.run_sync(driver_options), **self._client_options}
+            options.setdefault(
+                "retry",
+                Retry(ExponentialBackoff(cap=1.0, base=0.05), 3, (RedisConnectionError,)),
+            )
+            pool = aioredis.BlockingConnectionPool.from_url(
+                self._server,
+                max_connections=self._max_connections,
+                timeout=self.timeout,
+                socket_timeout=self.timeout,
+                socket_connect_timeout=self.timeout,
+                **options,
+            )
+            client: Client = aioredis.Redis.from_pool(pool)
+        else:
+            client = self._server
+            if client.get_connection_kwargs().get("decode_responses"):
+                raise ValueError(
+                    f"tier {self.name!r}: the client decodes replies to str "
+                    f"(decode_responses=True); pass one that returns bytes"
+                )
+        try:
+            seconds, micros = await client.time()
+            self.clock(int(seconds) * 1000 + int(micros) // 1000)
+        except (RedisError, OSError) as exc:
+            if isinstance(self._server, str):
+                await client.aclose()
+            raise TierIOError(
+                self.name,
+                f"connect to {self.url} (check that the server runs and is reachable, and "
+                f"the URL, TLS settings and password)",
+                f"{type(exc).__name__}: {exc}",
+            ) from exc
+        self.scripts = {
+            name: client.register_script(getattr(lua, name.upper())) for name in _SCRIPTS
+        }
+        self.client = client
+
+    async def close(self, manifests: Sequence[str], owner: str) -> None:
+        """Release ``owner``'s leases of the conversations whose manifests are named (at
+        once, not after ``lease_ttl``; best effort), then close a client this tier built."""
+        client = self.client
+        if client is None:
+            return
+        self.client = None
+        with anyio.CancelScope(shield=True):
+            with contextlib.suppress(RedisError, OSError), anyio.fail_after(self.timeout):
+                for m in manifests:
+                    await self.scripts["release"](keys=[m], args=[owner])
+            if isinstance(self._server, str):
+                await client.aclose()
+
+    def check_open(self) -> Client:
+        if self.client is None:
+            raise ClosedError(f"tier {self.name!r}")
+        return self.client
+
+    def io_error(self, action: str, exc: BaseException) -> TierIOError:
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return TierIOError(self.name, f"{action} on {self.url}", detail)
+
+    def clock(self, server_ms: object) -> None:
+        """Learn the server's clock from a reply received just now."""
+        ms = to_int(server_ms, 0)
+        if ms > 0:
+            self.skew = ms - time.monotonic() * 1000
+
+    def deadline(self, start: float) -> int:
+        """The server's time (ms, a lower bound) at ``timeout`` after ``start`` (this
+        process's monotonic clock): when a writer that started then stops waiting."""
+        return round((start + self.timeout) * 1000 + self.skew)
+
+    async def call(
+        self, script: str, keys: list[str], args: Sequence[str | int | bytes], action: str
+    ) -> Any:
+        """Run one of the Lua steps (:mod:`._redis_scripts`) and learn the server's clock
+        from its reply.
+
+        :raises TierIOError: the server failed or went away (``action`` says what failed)
+        """
+        try:
+            reply = await self.scripts[script](keys=keys, args=args)
+        except (RedisError, OSError) as exc:
+            raise self.io_error(action, exc) from exc
+        self.clock(reply[1])
+        return reply
+
+    async def manifest(self, name: str) -> dict[bytes, bytes]:
+        """The fields of the manifest ``name`` (none: there is none).
+
+        :raises TierIOError: the server failed or went away
+        """
+        try:
+            return fields(await self.check_open().hgetall(name))
+        except (RedisError, OSError) as exc:
+            raise self.io_error("look up a conversation", exc) from exc
+
+
+@functools.cache
+def driver_options() -> dict[str, Any]:
+    """Client options naming the client in ``CLIENT SETINFO`` (redis-py, used by tieredkv).
+
+    The tier passes them to the clients it builds; pass them to a client you build yourself
+    (``redis.asyncio.Redis.from_url(url, **driver_options())``), or its connections look
+    the client's version up in package metadata, on the event loop. The first call reads
+    that metadata: make it before the event loop runs, or in a worker thread.
+    """
+    try:
+        from redis.driver_info import DriverInfo  # redis >= 8
+    except ImportError:
+        from redis.utils import get_lib_version
+
+        version: str = get_lib_version()  # type: ignore[no-untyped-call]
+        return {"lib_name": f"redis-py(tieredkv_v{__version__})", "lib_version": version}
+    return {"driver_info": DriverInfo().add_upstream_driver("tieredkv", __version__)}

@@ -1,0 +1,288 @@
+"""A Redis tier's write path: a segment's parts, then one Lua step that commits it.
+
+The parts are written with a short expiry (``SET NX PX``, pipelined), then
+:data:`~._redis_scripts.COMMIT` commits the segment only if the writer's fencing token is
+the manifest's, the manifest is the version the writer last committed or read and the
+segment its next one, no takeover delay is pending, every part is still there, and the
+server's clock has not passed the write's deadline (see :mod:`tieredkv.backends.redis`).
+A commit whose reply is lost is settled from the manifest; every refusal is raised as the
+:class:`~tieredkv.errors.TieredKVError` that says what happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+
+from ..errors import CommitDelayedError, HistoryConflictError, StaleWriterError, TierIOError
+from ..payload import PREFIX, SegmentHeader, authenticated_head, parse_header
+from ._redis_client import NoScriptError, RedisCluster, RedisError, text, to_int
+from ._redis_lease import Leases
+from ._redis_state import Attempt, Writer
+from .base import SegmentKey
+from .redis_manifest import Damaged, Entry, Manifest, encode_entry, parse, sign
+from .shared import plain_header as plain
+
+__all__ = ["Commits"]
+
+_RESOLVE_TIMEOUT = 2.0
+"""At most this long (and at most ``timeout``) to learn whether a commit whose reply was lost
+was made."""
+
+
+class _Vanished(Exception):
+    """The manifest is gone (COMMIT's -4)."""
+
+
+class Commits(Leases):
+    """:meth:`write` for a Redis tier (with the leases it takes on the way)."""
+
+    async def write(self, key: SegmentKey, data: memoryview) -> None:
+        """Write a segment's parts, then commit it as the conversation's next segment (one
+        Lua step).
+
+        :raises StaleWriterError: another replica took the conversation over since this one
+            became its writer (nothing is stored)
+        :raises LeaseHeldError: this replica holds no lease and another replica's is live
+        :raises HistoryConflictError: the shared history is not the one this replica
+            extends (another replica appended, it never read it, the server lost it)
+        :raises CommitDelayedError: this replica took the conversation over from one whose
+            lease is live; the same write succeeds after ``retry_in`` seconds
+        :raises TierIOError: the server failed or went away; nothing is visible unless the
+            commit ran before the write's deadline and its reply was lost (the tier then
+            learns it from the manifest, and the same write later succeeds at once)
+        """
+        self._check_open()
+        length = self._reserved.get(key)
+        if length is None:
+            raise ValueError(f"segment {key[1]} has no reservation in tier {self.name!r}")
+        if len(data) != length:
+            raise ValueError(f"reserved {length} bytes, asked to write {len(data)}")
+        session, seq = key
+        hlen = PREFIX.unpack_from(data, 0)[1] if len(data) >= PREFIX.size else 0
+        head_len = min(len(data), PREFIX.size + hlen)
+        header, _ = parse_header(data[:head_len], f"segment {seq} to write")
+        if (header.session, header.seq) != key or header.length != length:
+            raise ValueError(f"the bytes to write are not segment {seq} of this session")
+        known = self._known.get(session)
+        if known is not None and seq < known.n and plain(known.headers[seq]) == plain(header):
+            self._commit_local(key, known.entries[seq])  # committed already (written back)
+            return
+        for attempt in range(2):
+            if session in self._stale:  # a commit of this tier's moved the version on
+                await self._reload(session)
+            if session not in self._writers:
+                await self.acquire(session)
+            known = self._known.get(session)
+            if known is None:
+                self._counters.conflicts += 1
+                raise HistoryConflictError(
+                    self.name, session, "this replica has not read its shared history"
+                )
+            if seq != known.n:
+                self._counters.conflicts += 1
+                raise HistoryConflictError(
+                    self.name,
+                    session,
+                    f"the shared history has {known.n} turn(s), this is turn {seq}",
+                )
+            try:
+                await self._commit(key, data, header, head_len, known)
+                return
+            except _Vanished:
+                if attempt or known.n:
+                    raise self._lost(session) from None
+                self._drop_view(session)  # nothing was committed yet: start the log again
+
+    def _commit_local(self, key: SegmentKey, entry: Entry) -> None:
+        del self._reserved[key]
+        self._index[key] = entry
+        self._attempts.pop(key, None)
+
+    async def _commit(
+        self,
+        key: SegmentKey,
+        data: memoryview,
+        header: SegmentHeader,
+        head_len: int,
+        known: Manifest,
+    ) -> None:
+        client = self._check_open()
+        session, seq = key
+        writer = self._writers[session]
+        length = len(data)
+        vs = self.value_size
+        prior = self._attempts.get(key)
+        if prior is not None and prior.mid == known.id and plain(prior.header) == plain(header):
+            entry = prior.entry  # the same segment again: the same parts (a retry)
+        else:
+            if self._key is not None:
+                head = await anyio.to_thread.run_sync(
+                    authenticated_head, data, self._key, bytes.fromhex(known.id)
+                )
+            else:
+                head = bytes(data[:head_len])
+            entry = Entry(
+                length=length,
+                nonce=secrets.token_hex(8),
+                parts=-(-length // vs),
+                value_size=vs,
+                head=head,
+            )
+        self._attempts[key] = Attempt(entry, known.id, header)
+        # the values: the first ones carry the (authenticated) head in place of data's
+        cover = -(-len(entry.head) // vs)
+        first = bytearray(data[: cover * vs])
+        first[: len(entry.head)] = entry.head
+        views = [memoryview(first)[at : at + vs] for at in range(0, len(first), vs)]
+        views += [data[at : at + vs] for at in range(cover * vs, length, vs)]
+        parts = self._parts(key, entry)
+        mac = (
+            b""
+            if self._key is None
+            else sign(session, known.id, known.v + 1, [*known.entries, entry], self._key)
+        )
+        start = time.monotonic()
+        keys = [self._manifest(session), *parts]
+        args: list[str | int | bytes] = [
+            seq,
+            writer.token,
+            encode_entry(entry),
+            entry.kfield,
+            known.id,
+            known.v,
+            self._conn.deadline(start),
+            mac,
+            self.owner,
+            self._lease_ms,
+        ]
+        commit = self._conn.scripts["commit"]
+        try:
+            with anyio.fail_after(self._timeout):
+                # one round trip: the values, then the commit, which the server runs after
+                # them and which checks that they all arrived
+                # (a Cluster client refuses scripts in pipelines: two round trips there)
+                cluster = isinstance(client, RedisCluster)
+                async with client.pipeline(transaction=False) as pipe:
+                    for part, view in zip(parts, views, strict=True):
+                        pipe.set(part, view, px=self._part_ms, nx=True)
+                    if not cluster:
+                        pipe.evalsha(commit.sha, len(keys), *keys, *args)
+                    results = await pipe.execute(raise_on_error=False)
+                for failed in results[: len(parts)]:  # a value refused (out of memory)
+                    if isinstance(failed, Exception):
+                        raise failed  # (the commit step found it missing: nothing committed)
+                reply = await commit(keys=keys, args=args) if cluster else results[-1]
+                if isinstance(reply, NoScriptError):  # the server lost its script cache
+                    reply = await commit(keys=keys, args=args)
+                elif isinstance(reply, Exception):
+                    raise reply
+        except (RedisError, OSError) as exc:
+            if not await self._resolve(key, entry):
+                raise self._io_error(f"write segment {seq} ({length:,} bytes)", exc) from exc
+            reply = [1, 0, -1]  # committed after all: its reply was lost
+        finally:
+            # the client may keep the command's arguments: let go of the caller's buffer
+            for view in views:
+                view.release()
+        self._conn.clock(reply[1])
+        await self._after_commit(key, entry, known, writer, reply, start)
+
+    async def _resolve(self, key: SegmentKey, entry: Entry) -> bool:
+        """Whether a commit whose reply did not come was made (``False`` also when that
+        cannot be learned now: the attempt stays recorded, and a retry or a refresh
+        settles it)."""
+        client = self._conn.client
+        if client is None:
+            return False
+        with (
+            contextlib.suppress(RedisError, OSError),
+            anyio.fail_after(min(_RESOLVE_TIMEOUT, self._timeout)),
+        ):
+            got = await client.hget(self._manifest(key[0]), f"k:{key[1]}")
+            return text(got) == entry.kfield if got is not None else False
+        return False
+
+    async def _after_commit(
+        self,
+        key: SegmentKey,
+        entry: Entry,
+        known: Manifest,
+        writer: Writer,
+        reply: Sequence[Any],
+        start: float,
+    ) -> None:
+        """Settle a commit's reply (``known`` and ``writer``: what the commit was made
+        with; another call may have replaced them meanwhile)."""
+        session, seq = key
+        code = int(reply[0])
+        if code >= 0:
+            v = to_int(reply[2])
+            if v == known.v + 1 and self._known.get(session) is known:
+                head, _ = parse_header(entry.head, "a committed segment")
+                known.entries.append(entry)
+                known.headers.append(head)
+                known.v = v
+            else:  # the version moved on, or another call changed the view: read it again
+                self._stale.add(session)  # (before the next commit)
+            writer.lease_until = self._lease_from(start)
+            self._commit_local(key, entry)
+            self._counters.writes += 1
+            self._counters.bytes_written += entry.length
+            return
+        if code in (-1, -2, -4):
+            self._attempts.pop(key, None)  # refused for good: its parts are gone
+        if code == -1:
+            self._drop_writer(session, writer)
+            self._counters.refused += 1
+            raise StaleWriterError(self.name, session, writer.token, to_int(reply[2]))
+        if code == -2:
+            if self._known.get(session) is known:
+                del self._known[session]
+            self._counters.conflicts += 1
+            raise HistoryConflictError(
+                self.name,
+                session,
+                f"the shared tier holds version {to_int(reply[3])} of its history "
+                f"({to_int(reply[4])} turn(s)), not version {known.v} ({known.n} turn(s)) that "
+                f"this replica extends",
+            )
+        if code == -3:
+            raise CommitDelayedError(self.name, session, max(0, to_int(reply[2])) / 1000)
+        if code == -4:
+            raise _Vanished
+        if code == -5:
+            raise TierIOError(
+                self.name,
+                f"write segment {seq} on {self.url}",
+                "the server ran the commit after the writer had stopped waiting for it, and "
+                "refused it (nothing was committed; the write may be retried)",
+            )
+        raise TierIOError(
+            self.name,
+            f"write segment {seq} on {self.url}",
+            "a part was evicted before the segment was committed (the server is out of "
+            "memory: raise its maxmemory or this tier's part_ttl)",
+        )
+
+    async def _reload(self, session: str) -> None:
+        """Read ``session``'s manifest again into what this tier knows (not its index).
+
+        :raises TierIOError: the server cannot be reached (it stays to be read again)
+        """
+        fields = await self._conn.manifest(self._manifest(session))
+        self._stale.discard(session)
+        try:
+            m = parse(fields, session, self._key, self._where(session)) if fields else None
+        except Damaged:
+            m = None
+        if m is None:
+            self._known.pop(session, None)
+        else:
+            self._reconcile(session, m)
+            self._known[session] = m

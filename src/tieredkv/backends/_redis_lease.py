@@ -1,0 +1,200 @@
+"""A Redis tier's writer leases and fencing tokens, and its view of each conversation's
+manifest: :meth:`~tieredkv.backends.shared.SharedTier.refresh` (a load's takeover in the
+same Lua step that reads the manifest), ``acquire``, ``ensure_writer`` and ``discard``.
+
+One writer per conversation: the holder of the manifest's fencing token. A replica that
+holds no token gets one only if the history is the one it knows; a takeover of a live lease
+delays the new writer's first commit until that lease has ended (server-side), which is
+what lets a replica that holds a live lease serve its own copy while the server is away.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+
+from ..errors import HistoryConflictError, LeaseHeldError, StaleWriterError
+from ..payload import SegmentHeader
+from ._redis_client import fields as manifest_fields
+from ._redis_client import text, to_int
+from ._redis_state import Replica, Writer
+from .redis_manifest import Damaged, Manifest, parse
+from .shared import SharedState
+
+__all__ = ["Leases"]
+
+_log = logging.getLogger("tieredkv.redis")
+
+
+class Leases(Replica):
+    """The sharing half of :class:`~tieredkv.backends.shared.SharedTier` for Redis."""
+
+    async def refresh(self, session: str, *, take: bool = False) -> SharedState:
+        self._check_open()
+        manifest = self._manifest(session)
+        writer = self._writers.get(session)
+        sent = time.monotonic()
+        token: int | None = None
+        if take:
+            reply = await self._conn.call(
+                "take",
+                [manifest],
+                [self.owner, self._lease_ms, str(writer.token) if writer else ""],
+                "look up a conversation",
+            )
+            fields = manifest_fields(reply[2]) if int(reply[0]) != -1 else {}
+            if int(reply[0]) == 0:
+                token = to_int(reply[3])
+        else:
+            fields = await self._conn.manifest(manifest)
+        return self._settle(session, fields, token, sent)
+
+    def _settle(
+        self, session: str, fields: dict[bytes, bytes], token: int | None, sent: float
+    ) -> SharedState:
+        """Compare the manifest just read with what this tier knew; index it."""
+        prev = self._known.get(session)
+        try:
+            m = parse(fields, session, self._key, self._where(session)) if fields else None
+        except Damaged as exc:
+            self._counters.corrupt += 1
+            _log.warning("%s: the manifest of %.80r is damaged: %s", self.name, session, exc)
+            self._drop_view(session, keep_writer=True)  # (its writer may still discard it)
+            return SharedState(status="damaged")
+        if m is None:
+            self._drop_view(session, keep_writer=True)
+            if prev is not None and prev.n:
+                self._counters.lost += 1
+                return SharedState(status="lost")
+            return SharedState(status="absent")
+        self._reconcile(session, m)
+        if token is not None and m.fence == token:
+            self._writers[session] = Writer(token, self._lease_from(sent))
+        elif (w := self._writers.get(session)) is not None and m.fence != w.token:
+            self._drop_writer(session, w)  # another replica took it over
+        if prev is not None and prev.id == m.id and m.v < prev.v:
+            # an older version than this tier committed or read: the server lost data
+            self._counters.lost += 1
+            self._known[session] = m
+            self._forget(session)
+            return SharedState(status="lost")
+        self._absorb(m)
+        same = prev is not None and (prev.id, prev.v) == (m.id, m.v)
+        return SharedState(status="current" if same else "changed", headers=tuple(m.headers))
+
+    async def lookup(self, session: str) -> list[SegmentHeader]:
+        state = await self.refresh(session)
+        return list(state.headers)
+
+    async def acquire(self, session: str, *, force: bool = False) -> int:
+        self._check_open()
+        prev = self._known.get(session)
+        new_id = secrets.token_hex(16)
+        sent = time.monotonic()
+        reply = await self._conn.call(
+            "acquire",
+            [self._manifest(session)],
+            [
+                self.owner,
+                self._lease_ms,
+                "1" if force else "0",
+                session,
+                prev.id if prev else "",
+                str(prev.v) if prev else "",
+                new_id,
+            ],
+            "take a conversation's lease",
+        )
+        code = int(reply[0])
+        if code == -1:
+            raise LeaseHeldError(
+                self.name, session, text(reply[2]), max(0, to_int(reply[3])) / 1000
+            )
+        if code == -2:
+            self._counters.conflicts += 1
+            raise HistoryConflictError(
+                self.name,
+                session,
+                f"the shared tier holds version {to_int(reply[3])} of its history "
+                f"({to_int(reply[4])} turn(s)), which this replica has not read",
+            )
+        token = to_int(reply[2])
+        if to_int(reply[5]) == 0 and (prev is None or prev.n == 0):
+            # an empty history (this call may have created it): known as a whole
+            self._known[session] = Manifest(
+                session=session, id=text(reply[3]), v=to_int(reply[4]), fence=token
+            )
+        self._writers[session] = Writer(token, self._lease_from(sent))
+        return token
+
+    async def ensure_writer(self, session: str) -> int:
+        """Make sure this replica may append to ``session``; return its fencing token.
+
+        Takes the lease if this replica holds no token for ``session`` (a new conversation,
+        or one whose lease has expired) and knows its current history; confirms a token it
+        holds with the server and renews its lease.
+
+        :raises StaleWriterError: another replica took the conversation over since
+        :raises LeaseHeldError: this replica holds no token and another one's lease is live
+        :raises HistoryConflictError: this replica holds no token and has not read the
+            current history, or the server lost the history this replica committed
+        :raises TierIOError: if the server cannot be reached
+        """
+        self._check_open()
+        writer = self._writers.get(session)
+        if writer is None:
+            return await self.acquire(session)
+        sent = time.monotonic()
+        reply = await self._conn.call(
+            "ensure",
+            [self._manifest(session)],
+            [self.owner, self._lease_ms, writer.token],
+            "check a conversation's writer",
+        )
+        code = int(reply[0])
+        if code == -4:  # no manifest: the server restarted empty or evicted it
+            self._drop_writer(session, writer)
+            prev = self._known.get(session)
+            if prev is None or not prev.n:
+                self._known.pop(session, None)
+                return await self.acquire(session)  # nothing was committed yet: start again
+            raise self._lost(session)
+        if code == -1:
+            self._drop_writer(session, writer)
+            self._counters.refused += 1
+            raise StaleWriterError(self.name, session, writer.token, to_int(reply[2]))
+        writer.lease_until = self._lease_from(sent)
+        return writer.token
+
+    def token(self, session: str) -> int | None:
+        """This replica's fencing token for ``session`` (``None``: it is not the writer)."""
+        writer = self._writers.get(session)
+        return None if writer is None else writer.token
+
+    def may_serve_local(self, session: str) -> bool:
+        writer = self._writers.get(session)
+        return writer is not None and time.monotonic() < writer.lease_until
+
+    async def discard(self, session: str) -> bool:
+        self._check_open()
+        writer = self._writers.get(session)
+        self._forget(session)
+        if writer is None:
+            return False
+        new_id = secrets.token_hex(16)
+        reply = await self._conn.call(
+            "drop",
+            [self._manifest(session)],
+            ["discard", writer.token, "", self._base(session), new_id],
+            "discard a conversation",
+        )
+        if int(reply[0]) < 0:
+            self._drop_view(session)
+            return False
+        self._known.pop(session, None)
+        if int(reply[0]) == 1:  # an empty history, under a new incarnation id
+            self._known[session] = Manifest(
+                session=session, id=new_id, v=to_int(reply[2]), fence=writer.token
+            )
+        return True

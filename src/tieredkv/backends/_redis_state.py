@@ -1,0 +1,170 @@
+"""What a Redis tier knows of the conversations on its server: the state that its lease,
+commit and read paths (:mod:`._redis_lease`, :mod:`._redis_commit`, :mod:`._redis_read`)
+share, and the bookkeeping every one of them does on it.
+
+Per conversation a tier keeps the manifest as it last committed or read it (``_known``),
+its writer lease if it holds one (``_writers``), the writes whose commit's outcome it has
+not learned yet (``_attempts``), and whether the manifest must be read again before the
+next commit (``_stale``); per segment, the committed entries it counts and may read
+(``_index``) and the reservations of segments being written (``_reserved``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import HistoryConflictError, TierIOError
+from ..payload import SegmentHeader
+from ._redis_client import Client, Connection
+from .base import SegmentKey
+from .redis_manifest import Entry, Manifest, conversation_tag
+
+__all__ = ["LEASE_MARGIN", "Attempt", "Counters", "Replica", "Writer"]
+
+LEASE_MARGIN = 0.9
+"""A replica counts its lease as ending after this share of ``lease_ttl`` from the moment
+it sent the request that set it (the server counts from when it ran it, later): a margin
+for the two clocks' rates."""
+
+
+@dataclass
+class Writer:
+    token: int
+    lease_until: float
+    """By this process's monotonic clock: until then no other replica can commit."""
+
+
+@dataclass
+class Attempt:
+    """A segment written whose commit's outcome this tier has not learned yet."""
+
+    entry: Entry
+    mid: str
+    header: SegmentHeader
+
+
+@dataclass
+class Counters:
+    bytes_read: int = 0
+    bytes_written: int = 0
+    reads: int = 0
+    writes: int = 0
+    corrupt: int = 0
+    missing: int = 0
+    refused: int = 0
+    conflicts: int = 0
+    lost: int = 0
+
+
+class Replica:
+    """A Redis tier's view of its server's conversations, over its :class:`Connection`
+    (the arguments: :class:`~tieredkv.backends.redis.RedisTier`'s, checked)."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        *,
+        name: str,
+        prefix: str,
+        value_size: int,
+        owner: str,
+        key: bytes | None,
+        capacity: int,
+        lease_ttl: float,
+        part_ttl: float,
+        read_batch: int,
+        recover: bool,
+    ) -> None:
+        self.url = conn.url
+        self.name = name
+        self.prefix = prefix
+        self.value_size = value_size
+        self.owner = owner
+        self._key = key
+        self._conn = conn
+        self._capacity = capacity
+        self._timeout = conn.timeout
+        self._lease_ttl = lease_ttl
+        self._lease_ms = round(lease_ttl * 1000)
+        self._part_ms = round(part_ttl * 1000)
+        self._batch = read_batch
+        self._recover = recover
+        self._index: dict[SegmentKey, Entry] = {}
+        """The committed segments this cache counts (and may read)."""
+        self._reserved: dict[SegmentKey, int] = {}
+        self._known: dict[str, Manifest] = {}
+        """Per conversation, the manifest as this tier last committed or read it."""
+        self._writers: dict[str, Writer] = {}
+        self._attempts: dict[SegmentKey, Attempt] = {}
+        self._stale: set[str] = set()
+        """Conversations whose manifest must be read again before this tier commits."""
+        self._used = 0
+        self._counters = Counters()
+
+    def _check_open(self) -> Client:
+        return self._conn.check_open()
+
+    def _base(self, session: str) -> str:
+        return f"{self.prefix}:{{{conversation_tag(session)}}}"
+
+    def _manifest(self, session: str) -> str:
+        return f"{self._base(session)}:m"
+
+    def _parts(self, key: SegmentKey, entry: Entry) -> list[str]:
+        base = f"{self._base(key[0])}:{key[1]}:{entry.nonce}"
+        return [f"{base}:{i}" for i in range(entry.parts)]
+
+    def _io_error(self, action: str, exc: BaseException) -> TierIOError:
+        return self._conn.io_error(action, exc)
+
+    def _where(self, session: str) -> str:
+        return f"{self.url} {self._base(session)}"
+
+    def _lease_from(self, sent: float) -> float:
+        """When a lease set by a request sent at ``sent`` ends, by this process's clock."""
+        return sent + LEASE_MARGIN * self._lease_ttl
+
+    def _absorb(self, m: Manifest) -> None:
+        """Make ``m`` what this tier knows of its conversation, and index its segments."""
+        self._known[m.session] = m
+        self._stale.discard(m.session)
+        self._forget(m.session)
+        for seq, entry in enumerate(m.entries):
+            self._index[(m.session, seq)] = entry
+            self._used += entry.length
+
+    def _forget(self, session: str) -> None:
+        """Drop this tier's index entries for ``session`` (not the server's data)."""
+        for seq in [k[1] for k in self._index if k[0] == session]:
+            self._used -= self._index.pop((session, seq)).length
+
+    def _reconcile(self, session: str, m: Manifest) -> None:
+        """Settle the writes of ``session`` whose outcome was unknown, from its manifest."""
+        for key in [k for k in self._attempts if k[0] == session]:
+            attempt = self._attempts[key]
+            if attempt.mid != m.id or key[1] < m.n:
+                del self._attempts[key]  # committed (the entry names it) or never will be
+
+    def _drop_view(self, session: str, *, keep_writer: bool = False) -> None:
+        self._known.pop(session, None)
+        self._stale.discard(session)
+        self._forget(session)
+        if not keep_writer:
+            self._writers.pop(session, None)
+
+    def _drop_writer(self, session: str, writer: Writer) -> None:
+        """This replica is not ``session``'s writer any more, if ``writer`` still says it is
+        (another call may have changed that while this one waited for the server)."""
+        if self._writers.get(session) is writer:
+            del self._writers[session]
+
+    def _lost(self, session: str) -> HistoryConflictError:
+        """The server lost the history of ``session`` that this tier committed."""
+        self._drop_view(session)
+        self._counters.lost += 1
+        return HistoryConflictError(
+            self.name,
+            session,
+            "the server lost the history this replica committed (it restarted without "
+            "persistence or evicted it)",
+        )
