@@ -19,6 +19,7 @@ pytest.importorskip(
 )
 
 
+@pytest.mark.slow  # a benchmark, quick mode: CI runs it
 def test_bench_api_quick_runs_every_system_and_prints_its_ratios(tmp_path: Path) -> None:
     done = subprocess.run(
         [

@@ -10,11 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.redis_server import require_redis_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # a benchmark, quick mode: CI runs it
 def test_bench_redis_quick_prints_every_figure_and_ratio() -> None:
     require_redis_server()
     done = subprocess.run(

@@ -251,6 +251,7 @@ async def test_an_io_error_at_each_call_of_a_site(tmp_path: Path, site: str) -> 
     print(f"\nos.{site}: {runs} runs, {operations} operations, {injected} faults injected")
 
 
+@pytest.mark.slow  # 40 opens under seeded faults per mode: CI runs it
 @pytest.mark.parametrize("mode", ["exclusive", "inclusive"])
 async def test_seeded_io_errors_at_open_lose_nothing(tmp_path: Path, mode: str) -> None:
     """Issue 22, case 12: 40 opens of a cache holding 6 conversations, with 2% of the SSD

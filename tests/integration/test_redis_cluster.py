@@ -60,6 +60,7 @@ def cluster(tmp_path: Path) -> Iterator[list[RedisServer]]:
             node.stop()
 
 
+@pytest.mark.slow  # starts a three-node cluster: CI runs it
 async def test_conversations_spread_over_nodes_each_in_one_slot(
     cluster: list[RedisServer], seg: SegmentFactory
 ) -> None:

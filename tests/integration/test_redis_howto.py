@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.redis_server import RedisServer, own_aof_server
 
 __all__ = ["own_aof_server"]  # the fixture, used below
@@ -28,6 +30,7 @@ def test_every_block_is_top_level_code() -> None:
         compile(block, f"block {i}", "exec")  # each pastes on its own
 
 
+@pytest.mark.slow  # the page twice against its own server: CI runs it
 def test_the_page_runs_twice_against_a_server_that_keeps_data(
     own_aof_server: RedisServer, tmp_path: Path
 ) -> None:

@@ -102,6 +102,7 @@ def answers(results: list[ServedTurn]) -> list[tuple[str, float, tuple[int, ...]
     return sorted((s, float(i), a) for s, turns in by_session.items() for i, a in enumerate(turns))
 
 
+@pytest.mark.slow  # every configuration of the benchmark: CI runs it
 async def test_every_configuration_answers_exactly_like_recompute(
     adapter_factory: object, tmp_path: Path
 ) -> None:
