@@ -325,18 +325,27 @@ def run_rows(
     def run(name: str, connector: str | None, extra: dict[str, Any]) -> None:
         if name in skip:
             return
-        port = free_port()
-        spec = spec_for(args, wl, model, connector, extra)
-        if connector == "tieredkv":
-            spec.extra = {**extra, "metrics_port": port}
-            spec.metrics_urls = [f"http://127.0.0.1:{port}/metrics"]
-        began = time.monotonic()
-        try:
-            result = run_engine(spec, work / name.replace(" ", "-"), timeout=3600)
-        except RuntimeError as exc:
-            rows[name] = (None, why_not(str(exc)))
-            print(f"{name}: did not run: {rows[name][1]}", flush=True)
-            return
+        for attempt in range(3):
+            # the port is free when picked, but the engine may take it for a socket of its
+            # own before the worker's metrics server binds it: then pick another
+            port = free_port()
+            spec = spec_for(args, wl, model, connector, extra)
+            if connector == "tieredkv":
+                spec.extra = {**extra, "metrics_port": port}
+                spec.metrics_urls = [f"http://127.0.0.1:{port}/metrics"]
+            began = time.monotonic()
+            try:
+                result = run_engine(
+                    spec, work / f"{name.replace(' ', '-')}-{attempt}", timeout=3600
+                )
+                break
+            except RuntimeError as exc:
+                if "Address already in use" in str(exc) and attempt < 2:
+                    print(f"{name}: port {port} was taken, again with another", flush=True)
+                    continue
+                rows[name] = (None, why_not(str(exc)))
+                print(f"{name}: did not run: {rows[name][1]}", flush=True)
+                return
         rows[name] = (result, "")
         print(f"{name}: ran in {time.monotonic() - began:.0f} s", flush=True)
 
