@@ -404,7 +404,12 @@ def _fsck(url: str, prefix: str) -> str:
 def _completed(workdir: Path, replicas: int) -> int:
     """Operations the replicas have completed so far (their logs, read while they write)."""
     records = [r for rid in range(replicas) for r in _read(workdir / f"replica-{rid}.jsonl")]
-    return sum(1 for r in records if r.get("op") in OPERATIONS and r.get("ph") != "begin")
+    return sum(1 for r in records if _is_operation(r))
+
+
+def _is_operation(record: dict[str, Any]) -> bool:
+    """Whether a log record is an operation a caller saw complete or fail (not its start)."""
+    return record.get("op") in OPERATIONS and record.get("ph") != "begin"
 
 
 def _read(path: Path) -> list[dict[str, Any]]:
@@ -458,8 +463,8 @@ def check(records: list[dict[str, Any]], faults: list[dict[str, Any]], opts: Opt
             result.unproven += r["unproven"]
         elif op in ("unretrieved", "inconsistent"):
             result.unexpected[op] += 1
-        if op in OPERATIONS and r.get("ph") != "begin":
-            result.operations[op] += 1
+        if _is_operation(r):
+            result.operations[r["op"]] += 1
             if not r.get("ok", True):
                 result.errors[r["err"]] += 1
                 if r["err"] not in ALLOWED:
