@@ -16,8 +16,12 @@ written (a mismatch exits 1).
   untimed append and load of the same shapes (its staging buffers exist; the load's
   outputs, dropped, are memory the next load reuses), then times ``append`` of every turn
   (durable when each returns), ``load`` and ``load_into`` (preallocated, prefaulted);
-- ``new cache``: a child per call, timing the cache's ``open``, the call and ``aclose``:
-  what a restarted server meets (every buffer and output is new memory);
+- ``new cache``: a child per call, timing the cache's ``open``, the call and ``aclose``
+  inside a running event loop: what a restarted server meets (every buffer and output is
+  new memory). Timing ``anyio.run`` as well, as an earlier version did, added the import
+  of anyio's backend and, with it, a full garbage collection of the torch-sized heap
+  (84 ms of a 377 ms load of 134 MB): costs of a process's first event loop, not of a
+  cache;
 - ``raw O_DIRECT``: the same bytes, one file per turn, prepared in aligned buffers before
   the clock, one ``pwrite`` + ``fsync`` each; read with ``--depth`` 8 MiB reads in flight
   into a preallocated buffer: the device's ceiling (tieredkv must also serialize, checksum
@@ -127,19 +131,27 @@ async def append_turns(cache: TieredKVCache, session: str, turns: list[Turn]) ->
         await cache.append(session, t, answer_tokens=i)
 
 
-async def fresh_append(root: Path, turns: list[Turn]) -> None:
-    async with new_cache(root) as cache:
-        await append_turns(cache, "user", turns)
+async def fresh_append(root: Path, turns: list[Turn]) -> Took:
+    """Open a cache, append every turn, close it; timed inside a running event loop (a
+    server's loop runs before its cache opens)."""
+    with measured() as took:
+        async with new_cache(root) as cache:
+            await append_turns(cache, "user", turns)
+    return took
 
 
-async def fresh_load(root: Path) -> Turn:
-    async with new_cache(root) as cache:
-        return await cache.load("user")
+async def fresh_load(root: Path) -> tuple[Took, Turn]:
+    with measured() as took:
+        async with new_cache(root) as cache:
+            got = await cache.load("user")
+    return took, got
 
 
-async def fresh_load_into(root: Path, out: Turn) -> None:
-    async with new_cache(root) as cache:
-        await cache.load_into("user", out)
+async def fresh_load_into(root: Path, out: Turn) -> Took:
+    with measured() as took:
+        async with new_cache(root) as cache:
+            await cache.load_into("user", out)
+    return took
 
 
 async def open_cache_child(root: Path, turns: list[Turn], drop: bool) -> dict[str, Any]:
@@ -249,8 +261,7 @@ def child(system: str, op: str, root: Path, turns: list[Turn], depth: int, drop:
             with measured() as res["append"]:
                 raw_write(root, bufs)
         elif system == "new cache":
-            with measured() as res["append"]:
-                anyio.run(fresh_append, root, turns)
+            res["append"] = anyio.run(fresh_append, root, turns)
         else:
             with measured() as res["append"]:
                 st_write(root, turns)
@@ -268,12 +279,10 @@ def child(system: str, op: str, root: Path, turns: list[Turn], depth: int, drop:
             res["ok"] = all(b[:] == g[:] for b, g in zip(blobs, bufs, strict=True))
         elif system == "new cache" and op == "read_into":
             out = {k: torch.zeros_like(v) for k, v in want.items()}
-            with measured() as res["load_into"]:
-                anyio.run(fresh_load_into, root, out)
+            res["load_into"] = anyio.run(fresh_load_into, root, out)
             res["ok"] = same(out, want)
         elif system == "new cache":
-            with measured() as res["load"]:
-                got = anyio.run(fresh_load, root)
+            res["load"], got = anyio.run(fresh_load, root)
             res["ok"] = same(got, want)
         else:
             with measured() as res["load"]:
@@ -300,7 +309,10 @@ def run_child(args: argparse.Namespace, system: str, op: str, root: Path, mib: i
 def process_per_task() -> concurrent.futures.ProcessPoolExecutor:
     """An executor that runs each task in a process of its own."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "safetensors.torch", "tieredkv"])
+    # anyio's asyncio backend too: anyio.run imports it, which is no cost of the cache's
+    ctx.set_forkserver_preload(
+        ["torch", "safetensors.torch", "tieredkv", "anyio._backends._asyncio"]
+    )
     return concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx, max_tasks_per_child=1)
 
 

@@ -18,9 +18,11 @@ import ctypes
 import numpy as np
 import torch
 
-__all__ = ["copy_bytes", "copy_from", "copy_tensor"]
+__all__ = ["copy_bytes", "copy_from", "copy_tensor", "memmove"]
 
-_memmove = ctypes.memmove  # a ctypes foreign call: it releases the GIL
+memmove = ctypes.memmove
+"""libc's ``memmove(dst, src, n)`` on addresses: a ctypes foreign call, which releases the GIL."""
+_memmove = memmove
 
 
 def _lazy(t: torch.Tensor) -> bool:

@@ -24,6 +24,8 @@ from collections import defaultdict
 
 import torch
 
+from ..backends._buffers import anonymous
+
 __all__ = ["OutputPool", "POOLED_MIN_BYTES"]
 
 POOLED_MIN_BYTES = 1 << 20
@@ -67,7 +69,7 @@ class OutputPool:
                 self._idle -= size
                 self.reused += 1
         if mm is None:
-            mm = mmap.mmap(-1, size)
+            mm = anonymous(size)
         # the ctypes array is the object the tensor's storage keeps alive; when the storage
         # dies, so does the array, and the finalizer hands the mapping back
         owner = (ctypes.c_ubyte * size).from_buffer(mm)

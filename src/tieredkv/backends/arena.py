@@ -19,19 +19,9 @@ import torch
 from ..errors import ClosedError
 from ..payload import ALIGN, SegmentHeader, align_up
 from ._arguments import check_tier_arguments
-
-# re-exported: the cache's staging buffers (tieredkv._cache.gather) import them from here
-from ._buffers import close_mapping as close_mapping
-from ._buffers import prefaulted as prefaulted
 from .base import AddressableTier, Consumer, SegmentKey, Spans, TierStats, check_read
 
-__all__ = [
-    "INLINE_COPY",
-    "ArenaAllocator",
-    "ArenaTier",
-    "close_mapping",
-    "prefaulted",
-]
+__all__ = ["INLINE_COPY", "ArenaAllocator", "ArenaTier"]
 
 INLINE_COPY = 256 * 1024
 """Copies up to this many bytes run on the event loop (microseconds); larger ones in a

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..errors import TierIOError
-from ._buffers import close_mapping
+from ._buffers import anonymous, close_mapping
 from .arena import ArenaTier
 
 __all__ = ["HostMemoryTier"]
@@ -75,12 +75,10 @@ class HostMemoryTier(ArenaTier):
 
     def _acquire_buffer(self) -> memoryview:
         try:
-            self._mmap = mmap.mmap(-1, self._capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self._mmap = anonymous(self._capacity, populate=self._prefault)
         except OSError as exc:
             raise TierIOError(self.name, f"allocate {self._capacity:,} bytes", exc) from exc
         view = memoryview(self._mmap)
-        if self._prefault:
-            np.frombuffer(view, dtype=np.uint8).fill(0)
         if self._want_pin:
             self._register(view)
         else:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import errno
 import logging
-import mmap
 import os
 import uuid
 
 from ...errors import TierIOError
 from ...payload import ALIGN
+from .._buffers import anonymous
 from .dirs import TierDirectory, full_hint, unlink_quietly
 from .layout import O_DIRECT
 
@@ -38,7 +38,7 @@ def probe_direct_io(directory: TierDirectory, want: bool | None, capacity: int) 
     probe = f"probe-{uuid.uuid4().hex}"
     tmp = directory.fd("tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-    block = mmap.mmap(-1, ALIGN)
+    block = anonymous(ALIGN)
     note = None
     try:
         if want is not False and O_DIRECT:

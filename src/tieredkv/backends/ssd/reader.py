@@ -32,7 +32,7 @@ from ...payload import (
     hashed_from,
     parse_header,
 )
-from .._buffers import aligned
+from .._buffers import aligned, anonymous
 from ..base import SegmentKey
 from .dirs import TierDirectory
 from .index import SegmentIndex
@@ -156,7 +156,7 @@ class SegmentReader:
         bounce: mmap.mmap | None = None
         target = out
         if self._dir.direct and not aligned(out):
-            bounce = mmap.mmap(-1, len(out))
+            bounce = anonymous(len(out))
             target = memoryview(bounce)
         failure: Failure | None = None
         try:

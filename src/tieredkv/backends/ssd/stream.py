@@ -3,7 +3,7 @@
 Whole histories stream to a consumer (in a third thread) span by span as they arrive: up
 to four reads are in flight across segment boundaries, each segment's checksum (and MAC)
 is computed in the hasher thread as its spans arrive, and the spans are read into a small
-pool of reused, prefaulted buffers (or straight into the caller's buffers), so a history
+pool of reused buffers (or straight into the caller's buffers), so a history
 of any size needs a few chunks of memory, not a segment-sized buffer. A layer-wise restore
 reads every segment's first span, then every segment's second, and so on.
 """
@@ -31,7 +31,7 @@ from ...payload import (
     hashed_from,
     parse_header,
 )
-from .._buffers import aligned, close_mapping, prefaulted
+from .._buffers import aligned, anonymous, close_mapping
 from ..base import Consumer, SegmentKey, Spans
 from .index import SegmentIndex
 from .layout import pread_full, segment_file_name
@@ -84,7 +84,7 @@ class SpanStream:
         self._index = index
         self._workers = workers
         self._spare: list[mmap.mmap] = []
-        """Prefaulted ``chunk_size`` buffers kept for later streams."""
+        """``chunk_size`` buffers kept for later streams (faulted in by their first)."""
         self._lock = threading.Lock()
 
     def close(self, tier: str) -> None:
@@ -93,12 +93,17 @@ class SpanStream:
             close_mapping(self._spare.pop(), f"tier {tier!r}'s span buffer", collect=True)
 
     def _span_buffer(self, size: int) -> mmap.mmap:
-        """A prefaulted buffer of at least ``size`` bytes from the pool (or a new one)."""
+        """A buffer of at least ``size`` bytes from the pool, or a new one, not prefaulted: its
+        pages fault in during its first read, in a reader thread, rather than all of them
+        before the stream's first read. A new tier's first stream used to populate six chunks
+        up front, 48 MiB at the default chunk size, though a load of 16 spans uses fewer:
+        without that, a new cache's first load of 134 MB took 6,000 fewer page faults and
+        157-179 ms of CPU instead of 180-188 ms, its wall time unchanged."""
         with self._lock:
             for i, buf in enumerate(self._spare):
                 if len(buf) >= size:
                     return self._spare.pop(i)
-        return prefaulted(max(size, self._reader.chunk))
+        return anonymous(max(size, self._reader.chunk))
 
     def _give_back(self, buf: mmap.mmap) -> None:
         with self._lock:

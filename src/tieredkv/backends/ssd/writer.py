@@ -22,7 +22,7 @@ from concurrent.futures import Future
 
 from ...errors import TierIOError
 from ...payload import ALIGN, PREFIX, align_up, authenticated_head
-from .._buffers import aligned
+from .._buffers import aligned, anonymous
 from ..base import SegmentKey
 from .dirs import TierDirectory, full_hint, unlink_quietly
 from .layout import file_parts, pwrite_full, segment_file_name
@@ -94,7 +94,7 @@ class SegmentWriter:
         renamed = False
         try:
             if direct and not aligned(data):
-                bounce = mmap.mmap(-1, len(data))
+                bounce = anonymous(len(data))
                 memoryview(bounce)[:] = data
                 data = memoryview(bounce)
             # the file: ``parts`` in order; an authenticated segment starts with its own
@@ -103,7 +103,7 @@ class SegmentWriter:
             if self._key is not None and incarnation is not None:
                 authed = authenticated_head(data, self._key, incarnation)
                 n = align_up(len(authed))
-                head = mmap.mmap(-1, n)
+                head = anonymous(n)
                 head[:n] = data[:n]
                 head[: len(authed)] = authed
                 parts = [memoryview(head), data[n:]]
