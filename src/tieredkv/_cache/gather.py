@@ -134,6 +134,13 @@ class Scatter:
             dst = self._out[spec.name].narrow(self._dim, offset, header.tokens)
             copy_tensor(dst, src, non_blocking=self._non_blocking)
 
+    def landing(self, item: int, k: int) -> list[tuple[int, int, int]] | None:
+        """Where span ``k`` of segment ``item`` goes, as byte moves (a
+        :class:`~tieredkv.backends.base.LandingConsumer`): the moves :meth:`__call__` makes,
+        so that a tier can read the bytes straight into the outputs."""
+        plan = self._moves(item, k)
+        return None if plan is None else plan[0]
+
     def _moves(self, item: int, k: int) -> tuple[list[tuple[int, int, int]], int] | None:
         """Span ``k`` of segment ``item`` as plain byte moves (destination address, offset in
         the span, length) and the span length they need, where every tensor of it lands as

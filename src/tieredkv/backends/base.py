@@ -42,6 +42,7 @@ __all__ = [
     "AddressableTier",
     "Consumer",
     "DefragmentingTier",
+    "LandingConsumer",
     "SegmentKey",
     "Spans",
     "StreamingTier",
@@ -59,6 +60,26 @@ Spans: TypeAlias = Sequence[tuple[int, int]]
 
 Consumer: TypeAlias = Callable[[int, int, memoryview], None]
 """What :meth:`Tier.read` hands each span to: ``consume(item, span, view)``."""
+
+
+@runtime_checkable
+class LandingConsumer(Protocol):
+    """A :data:`Consumer` that can also say where a span's bytes go, so that a tier may read
+    them straight there instead of handing the span over (the SSD tier does, with
+    ``preadv``, where the places meet O_DIRECT's alignment).
+
+    ``landing(i, k)`` is ``None`` (span ``k`` of ``keys[i]`` must be consumed) or its
+    moves: ``(address, offset, length)`` triples, ascending and disjoint by offset, each
+    putting the ``length`` bytes at ``offset`` from the span's start at ``address`` (memory
+    the consumer keeps valid and writable for the whole read; bytes of the span that no
+    move covers go nowhere). A span a tier lands is not also consumed; one it does not
+    land, it consumes. The same answer for the same ``(i, k)`` every time; called from any
+    one thread at a time.
+    """
+
+    def __call__(self, item: int, k: int, view: memoryview, /) -> None: ...
+
+    def landing(self, item: int, k: int, /) -> Sequence[tuple[int, int, int]] | None: ...
 
 
 class TierStats(msgspec.Struct, kw_only=True):

@@ -11,8 +11,9 @@ Layout (all integers little-endian)::
     12  4  CRC-32 of (header bytes + body hash)
     16  8  body hash: xxh3-64 of every byte after the header (padding included)
     24  H  header: msgpack of :class:`SegmentHeader`
-    ... zero padding up to body_offset (a multiple of 64)
-    body: each tensor's bytes at its offset (each a multiple of 64 from body_offset)
+    ... zero padding up to body_offset (a multiple of 64; of 512 if a tensor is 64 KiB+)
+    body: each tensor's bytes at its offset (each a multiple of 64 from body_offset; of
+          512 for a tensor of 64 KiB or more, so a read can land it in place: LAND_ALIGN)
     ... zero padding up to a multiple of :data:`ALIGN` (4096): the stored length
 
 The header CRC catches a torn or damaged header cheaply (a restart scans only headers);
@@ -66,6 +67,8 @@ from ._encode import _encode_laid_out as _encode_laid_out  # tests build odd hea
 from ._encode import plan_segment as plan_segment
 from ._format import ALIGN as ALIGN
 from ._format import INCARNATION_BYTES as INCARNATION_BYTES
+from ._format import LAND_ALIGN as LAND_ALIGN
+from ._format import LAND_MIN as LAND_MIN
 from ._format import MAC_BYTES as MAC_BYTES
 from ._format import MAGIC as MAGIC
 from ._format import MAX_SESSION_KEY_BYTES as MAX_SESSION_KEY_BYTES

@@ -18,6 +18,8 @@ from ..errors import InvalidArgumentError, InvalidTypeError
 from ._format import (
     _DTYPES,
     _TENSOR_ALIGN,
+    LAND_ALIGN,
+    LAND_MIN,
     MAX_SESSION_KEY_BYTES,
     PREFIX,
     Schema,
@@ -153,8 +155,11 @@ def _encode_laid_out(header: SegmentHeader) -> tuple[SegmentHeader, bytes]:
     # body_offset depends on the header's size, which does not depend on body_offset's
     # value as long as it stays within the same msgpack int width: encode until stable.
     header_bytes = _header_encoder.encode(header)
+    land = any(spec.nbytes >= LAND_MIN for spec in header.tensors)
     for _ in range(3):
-        body_offset = align_up(PREFIX.size + len(header_bytes), _TENSOR_ALIGN)
+        body_offset = align_up(
+            PREFIX.size + len(header_bytes), LAND_ALIGN if land else _TENSOR_ALIGN
+        )
         header = msgspec.structs.replace(header, body_offset=body_offset)
         encoded = _header_encoder.encode(header)
         if len(encoded) == len(header_bytes):
@@ -259,6 +264,8 @@ def plan_segment(
     offset = 0
     for name, tensor in zip(names, values, strict=True):
         nbytes = tensor.numel() * tensor.element_size()
+        if nbytes >= LAND_MIN:  # see LAND_ALIGN (the body offset is aligned as well)
+            offset = align_up(offset, LAND_ALIGN)
         specs.append(
             TensorSpec(
                 name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes

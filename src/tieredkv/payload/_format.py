@@ -13,6 +13,8 @@ import xxhash
 __all__ = [
     "ALIGN",
     "INCARNATION_BYTES",
+    "LAND_ALIGN",
+    "LAND_MIN",
     "MAC_BYTES",
     "MAGIC",
     "MAX_SESSION_KEY_BYTES",
@@ -33,6 +35,15 @@ PREFIX = struct.Struct("<8sII Q")
 ALIGN = 4096
 """Stored segments are padded to a multiple of this (the O_DIRECT block size)."""
 _TENSOR_ALIGN = 64
+LAND_ALIGN = 512
+"""Where a tensor of at least :data:`LAND_MIN` bytes starts in a segment: a multiple of this
+from the segment's start (the body offset of such a segment is one too). A read can then
+land the tensor's bytes straight in their place in an output with O_DIRECT, which needs
+file offsets, lengths and addresses in multiples of the device's logical block size
+(512 bytes on most SSDs), instead of landing them in a buffer and copying them."""
+LAND_MIN = 64 << 10
+"""Tensors at least this large are placed at multiples of :data:`LAND_ALIGN` (the padding,
+at most 448 bytes more than before, is under 0.7% of such a tensor)."""
 MAX_SESSION_KEY_BYTES = 65536
 INCARNATION_BYTES = 16
 MAC_BYTES = 32

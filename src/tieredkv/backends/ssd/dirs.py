@@ -62,6 +62,10 @@ class TierDirectory:
         self.path = directory
         self.tier = tier
         self.direct = False
+        self.io_align = 1
+        """The alignment of file offsets, lengths and memory addresses that reads here need:
+        1 with buffered I/O; with O_DIRECT, the smallest the probe found to work (512 on
+        most SSDs, else 4096)."""
         self._fds: dict[str, int] = {}
         """Descriptors of the subdirectories: segments, tmp, quarantine and each segments/xx."""
         self._lock = threading.Lock()

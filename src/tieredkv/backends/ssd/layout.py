@@ -40,6 +40,7 @@ __all__ = [
     "name_digest",
     "name_seq",
     "pread_full",
+    "preadv_full",
     "pwrite_full",
     "read_header_at",
     "segment_file_name",
@@ -122,6 +123,30 @@ def pread_full(fd: int, view: memoryview, offset: int) -> int:
             got += n
             if got % ALIGN:  # the file ends here (O_DIRECT cannot continue unaligned)
                 break
+    return got
+
+
+def preadv_full(fd: int, views: list[memoryview], offset: int) -> int:
+    """Read ``sum(len(v) for v in views)`` bytes at ``offset`` into ``views`` in order (one
+    ``preadv`` where it reads them all); fewer only at the end of the file. The views stay
+    the caller's (none is released)."""
+    total = sum(len(v) for v in views)
+    rest = views
+    got = 0
+    while got < total:
+        n = os.preadv(fd, rest, offset + got)
+        if n == 0:
+            break
+        got += n
+        if got < total and got % ALIGN:  # the file ends here
+            break
+        while n and rest:  # skip what this call filled
+            if n >= len(rest[0]):
+                n -= len(rest[0])
+                rest = rest[1:]
+            else:
+                rest = [rest[0][n:], *rest[1:]]
+                n = 0
     return got
 
 

@@ -15,7 +15,7 @@ import os
 import uuid
 
 from ...errors import TierIOError
-from ...payload import ALIGN
+from ...payload import ALIGN, LAND_ALIGN
 from .._buffers import anonymous
 from .dirs import TierDirectory, full_hint, unlink_quietly
 from .layout import O_DIRECT
@@ -23,6 +23,24 @@ from .layout import O_DIRECT
 __all__ = ["probe_direct_io"]
 
 _log = logging.getLogger(__name__)
+
+
+def _read_align(probe: str, tmp: int) -> int:
+    """The alignment O_DIRECT reads of the probe file need: 512 where a 512-byte read at
+    offset 512 into an address 512 bytes past a page works (most SSDs), else 4096."""
+    buf = anonymous(ALIGN)
+    fd = os.open(probe, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | O_DIRECT, dir_fd=tmp)
+    try:
+        with memoryview(buf) as whole, whole[LAND_ALIGN : 2 * LAND_ALIGN] as view:
+            os.preadv(fd, [view], LAND_ALIGN)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return ALIGN
+    finally:
+        os.close(fd)
+        buf.close()
+    return LAND_ALIGN
 
 
 def probe_direct_io(directory: TierDirectory, want: bool | None, capacity: int) -> str | None:
@@ -49,6 +67,7 @@ def probe_direct_io(directory: TierDirectory, want: bool | None, capacity: int) 
                 finally:
                     os.close(fd)
                 directory.direct = True
+                directory.io_align = _read_align(probe, tmp)
             except OSError as exc:
                 if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     raise

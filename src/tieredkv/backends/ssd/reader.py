@@ -140,6 +140,11 @@ class SegmentReader:
         self.key = key
         self.chunk = chunk
 
+    @property
+    def io_align(self) -> int:
+        """The alignment reads of this tier need (:attr:`TierDirectory.io_align`)."""
+        return self._dir.io_align
+
     def read_many(
         self, items: Sequence[tuple[SegmentKey, memoryview]]
     ) -> tuple[int, Failure | None]:

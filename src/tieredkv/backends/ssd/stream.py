@@ -11,6 +11,7 @@ reads every segment's first span, then every segment's second, and so on.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import threading
 from collections import deque
@@ -32,9 +33,9 @@ from ...payload import (
     parse_header,
 )
 from .._buffers import aligned, anonymous, close_mapping
-from ..base import Consumer, SegmentKey, Spans
+from ..base import Consumer, LandingConsumer, SegmentKey, Spans
 from .index import SegmentIndex
-from .layout import pread_full, segment_file_name
+from .layout import pread_full, preadv_full, segment_file_name
 from .reader import READ_DEPTH, Failure, SegmentReader, Workers, check_header
 
 __all__ = ["SpanStream", "check_stream"]
@@ -45,6 +46,9 @@ Items = Sequence[tuple[SegmentKey, Spans]]
 _RING = READ_DEPTH + 2
 """Span buffers one stream cycles through: the reads in flight, one being hashed and copied
 out, one spare."""
+
+_IOV_MAX = 1024
+"""The most views one ``preadv`` takes (Linux's ``IOV_MAX``)."""
 
 _SPARE_BUFFERS = 2 * _RING
 """Span buffers of ``chunk_size`` bytes a tier keeps for later streams (two streams' worth)."""
@@ -126,12 +130,18 @@ class SpanStream:
         w = self._workers
         readers, hasher_pool, copier = w.readers, w.hasher, w.copier
         reader = self._reader
+        lands = consume if into is None and isinstance(consume, LandingConsumer) else None
         size = max(items[i][1][k][1] - items[i][1][k][0] for i, k in jobs)
         ring = [] if into is not None else [self._span_buffer(size) for _ in range(_RING)]
         free = list(ring)
-        # (item, span, buffer or None, view, read); a buffer returns to ``free`` once its
-        # span is hashed and consumed (``busy``, oldest first)
-        inflight: deque[tuple[int, int, mmap.mmap | None, memoryview, Future[int]]] = deque()
+        # (item, span, buffer or None, the span's pieces, landed, read): the pieces are
+        # one view of the span (in ``into`` or a ring buffer) or, for a span read straight
+        # into its consumer's memory, the views it lands in and the gaps between them (in
+        # the ring buffer); a buffer returns to ``free`` once its span is hashed and
+        # consumed (``busy``, oldest first)
+        inflight: deque[tuple[int, int, mmap.mmap | None, list[memoryview], bool, Future[int]]] = (
+            deque()
+        )
         busy: deque[tuple[mmap.mmap | None, list[Future[None]]]] = deque()
         fds: dict[int, int] = {}
         reading: dict[int, _SegmentRead] = {}
@@ -155,18 +165,28 @@ class SpanStream:
                         fds[i] = fd
                     start, end = spans[k]
                     buf: mmap.mmap | None = None
+                    pieces = None
                     if into is None:
                         buf = free.pop()
-                        view = memoryview(buf)[: end - start]
+                        if lands is not None:
+                            pieces = self._landing(lands, i, k, start, end, buf)
+                    landed = pieces is not None
+                    if pieces is not None:  # straight into the consumer's memory
+                        read = readers.submit(preadv_full, fds[i], pieces, start)
                     else:
-                        view = into[i][start:end]
-                    # pread_full releases the view it is given: give it its own
-                    read = readers.submit(pread_full, fds[i], view[:], start)
-                    inflight.append((i, k, buf, view, read))
+                        if buf is not None:
+                            view = memoryview(buf)[: end - start]
+                        else:
+                            assert into is not None
+                            view = into[i][start:end]
+                        pieces = [view]
+                        # pread_full releases the view it is given: give it its own
+                        read = readers.submit(pread_full, fds[i], view[:], start)
+                    inflight.append((i, k, buf, pieces, landed, read))
                     issued += 1
                 if not inflight:
                     return verified, None
-                i, k, buf, view, future = inflight.popleft()
+                i, k, buf, pieces, landed, future = inflight.popleft()
                 key, spans = items[i]
                 start, end = spans[k]
                 length = self._index.lengths[key]
@@ -183,17 +203,17 @@ class SpanStream:
                         raise CorruptSegmentError(
                             rel, f"file ends at {start + n} of {length} bytes (truncated)"
                         )
-                    if k == 0:
-                        reading[i] = self._begin_segment_read(view, key, rel, length)
+                    if k == 0:  # the header is in the first piece (tensors come after it)
+                        reading[i] = self._begin_segment_read(pieces[0], key, rel, length)
                     seg = reading[i]
-                    futures = seg.feed(hasher_pool, view, start, end)
+                    futures = seg.feed(hasher_pool, pieces, start, end)
                 except CorruptSegmentError as exc:
                     if buf is not None:
                         free.append(buf)
                     return verified, (i, (exc.detail, None, ""))
                 # copied out in the copier thread, so this one reissues reads meanwhile
-                if consume is not None:
-                    copying = copier.submit(consume, i, k, view)
+                if consume is not None and not landed:
+                    copying = copier.submit(consume, i, k, pieces[0])
                     futures = [*futures, copying]
                     seg.copies.append(copying)
                 busy.append((buf, futures))
@@ -218,6 +238,36 @@ class SpanStream:
             for buf in ring:
                 self._give_back(buf)
 
+    def _landing(
+        self, consume: LandingConsumer, i: int, k: int, start: int, end: int, buf: mmap.mmap
+    ) -> list[memoryview] | None:
+        """Span ``k`` of item ``i`` (``[start, end)`` of its file) as the pieces one
+        ``preadv`` reads it into: each tensor straight into its place in the consumer's
+        memory, the bytes between them (the header, padding) into ``buf``; ``None`` where
+        the consumer has no place for it or a place is not aligned as this tier's reads
+        need (:attr:`TierDirectory.io_align`: with O_DIRECT, a multiple of the device's
+        logical block in address, length and file offset), and the span is read into
+        ``buf`` and consumed instead."""
+        moves = consume.landing(i, k)
+        if not moves or 2 * len(moves) + 1 > _IOV_MAX:
+            return None
+        align = self._reader.io_align
+        scratch = memoryview(buf)
+        pieces: list[memoryview] = []
+        at = used = 0  # bytes of the span placed; bytes of ``buf`` used for gaps
+        for address, offset, length in [*moves, (0, end - start, 0)]:
+            if offset < at or (start + offset) % align or address % align or length % align:
+                return None
+            if offset > at:  # a gap: into the buffer
+                if used + offset - at > len(buf):
+                    return None
+                pieces.append(scratch[used : used + offset - at])
+                used += offset - at
+            if length:
+                pieces.append(memoryview((ctypes.c_ubyte * length).from_address(address)))
+            at = offset + length
+        return pieces if at == end - start else None
+
     def _begin_segment_read(
         self, first: memoryview, key: SegmentKey, rel: str, length: int
     ) -> _SegmentRead:
@@ -230,6 +280,11 @@ class SpanStream:
             check_header_mac(header, secret, rel)
             mac = (body_mac_hasher(secret), header)
         return _SegmentRead(rel, hashed_from(first), expected, mac)
+
+
+def _update(hasher: Any, parts: list[memoryview]) -> None:
+    for part in parts:
+        hasher.update(part)
 
 
 class _SegmentRead:
@@ -249,16 +304,23 @@ class _SegmentRead:
         """The consumer's calls for the spans delivered so far."""
 
     def feed(
-        self, pool: ThreadPoolExecutor, view: memoryview, start: int, end: int
+        self, pool: ThreadPoolExecutor, pieces: list[memoryview], start: int, end: int
     ) -> list[Future[None]]:
-        """Hash the part of span ``[start, end)`` (in ``view``) not hashed yet, in ``pool``."""
+        """Hash the part of span ``[start, end)`` (``pieces``, consecutive) not hashed yet,
+        in ``pool``."""
         if end <= self.hashed:
             return []
-        part = view[self.hashed - start :]
+        parts: list[memoryview] = []
+        at = start
+        for piece in pieces:
+            lo, hi = max(self.hashed, at), at + len(piece)
+            if hi > lo:
+                parts.append(piece[lo - at : hi - at])
+            at = hi
         self.hashed = end
-        futures = [pool.submit(self.xxh.update, part)]
+        futures = [pool.submit(_update, self.xxh, parts)]
         if self.mac is not None:
-            futures.append(pool.submit(self.mac[0].update, part))
+            futures.append(pool.submit(_update, self.mac[0], parts))
         self.futures.extend(futures)
         return futures
 

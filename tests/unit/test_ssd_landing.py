@@ -1,0 +1,202 @@
+"""Spans read straight into a load's outputs (``preadv`` into the tensors' memory, no span
+buffer and no copy): where the SSD tier does it, the bytes are exact, damage and I/O
+errors are still caught, and a span it cannot land (old layout, unaligned outputs,
+another token dimension) is read and copied as before."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.faults import FaultInjector
+from tieredkv import SSDTier, TieredKVCache
+from tieredkv._cache.gather import Scatter
+from tieredkv.backends.base import LandingConsumer
+from tieredkv.backends.ssd import segment_file_name
+from tieredkv.errors import SessionNotFoundError, TierIOError
+from tieredkv.payload import LAND_ALIGN, LAND_MIN, plan_segment
+
+CAPACITY = 256 << 20
+SECRET = b"a secret of at least 16 bytes"
+SPAN = 256 << 10
+"""A span size that puts the big tensors in spans of their own (the small one's output, not
+page-aligned, keeps its span from landing)."""
+
+
+def turns(n: int, *, dim: int = 0, rows: int = 128) -> list[dict[str, torch.Tensor]]:
+    """``n`` turns of four fp16 tensors of ``rows`` tokens and more (2 KiB per token: 256 KiB
+    and more at the default), an int8 one (too small to land) and an empty one. A history
+    of them is over 1 MiB per tensor, so a load's outputs come from the cache's pool of
+    page-aligned memory (smaller ones are ``torch.empty``'s, not aligned for O_DIRECT)."""
+    g = torch.Generator().manual_seed(n)
+    out = []
+    for t in range(n):
+        tokens = rows + 8 * t
+
+        def shape(*rest: int, tokens: int = tokens) -> tuple[int, ...]:
+            return (tokens, *rest) if dim == 0 else (rest[0], tokens, *rest[1:])
+
+        turn = {f"l{i}": torch.randn(*shape(1024), generator=g).half() for i in range(4)}
+        turn["small"] = torch.randint(-9, 9, shape(16), generator=g, dtype=torch.int8)
+        turn["empty"] = torch.empty(shape(0))
+        out.append(turn)
+    return out
+
+
+def joined(parts: list[dict[str, torch.Tensor]], dim: int = 0) -> dict[str, torch.Tensor]:
+    return {name: torch.cat([p[name] for p in parts], dim=dim) for name in parts[0]}
+
+
+def same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    return got.keys() == want.keys() and all(
+        torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)) for k, v in want.items()
+    )
+
+
+class Counting(Scatter):
+    """A Scatter that counts the spans it was handed (the ones the tier did not land)."""
+
+    consumed = 0
+    landed_asked = 0
+
+    def __call__(self, item: int, k: int, view: memoryview) -> None:
+        type(self).consumed += 1
+        super().__call__(item, k, view)
+
+    def landing(self, item: int, k: int) -> list[tuple[int, int, int]] | None:
+        type(self).landed_asked += 1
+        return super().landing(item, k)
+
+
+@pytest.fixture
+def counting(monkeypatch: pytest.MonkeyPatch) -> type[Counting]:
+    Counting.consumed = Counting.landed_asked = 0
+    monkeypatch.setattr("tieredkv._cache.tierio.Scatter", Counting)
+    return Counting
+
+
+def test_large_tensors_are_placed_for_landing() -> None:
+    plan = plan_segment("s", 0, turns(1)[0], token_dim=0, answer_tokens=1)
+    header = plan.header
+    assert header.body_offset % LAND_ALIGN == 0
+    for spec in header.tensors:
+        if spec.nbytes >= LAND_MIN:
+            assert (header.body_offset + spec.offset) % LAND_ALIGN == 0
+    assert isinstance(Scatter([header], {}, 0, None), LandingConsumer)
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+async def test_a_load_lands_spans_in_the_outputs_with_exact_bytes(
+    tmp_path: Path, counting: type[Counting], secret: bytes | None
+) -> None:
+    """Spans of large tensors only go straight into the outputs; the span holding the
+    small tensor is copied. The tier probed O_DIRECT's alignment (512 on this SSD)."""
+    parts = turns(5)
+    tier = SSDTier(tmp_path, CAPACITY, chunk_size=SPAN, secret=secret)
+    async with TieredKVCache([tier]) as cache:
+        for i, part in enumerate(parts):
+            await cache.append("s", part, answer_tokens=i)
+        got = await cache.load("s")
+        assert same(got, joined(parts))
+        assert tier.direct_io  # tmp_path is on the SSD here
+        assert counting.landed_asked > 0
+        assert counting.consumed < counting.landed_asked  # the big tensors' spans landed
+
+
+async def test_old_layout_segments_are_read_and_copied(
+    tmp_path: Path, counting: type[Counting]
+) -> None:
+    """Segments written before large tensors were aligned for landing (64-byte offsets)
+    still load exactly, through the span buffers, next to new ones in one history."""
+    parts = turns(4)
+    async with TieredKVCache([SSDTier(tmp_path, CAPACITY, chunk_size=SPAN)]) as cache:
+        with pytest.MonkeyPatch.context() as old:
+            old.setattr("tieredkv.payload._encode.LAND_MIN", 1 << 62)
+            for i, part in enumerate(parts[:2]):
+                await cache.append("s", part, answer_tokens=i)
+        for i, part in enumerate(parts[2:]):
+            await cache.append("s", part, answer_tokens=i)
+        got = await cache.load("s")
+        assert same(got, joined(parts))
+        assert 0 < counting.consumed < counting.landed_asked  # old ones copied, new landed
+
+
+async def test_other_token_dims_and_caller_tensors_are_copied(
+    tmp_path: Path, counting: type[Counting]
+) -> None:
+    parts = turns(3, dim=1)
+    async with TieredKVCache([SSDTier(tmp_path, CAPACITY)], token_dim=1) as cache:
+        for i, part in enumerate(parts):
+            await cache.append("s", part, answer_tokens=i)
+        assert same(await cache.load("s"), joined(parts, 1))
+        out = {k: torch.zeros_like(v) for k, v in joined(parts, 1).items()}
+        await cache.load_into("s", out)
+        assert same(out, joined(parts, 1))
+    assert counting.consumed > 0
+
+
+async def test_buffered_io_lands_spans_at_any_alignment(
+    tmp_path: Path, counting: type[Counting]
+) -> None:
+    parts = turns(3, rows=33)  # odd token counts: 66 KiB tensors, 512-aligned
+    async with TieredKVCache([SSDTier(tmp_path, CAPACITY, direct_io=False)]) as cache:
+        for i, part in enumerate(parts):
+            await cache.append("s", part, answer_tokens=i)
+        assert same(await cache.load("s"), joined(parts))
+    assert counting.consumed < counting.landed_asked
+
+
+def flip(path: Path, offset: int) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([byte[0] ^ 0x55]), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+async def test_damage_in_a_landed_tensor_is_caught(
+    tmp_path: Path, counting: type[Counting], secret: bytes | None
+) -> None:
+    """A flipped byte in the middle of a large tensor of the second segment: the checksum
+    covers what landed in the outputs, so the load is a counted miss (the damaged history
+    is never returned) and the file is quarantined."""
+    parts = turns(3)
+    async with TieredKVCache(
+        [SSDTier(tmp_path, CAPACITY, chunk_size=SPAN, secret=secret)]
+    ) as cache:
+        for i, part in enumerate(parts):
+            await cache.append("s", part, answer_tokens=i)
+        header = plan_segment("s", 1, parts[1], token_dim=0, answer_tokens=1).header
+        spec = header.tensors[2]
+        path = tmp_path / "segments" / segment_file_name(("s", 1))
+        flip(path, header.body_offset + spec.offset + spec.nbytes // 2)
+        misses = cache.stats().misses
+        with pytest.raises(SessionNotFoundError):
+            await cache.load("s")
+        assert cache.stats().misses == misses + 1
+        assert counting.consumed < counting.landed_asked
+    assert list((tmp_path / "quarantine").iterdir())
+
+
+async def test_an_io_error_in_a_landed_read_is_a_tier_error(
+    tmp_path: Path, counting: type[Counting]
+) -> None:
+    """EIO from the ``preadv`` of a landed span: TierIOError, nothing deleted, and the
+    next load returns the history exactly."""
+    parts = turns(3)
+    async with TieredKVCache([SSDTier(tmp_path, CAPACITY, chunk_size=SPAN)]) as cache:
+        for i, part in enumerate(parts):
+            await cache.append("s", part, answer_tokens=i)
+        with FaultInjector() as faults:
+            faults.fail_nth("preadv", faults.calls["preadv"] + 2, errno.EIO)
+            with pytest.raises(TierIOError):
+                await cache.load("s")
+        assert counting.consumed < counting.landed_asked
+        assert same(await cache.load("s"), joined(parts))
