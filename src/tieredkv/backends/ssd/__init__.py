@@ -58,14 +58,16 @@ second memory tier; where the filesystem refuses ``O_DIRECT`` (tmpfs, some overl
 filesystems) the tier falls back to buffered I/O, drops the pages it touched with
 ``posix_fadvise(DONTNEED)``, and says so in :meth:`SSDTier.stats`.
 
-Reads verify the header CRC and the body's xxh3 hash while the data streams in: up to four
+Reads verify the header CRC and the body's xxh3 hash while the data streams in: up to eight
 chunk reads are kept in flight, and the hash of each chunk (in a second thread; xxh3
 releases the GIL) overlaps the reads of the next ones. :meth:`SSDTier.read` (the tier's
 one read) streams whole histories that way when asked for spans, handing each span to a
-consumer (in a third thread) as it arrives; :meth:`SSDTier.write_filled` writes a segment
-part by part while its caller is still serializing the next part. A segment that fails is
-moved to ``quarantine/`` and reported as :class:`~tieredkv.errors.CorruptSegmentError`; the cache
-treats it as a miss.
+consumer (in a third thread) as it arrives, or reading it straight into the consumer's
+memory where the consumer says where its bytes go and the places suit O_DIRECT (a load's
+output tensors: :class:`~tieredkv.backends.base.LandingConsumer`);
+:meth:`SSDTier.write_filled` writes a segment part by part while its caller is still
+serializing the next part. A segment that fails is moved to ``quarantine/`` and reported as
+:class:`~tieredkv.errors.CorruptSegmentError`; the cache treats it as a miss.
 
 The package, one concern per module:
 

@@ -1,11 +1,22 @@
 """Streaming segments out of an SSD tier span by span (:meth:`SSDTier.read` with spans).
 
 Whole histories stream to a consumer (in a third thread) span by span as they arrive: up
-to four reads are in flight across segment boundaries, each segment's checksum (and MAC)
+to eight reads are in flight across segment boundaries, each segment's checksum (and MAC)
 is computed in the hasher thread as its spans arrive, and the spans are read into a small
 pool of reused buffers (or straight into the caller's buffers), so a history
 of any size needs a few chunks of memory, not a segment-sized buffer. A layer-wise restore
 reads every segment's first span, then every segment's second, and so on.
+
+A consumer that says where each span's bytes go (a
+:class:`~tieredkv.backends.base.LandingConsumer`, such as a load's
+:class:`~tieredkv._cache.gather.Scatter`) gets them there with no copy:
+the span is read with one ``preadv`` whose views are its tensors' places in the outputs and,
+for the bytes between them (the header, padding), the span's buffer. That needs each
+place's address, length and file offset to be multiples of what the tier's reads need
+(512 bytes with O_DIRECT on most SSDs, :attr:`TierDirectory.io_align`), which large tensors
+meet (:data:`~tieredkv.payload.LAND_ALIGN`); a span that does not is read and consumed.
+This removes a load's one copy (see ``docs/explanation/api-performance.md`` for what it
+saved).
 """
 
 from __future__ import annotations
@@ -50,8 +61,9 @@ out, one spare."""
 _IOV_MAX = 1024
 """The most views one ``preadv`` takes (Linux's ``IOV_MAX``)."""
 
-_SPARE_BUFFERS = 2 * _RING
-"""Span buffers of ``chunk_size`` bytes a tier keeps for later streams (two streams' worth)."""
+_SPARE_BUFFERS = 12
+"""Span buffers of ``chunk_size`` bytes a tier keeps for later streams (at most 96 MiB at the
+default chunk size)."""
 
 
 def check_stream(

@@ -248,11 +248,13 @@ class SSDTier(Tier):
         the chunks already read.
 
         Otherwise the segments stream span by span (the spans may overlap by less than a
-        page; the first must hold the whole header): up to four reads in flight across
+        page; the first must hold the whole header): up to eight reads in flight across
         segment boundaries, in ``order``, each segment's checksum (and MAC) computed in the
         hasher thread as its spans arrive, ``consume`` called in a third thread while later
-        spans are read; without ``into`` the spans are read into a small pool of reused,
-        prefaulted buffers, so a history of any size needs a few chunks of memory, not a
+        spans are read (or, for a :class:`~tieredkv.backends.base.LandingConsumer` whose
+        places suit this tier's reads, each span read straight into them and not
+        consumed); without ``into`` the spans are read into a small pool of reused
+        buffers, so a history of any size needs a few chunks of memory, not a
         segment-sized buffer. With O_DIRECT, ``into`` must be 4 KiB-aligned (as tier-0
         slots and staging buffers are) when it is streamed into.
         """
