@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cancellation import CANCELS, cancellable
 from tests.faults import FaultInjector
+from tests.invariants import problems
 from tieredkv import SSDTier, TieredKVCache
 from tieredkv._cache.gather import Scatter
 from tieredkv.backends.base import LandingConsumer
@@ -200,3 +202,58 @@ async def test_an_io_error_in_a_landed_read_is_a_tier_error(
                 await cache.load("s")
         assert counting.consumed < counting.landed_asked
         assert same(await cache.load("s"), joined(parts))
+
+
+@pytest.mark.parametrize("how", CANCELS)
+async def test_a_landed_load_survives_cancellation(
+    tmp_path: Path, counting: type[Counting], how: str
+) -> None:
+    """A load whose spans land in its outputs, cancelled at several points by each kind of
+    cancellation: afterwards the cache, tier, channel and files agree, and the history
+    loads back exactly (no read still writes into memory the next load is given)."""
+    parts = turns(4)
+    want = joined(parts)
+    async with TieredKVCache([SSDTier(tmp_path, CAPACITY, chunk_size=SPAN)]) as cache:
+        for i, part in enumerate(parts):
+            await cache.append("s", part, answer_tokens=i)
+        for delay in (0.0, 0.0005, 0.002, 0.01):
+            await cancellable(how, delay, lambda: cache.load("s"))
+            assert problems(cache) == []
+            assert same(await cache.load("s"), want)
+    assert counting.consumed < counting.landed_asked
+
+
+async def test_an_io_error_at_each_os_call_of_a_landed_load_loses_nothing(
+    tmp_path: Path, counting: type[Counting]
+) -> None:
+    """Fail each os call of a landed load in turn: the load raises (a miss or an I/O error)
+    or returns the exact history, the cache stays consistent, and whatever is still stored
+    loads back exactly."""
+    parts = turns(3)
+    want = joined(parts)
+    async with TieredKVCache([SSDTier(tmp_path, CAPACITY, chunk_size=SPAN)]) as cache:
+        for i, part in enumerate(parts):
+            await cache.append("s", part, answer_tokens=i)
+        with FaultInjector() as faults:
+            with faults.paused():
+                before = dict(faults.calls)
+                await cache.load("s")
+            calls = {site: n - before.get(site, 0) for site, n in faults.calls.items()}
+        assert counting.consumed < counting.landed_asked
+        assert calls.get("preadv", 0) >= 3, calls
+        for site, count in calls.items():
+            for nth in range(1, count + 1):
+                if "s" not in cache:  # lost to a damaged read: store it again
+                    for i, part in enumerate(parts):
+                        await cache.append("s", part, answer_tokens=i)
+                with FaultInjector() as faults:
+                    faults.fail_nth(site, faults.calls[site] + nth, errno.EIO)
+                    try:
+                        got = await cache.load("s")
+                    except (TierIOError, SessionNotFoundError):
+                        pass
+                    else:
+                        assert same(got, want)
+                assert problems(cache) == [], (site, nth)
+                if "s" in cache:
+                    assert same(await cache.load("s"), want)
