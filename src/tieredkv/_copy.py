@@ -18,11 +18,10 @@ import ctypes
 import numpy as np
 import torch
 
-__all__ = ["copy_bytes", "copy_from", "copy_tensor", "memmove"]
+__all__ = ["copy_bytes", "copy_from", "copy_tensor", "memmove", "plain_cpu"]
 
 memmove = ctypes.memmove
 """libc's ``memmove(dst, src, n)`` on addresses: a ctypes foreign call, which releases the GIL."""
-_memmove = memmove
 
 
 def _lazy(t: torch.Tensor) -> bool:
@@ -30,13 +29,18 @@ def _lazy(t: torch.Tensor) -> bool:
     return t.is_conj() or t.is_neg()
 
 
+def plain_cpu(t: torch.Tensor) -> bool:
+    """A contiguous CPU tensor whose bytes are its values: one ``memmove`` copies it."""
+    return t.is_cpu and t.is_contiguous() and not _lazy(t)
+
+
 def copy_bytes(dst: int, src: torch.Tensor, nbytes: int) -> bool:
     """Copy a contiguous CPU tensor's ``nbytes`` bytes to the address ``dst`` (which the
     caller owns, for at least ``nbytes``) in this thread; ``False`` (nothing copied) when
     ``src`` is not such a tensor of exactly ``nbytes``."""
-    if not (src.is_cpu and src.is_contiguous() and src.nbytes == nbytes and nbytes) or _lazy(src):
+    if not (plain_cpu(src) and src.nbytes == nbytes and nbytes):
         return False
-    _memmove(dst, src.data_ptr(), nbytes)
+    memmove(dst, src.data_ptr(), nbytes)
     return True
 
 
@@ -45,26 +49,22 @@ def copy_from(dst: torch.Tensor, src: int, nbytes: int) -> bool:
     ``nbytes``) into a contiguous CPU tensor of exactly ``nbytes``, in this thread; ``False``
     (nothing copied) when ``dst`` is not such a tensor. The inverse of :func:`copy_bytes`:
     a segment's bytes straight into their place in an output, with no view of them."""
-    if not (dst.is_cpu and dst.is_contiguous() and dst.nbytes == nbytes and nbytes) or _lazy(dst):
+    if not (plain_cpu(dst) and dst.nbytes == nbytes and nbytes):
         return False
-    _memmove(dst.data_ptr(), src, nbytes)
+    memmove(dst.data_ptr(), src, nbytes)
     return True
 
 
 def copy_tensor(dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool = False) -> None:
     """``dst.copy_(src)`` for tensors of the same dtype and shape; single-threaded on CPU."""
     if (
-        dst.is_cpu
-        and src.is_cpu
+        plain_cpu(dst)
+        and plain_cpu(src)
         and dst.dtype == src.dtype
         and dst.shape == src.shape
-        and dst.is_contiguous()
-        and src.is_contiguous()
         and dst.nbytes
-        and not _lazy(dst)
-        and not _lazy(src)
     ):
-        _memmove(dst.data_ptr(), src.data_ptr(), dst.nbytes)
+        memmove(dst.data_ptr(), src.data_ptr(), dst.nbytes)
         return
     if (
         dst.device.type == "cpu"

@@ -11,8 +11,7 @@ from typing import Any
 import anyio
 import torch
 
-from .._copy import copy_tensor
-from .._copy import memmove as _memmove
+from .._copy import copy_tensor, memmove, plain_cpu
 from ..backends._buffers import address, anonymous, close_mapping, prefaulted
 from ..errors import InvalidArgumentError
 from ..payload import (
@@ -118,11 +117,11 @@ class Scatter:
         self._plans: dict[tuple[int, int], tuple[list[tuple[int, int, int]], int] | None] = {}
 
     def __call__(self, item: int, k: int, view: memoryview) -> None:
-        moves = self._moves(item, k)
-        if moves is not None and moves[-1] <= len(view):
+        plan = self._moves(item, k)
+        if plan is not None and plan[1] <= len(view):
             base = address(view)
-            for to, rel, nbytes in moves[0]:
-                _memmove(to, base + rel, nbytes)
+            for to, rel, nbytes in plan[0]:
+                memmove(to, base + rel, nbytes)
             return
         header = self._headers[item]
         start = self.spans[item][k][0]
@@ -165,10 +164,7 @@ class Scatter:
             out = self._out.get(spec.name)
             if (
                 out is None
-                or not out.is_cpu
-                or not out.is_contiguous()
-                or out.is_conj()
-                or out.is_neg()
+                or not plain_cpu(out)
                 or out.dtype != dtype_of(spec.dtype)
                 or out.dim() != len(spec.shape)
                 or tuple(out.shape[1:]) != tuple(spec.shape[1:])
