@@ -224,13 +224,12 @@ class TieredKVConnector(KVConnectorBase_V1):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self._scheduler is not None
-        if num_external_tokens > 0:
-            self._scheduler.allocated(
-                request.request_id,
-                request.prompt_token_ids or [],
-                blocks.get_block_ids()[0],
-                num_external_tokens,
-            )
+        self._scheduler.allocated(
+            request.request_id,
+            request.prompt_token_ids or [],
+            blocks.get_block_ids()[0] if num_external_tokens > 0 else (),
+            num_external_tokens,
+        )
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
@@ -253,9 +252,17 @@ class TieredKVConnector(KVConnectorBase_V1):
         report = meta.report if isinstance(meta, TieredKVWorkerMetadata) else None
         self._scheduler.update(report, set(connector_output.failed_recving or ()))
 
+    def has_pending_push_work(self) -> bool:
+        # vLLM keeps stepping while a finished turn is being stored, so the workers'
+        # report of it arrives with no other request running: the next request, or a
+        # fork, that continues it is then served from it
+        return self._scheduler is not None and self._scheduler.saving()
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        # every phase of a request ends here, aborts included (see SchedulerSide.finished:
+        # a request still waiting for its KV stores nothing and is reported once)
         assert self._scheduler is not None
         delay = self._scheduler.finished(
             request.request_id,
@@ -339,6 +346,10 @@ class TieredKVConnector(KVConnectorBase_V1):
             self._store.wait_any(IDLE_WAIT)
         out = KVConnectorTransferResults()
         out.finished_sending, self._sending = self._sending | self._store.copied(), set()
+        if isinstance(meta, TieredKVMetadata):
+            # loads withdrawn before any worker started them: vLLM holds these requests'
+            # blocks until they are reported received (once, here)
+            out.finished_recving.update(meta.plan.cancelled)
         for op, ok in self._store.finished_loads():
             self._finished_loads.append((op, ok))
             self._recving.discard(op.req_id)
