@@ -10,6 +10,7 @@ metadata of the step's output, as vLLM's own offloading connector does it.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -188,6 +189,7 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._sending: set[str] = set()
         self._finished_loads: list[Any] = []
         self._streams: list[LayerStream] = []
+        self._drained = True
         if role == KVConnectorRole.SCHEDULER:
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 # a history the cache cannot serve (damaged, lost, an I/O error) is a miss:
@@ -251,6 +253,22 @@ class TieredKVConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         report = meta.report if isinstance(meta, TieredKVWorkerMetadata) else None
         self._scheduler.update(report, set(connector_output.failed_recving or ()))
+        drained = self._scheduler.drained()
+        if drained and not self._drained:
+            _log.debug("tieredkv scheduler side drained: %s", self._scheduler_state())
+        self._drained = drained
+
+    def _scheduler_state(self) -> str:
+        assert self._scheduler is not None
+        side = self._scheduler
+        return json.dumps(
+            {
+                **side.busy(),
+                "finished": side.finished_requests,
+                "withdrawn": side.withdrawn,
+                "longest_wait": side.longest_wait,
+            }
+        )
 
     def has_pending_push_work(self) -> bool:
         # vLLM keeps stepping while a finished turn is being stored, so the workers'
@@ -392,5 +410,11 @@ class TieredKVConnector(KVConnectorBase_V1):
         return TieredKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        # what each side still holds for requests: all 0 after a clean drain (a number
+        # here is a request the connector did not finish, or memory it did not free)
+        if self._scheduler is not None:
+            _log.info("tieredkv scheduler side at shutdown: %s", self._scheduler_state())
         if self._store is not None:
+            if self._store.layers:  # opened
+                _log.info("tieredkv worker at shutdown: %s", json.dumps(self._store.busy()))
             self._store.close()

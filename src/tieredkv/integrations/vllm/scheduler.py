@@ -109,6 +109,10 @@ class SchedulerSide:
         self._pending_saves: dict[str, tuple[str, list[bytes]]] = {}
         self._failed: set[str] = set()
         self._deferred: dict[str, float] = {}  # request -> when it first waited for a save
+        self.withdrawn: dict[str, int] = {phase.value: 0 for phase in Phase}
+        """Requests that finished (aborted, mostly) while waiting for KV, per phase."""
+        self.finished_requests = 0
+        """Requests vLLM finished so far (each exactly once)."""
         self.longest_wait = 0.0
         """Seconds, at most, between a load's completion and vLLM scheduling a request
         that waited for it (the scheduler side's own bookkeeping of waiters)."""
@@ -280,6 +284,7 @@ class SchedulerSide:
         another request is storing). Returns whether a save was planned: its blocks must
         then stay allocated until the worker copied them.
         """
+        self.finished_requests += 1
         r = self._reqs.pop(req_id, None)
         self._failed.discard(req_id)
         self._deferred.pop(req_id, None)
@@ -292,6 +297,7 @@ class SchedulerSide:
     def _withdraw(self, req_id: str, r: _Req) -> None:
         """A request that waited for KV finished (nothing of it is stored)."""
         now = self.clock()
+        self.withdrawn[r.phase.value] += 1
         self.policy.cancel(req_id, now)
         op = r.op
         if op is None:  # LOADED: the workers reported it already
@@ -359,6 +365,19 @@ class SchedulerSide:
     def saving(self) -> bool:
         """Whether a planned save has not been reported stored (or failed) yet."""
         return bool(self._pending_saves)
+
+    def drained(self) -> bool:
+        """Whether the scheduler side holds nothing for any request (see :meth:`busy`)."""
+        return not (
+            self._reqs
+            or self._waiting
+            or self._started
+            or self._pending_saves
+            or self._failed
+            or self._deferred
+            or self.from_host
+            or len(self.policy)
+        )
 
     def busy(self) -> dict[str, int]:
         """What the scheduler side holds for requests now (all 0 once every request
