@@ -15,7 +15,11 @@ at once, each round:
   ``abort_within`` seconds: while waiting for its SSD load, loading, computing, or after
   it finished).
 
-Then every prompt that completed is recomputed by the same engine with its prefix cache
+Then two abort storms: every conversation's next turn at once, each cancelled within a
+tenth of a second (most while they wait for their SSD loads). Then, three times, after an
+idle moment: a new conversation's first turn and, once the
+engine is idle again, a fork of it (it must be served the turn stored meanwhile). Then
+every prompt that completed is recomputed by the same engine with its prefix cache
 and the connector skipped (``skip_reading_prefix_cache``), and the engine shuts down. The
 result (a :class:`StressResult`) counts requests, aborts, forks, duplicates, preemptions,
 wrong answers and engine errors, and carries what the connector's two sides logged at
@@ -95,6 +99,7 @@ class StressResult(msgspec.Struct, kw_only=True):
     stuck: list[str]
     engine_errors: list[str]
     submitted: int
+    idle_forks: list[tuple[int, int]]
     scheduler_side: dict[str, Any]
     worker: dict[str, int]
     lower_hits: int
@@ -231,6 +236,35 @@ async def _stress(spec: StressSpec, log_path: Path) -> StressResult:
                 continue
             earlier[c].append(histories[c])
             histories[c] = [*histories[c], *answer, *tokens(30)]
+    # an abort storm: every conversation's next turn at once (their histories on the SSD,
+    # one load at a time), each cancelled within a tenth of a second: while it waits
+    # for its load, loads, or is computing
+    for _ in range(2):
+        storm = [one(list(h), rng.uniform(0.005, 0.1)) for h in histories]
+        await asyncio.gather(*storm)
+    # after an idle moment: a conversation's first turn, then (the engine idle again) a
+    # fork of it: the fork is served the turn stored while the engine had nothing to do
+    idle_forks: list[tuple[int, int]] = []  # (tokens cached, tokens shared in full blocks)
+    for _ in range(3):
+        first = tokens(200)
+        await asyncio.sleep(0.5)
+        if await one(first, None) is None:
+            continue
+        await asyncio.sleep(0.5)
+        fork = [*first[:150], *tokens(20)]
+        fork_id = uuid.uuid4().hex
+        counts["requests"] += 1
+        counts["submitted"] += 1
+        final = None
+        async for out in engine.generate(
+            {"prompt_token_ids": fork}, _params(spec.max_tokens), fork_id
+        ):
+            final = out
+        assert final is not None
+        answers[fork_id] = (fork, list(final.outputs[0].token_ids))
+        idle_forks.append(
+            (int(final.num_cached_tokens or 0), 150 // spec.block_size * spec.block_size)
+        )
     ran = time.monotonic()
     # every completed prompt again, computed from scratch (prefix cache and connector
     # skipped): greedy answers must be equal
@@ -283,6 +317,7 @@ async def _stress(spec: StressSpec, log_path: Path) -> StressResult:
         stuck=stuck,
         engine_errors=engine_errors,
         submitted=counts["submitted"],
+        idle_forks=idle_forks,
         scheduler_side=scheduler_side,
         worker=worker,
         lower_hits=lower_hits,

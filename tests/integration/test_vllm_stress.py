@@ -5,10 +5,13 @@ requests: conversations over shared system prompts, forks of earlier turns, dupl
 prompts in flight, and clients that cancel a third of their requests at a random moment
 (while the request waits for its SSD load, loads, computes, or has finished); a host tier
 too small for the histories sends them to the SSD, and a KV pool of 24 blocks makes vLLM
-preempt. Every completed answer must equal the same prompt computed from scratch (greedy),
-the engine must never fail, no request may wait long after the load it waits for landed,
-and when the run drains, both sides of the connector must hold nothing (no request state,
-no load or save in flight, no host memory beyond the conversations stored).
+preempt. Then abort storms: every conversation's next turn at once, each cancelled within
+0.1 s (while most wait for their SSD loads). Then, after idle moments, forks of turns
+stored while the engine was idle. Every completed answer must equal the same prompt
+computed from scratch (greedy), the engine must never fail, no request may wait long
+after the load it waits for landed, and when the run drains, both sides of the connector
+must hold nothing (no request state, no load or save in flight, no host memory beyond the
+conversations stored).
 
 The engine starts in about 40 s on two cores and the run itself takes about 10 s.
 """
@@ -63,6 +66,7 @@ def test_concurrent_clients_that_abort_fork_and_duplicate(tmp_path: Path) -> Non
         "wrong": len(result.wrong),
         "engine_errors": result.engine_errors[:3],
         "stuck": len(result.stuck),
+        "idle_forks": result.idle_forks,
     }
     print(summary)  # the counts, for the record (pytest -s)
     assert result.engine_errors == [], summary
@@ -74,7 +78,13 @@ def test_concurrent_clients_that_abort_fork_and_duplicate(tmp_path: Path) -> Non
     assert result.duplicates > 0, summary
     assert result.preemptions > 0, summary
     assert result.lower_hits > 0, summary  # histories loaded back from the SSD
+    # some aborts hit requests waiting for their KV (queued, loading, or loaded)
+    assert sum(result.scheduler_side["withdrawn"].values()) > 0, summary
     assert result.completed + result.aborts == result.requests, summary
+    # a fork sent after the engine went idle is served the turn stored meanwhile
+    assert len(result.idle_forks) == 3, summary
+    for cached, shared in result.idle_forks:
+        assert cached == shared, result.idle_forks
     # drained: every request vLLM saw finished once, nothing is held for any of them
     side = result.scheduler_side
     assert side, "the scheduler side never drained"
