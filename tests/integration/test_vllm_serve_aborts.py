@@ -18,7 +18,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,19 +27,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm_support import require_vllm, tiny_model
+from tests.vllm_support import free_port, require_vllm, tiny_model
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]  # a server start: `pytest -m slow`
 require_vllm()
 
 BS = 32
 MAX_TOKENS = 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_streams_closed_early_leave_the_server_serving(tmp_path: Path) -> None:

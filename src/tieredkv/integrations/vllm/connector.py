@@ -32,7 +32,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ...errors import InvalidArgumentError
 from .config import ConnectorConfig, parse_config
 from .keys import fingerprint
-from .ops import LoadOp, StepPlan, WorkerReport
+from .ops import LoadOp, SaveOp, StepPlan, WorkerReport
 from .scheduler import SchedulerSide
 from .worker import LayerStream, WorkerStore
 
@@ -187,6 +187,7 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._recving: set[str] = set()
         self._failed: set[str] = set()
         self._sending: set[str] = set()
+        self._unsaved: list[tuple[SaveOp, bool]] = []  # saves that never started
         self._finished_loads: list[Any] = []
         self._streams: list[LayerStream] = []
         self._drained = True
@@ -352,6 +353,7 @@ class TieredKVConnector(KVConnectorBase_V1):
             except Exception:
                 _log.exception("copying %s's blocks out failed; the turn is not stored", op.req_id)
                 self._sending.add(op.req_id)
+                self._unsaved.append((op, False))  # reported: the scheduler side stops waiting
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._store is not None
@@ -384,7 +386,8 @@ class TieredKVConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         assert self._store is not None
         loads, self._finished_loads = self._finished_loads, []
-        report = self._store.report(loads, self._store.finished_saves())
+        unsaved, self._unsaved = self._unsaved, []
+        report = self._store.report(loads, [*unsaved, *self._store.finished_saves()])
         return None if report.empty() else TieredKVWorkerMetadata(report=report)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
