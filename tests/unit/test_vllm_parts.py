@@ -18,7 +18,7 @@ import torch
 from tieredkv.errors import InvalidArgumentError
 from tieredkv.integrations.vllm.config import ConnectorConfig, parse_config
 from tieredkv.integrations.vllm.index import PrefixIndex, Sidecar, read_sidecars
-from tieredkv.integrations.vllm.keys import block_hashes, fingerprint
+from tieredkv.integrations.vllm.keys import block_hashes, fingerprint, session_key
 from tieredkv.integrations.vllm.ops import LoadOp, WorkerReport
 from tieredkv.integrations.vllm.scheduler import SAVE_WAIT, Phase, SchedulerSide
 from tieredkv.integrations.vllm.worker import HOST, SSD, WorkerStore
@@ -606,9 +606,16 @@ def test_two_continuations_of_one_conversation_each_store_their_turn(tmp_path: P
     side.update(WorkerReport(stored=[("x", "A", 3, True), ("y", sy.session, 3, True)]), set())
     assert side.index.match(side.index.hashes(x[:12])) == ("A", 3)
     assert side.index.match(side.index.hashes(y[:12])) == (sy.session, 3)
-    # the same turn twice in one step is stored once
+    # the same turn twice in one step (duplicate requests) is stored once, new or not
     assert side.finished("z1", [7] * 9, [1, 2], 8, 1)
     assert not side.finished("z2", [7] * 9, [3, 4], 8, 1)
+    d = [*x, *range(1, 9)]  # x's next turn: blocks 3 and 4
+    assert side.finished("d1", d, [1, 2, 3, 4, 5], 20, 1)
+    assert not side.finished("d2", d, [6, 7, 8, 9, 10], 20, 1)
+    assert [(op.req_id, op.session, op.start) for op in side.plan().saves] == [
+        ("z1", session_key(FP, side.index.hashes([7] * 8)), 0),
+        ("d1", "A", 3),
+    ]
 
 
 def test_a_fork_of_a_turn_being_stored_waits_for_it(tmp_path: Path) -> None:

@@ -335,6 +335,8 @@ class SchedulerSide:
         if end <= 0:
             return False
         hashes = self.index.hashes(tokens[: end * self.block_size])
+        if any(saved == hashes for _, saved in self._pending_saves.values()):
+            return False  # the same turn (a duplicate request's) is being stored
         session, blocks = self.index.match(hashes)
         saving = {pending[0] for pending in self._pending_saves.values()}
         if session is not None and blocks == self.index.blocks(session) and session not in saving:
