@@ -31,6 +31,7 @@ __all__ = [
     "Spec",
     "Turn",
     "answers",
+    "free_port",
     "kv_transfer_config",
     "require_vllm",
     "run_engine",
@@ -119,6 +120,15 @@ class Result(msgspec.Struct, kw_only=True):
     metrics: list[str]
     start_seconds: float
     run_seconds: float
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def require_vllm() -> None:

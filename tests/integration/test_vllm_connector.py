@@ -23,12 +23,19 @@ from __future__ import annotations
 import os
 import random
 import re
-import socket
 from pathlib import Path
 
 import pytest
 
-from tests.vllm_support import Result, Spec, answers, require_vllm, run_engine, tiny_model
+from tests.vllm_support import (
+    Result,
+    Spec,
+    answers,
+    free_port,
+    require_vllm,
+    run_engine,
+    tiny_model,
+)
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]  # engine starts: `pytest -m slow`
 require_vllm()
@@ -38,12 +45,6 @@ CONVERSATIONS = 4
 ROUNDS = 5  # rounds of queries after the first prompts; the bidaw run serves 3
 FIRST = 3  # rounds the bidaw run serves before the restart
 HOST_BYTES = 1 << 20  # about 500 tokens of this model's KV (2 KiB per token): not all of them
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def workload(seed: int = 7) -> tuple[list[list[int]], list[dict[int, list[int]]]]:

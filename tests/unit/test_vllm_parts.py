@@ -18,9 +18,9 @@ import torch
 from tieredkv.errors import InvalidArgumentError
 from tieredkv.integrations.vllm.config import ConnectorConfig, parse_config
 from tieredkv.integrations.vllm.index import PrefixIndex, Sidecar, read_sidecars
-from tieredkv.integrations.vllm.keys import block_hashes, fingerprint
+from tieredkv.integrations.vllm.keys import block_hashes, fingerprint, session_key
 from tieredkv.integrations.vllm.ops import LoadOp, WorkerReport
-from tieredkv.integrations.vllm.scheduler import SAVE_WAIT, SchedulerSide
+from tieredkv.integrations.vllm.scheduler import SAVE_WAIT, Phase, SchedulerSide
 from tieredkv.integrations.vllm.worker import HOST, SSD, WorkerStore
 
 BS = 4  # tokens per block
@@ -475,3 +475,162 @@ def test_worker_moves_cuda_blocks_through_pinned_staging(tmp_path: Path) -> None
             assert torch.equal(layer[[9, 10]].cpu(), expected[name])
     finally:
         s.close()
+
+
+# -- the scheduler side through a request's life --------------------------------------------
+def _ssd_side(tmp_path: Path, sessions: dict[str, list[int]], scheduler: str = "bidaw") -> Any:
+    """A scheduler side whose index holds ``sessions`` (name -> tokens), all on the SSD."""
+    import msgspec
+
+    from tieredkv.meta import KVMeta
+
+    clock = Clock()
+    cfg = parse_config({"ssd_path": str(tmp_path / scheduler), "scheduler": scheduler})
+    side = SchedulerSide(cfg, FP, BS, clock=clock)
+    metas: dict[str, bytes | None] = {}
+    for name, tokens in sessions.items():
+        side.index.put(name, side.index.hashes(tokens))
+        meta = KVMeta(session=name, tier=SSD, copies=(SSD,), nbytes=1 << 20, tokens=len(tokens))
+        metas[name] = msgspec.msgpack.encode(meta)
+    side.update(WorkerReport(metas=metas), set())
+    return side, clock
+
+
+def _idle(side: SchedulerSide) -> None:
+    assert side.busy() == dict.fromkeys(side.busy(), 0)
+
+
+@pytest.mark.parametrize("scheduler", ["bidaw", "fcfs"])
+@pytest.mark.parametrize("ok", [True, False])
+def test_a_request_that_joins_a_load_in_flight_gets_its_own_load_when_it_lands(
+    tmp_path: Path, scheduler: str, ok: bool
+) -> None:
+    """Two requests continue one conversation on the SSD: the second joins the first's
+    load in the policy; when it lands (or fails) the second's blocks are loaded at once,
+    not when some third request happens to start a new load."""
+    a = list(range(1, 9))
+    side, clock = _ssd_side(tmp_path, {"A": a}, scheduler)
+    for req in ("r1", "r2"):
+        assert side.match(req, [*a, 50], 0) == (8, True)
+        side.allocated(req, [*a, 50], [1, 2, 3], 8)
+        if req == "r1":
+            assert [op.req_id for op in side.plan().loads] == ["r1"]
+    assert side.plan().loads == []  # r2 waits for r1's load
+    assert side.phase("r2") is Phase.QUEUED
+    clock.now += 1.0
+    side.update(WorkerReport(loaded=[("r1", "A", ok)]), set() if ok else {"r1"})
+    assert [(op.req_id, op.session, op.blocks) for op in side.plan().loads] == [("r2", "A", 2)]
+    assert side.phase("r2") is Phase.LOADING
+    clock.now += 0.5
+    side.update(WorkerReport(loaded=[("r2", "A", True)]), set())
+    assert side.phase("r1") is side.phase("r2") is Phase.LOADED
+    for req in ("r1", "r2"):
+        side.allocated(req, [*a, 50], [], 0)  # vLLM schedules it
+        assert side.phase(req) is None
+    assert side.longest_wait == 0.5  # r2: from r1's load landing to its scheduling
+    for req in ("r1", "r2"):
+        side.finished(req, [*a, 50, 60], [1, 2, 3], 9, 1)
+    side.plan()
+    _idle(side)
+
+
+@pytest.mark.parametrize("scheduler", ["bidaw", "fcfs"])
+def test_a_request_aborted_while_its_load_is_queued_stores_nothing_and_never_loads(
+    tmp_path: Path, scheduler: str
+) -> None:
+    """The issue's engine death: a fork waits for its SSD load behind another; the client
+    aborts. vLLM's num_computed_tokens already counts the unloaded blocks: no save of them
+    may be planned (its blocks are reported received once, never also sent)."""
+    busy, fork_of = [7] * 8, list(range(1, 13))
+    side, clock = _ssd_side(tmp_path, {"B": busy, "F": fork_of}, scheduler)
+    assert side.match("busy", [*busy, 1], 0) == (8, True)
+    side.allocated("busy", [*busy, 1], [1, 2, 3], 8)
+    fork = [*fork_of[:8], 99, 98, 97, 96, 95]  # shares 2 of F's 3 blocks
+    assert side.match("fork", fork, 0) == (8, True)
+    side.allocated("fork", fork, [4, 5, 6, 7], 8)
+    assert [op.req_id for op in side.plan().loads] == ["busy"]
+    assert side.phase("fork") is Phase.QUEUED
+    # aborted: vLLM counts 8 tokens computed, the first two blocks never filled
+    assert side.finished("fork", fork, [4, 5, 6, 7], 8, 0) is False
+    plan = side.plan()
+    assert (plan.saves, plan.loads, plan.cancelled) == ([], [], ["fork"])
+    clock.now += 1.0
+    side.update(WorkerReport(loaded=[("busy", "B", True)]), set())
+    assert side.plan().loads == []  # F's load is withdrawn: nothing starts
+    side.allocated("busy", [*busy, 1], [], 0)
+    assert side.finished("busy", [*busy, 1, 2], [1, 2, 3], 9, 1) is False  # nothing new
+    _idle(side)
+
+
+def test_a_request_aborted_while_loading_stores_nothing_and_ends_with_its_load(
+    tmp_path: Path,
+) -> None:
+    a = list(range(1, 9))
+    b = [5] * 8
+    side, _clock = _ssd_side(tmp_path, {"A": a, "B": b})
+    assert side.match("r1", [*a, 1, 2, 3, 4, 5], 0) == (8, True)
+    side.allocated("r1", [*a, 1, 2, 3, 4, 5], [1, 2, 3, 4], 8)
+    assert [op.req_id for op in side.plan().loads] == ["r1"]  # sent to the workers
+    assert side.finished("r1", [*a, 1, 2, 3, 4, 5], [1, 2, 3, 4], 12, 0) is False
+    assert side.plan() == type(side.plan())()  # no save, nothing withdrawn: it runs
+    # one planned this step and aborted before the workers saw it: withdrawn
+    assert side.match("r2", [*b, 1], 0) == (8, True)
+    side.allocated("r2", [*b, 1], [5, 6, 7], 8)  # waits: one load at a time
+    side.update(WorkerReport(loaded=[("r1", "A", True)]), set())  # r2's load is planned
+    assert side.phase("r2") is Phase.LOADING
+    assert side.finished("r2", [*b, 1], [5, 6, 7], 8, 0) is False
+    plan = side.plan()
+    assert (plan.loads, plan.saves, plan.cancelled) == ([], [], ["r2"])
+    # reported loaded, then aborted before vLLM scheduled it: nothing stored either
+    assert side.match("r3", [*b, 1], 0) == (8, True)
+    side.allocated("r3", [*b, 1], [5, 6, 7], 8)
+    assert [op.req_id for op in side.plan().loads] == ["r3"]
+    side.update(WorkerReport(loaded=[("r3", "B", True)]), set())
+    assert side.finished("r3", [*b, 1], [5, 6, 7], 8, 0) is False
+    assert side.plan().saves == []
+    _idle(side)
+
+
+def test_two_continuations_of_one_conversation_each_store_their_turn(tmp_path: Path) -> None:
+    cfg = parse_config({"ssd_path": str(tmp_path)})
+    side = SchedulerSide(cfg, FP, BS)
+    a = list(range(1, 9))
+    side.index.put("A", side.index.hashes(a))
+    x, y = [*a, 10, 11, 12, 13, 0], [*a, 20, 21, 22, 23, 0]
+    assert side.finished("x", x, [1, 2, 3, 4], 12, 1)  # both in one step
+    assert side.finished("y", y, [5, 6, 7, 8], 12, 1)
+    sx, sy = side.plan().saves
+    assert (sx.session, sx.start, sx.end) == ("A", 2, 3)
+    assert sy.session != "A"
+    assert (sy.start, sy.end) == (0, 3)
+    side.update(WorkerReport(stored=[("x", "A", 3, True), ("y", sy.session, 3, True)]), set())
+    assert side.index.match(side.index.hashes(x[:12])) == ("A", 3)
+    assert side.index.match(side.index.hashes(y[:12])) == (sy.session, 3)
+    # the same turn twice in one step (duplicate requests) is stored once, new or not
+    assert side.finished("z1", [7] * 9, [1, 2], 8, 1)
+    assert not side.finished("z2", [7] * 9, [3, 4], 8, 1)
+    d = [*x, *range(1, 9)]  # x's next turn: blocks 3 and 4
+    assert side.finished("d1", d, [1, 2, 3, 4, 5], 20, 1)
+    assert not side.finished("d2", d, [6, 7, 8, 9, 10], 20, 1)
+    assert [(op.req_id, op.session, op.start) for op in side.plan().saves] == [
+        ("z1", session_key(FP, side.index.hashes([7] * 8)), 0),
+        ("d1", "A", 3),
+    ]
+
+
+def test_a_fork_of_a_turn_being_stored_waits_for_it(tmp_path: Path) -> None:
+    """A fork that shares more of its prompt with a turn not yet reported stored than with
+    the index waits for the report (the engine keeps stepping until it comes)."""
+    cfg = parse_config({"ssd_path": str(tmp_path)})
+    side = SchedulerSide(cfg, FP, BS)
+    turn = list(range(1, 14))
+    assert side.finished("r1", turn, [1, 2, 3, 4], 12, 1)
+    save = side.plan().saves[0]
+    fork = [*turn[:8], 40, 41, 42, 43, 44]  # shares 2 of its 3 blocks
+    assert side.match("fork", fork, 0) == (None, False)
+    assert side.match("unrelated", [3] * 13, 0) == (0, False)
+    side.update(WorkerReport(stored=[("r1", save.session, 3, True)]), set())
+    assert side.match("fork", fork, 0) == (8, False)
+    # a fork that shares no more than the index holds does not wait
+    assert side.finished("r2", [*turn[:12], 5, 5, 5, 5, 5], [1, 2, 3, 4, 5], 16, 1)
+    assert side.match("fork2", fork, 0) == (8, False)

@@ -15,7 +15,7 @@ __all__ = ["Entry", "Load", "LoadQueue"]
 class Entry:
     """A queued request; ``load`` is the pending load it waits for (``None``: ready)."""
 
-    __slots__ = ("key", "load", "request")
+    __slots__ = ("cancelled", "key", "load", "request")
 
     def __init__(self, request: Request, seq: int) -> None:
         self.request = request
@@ -23,6 +23,7 @@ class Entry:
         # entries themselves are never compared).
         self.key = (request.arrival, seq)
         self.load: Load | None = None
+        self.cancelled = False  # withdrawn: a copy left in a heap is stale
 
 
 class Load:
@@ -58,7 +59,8 @@ class LoadQueue:
     def __init__(self, max_loads: int) -> None:
         self.max_loads = check_max_loads(max_loads)
         self._loads: dict[str, Load] = {}  # session -> pending load (queued or in flight)
-        self._ids: set[str] = set()
+        self._entries: dict[str, Entry] = {}  # request id -> entry, submitted, not handed out
+        self._stale = 0  # cancelled entries still in the served queue's heap
         self._in_flight = 0
         self._seq = 0
         self._ready_count: Counter[str] = Counter()  # session -> ready, not handed out
@@ -93,6 +95,10 @@ class LoadQueue:
         used = 0
         while queue and (max_requests is None or len(batch) < max_requests):
             entry = queue[0][1]
+            if entry.cancelled:
+                heapq.heappop(queue)
+                self._stale -= 1
+                continue
             if not self._runnable(entry):
                 break
             if batch and used + entry.request.tokens > token_budget:
@@ -104,19 +110,48 @@ class LoadQueue:
         return batch
 
     def _hand_out(self, request: Request) -> None:
-        self._ids.discard(request.id)
-        left = self._ready_count[request.session] - 1
+        del self._entries[request.id]
+        self._uncount_ready(request.session)
+
+    def _uncount_ready(self, session: str) -> None:
+        left = self._ready_count[session] - 1
         if left:
-            self._ready_count[request.session] = left
+            self._ready_count[session] = left
         else:
-            del self._ready_count[request.session]
+            del self._ready_count[session]
 
     def _new_entry(self, request: Request) -> Entry:
-        if request.id in self._ids:
+        if request.id in self._entries:
             raise ValueError(f"request id {request.id!r} is already queued: ids must be unique")
-        self._ids.add(request.id)
         self._seq += 1
-        return Entry(request, self._seq)
+        entry = self._entries[request.id] = Entry(request, self._seq)
+        return entry
+
+    def cancel(self, request_id: str, now: float) -> bool:
+        """Withdraw a queued request (its client went away): it is never handed out, and
+        its session's load, if no other request waits for it and it has not started, never
+        starts. A load in flight stays in flight until :meth:`load_finished` (the other
+        requests that wait for it are released then, as always). Returns whether the
+        request was queued (an unknown or handed-out id is ignored)."""
+        entry = self._entries.pop(request_id, None)
+        if entry is None:
+            return False
+        entry.cancelled = True
+        load = entry.load
+        if load is None:
+            self._uncount_ready(entry.request.session)
+        else:
+            load.entries.remove(entry)
+            entry.load = None
+            if not load.entries and not load.started:
+                del self._loads[load.session]
+                load.done = True  # its copies in the load heaps are now stale
+        self._withdrawn(entry, waited=load is not None)
+        return True
+
+    def _withdrawn(self, entry: Entry, *, waited: bool) -> None:
+        """Subclass bookkeeping for a cancelled entry (``waited``: it waited for a load)."""
+        self._stale += 1
 
     def _join_load(self, entry: Entry, meta: KVMeta) -> Load | None:
         """Attach ``entry`` to its session's pending load; return the load if it is new."""

@@ -134,8 +134,8 @@ class BidawScheduler(LoadQueue):
 
     def waiting(self, limit: int | None = None) -> list[str]:
         n = len(self) if limit is None else limit
-        ready = heapq.nsmallest(n, self._ready)
-        sessions = [entry.request.session for _, entry in ready]
+        ready = heapq.nsmallest(n + self._stale, self._ready)
+        sessions = [entry.request.session for _, entry in ready if not entry.cancelled][:n]
         if len(sessions) < n:
             # Then the preparing queue: loads in flight land first, then by arrival.
             pending = sorted(
@@ -147,7 +147,13 @@ class BidawScheduler(LoadQueue):
         return sessions
 
     def __len__(self) -> int:
-        return len(self._ready) + self._pending
+        return len(self._ready) - self._stale + self._pending
+
+    def _withdrawn(self, entry: Entry, *, waited: bool) -> None:
+        if waited:  # it was in no heap, only counted
+            self._pending -= 1
+        else:
+            super()._withdrawn(entry, waited=waited)
 
     # -- introspection ------------------------------------------------------------------
     def response_ratio(self, session: str, now: float) -> float | None:

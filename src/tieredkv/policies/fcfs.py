@@ -113,8 +113,13 @@ class FCFS(LoadQueue):
         return self._take_batch(self._queue, token_budget, max_requests)
 
     def waiting(self, limit: int | None = None) -> list[str]:
-        n = len(self._queue) if limit is None else limit
-        return [entry.request.session for _, entry in heapq.nsmallest(n, self._queue)]
+        n = len(self) if limit is None else limit
+        queued = heapq.nsmallest(n + self._stale, self._queue)
+        return [entry.request.session for _, entry in queued if not entry.cancelled][:n]
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return len(self._queue) - self._stale
+
+    def _withdrawn(self, entry: Entry, *, waited: bool) -> None:
+        super()._withdrawn(entry, waited=waited)  # every entry is in the one queue
+        self._handed += 1  # the requests behind it move up (the look-ahead window)

@@ -104,6 +104,13 @@ class Scheduler(Protocol):
         """
         ...
 
+    def cancel(self, request_id: str, now: float) -> bool:
+        """Withdraw a queued request (its client went away): it is never handed out, and
+        a load that no other queued request waits for and that has not started never
+        starts; a load in flight still ends with :meth:`load_finished`. Returns whether
+        the request was queued."""
+        ...
+
     def pop_ready(self, now: float) -> Request | None:
         """The next request to run, or ``None`` if none may run now."""
         ...

@@ -10,6 +10,7 @@ metadata of the step's output, as vLLM's own offloading connector does it.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -31,7 +32,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ...errors import InvalidArgumentError
 from .config import ConnectorConfig, parse_config
 from .keys import fingerprint
-from .ops import LoadOp, StepPlan, WorkerReport
+from .ops import LoadOp, SaveOp, StepPlan, WorkerReport
 from .scheduler import SchedulerSide
 from .worker import LayerStream, WorkerStore
 
@@ -186,8 +187,10 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._recving: set[str] = set()
         self._failed: set[str] = set()
         self._sending: set[str] = set()
+        self._unsaved: list[tuple[SaveOp, bool]] = []  # saves that never started
         self._finished_loads: list[Any] = []
         self._streams: list[LayerStream] = []
+        self._drained = True
         if role == KVConnectorRole.SCHEDULER:
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 # a history the cache cannot serve (damaged, lost, an I/O error) is a miss:
@@ -224,13 +227,12 @@ class TieredKVConnector(KVConnectorBase_V1):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self._scheduler is not None
-        if num_external_tokens > 0:
-            self._scheduler.allocated(
-                request.request_id,
-                request.prompt_token_ids or [],
-                blocks.get_block_ids()[0],
-                num_external_tokens,
-            )
+        self._scheduler.allocated(
+            request.request_id,
+            request.prompt_token_ids or [],
+            blocks.get_block_ids()[0] if num_external_tokens > 0 else (),
+            num_external_tokens,
+        )
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
@@ -252,10 +254,34 @@ class TieredKVConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         report = meta.report if isinstance(meta, TieredKVWorkerMetadata) else None
         self._scheduler.update(report, set(connector_output.failed_recving or ()))
+        drained = self._scheduler.drained()
+        if drained and not self._drained:
+            _log.debug("tieredkv scheduler side drained: %s", self._scheduler_state())
+        self._drained = drained
+
+    def _scheduler_state(self) -> str:
+        assert self._scheduler is not None
+        side = self._scheduler
+        return json.dumps(
+            {
+                **side.busy(),
+                "finished": side.finished_requests,
+                "withdrawn": side.withdrawn,
+                "longest_wait": side.longest_wait,
+            }
+        )
+
+    def has_pending_push_work(self) -> bool:
+        # vLLM keeps stepping while a finished turn is being stored, so the workers'
+        # report of it arrives with no other request running: the next request, or a
+        # fork, that continues it is then served from it
+        return self._scheduler is not None and self._scheduler.saving()
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        # every phase of a request ends here, aborts included (see SchedulerSide.finished:
+        # a request still waiting for its KV stores nothing and is reported once)
         assert self._scheduler is not None
         delay = self._scheduler.finished(
             request.request_id,
@@ -327,6 +353,7 @@ class TieredKVConnector(KVConnectorBase_V1):
             except Exception:
                 _log.exception("copying %s's blocks out failed; the turn is not stored", op.req_id)
                 self._sending.add(op.req_id)
+                self._unsaved.append((op, False))  # reported: the scheduler side stops waiting
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._store is not None
@@ -339,6 +366,10 @@ class TieredKVConnector(KVConnectorBase_V1):
             self._store.wait_any(IDLE_WAIT)
         out = KVConnectorTransferResults()
         out.finished_sending, self._sending = self._sending | self._store.copied(), set()
+        if isinstance(meta, TieredKVMetadata):
+            # loads withdrawn before any worker started them: vLLM holds these requests'
+            # blocks until they are reported received (once, here)
+            out.finished_recving.update(meta.plan.cancelled)
         for op, ok in self._store.finished_loads():
             self._finished_loads.append((op, ok))
             self._recving.discard(op.req_id)
@@ -355,7 +386,8 @@ class TieredKVConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         assert self._store is not None
         loads, self._finished_loads = self._finished_loads, []
-        report = self._store.report(loads, self._store.finished_saves())
+        unsaved, self._unsaved = self._unsaved, []
+        report = self._store.report(loads, [*unsaved, *self._store.finished_saves()])
         return None if report.empty() else TieredKVWorkerMetadata(report=report)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
@@ -381,5 +413,11 @@ class TieredKVConnector(KVConnectorBase_V1):
         return TieredKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        # what each side still holds for requests: all 0 after a clean drain (a number
+        # here is a request the connector did not finish, or memory it did not free)
+        if self._scheduler is not None:
+            _log.info("tieredkv scheduler side at shutdown: %s", self._scheduler_state())
         if self._store is not None:
+            if self._store.layers:  # opened
+                _log.info("tieredkv worker at shutdown: %s", json.dumps(self._store.busy()))
             self._store.close()

@@ -64,12 +64,16 @@ class SaveOp:
 class StepPlan:
     """One step's loads and saves.
 
+    :param cancelled: requests that finished (or were aborted) while their asynchronous
+        load still waited in the scheduler side's queue: no worker ever loads them, and
+        each worker reports them finished receiving once, so that vLLM frees their blocks
     :param idle: vLLM scheduled no tokens this step (it only waits, for loads or saves):
         the worker may then wait a little for one of them rather than return at once
     """
 
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
     idle: bool = False
 
 

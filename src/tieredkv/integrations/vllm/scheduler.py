@@ -19,6 +19,7 @@ ids), so it is tested without an engine; :mod:`.connector` adapts vLLM's objects
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -33,7 +34,7 @@ from .keys import session_key
 from .ops import LoadOp, SaveOp, StepPlan, WorkerReport
 from .worker import HOST, REDIS, SSD, decode_meta, sidecar_dir
 
-__all__ = ["SAVE_WAIT", "SchedulerSide"]
+__all__ = ["SAVE_WAIT", "Phase", "SchedulerSide"]
 
 SAVE_WAIT = 5.0
 """Seconds a prompt waits, at most, for the turn it continues to be reported stored."""
@@ -48,6 +49,28 @@ class _Match:
     blocks: int  # blocks matched in the store
     sync: bool  # loaded within the step
     host: bool  # from host memory
+
+
+class Phase(enum.Enum):
+    """Where a request is, as the scheduler side sees it (a request it holds no entry for
+    is computing, or unknown: both store their turn when they finish)."""
+
+    MATCHED = "matched"
+    """Tokens were offered from the store; vLLM has not allocated its blocks yet."""
+    QUEUED = "queued"
+    """Its asynchronous load waits in the load queue: no worker has been asked for it."""
+    LOADING = "loading"
+    """Its load is planned for the workers, or running there."""
+    LOADED = "loaded"
+    """The workers reported its load (filled, or failed); vLLM has not scheduled it since."""
+
+
+@dataclass
+class _Req:
+    phase: Phase
+    match: _Match | None = None
+    op: LoadOp | None = None
+    landed: float | None = None  # when the load its blocks wait for completed
 
 
 class SchedulerSide:
@@ -79,13 +102,20 @@ class SchedulerSide:
             tiers.append(TierInfo(name=REDIS, level=len(tiers), capacity=config.redis_bytes))
         self.channel.set_tiers(tiers)
         self.policy = make_scheduler(config.scheduler, max_loads=config.max_loads)
-        self._matches: dict[str, _Match] = {}
+        self._reqs: dict[str, _Req] = {}  # request -> its phase, while it has one
         self._planned: StepPlan = StepPlan()
-        self._waiting: dict[str, list[LoadOp]] = {}  # session -> loads the policy holds
-        self._started: dict[str, set[str]] = {}  # session -> request ids loading
+        self._waiting: dict[str, list[LoadOp]] = {}  # session -> loads not yet planned
+        self._started: dict[str, set[str]] = {}  # session -> requests of the policy's load
         self._pending_saves: dict[str, tuple[str, list[bytes]]] = {}
         self._failed: set[str] = set()
         self._deferred: dict[str, float] = {}  # request -> when it first waited for a save
+        self.withdrawn: dict[str, int] = {phase.value: 0 for phase in Phase}
+        """Requests that finished (aborted, mostly) while waiting for KV, per phase."""
+        self.finished_requests = 0
+        """Requests vLLM finished so far (each exactly once)."""
+        self.longest_wait = 0.0
+        """Seconds, at most, between a load's completion and vLLM scheduling a request
+        that waited for it (the scheduler side's own bookkeeping of waiters)."""
         self.from_host: dict[str, bool] = {}
         """Per request with a load planned: whether it comes from host memory (vLLM's
         per-source hit counts read it once)."""
@@ -119,18 +149,19 @@ class SchedulerSide:
 
         The last prompt token is never counted (vLLM must compute at least one), and a
         request whose load failed once is never offered a load again (it recomputes:
-        no livelock, vLLM #49176). ``None`` (vLLM asks again at its next step) while the
-        turn this prompt continues is still being stored, for at most ``SAVE_WAIT``
-        seconds: a client that sends its next turn at once then finds it.
+        no livelock, vLLM #49176). ``None`` (vLLM asks again at its next step) while a
+        turn that shares more of this prompt than the stored conversations do is still
+        being stored, for at most ``SAVE_WAIT`` seconds: a client that sends its next
+        turn, or a fork of it, at once then finds it.
         """
-        self._matches.pop(req_id, None)
+        self._reqs.pop(req_id, None)  # vLLM asks again (preempted, or a failed load)
         if req_id in self._failed or not (len(self.index) or self._pending_saves):
             return 0, False
         hashes = self.index.hashes(tokens[: max(0, len(tokens) - 1)])
-        if self._continues_a_pending_save(req_id, hashes):
-            return None, False
         session, blocks = self.index.match(hashes)
         local = local_tokens // self.block_size
+        if self._waits_for_a_pending_save(req_id, hashes, max(blocks, local)):
+            return None, False
         if session is None or blocks <= local:
             return 0, False
         meta = self.channel.get(session)
@@ -140,18 +171,22 @@ class SchedulerSide:
             and meta is not None
             and meta.nbytes <= self.config.sync_load_bytes
         )
-        self._matches[req_id] = _Match(session, local, blocks, sync, host)
+        m = _Match(session, local, blocks, sync, host)
+        self._reqs[req_id] = _Req(Phase.MATCHED, match=m)
         return (blocks - local) * self.block_size, not sync
 
-    def _continues_a_pending_save(self, req_id: str, hashes: Sequence[bytes]) -> bool:
-        """Whether the prompt extends a turn not yet reported stored (and we still wait)."""
+    def _waits_for_a_pending_save(self, req_id: str, hashes: Sequence[bytes], have: int) -> bool:
+        """Whether a turn not yet reported stored shares more than ``have`` blocks of the
+        prompt (and the prompt has not waited ``SAVE_WAIT`` yet)."""
+        if not self._pending_saves:
+            self._deferred.pop(req_id, None)
+            return False
         now = self.clock()
         since = self._deferred.setdefault(req_id, now)
         if now - since > SAVE_WAIT:
             return False
         for _, saved in self._pending_saves.values():
-            n = min(len(saved), len(hashes))
-            if n and saved[n - 1] == hashes[n - 1]:
+            if _shared(saved, hashes) > have:
                 return True
         self._deferred.pop(req_id, None)
         return False
@@ -159,10 +194,14 @@ class SchedulerSide:
     def allocated(
         self, req_id: str, tokens: Sequence[int], block_ids: Sequence[int], external: int
     ) -> None:
-        """vLLM allocated the request's blocks for ``external`` tokens from the store."""
-        m = self._matches.pop(req_id, None)
-        if m is None or external <= 0:
-            return
+        """vLLM allocated the request's blocks, ``external`` tokens of them from the store
+        (0: none, or the request's load already finished and vLLM schedules it now)."""
+        r = self._reqs.pop(req_id, None)
+        if r is not None and r.landed is not None:
+            self.longest_wait = max(self.longest_wait, self.clock() - r.landed)
+        if r is None or r.match is None or external <= 0:
+            return  # it computes
+        m = r.match
         blocks = m.local + external // self.block_size
         op = LoadOp(
             req_id=req_id,
@@ -175,10 +214,11 @@ class SchedulerSide:
             host=m.host,
         )
         self.from_host[req_id] = m.host
-        if m.sync:
+        if m.sync:  # filled within this step, before vLLM computes from it
             self._planned.loads.append(op)
             return
         now = self.clock()
+        self._reqs[req_id] = _Req(Phase.QUEUED, op=op)
         self.policy.submit(
             Request(id=req_id, session=m.session, arrival=now, tokens=len(tokens)),
             now,
@@ -187,21 +227,43 @@ class SchedulerSide:
         self._waiting.setdefault(m.session, []).append(op)
         self._start_loads(now)
 
+    def phase(self, req_id: str) -> Phase | None:
+        """The request's phase (``None``: computing, or unknown)."""
+        r = self._reqs.get(req_id)
+        return None if r is None else r.phase
+
+    def _plan_load(self, op: LoadOp) -> None:
+        self._reqs[op.req_id] = _Req(Phase.LOADING, op=op)
+        self._planned.loads.append(op)
+
     def _start_loads(self, now: float) -> None:
         for request in self.policy.start_loads(now):
+            # every queued request of the session waits for this one load
             ops = self._waiting.pop(request.session, [])
             self._started.setdefault(request.session, set()).update(op.req_id for op in ops)
-            self._planned.loads.extend(ops)
+            for op in ops:
+                self._plan_load(op)
             if not ops:  # nothing to fill: close the policy's load at once
                 self._finish_load(request.session, now, ok=True)
         self.channel.publish_waiting(self.policy.waiting())
 
     def _finish_load(self, session: str, now: float, *, ok: bool) -> None:
-        self.policy.load_finished(session, now, ok=ok)
+        """The policy's load of ``session`` ended: every request that waited for it is
+        released. Those that joined it while it ran have blocks of their own to fill:
+        their loads are planned now (the history is in host memory if it landed)."""
+        released = {r.id for r in self.policy.load_finished(session, now, ok=ok)}
         while self.policy.pop_ready(now) is not None:
             pass  # vLLM runs them; the policy only orders the loads
+        waiting = self._waiting.pop(session, [])
+        left = [op for op in waiting if op.req_id not in released]
+        if left:  # not this load's (a policy releases every request of a session's load)
+            self._waiting[session] = left
+        for op in waiting:
+            if op.req_id in released:
+                self._plan_load(op)
+                self._reqs[op.req_id].landed = now
 
-    # -- saving --------------------------------------------------------------------------
+    # -- finishing -----------------------------------------------------------------------
     def finished(
         self,
         req_id: str,
@@ -210,26 +272,81 @@ class SchedulerSide:
         computed: int,
         answer_tokens: int,
     ) -> bool:
-        """A request finished with KV for its first ``computed`` tokens in ``block_ids``.
+        """vLLM is done with the request (finished, or aborted, in any phase): with KV for
+        its first ``computed`` tokens in ``block_ids`` if it was computing.
 
-        Plans storing its new full blocks as its conversation's next turn (a new
-        conversation when it continues none, or only part of one). Returns whether a save
-        was planned: its blocks must then stay allocated until the worker copied them.
+        A request that was still waiting for its load stores nothing (its blocks may not
+        hold what vLLM counts as computed): a load still queued is withdrawn (the workers
+        report the request finished receiving once, see :attr:`StepPlan.cancelled`), one
+        already asked of the workers ends as they report it. A computing request's new
+        full blocks are planned to be stored as its conversation's next turn (a new
+        conversation when it continues none, only part of one, or one whose next turn
+        another request is storing). Returns whether a save was planned: its blocks must
+        then stay allocated until the worker copied them.
         """
-        self._matches.pop(req_id, None)
+        self.finished_requests += 1
+        r = self._reqs.pop(req_id, None)
         self._failed.discard(req_id)
         self._deferred.pop(req_id, None)
         self.from_host.pop(req_id, None)
+        if r is not None and r.phase is not Phase.MATCHED:
+            self._withdraw(req_id, r)
+            return False
+        return self._plan_save(req_id, tokens, block_ids, computed, answer_tokens)
+
+    def _withdraw(self, req_id: str, r: _Req) -> None:
+        """A request that waited for KV finished (nothing of it is stored)."""
+        now = self.clock()
+        self.withdrawn[r.phase.value] += 1
+        self.policy.cancel(req_id, now)
+        op = r.op
+        if op is None:  # LOADED: the workers reported it already
+            return
+        if r.phase is Phase.QUEUED:
+            waiting = self._waiting.get(op.session, [])
+            if op in waiting:
+                waiting.remove(op)
+                if not waiting:
+                    del self._waiting[op.session]
+            self._planned.cancelled.append(req_id)
+        elif op in self._planned.loads:  # planned this step, not yet sent: never sent
+            self._planned.loads.remove(op)
+            self._planned.cancelled.append(req_id)
+            started = self._started.get(op.session)
+            if started is not None and req_id in started:
+                started.discard(req_id)
+                if not started:
+                    del self._started[op.session]
+                    self._finish_load(op.session, now, ok=False)
+                    self._start_loads(now)
+        # else the workers load it and report it once it is done (vLLM holds its blocks
+        # until then); update() closes the policy's load then
+        self.channel.publish_waiting(self.policy.waiting())
+
+    def _plan_save(
+        self,
+        req_id: str,
+        tokens: Sequence[int],
+        block_ids: Sequence[int],
+        computed: int,
+        answer_tokens: int,
+    ) -> bool:
         end = min(computed, len(tokens) - 1, len(block_ids) * self.block_size) // self.block_size
         if end <= 0:
             return False
         hashes = self.index.hashes(tokens[: end * self.block_size])
+        if any(saved == hashes for _, saved in self._pending_saves.values()):
+            return False  # the same turn (a duplicate request's) is being stored
         session, blocks = self.index.match(hashes)
-        if session is not None and blocks == self.index.blocks(session):
+        saving = {pending[0] for pending in self._pending_saves.values()}
+        if session is not None and blocks == self.index.blocks(session) and session not in saving:
             start = blocks  # it continues the whole stored conversation
         else:
+            # a new conversation: it continues none, part of one, or one whose next turn
+            # another request stores now (two continuations of one conversation: each
+            # keeps its own turn)
             session, start = session_key(self.index.fp, hashes), 0
-            if session in self.index:  # the same first turn again: nothing new
+            if session in self.index or session in saving:  # the same turn again
                 return False
         if end <= start:
             return False
@@ -251,9 +368,37 @@ class SchedulerSide:
         """Whether a planned save has not been reported stored (or failed) yet."""
         return bool(self._pending_saves)
 
+    def drained(self) -> bool:
+        """Whether the scheduler side holds nothing for any request (see :meth:`busy`)."""
+        return not (
+            self._reqs
+            or self._waiting
+            or self._started
+            or self._pending_saves
+            or self._failed
+            or self._deferred
+            or self.from_host
+            or len(self.policy)
+        )
+
+    def busy(self) -> dict[str, int]:
+        """What the scheduler side holds for requests now (all 0 once every request
+        finished and every save was reported)."""
+        return {
+            "requests": len(self._reqs),
+            "queued_loads": sum(map(len, self._waiting.values())),
+            "loading_sessions": len(self._started),
+            "pending_saves": len(self._pending_saves),
+            "policy_queue": len(self.policy),
+            "failed": len(self._failed),
+            "deferred": len(self._deferred),
+            "from_host": len(self.from_host),
+        }
+
     # -- steps ---------------------------------------------------------------------------
     def plan(self) -> StepPlan:
-        """This step's loads and saves, for the workers (then forgotten here)."""
+        """This step's loads, saves and withdrawn loads, for the workers (then forgotten
+        here)."""
         out, self._planned = self._planned, StepPlan()
         return out
 
@@ -277,8 +422,13 @@ class SchedulerSide:
             loaded = []
         done: dict[str, bool] = {}
         for req_id, session, ok in loaded:
-            if not ok or req_id in failed_recving:
-                self._failed.add(req_id)
+            r = self._reqs.get(req_id)
+            if r is not None and r.phase is Phase.LOADING:
+                r.phase, r.op = Phase.LOADED, None
+                if r.landed is None:
+                    r.landed = now
+                if not ok:
+                    self._failed.add(req_id)
             started = self._started.get(session)
             if started is not None and req_id in started:
                 started.discard(req_id)
@@ -286,9 +436,23 @@ class SchedulerSide:
                 if not started:
                     del self._started[session]
         for req_id in failed_recving:
-            self._failed.add(req_id)
+            if req_id in self._reqs:
+                self._failed.add(req_id)
         for session, ok in done.items():
             if session not in self._started:
                 self._finish_load(session, now, ok=ok)
         if done:
             self._start_loads(now)
+
+
+def _shared(a: Sequence[bytes], b: Sequence[bytes]) -> int:
+    """Leading blocks two chained block-hash lists share (equal at ``n`` means equal
+    before it: a binary search)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -92,6 +92,10 @@ class _Staging:
         self._buffers: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
         self._lock = threading.Lock()
 
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
     def host(self, use: str, like: torch.Tensor) -> torch.Tensor:
         key = (use, tuple(like.shape), like.dtype)
         with self._lock:
@@ -584,6 +588,29 @@ class WorkerStore:
             meta = self.cache.channel.get(session)
             out.metas[session] = None if meta is None else msgspec.msgpack.encode(meta)
         return out
+
+    def busy(self) -> dict[str, int]:
+        """What the worker holds for requests now (all 0 but ``staging_bytes``, buffers
+        kept for reuse, once nothing is in flight): loads, saves and block copies in
+        flight, and the host tier's bytes beyond those of the conversations it holds
+        (reservations of appends or promotions in flight)."""
+        assert self._portal is not None
+
+        def held() -> tuple[int, int]:
+            channel = self.cache.channel
+            host = next(t for t in self.cache.stats().tiers if t.name == HOST)
+            metas = (channel.get(session) for session in channel)
+            return host.used, sum(m.nbytes for m in metas if m is not None and HOST in m.copies)
+
+        used, held_bytes = self._portal.call(anyio.to_thread.run_sync, held)
+        return {
+            "loads": len(self._pending_loads),
+            "saves": len(self._pending_saves),
+            "copies": len(self._copying),
+            "save_tasks": len(self._tasks()),
+            "host_unheld_bytes": used - held_bytes,
+            "staging_bytes": self._staging.nbytes(),
+        }
 
     def wait_any(self, timeout: float) -> None:
         """Block until a pending load, copy or save finishes, ``timeout`` seconds at most

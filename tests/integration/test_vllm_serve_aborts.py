@@ -1,0 +1,168 @@
+"""``vllm serve`` with the TieredKVConnector, driven by the ``openai`` client's streams, a
+share of which the client closes early.
+
+Conversations whose histories the connector stores on the SSD (a host tier of 1 MiB)
+send their turns as streamed completions, several at once, each prompt twice (a client
+that retries); a third of the streams are closed after their first chunk or at once
+(vLLM aborts those requests: while they wait for their SSD load, load, or compute). The
+server must stay healthy and keep serving, every stream that was read to its end must have
+all its tokens, and every answer to one prompt must be the same, whether it was computed
+or served from the connector (greedy decoding: the connector never changes an answer).
+
+The server starts in about a minute on two cores; the run takes about 20 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.vllm_support import free_port, require_vllm, tiny_model
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]  # a server start: `pytest -m slow`
+require_vllm()
+
+BS = 32
+MAX_TOKENS = 8
+
+
+def test_streams_closed_early_leave_the_server_serving(tmp_path: Path) -> None:
+    from openai import OpenAI
+
+    model = str(tiny_model(tmp_path / "model"))
+    port = free_port()
+    config = {
+        "kv_connector": "TieredKVConnector",
+        "kv_connector_module_path": "tieredkv.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "host_bytes": 1 << 20,
+            "ssd_path": str(tmp_path / "kv"),
+            "ssd_bytes": 128 << 20,
+        },
+    }
+    log_path = tmp_path / "serve.log"
+    log = log_path.open("w")
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--skip-tokenizer-init",
+            "--enforce-eager",
+            "--dtype",
+            "float32",
+            "--block-size",
+            str(BS),
+            "--max-model-len",
+            "2048",
+            "--gpu-memory-utilization",
+            "0.15",
+            "--no-enable-prefix-caching",
+            "--kv-transfer-config",
+            json.dumps(config),
+        ],
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert server.poll() is None, log_path.read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "vllm serve did not come up"
+                time.sleep(1)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
+        rng = random.Random(3)
+
+        def stream(prompt: list[int], close_after: int | None) -> list[int] | None:
+            """The answer's token ids, or ``None`` for a stream closed after
+            ``close_after`` chunks."""
+            out: list[int] = []
+            with client.completions.create(
+                model=model,
+                prompt=prompt,
+                max_tokens=MAX_TOKENS,
+                temperature=0.0,
+                stream=True,
+                extra_body={"return_token_ids": True, "min_tokens": MAX_TOKENS},
+            ) as chunks:
+                for n, chunk in enumerate(chunks):
+                    if close_after is not None and n >= close_after:
+                        return None  # leaving the block closes the stream: vLLM aborts
+                    extra = chunk.choices[0].model_extra if chunk.choices else None
+                    if extra and extra.get("token_ids"):
+                        out.extend(extra["token_ids"])
+            return out
+
+        system = [rng.randrange(1, 500) for _ in range(64)]
+        histories = [
+            [*system, *(rng.randrange(1, 500) for _ in range(40 + 9 * c))] for c in range(8)
+        ]
+        answers: dict[tuple[int, ...], set[tuple[int, ...]]] = {}
+        closed = completed = 0
+        with ThreadPoolExecutor(16) as pool:
+            for _ in range(5):
+                jobs = []
+                for h in histories:
+                    for _ in range(2):  # the prompt twice, as a client that retries
+                        close = rng.choice([None, None, 0, 1])
+                        jobs.append((tuple(h), pool.submit(stream, list(h), close)))
+                for prompt, job in jobs:
+                    answer = job.result()
+                    if answer is None:
+                        closed += 1
+                        continue
+                    completed += 1
+                    assert len(answer) == MAX_TOKENS, answer
+                    answers.setdefault(prompt, set()).add(tuple(answer))
+                for c, h in enumerate(histories):
+                    done = answers.get(tuple(h))
+                    if done:  # the conversation goes on with its answer
+                        histories[c] = [
+                            *h,
+                            *next(iter(done)),
+                            *(rng.randrange(1, 500) for _ in range(30)),
+                        ]
+        print({"streams": closed + completed, "closed_early": closed, "prompts": len(answers)})
+        assert closed > 0
+        assert completed > 0
+        differing = {p: a for p, a in answers.items() if len(a) > 1}
+        assert differing == {}, f"{len(differing)} prompts got different answers"
+        # still healthy, still serving
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
+            assert r.status == 200
+        assert stream(histories[0], None) is not None
+        text = log_path.read_text()
+        assert "EngineDeadError" not in text, text[-4000:]
+        assert "AssertionError" not in text, text[-4000:]
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGINT)
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+        log.close()
