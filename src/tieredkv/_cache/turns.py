@@ -78,8 +78,8 @@ async def _append_locked(
         raise cancel
     # the point of no return: from here on, nothing awaits
     meta = commit_append(core, s, plan, t, answer_tokens, began)
-    if core.mode == "inclusive" and t + 1 < len(core.tiers):
-        pumps.start(s, t + 1)
+    if core.mode == "inclusive":
+        pumps.start(s)
     return meta
 
 
