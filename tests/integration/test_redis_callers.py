@@ -1,0 +1,70 @@
+"""What the callers of a replica sharing a RedisTier see, on a real redis-server: every
+caller whose turns were refused hears of it, a full host tier keeps the turn here first,
+a replica without the fleet's secret is refused before it writes, and each error names
+what happened and what to do.
+
+Replicas whose leases matter run in processes of their own
+(:class:`tests.fleet.ReplicaProcess`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+from tests.fleet import ReplicaProcess, tags, turn
+from tests.redis_server import RedisServer, new_prefix, own_redis_server
+from tieredkv import HostMemoryTier, TieredKVCache
+from tieredkv.backends.redis import RedisTier
+from tieredkv.errors import TurnRefusedError
+
+__all__ = ["own_redis_server"]  # fixtures used below
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def server(own_redis_server: RedisServer) -> RedisServer:
+    return own_redis_server
+
+
+def replica(url: str, prefix: str, *, host: int = 64 * MiB, **options: Any) -> TieredKVCache:
+    options = {"lease_ttl": 2.0, "timeout": 2.0, "value_size": 64 << 10, **options}
+    shared = RedisTier(url, 512 * MiB, prefix=prefix, **options)
+    return TieredKVCache([HostMemoryTier(host), shared], mode="inclusive")
+
+
+async def test_every_concurrent_flush_hears_of_a_refused_turn(server: RedisServer) -> None:
+    """A appends t0 and flushes, then a 64 MiB t1; while its write-through runs, B (another
+    process) takes the conversation over. Three flush() calls under way at once on A each
+    raise TurnRefusedError naming turn 1 (each waited for it), and a flush begun after
+    them returns: the refusal was reported to everyone it concerned."""
+    prefix = new_prefix()
+    async with (
+        ReplicaProcess(server.url, prefix, lease_ttl=0.5) as b,
+        replica(server.url, prefix, host=256 * MiB, lease_ttl=0.5, timeout=10.0) as a,
+    ):
+        await a.append("chat", turn(0), answer_tokens=1)
+        await a.flush()
+        await a.append("chat", turn(1, 256 * 1024), answer_tokens=1)
+        assert (await b.load("chat"))["turns"] == [0]
+        outcomes: list[object] = []
+
+        async def flush() -> None:
+            try:
+                await a.flush()
+            except TurnRefusedError as exc:
+                outcomes.append(exc.refusals)
+            else:
+                outcomes.append("returned")
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for _ in range(3):
+                    tg.start_soon(flush)
+        assert outcomes == [[("chat", [1])]] * 3
+        await a.flush()
+        assert a.stats().refused == 1
+        assert tags(await a.load("chat")) == [0]
