@@ -203,16 +203,29 @@ class CommitDelayedError(TierIOError):
     """A shared tier cannot commit to a conversation yet: this replica took it over from one
     whose lease is still live (that replica may serve its copy until the lease ends, so
     nothing may be committed before). Transient: the same write succeeds after
-    ``retry_in`` seconds."""
+    ``retry_in`` seconds.
 
-    def __init__(self, tier: str, session: str, retry_in: float) -> None:
+    ``kept`` says whether the turn waits on this replica (a background commit: it is
+    committed once that lease has ended) or was not stored at all (an append written
+    straight to the shared tier, because no tier of this replica could hold it: append it
+    again after ``retry_in`` seconds).
+    """
+
+    def __init__(self, tier: str, session: str, retry_in: float, *, kept: bool = True) -> None:
         self.session = session
         self.retry_in = retry_in
+        self.kept = kept
+        then = (
+            "the turn is kept on this replica and committed once that lease has ended"
+            if kept
+            else f"nothing of the turn was stored (no tier of this replica could hold the "
+            f"conversation, so it went straight to {tier!r}): append it again in "
+            f"{retry_in:.1f} s, or give the replica a larger host tier or an SSD tier"
+        )
         super().__init__(
             tier,
             f"commit to session {_shown(session)!r} for another {retry_in:.1f} s",
-            "it was taken over from a replica whose lease is still live; the turn is kept "
-            "and committed once that lease has ended",
+            f"it was taken over from a replica whose lease is still live; {then}",
         )
 
 

@@ -14,11 +14,11 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.fleet import ReplicaProcess, tags, turn
+from tests.fleet import ReplicaProcess, runs, tags, turn
 from tests.redis_server import RedisServer, new_prefix, own_redis_server
 from tieredkv import HostMemoryTier, TieredKVCache
 from tieredkv.backends.redis import RedisTier
-from tieredkv.errors import TurnRefusedError
+from tieredkv.errors import CommitDelayedError, TurnRefusedError
 
 __all__ = ["own_redis_server"]  # fixtures used below
 
@@ -68,3 +68,33 @@ async def test_every_concurrent_flush_hears_of_a_refused_turn(server: RedisServe
         await a.flush()
         assert a.stats().refused == 1
         assert tags(await a.load("chat")) == [0]
+
+
+async def test_a_turn_no_local_tier_can_hold_is_never_said_to_be_kept(
+    server: RedisServer,
+) -> None:
+    """B (another process, a 5 s lease) writes t0 and flushes; A, whose host tier holds
+    64 KiB, takes the conversation over and appends a 256 KiB turn, which only Redis can
+    hold: it is written straight there, and B's live lease delays the commit. The append
+    raises CommitDelayedError saying nothing of the turn was stored (not that it is kept),
+    and it is not: A's history is [t0], and after the delay the same append succeeds and
+    a fresh replica loads [t0, t1]."""
+    prefix = new_prefix()
+    async with (
+        ReplicaProcess(server.url, prefix, lease_ttl=5.0) as b,
+        replica(server.url, prefix, host=64 << 10, lease_ttl=5.0) as a,
+    ):
+        assert (await b.append("chat", 0))["ok"]
+        assert (await b.flush())["ok"]
+        assert tags(await a.load("chat")) == [0]
+        with pytest.raises(CommitDelayedError, match="nothing of the turn was stored") as info:
+            await a.append("chat", turn(1, 1024), answer_tokens=1)
+        assert not info.value.kept
+        assert "is kept" not in str(info.value)
+        assert a.stats().appends == 0
+        assert tags(await a.load("chat")) == [0]
+        await anyio.sleep(info.value.retry_in + 0.2)
+        await a.append("chat", turn(1, 1024), answer_tokens=1)
+        await a.flush()
+    async with replica(server.url, prefix) as c:
+        assert [tag for tag, _ in runs(await c.load("chat"))] == [0, 1]

@@ -16,6 +16,7 @@ import torch
 from ..backends.base import SegmentKey
 from ..errors import (
     CapacityError,
+    CommitDelayedError,
     CorruptSegmentError,
     SchemaMismatchError,
     SessionNotFoundError,
@@ -155,6 +156,8 @@ async def store(core: Core, s: Session, plan: SegmentPlan) -> int:
                 await demote(core, s, t, may_lose=False)
             t += 1
         await core.io[t].write_new(key, plan, core.staging)
+    except CommitDelayedError as exc:  # written straight to a shared tier: not kept here
+        raise CommitDelayedError(exc.tier, exc.session, exc.retry_in, kept=False) from exc
     finally:
         core.tiers[t].release(key)
     return t
