@@ -18,7 +18,14 @@ from tests.fleet import ReplicaProcess, runs, tags, turn
 from tests.redis_server import RedisServer, new_prefix, own_redis_server
 from tieredkv import HostMemoryTier, TieredKVCache
 from tieredkv.backends.redis import RedisTier
-from tieredkv.errors import CommitDelayedError, TurnRefusedError
+from tieredkv.backends.redis import conversation_tag
+from tieredkv.errors import (
+    CommitDelayedError,
+    LeaseHeldError,
+    SessionNotFoundError,
+    TierIOError,
+    TurnRefusedError,
+)
 
 __all__ = ["own_redis_server"]  # fixtures used below
 
@@ -51,12 +58,14 @@ async def test_every_concurrent_flush_hears_of_a_refused_turn(server: RedisServe
         await a.append("chat", turn(1, 256 * 1024), answer_tokens=1)
         assert (await b.load("chat"))["turns"] == [0]
         outcomes: list[object] = []
+        messages: list[str] = []
 
         async def flush() -> None:
             try:
                 await a.flush()
             except TurnRefusedError as exc:
                 outcomes.append(exc.refusals)
+                messages.append(str(exc))
             else:
                 outcomes.append("returned")
 
@@ -65,6 +74,9 @@ async def test_every_concurrent_flush_hears_of_a_refused_turn(server: RedisServe
                 for _ in range(3):
                     tg.start_soon(flush)
         assert outcomes == [[("chat", [1])]] * 3
+        # one piece of advice, not the refusing error's own nested in it
+        assert "take it back" not in messages[0]
+        assert messages[0].count("load") == 1, messages[0]
         await a.flush()
         assert a.stats().refused == 1
         assert tags(await a.load("chat")) == [0]
@@ -98,3 +110,126 @@ async def test_a_turn_no_local_tier_can_hold_is_never_said_to_be_kept(
         await a.flush()
     async with replica(server.url, prefix) as c:
         assert [tag for tag, _ in runs(await c.load("chat"))] == [0, 1]
+
+
+NOT_FOUND_ADVICE = "append() a segment first"
+"""What a load of a conversation never stored is told: never a damaged or unproven one."""
+
+
+async def test_a_damaged_history_is_named_to_its_reader_and_its_writer(
+    server: RedisServer,
+) -> None:
+    """With a secret, a value of turn 1 is overwritten by another client. A reader's load
+    is a miss whose error says the history was found damaged (not "append() a segment
+    first"); the writer's next append is refused with StaleWriterError saying the copy was
+    found damaged (not merely "another replica took it over")."""
+    prefix, secret = new_prefix(), bytes(range(32))
+    async with (
+        ReplicaProcess(server.url, prefix, secret=secret.hex(), lease_ttl=2.0) as writer,
+        replica(server.url, prefix, secret=secret) as reader,
+    ):
+        for tag in (0, 1, 2):
+            assert (await writer.append("chat", tag))["ok"]
+        assert (await writer.flush())["ok"]
+        with server.client() as client:
+            [part] = list(client.scan_iter(match=f"{prefix}:{{{conversation_tag('chat')}}}:1:*"))
+            value = client.get(part)
+            assert value is not None
+            client.set(part, value[:-1] + bytes([value[-1] ^ 1]))
+        with pytest.raises(SessionNotFoundError) as info:
+            await reader.load("chat")
+        message = str(info.value)
+        assert NOT_FOUND_ADVICE not in message
+        assert "damaged" in message
+        assert info.value.reason is not None
+        answer = await writer.append("chat", 3)
+        assert answer["error"] == "StaleWriterError", answer
+        assert "found its shared copy damaged" in answer["message"]
+        assert "took it over" not in answer["message"]
+
+
+async def test_a_lost_history_is_a_miss_that_says_so(server: RedisServer) -> None:
+    """The server loses a conversation's manifest (as maxmemory evicts it): the writer's
+    next load is a miss whose error says the shared tier lost the history."""
+    prefix = new_prefix()
+    async with replica(server.url, prefix) as a:
+        await a.append("chat", turn(0), answer_tokens=1)
+        await a.flush()
+        with server.client() as client:
+            client.delete(f"{prefix}:{{{conversation_tag('chat')}}}:m")
+        with pytest.raises(SessionNotFoundError, match="lost its history") as info:
+            await a.load("chat")
+        assert NOT_FOUND_ADVICE not in str(info.value)
+        assert a.stats().unproven == 1
+
+
+async def test_a_held_lease_advises_what_the_cache_can_do(server: RedisServer) -> None:
+    """B (another process) starts a conversation; A appends to it at once: LeaseHeldError
+    names B's lease and advises load() (what TieredKVCache has), never acquire(force=True)."""
+    prefix = new_prefix()
+    async with (
+        ReplicaProcess(server.url, prefix, lease_ttl=10.0) as b,
+        replica(server.url, prefix, lease_ttl=10.0) as a,
+    ):
+        assert (await b.append("chat", 0))["ok"]
+        with pytest.raises(LeaseHeldError) as info:
+            await a.append("chat", turn(1), answer_tokens=1)
+        message = str(info.value)
+        assert "force=True" not in message
+        assert "acquire(" not in message
+        assert "load()" in message
+
+
+async def test_out_of_memory_without_eviction_says_what_to_change(server: RedisServer) -> None:
+    """Under maxmemory with noeviction, flush() raises TierIOError naming the server's
+    memory policy, not "flush() again later" (which cannot succeed), and without a stray
+    ". ;"."""
+    prefix = new_prefix()
+    async with replica(server.url, prefix, lease_ttl=10.0) as a:
+        await a.append("chat", turn(0), answer_tokens=1)
+        await a.flush()
+        with server.client() as client:
+            client.config_set("maxmemory-policy", "noeviction")
+            client.config_set("maxmemory", "1")
+        try:
+            await a.append("chat", turn(1), answer_tokens=1)
+            with pytest.raises(TierIOError) as info:
+                await a.flush()
+        finally:
+            with server.client() as client:
+                client.config_set("maxmemory", "0")
+        message = str(info.value)
+        assert "maxmemory" in message
+        assert "evicting policy" in message
+        assert "flush() again later" not in message
+        assert ". ;" not in message
+        assert "tried again in the background" in message
+        await a.flush()
+
+
+async def test_a_drop_leaves_nothing_of_the_conversation_on_the_server(
+    server: RedisServer,
+) -> None:
+    """The writer drops a conversation: no key of it stays on the server (its manifest
+    neither), fsck lists no conversation, another replica finds nothing, and a new
+    conversation under the same key starts afresh, for every replica."""
+    from tieredkv.fsck_redis import check_prefix
+
+    prefix = new_prefix()
+    async with replica(server.url, prefix) as a, replica(server.url, prefix) as b:
+        await a.append("chat", turn(0), answer_tokens=1)
+        await a.flush()
+        assert tags(await b.load("chat")) == [0]
+        await b.append("chat", turn(1), answer_tokens=1)
+        await b.flush()
+        await b.drop("chat")
+        with server.client() as client:
+            assert list(client.scan_iter(match=f"{prefix}:*")) == []
+        report = await anyio.to_thread.run_sync(check_prefix, server.url, prefix)
+        assert report.sessions == []
+        assert not await a.discover("chat")
+        with pytest.raises(SessionNotFoundError):
+            await a.load("chat")
+        await b.append("chat", turn(2), answer_tokens=1)
+        await b.flush()
+        assert tags(await a.load("chat")) == [2]

@@ -329,7 +329,7 @@ async def test_stale_writer_is_refused_and_corrupts_nothing(
         await store(tier, first)
         old = tier.token("s")
         assert old is not None
-        with pytest.raises(LeaseHeldError, match="force=True"):
+        with pytest.raises(LeaseHeldError, match=r"load\(\) the conversation to take it over"):
             await peer.acquire("s")
         new = await peer.acquire("s", force=True)
         assert new > old

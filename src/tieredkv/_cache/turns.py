@@ -30,7 +30,16 @@ from .sharing import check_writer
 from .state import Core, Seg, Session
 from .writethrough import WriteThrough
 
-__all__ = ["append", "commit_append", "commit_load", "load", "plan_turn", "restore", "store"]
+__all__ = [
+    "append",
+    "commit_append",
+    "commit_load",
+    "damaged",
+    "load",
+    "plan_turn",
+    "restore",
+    "store",
+]
 
 
 async def append(
@@ -96,14 +105,19 @@ async def load(core: Core, s: Session, target: Target) -> int:
     hit = s.primary == 0
     try:
         _, cancel = await settle(lambda: restore(core, s, out))
-    except CorruptSegmentError:
+    except CorruptSegmentError as exc:
         core.stats.misses += 1
-        raise SessionNotFoundError(s.key) from None
+        raise SessionNotFoundError(s.key, damaged(exc)) from None
     if cancel is not None:
         core.stats.cancelled += 1
         raise cancel
     commit_load(core, s, hit, began)
     return s.tokens()
+
+
+def damaged(exc: CorruptSegmentError) -> str:
+    """Why a history found damaged is not served (a :class:`SessionNotFoundError` reason)."""
+    return f"its stored history was found damaged and set aside ({exc})"
 
 
 def plan_turn(

@@ -188,11 +188,15 @@ class WriteThrough:
         failing = [(k, w.error) for k, w in self._waiting.items() if w.error is not None]
         if failing:
             key, error = failing[0]
+            tier, cause, hint = "shared", str(error), None
+            if isinstance(error, TierIOError):
+                tier, cause, hint = error.tier, f"{error.action}: {error.reason}", error.hint
             raise TierIOError(
-                error.tier if isinstance(error, TierIOError) else "shared",
+                tier,
                 f"commit the latest turns of {len(failing)} session(s) (the first: {key[:80]!r})",
-                f"{error}; they stay on this replica and are tried again in the background: "
-                f"flush() again later",
+                cause,
+                hint="they stay on this replica and are tried again in the background; "
+                + (hint or "flush() again later"),
             )
 
     def cancel_all(self) -> None:
@@ -255,7 +259,7 @@ class WriteThrough:
             else:
                 _log.info("write-through of %.80r stopped: tier %r is full", s.key, to.name)
         except _REFUSALS as exc:
-            record_refusal(core, s, dst, str(exc))
+            record_refusal(core, s, dst, exc.reason)  # (its reason, not its advice)
             self._waiting.pop(s.key, None)
             return False
         except (TierIOError, CorruptSegmentError) as exc:

@@ -21,7 +21,14 @@ import anyio
 
 from ..errors import CommitDelayedError, HistoryConflictError, StaleWriterError, TierIOError
 from ..payload import PREFIX, SegmentHeader, authenticated_head, parse_header
-from ._redis_client import NoScriptError, RedisCluster, RedisError, text, to_int
+from ._redis_client import (
+    NoScriptError,
+    RedisCluster,
+    RedisError,
+    refused_as_damaged,
+    text,
+    to_int,
+)
 from ._redis_lease import Leases
 from ._redis_state import Attempt, Writer
 from .base import SegmentKey
@@ -240,7 +247,13 @@ class Commits(Leases):
         if code == -1:
             self._drop_writer(session, writer)
             self._counters.refused += 1
-            raise StaleWriterError(self.name, session, writer.token, to_int(reply[2]))
+            raise StaleWriterError(
+                self.name,
+                session,
+                writer.token,
+                to_int(reply[2]),
+                damaged=refused_as_damaged(reply),
+            )
         if code == -2:
             if self._known.get(session) is known:
                 del self._known[session]

@@ -17,7 +17,7 @@ import time
 from ..errors import HistoryConflictError, LeaseHeldError, StaleWriterError
 from ..payload import SegmentHeader
 from ._redis_client import fields as manifest_fields
-from ._redis_client import text, to_int
+from ._redis_client import refused_as_damaged, text, to_int
 from ._redis_state import Replica, Writer
 from .redis_manifest import Damaged, Manifest, parse
 from .shared import SharedState
@@ -163,7 +163,13 @@ class Leases(Replica):
         if code == -1:
             self._drop_writer(session, writer)
             self._counters.refused += 1
-            raise StaleWriterError(self.name, session, writer.token, to_int(reply[2]))
+            raise StaleWriterError(
+                self.name,
+                session,
+                writer.token,
+                to_int(reply[2]),
+                damaged=refused_as_damaged(reply),
+            )
         writer.lease_until = self._lease_from(sent)
         return writer.token
 
@@ -192,9 +198,5 @@ class Leases(Replica):
         if int(reply[0]) < 0:
             self._drop_view(session)
             return False
-        self._known.pop(session, None)
-        if int(reply[0]) == 1:  # an empty history, under a new incarnation id
-            self._known[session] = Manifest(
-                session=session, id=new_id, v=to_int(reply[2]), fence=writer.token
-            )
+        self._known.pop(session, None)  # (the manifest is gone with it)
         return True
