@@ -2,9 +2,10 @@
 
 ``OPTIONS`` is a JSON object: ``lease_ttl``, ``timeout``, ``mode`` (``"inclusive"``),
 ``host`` (bytes of its host tier; 0 for none), ``ssd`` (a directory: an SSD tier there,
-below the host tier), ``ssd_bytes``, ``secret`` (hex), ``redis`` (more RedisTier options), ``deadline`` (seconds: every
-command runs under ``anyio.fail_after``; a command that overruns answers
-``{"ok": false, "error": "TimeoutError"}``, one that cannot be cancelled does not answer).
+below the host tier), ``ssd_bytes``, ``secret`` (hex), ``redis`` (more RedisTier
+options), ``deadline`` (seconds: every command runs under ``anyio.fail_after``; a command
+that overruns answers ``{"ok": false, "error": "TimeoutError"}``, one that cannot be
+cancelled does not answer).
 The process opens one cache (its tiers over a :class:`~tieredkv.backends.redis.RedisTier`
 on ``URL`` and ``PREFIX``), answers ``{"ok": true}`` once open, then runs the commands it
 reads from stdin, one JSON line each (``append`` session tag, ``load`` session, ``flush``,

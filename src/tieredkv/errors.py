@@ -26,6 +26,7 @@ __all__ = [
     "TierIOError",
     "TieredKVError",
     "TurnRefusedError",
+    "UnauthenticatedWriterError",
     "UnknownPolicyError",
 ]
 
@@ -229,6 +230,21 @@ class HistoryConflictError(TieredKVError, RuntimeError):
         super().__init__(
             f"tier {tier!r} refused to extend session {_shown(session)!r}: {detail}; load the "
             f"conversation again (its current history is the shared one) before appending to it"
+        )
+
+
+class UnauthenticatedWriterError(TieredKVError, PermissionError):
+    """A shared tier refused a write: the conversation is authenticated (its replicas use
+    ``secret=``) and this replica has no secret. Nothing of the segment is stored."""
+
+    def __init__(self, tier: str, session: str) -> None:
+        self.tier = tier
+        self.session = session
+        self.reason = "the conversation is authenticated and this replica has no secret"
+        """Why, in a few words (no advice)."""
+        super().__init__(
+            f"tier {tier!r} refused a write to session {_shown(session)!r}: {self.reason}; "
+            f"give every replica of the prefix the same secret="
         )
 
 

@@ -17,10 +17,10 @@ import pytest
 from tests.fleet import ReplicaProcess, runs, tags, turn
 from tests.redis_server import RedisServer, new_prefix, own_redis_server
 from tieredkv import HostMemoryTier, TieredKVCache
-from tieredkv.backends.redis import RedisTier
-from tieredkv.backends.redis import conversation_tag
+from tieredkv.backends.redis import RedisTier, conversation_tag
 from tieredkv.errors import (
     CommitDelayedError,
+    InvalidArgumentError,
     LeaseHeldError,
     SessionNotFoundError,
     TierIOError,
@@ -233,3 +233,29 @@ async def test_a_drop_leaves_nothing_of_the_conversation_on_the_server(
         await b.append("chat", turn(2), answer_tokens=1)
         await b.flush()
         assert tags(await a.load("chat")) == [2]
+
+
+async def test_a_replica_without_the_secret_is_refused_before_it_writes(
+    server: RedisServer,
+) -> None:
+    """A replica without ``secret=`` opened before any replica with one (so the prefix was
+    not marked yet) loads an authenticated conversation and appends to it: the server
+    refuses its commit (a refused turn, reported by flush()), so the replicas with the
+    secret still serve the conversation. Once the prefix is marked, a replica without the
+    secret, or with another one, is refused at open, saying what to fix."""
+    prefix, secret = new_prefix(), bytes(range(32))
+    async with replica(server.url, prefix, lease_ttl=0.5) as unkeyed:
+        async with replica(server.url, prefix, secret=secret, lease_ttl=0.5) as keyed:
+            await keyed.append("chat", turn(0), answer_tokens=1)
+            await keyed.flush()
+        assert tags(await unkeyed.load("chat")) == [0]
+        await unkeyed.append("chat", turn(1), answer_tokens=1)
+        with pytest.raises(TurnRefusedError, match="this replica has no secret") as info:
+            await unkeyed.flush()
+        assert info.value.refusals == [("chat", [1])]
+    async with replica(server.url, prefix, secret=secret) as other:
+        assert tags(await other.load("chat")) == [0]
+    for wrong in ({}, {"secret": bytes(32)}):
+        with pytest.raises(InvalidArgumentError, match="same secret"):
+            async with replica(server.url, prefix, **wrong):
+                pass

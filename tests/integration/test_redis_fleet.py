@@ -293,6 +293,8 @@ async def test_case05_with_a_secret_a_forged_value_or_a_shortened_manifest_is_re
                 await b.load(session)
         # the damaged manifest found at open and at the load, and the forged value
         assert b.tiers[1].stats().corrupt == 3
+    with server.client() as client:  # (a replica without the secret is refused otherwise)
+        client.delete(f"{prefix}:auth")
     async with replica(server.url, prefix) as unkeyed:  # what the MAC is for
         assert tags(await unkeyed.load("short")) == [0, 1]
 

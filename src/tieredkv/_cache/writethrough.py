@@ -38,6 +38,7 @@ from ..errors import (
     LeaseHeldError,
     StaleWriterError,
     TierIOError,
+    UnauthenticatedWriterError,
 )
 from .placement import copy_segments, delete_or_orphan, remove_copy, reserve
 from .refusals import Owed, record_refusal, report
@@ -47,7 +48,7 @@ __all__ = ["WriteThrough"]
 
 _log = logging.getLogger("tieredkv.cache")
 
-_REFUSALS = (StaleWriterError, LeaseHeldError, HistoryConflictError)
+_REFUSALS = (StaleWriterError, LeaseHeldError, HistoryConflictError, UnauthenticatedWriterError)
 _BACKOFF = (0.1, 5.0)
 """First and largest wait before a failed commit into a shared tier is tried again, s."""
 

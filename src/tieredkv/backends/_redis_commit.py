@@ -19,7 +19,13 @@ from typing import Any
 
 import anyio
 
-from ..errors import CommitDelayedError, HistoryConflictError, StaleWriterError, TierIOError
+from ..errors import (
+    CommitDelayedError,
+    HistoryConflictError,
+    StaleWriterError,
+    TierIOError,
+    UnauthenticatedWriterError,
+)
 from ..payload import PREFIX, SegmentHeader, authenticated_head, parse_header
 from ._redis_client import (
     NoScriptError,
@@ -269,6 +275,10 @@ class Commits(Leases):
             raise CommitDelayedError(self.name, session, max(0, to_int(reply[2])) / 1000)
         if code == -4:
             raise _Vanished
+        if code == -7:
+            self._attempts.pop(key, None)  # refused for good: its parts are gone
+            self._counters.refused += 1
+            raise UnauthenticatedWriterError(self.name, session)
         if code == -5:
             raise TierIOError(
                 self.name,

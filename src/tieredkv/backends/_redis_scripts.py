@@ -104,6 +104,7 @@ end
 if redis.call('EXISTS', KEYS[1]) == 0 then return refuse(-4) end
 local f = redis.call('HMGET', KEYS[1], 'fence', 'id', 'v', 'n', 'nb', 'dmg')
 if f[1] ~= ARGV[2] then return refuse(-1, f[1], num(f[6])) end
+if ARGV[8] == '' and redis.call('HEXISTS', KEYS[1], 'mac') == 1 then return refuse(-7) end
 if f[2] ~= ARGV[5] or f[3] ~= ARGV[6] or f[4] ~= seq then
   return refuse(-2, f[2], num(f[3]), num(f[4]))
 end
@@ -131,8 +132,10 @@ commit behind the writer's back). Returns {0, now, v} (committed), {1, now, v} (
 segment was committed before: a retry), or a refusal: {-1, now, fence, dmg} (another
 writer; ``dmg`` 1: it then found the history damaged),
 {-2, now, id, v, n} (another history), {-3, now, ms} (takeover delay), {-4, now} (no
-manifest), {-5, now} (past the deadline), {-6, now, part} (a part is missing). Refusals
--1, -2 and -4 unlink the given parts (they are this write's own, referenced by nothing)."""
+manifest), {-5, now} (past the deadline), {-6, now, part} (a part is missing), {-7, now}
+(a writer without a MAC, ``ARGV[8]`` empty, extending an authenticated history). Refusals
+-1, -2, -4 and -7 unlink the given parts (they are this write's own, referenced by
+nothing)."""
 
 DROP = (
     _COMMON

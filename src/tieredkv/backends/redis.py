@@ -57,10 +57,13 @@ writer (the cache's ``drop``) or a damaged read.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import uuid
 from typing import Any
 
+from ..errors import InvalidArgumentError
 from ..payload import ALIGN, SegmentHeader, derive_key
 from ._redis_client import Client, Connection, RedisError, driver_options, text
 from ._redis_client import fields as manifest_fields
@@ -207,13 +210,44 @@ class RedisTier(Reads, Commits, SharedTier):
         if self._conn.client is not None:
             return []
         await self._conn.open()
-        if not self._recover:
-            return []
         try:
-            return await self._scan()
+            await self._check_secret()
+            return await self._scan() if self._recover else []
         except BaseException:
             await self.aclose()
             raise
+
+    async def _check_secret(self) -> None:
+        """With a secret, mark the prefix authenticated (``<prefix>:auth``, a value derived
+        from the secret); refuse a prefix marked with another secret, or (without a secret
+        here) marked at all: a replica without the fleet's secret would write what the
+        others refuse to serve, denying them the conversations it touches.
+
+        :raises InvalidArgumentError: the secret (or its absence) is not the prefix's
+        """
+        client = self._check_open()
+        marker = f"{self.prefix}:auth"
+        mine = None
+        if self._key is not None:
+            mine = hmac.new(self._key, b"tieredkv authenticated prefix", hashlib.sha256)
+        try:
+            if mine is not None:
+                await client.set(marker, mine.hexdigest()[:32], nx=True)
+            found = await client.get(marker)
+        except (RedisError, OSError) as exc:
+            raise self._io_error("check the prefix's secret", exc) from exc
+        if found is None and mine is None:
+            return
+        if mine is None:
+            raise InvalidArgumentError(
+                f"tier {self.name!r}: prefix {self.prefix!r} on {self.url} is authenticated "
+                f"(its replicas use secret=); give this replica the same secret"
+            )
+        if found is not None and text(found) != mine.hexdigest()[:32]:
+            raise InvalidArgumentError(
+                f"tier {self.name!r}: prefix {self.prefix!r} on {self.url} is authenticated "
+                f"with another secret; give every replica of the prefix the same secret"
+            )
 
     async def _scan(self) -> list[SegmentHeader]:
         client = self._check_open()
