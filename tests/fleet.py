@@ -109,8 +109,9 @@ class ReplicaProcess:
             return
         with anyio.CancelScope(shield=True):
             if self.hung is not None:  # it answers nothing more: no clean close
-                proc.kill()
-                await proc.wait()
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
                 await proc.aclose()
                 return
             try:
@@ -123,6 +124,14 @@ class ReplicaProcess:
             finally:
                 await proc.aclose()
         assert proc.returncode == 0, f"the replica process exited with {proc.returncode}"
+
+    async def kill(self) -> None:
+        """SIGKILL the replica (it answers nothing more)."""
+        proc = self._proc
+        assert proc is not None
+        proc.kill()
+        await proc.wait()
+        self.hung = "killed"
 
     async def _read(self) -> dict[str, Any]:
         proc = self._proc

@@ -259,3 +259,34 @@ async def test_a_replica_without_the_secret_is_refused_before_it_writes(
         with pytest.raises(InvalidArgumentError, match="same secret"):
             async with replica(server.url, prefix, **wrong):
                 pass
+
+
+@pytest.mark.parametrize("holder", ["dead", "alive"])
+async def test_a_takeover_waits_for_a_live_holder_only(server: RedisServer, holder: str) -> None:
+    """B (another process, a 30 s lease, 1 s liveness) writes t0 and flushes; A takes the
+    conversation over and appends t1. If B was SIGKILLed first, A's flush() commits t1
+    within a few seconds (B's liveness ran out), not after B's 30 s lease. If B is alive,
+    A's commit still waits for B's lease (B may be serving its copy): flush() has not
+    returned after 3 s."""
+    prefix = new_prefix()
+    options = {"lease_ttl": 30.0, "redis": {"liveness": 1.0}}
+    async with (
+        ReplicaProcess(server.url, prefix, **options) as b,
+        replica(server.url, prefix, lease_ttl=30.0, liveness=1.0) as a,
+    ):
+        assert (await b.append("chat", 0))["ok"]
+        assert (await b.flush())["ok"]
+        if holder == "dead":
+            await b.kill()
+        assert tags(await a.load("chat")) == [0]
+        await a.append("chat", turn(1), answer_tokens=1)
+        if holder == "dead":
+            with anyio.fail_after(10):
+                await a.flush()
+        else:
+            with anyio.move_on_after(3) as waited:
+                await a.flush()
+            assert waited.cancel_called, "the commit did not wait for a live holder's lease"
+    if holder == "dead":
+        async with replica(server.url, prefix) as c:
+            assert tags(await c.load("chat")) == [0, 1]

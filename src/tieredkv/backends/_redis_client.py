@@ -58,7 +58,7 @@ Client: TypeAlias = "aioredis.Redis | aioredis.RedisCluster"
 """The clients a tier works with (the modules beside this one import the client library
 only through this one, which says how to install it)."""
 
-_SCRIPTS = ("take", "acquire", "ensure", "commit", "drop", "release")
+_SCRIPTS = ("take", "acquire", "ensure", "commit", "drop", "reclaim", "release")
 
 
 def text(value: object) -> str:

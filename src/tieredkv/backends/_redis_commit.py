@@ -272,7 +272,11 @@ class Commits(Leases):
                 f"this replica extends",
             )
         if code == -3:
-            raise CommitDelayedError(self.name, session, max(0, to_int(reply[2])) / 1000)
+            # (try again once the holder's liveness could have run out, if it is gone)
+            retry_in = min(max(0, to_int(reply[2])) / 1000, self._liveness)
+            if len(reply) > 3 and await self.reclaim(session, text(reply[3])):
+                retry_in = 0.0  # the replica it waited for is gone: commit at once
+            raise CommitDelayedError(self.name, session, retry_in)
         if code == -4:
             raise _Vanished
         if code == -7:

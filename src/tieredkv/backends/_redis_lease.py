@@ -6,6 +6,12 @@ One writer per conversation: the holder of the manifest's fencing token. A repli
 holds no token gets one only if the history is the one it knows; a takeover of a live lease
 delays the new writer's first commit until that lease has ended (server-side), which is
 what lets a replica that holds a live lease serve its own copy while the server is away.
+
+A replica also keeps a liveness key alive (:meth:`Leases.beat`, every third of
+``liveness``), and serves its own copy only while its last heartbeat could still be alive
+on the server. So a takeover need not wait out a dead replica's lease: once the replica
+it waits for has no liveness key, that replica cannot be serving (its own clock says its
+heartbeat ran out too), and the delay ends (:meth:`Leases.reclaim`).
 """
 
 from __future__ import annotations
@@ -14,10 +20,12 @@ import logging
 import secrets
 import time
 
+import anyio
+
 from ..errors import HistoryConflictError, LeaseHeldError, StaleWriterError
 from ..payload import SegmentHeader
+from ._redis_client import RedisError, refused_as_damaged, text, to_int
 from ._redis_client import fields as manifest_fields
-from ._redis_client import refused_as_damaged, text, to_int
 from ._redis_state import Replica, Writer
 from .redis_manifest import Damaged, Manifest, parse
 from .shared import SharedState
@@ -180,7 +188,53 @@ class Leases(Replica):
 
     def may_serve_local(self, session: str) -> bool:
         writer = self._writers.get(session)
-        return writer is not None and time.monotonic() < writer.lease_until
+        now = time.monotonic()
+        return writer is not None and now < writer.lease_until and now < self._alive_until
+
+    async def beat(self) -> bool:
+        """Renew this replica's liveness key (it expires ``liveness`` seconds after the
+        server sets it); whether it was renewed. A heartbeat that fails leaves
+        :meth:`may_serve_local` false once the last one that came back has run out."""
+        client = self._conn.client
+        if client is None:
+            return False
+        sent = time.monotonic()
+        ms = max(1, round(self._liveness * 1000))
+        try:
+            with anyio.fail_after(min(self._timeout, self._liveness)):
+                await client.set(self._live_key(self.owner), b"1", px=ms)
+        except (RedisError, OSError, TimeoutError):
+            return False
+        self._alive_until = max(self._alive_until, sent + self._liveness)
+        return True
+
+    async def beat_forever(self) -> None:
+        """:meth:`beat` every third of ``liveness`` until cancelled."""
+        while True:
+            await self.beat()
+            await anyio.sleep(self._liveness / 3)
+
+    async def reclaim(self, session: str, holder: str) -> bool:
+        """End the takeover delay of ``session`` if ``holder``, the replica whose lease it
+        waits for, is dead (no liveness key); whether it ended."""
+        client = self._conn.client
+        if client is None or not holder:
+            return False
+        try:
+            with anyio.fail_after(self._timeout):
+                if await client.exists(self._live_key(holder)):
+                    return False
+                reply = await self._conn.scripts["reclaim"](
+                    keys=[self._manifest(session)], args=[holder]
+                )
+        except (RedisError, OSError, TimeoutError):
+            return False
+        if int(reply[0]) != 1:
+            return False
+        _log.info(
+            "%s: %.80r: replica %s is gone, its lease need not run out", self.name, session, holder
+        )
+        return True
 
     async def discard(self, session: str) -> bool:
         self._check_open()

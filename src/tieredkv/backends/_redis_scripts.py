@@ -9,7 +9,7 @@ waiting for (see ``COMMIT``'s deadline). Fields another client wrote as garbage 
 
 from __future__ import annotations
 
-__all__ = ["ACQUIRE", "COMMIT", "DROP", "ENSURE", "RELEASE", "TAKE"]
+__all__ = ["ACQUIRE", "COMMIT", "DROP", "ENSURE", "RECLAIM", "RELEASE", "TAKE"]
 
 _COMMON = """
 local function num(x) return tonumber(x) or 0 end
@@ -31,7 +31,10 @@ if not token or token ~= ARGV[3] then
   token = new_token(f[1])
   redis.call('HDEL', KEYS[1], 'dmg')
   local nb = num(f[4])
-  if f[2] and f[2] ~= ARGV[1] and num(f[3]) > now then nb = math.max(nb, num(f[3])) end
+  if f[2] and f[2] ~= ARGV[1] and num(f[3]) > now then
+    nb = math.max(nb, num(f[3]))
+    redis.call('HSET', KEYS[1], 'nbo', f[2])
+  end
   redis.call('HSET', KEYS[1], 'fence', token, 'nb', fmt(nb))
 end
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'le', fmt(now + tonumber(ARGV[2])))
@@ -41,7 +44,8 @@ return {0, now, redis.call('HGETALL', KEYS[1]), token}
 """KEYS: manifest; ARGV: owner, lease ms, the token this replica holds ('' for none).
 Becomes the writer of a conversation with committed segments and returns its manifest:
 {0, now, fields, token}; {-1, now}: no manifest; {-2, now, fields}: no segments (nothing
-taken). Taking over a live lease of another replica sets ``nb`` to that lease's end."""
+taken). Taking over a live lease of another replica sets ``nb`` to that lease's end, and
+``nbo`` to that replica (see ``RECLAIM``)."""
 
 ACQUIRE = (
     _COMMON
@@ -58,7 +62,10 @@ if ARGV[3] ~= '1' then
 end
 local token = new_token(f[1])
 local nb = num(f[4])
-if live then nb = math.max(nb, num(f[3])) end
+if live then
+  nb = math.max(nb, num(f[3]))
+  redis.call('HSET', KEYS[1], 'nbo', f[2])
+end
 if not id then
   id = ARGV[7]
   redis.call('HSET', KEYS[1], 'session', ARGV[4], 'id', id, 'v', '0', 'n', '0')
@@ -108,7 +115,9 @@ if ARGV[8] == '' and redis.call('HEXISTS', KEYS[1], 'mac') == 1 then return refu
 if f[2] ~= ARGV[5] or f[3] ~= ARGV[6] or f[4] ~= seq then
   return refuse(-2, f[2], num(f[3]), num(f[4]))
 end
-if num(f[5]) > now then return {-3, now, num(f[5]) - now} end
+if num(f[5]) > now then
+  return {-3, now, num(f[5]) - now, redis.call('HGET', KEYS[1], 'nbo') or ''}
+end
 for i = 2, #KEYS do
   if redis.call('EXISTS', KEYS[i]) == 0 then return {-6, now, KEYS[i]} end
 end
@@ -131,7 +140,8 @@ writer has stopped waiting: a request the server runs later is refused, so it ca
 commit behind the writer's back). Returns {0, now, v} (committed), {1, now, v} (this very
 segment was committed before: a retry), or a refusal: {-1, now, fence, dmg} (another
 writer; ``dmg`` 1: it then found the history damaged),
-{-2, now, id, v, n} (another history), {-3, now, ms} (takeover delay), {-4, now} (no
+{-2, now, id, v, n} (another history), {-3, now, ms, holder} (takeover delay, until the
+lease of ``holder`` would have ended), {-4, now} (no
 manifest), {-5, now} (past the deadline), {-6, now, part} (a part is missing), {-7, now}
 (a writer without a MAC, ``ARGV[8]`` empty, extending an authenticated history). Refusals
 -1, -2, -4 and -7 unlink the given parts (they are this write's own, referenced by
@@ -181,6 +191,21 @@ history (only in the version that was found damaged: a later one is left alone) 
 empty manifest under a new version and incarnation id (so no value of the old one can be
 put back), marked ``dmg`` until the next writer takes it, so its writer learns why it was
 refused. Returns {1, now, v} when it removed them, {0, now} when there was nothing to do."""
+
+RECLAIM = (
+    _COMMON
+    + """
+if redis.call('HGET', KEYS[1], 'nbo') == ARGV[1] and num(redis.call('HGET', KEYS[1], 'nb')) > now
+then
+  redis.call('HSET', KEYS[1], 'nb', fmt(now))
+  return {1, now}
+end
+return {0, now}
+"""
+)
+"""KEYS: manifest; ARGV: the replica whose lease a takeover waits for, found dead (its
+liveness key gone). Ends the takeover delay now: {1, now}; {0, now}: nothing to end (no
+delay, or one for another replica's lease)."""
 
 RELEASE = (
     _COMMON

@@ -71,6 +71,7 @@ class Replica:
         key: bytes | None,
         capacity: int,
         lease_ttl: float,
+        liveness: float,
         part_ttl: float,
         read_batch: int,
         recover: bool,
@@ -86,6 +87,10 @@ class Replica:
         self._timeout = conn.timeout
         self._lease_ttl = lease_ttl
         self._lease_ms = round(lease_ttl * 1000)
+        self._liveness = liveness
+        self._alive_until = 0.0
+        """Until when (this process's monotonic clock) the server may still hold this
+        replica's liveness key, by its last heartbeat that came back."""
         self._part_ms = round(part_ttl * 1000)
         self._batch = read_batch
         self._recover = recover
@@ -109,6 +114,10 @@ class Replica:
 
     def _manifest(self, session: str) -> str:
         return f"{self._base(session)}:m"
+
+    def _live_key(self, owner: str) -> str:
+        """The key a replica's heartbeat keeps alive (see :meth:`Leases.beat`)."""
+        return f"{self.prefix}:live:{owner}"
 
     def _parts(self, key: SegmentKey, entry: Entry) -> list[str]:
         base = f"{self._base(key[0])}:{key[1]}:{entry.nonce}"

@@ -57,6 +57,7 @@ writer (the cache's ``drop``) or a damaged read.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
@@ -100,7 +101,12 @@ class RedisTier(Reads, Commits, SharedTier):
     :param lease_ttl: seconds a writer lease lasts after the replica's last commit, load or
         append check. While it lasts the replica may serve its copy when the server cannot
         be reached, and a replica that takes the conversation over commits only after it
-        has ended
+        has ended, or once the replica that held it is gone (see ``liveness``)
+    :param liveness: seconds a replica counts as alive after its last heartbeat (it beats
+        every third of this). A replica serves its own copy through an outage only while
+        its last heartbeat may still be alive, so a takeover of a replica that is gone
+        waits about this long, not the rest of its lease: the longest a conversation
+        stalls when its replica dies (at most ``lease_ttl``)
     :param part_ttl: seconds a written but uncommitted part lives (a writer that dies
         half-way leaves nothing longer than this)
     :param read_batch: values fetched per round trip while reading
@@ -136,6 +142,7 @@ class RedisTier(Reads, Commits, SharedTier):
         timeout: float = 10.0,
         max_connections: int = 32,
         lease_ttl: float = 30.0,
+        liveness: float = 3.0,
         part_ttl: float = 300.0,
         read_batch: int = 4,
         recover: bool = True,
@@ -156,9 +163,10 @@ class RedisTier(Reads, Commits, SharedTier):
             raise ValueError(
                 f"tier {name!r}: prefix {prefix!r} must be non-empty and free of {{}}*?[]\\"
             )
-        if timeout <= 0 or lease_ttl <= 0 or part_ttl <= 0 or read_batch <= 0:
+        if timeout <= 0 or lease_ttl <= 0 or part_ttl <= 0 or read_batch <= 0 or liveness <= 0:
             raise ValueError(
-                f"tier {name!r}: timeout, lease_ttl, part_ttl and read_batch must be positive"
+                f"tier {name!r}: timeout, lease_ttl, liveness, part_ttl and read_batch must be "
+                f"positive"
             )
         conn = Connection(
             server,
@@ -176,10 +184,13 @@ class RedisTier(Reads, Commits, SharedTier):
             key=None if secret is None else derive_key(secret),
             capacity=capacity,
             lease_ttl=lease_ttl,
+            liveness=min(liveness, lease_ttl),
             part_ttl=part_ttl,
             read_batch=read_batch,
             recover=recover,
         )
+        self._heart: asyncio.Task[None] | None = None
+        """The heartbeat (:meth:`beat_forever`) while open."""
 
     # -- properties ----------------------------------------------------------------------
     @property
@@ -212,6 +223,8 @@ class RedisTier(Reads, Commits, SharedTier):
         await self._conn.open()
         try:
             await self._check_secret()
+            await self.beat()
+            self._heart = asyncio.get_running_loop().create_task(self.beat_forever())
             return await self._scan() if self._recover else []
         except BaseException:
             await self.aclose()
@@ -273,6 +286,10 @@ class RedisTier(Reads, Commits, SharedTier):
         if self._conn.client is None:
             return
         manifests = [self._manifest(session) for session in self._writers]
+        if self._heart is not None:
+            self._heart.cancel()
+            await asyncio.wait([self._heart])
+            self._heart = None
         self._index.clear()
         self._reserved.clear()
         self._writers.clear()
