@@ -194,12 +194,12 @@ def _tiers(args: dict[str, Any]) -> list[Any]:
     from tieredkv.backends.redis import RedisTier
 
     spec = LAYOUTS[args["layout"]]
-    extra = {"secret": bytes.fromhex(args["secret"])} if args.get("secret") else {}
+    key = bytes.fromhex(args["secret"]) if args.get("secret") else None
     tiers: list[Any] = []
     if spec["host"]:
         tiers.append(HostMemoryTier(spec["host"]))
     if spec.get("ssd"):
-        tiers.append(SSDTier(args["ssd"], 64 << 20, fsync=False, **extra))
+        tiers.append(SSDTier(args["ssd"], 64 << 20, fsync=False, secret=key))
     shared = RedisTier(
         args["url"],
         1 << 40,
@@ -208,7 +208,7 @@ def _tiers(args: dict[str, Any]) -> list[Any]:
         lease_ttl=args["lease_ttl"],
         timeout=args["timeout"],
         recover=False,
-        **extra,
+        secret=key,
     )
     return [*tiers, shared]
 
@@ -530,10 +530,12 @@ async def _loads(
     from tieredkv.backends.redis import RedisTier
     from tieredkv.errors import SessionNotFoundError
 
-    extra = {"secret": bytes.fromhex(secret)} if secret else {}
+    key = bytes.fromhex(secret) if secret else None
     out = []
     for host in (256 << 20, 64 << 10):
-        shared = RedisTier(url, 1 << 40, prefix=prefix, value_size=64 << 10, recover=False, **extra)
+        shared = RedisTier(
+            url, 1 << 40, prefix=prefix, value_size=64 << 10, recover=False, secret=key
+        )
         async with TieredKVCache([HostMemoryTier(host), shared], mode="inclusive") as cache:
             for i in range(conversations):
                 conv, t0 = f"c{i}", time.monotonic()

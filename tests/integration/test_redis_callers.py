@@ -255,9 +255,9 @@ async def test_a_replica_without_the_secret_is_refused_before_it_writes(
         assert info.value.refusals == [("chat", [1])]
     async with replica(server.url, prefix, secret=secret) as other:
         assert tags(await other.load("chat")) == [0]
-    for wrong in ({}, {"secret": bytes(32)}):
+    for wrong in (None, bytes(32)):
         with pytest.raises(InvalidArgumentError, match="same secret"):
-            async with replica(server.url, prefix, **wrong):
+            async with replica(server.url, prefix, secret=wrong):
                 pass
 
 
