@@ -509,6 +509,7 @@ async def _final_loads(
     if proc.returncode is None:
         proc.kill()
         await proc.wait()
+    if proc.returncode != 0:  # (its watchdog ended it: a load that cannot be cancelled)
         return [{"r": "final", "op": "hang", "what": "final load"}]
     path = anyio.Path(workdir / "final-loads.json")
     records: list[dict[str, Any]] = (
@@ -518,13 +519,15 @@ async def _final_loads(
 
 
 async def final_loads(args: dict[str, Any]) -> None:
-    """The final loads (``--final``), written to ``args["out"]``."""
-    out = await _loads(args["url"], args["prefix"], args["conversations"], args["secret"])
+    """The final loads (``--final``), written to ``args["out"]``; the process ends (status
+    3) if one runs past :data:`BOUND` plus a grace."""
+    watchdog = _Watchdog(_Log(Path(args["out"] + ".log"), -1, 0))
+    out = await _loads(args["url"], args["prefix"], args["conversations"], args["secret"], watchdog)
     await anyio.Path(args["out"]).write_text(json.dumps(out))
 
 
 async def _loads(
-    url: str, prefix: str, conversations: int, secret: str | None
+    url: str, prefix: str, conversations: int, secret: str | None, watchdog: _Watchdog
 ) -> list[dict[str, Any]]:
     from tieredkv import HostMemoryTier, TieredKVCache
     from tieredkv.backends.redis import RedisTier
@@ -540,6 +543,7 @@ async def _loads(
             for i in range(conversations):
                 conv, t0 = f"c{i}", time.monotonic()
                 record: dict[str, Any] = {"r": "final", "op": "load", "conv": conv, "t0": t0}
+                ticket = watchdog.begin("final load")
                 try:
                     with anyio.fail_after(BOUND):
                         turns = runs(await cache.load(conv))
@@ -549,6 +553,8 @@ async def _loads(
                     record.update(ok=False, err=type(exc).__name__, t1=time.monotonic())
                 else:
                     record.update(ok=True, turns=turns, t1=time.monotonic())
+                finally:
+                    watchdog.end(ticket)
                 out.append(record)
     return out
 
