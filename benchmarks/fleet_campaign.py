@@ -419,8 +419,11 @@ async def campaign(opts: Options, workdir: Path) -> Result:
     try:
         for rid in range(opts.replicas):
             await spawn(rid)
-        if unkeyed is not None:
-            await anyio.sleep(0.5)  # (the others mark the prefix first, mostly)
+        if unkeyed is not None:  # it joins a fleet whose replicas marked the prefix
+            for _ in range(600):  # (up to 2 minutes)
+                if await anyio.to_thread.run_sync(_marked, server, prefix):
+                    break
+                await anyio.sleep(0.2)
             await spawn(unkeyed)
         extra = [k for k, w in FAULTS.items() for _ in range(w - 1)]
         deadline = time.monotonic() + opts.duration
@@ -430,7 +433,10 @@ async def campaign(opts: Options, workdir: Path) -> Result:
             now = time.monotonic()
             if now >= deadline and (
                 now >= deadline + 2 * opts.duration
-                or _completed(workdir, opts.replicas) >= opts.min_operations
+                or (
+                    _completed(workdir, opts.replicas) >= opts.min_operations
+                    and (unkeyed is None or _read(workdir / f"replica-{unkeyed}.jsonl"))
+                )
             ):
                 break
             if not cycle:  # every kind once (in a random order), then the weighted rest
@@ -569,6 +575,12 @@ def _fsck(url: str, prefix: str, secret: str | None) -> str:
         f"value(s) (leaked: those of manifests the campaign deleted)"
         + "".join(f"; damaged {d.path}: {d.problem}" for d in report.damaged[:3])
     )
+
+
+def _marked(server: RedisServer, prefix: str) -> bool:
+    """Whether a replica with the secret has marked the prefix authenticated."""
+    with server.client() as client:
+        return bool(client.exists(f"{prefix}:auth"))
 
 
 def _completed(workdir: Path, replicas: int) -> int:

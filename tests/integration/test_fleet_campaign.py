@@ -67,11 +67,11 @@ def test_a_short_campaign_of_the_three_tier_layout_finds_nothing(
 ) -> None:
     """Host + SSD + Redis with a secret, two replicas and one without the secret, a few
     seconds of faults: clean, and the replica without the secret was refused."""
-    argv = ["--duration", "4", "--seed", "5", "--replicas", "2", "--min-operations", "40"]
+    argv = ["--duration", "3", "--seed", "5", "--replicas", "2", "--min-operations", "30"]
     argv += ["--layout", "host+ssd+redis", "--secret", "--unkeyed-replica"]
     argv += ["--fault-every", "0.5", "1.5"]
     out = run_campaign(tmp_path, capsys, argv)
-    assert operations(out) >= 40, out
+    assert operations(out) >= 30, out
     refused = int(out.split("without the secret refused: ")[1].split("\n")[0])
     assert refused > 0, out
 

@@ -25,6 +25,7 @@ from tieredkv.errors import (
     SessionNotFoundError,
     TierIOError,
     TurnRefusedError,
+    UnauthenticatedWriterError,
 )
 
 __all__ = ["own_redis_server"]  # fixtures used below
@@ -89,8 +90,8 @@ async def test_a_turn_no_local_tier_can_hold_is_never_said_to_be_kept(
     64 KiB, takes the conversation over and appends a 256 KiB turn, which only Redis can
     hold: it is written straight there, and B's live lease delays the commit. The append
     raises CommitDelayedError saying nothing of the turn was stored (not that it is kept),
-    and it is not: A's history is [t0], and after the delay the same append succeeds and
-    a fresh replica loads [t0, t1]."""
+    and it is not: A's history is [t0], and once B's lease has ended the same append
+    succeeds and a fresh replica loads [t0, t1]."""
     prefix = new_prefix()
     async with (
         ReplicaProcess(server.url, prefix, lease_ttl=5.0) as b,
@@ -105,8 +106,15 @@ async def test_a_turn_no_local_tier_can_hold_is_never_said_to_be_kept(
         assert "is kept" not in str(info.value)
         assert a.stats().appends == 0
         assert tags(await a.load("chat")) == [0]
-        await anyio.sleep(info.value.retry_in + 0.2)
-        await a.append("chat", turn(1, 1024), answer_tokens=1)
+        wait = info.value.retry_in
+        with anyio.fail_after(20):  # until B's lease ends (B is alive: it is waited for)
+            while True:
+                await anyio.sleep(wait + 0.05)
+                try:
+                    await a.append("chat", turn(1, 1024), answer_tokens=1)
+                    break
+                except CommitDelayedError as exc:
+                    wait = exc.retry_in
         await a.flush()
     async with replica(server.url, prefix) as c:
         assert [tag for tag, _ in runs(await c.load("chat"))] == [0, 1]
@@ -223,8 +231,8 @@ async def test_a_drop_leaves_nothing_of_the_conversation_on_the_server(
         await b.append("chat", turn(1), answer_tokens=1)
         await b.flush()
         await b.drop("chat")
-        with server.client() as client:
-            assert list(client.scan_iter(match=f"{prefix}:*")) == []
+        with server.client() as client:  # (the replicas' own keys aside: :auth, :live:)
+            assert list(client.scan_iter(match=f"{prefix}:{{*")) == []
         report = await anyio.to_thread.run_sync(check_prefix, server.url, prefix)
         assert report.sessions == []
         assert not await a.discover("chat")
@@ -239,10 +247,11 @@ async def test_a_replica_without_the_secret_is_refused_before_it_writes(
     server: RedisServer,
 ) -> None:
     """A replica without ``secret=`` opened before any replica with one (so the prefix was
-    not marked yet) loads an authenticated conversation and appends to it: the server
-    refuses its commit (a refused turn, reported by flush()), so the replicas with the
-    secret still serve the conversation. Once the prefix is marked, a replica without the
-    secret, or with another one, is refused at open, saying what to fix."""
+    not marked yet) loads an authenticated conversation and appends to it: its commit is
+    refused (a refused turn, reported by flush()), so the replicas with the secret still
+    serve the conversation, and it may not start a new conversation either. Once the
+    prefix is marked, a replica without the secret, or with another one, is refused at
+    open, saying what to fix."""
     prefix, secret = new_prefix(), bytes(range(32))
     async with replica(server.url, prefix, lease_ttl=0.5) as unkeyed:
         async with replica(server.url, prefix, secret=secret, lease_ttl=0.5) as keyed:
@@ -253,6 +262,8 @@ async def test_a_replica_without_the_secret_is_refused_before_it_writes(
         with pytest.raises(TurnRefusedError, match="this replica has no secret") as info:
             await unkeyed.flush()
         assert info.value.refusals == [("chat", [1])]
+        with pytest.raises(UnauthenticatedWriterError, match="same secret="):
+            await unkeyed.append("new", turn(2), answer_tokens=1)  # nor starts one
     async with replica(server.url, prefix, secret=secret) as other:
         assert tags(await other.load("chat")) == [0]
     for wrong in (None, bytes(32)):

@@ -66,6 +66,8 @@ class Commits(Leases):
             extends (another replica appended, it never read it, the server lost it)
         :raises CommitDelayedError: this replica took the conversation over from one whose
             lease is live; the same write succeeds after ``retry_in`` seconds
+        :raises UnauthenticatedWriterError: this tier has no secret, and the prefix (or the
+            conversation) is authenticated
         :raises TierIOError: the server failed or went away; nothing is visible unless the
             commit ran before the write's deadline and its reply was lost (the tier then
             learns it from the manifest, and the same write later succeeds at once)
@@ -77,6 +79,7 @@ class Commits(Leases):
         if len(data) != length:
             raise ValueError(f"reserved {length} bytes, asked to write {len(data)}")
         session, seq = key
+        await self.check_unmarked(session, ask=False)
         hlen = PREFIX.unpack_from(data, 0)[1] if len(data) >= PREFIX.size else 0
         head_len = min(len(data), PREFIX.size + hlen)
         header, _ = parse_header(data[:head_len], f"segment {seq} to write")
@@ -173,6 +176,9 @@ class Commits(Leases):
             mac,
             self.owner,
             self._lease_ms,
+            # (without a secret, on one server: the prefix's mark, checked in the same step;
+            # a Cluster keeps it in another slot, and the heartbeat checks it instead)
+            self._marker if self._key is None and not isinstance(client, RedisCluster) else "",
         ]
         commit = self._conn.scripts["commit"]
         try:

@@ -22,7 +22,12 @@ import time
 
 import anyio
 
-from ..errors import HistoryConflictError, LeaseHeldError, StaleWriterError
+from ..errors import (
+    HistoryConflictError,
+    LeaseHeldError,
+    StaleWriterError,
+    UnauthenticatedWriterError,
+)
 from ..payload import SegmentHeader
 from ._redis_client import RedisError, refused_as_damaged, text, to_int
 from ._redis_client import fields as manifest_fields
@@ -95,8 +100,28 @@ class Leases(Replica):
         state = await self.refresh(session)
         return list(state.headers)
 
+    async def check_unmarked(self, session: str, *, ask: bool) -> None:
+        """Refuse to write into an authenticated prefix without its secret: a replica
+        with the secret marks the prefix (``<prefix>:auth``); a tier without one learns of
+        the mark at each heartbeat, and here (``ask``) before it takes a conversation.
+
+        :raises UnauthenticatedWriterError: this tier has no secret and the prefix is marked
+        :raises TierIOError: the server cannot be reached (with ``ask``)
+        """
+        if self._key is not None:
+            return
+        if ask and not self._marked:
+            try:
+                with anyio.fail_after(self._timeout):
+                    self._marked = bool(await self._check_open().exists(self._marker))
+            except (RedisError, OSError, TimeoutError) as exc:
+                raise self._io_error("check the prefix's secret", exc) from exc
+        if self._marked:
+            raise UnauthenticatedWriterError(self.name, session)
+
     async def acquire(self, session: str, *, force: bool = False) -> int:
         self._check_open()
+        await self.check_unmarked(session, ask=True)
         prev = self._known.get(session)
         new_id = secrets.token_hex(16)
         sent = time.monotonic()
@@ -203,6 +228,10 @@ class Leases(Replica):
         try:
             with anyio.fail_after(min(self._timeout, self._liveness)):
                 await client.set(self._live_key(self.owner), b"1", px=ms)
+                if self._key is None and not self._marked:
+                    self._marked = bool(await client.exists(self._marker))
+                elif self._key is not None:  # (again: a server restarted empty forgot it)
+                    await client.set(self._marker, self._mark, nx=True)
         except (RedisError, OSError, TimeoutError):
             return False
         self._alive_until = max(self._alive_until, sent + self._liveness)

@@ -112,6 +112,9 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return refuse(-4) end
 local f = redis.call('HMGET', KEYS[1], 'fence', 'id', 'v', 'n', 'nb', 'dmg')
 if f[1] ~= ARGV[2] then return refuse(-1, f[1], num(f[6])) end
 if ARGV[8] == '' and redis.call('HEXISTS', KEYS[1], 'mac') == 1 then return refuse(-7) end
+if ARGV[8] == '' and ARGV[11] ~= '' and redis.call('EXISTS', ARGV[11]) == 1 then
+  return refuse(-7)
+end
 if f[2] ~= ARGV[5] or f[3] ~= ARGV[6] or f[4] ~= seq then
   return refuse(-2, f[2], num(f[3]), num(f[4]))
 end
@@ -131,7 +134,8 @@ return {0, now, v}
 """
 )
 """KEYS: manifest, parts...; ARGV: seq, token, entry, nonce:parts, manifest id and version
-the writer extends, deadline (server ms), the new manifest MAC (''), owner, lease ms.
+the writer extends, deadline (server ms), the new manifest MAC (''), owner, lease ms, the
+prefix's authentication mark ('' for none: a writer with a secret, or on a Cluster).
 
 Commits segment ``seq`` only if the token is the current fence, the manifest is the
 version the writer extends and ``seq`` is its next segment, no takeover delay is pending,
@@ -143,7 +147,8 @@ writer; ``dmg`` 1: it then found the history damaged),
 {-2, now, id, v, n} (another history), {-3, now, ms, holder} (takeover delay, until the
 lease of ``holder`` would have ended), {-4, now} (no
 manifest), {-5, now} (past the deadline), {-6, now, part} (a part is missing), {-7, now}
-(a writer without a MAC, ``ARGV[8]`` empty, extending an authenticated history). Refusals
+(a writer without a MAC, ``ARGV[8]`` empty, extending an authenticated history, or
+writing under a prefix marked authenticated). Refusals
 -1, -2, -4 and -7 unlink the given parts (they are this write's own, referenced by
 nothing)."""
 

@@ -58,8 +58,6 @@ writer (the cache's ``drop``) or a damaged read.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 import uuid
 from typing import Any
@@ -239,13 +237,11 @@ class RedisTier(Reads, Commits, SharedTier):
         :raises InvalidArgumentError: the secret (or its absence) is not the prefix's
         """
         client = self._check_open()
-        marker = f"{self.prefix}:auth"
-        mine = None
-        if self._key is not None:
-            mine = hmac.new(self._key, b"tieredkv authenticated prefix", hashlib.sha256)
+        marker = self._marker
+        mine = None if self._key is None else self._mark
         try:
             if mine is not None:
-                await client.set(marker, mine.hexdigest()[:32], nx=True)
+                await client.set(marker, mine, nx=True)
             found = await client.get(marker)
         except (RedisError, OSError) as exc:
             raise self._io_error("check the prefix's secret", exc) from exc
@@ -256,7 +252,7 @@ class RedisTier(Reads, Commits, SharedTier):
                 f"tier {self.name!r}: prefix {self.prefix!r} on {self.url} is authenticated "
                 f"(its replicas use secret=); give this replica the same secret"
             )
-        if found is not None and text(found) != mine.hexdigest()[:32]:
+        if found is not None and text(found) != mine:
             raise InvalidArgumentError(
                 f"tier {self.name!r}: prefix {self.prefix!r} on {self.url} is authenticated "
                 f"with another secret; give every replica of the prefix the same secret"
