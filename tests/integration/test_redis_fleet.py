@@ -496,8 +496,8 @@ async def test_case11_a_restart_is_transparent_and_an_owner_serves_through_an_ou
     sessions = [f"user-{i}" for i in range(8)]
     lease = 6.0
     async with (
-        replica(aof_server.url, prefix, lease_ttl=lease, timeout=0.3) as a,
-        replica(aof_server.url, prefix, lease_ttl=lease, timeout=0.3) as b,
+        replica(aof_server.url, prefix, lease_ttl=lease, liveness=lease, timeout=0.3) as a,
+        replica(aof_server.url, prefix, lease_ttl=lease, liveness=lease, timeout=0.3) as b,
     ):
         for i, session in enumerate(sessions):
             await append(a, session, i)

@@ -56,8 +56,9 @@ async def peer(redis_server: RedisServer, prefix: str) -> AsyncIterator[RedisTie
 
 
 def _keys(server: RedisServer, prefix: str) -> list[str]:
+    """The conversations' keys under ``prefix`` (not the replicas' liveness keys)."""
     with server.client() as c:
-        return sorted(k.decode() for k in c.scan_iter(match=f"{prefix}:*"))
+        return sorted(k.decode() for k in c.scan_iter(match=f"{prefix}:{{*"))
 
 
 async def test_segment_is_split_into_values_under_one_hash_tag(

@@ -161,7 +161,8 @@ async def _look(core: Core, s: Session, t: int, tier: SharedTier, take: bool) ->
             return None
         return (
             f"its current history cannot be proven (the shared tier {exc.tier!r} could not "
-            f"{exc.action}: {exc.reason}, and this replica holds no live lease on it)"
+            f"{exc.action}: {exc.reason.rstrip('.')}, and this replica holds no live lease "
+            f"on it)"
         )
     why = await _adopt(core, s, t, tier, state, take)
     if s.key in core.refused:  # this replica's copies already agree with the shared tier

@@ -237,11 +237,13 @@ class Leases(Replica):
         self._alive_until = max(self._alive_until, sent + self._liveness)
         return True
 
-    async def beat_forever(self) -> None:
-        """:meth:`beat` every third of ``liveness`` until cancelled."""
-        while True:
+    async def beat_forever(self, stop: anyio.Event) -> None:
+        """:meth:`beat` every third of ``liveness`` until ``stop`` is set (not by
+        cancellation: the client may swallow a cancellation that lands in a command)."""
+        while not stop.is_set():
             await self.beat()
-            await anyio.sleep(self._liveness / 3)
+            with anyio.move_on_after(self._liveness / 3):
+                await stop.wait()
 
     async def reclaim(self, session: str, holder: str) -> bool:
         """End the takeover delay of ``session`` if ``holder``, the replica whose lease it

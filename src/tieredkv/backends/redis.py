@@ -62,6 +62,8 @@ import logging
 import uuid
 from typing import Any
 
+import anyio
+
 from ..errors import InvalidArgumentError
 from ..payload import ALIGN, SegmentHeader, derive_key
 from ._redis_client import Client, Connection, RedisError, driver_options, text
@@ -189,6 +191,7 @@ class RedisTier(Reads, Commits, SharedTier):
         )
         self._heart: asyncio.Task[None] | None = None
         """The heartbeat (:meth:`beat_forever`) while open."""
+        self._stop_heart: anyio.Event | None = None
 
     # -- properties ----------------------------------------------------------------------
     @property
@@ -222,7 +225,8 @@ class RedisTier(Reads, Commits, SharedTier):
         try:
             await self._check_secret()
             await self.beat()
-            self._heart = asyncio.get_running_loop().create_task(self.beat_forever())
+            self._stop_heart = stop = anyio.Event()
+            self._heart = asyncio.get_running_loop().create_task(self.beat_forever(stop))
             return await self._scan() if self._recover else []
         except BaseException:
             await self.aclose()
@@ -283,8 +287,11 @@ class RedisTier(Reads, Commits, SharedTier):
             return
         manifests = [self._manifest(session) for session in self._writers]
         if self._heart is not None:
-            self._heart.cancel()
-            await asyncio.wait([self._heart])
+            assert self._stop_heart is not None
+            self._stop_heart.set()  # (it ends after the heartbeat under way, if any)
+            await asyncio.wait([self._heart], timeout=self._timeout + 1)
+            if not self._heart.done():  # pragma: no cover - a heartbeat that did not end
+                self._heart.cancel()
             self._heart = None
         self._index.clear()
         self._reserved.clear()
