@@ -5,9 +5,14 @@ expire, and several replicas write the same conversations at once. Afterwards a 
 compares every history a replica served with the log of what was acknowledged (issue 22's
 invariants I1-I4), and ``tieredkv fsck`` checks what the server holds.
 
-    .venv/bin/python benchmarks/fleet_campaign.py --duration 300 --seed 1
+    .venv/bin/python benchmarks/fleet_campaign.py --duration 300 --seed 1 \
+        --layout host+ssd+redis --secret --unkeyed-replica
 
-prints the counts and exits 1 if the checker found anything. The test command runs a
+prints the counts and exits 1 if the checker found anything. ``--layout`` is one of the
+tier layouts the Redis how-to describes (:data:`LAYOUTS`: host + Redis, SSD + Redis,
+host + SSD + Redis, and host + Redis with a host tier smaller than one turn);
+``--secret`` gives every replica the same ``secret=``, and ``--unkeyed-replica`` adds one
+replica without it (misconfigured: it must be refused before it writes). The test command runs a
 short, seeded one (``tests/integration/test_fleet_campaign.py``).
 
 What is checked, per conversation (every turn names itself: :mod:`tests.fleet`):
@@ -20,7 +25,16 @@ What is checked, per conversation (every turn names itself: :mod:`tests.fleet`):
   restart, a lost manifest): those turns are counted as lost by the server, and anything
   else is counted as a lost acknowledged turn;
 * every exception a replica saw is one the contract names (a miss, a transient
-  ``TierIOError``, a refusal), and no task exception was left unretrieved.
+  ``TierIOError``, a refusal), and no task exception was left unretrieved;
+* every operation returned or raised within :data:`BOUND` seconds under
+  ``anyio.fail_after`` (a watchdog thread records a call that cannot be cancelled, and
+  ends the replica); the longest is reported;
+* several ``flush()`` calls under way at once each hear of a turn refused that they
+  waited for (else one returns as if it were committed: the loss check finds it);
+* an append that failed never claims its turn is kept;
+* no replica with the secret finds a history damaged (no fault forges one: a damaged
+  history means a replica wrote what the others refuse), and the replica without the
+  secret commits nothing.
 
 Replicas are local-first (inclusive mode): an append is acknowledged when it returns; a
 ``flush()`` that returns acknowledges it to the fleet.
@@ -61,6 +75,7 @@ ALLOWED = {
     "LeaseHeldError",
     "HistoryConflictError",  # the shared history is not the one this replica read
     "TurnRefusedError",  # turns acknowledged here were refused (reported once)
+    "UnauthenticatedWriterError",  # (the replica without the secret) refused before it wrote
 }
 """The exceptions a replica may see: each a TieredKVError saying what to do."""
 
@@ -73,6 +88,19 @@ OPERATIONS = ("append", "load", "flush")
 TOKENS = (16, 16, 16, 256, 256, 1024)
 """Turn sizes (tokens of 256 bytes): 4 KiB, 64 KiB (one value) and 256 KiB (four)."""
 
+LAYOUTS = {
+    "host+redis": {"host": 4 << 20},
+    "ssd+redis": {"host": 0, "ssd": True},
+    "host+ssd+redis": {"host": 4 << 20, "ssd": True},
+    "full-host+redis": {"host": 128 << 10},
+}
+"""A replica's tiers above the shared one: the Redis how-to's layouts, and a host tier
+smaller than the largest turn (conversations go straight to Redis, and load from it)."""
+
+BOUND = 30.0
+"""Seconds any operation may take (the longest legitimate wait is a takeover's, under
+``lease_ttl``, plus the server's ``timeout`` per try)."""
+
 
 @dataclass
 class Options:
@@ -84,6 +112,10 @@ class Options:
     timeout: float = 0.5
     host: int = 4 << 20
     fault_every: tuple[float, float] = (0.8, 2.5)
+    layout: str = "host+redis"
+    secret: bool = False
+    unkeyed_replica: bool = False
+    """One more replica, without the secret (with ``secret``)."""
     min_operations: int = 0
     """Keep the faults going past ``duration`` (up to three times it) until the replicas
     have completed this many operations: a loaded machine still gets a campaign of size."""
@@ -102,6 +134,11 @@ class Result:
     lost_to_server: set[tuple[str, int]] = field(default_factory=set)
     unexpected: Counter[str] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
+    longest: float = 0.0
+    """The longest operation, seconds."""
+    concurrent_flushes: int = 0
+    unkeyed_refused: int = 0
+    """Times the replica without the secret was refused (at open, or a commit)."""
     lease_expiries: int = 0
     refused: int = 0
     unproven: int = 0
@@ -125,6 +162,9 @@ class Result:
             f"lost acknowledged turns: {len(self.lost_turns)} (beyond the "
             f"{len(self.lost_to_server)} the server itself lost in empty restarts and lost "
             f"manifests)",
+            f"longest operation: {self.longest:.2f} s (bound {BOUND:.0f} s); concurrent "
+            f"flushes: {self.concurrent_flushes}; the replica without the secret refused: "
+            f"{self.unkeyed_refused}",
             f"unexpected exception types: {sum(self.unexpected.values())}"
             + (f" ({dict(self.unexpected)})" if self.unexpected else ""),
             *([f"fsck of the prefix afterwards: {self.fsck}"] if self.fsck else []),
@@ -148,12 +188,73 @@ class _Log:
         self._file.close()
 
 
+def _tiers(args: dict[str, Any]) -> list[Any]:
+    """A replica's tiers: its layout's own tiers over the shared RedisTier."""
+    from tieredkv import HostMemoryTier, SSDTier
+    from tieredkv.backends.redis import RedisTier
+
+    spec = LAYOUTS[args["layout"]]
+    key = bytes.fromhex(args["secret"]) if args.get("secret") else None
+    tiers: list[Any] = []
+    if spec["host"]:
+        tiers.append(HostMemoryTier(spec["host"]))
+    if spec.get("ssd"):
+        tiers.append(SSDTier(args["ssd"], 64 << 20, fsync=False, secret=key))
+    shared = RedisTier(
+        args["url"],
+        1 << 40,
+        prefix=args["prefix"],
+        value_size=64 << 10,
+        lease_ttl=args["lease_ttl"],
+        timeout=args["timeout"],
+        recover=False,
+        secret=key,
+    )
+    return [*tiers, shared]
+
+
+class _Watchdog:
+    """Ends the process if an operation runs past :data:`BOUND` plus a grace (a call that
+    ``anyio.fail_after`` could not cancel), logging it first."""
+
+    def __init__(self, log: _Log) -> None:
+        import threading
+
+        self._log = log
+        self._lock = threading.Lock()
+        self._ops: dict[int, tuple[str, float]] = {}
+        self._next = 0
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def begin(self, op: str) -> int:
+        with self._lock:
+            self._next += 1
+            self._ops[self._next] = (op, time.monotonic())
+            return self._next
+
+    def end(self, ticket: int) -> None:
+        with self._lock:
+            self._ops.pop(ticket, None)
+
+    def _watch(self) -> None:
+        import os
+
+        while True:
+            time.sleep(1.0)
+            now = time.monotonic()
+            with self._lock:
+                hung = [(op, now - t0) for op, t0 in self._ops.values() if now - t0 > BOUND + 15]
+            if hung:
+                self._log(op="hang", what=hung[0][0], seconds=hung[0][1])
+                os._exit(3)
+
+
 async def replica(args: dict[str, Any]) -> None:
-    """One replica: random appends, loads, flushes and idle spells, every one logged."""
+    """One replica: random appends, loads, flushes (sometimes several at once) and idle
+    spells, every one logged and bounded."""
     import asyncio
 
-    from tieredkv import HostMemoryTier, TieredKVCache
-    from tieredkv.backends.redis import RedisTier
+    from tieredkv import TieredKVCache
     from tieredkv.errors import SessionNotFoundError, TurnRefusedError
 
     rid, inc = args["rid"], args["inc"]
@@ -163,27 +264,19 @@ async def replica(args: dict[str, Any]) -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.set_exception_handler(lambda _loop, ctx: log(op="unretrieved", msg=str(ctx)[:300]))
+    watchdog = _Watchdog(log)
     convs = [f"c{i}" for i in range(args["conversations"])]
     views: dict[str, list[int] | None] = {c: [] for c in convs}  # what this cache holds
     since: dict[str, float] = dict.fromkeys(convs, time.monotonic())
     """When the view's history was last read from the server (or, from none, begun)."""
     counter = 0
     while not stop.is_set():
-        shared = RedisTier(
-            args["url"],
-            1 << 40,
-            prefix=args["prefix"],
-            value_size=64 << 10,
-            lease_ttl=args["lease_ttl"],
-            timeout=args["timeout"],
-            recover=False,
-        )
-        cache = TieredKVCache([HostMemoryTier(args["host"]), shared], mode="inclusive")
+        cache = TieredKVCache(_tiers(args), mode="inclusive")
         try:
             await cache.open()
             break
-        except Exception as exc:  # the server is down: try again
-            log(op="open", ok=False, err=type(exc).__name__, t0=time.monotonic())
+        except Exception as exc:  # the server is down (or refuses this replica): try again
+            log(op="open", ok=False, err=type(exc).__name__, msg=str(exc)[:200])
             await anyio.sleep(0.2)
     else:
         return
@@ -191,6 +284,23 @@ async def replica(args: dict[str, Any]) -> None:
 
     def failed(exc: Exception, **record: Any) -> None:
         log(**record, t1=time.monotonic(), ok=False, err=type(exc).__name__, msg=str(exc)[:200])
+
+    async def flush(t0: float, together: int) -> None:
+        covers = {c: [since[c], v] for c, v in views.items() if v}
+        ticket = watchdog.begin("flush")
+        try:
+            with anyio.fail_after(BOUND):
+                await cache.flush()
+        except TurnRefusedError as exc:
+            failed(exc, op="flush", t0=t0, refused=[s for s, _ in exc.refusals], n=together)
+            for session, _ in exc.refusals:
+                views[session] = None
+        except Exception as exc:
+            failed(exc, op="flush", t0=t0, n=together)
+        else:
+            log(op="flush", t0=t0, t1=time.monotonic(), ok=True, covers=covers, n=together)
+        finally:
+            watchdog.end(ticket)
 
     try:
         while not stop.is_set():
@@ -200,8 +310,10 @@ async def replica(args: dict[str, Any]) -> None:
             t0 = time.monotonic()
             if view is None or r < 0.35:
                 before = cache.stats().unproven
+                ticket = watchdog.begin("load")
                 try:
-                    history = await cache.load(conv)
+                    with anyio.fail_after(BOUND):
+                        history = await cache.load(conv)
                 except SessionNotFoundError as exc:
                     unproven = cache.stats().unproven > before
                     failed(exc, op="load", t0=t0, conv=conv, unproven=unproven)
@@ -214,13 +326,17 @@ async def replica(args: dict[str, Any]) -> None:
                     got = runs(history)
                     log(op="load", t0=t0, t1=time.monotonic(), conv=conv, ok=True, turns=got)
                     views[conv], since[conv] = [tag for tag, _ in got], t0
+                finally:
+                    watchdog.end(ticket)
             elif r < 0.85:
                 counter += 1
                 tag = (rid * 1000 + inc) * 100000 + counter
                 tokens = rng.choice(TOKENS)
                 log(op="append", ph="begin", t0=t0, conv=conv, tag=tag, tokens=tokens, base=view)
+                ticket = watchdog.begin("append")
                 try:
-                    await cache.append(conv, turn(tag, tokens), answer_tokens=1)
+                    with anyio.fail_after(BOUND):
+                        await cache.append(conv, turn(tag, tokens), answer_tokens=1)
                 except Exception as exc:
                     failed(exc, op="append", ph="end", t0=t0, conv=conv, tag=tag)
                     views[conv] = None
@@ -233,25 +349,22 @@ async def replica(args: dict[str, Any]) -> None:
                     views[conv] = [*view, tag]
                     if not view:
                         since[conv] = t0
+                finally:
+                    watchdog.end(ticket)
             elif r < 0.95:
-                covers = {c: [since[c], v] for c, v in views.items() if v}
-                try:
-                    await cache.flush()
-                except TurnRefusedError as exc:
-                    failed(exc, op="flush", t0=t0, refused=[s for s, _ in exc.refusals])
-                    for session, _ in exc.refusals:
-                        views[session] = None
-                except Exception as exc:
-                    failed(exc, op="flush", t0=t0)
-                else:
-                    log(op="flush", t0=t0, t1=time.monotonic(), ok=True, covers=covers)
+                together = 1 if rng.random() < 0.6 else rng.choice((2, 3))
+                async with anyio.create_task_group() as tg:
+                    for _ in range(together):
+                        tg.start_soon(flush, t0, together)
             else:  # idle: long enough, sometimes, for the lease to run out
                 await anyio.sleep(rng.uniform(0, 2 * args["lease_ttl"]))
                 log(op="idle", t0=t0, t1=time.monotonic())
             await anyio.sleep(rng.uniform(0, 0.01))
     finally:
         st = cache.stats()
-        log(op="stats", refused=st.refused, unproven=st.unproven, errors=st.errors)
+        shared = st.tiers[-1]
+        damaged = shared.corrupt - cache.tiers[-1].missing  # type: ignore[attr-defined]
+        log(op="stats", refused=st.refused, unproven=st.unproven, errors=st.errors, damaged=damaged)
         with anyio.CancelScope(shield=True):
             await cache.aclose()
         log.close()
@@ -270,9 +383,18 @@ async def campaign(opts: Options, workdir: Path) -> Result:
     procs: dict[int, anyio.abc.Process] = {}
     incarnations: Counter[int] = Counter()
 
+    secret = bytes(range(32)).hex() if opts.secret else None
+    unkeyed = opts.replicas if opts.secret and opts.unkeyed_replica else None
+    """The replica without the secret (its rid), if any."""
+
     async def spawn(rid: int) -> None:
         incarnations[rid] += 1
+        ssd = workdir / f"ssd-{rid}-{incarnations[rid]}"
+        ssd.mkdir()
         args = {
+            "layout": opts.layout,
+            "ssd": str(ssd),
+            "secret": None if rid == unkeyed else secret,
             "rid": rid,
             "inc": incarnations[rid],
             "seed": opts.seed,
@@ -297,6 +419,12 @@ async def campaign(opts: Options, workdir: Path) -> Result:
     try:
         for rid in range(opts.replicas):
             await spawn(rid)
+        if unkeyed is not None:  # it joins a fleet whose replicas marked the prefix
+            for _ in range(600):  # (up to 2 minutes)
+                if await anyio.to_thread.run_sync(_marked, server, prefix):
+                    break
+                await anyio.sleep(0.2)
+            await spawn(unkeyed)
         extra = [k for k, w in FAULTS.items() for _ in range(w - 1)]
         deadline = time.monotonic() + opts.duration
         cycle: list[str] = []
@@ -305,7 +433,10 @@ async def campaign(opts: Options, workdir: Path) -> Result:
             now = time.monotonic()
             if now >= deadline and (
                 now >= deadline + 2 * opts.duration
-                or _completed(workdir, opts.replicas) >= opts.min_operations
+                or (
+                    _completed(workdir, opts.replicas) >= opts.min_operations
+                    and (unkeyed is None or _read(workdir / f"replica-{unkeyed}.jsonl"))
+                )
             ):
                 break
             if not cycle:  # every kind once (in a random order), then the weighted rest
@@ -329,7 +460,7 @@ async def campaign(opts: Options, workdir: Path) -> Result:
                     client.delete(f"{prefix}:{{{conversation_tag(conv)}}}:m")
                 record["conv"] = conv
             else:  # replica-kill
-                rid = rng.randrange(opts.replicas)
+                rid = rng.randrange(len(procs))
                 procs[rid].send_signal(signal.SIGKILL)
                 await procs[rid].wait()
                 await anyio.sleep(rng.uniform(0.2, 1.0))
@@ -344,8 +475,8 @@ async def campaign(opts: Options, workdir: Path) -> Result:
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
-        final = await _final_loads(server.url, prefix, opts, workdir)
-        fsck = await anyio.to_thread.run_sync(_fsck, server.url, prefix)
+        final = await _final_loads(server.url, prefix, opts, secret, workdir)
+        fsck = await anyio.to_thread.run_sync(_fsck, server.url, prefix, secret)
     finally:
         for proc in procs.values():
             if proc.returncode is None:
@@ -367,38 +498,89 @@ def check_directory(workdir: Path, opts: Options) -> Result:
     return check([r for r in records if "kind" not in r], faults, opts)
 
 
-async def _final_loads(url: str, prefix: str, opts: Options, workdir: Path) -> list[dict[str, Any]]:
-    """With the faults over: a fresh replica loads every conversation once."""
+async def _final_loads(
+    url: str, prefix: str, opts: Options, secret: str | None, workdir: Path
+) -> list[dict[str, Any]]:
+    """With the faults over: two fresh replicas load every conversation once, one with
+    room for it, one with a host tier smaller than a turn (it loads straight from Redis),
+    each call under a bound, in a process of their own (a load that cannot be cancelled
+    is recorded as a hang, and the process ended)."""
+    args = {"url": url, "prefix": prefix, "conversations": opts.conversations}
+    args |= {"secret": secret, "out": str(workdir / "final-loads.json")}
+    proc = await anyio.open_process(
+        [sys.executable, __file__, "--final", json.dumps(args)], stdin=None, cwd=ROOT
+    )
+    with anyio.move_on_after(2 * opts.conversations * BOUND + 60):
+        await proc.wait()
+    if proc.returncode is None:
+        proc.kill()
+        await proc.wait()
+    if proc.returncode != 0:  # (its watchdog ended it: a load that cannot be cancelled)
+        return [{"r": "final", "op": "hang", "what": "final load"}]
+    path = anyio.Path(workdir / "final-loads.json")
+    records: list[dict[str, Any]] = (
+        json.loads(await path.read_text()) if await path.exists() else []
+    )
+    return records
+
+
+async def final_loads(args: dict[str, Any]) -> None:
+    """The final loads (``--final``), written to ``args["out"]``; the process ends (status
+    3) if one runs past :data:`BOUND` plus a grace."""
+    watchdog = _Watchdog(_Log(Path(args["out"] + ".log"), -1, 0))
+    out = await _loads(args["url"], args["prefix"], args["conversations"], args["secret"], watchdog)
+    await anyio.Path(args["out"]).write_text(json.dumps(out))
+
+
+async def _loads(
+    url: str, prefix: str, conversations: int, secret: str | None, watchdog: _Watchdog
+) -> list[dict[str, Any]]:
     from tieredkv import HostMemoryTier, TieredKVCache
     from tieredkv.backends.redis import RedisTier
     from tieredkv.errors import SessionNotFoundError
 
-    shared = RedisTier(url, 1 << 40, prefix=prefix, value_size=64 << 10, recover=False)
+    key = bytes.fromhex(secret) if secret else None
     out = []
-    async with TieredKVCache([HostMemoryTier(256 << 20), shared], mode="inclusive") as cache:
-        for i in range(opts.conversations):
-            conv, t0 = f"c{i}", time.monotonic()
-            record: dict[str, Any] = {"r": "final", "op": "load", "conv": conv, "t0": t0}
-            try:
-                turns = runs(await cache.load(conv))
-            except SessionNotFoundError:
-                record.update(ok=False, err="SessionNotFoundError", t1=time.monotonic())
-            else:
-                record.update(ok=True, turns=turns, t1=time.monotonic())
-            out.append(record)
+    for host in (256 << 20, 64 << 10):
+        shared = RedisTier(
+            url, 1 << 40, prefix=prefix, value_size=64 << 10, recover=False, secret=key
+        )
+        async with TieredKVCache([HostMemoryTier(host), shared], mode="inclusive") as cache:
+            for i in range(conversations):
+                conv, t0 = f"c{i}", time.monotonic()
+                record: dict[str, Any] = {"r": "final", "op": "load", "conv": conv, "t0": t0}
+                ticket = watchdog.begin("final load")
+                try:
+                    with anyio.fail_after(BOUND):
+                        turns = runs(await cache.load(conv))
+                except SessionNotFoundError:
+                    record.update(ok=False, err="SessionNotFoundError", t1=time.monotonic())
+                except Exception as exc:
+                    record.update(ok=False, err=type(exc).__name__, t1=time.monotonic())
+                else:
+                    record.update(ok=True, turns=turns, t1=time.monotonic())
+                finally:
+                    watchdog.end(ticket)
+                out.append(record)
     return out
 
 
-def _fsck(url: str, prefix: str) -> str:
+def _fsck(url: str, prefix: str, secret: str | None) -> str:
     from tieredkv.fsck_redis import check_prefix
 
-    report = check_prefix(url, prefix)
+    report = check_prefix(url, prefix, secret=bytes.fromhex(secret) if secret else None)
     return (
         f"{report.segments} good segment(s) in {len(report.sessions)} conversation(s), "
         f"{len(report.damaged)} damaged, {report.pending} pending and {report.leaked} leaked "
         f"value(s) (leaked: those of manifests the campaign deleted)"
         + "".join(f"; damaged {d.path}: {d.problem}" for d in report.damaged[:3])
     )
+
+
+def _marked(server: RedisServer, prefix: str) -> bool:
+    """Whether a replica with the secret has marked the prefix authenticated."""
+    with server.client() as client:
+        return bool(client.exists(f"{prefix}:auth"))
 
 
 def _completed(workdir: Path, replicas: int) -> int:
@@ -445,8 +627,32 @@ def check(records: list[dict[str, Any]], faults: list[dict[str, Any]], opts: Opt
             losses[None].append((f["t0"], f["t1"]))
         if f["kind"] == "lose-manifest":
             losses[f["conv"]].append((f["t0"], f["t1"]))
+    unkeyed = opts.replicas if opts.secret and opts.unkeyed_replica else None
+
+    def writer(tag: int) -> int:
+        return tag // 100000 // 1000
+
     for r in records:
         op = r.get("op")
+        if r.get("r") == unkeyed and unkeyed is not None:
+            if (op == "open" and r.get("err") == "InvalidArgumentError") or (
+                not r.get("ok", True) and "no secret" in r.get("msg", "")
+            ):
+                result.unkeyed_refused += 1
+            if op == "flush" and r["ok"]:
+                own = [t for _, v in r["covers"].values() for t in v if writer(t) == unkeyed]
+                if own:
+                    result.unexpected["unauthenticated-commit"] += 1
+        if op == "flush" and r.get("n", 1) > 1:
+            result.concurrent_flushes += 1
+        if "t1" in r and "t0" in r and _is_operation(r):
+            result.longest = max(result.longest, r["t1"] - r["t0"])
+        if op == "hang":
+            result.unexpected[f"hang in {r['what']}"] += 1
+        elif op == "append" and not r.get("ok", True) and "is kept" in r.get("msg", ""):
+            result.unexpected["failed append said kept"] += 1
+        elif op == "stats" and r.get("damaged", 0) > 0 and r.get("r") != unkeyed:
+            result.unexpected["damaged history"] += r["damaged"]
         if op == "append" and r["ph"] == "begin":
             tags[r["tag"]] = (r["conv"], r["tokens"])
             if r["base"] is not None:
@@ -514,15 +720,39 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="keep the faults going past --duration (up to 3x) until N operations completed (0)",
     )
+    parser.add_argument(
+        "--layout", choices=list(LAYOUTS), default="host+redis", help="the replicas' tiers"
+    )
+    parser.add_argument("--secret", action="store_true", help="replicas use secret=")
+    parser.add_argument(
+        "--unkeyed-replica",
+        action="store_true",
+        help="with --secret: one more replica, without the secret",
+    )
+    parser.add_argument(
+        "--fault-every",
+        type=float,
+        nargs=2,
+        default=(0.8, 2.5),
+        metavar=("MIN", "MAX"),
+        help="seconds between faults (0.8 2.5)",
+    )
     parser.add_argument("--keep", metavar="DIR", help="keep the logs in DIR")
     parser.add_argument("--check", metavar="DIR", help="only check the logs kept in DIR")
     parser.add_argument("--replica", help=argparse.SUPPRESS)
+    parser.add_argument("--final", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.replica:
         anyio.run(replica, json.loads(args.replica))
         return 0
+    if args.final:
+        anyio.run(final_loads, json.loads(args.final))
+        return 0
     if args.check:
-        result = check_directory(Path(args.check), Options())
+        checked = Options(
+            replicas=args.replicas, secret=args.secret, unkeyed_replica=args.unkeyed_replica
+        )
+        result = check_directory(Path(args.check), checked)
         print("\n".join(result.lines()))
         return 0 if result.clean else 1
     opts = Options(
@@ -531,6 +761,10 @@ def main(argv: list[str] | None = None) -> int:
         replicas=args.replicas,
         conversations=args.conversations,
         min_operations=args.min_operations,
+        layout=args.layout,
+        secret=args.secret,
+        unkeyed_replica=args.unkeyed_replica,
+        fault_every=tuple(args.fault_every),
     )
     workdir = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="fleet-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -541,7 +775,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
     print(
-        f"fleet campaign: seed {opts.seed}, {opts.replicas} replicas, {opts.conversations} "
+        f"fleet campaign: layout {opts.layout}"
+        + (" with secret" if opts.secret else "")
+        + (" and a replica without it" if opts.unkeyed_replica else "")
+        + f", seed {opts.seed}, {opts.replicas} replicas, {opts.conversations} "
         f"conversations, {opts.duration:.0f} s of faults "
         f"({time.monotonic() - began:.0f} s in all)"
     )

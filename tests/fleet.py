@@ -76,7 +76,8 @@ def runs(history: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
 
 
 class ReplicaProcess:
-    """A replica (its own host tier over a RedisTier) in a child process.
+    """A replica (its own tiers over a RedisTier: :mod:`tests.fleet_replica`) in a child
+    process.
 
     Use ``async with ReplicaProcess(url, prefix, ...) as r:``; each method sends one
     command and returns the child's answer: ``{"ok": True, ...}`` or ``{"ok": False,
@@ -87,6 +88,8 @@ class ReplicaProcess:
         self.args = [url, prefix, json.dumps(options)]
         self._proc: anyio.abc.Process | None = None
         self._buffer = b""
+        self.hung: str | None = None
+        """The command that did not answer, if one did not."""
 
     async def __aenter__(self) -> ReplicaProcess:
         path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
@@ -105,6 +108,12 @@ class ReplicaProcess:
         if proc is None:
             return
         with anyio.CancelScope(shield=True):
+            if self.hung is not None:  # it answers nothing more: no clean close
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+                await proc.aclose()
+                return
             try:
                 with anyio.fail_after(30):
                     await self.call("close")
@@ -115,6 +124,14 @@ class ReplicaProcess:
             finally:
                 await proc.aclose()
         assert proc.returncode == 0, f"the replica process exited with {proc.returncode}"
+
+    async def kill(self) -> None:
+        """SIGKILL the replica (it answers nothing more)."""
+        proc = self._proc
+        assert proc is not None
+        proc.kill()
+        await proc.wait()
+        self.hung = "killed"
 
     async def _read(self) -> dict[str, Any]:
         proc = self._proc
@@ -127,12 +144,20 @@ class ReplicaProcess:
         answer: dict[str, Any] = json.loads(line)
         return answer
 
-    async def call(self, op: str, **args: Any) -> dict[str, Any]:
+    async def call(self, op: str, *, within: float = 120.0, **args: Any) -> dict[str, Any]:
+        """Send one command; its answer.
+
+        :raises AssertionError: no answer within ``within`` seconds (the call hangs in the
+            replica, and its own ``deadline`` did not end it)
+        """
         proc = self._proc
         assert proc is not None
         assert proc.stdin is not None
         await proc.stdin.send(json.dumps({"op": op, **args}).encode() + b"\n")
-        return await self._read()
+        with anyio.move_on_after(within):
+            return await self._read()
+        self.hung = f"{op} {args} gave no answer in {within:.0f} s"
+        raise AssertionError(f"the replica's {self.hung}")
 
     async def append(self, session: str, tag: int, tokens: int = TOKENS) -> dict[str, Any]:
         return await self.call("append", session=session, tag=tag, tokens=tokens)

@@ -1,11 +1,16 @@
 """A replica process for the fleet tests: ``python -m tests.fleet_replica URL PREFIX OPTIONS``.
 
 ``OPTIONS`` is a JSON object: ``lease_ttl``, ``timeout``, ``mode`` (``"inclusive"``),
-``host`` (bytes of its host tier), ``secret`` (hex). The process opens one cache (a host
-tier over a :class:`~tieredkv.backends.redis.RedisTier` on ``URL`` and ``PREFIX``),
-answers ``{"ok": true}`` once open, then runs the commands it reads from stdin, one JSON
-line each (``append`` session tag, ``load`` session, ``flush``, ``contains`` session,
-``stats``, ``close``), answering each with one JSON line on stdout.
+``host`` (bytes of its host tier; 0 for none), ``ssd`` (a directory: an SSD tier there,
+below the host tier), ``ssd_bytes``, ``secret`` (hex), ``redis`` (more RedisTier
+options), ``deadline`` (seconds: every command runs under ``anyio.fail_after``; a command
+that overruns answers ``{"ok": false, "error": "TimeoutError"}``, one that cannot be
+cancelled does not answer).
+The process opens one cache (its tiers over a :class:`~tieredkv.backends.redis.RedisTier`
+on ``URL`` and ``PREFIX``), answers ``{"ok": true}`` once open, then runs the commands it
+reads from stdin, one JSON line each (``append`` session tag, ``load`` session, ``flush``,
+``contains`` session, ``discover`` session, ``drop`` session, ``stats``, ``where`` session,
+``close``), answering each with one JSON line on stdout.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from typing import Any
 import anyio
 
 from tests.fleet import TOKENS, tags, turn
-from tieredkv import HostMemoryTier, TieredKVCache
+from tieredkv import HostMemoryTier, SSDTier, TieredKVCache
+from tieredkv.backends.base import Tier
 from tieredkv.backends.redis import RedisTier
 
 
@@ -35,13 +41,21 @@ async def _run(cache: TieredKVCache, command: dict[str, Any]) -> dict[str, Any]:
         return {"ok": True}
     if op == "contains":
         return {"ok": True, "value": cache.contains(command["session"])}
+    if op == "discover":
+        return {"ok": True, "value": await cache.discover(command["session"])}
+    if op == "drop":
+        await cache.drop(command["session"])
+        return {"ok": True}
+    if op == "where":
+        return {"ok": True, "value": cache.where(command["session"])}
     if op == "stats":
         st = cache.stats()
         return {"ok": True, "refused": st.refused, "unproven": st.unproven, "errors": st.errors}
     raise ValueError(f"unknown command {op!r}")
 
 
-async def main(url: str, prefix: str, options: dict[str, Any]) -> None:
+def tiers(url: str, prefix: str, options: dict[str, Any]) -> list[Tier]:
+    """A replica's tiers: host (unless ``host`` is 0), SSD (with ``ssd``), then Redis."""
     extra: dict[str, Any] = {}
     if options.get("secret"):  # (only when given: a tier without the option takes none)
         extra["secret"] = bytes.fromhex(options["secret"])
@@ -52,11 +66,22 @@ async def main(url: str, prefix: str, options: dict[str, Any]) -> None:
         value_size=64 << 10,
         lease_ttl=options.get("lease_ttl", 30.0),
         timeout=options.get("timeout", 10.0),
+        **options.get("redis", {}),
         **extra,
     )
-    host = HostMemoryTier(options.get("host", 16 << 20))
+    out: list[Tier] = []
+    if options.get("host", 16 << 20):
+        out.append(HostMemoryTier(options.get("host", 16 << 20)))
+    if options.get("ssd"):
+        out.append(SSDTier(options["ssd"], options.get("ssd_bytes", 64 << 20), fsync=False))
+    return [*out, shared]
+
+
+async def main(url: str, prefix: str, options: dict[str, Any]) -> None:
     out = anyio.wrap_file(sys.stdout)
-    async with TieredKVCache([host, shared], mode=options.get("mode", "inclusive")) as cache:
+    deadline = options.get("deadline", 3600.0)
+    cache = TieredKVCache(tiers(url, prefix, options), mode=options.get("mode", "inclusive"))
+    async with cache:
         await out.write(json.dumps({"ok": True}) + "\n")
         await out.flush()
         async for line in anyio.wrap_file(sys.stdin):
@@ -64,7 +89,8 @@ async def main(url: str, prefix: str, options: dict[str, Any]) -> None:
             if command["op"] == "close":
                 break
             try:
-                answer = await _run(cache, command)
+                with anyio.fail_after(deadline):
+                    answer = await _run(cache, command)
             except Exception as exc:
                 answer = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
             await out.write(json.dumps(answer) + "\n")

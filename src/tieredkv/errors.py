@@ -26,6 +26,7 @@ __all__ = [
     "TierIOError",
     "TieredKVError",
     "TurnRefusedError",
+    "UnauthenticatedWriterError",
     "UnknownPolicyError",
 ]
 
@@ -35,14 +36,22 @@ class TieredKVError(Exception):
 
 
 class SessionNotFoundError(TieredKVError, KeyError):
-    """The session has no KV in any tier (never appended, dropped, or lost to eviction)."""
+    """The session has no KV that may be served: never appended, dropped, lost to eviction,
+    or (``reason`` says which) stored but found damaged, or not provably current.
 
-    def __init__(self, session: str) -> None:
+    :param reason: why a stored history is not served (``None``: none is stored)
+    """
+
+    def __init__(self, session: str, reason: str | None = None) -> None:
         self.session = session
+        self.reason = reason
         shown = session if len(session) <= 80 else session[:77] + "..."
         super().__init__(
             f"session {shown!r} has no KV in any tier: append() a segment first, or "
             f"recompute its history if it was evicted"
+            if reason is None
+            else f"session {shown!r} is not served: {reason}; recompute its history (this "
+            f"load counts as a miss)"
         )
 
     def __str__(self) -> str:  # KeyError would repr() the message
@@ -85,9 +94,15 @@ class TierIOError(TieredKVError, OSError):
     ) -> None:
         self.tier = tier
         self.action = action
+        self.hint = hint
         errno = cause.errno if isinstance(cause, OSError) else None
         reason = cause.strerror or str(cause) if isinstance(cause, OSError) else cause
         advice = f"; {hint}" if hint else ""
+        reason = reason.rstrip()
+        if advice and reason.endswith("."):  # no "...server.; flush()"
+            reason = reason[:-1]
+        self.reason = reason
+        """What went wrong, without ``hint``."""
         super().__init__(errno, f"tier {tier!r} could not {action}: {reason}{advice}")
         self.__cause__ = cause if isinstance(cause, OSError) else None
 
@@ -139,17 +154,33 @@ class StaleWriterError(TieredKVError, RuntimeError):
     one may not add segments to it, so its write is refused and nothing of it is stored.
     """
 
-    def __init__(self, tier: str, session: str, token: int, current: int) -> None:
+    def __init__(
+        self, tier: str, session: str, token: int, current: int, *, damaged: bool = False
+    ) -> None:
         self.tier = tier
         self.session = session
         self.token = token
         self.current = current
+        self.damaged = damaged
+        self.reason = (
+            "another replica found its shared copy damaged (a value changed or missing) and "
+            "took it out of service"
+            if damaged
+            else "another replica took it over"
+        )
+        """Why, in a few words (no advice)."""
+        advice = (
+            "load the conversation again (a miss: recompute its history) and check the "
+            "server (tieredkv fsck)"
+            if damaged
+            else "load the conversation again to take it back, or leave it to the replica "
+            "that holds it"
+        )
         shown = session if len(session) <= 80 else session[:77] + "..."
         super().__init__(
             f"tier {tier!r} refused a write to session {shown!r}: this replica's fencing token "
-            f"{token} is stale (the conversation's token is now {current}; another replica took "
-            f"it over); load the conversation again to take it back, or leave it to the "
-            f"replica that holds it"
+            f"{token} is stale (the conversation's token is now {current}: {self.reason}); "
+            f"{advice}"
         )
 
 
@@ -161,11 +192,13 @@ class LeaseHeldError(TieredKVError, RuntimeError):
         self.session = session
         self.holder = holder
         self.expires_in = expires_in
+        self.reason = f"replica {holder!r} is writing it"
         shown = session if len(session) <= 80 else session[:77] + "..."
         super().__init__(
             f"tier {tier!r}: session {shown!r} is being written by replica {holder!r} (its "
-            f"lease expires in {expires_in:.1f} s); wait for it, or take the conversation "
-            f"over with acquire(session, force=True) if that replica is gone"
+            f"lease expires in {expires_in:.1f} s unless that replica renews it); load() the "
+            f"conversation to take it over (its next commit waits for that lease), or leave "
+            f"it to that replica"
         )
 
 
@@ -193,9 +226,25 @@ class HistoryConflictError(TieredKVError, RuntimeError):
         self.tier = tier
         self.session = session
         self.detail = detail
+        self.reason = detail
         super().__init__(
             f"tier {tier!r} refused to extend session {_shown(session)!r}: {detail}; load the "
             f"conversation again (its current history is the shared one) before appending to it"
+        )
+
+
+class UnauthenticatedWriterError(TieredKVError, PermissionError):
+    """A shared tier refused a write: the conversation is authenticated (its replicas use
+    ``secret=``) and this replica has no secret. Nothing of the segment is stored."""
+
+    def __init__(self, tier: str, session: str) -> None:
+        self.tier = tier
+        self.session = session
+        self.reason = "the conversation is authenticated and this replica has no secret"
+        """Why, in a few words (no advice)."""
+        super().__init__(
+            f"tier {tier!r} refused a write to session {_shown(session)!r}: {self.reason}; "
+            f"give every replica of the prefix the same secret="
         )
 
 
@@ -203,16 +252,29 @@ class CommitDelayedError(TierIOError):
     """A shared tier cannot commit to a conversation yet: this replica took it over from one
     whose lease is still live (that replica may serve its copy until the lease ends, so
     nothing may be committed before). Transient: the same write succeeds after
-    ``retry_in`` seconds."""
+    ``retry_in`` seconds.
 
-    def __init__(self, tier: str, session: str, retry_in: float) -> None:
+    ``kept`` says whether the turn waits on this replica (a background commit: it is
+    committed once that lease has ended) or was not stored at all (an append written
+    straight to the shared tier, because no tier of this replica could hold it: append it
+    again after ``retry_in`` seconds).
+    """
+
+    def __init__(self, tier: str, session: str, retry_in: float, *, kept: bool = True) -> None:
         self.session = session
         self.retry_in = retry_in
+        self.kept = kept
+        then = (
+            "the turn is kept on this replica and committed once that lease has ended"
+            if kept
+            else f"nothing of the turn was stored (no tier of this replica could hold the "
+            f"conversation, so it went straight to {tier!r}): append it again in "
+            f"{retry_in:.1f} s, or give the replica a larger host tier or an SSD tier"
+        )
         super().__init__(
             tier,
             f"commit to session {_shown(session)!r} for another {retry_in:.1f} s",
-            "it was taken over from a replica whose lease is still live; the turn is kept "
-            "and committed once that lease has ended",
+            f"it was taken over from a replica whose lease is still live; {then}",
         )
 
 

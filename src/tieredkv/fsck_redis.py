@@ -50,7 +50,8 @@ class RedisReport:
     :param prefix: the key prefix checked
     :param segments: good committed segments
     :param bytes: their total size
-    :param sessions: per conversation with a good history, in key order
+    :param sessions: per conversation with a good history of at least one turn, in key
+        order
     :param damaged: what a replica would refuse to serve (a manifest, or a segment), and why
     :param pending: values of uncommitted writes (they expire)
     :param leaked: values that no manifest names and that never expire
@@ -112,7 +113,7 @@ def _check_manifests(client: redis.Redis, report: RedisReport, key: bytes | None
         except _Damaged as exc:
             report.damaged.append(Damaged(name, exc.detail))
             continue
-        if m is None:
+        if m is None or not m.entries:  # (a conversation begun, nothing committed yet)
             continue
         summary = SessionSummary(m.session)
         incarnation = bytes.fromhex(m.id) if key is not None else None

@@ -87,7 +87,7 @@ async def test_conversations_spread_over_nodes_each_in_one_slot(
     homes: dict[str, set[int]] = {s: set() for s in sessions}
     for i, node in enumerate(cluster):
         with redis.Redis(host="127.0.0.1", port=node.port) as c:
-            for key in c.scan_iter(match="c:*"):
+            for key in c.scan_iter(match="c:{*"):  # (the conversations' keys)
                 tag = key.decode().split("{")[1].split("}")[0]
                 session = next(s for s in sessions if conversation_tag(s) == tag)
                 homes[session].add(i)

@@ -293,6 +293,8 @@ async def test_case05_with_a_secret_a_forged_value_or_a_shortened_manifest_is_re
                 await b.load(session)
         # the damaged manifest found at open and at the load, and the forged value
         assert b.tiers[1].stats().corrupt == 3
+    with server.client() as client:  # (a replica without the secret is refused otherwise)
+        client.delete(f"{prefix}:auth")
     async with replica(server.url, prefix) as unkeyed:  # what the MAC is for
         assert tags(await unkeyed.load("short")) == [0, 1]
 
@@ -494,8 +496,8 @@ async def test_case11_a_restart_is_transparent_and_an_owner_serves_through_an_ou
     sessions = [f"user-{i}" for i in range(8)]
     lease = 6.0
     async with (
-        replica(aof_server.url, prefix, lease_ttl=lease, timeout=0.3) as a,
-        replica(aof_server.url, prefix, lease_ttl=lease, timeout=0.3) as b,
+        replica(aof_server.url, prefix, lease_ttl=lease, liveness=lease, timeout=0.3) as a,
+        replica(aof_server.url, prefix, lease_ttl=lease, liveness=lease, timeout=0.3) as b,
     ):
         for i, session in enumerate(sessions):
             await append(a, session, i)

@@ -56,8 +56,9 @@ async def peer(redis_server: RedisServer, prefix: str) -> AsyncIterator[RedisTie
 
 
 def _keys(server: RedisServer, prefix: str) -> list[str]:
+    """The conversations' keys under ``prefix`` (not the replicas' liveness keys)."""
     with server.client() as c:
-        return sorted(k.decode() for k in c.scan_iter(match=f"{prefix}:*"))
+        return sorted(k.decode() for k in c.scan_iter(match=f"{prefix}:{{*"))
 
 
 async def test_segment_is_split_into_values_under_one_hash_tag(
@@ -329,7 +330,7 @@ async def test_stale_writer_is_refused_and_corrupts_nothing(
         await store(tier, first)
         old = tier.token("s")
         assert old is not None
-        with pytest.raises(LeaseHeldError, match="force=True"):
+        with pytest.raises(LeaseHeldError, match=r"load\(\) the conversation to take it over"):
             await peer.acquire("s")
         new = await peer.acquire("s", force=True)
         assert new > old

@@ -50,7 +50,7 @@ from .atomic import settle
 from .gather import check_into
 from .placement import drop_damaged, finish_promotion, start_promotion
 from .state import Core, Session
-from .turns import commit_load
+from .turns import commit_load, damaged
 
 __all__ = ["LayerwiseLoad", "check_groups", "layerwise", "reported", "stream"]
 
@@ -150,7 +150,7 @@ class LayerwiseLoad:
 def reported(session: str, error: BaseException) -> BaseException:
     """What a failed restore raises to its caller: a damaged history is a miss."""
     if isinstance(error, CorruptSegmentError):
-        return SessionNotFoundError(session)
+        return SessionNotFoundError(session, damaged(error))
     return error
 
 

@@ -20,7 +20,7 @@ from ..errors import TurnRefusedError
 from ..meta import Refused
 from .state import Core, Refusal, Session
 
-__all__ = ["pending", "record_refusal", "report"]
+__all__ = ["Owed", "pending", "record_refusal", "report"]
 
 _log = logging.getLogger("tieredkv.cache")
 
@@ -42,11 +42,14 @@ def record_refusal(
     tier = core.tiers[t].name
     old = core.refused.get(s.key)
     new = [seq for seq in turns if old is None or seq not in old.turns]
+    if new:
+        core.refusals += 1
     if old is None:
-        core.refused[s.key] = Refusal(tier, turns, reason)
+        core.refused[s.key] = Refusal(tier, turns, reason, core.refusals)
     else:
         old.turns = sorted({*old.turns, *turns})
         old.reported = old.reported and not new
+        old.seq = core.refusals
     if not new:
         return
     core.stats.refused += len(new)
@@ -66,11 +69,27 @@ def record_refusal(
     )
 
 
-def report(core: Core, sessions: list[str]) -> None:
-    """Raise the refusals of ``sessions`` not reported yet, as one
+class Owed:
+    """What one caller waiting for the shared tier (a ``flush()``) is owed: the refusals not
+    reported when it began, and every one recorded while it waits, even if a concurrent
+    caller reports them first (each caller whose turns a refusal concerns hears of it)."""
+
+    __slots__ = ("since", "unreported")
+
+    def __init__(self, core: Core) -> None:
+        self.since = core.refusals
+        self.unreported = {key for key, r in core.refused.items() if not r.reported}
+
+    def __contains__(self, item: tuple[str, Refusal]) -> bool:
+        key, r = item
+        return key in self.unreported or r.seq > self.since
+
+
+def report(core: Core, sessions: list[str], owed: Owed | None = None) -> None:
+    """Raise the refusals of ``sessions`` not reported yet (and those ``owed``), as one
     :class:`~tieredkv.errors.TurnRefusedError` (and mark them reported)."""
     found = [(key, core.refused[key]) for key in sessions if key in core.refused]
-    fresh = [(key, r) for key, r in found if not r.reported]
+    fresh = [(k, r) for k, r in found if not r.reported or (owed is not None and (k, r) in owed)]
     if not fresh:
         return
     for _, r in fresh:

@@ -42,7 +42,7 @@ from .placement import remove_copy
 from .refusals import record_refusal, report
 from .state import Core, Seg, Session
 
-__all__ = ["check_writer", "discover", "locked_stored", "shared_tiers"]
+__all__ = ["check_writer", "discover", "examine", "locked_stored", "shared_tiers"]
 
 _log = logging.getLogger("tieredkv.cache")
 
@@ -61,11 +61,13 @@ async def locked_stored(core: Core, key: str, *, load: bool) -> AsyncIterator[Se
     :raises SessionNotFoundError: if it is stored nowhere (or cannot be proven current)
     :raises TurnRefusedError: turns of this conversation were refused (reported once)
     """
-    if core.sharing and not await discover(core, key, take=load):
-        if load:
-            core.stats.misses += 1
-            core.stats.unproven += 1
-        raise SessionNotFoundError(key)
+    if core.sharing:
+        why = await examine(core, key, take=load)
+        if why is not None:
+            if load:
+                core.stats.misses += 1
+                core.stats.unproven += 1
+            raise SessionNotFoundError(key, why)
     s = core.sessions.get(key)
     if s is None:  # one being created: wait for its first append
         raise SessionNotFoundError(key)
@@ -111,7 +113,13 @@ async def discover(core: Core, key: str, *, take: bool) -> bool:
         current history could not be proven; the caller counts a miss)
     :raises TurnRefusedError: turns of this conversation were refused (reported once)
     """
-    proven = True
+    return await examine(core, key, take=take) is None
+
+
+async def examine(core: Core, key: str, *, take: bool) -> str | None:
+    """:func:`discover`, returning why what the index holds of ``key`` may not be served
+    (``None``: it may)."""
+    why: str | None = None
     for t, tier in shared_tiers(core):
         s = core.sessions.get(key)
         if s is None:
@@ -121,16 +129,25 @@ async def discover(core: Core, key: str, *, take: bool) -> bool:
                 if core.sessions.get(key) is not s:  # dropped while we waited
                     continue
                 # a move like any other: cancellation waits for it, then is raised
-                ok, cancel = await settle(functools.partial(_look, core, s, t, tier, take))
+                found, cancel = await settle(functools.partial(_look, core, s, t, tier, take))
                 if cancel is not None:
                     raise cancel
-                proven = proven and ok
+                why = why or found
         finally:
             core.discard_unused(s)  # nothing found: no empty entry stays behind
-    return proven
+    return why
 
 
-async def _look(core: Core, s: Session, t: int, tier: SharedTier, take: bool) -> bool:
+_LOST = {
+    "lost": "the shared tier lost its history (a restart without persistence, or an eviction "
+    "under maxmemory)",
+    "damaged": "its copy in the shared tier is damaged (a checksum or MAC mismatch, or "
+    "garbage in its manifest; see the log, or tieredkv fsck)",
+}
+"""Why a history whose shared copy is in each state is not served."""
+
+
+async def _look(core: Core, s: Session, t: int, tier: SharedTier, take: bool) -> str | None:
     await s.wait_quiet()  # no write into the shared tier under way
     if s.key in core.refused:
         await _drop_refused(core, s)
@@ -138,29 +155,36 @@ async def _look(core: Core, s: Session, t: int, tier: SharedTier, take: bool) ->
         state = await tier.refresh(s.key, take=take)
     except TierIOError as exc:
         if s.primary is not None and s.primary != t and tier.may_serve_local(s.key):
-            return True  # this replica's lease is live: nobody else can have committed
+            return None  # this replica's lease is live: nobody else can have committed
         _log.warning("%.80r cannot be proven current: %s", s.key, exc)
-        return not s.segs and not take
-    ok = await _adopt(core, s, t, tier, state, take)
+        if not s.segs and not take:
+            return None
+        return (
+            f"its current history cannot be proven (the shared tier {exc.tier!r} could not "
+            f"{exc.action}: {exc.reason.rstrip('.')}, and this replica holds no live lease "
+            f"on it)"
+        )
+    why = await _adopt(core, s, t, tier, state, take)
     if s.key in core.refused:  # this replica's copies already agree with the shared tier
         _settle_refusal(core, s)
-    return ok
+    return why
 
 
 async def _adopt(
     core: Core, s: Session, t: int, tier: SharedTier, state: SharedState, take: bool
-) -> bool:
-    """Make ``s`` agree with what shared tier ``t`` holds (``state``, just refreshed)."""
+) -> str | None:
+    """Make ``s`` agree with what shared tier ``t`` holds (``state``, just refreshed); why
+    it may not be served (``None``: it may)."""
     if state.status in ("absent", "lost", "damaged"):
         if not s.segs:
-            return state.status == "absent"
+            return None if state.status == "absent" else _LOST[state.status]
         if state.status == "absent" and not s.held[t] and tier.token(s.key) is not None:
-            return True  # a conversation this replica started: none of it is committed yet
+            return None  # a conversation this replica started: none of it is committed yet
         # the shared tier lost (or holds a damaged copy of) the history: this replica's
         # copy cannot be proven current
         _log.warning("the shared copy of %.80r is %s: not served", s.key, state.status)
         await _forget_all(core, s)
-        return False
+        return _LOST.get(state.status, "the shared tier does not hold its history")
     headers = list(state.headers)
     local = [seg.header for seg in s.segs]
     if headers and local and s.schema is not None:
@@ -182,19 +206,19 @@ async def _adopt(
             if own:
                 record_refusal(core, s, t, "another replica became its writer first", own)
             await _forget_all(core, s, lost=False)
-            return True
+            return None
         if s.complete(t) and not before:
             now = core.clock()
             core.residency.admitted(core.meta(s, now), now, t)
         if len(local) > n:
             core.restart_copy(s)  # commit the rest (a takeover after a restart, say)
-        return True
+        return None
     # the shared history is newer (another replica appended) or another one: take it, and
     # let go of this replica's copies (its own uncommitted turns are refused)
     if own:
         record_refusal(core, s, t, "the conversation's shared history changed first", own)
     await _take(core, s, t, headers)
-    return True
+    return None
 
 
 def _plain(headers: list[SegmentHeader]) -> list[SegmentHeader]:

@@ -179,13 +179,15 @@ class Session:
 class Refusal:
     """Turns of a session that a shared tier refused (see :mod:`tieredkv._cache.refusals`)."""
 
-    __slots__ = ("reason", "reported", "tier", "turns")
+    __slots__ = ("reason", "reported", "seq", "tier", "turns")
 
-    def __init__(self, tier: str, turns: list[int], reason: str) -> None:
+    def __init__(self, tier: str, turns: list[int], reason: str, seq: int) -> None:
         self.tier = tier
         self.turns = turns
         self.reason = reason
         self.reported = False
+        self.seq = seq
+        """:attr:`Core.refusals` when turns were last added to it."""
 
 
 class Core:
@@ -221,6 +223,8 @@ class Core:
         self.orphans: set[tuple[int, SegmentKey]] = set()
         self.refused: dict[str, Refusal] = {}
         """Per session, turns a shared tier refused, until the session is next used."""
+        self.refusals = 0
+        """Refusals recorded so far (each time a session's refused turns grew)."""
         self.restart_copy: Callable[[Session], None] = lambda s: None
         """Restart ``s``'s background copy to the next tier (set by the write-through)."""
         self.staging = Staging()

@@ -199,7 +199,8 @@ class TierIO:
         never abandoned while it writes into a staging buffer)."""
         consume = Scatter(headers, out, dim, None)
         size = max(h.length for h in headers)
-        depth = min(len(keys), _READS_AHEAD + 1)
+        ahead = min(len(keys), _READS_AHEAD)  # reads in flight before the first scatter
+        depth = min(len(keys), ahead + 1)  # buffers: those reads', and the one scattered
         failure: dict[int, BaseException] = {}
         done = [anyio.Event() for _ in keys]
         with contextlib.ExitStack() as stack:
@@ -214,14 +215,14 @@ class TierIO:
                     done[i].set()
 
             async with anyio.create_task_group() as tg:
-                for i in range(depth - 1):
+                for i in range(ahead):
                     tg.start_soon(read, i)
                 for i, header in enumerate(headers):
-                    await done[i].wait()
+                    await done[i].wait()  # (read i was started: i < ahead, or below)
                     if failure:
                         break
-                    if i + depth - 1 < len(keys):  # into the buffer segment i - 1 came from
-                        tg.start_soon(read, i + depth - 1)
+                    if i + ahead < len(keys):  # into the buffer segment i - 1 came from
+                        tg.start_soon(read, i + ahead)
                     view = bufs[i % depth][: header.length]
                     await anyio.to_thread.run_sync(consume, i, 0, view)
         if failure:

@@ -16,6 +16,7 @@ import torch
 from ..backends.base import SegmentKey
 from ..errors import (
     CapacityError,
+    CommitDelayedError,
     CorruptSegmentError,
     SchemaMismatchError,
     SessionNotFoundError,
@@ -29,7 +30,16 @@ from .sharing import check_writer
 from .state import Core, Seg, Session
 from .writethrough import WriteThrough
 
-__all__ = ["append", "commit_append", "commit_load", "load", "plan_turn", "restore", "store"]
+__all__ = [
+    "append",
+    "commit_append",
+    "commit_load",
+    "damaged",
+    "load",
+    "plan_turn",
+    "restore",
+    "store",
+]
 
 
 async def append(
@@ -78,8 +88,8 @@ async def _append_locked(
         raise cancel
     # the point of no return: from here on, nothing awaits
     meta = commit_append(core, s, plan, t, answer_tokens, began)
-    if core.mode == "inclusive" and t + 1 < len(core.tiers):
-        pumps.start(s, t + 1)
+    if core.mode == "inclusive":
+        pumps.start(s)
     return meta
 
 
@@ -95,14 +105,19 @@ async def load(core: Core, s: Session, target: Target) -> int:
     hit = s.primary == 0
     try:
         _, cancel = await settle(lambda: restore(core, s, out))
-    except CorruptSegmentError:
+    except CorruptSegmentError as exc:
         core.stats.misses += 1
-        raise SessionNotFoundError(s.key) from None
+        raise SessionNotFoundError(s.key, damaged(exc)) from None
     if cancel is not None:
         core.stats.cancelled += 1
         raise cancel
     commit_load(core, s, hit, began)
     return s.tokens()
+
+
+def damaged(exc: CorruptSegmentError) -> str:
+    """Why a history found damaged is not served (a :class:`SessionNotFoundError` reason)."""
+    return f"its stored history was found damaged and set aside ({exc})"
 
 
 def plan_turn(
@@ -155,6 +170,8 @@ async def store(core: Core, s: Session, plan: SegmentPlan) -> int:
                 await demote(core, s, t, may_lose=False)
             t += 1
         await core.io[t].write_new(key, plan, core.staging)
+    except CommitDelayedError as exc:  # written straight to a shared tier: not kept here
+        raise CommitDelayedError(exc.tier, exc.session, exc.retry_in, kept=False) from exc
     finally:
         core.tiers[t].release(key)
     return t

@@ -38,16 +38,17 @@ from ..errors import (
     LeaseHeldError,
     StaleWriterError,
     TierIOError,
+    UnauthenticatedWriterError,
 )
 from .placement import copy_segments, delete_or_orphan, remove_copy, reserve
-from .refusals import record_refusal, report
+from .refusals import Owed, record_refusal, report
 from .state import Core, Session
 
 __all__ = ["WriteThrough"]
 
 _log = logging.getLogger("tieredkv.cache")
 
-_REFUSALS = (StaleWriterError, LeaseHeldError, HistoryConflictError)
+_REFUSALS = (StaleWriterError, LeaseHeldError, HistoryConflictError, UnauthenticatedWriterError)
 _BACKOFF = (0.1, 5.0)
 """First and largest wait before a failed commit into a shared tier is tried again, s."""
 
@@ -73,6 +74,8 @@ class WriteThrough:
         self._idle: anyio.Event | None = None
         self._failed: set[str] = set()
         """Sessions whose copy into a local tier an I/O error stopped (tried again at close)."""
+        self._local: set[str] = set()
+        """Sessions whose pump copies into the local tier below the primary too."""
         self._waiting: dict[str, _Waiting] = {}
         """Sessions whose commit into a shared tier waits to be tried again."""
         self._retrier: asyncio.Task[None] | None = None
@@ -86,9 +89,32 @@ class WriteThrough:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def start(self, s: Session, dst: int) -> None:
-        """Make sure a pump is copying ``s``'s missing segments into ``dst``."""
+    def targets(self, s: Session) -> list[int]:
+        """The tiers a pump copies ``s`` into, in order (inclusive mode): the next tier
+        below its primary (while :meth:`start` asked for it), and every shared tier below
+        that, so that a replica's turns reach the fleet whatever local tiers sit between
+        (host, SSD, Redis: host to SSD, and host to Redis)."""
+        p = s.primary
+        core = self._core
+        if core.mode != "inclusive" or p is None:
+            return []
+        return [
+            d
+            for d in range(p + 1, len(core.tiers))
+            if (core.io[d].shared is not None or (d == p + 1 and s.key in self._local))
+            and not s.complete(d)
+        ]
+
+    def start(self, s: Session, *, local: bool = True) -> None:
+        """Make sure a pump is copying ``s``'s missing segments into the tiers below it
+        (:meth:`targets`); ``local=False``: only into the shared tiers (a commit tried
+        again, which must not copy again into a local tier that the policy emptied)."""
+        if local:
+            self._local.add(s.key)
         if s.inflight:  # the running pump picks up the new segment
+            return
+        if not self.targets(s):
+            self._local.discard(s.key)
             return
         # A plain asyncio task rather than a task group: the cache may be opened and closed
         # from different tasks (e.g. a framework's startup and shutdown hooks).
@@ -98,7 +124,7 @@ class WriteThrough:
         self._pending += 1
         if self._pending == 1:
             self._idle = anyio.Event()
-        self._spawn(self._pump(s, dst))
+        self._spawn(self._pump(s))
 
     async def stop(self, s: Session) -> None:
         """Stop ``s``'s background copy early and wait for it (a drop is coming).
@@ -115,14 +141,12 @@ class WriteThrough:
         self._waiting.pop(s.key, None)
         self._core.refused.pop(s.key, None)
 
-    def resume(self, s: Session) -> None:
-        """In inclusive mode, restart ``s``'s copy to the next tier if it is incomplete there
-        (a pump stopped early: by a drop that was then cancelled, or by an I/O error)."""
-        p = s.primary
-        if self._core.mode != "inclusive" or p is None or p + 1 >= len(self._core.tiers):
-            return
-        if not s.complete(p + 1) and not s.dropped and s.key not in self._core.refused:
-            self.start(s, p + 1)
+    def resume(self, s: Session, *, local: bool = True) -> None:
+        """In inclusive mode, restart ``s``'s copies to the tiers below it where they are
+        incomplete (a pump stopped early: by a drop that was then cancelled, or by an I/O
+        error; a commit to a shared tier waiting); ``local=False``: only into shared tiers."""
+        if not s.dropped and s.key not in self._core.refused:
+            self.start(s, local=local)
 
     def retry_failed(self) -> None:
         """Restart the copies that an I/O error stopped (at close, so a restart finds those
@@ -133,7 +157,7 @@ class WriteThrough:
         for key in failed | self._waiting.keys():
             s = self._core.sessions.get(key)
             if s is not None:
-                self.resume(s)
+                self.resume(s, local=key in failed)
 
     async def flush(self) -> None:
         """Wait until every pump started so far has finished."""
@@ -144,9 +168,11 @@ class WriteThrough:
         """Try again at once every commit into a shared tier that is waiting, wait for
         every pump and takeover delay, then report what did not reach the shared tier.
 
-        :raises TurnRefusedError: turns the shared tier refused (reported once)
+        :raises TurnRefusedError: turns the shared tier refused (reported once to each
+            caller waiting for them: every concurrent ``flush()``)
         :raises TierIOError: turns still not committed (kept here, tried again later)
         """
+        owed = Owed(self._core)
         while True:
             now = time.monotonic()
             for key, w in list(self._waiting.items()):
@@ -159,15 +185,19 @@ class WriteThrough:
             if not delays:
                 break
             await anyio.sleep(max(0.0, min(delays) - time.monotonic()))
-        report(self._core, list(self._core.refused))
+        report(self._core, list(self._core.refused), owed)
         failing = [(k, w.error) for k, w in self._waiting.items() if w.error is not None]
         if failing:
             key, error = failing[0]
+            tier, cause, hint = "shared", str(error), None
+            if isinstance(error, TierIOError):
+                tier, cause, hint = error.tier, f"{error.action}: {error.reason}", error.hint
             raise TierIOError(
-                error.tier if isinstance(error, TierIOError) else "shared",
+                tier,
                 f"commit the latest turns of {len(failing)} session(s) (the first: {key[:80]!r})",
-                f"{error}; they stay on this replica and are tried again in the background: "
-                f"flush() again later",
+                cause,
+                hint="they stay on this replica and are tried again in the background; "
+                + (hint or "flush() again later"),
             )
 
     def cancel_all(self) -> None:
@@ -182,18 +212,24 @@ class WriteThrough:
             )
         self._waiting.clear()
 
-    async def _pump(self, s: Session, dst: int) -> None:
+    async def _pump(self, s: Session) -> None:
         core = self._core
+        stopped: set[int] = set()  # tiers this pump's copy stopped short in
+        dst = -1
         try:
-            while not (s.dropped or s.stopping) and s.primary is not None and s.primary < dst:
-                if not await self._copy_next(s, dst):
+            while not (s.dropped or s.stopping):
+                dst = next((d for d in self.targets(s) if d not in stopped), -1)
+                if dst < 0:
                     break
+                if not await self._copy_next(s, dst) and not s.complete(dst):
+                    stopped.add(dst)
         except Exception as exc:  # a bug: never left unretrieved, never silent
             core.stats.errors += 1
             _log.exception("write-through of %.80r failed", s.key)
-            if core.io[dst].shared is not None:
+            if dst >= 0 and core.io[dst].shared is not None:
                 self._later(s, exc)
         finally:
+            self._local.discard(s.key)
             s.inflight -= 1
             core.unbusy(s.key)
             if not s.inflight and s.quiet is not None:
@@ -207,12 +243,13 @@ class WriteThrough:
         core = self._core
         assert s.primary is not None
         seg = next((g for g in s.segs if g.header.seq not in s.held[dst]), None)
+        shared = core.io[dst].shared is not None
         if seg is None:
-            self._waiting.pop(s.key, None)
+            if shared:
+                self._waiting.pop(s.key, None)
             return False
         key = (s.key, seg.header.seq)
         to = core.tiers[dst]
-        shared = core.io[dst].shared is not None
         try:
             stored = await reserve(core, dst, key, seg.length, {s.key}, lossless=True)
             if stored:
@@ -223,7 +260,7 @@ class WriteThrough:
             else:
                 _log.info("write-through of %.80r stopped: tier %r is full", s.key, to.name)
         except _REFUSALS as exc:
-            record_refusal(core, s, dst, str(exc))
+            record_refusal(core, s, dst, exc.reason)  # (its reason, not its advice)
             self._waiting.pop(s.key, None)
             return False
         except (TierIOError, CorruptSegmentError) as exc:
@@ -248,11 +285,12 @@ class WriteThrough:
             return False
         s.held[dst].add(seg.header.seq)
         core.stats.write_through += 1
-        w = self._waiting.get(s.key)
+        w = self._waiting.get(s.key) if shared else None
         if w is not None:
             w.attempts, w.error = 0, None
         if s.complete(dst):
-            self._waiting.pop(s.key, None)
+            if shared:
+                self._waiting.pop(s.key, None)
             now = core.clock()
             core.residency.admitted(core.meta(s, now), now, dst)
         return True
@@ -261,7 +299,7 @@ class WriteThrough:
         """Try a waiting commit now; forget it if there is nothing left to copy."""
         s = self._core.sessions.get(key)
         if s is not None and not s.dropped:
-            self.resume(s)
+            self.resume(s, local=False)
         if s is None or not s.inflight:  # (nothing to copy, dropped, or not inclusive)
             self._waiting.pop(key, None)
 

@@ -48,6 +48,7 @@ __all__ = [
     "driver_options",
     "fields",
     "redacted",
+    "refused_as_damaged",
     "text",
     "to_int",
 ]
@@ -57,11 +58,17 @@ Client: TypeAlias = "aioredis.Redis | aioredis.RedisCluster"
 """The clients a tier works with (the modules beside this one import the client library
 only through this one, which says how to install it)."""
 
-_SCRIPTS = ("take", "acquire", "ensure", "commit", "drop", "release")
+_SCRIPTS = ("take", "acquire", "ensure", "commit", "drop", "reclaim", "release")
 
 
 def text(value: object) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def refused_as_damaged(reply: Any) -> bool:
+    """Whether a ``{-1, now, fence, dmg}`` refusal says the replica that took the
+    conversation over then found its history damaged."""
+    return len(reply) > 3 and to_int(reply[3], 0) > 0
 
 
 def to_int(value: object, default: int = -1) -> int:
@@ -191,7 +198,15 @@ class Connection:
 
     def io_error(self, action: str, exc: BaseException) -> TierIOError:
         detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        return TierIOError(self.name, f"{action} on {self.url}", detail)
+        hint = None
+        if "used memory > 'maxmemory'" in str(exc):  # (redis-py's OutOfMemoryError)
+            hint = (
+                "the server is out of memory and evicts nothing to make room (its "
+                "maxmemory-policy is noeviction, or nothing is evictable): raise its "
+                "maxmemory or choose an evicting policy such as allkeys-lru; until then "
+                "writes keep failing"
+            )
+        return TierIOError(self.name, f"{action} on {self.url}", detail, hint=hint)
 
     def clock(self, server_ms: object) -> None:
         """Learn the server's clock from a reply received just now."""

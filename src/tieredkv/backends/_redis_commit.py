@@ -19,9 +19,22 @@ from typing import Any
 
 import anyio
 
-from ..errors import CommitDelayedError, HistoryConflictError, StaleWriterError, TierIOError
+from ..errors import (
+    CommitDelayedError,
+    HistoryConflictError,
+    StaleWriterError,
+    TierIOError,
+    UnauthenticatedWriterError,
+)
 from ..payload import PREFIX, SegmentHeader, authenticated_head, parse_header
-from ._redis_client import NoScriptError, RedisCluster, RedisError, text, to_int
+from ._redis_client import (
+    NoScriptError,
+    RedisCluster,
+    RedisError,
+    refused_as_damaged,
+    text,
+    to_int,
+)
 from ._redis_lease import Leases
 from ._redis_state import Attempt, Writer
 from .base import SegmentKey
@@ -53,6 +66,8 @@ class Commits(Leases):
             extends (another replica appended, it never read it, the server lost it)
         :raises CommitDelayedError: this replica took the conversation over from one whose
             lease is live; the same write succeeds after ``retry_in`` seconds
+        :raises UnauthenticatedWriterError: this tier has no secret, and the prefix (or the
+            conversation) is authenticated
         :raises TierIOError: the server failed or went away; nothing is visible unless the
             commit ran before the write's deadline and its reply was lost (the tier then
             learns it from the manifest, and the same write later succeeds at once)
@@ -64,6 +79,7 @@ class Commits(Leases):
         if len(data) != length:
             raise ValueError(f"reserved {length} bytes, asked to write {len(data)}")
         session, seq = key
+        await self.check_unmarked(session, ask=False)
         hlen = PREFIX.unpack_from(data, 0)[1] if len(data) >= PREFIX.size else 0
         head_len = min(len(data), PREFIX.size + hlen)
         header, _ = parse_header(data[:head_len], f"segment {seq} to write")
@@ -160,6 +176,9 @@ class Commits(Leases):
             mac,
             self.owner,
             self._lease_ms,
+            # (without a secret, on one server: the prefix's mark, checked in the same step;
+            # a Cluster keeps it in another slot, and the heartbeat checks it instead)
+            self._marker if self._key is None and not isinstance(client, RedisCluster) else "",
         ]
         commit = self._conn.scripts["commit"]
         try:
@@ -240,7 +259,13 @@ class Commits(Leases):
         if code == -1:
             self._drop_writer(session, writer)
             self._counters.refused += 1
-            raise StaleWriterError(self.name, session, writer.token, to_int(reply[2]))
+            raise StaleWriterError(
+                self.name,
+                session,
+                writer.token,
+                to_int(reply[2]),
+                damaged=refused_as_damaged(reply),
+            )
         if code == -2:
             if self._known.get(session) is known:
                 del self._known[session]
@@ -253,9 +278,17 @@ class Commits(Leases):
                 f"this replica extends",
             )
         if code == -3:
-            raise CommitDelayedError(self.name, session, max(0, to_int(reply[2])) / 1000)
+            # (try again once the holder's liveness could have run out, if it is gone)
+            retry_in = min(max(0, to_int(reply[2])) / 1000, self._liveness)
+            if len(reply) > 3 and await self.reclaim(session, text(reply[3])):
+                retry_in = 0.0  # the replica it waited for is gone: commit at once
+            raise CommitDelayedError(self.name, session, retry_in)
         if code == -4:
             raise _Vanished
+        if code == -7:
+            self._attempts.pop(key, None)  # refused for good: its parts are gone
+            self._counters.refused += 1
+            raise UnauthenticatedWriterError(self.name, session)
         if code == -5:
             raise TierIOError(
                 self.name,

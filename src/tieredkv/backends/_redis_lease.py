@@ -6,6 +6,12 @@ One writer per conversation: the holder of the manifest's fencing token. A repli
 holds no token gets one only if the history is the one it knows; a takeover of a live lease
 delays the new writer's first commit until that lease has ended (server-side), which is
 what lets a replica that holds a live lease serve its own copy while the server is away.
+
+A replica also keeps a liveness key alive (:meth:`Leases.beat`, every third of
+``liveness``), and serves its own copy only while its last heartbeat could still be alive
+on the server. So a takeover need not wait out a dead replica's lease: once the replica
+it waits for has no liveness key, that replica cannot be serving (its own clock says its
+heartbeat ran out too), and the delay ends (:meth:`Leases.reclaim`).
 """
 
 from __future__ import annotations
@@ -14,10 +20,17 @@ import logging
 import secrets
 import time
 
-from ..errors import HistoryConflictError, LeaseHeldError, StaleWriterError
+import anyio
+
+from ..errors import (
+    HistoryConflictError,
+    LeaseHeldError,
+    StaleWriterError,
+    UnauthenticatedWriterError,
+)
 from ..payload import SegmentHeader
+from ._redis_client import RedisError, refused_as_damaged, text, to_int
 from ._redis_client import fields as manifest_fields
-from ._redis_client import text, to_int
 from ._redis_state import Replica, Writer
 from .redis_manifest import Damaged, Manifest, parse
 from .shared import SharedState
@@ -87,8 +100,28 @@ class Leases(Replica):
         state = await self.refresh(session)
         return list(state.headers)
 
+    async def check_unmarked(self, session: str, *, ask: bool) -> None:
+        """Refuse to write into an authenticated prefix without its secret: a replica
+        with the secret marks the prefix (``<prefix>:auth``); a tier without one learns of
+        the mark at each heartbeat, and here (``ask``) before it takes a conversation.
+
+        :raises UnauthenticatedWriterError: this tier has no secret and the prefix is marked
+        :raises TierIOError: the server cannot be reached (with ``ask``)
+        """
+        if self._key is not None:
+            return
+        if ask and not self._marked:
+            try:
+                with anyio.fail_after(self._timeout):
+                    self._marked = bool(await self._check_open().exists(self._marker))
+            except (RedisError, OSError, TimeoutError) as exc:
+                raise self._io_error("check the prefix's secret", exc) from exc
+        if self._marked:
+            raise UnauthenticatedWriterError(self.name, session)
+
     async def acquire(self, session: str, *, force: bool = False) -> int:
         self._check_open()
+        await self.check_unmarked(session, ask=True)
         prev = self._known.get(session)
         new_id = secrets.token_hex(16)
         sent = time.monotonic()
@@ -163,7 +196,13 @@ class Leases(Replica):
         if code == -1:
             self._drop_writer(session, writer)
             self._counters.refused += 1
-            raise StaleWriterError(self.name, session, writer.token, to_int(reply[2]))
+            raise StaleWriterError(
+                self.name,
+                session,
+                writer.token,
+                to_int(reply[2]),
+                damaged=refused_as_damaged(reply),
+            )
         writer.lease_until = self._lease_from(sent)
         return writer.token
 
@@ -174,7 +213,59 @@ class Leases(Replica):
 
     def may_serve_local(self, session: str) -> bool:
         writer = self._writers.get(session)
-        return writer is not None and time.monotonic() < writer.lease_until
+        now = time.monotonic()
+        return writer is not None and now < writer.lease_until and now < self._alive_until
+
+    async def beat(self) -> bool:
+        """Renew this replica's liveness key (it expires ``liveness`` seconds after the
+        server sets it); whether it was renewed. A heartbeat that fails leaves
+        :meth:`may_serve_local` false once the last one that came back has run out."""
+        client = self._conn.client
+        if client is None:
+            return False
+        sent = time.monotonic()
+        ms = max(1, round(self._liveness * 1000))
+        try:
+            with anyio.fail_after(min(self._timeout, self._liveness)):
+                await client.set(self._live_key(self.owner), b"1", px=ms)
+                if self._key is None and not self._marked:
+                    self._marked = bool(await client.exists(self._marker))
+                elif self._key is not None:  # (again: a server restarted empty forgot it)
+                    await client.set(self._marker, self._mark, nx=True)
+        except (RedisError, OSError, TimeoutError):
+            return False
+        self._alive_until = max(self._alive_until, sent + self._liveness)
+        return True
+
+    async def beat_forever(self, stop: anyio.Event) -> None:
+        """:meth:`beat` every third of ``liveness`` until ``stop`` is set (not by
+        cancellation: the client may swallow a cancellation that lands in a command)."""
+        while not stop.is_set():
+            await self.beat()
+            with anyio.move_on_after(self._liveness / 3):
+                await stop.wait()
+
+    async def reclaim(self, session: str, holder: str) -> bool:
+        """End the takeover delay of ``session`` if ``holder``, the replica whose lease it
+        waits for, is dead (no liveness key); whether it ended."""
+        client = self._conn.client
+        if client is None or not holder:
+            return False
+        try:
+            with anyio.fail_after(self._timeout):
+                if await client.exists(self._live_key(holder)):
+                    return False
+                reply = await self._conn.scripts["reclaim"](
+                    keys=[self._manifest(session)], args=[holder]
+                )
+        except (RedisError, OSError, TimeoutError):
+            return False
+        if int(reply[0]) != 1:
+            return False
+        _log.info(
+            "%s: %.80r: replica %s is gone, its lease need not run out", self.name, session, holder
+        )
+        return True
 
     async def discard(self, session: str) -> bool:
         self._check_open()
@@ -192,9 +283,5 @@ class Leases(Replica):
         if int(reply[0]) < 0:
             self._drop_view(session)
             return False
-        self._known.pop(session, None)
-        if int(reply[0]) == 1:  # an empty history, under a new incarnation id
-            self._known[session] = Manifest(
-                session=session, id=new_id, v=to_int(reply[2]), fence=writer.token
-            )
+        self._known.pop(session, None)  # (the manifest is gone with it)
         return True

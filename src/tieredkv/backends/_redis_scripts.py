@@ -9,7 +9,7 @@ waiting for (see ``COMMIT``'s deadline). Fields another client wrote as garbage 
 
 from __future__ import annotations
 
-__all__ = ["ACQUIRE", "COMMIT", "DROP", "ENSURE", "RELEASE", "TAKE"]
+__all__ = ["ACQUIRE", "COMMIT", "DROP", "ENSURE", "RECLAIM", "RELEASE", "TAKE"]
 
 _COMMON = """
 local function num(x) return tonumber(x) or 0 end
@@ -29,8 +29,12 @@ if num(f[5]) == 0 then return {-2, now, redis.call('HGETALL', KEYS[1])} end
 local token = f[1]
 if not token or token ~= ARGV[3] then
   token = new_token(f[1])
+  redis.call('HDEL', KEYS[1], 'dmg')
   local nb = num(f[4])
-  if f[2] and f[2] ~= ARGV[1] and num(f[3]) > now then nb = math.max(nb, num(f[3])) end
+  if f[2] and f[2] ~= ARGV[1] and num(f[3]) > now then
+    nb = math.max(nb, num(f[3]))
+    redis.call('HSET', KEYS[1], 'nbo', f[2])
+  end
   redis.call('HSET', KEYS[1], 'fence', token, 'nb', fmt(nb))
 end
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'le', fmt(now + tonumber(ARGV[2])))
@@ -40,7 +44,8 @@ return {0, now, redis.call('HGETALL', KEYS[1]), token}
 """KEYS: manifest; ARGV: owner, lease ms, the token this replica holds ('' for none).
 Becomes the writer of a conversation with committed segments and returns its manifest:
 {0, now, fields, token}; {-1, now}: no manifest; {-2, now, fields}: no segments (nothing
-taken). Taking over a live lease of another replica sets ``nb`` to that lease's end."""
+taken). Taking over a live lease of another replica sets ``nb`` to that lease's end, and
+``nbo`` to that replica (see ``RECLAIM``)."""
 
 ACQUIRE = (
     _COMMON
@@ -57,13 +62,17 @@ if ARGV[3] ~= '1' then
 end
 local token = new_token(f[1])
 local nb = num(f[4])
-if live then nb = math.max(nb, num(f[3])) end
+if live then
+  nb = math.max(nb, num(f[3]))
+  redis.call('HSET', KEYS[1], 'nbo', f[2])
+end
 if not id then
   id = ARGV[7]
   redis.call('HSET', KEYS[1], 'session', ARGV[4], 'id', id, 'v', '0', 'n', '0')
 end
 redis.call('HSET', KEYS[1], 'fence', token, 'owner', ARGV[1],
            'le', fmt(now + tonumber(ARGV[2])), 'nb', fmt(nb))
+redis.call('HDEL', KEYS[1], 'dmg')
 return {0, now, token, id, num(f[6]), num(f[7])}
 """
 )
@@ -77,14 +86,15 @@ ENSURE = (
     _COMMON
     + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {-4, now} end
-local f = redis.call('HMGET', KEYS[1], 'fence', 'id', 'v', 'n')
-if f[1] ~= ARGV[3] then return {-1, now, f[1] or ''} end
+local f = redis.call('HMGET', KEYS[1], 'fence', 'id', 'v', 'n', 'dmg')
+if f[1] ~= ARGV[3] then return {-1, now, f[1] or '', num(f[5])} end
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'le', fmt(now + tonumber(ARGV[2])))
 return {0, now, f[2] or '', num(f[3]), num(f[4])}
 """
 )
 """KEYS: manifest; ARGV: owner, lease ms, token. Confirms the token and renews the lease:
-{0, now, id, v, n}; {-1, now, fence}: another replica took over; {-4, now}: no manifest."""
+{0, now, id, v, n}; {-1, now, fence, dmg}: another replica took over (``dmg`` 1: and
+then found the history damaged); {-4, now}: no manifest."""
 
 COMMIT = (
     _COMMON
@@ -99,12 +109,18 @@ local function refuse(code, a, b, c)
   return {code, now, a or '', b or 0, c or 0}
 end
 if redis.call('EXISTS', KEYS[1]) == 0 then return refuse(-4) end
-local f = redis.call('HMGET', KEYS[1], 'fence', 'id', 'v', 'n', 'nb')
-if f[1] ~= ARGV[2] then return refuse(-1, f[1]) end
+local f = redis.call('HMGET', KEYS[1], 'fence', 'id', 'v', 'n', 'nb', 'dmg')
+if f[1] ~= ARGV[2] then return refuse(-1, f[1], num(f[6])) end
+if ARGV[8] == '' and redis.call('HEXISTS', KEYS[1], 'mac') == 1 then return refuse(-7) end
+if ARGV[8] == '' and ARGV[11] ~= '' and redis.call('EXISTS', ARGV[11]) == 1 then
+  return refuse(-7)
+end
 if f[2] ~= ARGV[5] or f[3] ~= ARGV[6] or f[4] ~= seq then
   return refuse(-2, f[2], num(f[3]), num(f[4]))
 end
-if num(f[5]) > now then return {-3, now, num(f[5]) - now} end
+if num(f[5]) > now then
+  return {-3, now, num(f[5]) - now, redis.call('HGET', KEYS[1], 'nbo') or ''}
+end
 for i = 2, #KEYS do
   if redis.call('EXISTS', KEYS[i]) == 0 then return {-6, now, KEYS[i]} end
 end
@@ -118,17 +134,23 @@ return {0, now, v}
 """
 )
 """KEYS: manifest, parts...; ARGV: seq, token, entry, nonce:parts, manifest id and version
-the writer extends, deadline (server ms), the new manifest MAC (''), owner, lease ms.
+the writer extends, deadline (server ms), the new manifest MAC (''), owner, lease ms, the
+prefix's authentication mark ('' for none: a writer with a secret, or on a Cluster).
 
 Commits segment ``seq`` only if the token is the current fence, the manifest is the
 version the writer extends and ``seq`` is its next segment, no takeover delay is pending,
 every part is there, and the server's clock has not passed the deadline (after which the
 writer has stopped waiting: a request the server runs later is refused, so it can never
 commit behind the writer's back). Returns {0, now, v} (committed), {1, now, v} (this very
-segment was committed before: a retry), or a refusal: {-1, now, fence} (another writer),
-{-2, now, id, v, n} (another history), {-3, now, ms} (takeover delay), {-4, now} (no
-manifest), {-5, now} (past the deadline), {-6, now, part} (a part is missing). Refusals
--1, -2 and -4 unlink the given parts (they are this write's own, referenced by nothing)."""
+segment was committed before: a retry), or a refusal: {-1, now, fence, dmg} (another
+writer; ``dmg`` 1: it then found the history damaged),
+{-2, now, id, v, n} (another history), {-3, now, ms, holder} (takeover delay, until the
+lease of ``holder`` would have ended), {-4, now} (no
+manifest), {-5, now} (past the deadline), {-6, now, part} (a part is missing), {-7, now}
+(a writer without a MAC, ``ARGV[8]`` empty, extending an authenticated history, or
+writing under a prefix marked authenticated). Refusals
+-1, -2, -4 and -7 unlink the given parts (they are this write's own, referenced by
+nothing)."""
 
 DROP = (
     _COMMON
@@ -155,18 +177,40 @@ for _, field in ipairs(redis.call('HKEYS', KEYS[1])) do
   end
 end
 local v = num(f[3]) + 1
-redis.call('HSET', KEYS[1], 'n', '0', 'v', fmt(v), 'id', ARGV[5])
+if ARGV[1] == 'discard' then
+  redis.call('DEL', KEYS[1])
+  return {1, now, v}
+end
+redis.call('HSET', KEYS[1], 'n', '0', 'v', fmt(v), 'id', ARGV[5], 'dmg', '1')
 redis.call('HDEL', KEYS[1], 'mac')
 return {1, now, v}
 """
 )
 """KEYS: manifest; ARGV: 'discard' and the writer's token, or 'damaged' and the version
 found damaged; the manifest id found damaged (unused for a discard); the keys' base; a
-new manifest id. Removes every segment (values included), advances the version and gives
-the empty history a new incarnation id (so no value of the old one can be put back): a
-discard only by the current writer ({-1, now, fence} otherwise), a damaged history only
-in the version that was found damaged (a later one is left alone). Returns {1, now, v}
-when it removed them, {0, now} when there was nothing to do."""
+new manifest id. Removes every segment (values included). A discard (only by the current
+writer: {-1, now, fence} otherwise) removes the manifest too: nothing of the conversation
+stays on the server (a writer that still holds a token finds no manifest and is refused;
+a later writer's token is still larger, being at least the server's clock). A damaged
+history (only in the version that was found damaged: a later one is left alone) keeps an
+empty manifest under a new version and incarnation id (so no value of the old one can be
+put back), marked ``dmg`` until the next writer takes it, so its writer learns why it was
+refused. Returns {1, now, v} when it removed them, {0, now} when there was nothing to do."""
+
+RECLAIM = (
+    _COMMON
+    + """
+if redis.call('HGET', KEYS[1], 'nbo') == ARGV[1] and num(redis.call('HGET', KEYS[1], 'nb')) > now
+then
+  redis.call('HSET', KEYS[1], 'nb', fmt(now))
+  return {1, now}
+end
+return {0, now}
+"""
+)
+"""KEYS: manifest; ARGV: the replica whose lease a takeover waits for, found dead (its
+liveness key gone). Ends the takeover delay now: {1, now}; {0, now}: nothing to end (no
+delay, or one for another replica's lease)."""
 
 RELEASE = (
     _COMMON

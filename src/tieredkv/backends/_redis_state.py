@@ -11,6 +11,8 @@ next commit (``_stale``); per segment, the committed entries it counts and may r
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from dataclasses import dataclass
 
 from ..errors import HistoryConflictError, TierIOError
@@ -71,6 +73,7 @@ class Replica:
         key: bytes | None,
         capacity: int,
         lease_ttl: float,
+        liveness: float,
         part_ttl: float,
         read_batch: int,
         recover: bool,
@@ -86,6 +89,13 @@ class Replica:
         self._timeout = conn.timeout
         self._lease_ttl = lease_ttl
         self._lease_ms = round(lease_ttl * 1000)
+        self._liveness = liveness
+        self._marked = False
+        """(Without a secret) whether the prefix was found authenticated: this tier may
+        not write (see :meth:`Leases.check_unmarked`)."""
+        self._alive_until = 0.0
+        """Until when (this process's monotonic clock) the server may still hold this
+        replica's liveness key, by its last heartbeat that came back."""
         self._part_ms = round(part_ttl * 1000)
         self._batch = read_batch
         self._recover = recover
@@ -109,6 +119,23 @@ class Replica:
 
     def _manifest(self, session: str) -> str:
         return f"{self._base(session)}:m"
+
+    @property
+    def _mark(self) -> str:
+        """The value a tier with a secret marks its prefix with (derived from the secret)."""
+        assert self._key is not None
+        return hmac.new(self._key, b"tieredkv authenticated prefix", hashlib.sha256).hexdigest()[
+            :32
+        ]
+
+    @property
+    def _marker(self) -> str:
+        """The key that says the prefix is authenticated (see ``RedisTier``'s open)."""
+        return f"{self.prefix}:auth"
+
+    def _live_key(self, owner: str) -> str:
+        """The key a replica's heartbeat keeps alive (see :meth:`Leases.beat`)."""
+        return f"{self.prefix}:live:{owner}"
 
     def _parts(self, key: SegmentKey, entry: Entry) -> list[str]:
         base = f"{self._base(key[0])}:{key[1]}:{entry.nonce}"

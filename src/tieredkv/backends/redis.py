@@ -57,10 +57,14 @@ writer (the cache's ``drop``) or a damaged read.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from typing import Any
 
+import anyio
+
+from ..errors import InvalidArgumentError
 from ..payload import ALIGN, SegmentHeader, derive_key
 from ._redis_client import Client, Connection, RedisError, driver_options, text
 from ._redis_client import fields as manifest_fields
@@ -97,7 +101,12 @@ class RedisTier(Reads, Commits, SharedTier):
     :param lease_ttl: seconds a writer lease lasts after the replica's last commit, load or
         append check. While it lasts the replica may serve its copy when the server cannot
         be reached, and a replica that takes the conversation over commits only after it
-        has ended
+        has ended, or once the replica that held it is gone (see ``liveness``)
+    :param liveness: seconds a replica counts as alive after its last heartbeat (it beats
+        every third of this). A replica serves its own copy through an outage only while
+        its last heartbeat may still be alive, so a takeover of a replica that is gone
+        waits about this long, not the rest of its lease: the longest a conversation
+        stalls when its replica dies (at most ``lease_ttl``)
     :param part_ttl: seconds a written but uncommitted part lives (a writer that dies
         half-way leaves nothing longer than this)
     :param read_batch: values fetched per round trip while reading
@@ -133,6 +142,7 @@ class RedisTier(Reads, Commits, SharedTier):
         timeout: float = 10.0,
         max_connections: int = 32,
         lease_ttl: float = 30.0,
+        liveness: float = 3.0,
         part_ttl: float = 300.0,
         read_batch: int = 4,
         recover: bool = True,
@@ -153,9 +163,10 @@ class RedisTier(Reads, Commits, SharedTier):
             raise ValueError(
                 f"tier {name!r}: prefix {prefix!r} must be non-empty and free of {{}}*?[]\\"
             )
-        if timeout <= 0 or lease_ttl <= 0 or part_ttl <= 0 or read_batch <= 0:
+        if timeout <= 0 or lease_ttl <= 0 or part_ttl <= 0 or read_batch <= 0 or liveness <= 0:
             raise ValueError(
-                f"tier {name!r}: timeout, lease_ttl, part_ttl and read_batch must be positive"
+                f"tier {name!r}: timeout, lease_ttl, liveness, part_ttl and read_batch must be "
+                f"positive"
             )
         conn = Connection(
             server,
@@ -173,10 +184,14 @@ class RedisTier(Reads, Commits, SharedTier):
             key=None if secret is None else derive_key(secret),
             capacity=capacity,
             lease_ttl=lease_ttl,
+            liveness=min(liveness, lease_ttl),
             part_ttl=part_ttl,
             read_batch=read_batch,
             recover=recover,
         )
+        self._heart: asyncio.Task[None] | None = None
+        """The heartbeat (:meth:`beat_forever`) while open."""
+        self._stop_heart: anyio.Event | None = None
 
     # -- properties ----------------------------------------------------------------------
     @property
@@ -207,13 +222,45 @@ class RedisTier(Reads, Commits, SharedTier):
         if self._conn.client is not None:
             return []
         await self._conn.open()
-        if not self._recover:
-            return []
         try:
-            return await self._scan()
+            await self._check_secret()
+            await self.beat()
+            self._stop_heart = stop = anyio.Event()
+            self._heart = asyncio.get_running_loop().create_task(self.beat_forever(stop))
+            return await self._scan() if self._recover else []
         except BaseException:
             await self.aclose()
             raise
+
+    async def _check_secret(self) -> None:
+        """With a secret, mark the prefix authenticated (``<prefix>:auth``, a value derived
+        from the secret); refuse a prefix marked with another secret, or (without a secret
+        here) marked at all: a replica without the fleet's secret would write what the
+        others refuse to serve, denying them the conversations it touches.
+
+        :raises InvalidArgumentError: the secret (or its absence) is not the prefix's
+        """
+        client = self._check_open()
+        marker = self._marker
+        mine = None if self._key is None else self._mark
+        try:
+            if mine is not None:
+                await client.set(marker, mine, nx=True)
+            found = await client.get(marker)
+        except (RedisError, OSError) as exc:
+            raise self._io_error("check the prefix's secret", exc) from exc
+        if found is None and mine is None:
+            return
+        if mine is None:
+            raise InvalidArgumentError(
+                f"tier {self.name!r}: prefix {self.prefix!r} on {self.url} is authenticated "
+                f"(its replicas use secret=); give this replica the same secret"
+            )
+        if found is not None and text(found) != mine:
+            raise InvalidArgumentError(
+                f"tier {self.name!r}: prefix {self.prefix!r} on {self.url} is authenticated "
+                f"with another secret; give every replica of the prefix the same secret"
+            )
 
     async def _scan(self) -> list[SegmentHeader]:
         client = self._check_open()
@@ -239,6 +286,13 @@ class RedisTier(Reads, Commits, SharedTier):
         if self._conn.client is None:
             return
         manifests = [self._manifest(session) for session in self._writers]
+        if self._heart is not None:
+            assert self._stop_heart is not None
+            self._stop_heart.set()  # (it ends after the heartbeat under way, if any)
+            await asyncio.wait([self._heart], timeout=self._timeout + 1)
+            if not self._heart.done():  # pragma: no cover - a heartbeat that did not end
+                self._heart.cancel()
+            self._heart = None
         self._index.clear()
         self._reserved.clear()
         self._writers.clear()
