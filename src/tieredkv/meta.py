@@ -16,6 +16,7 @@ with ``msgspec.json.encode`` for tracing) to subscribers.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import EllipsisType
 from typing import Any, Literal, Protocol
@@ -35,10 +36,12 @@ __all__ = [
     "MetadataView",
     "Promoted",
     "Refused",
+    "RetentionHint",
     "Stored",
     "TierInfo",
     "Transfer",
     "advance_meta",
+    "apply_hint",
 ]
 
 _log = logging.getLogger(__name__)
@@ -181,6 +184,61 @@ def advance_meta(
         pinned_until=old.pinned_until if old else None,
         priority=old.priority if old else 0,
     )
+
+
+class RetentionHint(msgspec.Struct, frozen=True, kw_only=True):
+    """What a caller tells the cache about a conversation's future
+    (:meth:`tieredkv.TieredKVCache.hint`, or ``append(..., hint=...)``). Each field left
+    ``None`` leaves what the cache knew unchanged.
+
+    :param next_turn_in: seconds from now until the caller expects the conversation's next
+        turn (e.g. a tool's expected run time). Advice: the eviction policy learns how far
+        such hints are to be trusted. Cleared by the next access.
+    :param pin: ``True`` pins the conversation in the tier that holds it: no eviction
+        policy picks it as a victim until the pin ends; ``False`` releases a pin
+    :param ttl: with ``pin=True``, seconds until the pin ends by itself (``None``: it lasts
+        until released)
+    :param priority: advice, 0 neutral: higher keeps the conversation longer, lower lets it
+        go first (``"bidaw"`` weighs it by a factor ``2 ** priority``, clamped to +-4)
+    :param tool_call: the latest answer ended in a tool call (the next turn comes when the
+        tool returns, not when a person has read the answer)
+    """
+
+    next_turn_in: float | None = None
+    pin: bool | None = None
+    ttl: float | None = None
+    priority: int | None = None
+    tool_call: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.next_turn_in is not None and not self.next_turn_in >= 0:
+            raise ValueError(f"next_turn_in must be >= 0 seconds (got {self.next_turn_in})")
+        if self.ttl is not None:
+            if self.pin is not True:
+                raise ValueError("ttl is the lifetime of a pin: give it with pin=True")
+            if not self.ttl > 0:
+                raise ValueError(f"ttl must be > 0 seconds (got {self.ttl})")
+        if self.priority is not None and (
+            isinstance(self.priority, bool) or not isinstance(self.priority, int)
+        ):
+            raise ValueError(f"priority must be an int (got {self.priority!r})")
+
+
+def apply_hint(meta: KVMeta, hint: RetentionHint, now: float) -> KVMeta:
+    """``meta`` with ``hint`` applied at ``now`` (the caller's clock)."""
+    changes: dict[str, Any] = {}
+    if hint.next_turn_in is not None:
+        changes["next_turn"] = now + hint.next_turn_in
+    if hint.pin is not None:
+        if hint.pin:
+            changes["pinned_until"] = math.inf if hint.ttl is None else now + hint.ttl
+        else:
+            changes["pinned_until"] = None
+    if hint.priority is not None:
+        changes["priority"] = hint.priority
+    if hint.tool_call is not None:
+        changes["tool_call"] = hint.tool_call
+    return msgspec.structs.replace(meta, **changes) if changes else meta
 
 
 class TierInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -129,7 +129,7 @@ class AdaptiveBidaw(BidawEviction):
 
     def on_access(self, session: str, meta: KVMeta, now: float) -> None:
         seen = self._seen.get(session)
-        if seen is not None and seen.completing and not seen.overdue:
+        if seen is not None and seen.completing and not seen.overdue and self._capacity:
             self._score_duel(session in self._resident, session in self._shadow)
         self._shadow_access(session, meta.nbytes)
         if session in self._recency:
