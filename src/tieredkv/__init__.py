@@ -112,8 +112,8 @@ if TYPE_CHECKING:
     from .errors import InvalidArgumentError as InvalidArgumentError
     from .errors import InvalidTypeError as InvalidTypeError
     from .errors import LeaseHeldError as LeaseHeldError
-    from .errors import RestoreFailedError as RestoreFailedError
     from .errors import PinLimitError as PinLimitError
+    from .errors import RestoreFailedError as RestoreFailedError
     from .errors import SchemaMismatchError as SchemaMismatchError
     from .errors import SessionNotFoundError as SessionNotFoundError
     from .errors import StaleWriterError as StaleWriterError
@@ -129,9 +129,9 @@ if TYPE_CHECKING:
     from .meta import Loaded as Loaded
     from .meta import MetadataChannel as MetadataChannel
     from .meta import MetadataView as MetadataView
-    from .meta import RetentionHint as RetentionHint
     from .meta import Promoted as Promoted
     from .meta import Refused as Refused
+    from .meta import RetentionHint as RetentionHint
     from .meta import Stored as Stored
     from .meta import TierInfo as TierInfo
     from .meta import Transfer as Transfer

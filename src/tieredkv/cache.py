@@ -57,8 +57,8 @@ from .errors import (
     ClosedError,
     InvalidArgumentError,
     InvalidTypeError,
-    RestoreFailedError,
     PinLimitError,
+    RestoreFailedError,
     SessionNotFoundError,
 )
 from .meta import KVMeta, MetadataChannel, RetentionHint, apply_hint

@@ -177,9 +177,7 @@ def advance_meta(
             else (False if answer is not None else (old.tool_call if old else False))
         ),
         next_turn=(
-            (None if access or old is None else old.next_turn)
-            if next_turn is ...
-            else next_turn
+            (None if access or old is None else old.next_turn) if next_turn is ... else next_turn
         ),
         pinned_until=old.pinned_until if old else None,
         priority=old.priority if old else 0,

@@ -59,7 +59,7 @@ class AdaptiveBidaw(BidawEviction):
     order can lose to recency. The policy keeps a shadow LRU cache of the same capacity
     (session -> bytes, no data) and counts, at every returning access, its own hits and the
     shadow's. Every ``duel_block`` returning accesses it compares the two: if recency hit
-    more (by ``duel_margin`` of the block), it evicts in LRU order; from there it tries its
+    more (by ``duel_margin`` of the block) two blocks in a row, it evicts in LRU order; from there it tries its
     learned order again for one block every ``duel_retry`` blocks, and keeps it if it does
     no worse than the shadow. :attr:`mode` says which order is in use.
 
@@ -107,6 +107,7 @@ class AdaptiveBidaw(BidawEviction):
         self._shadow_bytes = 0
         self._duel = [0, 0, 0]  # returning accesses, own hits, shadow hits (this block)
         self._blocks_in_recency = 0
+        self._behind = False  # the learned order lost the latest block
         hints = tuple(float(h) for h in hint_edges)
         if any(b <= a for a, b in zip(hints, hints[1:], strict=False)) or (hints and hints[0] <= 0):
             raise ValueError(f"hint_edges must be positive and increase strictly (got {hints})")
@@ -209,9 +210,12 @@ class AdaptiveBidaw(BidawEviction):
         accesses, own, lru = duel
         self._duel = [0, 0, 0]
         if self.mode == _LEARNED:
-            if lru - own > self.duel_margin * accesses:
+            behind = lru - own > self.duel_margin * accesses
+            # two blocks in a row (one may be noise, or the tier still filling)
+            if behind and self._behind:
                 self.mode = _RECENCY
                 self._blocks_in_recency = 0
+            self._behind = behind
             return
         self._blocks_in_recency += 1
         if self._blocks_in_recency >= self.duel_retry:
