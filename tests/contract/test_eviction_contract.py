@@ -179,8 +179,11 @@ def test_pinned_sessions_are_never_victims_until_the_pin_ends(
     everything = sum(SIZES.values())
     assert policy.victims(everything, 10.0, view) is None  # a and c may not go
     chosen = policy.victims(everything - 400, 10.0, view)
-    assert chosen is not None and {"a", "c"}.isdisjoint(chosen)
+    assert chosen is not None
+    assert {"a", "c"}.isdisjoint(chosen)
     chosen = policy.victims(everything - 300, 20.0, view)  # a's pin has ended
-    assert chosen is not None and "a" in chosen and "c" not in chosen
+    assert chosen is not None
+    assert "a" in chosen
+    assert "c" not in chosen
     view.update("c", pinned_until=None)  # released
     assert set(policy.victims(everything, 20.0, view) or []) == set(SIZES)

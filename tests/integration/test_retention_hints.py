@@ -95,10 +95,12 @@ async def test_advice_reaches_the_metadata_and_the_policy(ssd_dir: Path) -> None
         meta = await cache.append(
             "agent", seg(2, 0), answer_tokens=40, hint=RetentionHint(tool_call=True)
         )
-        assert meta.tool_call and meta.next_turn is None
+        assert meta.tool_call
+        assert meta.next_turn is None
         assert policy.kind_of(policy._seen["agent"].bucket) == "tool"
         meta = cache.hint("agent", RetentionHint(next_turn_in=300.0, priority=2))
-        assert meta.next_turn == 310.0 and meta.priority == 2
+        assert meta.next_turn == 310.0
+        assert meta.priority == 2
         assert policy.kind_of(policy._seen["agent"].bucket) == "hint"
         clock.now = 20.0
         await cache.load("agent")  # the access consumes the hint

@@ -18,9 +18,13 @@ def test_shape_of_the_tool_loops_and_the_mix() -> None:
     assert np.all(np.diff(turns.time) >= 0)
     agents = set(turns.user[load.agent].tolist())
     humans = set(turns.user[~load.agent].tolist())
-    assert len(agents) == 200 and len(humans) == 200 and not agents & humans
+    assert len(agents) == 200
+    assert len(humans) == 200
+    assert not agents & humans
     calls = turns.answer[load.tool_call]
-    assert calls.min() >= 20 and calls.max() <= 80 and len(np.unique(calls)) == 61
+    assert calls.min() >= 20
+    assert calls.max() <= 80
+    assert len(np.unique(calls)) == 61
     assert not load.tool_call[~load.agent].any()
     # gaps after a tool call are the tool's run time: 25% of 1-10 minutes, the rest seconds
     nxt = turns.next_index()
@@ -28,7 +32,8 @@ def test_shape_of_the_tool_loops_and_the_mix() -> None:
     gaps = turns.time[nxt[after]] - turns.time[after]
     long = gaps >= 60
     assert 0.22 < long.mean() < 0.28
-    assert gaps[long].max() <= 600 + 1e-6 and gaps[~long].max() <= 50 + 1e-6
+    assert gaps[long].max() <= 600 + 1e-6
+    assert gaps[~long].max() <= 50 + 1e-6
     assert gaps.min() >= 0.5 - 1e-6  # float sums of times
     assert np.isnan(load.hint).all()  # nobody hints by default
 

@@ -4,6 +4,7 @@ the previous answer's length and whether the answer was a tool call."""
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence, Set
 
@@ -59,9 +60,9 @@ class AdaptiveBidaw(BidawEviction):
     order can lose to recency. The policy keeps a shadow LRU cache of the same capacity
     (session -> bytes, no data) and counts, at every returning access, its own hits and the
     shadow's. Every ``duel_block`` returning accesses it compares the two: if recency hit
-    more (by ``duel_margin`` of the block) two blocks in a row, it evicts in LRU order; from there it tries its
-    learned order again for one block every ``duel_retry`` blocks, and keeps it if it does
-    no worse than the shadow. :attr:`mode` says which order is in use.
+    more (by ``duel_margin`` of the block) two blocks in a row, it evicts in LRU order;
+    from there it tries its learned order again for one block every ``duel_retry``
+    blocks, and keeps it unless recency wins again. :attr:`mode` says which order is in use.
 
     :param hint_edges: upper edges of the hinted-gap classes, seconds, increasing
     :param samples: distance samples kept (all buckets together; more buckets than the
@@ -109,7 +110,7 @@ class AdaptiveBidaw(BidawEviction):
         self._blocks_in_recency = 0
         self._behind = False  # the learned order lost the latest block
         hints = tuple(float(h) for h in hint_edges)
-        if any(b <= a for a, b in zip(hints, hints[1:], strict=False)) or (hints and hints[0] <= 0):
+        if any(b <= a for a, b in itertools.pairwise(hints)) or (hints and hints[0] <= 0):
             raise ValueError(f"hint_edges must be positive and increase strictly (got {hints})")
         self.hint_edges = hints
         self._answer_buckets = len(tuple(answer_edges)) + 1

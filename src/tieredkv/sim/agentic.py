@@ -166,7 +166,7 @@ class AgenticWorkload(msgspec.Struct, frozen=True, kw_only=True):
     def generate(self) -> AgenticTurns:
         """The turns of every conversation, sorted by time."""
         rng = np.random.default_rng(self.seed)
-        n_agents = int(round(self.users * self.agent_share))
+        n_agents = round(self.users * self.agent_share)
         n_humans = self.users - n_agents
         cols: dict[str, list[np.ndarray]] = {
             k: [] for k in ("user", "time", "query", "answer", "round", "tool", "hint", "agent")
