@@ -109,6 +109,8 @@ class AdaptiveBidaw(BidawEviction):
         self._duel = [0, 0, 0]  # returning accesses, own hits, shadow hits (this block)
         self._blocks_in_recency = 0
         self._behind = False  # the learned order lost the latest block
+        self._fresh: set[str] = set()  # admitted without an access since their latest one
+        self._just_accessed: str | None = None
         hints = tuple(float(h) for h in hint_edges)
         if any(b <= a for a, b in itertools.pairwise(hints)) or (hints and hints[0] <= 0):
             raise ValueError(f"hint_edges must be positive and increase strictly (got {hints})")
@@ -132,19 +134,27 @@ class AdaptiveBidaw(BidawEviction):
     def on_access(self, session: str, meta: KVMeta, now: float) -> None:
         seen = self._seen.get(session)
         if seen is not None and seen.completing and not seen.overdue and self._capacity:
-            self._score_duel(session in self._resident, session in self._shadow)
+            # a hit: resident since before this access (a miss promoted just before its
+            # access is notified, as the live cache does, is still a miss)
+            own = session in self._resident and session not in self._fresh
+            self._score_duel(own, session in self._shadow)
+        self._fresh.discard(session)
+        self._just_accessed = session
         self._shadow_access(session, meta.nbytes)
         if session in self._recency:
             self._recency.move_to_end(session)
         super().on_access(session, meta, now)
 
     def on_admit(self, session: str, meta: KVMeta, now: float) -> None:
+        if session not in self._resident and session != self._just_accessed:
+            self._fresh.add(session)  # came in without an access (a promotion)
         super().on_admit(session, meta, now)
         self._recency[session] = None
         self._recency.move_to_end(session)
 
     def on_remove(self, session: str) -> None:
         self._recency.pop(session, None)
+        self._fresh.discard(session)
         super().on_remove(session)
 
     def victims(
