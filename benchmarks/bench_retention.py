@@ -7,7 +7,8 @@ Every ratio is a policy's host hit ratio over Belady's on the same turns and hos
 (eviction-only replay, :func:`tieredkv.sim.replay.replay`, 10% warm-up):
 
 - *human*: the synthetic trace-shaped workload (:class:`~tieredkv.sim.synthetic.
-  SyntheticWorkload`);
+  SyntheticWorkload`), and the head of the Mooncake conversation trace shipped with the
+  tests (1,500 requests, 322 returning turns: too few for a learned policy to learn much);
 - *agentic*: the human + agent mix (:class:`~tieredkv.sim.agentic.AgenticWorkload`: tool
   calls of 20-80 tokens, 25% of tools running 1-10 minutes, the rest seconds), three times:
   no caller hints, every agent's caller hinting correctly, every one hinting wrongly.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import msgspec
 
@@ -27,6 +29,15 @@ from tieredkv.policies import make_eviction
 from tieredkv.sim.agentic import AgenticWorkload, replay_agentic
 from tieredkv.sim.replay import replay
 from tieredkv.sim.synthetic import SyntheticWorkload
+from tieredkv.sim.workloads import read_mooncake
+
+MOONCAKE = (
+    Path(__file__).resolve().parents[1]
+    / "tests"
+    / "data"
+    / "mooncake"
+    / "conversation_trace_head1500.jsonl"
+)
 
 POLICIES = ("lru", "bidaw-paper", "bidaw", "belady")
 HINTS = {"no hints": (0.0, 0.0), "correct hints": (1.0, 0.0), "wrong hints": (1.0, 1.0)}
@@ -55,6 +66,20 @@ def measure_human(users: int, rate: float, seed: int, gbs: list[float]) -> list[
             for name in POLICIES
         }
         rows.append(Row("human", gb, hits))
+    return rows
+
+
+def measure_mooncake(gbs: list[float]) -> list[Row]:
+    turns = read_mooncake(MOONCAKE)
+    rows = []
+    for gb in gbs:
+        hits = {
+            name: replay(
+                turns, make_eviction(name), host_bytes=int(gb * 1e9), warmup=len(turns) // 10
+            ).hit_ratio
+            for name in POLICIES
+        }
+        rows.append(Row("human, mooncake head", gb, hits))
     return rows
 
 
@@ -93,11 +118,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--human-gb", default="120,240")
     parser.add_argument("--agentic-gb", default="100,200,400")
+    parser.add_argument("--mooncake-gb", default="50,100,200")
     args = parser.parse_args()
     start = time.perf_counter()
     human = measure_human(
         args.users, args.rate, args.seed, [float(g) for g in args.human_gb.split(",")]
     )
+    human += measure_mooncake([float(g) for g in args.mooncake_gb.split(",")])
     agentic = measure_agentic(
         args.agentic_users, args.rate, args.seed, [float(g) for g in args.agentic_gb.split(",")]
     )
