@@ -107,3 +107,22 @@ async def test_advice_reaches_the_metadata_and_the_policy(ssd_dir: Path) -> None
         assert cache.channel["agent"].next_turn is None
         assert cache.channel["agent"].tool_call  # a load keeps what the answer was
         assert cache.channel["agent"].priority == 2
+
+
+@pytest.mark.parametrize("name", ["lru", "bidaw", "belady"])
+async def test_when_every_resident_is_pinned_new_turns_go_below(name: str, ssd_dir: Path) -> None:
+    tiers = [HostMemoryTier(16 * KIB), SSDTier(ssd_dir, 8 << 20, fsync=False)]
+    async with TieredKVCache(tiers, eviction=name, max_pinned_bytes=1 << 20) as cache:
+        a, b, c = seg(6, 0), seg(6, 1), seg(6, 2)
+        await cache.append("a", a, answer_tokens=5, hint=RetentionHint(pin=True))
+        await cache.append("b", b, answer_tokens=5, hint=RetentionHint(pin=True))
+        await cache.append("c", c, answer_tokens=5)  # no room, nothing may leave
+        assert (cache.where("a"), cache.where("b"), cache.where("c")) == ("host", "host", "ssd")
+        # a pinned conversation that outgrows what its tier can give it moves down whole
+        more = seg(6, 3)
+        await cache.append("a", more, answer_tokens=5)
+        assert (cache.where("a"), cache.where("b")) == ("ssd", "host")
+        got = await cache.load("a")
+        assert torch.equal(got["kv"], torch.cat([a["kv"], more["kv"]]))
+        assert torch.equal((await cache.load("b"))["kv"], b["kv"])
+        assert cache.where("b") == "host"
