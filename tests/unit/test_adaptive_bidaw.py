@@ -128,6 +128,21 @@ def test_the_duel_hands_eviction_to_lru_order_and_back() -> None:
     for _ in range(20):  # two blocks in LRU order: a trial of the learned order
         p._score_duel(True, True)
     assert p.mode == "learned"
+    for _ in range(10):  # the trial lost: back at once, and the next trial waits longer
+        p._score_duel(False, True)
+    assert p.mode == "recency"
+    for _ in range(20):
+        p._score_duel(True, True)
+    assert p.mode == "recency"
+    for _ in range(20):  # four blocks
+        p._score_duel(True, True)
+    assert p.mode == "learned"
+    for _ in range(10):  # a trial won: the learned order stays
+        p._score_duel(True, True)
+    assert p.mode == "learned"
+    for _ in range(10):  # one block lost outside a trial is not enough
+        p._score_duel(False, True)
+    assert p.mode == "learned"
 
 
 def test_bad_parameters_say_what_to_fix() -> None:

@@ -21,6 +21,7 @@ every longer hint."""
 
 _PRIORITY_SPAN = 4  # priorities are clamped to [-4, 4]: a factor of 16 either way
 _LEARNED, _RECENCY = "learned", "recency"
+_MAX_BACKOFF = 16  # a losing trial doubles the wait for the next, up to 16 duel_retry
 
 
 class AdaptiveBidaw(BidawEviction):
@@ -61,8 +62,9 @@ class AdaptiveBidaw(BidawEviction):
     (session -> bytes, no data) and counts, at every returning access, its own hits and the
     shadow's. Every ``duel_block`` returning accesses it compares the two: if recency hit
     more (by ``duel_margin`` of the block) two blocks in a row, it evicts in LRU order;
-    from there it tries its learned order again for one block every ``duel_retry``
-    blocks, and keeps it unless recency wins again. :attr:`mode` says which order is in use.
+    from there it tries its learned order again after ``duel_retry`` blocks, for one block,
+    and keeps it unless recency wins that block; each lost trial doubles the wait before
+    the next one (up to 16 times ``duel_retry``), a won one resets it. :attr:`mode` says which order is in use.
 
     :param hint_edges: upper edges of the hinted-gap classes, seconds, increasing
     :param samples: distance samples kept (all buckets together; more buckets than the
@@ -93,7 +95,7 @@ class AdaptiveBidaw(BidawEviction):
         size_aware: bool = True,
         ghost: GhostCache | None = None,
         duel_block: int = 1024,
-        duel_margin: float = 0.01,
+        duel_margin: float = 0.02,
         duel_retry: int = 4,
     ) -> None:
         if duel_block < 1 or duel_retry < 1 or not 0 <= duel_margin < 1:
@@ -109,6 +111,8 @@ class AdaptiveBidaw(BidawEviction):
         self._duel = [0, 0, 0]  # returning accesses, own hits, shadow hits (this block)
         self._blocks_in_recency = 0
         self._behind = False  # the learned order lost the latest block
+        self._trial = False  # the latest block in the learned order was a trial
+        self._retry = duel_retry  # blocks in LRU order before the next trial
         self._fresh: set[str] = set()  # admitted without an access since their latest one
         self._just_accessed: str | None = None
         hints = tuple(float(h) for h in hint_edges)
@@ -222,15 +226,22 @@ class AdaptiveBidaw(BidawEviction):
         self._duel = [0, 0, 0]
         if self.mode == _LEARNED:
             behind = lru - own > self.duel_margin * accesses
-            # two blocks in a row (one may be noise, or the tier still filling)
-            if behind and self._behind:
+            # two blocks in a row (one may be noise, or the tier still filling); a trial
+            # block lost is enough, and the next trial waits twice as long
+            if behind and (self._behind or self._trial):
                 self.mode = _RECENCY
                 self._blocks_in_recency = 0
+                if self._trial:
+                    self._retry = min(2 * self._retry, _MAX_BACKOFF * self.duel_retry)
+            elif self._trial:
+                self._retry = self.duel_retry
+            self._trial = False
             self._behind = behind
             return
         self._blocks_in_recency += 1
-        if self._blocks_in_recency >= self.duel_retry:
+        if self._blocks_in_recency >= self._retry:
             self.mode = _LEARNED  # a trial block: kept unless LRU wins it
+            self._trial = True
 
     # -- the finer buckets --------------------------------------------------------------
     def _bucket_count(self, answer_buckets: int) -> int:
