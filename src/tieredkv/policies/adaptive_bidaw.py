@@ -64,7 +64,8 @@ class AdaptiveBidaw(BidawEviction):
     more (by ``duel_margin`` of the block) two blocks in a row, it evicts in LRU order;
     from there it tries its learned order again after ``duel_retry`` blocks, for one block,
     and keeps it unless recency wins that block; each lost trial doubles the wait before
-    the next one (up to 16 times ``duel_retry``), a won one resets it. :attr:`mode` says which order is in use.
+    the next one (up to 16 times ``duel_retry``), a won one resets it. :attr:`mode` says
+    which order is in use.
 
     :param hint_edges: upper edges of the hinted-gap classes, seconds, increasing
     :param samples: distance samples kept (all buckets together; more buckets than the
