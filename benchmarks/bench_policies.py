@@ -35,6 +35,7 @@ import numpy as np
 from tieredkv.meta import KVMeta, MetadataChannel, TierInfo
 from tieredkv.policies import (
     LRU,
+    AdaptiveBidaw,
     BidawEviction,
     BidawScheduler,
     Eviction,
@@ -198,9 +199,12 @@ def main() -> None:
         warm, measured = max(3 * n, 20_000), 5_000
         print(f"{n:,} sessions ({warm:,} warm-up accesses, {measured:,} measured)")
         lru_decide, lru_admit = bench_eviction(LRU, n, warm, measured)
-        decide, admit = bench_eviction(lambda: BidawEviction(), n, warm, measured)
+        decide, admit = bench_eviction(lambda: AdaptiveBidaw(), n, warm, measured)
+        paper_decide, paper_admit = bench_eviction(lambda: BidawEviction(), n, warm, measured)
         print(row("bidaw eviction: victims()", decide, PAPER_US["evict"], lru_decide))
         print(row("bidaw: access+victims+remove+admit", admit, None, lru_decide))
+        print(row("bidaw-paper: victims()", paper_decide, PAPER_US["evict"], lru_decide))
+        print(row("bidaw-paper: access+victims+...", paper_admit, None, lru_decide))
         print(row("lru eviction: victims() (baseline)", lru_decide, None))
         print(row("lru: access+victims+remove+admit", lru_admit, None))
         sched, sched_pop = bench_scheduler(n, measured)

@@ -30,6 +30,7 @@ _EXPORTS = {
     "InvalidArgumentError": ".errors",
     "InvalidTypeError": ".errors",
     "SchemaMismatchError": ".errors",
+    "PinLimitError": ".errors",
     "SessionNotFoundError": ".errors",
     "TieredKVError": ".errors",
     "TierIOError": ".errors",
@@ -44,6 +45,7 @@ _EXPORTS = {
     "KVMeta": ".meta",
     "MetadataChannel": ".meta",
     "MetadataView": ".meta",
+    "RetentionHint": ".meta",
     "Eviction": ".policies.base",
     "Foresight": ".policies.base",
     "LRU": ".policies.lru",
@@ -110,6 +112,7 @@ if TYPE_CHECKING:
     from .errors import InvalidArgumentError as InvalidArgumentError
     from .errors import InvalidTypeError as InvalidTypeError
     from .errors import LeaseHeldError as LeaseHeldError
+    from .errors import PinLimitError as PinLimitError
     from .errors import RestoreFailedError as RestoreFailedError
     from .errors import SchemaMismatchError as SchemaMismatchError
     from .errors import SessionNotFoundError as SessionNotFoundError
@@ -128,6 +131,7 @@ if TYPE_CHECKING:
     from .meta import MetadataView as MetadataView
     from .meta import Promoted as Promoted
     from .meta import Refused as Refused
+    from .meta import RetentionHint as RetentionHint
     from .meta import Stored as Stored
     from .meta import TierInfo as TierInfo
     from .meta import Transfer as Transfer

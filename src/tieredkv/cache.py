@@ -57,11 +57,12 @@ from .errors import (
     ClosedError,
     InvalidArgumentError,
     InvalidTypeError,
+    PinLimitError,
     RestoreFailedError,
     SessionNotFoundError,
 )
-from .meta import KVMeta, MetadataChannel
-from .policies.base import Eviction
+from .meta import KVMeta, MetadataChannel, RetentionHint, apply_hint
+from .policies.base import Eviction, Hinted
 
 __all__ = ["CacheStats", "LayerwiseLoad", "RestoreFailedError", "TieredKVCache", "Truncation"]
 
@@ -92,6 +93,8 @@ class TieredKVCache:
         writing conversations that only volatile tiers hold down to a persistent tier (a
         write under way at the deadline finishes; ``math.inf`` for no bound, 0 to write
         nothing down)
+    :param max_pinned_bytes: the bound on the bytes of pinned conversations
+        (:meth:`hint`); ``None``: half the top tier's capacity
 
     Use it as an async context manager::
 
@@ -111,8 +114,15 @@ class TieredKVCache:
         channel: MetadataChannel | None = None,
         output_reuse_bytes: int = 1 << 30,
         close_timeout: float = 60.0,
+        max_pinned_bytes: int | None = None,
     ) -> None:
         io, copies = resolve(tiers)
+        if max_pinned_bytes is not None:
+            check_int("max_pinned_bytes", max_pinned_bytes, minimum=0)
+        self.max_pinned_bytes = (
+            max_pinned_bytes if max_pinned_bytes is not None else tiers[0].capacity // 2
+        )
+        """The bound on the bytes of pinned conversations."""
         check_int("output_reuse_bytes", output_reuse_bytes, minimum=0)
         self._close_timeout = check_timeout("close_timeout", close_timeout)
         if mode not in ("exclusive", "inclusive"):
@@ -268,6 +278,7 @@ class TieredKVCache:
         answer_tokens: int,
         token_dim: int | None = None,
         codec: str = "kv",
+        hint: RetentionHint | None = None,
     ) -> KVMeta:
         """Store one turn's new KV segment and record the model's answer length.
 
@@ -280,6 +291,9 @@ class TieredKVCache:
         :param token_dim: the token dimension for this call (default: the cache's)
         :param codec: what the tensors hold (``"kv"``; storage-efficient codecs use their
             own name), recorded with the segment
+        :param hint: what the caller knows of the conversation's future, applied once the
+            turn is stored (see :meth:`hint`; a pin past the bound raises
+            :class:`~tieredkv.errors.PinLimitError` after the turn is stored)
         :returns: the session's metadata after the append
         :raises SchemaMismatchError: the tensors disagree with the session's earlier turns
             (the session is untouched)
@@ -291,7 +305,70 @@ class TieredKVCache:
         self._check_open()
         check_key(session)
         dim = self._token_dim if token_dim is None else token_dim
-        return await append(self._core, self._pumps, session, tensors, answer_tokens, dim, codec)
+        meta = await append(self._core, self._pumps, session, tensors, answer_tokens, dim, codec)
+        if hint is not None:
+            meta = self.hint(session, hint)
+        return self._keep_pins_bounded(meta)
+
+    # -- hints ---------------------------------------------------------------------------
+    def hint(self, session: str, hint: RetentionHint) -> KVMeta:
+        """Tell the cache what the caller knows of a conversation's future.
+
+        - ``next_turn_in``, ``priority``, ``tool_call`` are **advice**: they go on the
+          metadata channel (:class:`~tieredkv.meta.KVMeta`) and the eviction policy may
+          weigh them (``"bidaw"`` learns how far hints of each size are to be trusted).
+        - ``pin=True`` is a **rule**: the conversation stays in the tier that holds it (no
+          eviction policy picks it as a victim) until ``ttl`` seconds pass (the cache's
+          clock) or ``pin=False`` releases it. It neither moves the conversation up nor
+          protects it from :meth:`drop`. Pinned conversations hold
+          :attr:`max_pinned_bytes` at most; a conversation that grows past the bound
+          while pinned loses its pin (logged).
+
+        :returns: the session's metadata with the hint
+        :raises SessionNotFoundError: for a session the cache does not hold
+        :raises PinLimitError: ``pin=True`` would take the pinned bytes past the bound
+            (nothing changes)
+        """
+        self._check_open()
+        check_key(session)
+        if not isinstance(hint, RetentionHint):
+            raise InvalidTypeError(f"hint must be a RetentionHint, not {type(hint).__name__}")
+        meta = self.channel[session]
+        now = self._core.clock()
+        if hint.pin:
+            pinned = self._pinned_bytes(now, session)
+            if pinned + meta.nbytes > self.max_pinned_bytes:
+                raise PinLimitError(session, meta.nbytes, pinned, self.max_pinned_bytes)
+        new = self._core.residency.published(apply_hint(meta, hint, now))
+        for policy in self._core.residency.policies:
+            if isinstance(policy, Hinted):
+                policy.on_hint(session, new, now)
+        return new
+
+    def _pinned_bytes(self, now: float, but: str | None = None) -> int:
+        channel = self.channel
+        total = 0
+        for session, until in channel.pins.items():
+            meta = channel.get(session)
+            if until > now and session != but and meta is not None:
+                total += meta.nbytes
+        return total
+
+    def _keep_pins_bounded(self, meta: KVMeta) -> KVMeta:
+        """A pinned conversation that grew past the bound loses its pin."""
+        if meta.pinned_until is None:
+            return meta
+        now = self._core.clock()
+        if self._pinned_bytes(now) <= self.max_pinned_bytes:
+            return meta
+        _log.warning(
+            "conversation %r grew to %d bytes: pinned bytes passed max_pinned_bytes (%d), "
+            "so its pin is released",
+            meta.session,
+            meta.nbytes,
+            self.max_pinned_bytes,
+        )
+        return self.hint(meta.session, RetentionHint(pin=False))
 
     # -- load ----------------------------------------------------------------------------
     async def load(self, session: str) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ __all__ = [
     "InvalidTypeError",
     "LeaseHeldError",
     "RestoreFailedError",
+    "PinLimitError",
     "SchemaMismatchError",
     "SessionNotFoundError",
     "StaleWriterError",
@@ -67,6 +68,21 @@ class CapacityError(TieredKVError, ValueError):
         super().__init__(
             f"{what} needs {nbytes:,} bytes but the largest tier holds {largest:,}: "
             f"give a tier more capacity or store smaller segments"
+        )
+
+
+class PinLimitError(TieredKVError, ValueError):
+    """Pinning a conversation would take the pinned bytes past the cache's bound."""
+
+    def __init__(self, session: str, nbytes: int, pinned: int, bound: int) -> None:
+        self.session = session
+        self.nbytes = nbytes
+        self.pinned = pinned
+        self.bound = bound
+        super().__init__(
+            f"pinning {session!r} ({nbytes:,} bytes) would pin {pinned + nbytes:,} bytes, "
+            f"past the bound of {bound:,} (max_pinned_bytes): release a pin, give it a "
+            f"ttl, or raise the bound"
         )
 
 

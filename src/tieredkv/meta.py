@@ -16,7 +16,8 @@ with ``msgspec.json.encode`` for tracing) to subscribers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import EllipsisType
 from typing import Any, Literal, Protocol
 
@@ -35,10 +36,12 @@ __all__ = [
     "MetadataView",
     "Promoted",
     "Refused",
+    "RetentionHint",
     "Stored",
     "TierInfo",
     "Transfer",
     "advance_meta",
+    "apply_hint",
 ]
 
 _log = logging.getLogger(__name__)
@@ -82,6 +85,14 @@ class KVMeta(msgspec.Struct, frozen=True, kw_only=True):
         Belady); ``None`` when unknown
     :param codec: what the stored tensors hold (``"kv"``, or a storage-efficient codec's
         name, as given to :meth:`~tieredkv.TieredKVCache.append`)
+    :param tool_call: the latest turn's answer ended in a tool call (the next turn comes
+        when the tool returns, not when a person has read the answer)
+    :param next_turn: the caller's hint: when it expects the next access (the caller's
+        clock); advice a policy may weigh, cleared by the next access
+    :param pinned_until: the conversation is pinned in its tier until this time (the
+        caller's clock; ``math.inf``: until released); ``None``: not pinned
+    :param priority: the caller's priority (0 neutral; higher is kept longer, lower goes
+        first); advice a policy may weigh
     """
 
     session: str
@@ -97,6 +108,14 @@ class KVMeta(msgspec.Struct, frozen=True, kw_only=True):
     in_flight: Transfer | None = None
     next_access: float | None = None
     codec: str = "kv"
+    tool_call: bool = False
+    next_turn: float | None = None
+    pinned_until: float | None = None
+    priority: int = 0
+
+    def pinned(self, now: float) -> bool:
+        """Whether the conversation is pinned at ``now``."""
+        return self.pinned_until is not None and self.pinned_until > now
 
 
 def advance_meta(
@@ -115,6 +134,8 @@ def advance_meta(
     next_access: float | EllipsisType | None = ...,
     restart: bool = False,
     accesses: int | None = None,
+    tool_call: bool | None = None,
+    next_turn: float | EllipsisType | None = ...,
 ) -> KVMeta:
     """The session's next :class:`KVMeta`, from the previous one and what just changed.
 
@@ -125,6 +146,9 @@ def advance_meta(
     access time and an in-flight transfer carry over. ``restart`` starts the history's
     clock afresh (a session rebuilt at open). ``accesses`` sets the access count where the
     caller knows it better (a trace replay counts the conversation's rounds).
+    ``tool_call`` replaces whether the latest answer ended in a tool call (an append that
+    does not say: it did not); an access clears the caller's ``next_turn`` hint unless a new
+    one is given; a pin and a priority carry over.
     """
     fresh = old is None or restart
     return KVMeta(
@@ -147,7 +171,72 @@ def advance_meta(
         in_flight=old.in_flight if old else None,
         next_access=((old.next_access if old else None) if next_access is ... else next_access),
         codec=codec,
+        tool_call=(
+            tool_call
+            if tool_call is not None
+            else (False if answer is not None else (old.tool_call if old else False))
+        ),
+        next_turn=(
+            (None if access or old is None else old.next_turn) if next_turn is ... else next_turn
+        ),
+        pinned_until=old.pinned_until if old else None,
+        priority=old.priority if old else 0,
     )
+
+
+class RetentionHint(msgspec.Struct, frozen=True, kw_only=True):
+    """What a caller tells the cache about a conversation's future
+    (:meth:`tieredkv.TieredKVCache.hint`, or ``append(..., hint=...)``). Each field left
+    ``None`` leaves what the cache knew unchanged.
+
+    :param next_turn_in: seconds from now until the caller expects the conversation's next
+        turn (e.g. a tool's expected run time). Advice: the eviction policy learns how far
+        such hints are to be trusted. Cleared by the next access.
+    :param pin: ``True`` pins the conversation in the tier that holds it: no eviction
+        policy picks it as a victim until the pin ends; ``False`` releases a pin
+    :param ttl: with ``pin=True``, seconds until the pin ends by itself (``None``: it lasts
+        until released)
+    :param priority: advice, 0 neutral: higher keeps the conversation longer, lower lets it
+        go first (``"bidaw"`` weighs it by a factor ``2 ** priority``, clamped to +-4)
+    :param tool_call: the latest answer ended in a tool call (the next turn comes when the
+        tool returns, not when a person has read the answer)
+    """
+
+    next_turn_in: float | None = None
+    pin: bool | None = None
+    ttl: float | None = None
+    priority: int | None = None
+    tool_call: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.next_turn_in is not None and not self.next_turn_in >= 0:
+            raise ValueError(f"next_turn_in must be >= 0 seconds (got {self.next_turn_in})")
+        if self.ttl is not None:
+            if self.pin is not True:
+                raise ValueError("ttl is the lifetime of a pin: give it with pin=True")
+            if not self.ttl > 0:
+                raise ValueError(f"ttl must be > 0 seconds (got {self.ttl})")
+        if self.priority is not None and (
+            isinstance(self.priority, bool) or not isinstance(self.priority, int)
+        ):
+            raise ValueError(f"priority must be an int (got {self.priority!r})")
+
+
+def apply_hint(meta: KVMeta, hint: RetentionHint, now: float) -> KVMeta:
+    """``meta`` with ``hint`` applied at ``now`` (the caller's clock)."""
+    changes: dict[str, Any] = {}
+    if hint.next_turn_in is not None:
+        changes["next_turn"] = now + hint.next_turn_in
+    if hint.pin is not None:
+        if hint.pin:
+            changes["pinned_until"] = math.inf if hint.ttl is None else now + hint.ttl
+        else:
+            changes["pinned_until"] = None
+    if hint.priority is not None:
+        changes["priority"] = hint.priority
+    if hint.tool_call is not None:
+        changes["tool_call"] = hint.tool_call
+    return msgspec.structs.replace(meta, **changes) if changes else meta
 
 
 class TierInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -250,6 +339,12 @@ class MetadataView(Protocol):
         """The tiers, top (performance) first."""
         ...
 
+    @property
+    def pins(self) -> Mapping[str, float]:
+        """Pinned sessions -> the time their pin ends (``math.inf``: until released); a
+        pin may have ended already (compare with ``now``)."""
+        ...
+
 
 class MetadataChannel:
     """Per-session :class:`KVMeta` plus the scheduler's waiting queue, with event fan-out.
@@ -259,10 +354,11 @@ class MetadataChannel:
     :meth:`get`, iteration, :attr:`waiting` and :attr:`tiers`.
     """
 
-    __slots__ = ("_meta", "_subscribers", "_tiers", "_waiting")
+    __slots__ = ("_meta", "_pins", "_subscribers", "_tiers", "_waiting")
 
     def __init__(self, tiers: Iterable[TierInfo] = ()) -> None:
         self._meta: dict[str, KVMeta] = {}
+        self._pins: dict[str, float] = {}
         self._subscribers: list[Callable[[Event], None]] = []
         self._waiting: tuple[str, ...] = ()
         self._tiers: tuple[TierInfo, ...] = tuple(tiers)
@@ -301,6 +397,18 @@ class MetadataChannel:
         """The tiers, top (performance) first."""
         return self._tiers
 
+    @property
+    def pins(self) -> Mapping[str, float]:
+        """Pinned sessions -> the time their pin ends (``math.inf``: until released), as
+        the metadata says; a pin may have ended already (compare with ``now``)."""
+        return self._pins
+
+    def _index_pin(self, meta: KVMeta) -> None:
+        if meta.pinned_until is None:
+            self._pins.pop(meta.session, None)
+        else:
+            self._pins[meta.session] = meta.pinned_until
+
     # -- writing -----------------------------------------------------------------------
     def set_tiers(self, tiers: Iterable[TierInfo]) -> None:
         """Describe the tiers (done once by the cache or the simulator)."""
@@ -309,6 +417,8 @@ class MetadataChannel:
     def put(self, meta: KVMeta) -> None:
         """Insert or replace a session's metadata."""
         self._meta[meta.session] = meta
+        if meta.pinned_until is not None or meta.session in self._pins:
+            self._index_pin(meta)
 
     def update(self, session: str, **changes: Any) -> KVMeta:
         """Replace fields of a session's metadata and return the new Struct.
@@ -316,11 +426,12 @@ class MetadataChannel:
         :raises SessionNotFoundError: if the channel does not know the session
         """
         new = msgspec.structs.replace(self[session], **changes)
-        self._meta[session] = new
+        self.put(new)
         return new
 
     def remove(self, session: str) -> KVMeta | None:
         """Forget a session; returns what was known, or ``None``."""
+        self._pins.pop(session, None)
         return self._meta.pop(session, None)
 
     def hint_next_access(self, session: str, when: float | None) -> None:

@@ -165,3 +165,25 @@ def test_readmitted_session_is_tracked_once(
     chosen = policy.victims(policy.resident_bytes(), 31.0, view)
     assert chosen is not None
     assert sorted(chosen) == sorted(SIZES)
+
+
+def test_pinned_sessions_are_never_victims_until_the_pin_ends(
+    make: Callable[[], Eviction], view: MetadataChannel
+) -> None:
+    """Pins (``KVMeta.pinned_until``, indexed by the view's ``pins``) are enforced where
+    victims are chosen: a pinned session is protected until ``now`` reaches its end."""
+    policy = make()
+    fill(policy, view, SIZES)
+    view.update("a", pinned_until=20.0)
+    view.update("c", pinned_until=float("inf"))
+    everything = sum(SIZES.values())
+    assert policy.victims(everything, 10.0, view) is None  # a and c may not go
+    chosen = policy.victims(everything - 400, 10.0, view)
+    assert chosen is not None
+    assert {"a", "c"}.isdisjoint(chosen)
+    chosen = policy.victims(everything - 300, 20.0, view)  # a's pin has ended
+    assert chosen is not None
+    assert "a" in chosen
+    assert "c" not in chosen
+    view.update("c", pinned_until=None)  # released
+    assert set(policy.victims(everything, 20.0, view) or []) == set(SIZES)

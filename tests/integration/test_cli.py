@@ -158,7 +158,7 @@ def test_a_rejection_from_the_installed_command_has_no_traceback() -> None:
     assert result.stdout == ""
     assert result.stderr == (
         "tieredkv simulate: error: --eviction: unknown eviction policy 'foo'; known: "
-        "belady, bidaw, fifo, lfu, lru, queue-enhanced\n"
+        "belady, bidaw, bidaw-paper, fifo, lfu, lru, queue-enhanced\n"
     )
 
 

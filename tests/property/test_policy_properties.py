@@ -3,6 +3,8 @@ nothing, state stays bounded, every request runs, order is kept, and Belady is o
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -310,7 +312,7 @@ def unit_turns(users: list[int]) -> Turns:
 @given(users=st.lists(st.integers(0, 9), min_size=1, max_size=200), slots=st.integers(1, 6))
 def test_belady_never_misses_more_than_lru_with_unit_sizes(users: list[int], slots: int) -> None:
     turns = unit_turns(users)
-    kw = {"host_bytes": slots, "bytes_per_token": 1, "history_cap": 1}
+    kw: dict[str, Any] = {"host_bytes": slots, "bytes_per_token": 1, "history_cap": 1}
     belady = replay(turns, Belady(), **kw)
     lru = replay(turns, LRU(), **kw)
     assert belady.accesses == lru.accesses
@@ -321,6 +323,6 @@ def test_cyclic_trace_separates_belady_from_lru() -> None:
     # Guards the property above against a vacuous setup: a cyclic trace one larger than
     # the cache makes LRU miss every time while Belady does not.
     turns = unit_turns([0, 1, 2, 3] * 10)
-    kw = {"host_bytes": 3, "bytes_per_token": 1, "history_cap": 1}
+    kw: dict[str, Any] = {"host_bytes": 3, "bytes_per_token": 1, "history_cap": 1}
     assert replay(turns, LRU(), **kw).hits == 0
     assert replay(turns, Belady(), **kw).hits > 15

@@ -10,6 +10,7 @@ from tieredkv.policies import (
     FIFO,
     LFU,
     LRU,
+    AdaptiveBidaw,
     Belady,
     BidawEviction,
     BidawScheduler,
@@ -27,8 +28,10 @@ from tieredkv.policies import (
 
 
 def test_every_eviction_policy_is_registered() -> None:
-    assert eviction_names() == ["fifo", "lru", "lfu", "queue-enhanced", "belady", "bidaw"]
-    kinds = [FIFO, LRU, LFU, QueueEnhanced, Belady, BidawEviction]
+    assert eviction_names() == [
+        "fifo", "lru", "lfu", "queue-enhanced", "belady", "bidaw", "bidaw-paper",
+    ]  # fmt: skip
+    kinds = [FIFO, LRU, LFU, QueueEnhanced, Belady, AdaptiveBidaw, BidawEviction]
     for name, kind in zip(eviction_names(), kinds, strict=True):
         policy = make_eviction(name)
         assert type(policy) is kind

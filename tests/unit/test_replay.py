@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tieredkv.meta import KVMeta
@@ -82,7 +84,7 @@ def test_policy_sees_the_oracle_the_queue_and_the_tiers() -> None:
 @pytest.mark.parametrize("policy", [Belady(), QueueEnhanced(window=4)])
 def test_future_aware_policies_beat_lru_on_a_cycle(policy: Eviction) -> None:
     turns = turns_of([0, 1, 2, 3] * 20)
-    kw = {"host_bytes": 3, "bytes_per_token": 1, "history_cap": 1}
+    kw: dict[str, Any] = {"host_bytes": 3, "bytes_per_token": 1, "history_cap": 1}
     assert replay(turns, LRU(), **kw).hits == 0
     assert replay(turns, policy, **kw).hits > 20
 

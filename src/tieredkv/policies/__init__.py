@@ -6,8 +6,10 @@ as an argument, so the same objects run in the live cache and in the simulator.
 
 from __future__ import annotations
 
+from .adaptive_bidaw import AdaptiveBidaw as AdaptiveBidaw
 from .base import Eviction as Eviction
 from .base import Foresight as Foresight
+from .base import Hinted as Hinted
 from .belady import Belady as Belady
 from .bidaw_eviction import BidawEviction as BidawEviction
 from .bidaw_scheduler import BidawScheduler as BidawScheduler
@@ -33,11 +35,13 @@ __all__ = [
     "FIFO",
     "LFU",
     "LRU",
+    "AdaptiveBidaw",
     "Belady",
     "BidawEviction",
     "BidawScheduler",
     "Eviction",
     "Foresight",
+    "Hinted",
     "GhostCache",
     "LookAheadFCFS",
     "QueueEnhanced",

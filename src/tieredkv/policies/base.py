@@ -21,6 +21,15 @@ Eviction, phase by phase, for one tier:
    calls ``on_remove``. A victim it could not move stays resident.
 4. ``on_remove(session)`` when the session is no longer resident in this tier (demoted,
    promoted away in exclusive mode, evicted, dropped). Unknown sessions are ignored.
+
+Optionally, ``on_hint(session, meta, now)`` when a caller's hint changed a session's
+metadata between accesses (:class:`Hinted`); a policy without it reads hints at the next
+access.
+
+**Pins.** A session the caller pinned (``KVMeta.pinned_until`` after ``now``; the view's
+``pins`` index them) is never a victim: every policy's :meth:`~Eviction.victims` treats it
+as protected (:func:`shielded`), so the live cache and the simulator enforce pins the same
+way, at the place victims are chosen.
 """
 
 from __future__ import annotations
@@ -30,7 +39,18 @@ from typing import Protocol, runtime_checkable
 
 from ..meta import KVMeta, MetadataView
 
-__all__ = ["Eviction", "Foresight"]
+__all__ = ["Eviction", "Foresight", "Hinted", "shielded"]
+
+
+def shielded(protected: Set[str], view: MetadataView, now: float) -> Set[str]:
+    """``protected`` and every session pinned at ``now`` (the sessions a victim may not be).
+
+    O(pinned sessions): pins are few (the cache bounds the bytes they hold)."""
+    pins = view.pins
+    if not pins:
+        return protected
+    pinned = {session for session, until in pins.items() if until > now}
+    return protected | pinned if pinned else protected
 
 
 @runtime_checkable
@@ -82,4 +102,14 @@ class Foresight(Protocol):
         """The chance (0 to 1) that ``session``'s next access is a hit if its KV were in this
         tier now, as the policy's model of reuse puts it; ``None`` if it knows nothing of
         the session (never seen, or forgotten)."""
+        ...
+
+
+@runtime_checkable
+class Hinted(Protocol):
+    """An eviction policy that weighs a caller's hints given between accesses
+    (:meth:`tieredkv.TieredKVCache.hint`)."""
+
+    def on_hint(self, session: str, meta: KVMeta, now: float) -> None:
+        """The session's hints changed (``meta`` has them); no access happened."""
         ...

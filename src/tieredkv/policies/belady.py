@@ -8,6 +8,7 @@ import math
 from collections.abc import Set
 
 from ..meta import KVMeta, MetadataView
+from .base import shielded
 
 __all__ = ["Belady"]
 
@@ -61,6 +62,7 @@ class Belady:
         chosen: list[str] = []
         if need <= 0:
             return chosen
+        protected = shielded(protected, view, now)
         popped: list[tuple[float, int, str]] = []  # live entries taken off the heap
         freed = 0
         heap = self._heap

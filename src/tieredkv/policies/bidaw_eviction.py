@@ -10,6 +10,7 @@ from collections.abc import Sequence, Set
 import numpy as np
 
 from ..meta import KVMeta, MetadataView
+from .base import shielded
 from .ghost import GhostCache
 from .ranking import RESCORE_BINS, ResidentRanking
 from .reuse import ReuseTracker
@@ -24,7 +25,7 @@ bucket takes everything longer."""
 class _Seen:
     """What the policy remembers about a session between its accesses."""
 
-    __slots__ = ("bucket", "completing", "group", "overdue", "turns")
+    __slots__ = ("bucket", "completing", "group", "overdue", "rank", "turns")
 
     def __init__(self, bucket: int, turns: int) -> None:
         self.bucket = bucket
@@ -32,6 +33,7 @@ class _Seen:
         self.completing = True
         self.overdue = False
         self.group = -1  # the group it is placed in while resident
+        self.rank = bucket  # the key it is grouped by (its bucket, and any class of rank)
 
 
 class BidawEviction:
@@ -104,7 +106,7 @@ class BidawEviction:
     :param ghost: the ghost cache; by default one matching ``promising`` and ``span``
     """
 
-    name = "bidaw"
+    name = "bidaw-paper"
 
     def __init__(
         self,
@@ -144,7 +146,7 @@ class BidawEviction:
         self.size_aware = size_aware
         self.samples = samples
         self.ghost = ghost if ghost is not None else GhostCache(promising=promising, span=span)
-        self._buckets = len(edges) + 1
+        self._buckets = self._bucket_count(len(edges) + 1)
         self._capacity: int | None = None
         self._tracker = ReuseTracker()
         self._seen: dict[str, _Seen] = {}
@@ -161,7 +163,7 @@ class BidawEviction:
 
     # -- notifications ------------------------------------------------------------------
     def on_access(self, session: str, meta: KVMeta, now: float) -> None:
-        bucket = bisect.bisect_right(self.answer_edges, meta.prev_answer_tokens)
+        bucket = self._bucket(meta, now)
         distance = self._tracker.access(session, meta.nbytes)
         seen = self._seen.get(session)
         if seen is None:
@@ -180,6 +182,7 @@ class BidawEviction:
             seen.turns = meta.turns
             seen.overdue = False
             seen.bucket = bucket
+        seen.rank = self._rank_key(seen, meta)
         size = self._resident.get(session)
         if size is not None:  # newest of its (possibly new) group
             self._place(session, seen, size)
@@ -199,13 +202,13 @@ class BidawEviction:
             # Resident without an access we saw (a promotion, or a session forgotten long
             # ago): give it a position now, without a distance sample.
             self._tracker.access(session, meta.nbytes)
-            bucket = bisect.bisect_right(self.answer_edges, meta.prev_answer_tokens)
-            seen = self._seen[session] = _Seen(bucket, meta.turns)
+            seen = self._seen[session] = _Seen(self._bucket(meta, now), meta.turns)
+            seen.rank = self._rank_key(seen, meta)
             seen.completing = False  # its next access (the load) is no reuse we measured
         old = self._resident.get(session)
         self._resident[session] = meta.nbytes
         self._bytes += meta.nbytes - (old or 0)
-        if old is None or self._ranking.group_of(seen.bucket, meta.nbytes) != seen.group:
+        if old is None or self._ranking.group_of(seen.rank, meta.nbytes) != seen.group:
             self._place(session, seen, meta.nbytes)
         elif old != meta.nbytes:  # same group, new size: its score changed
             self._ranking.touch(seen.group)
@@ -235,7 +238,7 @@ class BidawEviction:
             tiers = view.tiers
             self._set_capacity(tiers[0].capacity if tiers else max(self._bytes, 1))
         self._flush()
-        chosen, freed = self._ranking.choose(need, protected, self._resident)
+        chosen, freed = self._ranking.choose(need, shielded(protected, view, now), self._resident)
         return chosen if freed >= need else None
 
     def potential(self, session: str) -> float | None:
@@ -292,6 +295,19 @@ class BidawEviction:
         self._refresh()
 
     # -- internals ----------------------------------------------------------------------
+    def _bucket_count(self, answer_buckets: int) -> int:
+        """Buckets the distances are learned in, from the answer-length buckets."""
+        return answer_buckets
+
+    def _bucket(self, meta: KVMeta, now: float) -> int:
+        """The bucket a session's next reuse is predicted from: its previous answer's."""
+        return bisect.bisect_right(self.answer_edges, meta.prev_answer_tokens)
+
+    def _rank_key(self, seen: _Seen, meta: KVMeta) -> int:
+        """The key residents are grouped by (their scores must fall along access order
+        within a group): the bucket."""
+        return seen.bucket
+
     def _set_capacity(self, capacity: int) -> None:
         self._capacity = capacity
         self.ghost.capacity = capacity
@@ -325,7 +341,7 @@ class BidawEviction:
         self._ranking.flush()
 
     def _place(self, session: str, seen: _Seen, nbytes: int) -> None:
-        seen.group = self._ranking.place(session, seen.group, seen.bucket, nbytes)
+        seen.group = self._ranking.place(session, seen.group, seen.rank, nbytes)
 
     def _sweep(self) -> None:
         capacity = self._capacity

@@ -6,6 +6,7 @@ from collections import OrderedDict
 from collections.abc import Set
 
 from ..meta import KVMeta, MetadataView
+from .base import shielded
 
 __all__ = ["FIFO"]
 
@@ -44,6 +45,7 @@ class FIFO:
     ) -> list[str] | None:
         chosen: list[str] = []
         freed = 0
+        protected = shielded(protected, view, now)
         for session, size in self._sizes.items():
             if freed >= need:
                 break

@@ -6,6 +6,7 @@ from collections import OrderedDict
 from collections.abc import Set
 
 from ..meta import KVMeta, MetadataView
+from .base import shielded
 
 __all__ = ["LFU"]
 
@@ -62,6 +63,7 @@ class LFU:
         freed = 0
         if need <= 0:
             return chosen
+        protected = shielded(protected, view, now)
         for count in sorted(self._by_count):
             for session in self._by_count[count]:
                 if session in protected:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import UnknownPolicyError
+from .adaptive_bidaw import AdaptiveBidaw
 from .base import Eviction
 from .belady import Belady
 from .bidaw_eviction import BidawEviction
@@ -45,7 +46,8 @@ _EVICTIONS: dict[str, Callable[..., Eviction]] = {
     "lfu": LFU,
     "queue-enhanced": QueueEnhanced,
     "belady": Belady,
-    "bidaw": BidawEviction,
+    "bidaw": AdaptiveBidaw,
+    "bidaw-paper": BidawEviction,
 }
 
 

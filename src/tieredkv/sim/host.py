@@ -8,7 +8,7 @@ written there first (:class:`~tieredkv.sim.writepath.WritePath`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Set
+from collections.abc import Iterable, Iterator, Mapping, Set
 from typing import Literal, TypeVar
 
 from ..meta import KVMeta, MetadataChannel, TierInfo, advance_meta
@@ -102,6 +102,10 @@ class DecisionView:
     def waiting(self) -> tuple[str, ...]:
         self._channel.publish_waiting(self._scheduler.waiting(self._window))
         return self._channel.waiting
+
+    @property
+    def pins(self) -> Mapping[str, float]:
+        return self._channel.pins
 
 
 class HostMemory:

@@ -22,7 +22,12 @@ Time is virtual (the trace's timestamps); nothing here reads a clock.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
+
 import msgspec
+import numpy as np
+import numpy.typing as npt
 
 from ..meta import KVMeta, TierInfo, advance_meta
 from ..policies.base import Eviction
@@ -86,14 +91,19 @@ class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
 class _View:
     """The replay's metadata view: metas, the upcoming sessions, the tiers."""
 
-    __slots__ = ("_i", "_metas", "_sessions", "_window", "tiers")
+    __slots__ = ("_i", "_metas", "_pins", "_sessions", "_window", "tiers")
 
     def __init__(self, sessions: list[str], window: int, tiers: tuple[TierInfo, ...]) -> None:
         self._sessions = sessions
         self._window = window
         self._metas: dict[str, KVMeta] = {}
         self._i = 0
+        self._pins: dict[str, float] = {}  # the replay pins nothing
         self.tiers = tiers
+
+    @property
+    def pins(self) -> Mapping[str, float]:
+        return self._pins
 
     def get(self, session: str) -> KVMeta | None:
         return self._metas.get(session)
@@ -117,6 +127,8 @@ def replay(
     history_cap: int = 2048,
     window: int = 30,
     warmup: int = 0,
+    tool_calls: Sequence[bool] | npt.NDArray[np.bool_] | None = None,
+    hints: Sequence[float] | npt.NDArray[np.float64] | None = None,
 ) -> ReplayResult:
     """Replay ``turns`` through ``policy`` with ``host_bytes`` of host memory.
 
@@ -127,6 +139,10 @@ def replay(
     :param history_cap: tokens of history kept per conversation at most
     :param window: upcoming turns published as ``view.waiting``
     :param warmup: leading turns replayed but not counted
+    :param tool_calls: per turn, whether its answer ended in a tool call
+        (``KVMeta.tool_call``); ``None``: none did
+    :param hints: per turn, when its caller expects the conversation's next turn
+        (``KVMeta.next_turn``, absolute time; NaN: no hint); ``None``: no caller hints
     :raises ValueError: on a non-positive budget, size or cap, or a negative window/warmup
     """
     if host_bytes <= 0 or bytes_per_token <= 0 or history_cap <= 0:
@@ -141,6 +157,13 @@ def replay(
     rounds = turns.round_index.tolist()
     tokens = [min(c, history_cap) for c in turns.context_after().tolist()]
     nxt = turns.next_index().tolist()
+    count = len(sessions)
+    tools = [False] * count if tool_calls is None else [bool(x) for x in tool_calls]
+    told: list[float | None] = [None] * count
+    if hints is not None:
+        told = [None if math.isnan(h) else float(h) for h in hints]
+    if len(tools) != count or len(told) != count:
+        raise ValueError(f"tool_calls and hints need one value per turn ({count})")
     tiers = (
         TierInfo(name=_HOST, level=0, capacity=host_bytes),
         TierInfo(name="ssd", level=1, capacity=2**62),
@@ -183,6 +206,8 @@ def replay(
             answer=answers[i],
             next_access=times[n] if n >= 0 else None,
             accesses=rounds[i] + 1,
+            tool_call=tools[i],
+            next_turn=told[i],
         )
         view._i = i
         old = held or 0

@@ -54,7 +54,7 @@ __all__ = [
     "write_report",
 ]
 
-REPLAY_POLICIES = ("fifo", "lru", "lfu", "queue-enhanced", "bidaw", "belady")
+REPLAY_POLICIES = ("fifo", "lru", "lfu", "queue-enhanced", "bidaw-paper", "belady")
 
 SYNTHETIC_RATES = (5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 35.0, 40.0)
 """Default sweep of generated workloads (synthetic, ShareGPT), users per minute."""

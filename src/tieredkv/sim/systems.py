@@ -177,7 +177,7 @@ SYSTEMS: dict[str, SystemSpec] = {
         SystemSpec(
             name="bidaw",
             scheduler="bidaw",
-            eviction="bidaw",
+            eviction="bidaw-paper",  # the paper's policy: this preset reproduces the paper
             storage_efficient=True,
             background_writes=True,
             keep_ssd_copy=True,

@@ -16,6 +16,9 @@ turn index, last-turn flag).
 - **Mooncake FAST'25 traces** (:func:`read_mooncake`): JSON Lines of requests with prefix
   block hashes and no session ids; conversations are rebuilt from hash-id prefixes.
 - **Synthetic** (:class:`~tieredkv.sim.synthetic.SyntheticWorkload`).
+- **Agentic** (:class:`~tieredkv.sim.agentic.AgenticWorkload`): human conversations mixed
+  with agents' tool-call loops (its tool flags and hints reach the eviction-only replay
+  through :func:`~tieredkv.sim.agentic.replay_agentic`).
 
 :class:`WorkloadSpec` names one of them and turns an arrival rate (users per minute) into
 turns: the paper's throughput metric sweeps that rate.
@@ -34,6 +37,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from .agentic import AgenticWorkload
 from .synthetic import SyntheticWorkload
 from .trace import Turns, read_turns
 
@@ -52,7 +56,7 @@ __all__ = [
     "sharegpt_path",
 ]
 
-WORKLOAD_KINDS = ("synthetic", "bidaw", "sharegpt", "mooncake")
+WORKLOAD_KINDS = ("synthetic", "bidaw", "sharegpt", "mooncake", "agentic")
 """Names :class:`WorkloadSpec` accepts as ``kind``."""
 
 
@@ -465,6 +469,10 @@ class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True):
                     answer_max=max(1, round(base.answer_max * self.answer_scale)),
                 )
             return base.generate()
+        if self.kind == "agentic":  # humans and agents (:mod:`tieredkv.sim.agentic`)
+            users = max(1, round(rate * self.minutes))
+            agentic = AgenticWorkload(users=users, arrival_rate=rate / 60, seed=self.seed)
+            return agentic.generate().turns
         if self.kind == "sharegpt":
             users = max(1, round(rate * self.minutes))
             path = self.paths[0] if self.paths else None

@@ -1,0 +1,144 @@
+"""Host hit ratios relative to Belady's, in one run, for human and agentic workloads.
+
+Run: ``.venv/bin/python benchmarks/bench_retention.py [--users N] [--rate R] [--seed S]
+[--human-gb 120,240] [--agentic-gb 100,200,400]``.
+
+Every ratio is a policy's host hit ratio over Belady's on the same turns and host size
+(eviction-only replay, :func:`tieredkv.sim.replay.replay`, 10% warm-up):
+
+- *human*: the synthetic trace-shaped workload (:class:`~tieredkv.sim.synthetic.
+  SyntheticWorkload`), and the head of the Mooncake conversation trace shipped with the
+  tests (1,500 requests, 322 returning turns: too few for a learned policy to learn much);
+- *agentic*: the human + agent mix (:class:`~tieredkv.sim.agentic.AgenticWorkload`: tool
+  calls of 20-80 tokens, 25% of tools running 1-10 minutes, the rest seconds), three times:
+  no caller hints, every agent's caller hinting correctly, every one hinting wrongly.
+
+Policies: ``lru``, ``bidaw-paper`` (the paper's eviction), ``bidaw`` (the default: it
+learns the gap per answer length, tool call and hint class, and duels LRU) and ``belady``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import msgspec
+
+from tieredkv.policies import make_eviction
+from tieredkv.sim.agentic import AgenticWorkload, replay_agentic
+from tieredkv.sim.replay import replay
+from tieredkv.sim.synthetic import SyntheticWorkload
+from tieredkv.sim.workloads import read_mooncake
+
+MOONCAKE = (
+    Path(__file__).resolve().parents[1]
+    / "tests"
+    / "data"
+    / "mooncake"
+    / "conversation_trace_head1500.jsonl"
+)
+
+POLICIES = ("lru", "bidaw-paper", "bidaw", "belady")
+HINTS = {"no hints": (0.0, 0.0), "correct hints": (1.0, 0.0), "wrong hints": (1.0, 1.0)}
+
+
+class Row(msgspec.Struct, frozen=True):
+    """Hit ratios of every policy on one workload at one host size."""
+
+    workload: str
+    gb: float
+    hits: dict[str, float]
+
+    def ratio(self, policy: str) -> float:
+        """``policy``'s hit ratio over Belady's."""
+        return self.hits[policy] / self.hits["belady"]
+
+
+def measure_human(users: int, rate: float, seed: int, gbs: list[float]) -> list[Row]:
+    turns = SyntheticWorkload(users=users, arrival_rate=rate, seed=seed).generate()
+    rows = []
+    for gb in gbs:
+        hits = {
+            name: replay(
+                turns, make_eviction(name), host_bytes=int(gb * 1e9), warmup=len(turns) // 10
+            ).hit_ratio
+            for name in POLICIES
+        }
+        rows.append(Row("human", gb, hits))
+    return rows
+
+
+def measure_mooncake(gbs: list[float]) -> list[Row]:
+    turns = read_mooncake(MOONCAKE)
+    rows = []
+    for gb in gbs:
+        hits = {
+            name: replay(
+                turns, make_eviction(name), host_bytes=int(gb * 1e9), warmup=len(turns) // 10
+            ).hit_ratio
+            for name in POLICIES
+        }
+        rows.append(Row("human, mooncake head", gb, hits))
+    return rows
+
+
+def measure_agentic(users: int, rate: float, seed: int, gbs: list[float]) -> list[Row]:
+    rows = []
+    for label, (hinted, wrong) in HINTS.items():
+        load = AgenticWorkload(
+            users=users, arrival_rate=rate, hinted=hinted, wrong=wrong, seed=seed
+        ).generate()
+        for gb in gbs:
+            hits = {
+                name: replay_agentic(
+                    load, make_eviction(name), host_bytes=int(gb * 1e9), warmup=len(load) // 10
+                ).hit_ratio
+                for name in POLICIES
+            }
+            rows.append(Row(f"agentic, {label}", gb, hits))
+    return rows
+
+
+def render(rows: list[Row]) -> list[str]:
+    lines = []
+    for row in rows:
+        cells = "  ".join(
+            f"{name} {row.hits[name]:.3f} ({row.ratio(name):.2f}x)" for name in POLICIES
+        )
+        lines.append(f"{row.workload:24} {row.gb:5.0f} GB  {cells}")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--users", type=int, default=3000, help="human workload's users")
+    parser.add_argument("--rate", type=float, default=0.5, help="new users per second")
+    parser.add_argument("--agentic-users", type=int, default=1500)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--human-gb", default="120,240")
+    parser.add_argument("--agentic-gb", default="100,200,400")
+    parser.add_argument("--mooncake-gb", default="50,100,200")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    human = measure_human(
+        args.users, args.rate, args.seed, [float(g) for g in args.human_gb.split(",")]
+    )
+    human += measure_mooncake([float(g) for g in args.mooncake_gb.split(",")])
+    agentic = measure_agentic(
+        args.agentic_users, args.rate, args.seed, [float(g) for g in args.agentic_gb.split(",")]
+    )
+    print("host hit ratio (ratio to Belady's on the same turns and host size)")
+    for line in render(human + agentic):
+        print(line)
+    by = {(r.workload, r.gb): r for r in agentic}
+    print("wrong hints vs no hints, bidaw:")
+    for (workload, gb), row in by.items():
+        if workload.endswith("wrong hints"):
+            base = by["agentic, no hints", gb].hits["bidaw"]
+            print(f"  {gb:5.0f} GB  {row.hits['bidaw'] / base - 1:+.1%}")
+    print(f"({time.perf_counter() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

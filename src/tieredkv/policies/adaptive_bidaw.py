@@ -1,0 +1,273 @@
+"""Bidaw's eviction, beyond the paper: the next access predicted from the caller's hint,
+the previous answer's length and whether the answer was a tool call."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence, Set
+
+from ..meta import KVMeta, MetadataView
+from .base import shielded
+from .bidaw_eviction import DEFAULT_ANSWER_EDGES, BidawEviction, _Seen
+from .ghost import GhostCache
+
+__all__ = ["DEFAULT_HINT_EDGES", "AdaptiveBidaw"]
+
+DEFAULT_HINT_EDGES: tuple[float, ...] = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+"""Upper edges (exclusive, seconds) of the classes of hinted gaps; one more class takes
+every longer hint."""
+
+_PRIORITY_SPAN = 4  # priorities are clamped to [-4, 4]: a factor of 16 either way
+_LEARNED, _RECENCY = "learned", "recency"
+_MAX_BACKOFF = 16  # a losing trial doubles the wait for the next, up to 16 duel_retry
+
+
+class AdaptiveBidaw(BidawEviction):
+    """Evict the conversation least likely to be a hit, predicting its next access from
+    what the cache learns online of *each kind* of turn.
+
+    The paper's policy (:class:`~tieredkv.policies.BidawEviction`, ``"bidaw-paper"``)
+    learns the distribution of the weighted reuse distance per previous-answer-length
+    bucket: a person reads a long answer longer. That signal is void when an agent makes
+    the call: after a tool call the conversation is back when the tool returns, seconds or
+    minutes later whatever the answer's length, and a human's short answer and an agent's
+    tool call of the same length land in one bucket whose distribution is neither. This
+    policy learns with the same machinery (distance samples, departures, the ghost cache's
+    Belady hit ratios, the potential given the distance already elapsed) over finer
+    buckets:
+
+    - a turn that ended in a tool call (``meta.tool_call``) is learned apart from one that
+      did not, per answer-length bucket (the tool-call buckets simply find no signal in
+      the length, and the elapsed distance separates a quick tool from a slow one: once a
+      quick tool would be back, the conversation's potential falls);
+    - a turn whose caller hinted when the next one comes (``meta.next_turn``) is learned by
+      the class of the hinted gap (``hint_edges``, seconds, doubling): the cache does not
+      take a hint at its word, it learns what the reuse distance *is* after a hint of that
+      size. Correct hints give each class a tight distribution (close to Belady's
+      foresight); wrong hints give every class the same broad one, and the policy ranks as
+      if there were no hint (the answer length of a hinted turn is not used: a caller that
+      hints runs tools, where it carries no signal);
+    - a caller's ``meta.priority`` scales the score by ``2 ** priority`` (clamped to
+      [-4, 4]): advice, weighed against the prediction.
+
+    A hint given between accesses (:meth:`on_hint`) moves the session to the bucket of the
+    new hint. Pins are honoured as by every policy (never a victim while pinned). Where no
+    turn ends in a tool call and no caller hints, the buckets are the paper's and so are
+    the decisions.
+
+    **A duel with LRU.** Where nothing the policy conditions on predicts the gap, a learned
+    order can lose to recency. The policy keeps a shadow LRU cache of the same capacity
+    (session -> bytes, no data) and counts, at every returning access, its own hits and the
+    shadow's. Every ``duel_block`` returning accesses it compares the two: if recency hit
+    more (by ``duel_margin`` of the block) two blocks in a row, it evicts in LRU order;
+    from there it tries its learned order again after ``duel_retry`` blocks, for one block,
+    and keeps it unless recency wins that block; each lost trial doubles the wait before
+    the next one (up to 16 times ``duel_retry``), a won one resets it. :attr:`mode` says
+    which order is in use.
+
+    :param hint_edges: upper edges of the hinted-gap classes, seconds, increasing
+    :param samples: distance samples kept (all buckets together; more buckets than the
+        paper's, so more samples by default)
+    :param duel_block: returning accesses per comparison with the shadow LRU
+    :param duel_margin: fraction of a block by which LRU must hit more to take over
+    :param duel_retry: blocks in LRU order between two trials of the learned order
+
+    The other parameters are :class:`~tieredkv.policies.BidawEviction`'s.
+    """
+
+    name = "bidaw"
+
+    def __init__(
+        self,
+        capacity: int | None = None,
+        *,
+        answer_edges: Sequence[int] = DEFAULT_ANSWER_EDGES,
+        hint_edges: Sequence[float] = DEFAULT_HINT_EDGES,
+        promising: int = 7,
+        span: float = 1.4,
+        bins_per_capacity: int = 16,
+        horizon: float = 4.0,
+        samples: int = 2048,
+        prior_weight: float = 32.0,
+        refresh_every: int = 1024,
+        max_tracked: int = 1_000_000,
+        size_aware: bool = True,
+        ghost: GhostCache | None = None,
+        duel_block: int = 1024,
+        duel_margin: float = 0.02,
+        duel_retry: int = 4,
+    ) -> None:
+        if duel_block < 1 or duel_retry < 1 or not 0 <= duel_margin < 1:
+            raise ValueError("duel_block and duel_retry must be >= 1, duel_margin in [0, 1)")
+        self.duel_block = duel_block
+        self.duel_margin = duel_margin
+        self.duel_retry = duel_retry
+        self.mode = _LEARNED
+        """Which order evicts now: ``"learned"`` (hit potential) or ``"recency"`` (LRU)."""
+        self._recency: OrderedDict[str, None] = OrderedDict()  # residents, LRU first
+        self._shadow: OrderedDict[str, int] = OrderedDict()  # the shadow LRU: session -> bytes
+        self._shadow_bytes = 0
+        self._duel = [0, 0, 0]  # returning accesses, own hits, shadow hits (this block)
+        self._blocks_in_recency = 0
+        self._behind = False  # the learned order lost the latest block
+        self._trial = False  # the latest block in the learned order was a trial
+        self._retry = duel_retry  # blocks in LRU order before the next trial
+        self._fresh: set[str] = set()  # admitted without an access since their latest one
+        self._just_accessed: str | None = None
+        hints = tuple(float(h) for h in hint_edges)
+        if any(b <= a for a, b in itertools.pairwise(hints)) or (hints and hints[0] <= 0):
+            raise ValueError(f"hint_edges must be positive and increase strictly (got {hints})")
+        self.hint_edges = hints
+        self._answer_buckets = len(tuple(answer_edges)) + 1
+        super().__init__(
+            capacity,
+            answer_edges=answer_edges,
+            promising=promising,
+            span=span,
+            bins_per_capacity=bins_per_capacity,
+            horizon=horizon,
+            samples=samples,
+            prior_weight=prior_weight,
+            refresh_every=refresh_every,
+            max_tracked=max_tracked,
+            size_aware=size_aware,
+            ghost=ghost,
+        )
+
+    def on_access(self, session: str, meta: KVMeta, now: float) -> None:
+        seen = self._seen.get(session)
+        if seen is not None and seen.completing and not seen.overdue and self._capacity:
+            # a hit: resident since before this access (a miss promoted just before its
+            # access is notified, as the live cache does, is still a miss)
+            own = session in self._resident and session not in self._fresh
+            self._score_duel(own, session in self._shadow)
+        self._fresh.discard(session)
+        self._just_accessed = session
+        self._shadow_access(session, meta.nbytes)
+        if session in self._recency:
+            self._recency.move_to_end(session)
+        super().on_access(session, meta, now)
+
+    def on_admit(self, session: str, meta: KVMeta, now: float) -> None:
+        if session not in self._resident and session != self._just_accessed:
+            self._fresh.add(session)  # came in without an access (a promotion)
+        super().on_admit(session, meta, now)
+        self._recency[session] = None
+        self._recency.move_to_end(session)
+
+    def on_remove(self, session: str) -> None:
+        self._recency.pop(session, None)
+        self._fresh.discard(session)
+        super().on_remove(session)
+
+    def victims(
+        self, need: int, now: float, view: MetadataView, protected: Set[str] = frozenset()
+    ) -> list[str] | None:
+        if self.mode == _LEARNED or need <= 0:
+            return super().victims(need, now, view, protected)
+        if self._capacity is None:
+            tiers = view.tiers
+            self._set_capacity(tiers[0].capacity if tiers else max(self._bytes, 1))
+        protected = shielded(protected, view, now)
+        chosen: list[str] = []
+        freed = 0
+        sizes = self._resident
+        for session in self._recency:
+            if freed >= need:
+                break
+            if session not in protected:
+                chosen.append(session)
+                freed += sizes[session]
+        return chosen if freed >= need else None
+
+    def on_hint(self, session: str, meta: KVMeta, now: float) -> None:
+        """A caller's hint changed between accesses: re-bucket and re-rank the session."""
+        seen = self._seen.get(session)
+        if seen is None:
+            return  # never accessed: its first access will read the hint
+        bucket = self._bucket(meta, now)
+        rank = self._rank_key_of(bucket, meta)
+        if bucket == seen.bucket and rank == seen.rank:
+            return
+        seen.bucket = bucket
+        seen.rank = rank
+        size = self._resident.get(session)
+        if size is not None:
+            self._place(session, seen, size)
+            self._flush()
+
+    def kind_of(self, bucket: int) -> str:
+        """What a bucket holds: ``"answer"``, ``"tool"`` or ``"hint"``."""
+        if bucket < self._answer_buckets:
+            return "answer"
+        return "tool" if bucket < 2 * self._answer_buckets else "hint"
+
+    # -- the duel with LRU ---------------------------------------------------------------
+    def _shadow_access(self, session: str, nbytes: int) -> None:
+        shadow = self._shadow
+        self._shadow_bytes += nbytes - shadow.get(session, 0)
+        shadow[session] = nbytes
+        shadow.move_to_end(session)
+        capacity = self._capacity
+        if capacity is None:
+            return
+        while self._shadow_bytes > capacity and shadow:
+            self._shadow_bytes -= shadow.popitem(last=False)[1]
+
+    def _score_duel(self, own_hit: bool, shadow_hit: bool) -> None:
+        duel = self._duel
+        duel[0] += 1
+        duel[1] += own_hit
+        duel[2] += shadow_hit
+        if duel[0] < self.duel_block:
+            return
+        accesses, own, lru = duel
+        self._duel = [0, 0, 0]
+        if self.mode == _LEARNED:
+            behind = lru - own > self.duel_margin * accesses
+            # two blocks in a row (one may be noise, or the tier still filling); a trial
+            # block lost is enough, and the next trial waits twice as long
+            if behind and (self._behind or self._trial):
+                self.mode = _RECENCY
+                self._blocks_in_recency = 0
+                if self._trial:
+                    self._retry = min(2 * self._retry, _MAX_BACKOFF * self.duel_retry)
+            elif self._trial:
+                self._retry = self.duel_retry
+            self._trial = False
+            self._behind = behind
+            return
+        self._blocks_in_recency += 1
+        if self._blocks_in_recency >= self._retry:
+            self.mode = _LEARNED  # a trial block: kept unless LRU wins it
+            self._trial = True
+
+    # -- the finer buckets --------------------------------------------------------------
+    def _bucket_count(self, answer_buckets: int) -> int:
+        return 2 * answer_buckets + len(self.hint_edges) + 1
+
+    def _bucket(self, meta: KVMeta, now: float) -> int:
+        if meta.next_turn is not None:
+            gap = max(0.0, meta.next_turn - meta.last_access)
+            return 2 * self._answer_buckets + bisect.bisect_right(self.hint_edges, gap)
+        answer = bisect.bisect_right(self.answer_edges, meta.prev_answer_tokens)
+        return answer + self._answer_buckets if meta.tool_call else answer
+
+    def _rank_key(self, seen: _Seen, meta: KVMeta) -> int:
+        return self._rank_key_of(seen.bucket, meta)
+
+    def _rank_key_of(self, bucket: int, meta: KVMeta) -> int:
+        priority = max(-_PRIORITY_SPAN, min(_PRIORITY_SPAN, meta.priority))
+        if priority == 0:
+            return bucket
+        return bucket + self._buckets * (priority + _PRIORITY_SPAN + 1)
+
+    def _score(self, session: str) -> float:
+        score = super()._score(session)
+        rank = self._seen[session].rank
+        if rank < self._buckets:
+            return score
+        priority = rank // self._buckets - _PRIORITY_SPAN - 1
+        return score * 2.0**priority

@@ -1,0 +1,168 @@
+"""The default eviction ("bidaw"): tool calls and hints learned apart, priority, on_hint,
+and the duel with LRU."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tieredkv.meta import KVMeta, MetadataChannel, TierInfo
+from tieredkv.policies import AdaptiveBidaw, BidawEviction, Hinted
+
+GB = 10**9
+
+
+def meta(
+    session: str,
+    nbytes: int = GB,
+    *,
+    answer: int = 40,
+    turns: int = 1,
+    tool: bool = False,
+    next_turn: float | None = None,
+    priority: int = 0,
+    last: float = 0.0,
+) -> KVMeta:
+    return KVMeta(
+        session=session,
+        tier="host",
+        nbytes=nbytes,
+        turns=turns,
+        prev_answer_tokens=answer,
+        tool_call=tool,
+        next_turn=next_turn,
+        priority=priority,
+        last_access=last,
+    )
+
+
+def learn(p: AdaptiveBidaw, rounds: int, *, tool_signal: bool) -> None:
+    """The same 40-token answers: people come back after all the others (~3 C of traffic),
+    tool calls after ~0.3 C (at C = 40 GB). The tool flag is given only with
+    ``tool_signal``. Nothing is admitted: only what the policy learns is looked at."""
+    rng = random.Random(2)
+    users = [f"u{i}" for i in range(120)]
+    tools = {u: i < 5 for i, u in enumerate(users)}
+    due = {u: rng.uniform(0, 300) for u in users}
+    turns = dict.fromkeys(users, 0)
+    traffic = 0.0
+    for t in range(rounds):
+        u = min(due, key=due.__getitem__)
+        traffic = max(traffic, due[u]) + 1
+        turns[u] += 1
+        p.on_access(u, meta(u, turns=turns[u], tool=tools[u] and tool_signal), float(t))
+        due[u] = traffic + (rng.uniform(8, 16) if tools[u] else rng.uniform(250, 350))
+
+
+def test_tool_calls_are_learned_apart_from_answers_of_the_same_length() -> None:
+    p = AdaptiveBidaw(capacity=40 * GB, refresh_every=64)
+    learn(p, 6000, tool_signal=True)
+    answer, tool = p.bucket_of(40), p.bucket_of(40) + len(p.answer_edges) + 1
+    assert p.kind_of(answer) == "answer"
+    assert p.kind_of(tool) == "tool"
+    people, agents = p.observed(answer), p.observed(tool)
+    assert people
+    assert agents
+    assert sorted(agents)[len(agents) // 2] < 0.5 * 40 * GB < sorted(people)[len(people) // 2]
+    table_tool, table_people = p.table(tool), p.table(answer)
+    assert table_tool is not None
+    assert table_people is not None
+    assert table_tool[0] > 0.9 > table_people[0]  # a fresh tool call: back within C
+    # the paper's policy, on the same stream, has one bucket for both
+    paper = BidawEviction(capacity=40 * GB, refresh_every=64)
+    learn(paper, 6000, tool_signal=True)  # type: ignore[arg-type]
+    mixed = paper.observed(paper.bucket_of(40))
+    assert len(mixed) == len(people) + len(agents)
+
+
+def test_a_hint_is_learned_by_its_class_and_a_late_hint_moves_the_session() -> None:
+    p = AdaptiveBidaw(capacity=10 * GB)
+    assert isinstance(p, Hinted)
+    p.on_access("a", meta("a", next_turn=100.0, last=0.0), 0.0)  # hinted: 100 s
+    hinted = 2 * (len(p.answer_edges) + 1) + 6  # the class [64, 128) s
+    assert p._seen["a"].bucket == hinted
+    p.on_admit("a", meta("a"), 0.0)
+    p.on_hint("a", meta("a", tool=True, last=0.0), 5.0)  # hint withdrawn: a tool call
+    assert p.kind_of(p._seen["a"].bucket) == "tool"
+    p.on_hint("nobody", meta("nobody", next_turn=3.0), 5.0)  # unknown: ignored
+    assert "nobody" not in p._seen
+
+
+def test_priority_weighs_the_score() -> None:
+    view = MetadataChannel([TierInfo(name="host", level=0, capacity=40 * GB)])
+    p = AdaptiveBidaw(capacity=40 * GB, refresh_every=64, duel_block=10**9)  # learned order
+    learn(p, 3000, tool_signal=True)
+    # three fresh tool calls, alike but for their priority (the oldest first)
+    for i, (s, prio) in enumerate((("high", 2), ("mid", 0), ("low", -2))):
+        m = meta(s, priority=prio, tool=True)
+        view.put(m)
+        p.on_access(s, m, 3000.0 + i)
+        p.on_admit(s, m, 3000.0 + i)
+    potentials = {s: p.potential(s) for s in ("high", "mid", "low")}
+    assert len(set(potentials.values())) == 1
+    assert potentials["low"]
+    assert p.victims(GB, 3003.0, view) == ["low"]
+    assert p.victims(3 * GB, 3003.0, view) == ["low", "mid", "high"]
+
+
+def test_the_duel_hands_eviction_to_lru_order_and_back() -> None:
+    view = MetadataChannel([TierInfo(name="host", level=0, capacity=3 * GB)])
+    p = AdaptiveBidaw(capacity=3 * GB, duel_block=10, duel_retry=2)
+    for i, s in enumerate("abc"):
+        m = meta(s, turns=1)
+        view.put(m)
+        p.on_access(s, m, float(i))
+        p.on_admit(s, m, float(i))
+    p.on_access("a", meta("a", turns=1), 3.0)  # a is now the most recent
+    for _ in range(10):  # one block lost to the shadow: not enough
+        p._score_duel(False, True)
+    assert p.mode == "learned"
+    for _ in range(10):  # a second in a row
+        p._score_duel(False, True)
+    assert p.mode == "recency"
+    assert p.victims(2 * GB, 4.0, view) == ["b", "c"]
+    view.update("b", pinned_until=10.0)
+    assert p.victims(2 * GB, 4.0, view) == ["c", "a"]
+    assert p.victims(3 * GB, 4.0, view) is None
+    for _ in range(20):  # two blocks in LRU order: a trial of the learned order
+        p._score_duel(True, True)
+    assert p.mode == "learned"
+    for _ in range(10):  # the trial lost: back at once, and the next trial waits longer
+        p._score_duel(False, True)
+    assert p.mode == "recency"
+    for _ in range(20):
+        p._score_duel(True, True)
+    assert p.mode == "recency"
+    for _ in range(20):  # four blocks
+        p._score_duel(True, True)
+    assert p.mode == "learned"
+    for _ in range(10):  # a trial won: the learned order stays
+        p._score_duel(True, True)
+    assert p.mode == "learned"
+    for _ in range(10):  # one block lost outside a trial is not enough
+        p._score_duel(False, True)
+    assert p.mode == "learned"
+
+
+def test_bad_parameters_say_what_to_fix() -> None:
+    with pytest.raises(ValueError, match="hint_edges must be positive"):
+        AdaptiveBidaw(hint_edges=(4, 2))
+    with pytest.raises(ValueError, match="duel_block"):
+        AdaptiveBidaw(duel_block=0)
+
+
+def test_the_duel_counts_a_promoted_miss_as_a_miss() -> None:
+    """The live cache promotes a miss before it notifies the load's access: the policy
+    must not count it as its own hit."""
+    p = AdaptiveBidaw(capacity=10 * GB, duel_block=10**9)
+    p.on_access("a", meta("a", turns=1), 0.0)  # append of turn 1
+    p.on_admit("a", meta("a", turns=1), 0.0)
+    p.on_access("a", meta("a", turns=1), 1.0)  # load of turn 2: resident, a hit
+    assert p._duel == [1, 1, 1]
+    p.on_access("a", meta("a", turns=2), 2.0)  # append of turn 2 (no reuse counted)
+    p.on_remove("a")  # demoted
+    p.on_access("b", meta("b", turns=1), 3.0)
+    p.on_admit("a", meta("a", turns=2), 4.0)  # promoted for its load...
+    p.on_access("a", meta("a", turns=2), 4.0)  # ...which is a miss
+    assert p._duel == [2, 1, 2]
