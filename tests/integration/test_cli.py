@@ -73,7 +73,19 @@ BAD_ARGUMENTS = [
     (["reproduce", "--rate", "0"], "--rate must be a positive number (got 0)"),
     (["reproduce", "--slo", "0"], "--slo must be a positive number (got 0)"),
     (["reproduce", "--eviction", "lru"], "unrecognized arguments: --eviction lru"),
-]
+    # a generated workload's users (rate x minutes) are bounded, refused before any memory
+    (["simulate", "--minutes", "1e6"], "--minutes/--rate: 25 users/min for 1e+06 minutes is "
+     "25,000,000 users; a generated workload holds at most 200,000 in memory (lower the rate "
+     "or the minutes)"),
+    (["simulate", "--rate", "1e9"], "--minutes/--rate: 1e+09 users/min for 40 minutes is "
+     "40,000,000,000 users; a generated workload holds at most 200,000"),
+    (["simulate", "--rate", "1e308", "--minutes", "1e308"], "is inf users; a generated"),
+    (["simulate", "--workload", "sharegpt", "--minutes", "1e6"], "holds at most 200,000"),
+    (["reproduce", "--minutes", "1e6"], "--minutes/--rates/--rate: 40 users/min for 1e+06 "
+     "minutes is 40,000,000 users"),
+    (["reproduce", "--rates", "5,1e12"], "1e+12 users/min for 40 minutes"),
+    (["reproduce", "--rate", "1e12"], "1e+12 users/min for 40 minutes"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -274,3 +286,32 @@ def test_simulate_scheduler_replaces_every_systems_scheduler(
     out = capsys.readouterr().out
     assert out.count("\ncachedattention ") == 1
     assert out.count("\nflashgen ") == 1
+
+
+def test_a_degenerate_run_says_so(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """0.01 minutes of arrivals is one user at any rate: every system serves it alike (every
+    latency 0, every throughput the highest rate), and the run says the results mean
+    nothing, on standard error first, and under the table and in the report."""
+    note = (
+        "degenerate run: 1 user at 25 users/min for 0.01 minutes, too few to load the GPU, "
+        "host memory or SSD, so every system serves them alike and the latencies and "
+        "throughputs say nothing about caching; give at least 10 users (--minutes 1 or more "
+        "at this rate)"
+    )
+    argv = ["simulate", "--minutes", "0.01", "--systems", "vllm,ideal", "--no-progress"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.err == f"tieredkv simulate: {note}\n"
+    assert captured.out.rstrip().endswith(f"\n\nD{note[1:]}.")
+    out = tmp_path / "report"
+    argv = ["reproduce", "--minutes", "0.01", "--rates", "5,25", "--systems", "vllm,bidaw",
+            "--no-progress", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"tieredkv reproduce: {note}\n")
+    assert f"\n{note}.\n" in captured.out
+    assert f"**D{note[1:]}.**" in (out / "report.md").read_text()
+    # 10 users is enough to say nothing
+    assert main(["simulate", "--minutes", "0.4", "--systems", "ideal", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert "degenerate" not in captured.out + captured.err

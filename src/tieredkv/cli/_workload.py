@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from ..sim.engine import SimConfig
     from ..sim.workloads import WorkloadSpec
 
-__all__ = ["add_workload_command", "check_common", "check_traces", "setup"]
+__all__ = ["add_workload_command", "check_common", "check_size", "check_traces", "setup"]
 
 
 def add_workload_command(sub: argparse._SubParsersAction[Parser], name: str, help: str) -> Parser:
@@ -64,6 +64,26 @@ def check_common(args: argparse.Namespace) -> None:
         raise Invalid("--systems names no system (give presets separated by commas)")
     for name in systems:
         preset(get_system, name, "--systems")
+
+
+def check_size(args: argparse.Namespace, rates: list[float], flags: str) -> None:
+    """A generated workload's users at the highest of ``rates`` (``rate * minutes``) within
+    :data:`~tieredkv.sim.workloads.MAX_USERS`, checked before any work starts."""
+    from ..sim.workloads import generated_users
+
+    if args.workload in ("synthetic", "sharegpt") and rates:
+        try:
+            generated_users(max(rates), args.minutes)
+        except ValueError as exc:
+            raise Invalid(f"{flags}: {exc}") from None
+
+
+def degenerate(args: argparse.Namespace, rates: list[float]) -> str | None:
+    """The note of a degenerate run at the highest of ``rates`` (see
+    :func:`~tieredkv.sim.workloads.degenerate_note`)."""
+    from ..sim.workloads import degenerate_note
+
+    return degenerate_note(args.workload, max(rates), args.minutes) if rates else None
 
 
 def check_traces(args: argparse.Namespace) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 from .calibration import calibration_rows, paper_setup
 from .config import SimConfig, steady_state
 from .plots import save_figures
+from .workloads import degenerate_note
 
 if TYPE_CHECKING:
     from .report import ReproduceReport
@@ -83,8 +84,14 @@ def summary_table(report: ReproduceReport) -> str:
 
 def summary_note(report: ReproduceReport) -> str | None:
     """A plain note under the summary when no throughput of it says anything about
-    caching: the ideal system (all KV in host memory) misses the SLO at every swept rate
-    (``None`` otherwise, or when the ideal did not run)."""
+    caching: a degenerate run (too few users at the highest rate:
+    :func:`~tieredkv.sim.workloads.degenerate_note`), or the ideal system (all KV in host
+    memory) missing the SLO at every swept rate (``None`` otherwise, or when the ideal did
+    not run)."""
+    wl = report.options.workload
+    few = degenerate_note(wl.kind, max([*report.rates, report.reference_rate]), wl.minutes)
+    if few is not None:
+        return few
     ideal = report.sweep.get("ideal")
     if not ideal or any(r.latency_mean <= report.slo for r in ideal):
         return None
