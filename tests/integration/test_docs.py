@@ -114,6 +114,39 @@ def test_the_install_line_names_the_extras_the_code_needs(page: Path) -> None:
             )
 
 
+_INDEX_INSTALL = re.compile(r"pip install\b[^\n]*?(?<![\w./-])['\"]?tieredkv\b(?![\w/-])")
+"""``pip install tieredkv`` / ``'tieredkv[extra]'``: a package index has no tieredkv."""
+
+
+def test_no_page_installs_tieredkv_from_a_package_index() -> None:
+    """tieredkv is installed from a checkout (``pip install -e '.[extra]'``) or from the
+    wheel it builds (docs/how-to/install.md), never by name from an index."""
+    pages = [DOCS.parent / "README.md", *sorted(DOCS.rglob("*.md"))]
+    found = [
+        f"{page.relative_to(DOCS.parent)}: {m.group(0)}"
+        for page in pages
+        for m in _INDEX_INSTALL.finditer(page.read_text())
+    ]
+    assert found == []
+
+
+def test_the_index_install_pattern_finds_what_fails_and_passes_what_works() -> None:
+    for fails in (
+        "pip install 'tieredkv[plots]'",
+        "pip install tieredkv[redis]",
+        "pip install tieredkv",
+        'pip install -q "tieredkv[vllm,transformers]"',
+    ):
+        assert _INDEX_INSTALL.search(fails), fails
+    for works in (
+        "pip install -e '.[plots]'",
+        "pip install 'dist/tieredkv-0.1.0-py3-none-any.whl[plots]'",
+        "pip install -e .",
+        "pip install build twine",
+    ):
+        assert not _INDEX_INSTALL.search(works), works
+
+
 def _run(
     blocks: list[str], tmp_path: Path, *, engine: bool = False
 ) -> subprocess.CompletedProcess[str]:

@@ -129,5 +129,8 @@ def reproduce_command(args: argparse.Namespace, argv: Sequence[str] | None) -> i
         print(f"\n{note}.")
     print(f"\nreport: {path} ({report.seconds:.0f} s)")
     if not report.plots:
-        print("plots skipped: matplotlib is not installed (pip install 'tieredkv[plots]')")
+        print(
+            "plots skipped: matplotlib is not installed (the plots extra: pip install -e "
+            "'.[plots]' in a checkout, or pip install matplotlib)"
+        )
     return 0

