@@ -147,6 +147,63 @@ def test_the_index_install_pattern_finds_what_fails_and_passes_what_works() -> N
         assert not _INDEX_INSTALL.search(works), works
 
 
+_FILE_BLOCK = re.compile(r"^```python (\S+)\n(.*?)^```", re.DOTALL | re.MULTILINE)
+"""A block that is a file (its path after the language): the page says to save it there."""
+
+
+def test_the_tier_contract_kit_runs_on_a_tier_in_a_folder_of_its_own(tmp_path: Path) -> None:
+    """write-a-tier's separate folder, as a reader makes it from the page: its tier passes
+    the contract kit (tieredkv.testing) when the page's command runs its tests."""
+    page = DOCS / "how-to" / "write-a-tier.md"
+    text = page.read_text()
+    files = dict(_FILE_BLOCK.findall(text))
+    assert sorted(files) == ["my-tier/my_tier.py", "my-tier/test_my_tier.py"]
+    for name, body in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(body)
+    assert "\n    python -m pytest my-tier -q\n" in text
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "my-tier", "-q", "-p", "no:cacheprovider", "-s"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    from tieredkv.testing import CHECKS
+
+    assert f"{len(CHECKS)} checks passed" in result.stdout
+    assert "1 passed" in result.stdout
+
+
+def test_the_readme_and_reproduce_the_paper_give_the_same_timings() -> None:
+    """Both pages time ``tieredkv reproduce``: with the same figures, in the same words."""
+
+    def timing(text: str) -> str:
+        flat = " ".join(text.split())
+        start = flat.index("The reproduction's wall time depends on how busy")
+        return flat[start : flat.index("(`/usr/bin/time", start)]
+
+    readme = (DOCS.parent / "README.md").read_text()
+    howto = (DOCS / "how-to" / "reproduce-the-paper.md").read_text()
+    assert timing(readme) == timing(howto)
+
+
+_ISSUE = re.compile(r"\bissues? #?\d+|\(#\d+\)", re.IGNORECASE)
+
+
+def test_user_docs_cite_no_issue_numbers() -> None:
+    """The docs say what the code does; a reader has no issue tracker to look things up in."""
+    pages = [DOCS.parent / "README.md", *sorted(DOCS.rglob("*.md"))]
+    found = [
+        f"{page.relative_to(DOCS.parent)}: {m.group(0)}"
+        for page in pages
+        for m in _ISSUE.finditer(page.read_text())
+    ]
+    assert found == []
+
+
 def _run(
     blocks: list[str], tmp_path: Path, *, engine: bool = False
 ) -> subprocess.CompletedProcess[str]:
