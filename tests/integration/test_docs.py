@@ -190,6 +190,23 @@ def test_the_readme_and_reproduce_the_paper_give_the_same_timings() -> None:
     assert timing(readme) == timing(howto)
 
 
+def test_the_api_reference_gives_each_cache_method_its_parts() -> None:
+    """docs/reference/api.md, as a reference: each entry of the cache gives the signature,
+    then its parameters or returns, what it raises, and an example."""
+    text = (DOCS / "reference" / "api.md").read_text()
+    section = text[text.index("## The cache\n") : text.index("## The metadata channel")]
+    entries = re.split(r"^### ", section, flags=re.M)[1:]
+    names = [e.split("\n", 1)[0] for e in entries]
+    for method in ("append", "load", "load_into", "prefetch", "drop", "stats", "aclose"):
+        assert f"`{method}`" in names
+    for entry in entries:
+        if entry.startswith("Other methods"):
+            continue
+        assert "**Raises**" in entry, entry[:40]
+        assert "**Example**" in entry, entry[:40]
+        assert "**Parameters**" in entry or "**Returns**" in entry, entry[:40]
+
+
 _ISSUE = re.compile(r"\bissues? #?\d+|\(#\d+\)", re.IGNORECASE)
 
 
