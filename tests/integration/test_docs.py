@@ -191,14 +191,17 @@ def test_the_readme_and_reproduce_the_paper_give_the_same_timings() -> None:
 
 
 def test_the_api_reference_gives_each_cache_method_its_parts() -> None:
-    """docs/reference/api.md, as a reference: each entry of the cache gives the signature,
-    then its parameters or returns, what it raises, and an example."""
+    """docs/reference/api.md, as a reference: each entry of the cache and the tiers gives
+    the signature, then its parameters or returns, what it raises, and an example."""
     text = (DOCS / "reference" / "api.md").read_text()
     section = text[text.index("## The cache\n") : text.index("## The metadata channel")]
-    entries = re.split(r"^### ", section, flags=re.M)[1:]
+    tiers = text[text.index("## Tiers\n") : text.index("## Serving loop")]
+    entries = re.split(r"^### ", section + tiers, flags=re.M)[1:]
     names = [e.split("\n", 1)[0] for e in entries]
     for method in ("append", "load", "load_into", "prefetch", "drop", "stats", "aclose"):
         assert f"`{method}`" in names
+    for tier in ("HostMemoryTier", "SSDTier", "MmapTier", "register_tier"):
+        assert f"`{tier}`" in names
     for entry in entries:
         if entry.startswith("Other methods"):
             continue
