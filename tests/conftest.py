@@ -10,6 +10,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -35,13 +36,27 @@ _BLOCKING = (
     "posix_fallocate",
     "ftruncate",
 )
-_PKG = os.sep + "tieredkv" + os.sep
+
+
+def _in_library(module: object) -> bool:
+    """Whether a frame's module (its globals' ``__name__``) is tieredkv's own code. By package
+    name, not by path: a clone named ``tieredkv`` puts pytest's own files (in its ``.venv``)
+    under a ``/tieredkv/`` directory too. ``tieredkv.testing`` is the tier contract kit, test
+    code that inspects a tier's files directly."""
+    if not isinstance(module, str):
+        return False
+    if module == "tieredkv.testing" or module.startswith("tieredkv.testing."):
+        return False
+    return module == "tieredkv" or module.startswith("tieredkv.")
 
 
 def _caller_in_tieredkv() -> list[str] | None:
-    stack = traceback.extract_stack()[:-2]
-    if any(_PKG in frame.filename and "tests" + os.sep not in frame.filename for frame in stack):
-        return traceback.format_list(stack[-6:])
+    caller = sys._getframe(2)  # the frame that called the guarded os function
+    frame: FrameType | None = caller
+    while frame is not None:
+        if _in_library(frame.f_globals.get("__name__")):
+            return traceback.format_list(traceback.extract_stack(caller)[-6:])
+        frame = frame.f_back
     return None
 
 

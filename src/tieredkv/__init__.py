@@ -40,6 +40,7 @@ _EXPORTS = {
     "HistoryConflictError": ".errors",
     "CommitDelayedError": ".errors",
     "TurnRefusedError": ".errors",
+    "UnauthenticatedWriterError": ".errors",
     "UnknownPolicyError": ".errors",
     "Event": ".meta",
     "KVMeta": ".meta",
@@ -120,6 +121,7 @@ if TYPE_CHECKING:
     from .errors import TieredKVError as TieredKVError
     from .errors import TierIOError as TierIOError
     from .errors import TurnRefusedError as TurnRefusedError
+    from .errors import UnauthenticatedWriterError as UnauthenticatedWriterError
     from .errors import UnknownPolicyError as UnknownPolicyError
     from .meta import Demoted as Demoted
     from .meta import Dropped as Dropped

@@ -13,6 +13,7 @@ import functools
 import math
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -24,8 +25,15 @@ from .backends.base import Tier
 from .backends.memory import HostMemoryTier
 from .backends.ssd import SSDTier
 from .cache import TieredKVCache
+from .sim.progress import ProgressBar
 
-__all__ = ["run_demo"]
+__all__ = ["LONG_STEPS", "WIDE", "run_demo"]
+
+WIDE = 20
+"""Above this many conversations a row names where its own conversation is, not every
+conversation's place, and a count per tier ends the run."""
+LONG_STEPS = 100
+"""Turns (conversations x turns) from which the demo shows its progress and time left."""
 
 _LAYERS, _HEADS, _HEAD_DIM = 4, 8, 64  # a small model's KV: 4 KiB per token in fp16
 
@@ -46,6 +54,7 @@ async def run_demo(
     echo: bool = True,
     metrics_port: int | None = None,
     linger: float = 0.0,
+    progress: bool = True,
 ) -> dict[str, int]:
     """Run the demo; return the cache's hit/miss counters.
 
@@ -60,12 +69,17 @@ async def run_demo(
     :param echo: print the tables
     :param metrics_port: serve the cache's Prometheus metrics on this port (``0``: any free
         one) during the demo (needs ``tieredkv[metrics]``); the URL is printed
+    :param progress: with ``echo``, draw a progress bar with the time left on standard error
+        for a demo of :data:`LONG_STEPS` turns or more
     :param linger: seconds to keep the cache open and its metrics served after the run
         (``math.inf``: until cancelled, e.g. by Ctrl-C)
     """
     say = print if echo else (lambda *a, **k: None)
     rng = np.random.default_rng(seed)
     history: dict[str, list[torch.Tensor]] = {}
+    steps = conversations * turns
+    # a long demo: the time left, on standard error
+    bar = ProgressBar("tieredkv demo", enabled=echo and progress and steps >= LONG_STEPS)
     async with _ssd_directory(directory) as where:
         ssd = SSDTier(where, 256 << 20)
         tiers: list[Tier] = [HostMemoryTier(host_bytes), ssd]
@@ -84,7 +98,7 @@ async def run_demo(
             order = [c for _ in range(turns) for c in range(conversations)]
             rng.shuffle(order)
             done = dict.fromkeys(range(conversations), 0)
-            for c in order:
+            for step, c in enumerate(order, 1):
                 turn = done[c]
                 done[c] += 1
                 session = f"conversation-{c}"
@@ -98,11 +112,24 @@ async def run_demo(
                 kv = _turn_kv(rng, query + answer)
                 history.setdefault(session, []).append(kv["kv"])
                 meta = await cache.append(session, kv, answer_tokens=answer)
-                placement = "  ".join(
-                    f"c{i}:{(cache.where(f'conversation-{i}') or '-')[:4]}"
-                    for i in range(conversations)
-                )
+                if conversations <= WIDE:
+                    placement = "  ".join(
+                        f"c{i}:{(cache.where(f'conversation-{i}') or '-')[:4]}"
+                        for i in range(conversations)
+                    )
+                else:  # a cell per conversation would make each row thousands wide
+                    placement = cache.where(session) or "-"
                 say(f"{turn:>4}  {session:<12} {meta.tokens:>6}  {came_from:<12}  {placement}")
+                bar(step / steps)
+            bar.close()
+            if conversations > WIDE:
+                count = Counter(
+                    cache.where(f"conversation-{i}") or "evicted" for i in range(conversations)
+                )
+                say(
+                    f"\nwhere the {conversations:,} conversations are: "
+                    + ", ".join(f"{name} {n:,}" for name, n in sorted(count.items()))
+                )
             stats = cache.stats()
             say(
                 f"\nloads: {stats.loads}  host hits: {stats.hits}  misses (served from SSD): "
@@ -119,16 +146,20 @@ async def run_demo(
                     f"read {t.bytes_read:>11,} B  written {t.bytes_written:>11,} B"
                 )
             say("\nevery load matched what was appended, byte for byte")
-            if keep:
-                say(
-                    f"the SSD tier's files are kept in {where} (what is in host memory at the "
-                    f"end is not: it ends with the process); check them: tieredkv fsck {where}"
-                )
             if url is not None and linger > 0:
                 until = "until Ctrl-C" if math.isinf(linger) else f"for {linger:g} s"
                 say(f"serving the metrics at {url} {until}", flush=True)
                 await anyio.sleep(linger)
-            return {"hits": stats.hits, "misses": stats.misses, "loads": stats.loads}
+        if keep:  # after the close, which wrote host memory's conversations down
+            closed = cache.stats()
+            unsaved = f"; {closed.unsaved:,} did not fit and are lost" if closed.unsaved else ""
+            say(
+                f"the SSD tier's files are kept in {where}: closing the cache wrote the "
+                f"{closed.written_down:,} conversation(s) only host memory held down to the "
+                f"SSD tier{unsaved} (a crash instead of a close loses those); check them: "
+                f"tieredkv fsck {where}"
+            )
+        return {"hits": stats.hits, "misses": stats.misses, "loads": stats.loads}
 
 
 @contextlib.asynccontextmanager

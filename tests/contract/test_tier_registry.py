@@ -1,7 +1,7 @@
 """The tier registry: every kind built from a configuration passes the tier contract, and a
 bad configuration fails with an error naming the key, before anything is built.
 
-The contract's own tests (:mod:`tests.contract.test_tier_contract`) run here again over
+The contract kit's checks (:mod:`tieredkv.testing`, a selection) run here again over
 tiers that :func:`~tieredkv.backends.registry.tier_from_config` built from plain dicts,
 as a JSON file or the vLLM connector's extra config would hold them; Redis is a real
 ``redis-server`` (:mod:`tests.redis_server`).
@@ -9,6 +9,7 @@ as a JSON file or the vLLM connector's extra config would hold them; Redis is a 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from tieredkv.backends.registry import (
 )
 from tieredkv.backends.ssd import segment_file_name
 from tieredkv.errors import InvalidArgumentError, InvalidTypeError, TieredKVError
+from tieredkv.testing import CHECKS, Check, run_check
 
 CAPACITY = contract.CAPACITY
 
@@ -68,15 +70,35 @@ async def tier(kind: str, tmp_path: Path) -> AsyncIterator[Tier]:
 
 # The contract, over the registry's tiers (these use this module's ``kind`` and ``tier``).
 test_every_tier_implements_the_protocol = contract.test_every_tier_implements_the_protocol
-test_write_then_read_into_is_byte_exact = contract.test_write_then_read_into_is_byte_exact
-test_segments_of_different_sessions_stay_apart = (
-    contract.test_segments_of_different_sessions_stay_apart
-)
-test_contains_and_length_follow_commit = contract.test_contains_and_length_follow_commit
-test_reserve_beyond_capacity_returns_false = contract.test_reserve_beyond_capacity_returns_false
-test_delete_frees_space = contract.test_delete_frees_space
-test_stats_counters_are_exact = contract.test_stats_counters_are_exact
-test_use_after_aclose_raises_closed_error = contract.test_use_after_aclose_raises_closed_error
+
+REGISTRY_CHECKS = [
+    check
+    for check in CHECKS
+    if check.__name__
+    in {
+        "write_then_read_is_byte_exact",
+        "sessions_stay_apart",
+        "contains_and_length_follow_commit",
+        "reserve_beyond_capacity_returns_false",
+        "delete_frees_space",
+        "stats_counters_are_exact",
+        "use_after_aclose_raises_closed_error",
+    }
+]
+
+
+@pytest.mark.parametrize("check", REGISTRY_CHECKS, ids=[c.__name__ for c in REGISTRY_CHECKS])
+async def test_the_contract_kit_on_tiers_built_from_configurations(
+    kind: str, tmp_path: Path, check: Check
+) -> None:
+    made = itertools.count()
+
+    def make(capacity: int) -> Tier:
+        root = tmp_path / str(next(made))
+        root.mkdir()
+        return tier_from_config(config_of(kind, root, capacity))
+
+    await run_check(check, make, capacity=CAPACITY)
 
 
 # -- what each kind builds -------------------------------------------------------------------

@@ -73,7 +73,19 @@ BAD_ARGUMENTS = [
     (["reproduce", "--rate", "0"], "--rate must be a positive number (got 0)"),
     (["reproduce", "--slo", "0"], "--slo must be a positive number (got 0)"),
     (["reproduce", "--eviction", "lru"], "unrecognized arguments: --eviction lru"),
-]
+    # a generated workload's users (rate x minutes) are bounded, refused before any memory
+    (["simulate", "--minutes", "1e6"], "--minutes/--rate: 25 users/min for 1e+06 minutes is "
+     "25,000,000 users; a generated workload holds at most 200,000 in memory (lower the rate "
+     "or the minutes)"),
+    (["simulate", "--rate", "1e9"], "--minutes/--rate: 1e+09 users/min for 40 minutes is "
+     "40,000,000,000 users; a generated workload holds at most 200,000"),
+    (["simulate", "--rate", "1e308", "--minutes", "1e308"], "is inf users; a generated"),
+    (["simulate", "--workload", "sharegpt", "--minutes", "1e6"], "holds at most 200,000"),
+    (["reproduce", "--minutes", "1e6"], "--minutes/--rates/--rate: 40 users/min for 1e+06 "
+     "minutes is 40,000,000 users"),
+    (["reproduce", "--rates", "5,1e12"], "1e+12 users/min for 40 minutes"),
+    (["reproduce", "--rate", "1e12"], "1e+12 users/min for 40 minutes"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -246,7 +258,8 @@ def test_demo_keep_leaves_a_directory_that_fsck_and_inspect_read(
     kept = tmp_path / "kept"
     assert main(["demo", "--keep", str(kept)]) == 0
     out = capsys.readouterr().out
-    assert f"the SSD tier's files are kept in {kept}" in out
+    assert f"the SSD tier's files are kept in {kept}: closing the cache wrote the " in out
+    assert "only host memory held down to the SSD tier (a crash instead of a close" in out
     assert f"tieredkv fsck {kept}" in out
     assert main(["fsck", str(kept)]) == 0  # clean
     assert capsys.readouterr().out.rstrip().endswith("clean")
@@ -274,3 +287,85 @@ def test_simulate_scheduler_replaces_every_systems_scheduler(
     out = capsys.readouterr().out
     assert out.count("\ncachedattention ") == 1
     assert out.count("\nflashgen ") == 1
+
+
+def test_a_degenerate_run_says_so(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """0.01 minutes of arrivals is one user at any rate: every system serves it alike (every
+    latency 0, every throughput the highest rate), and the run says the results mean
+    nothing, on standard error first, and under the table and in the report."""
+    note = (
+        "degenerate run: 1 user at 25 users/min for 0.01 minutes, too few to load the GPU, "
+        "host memory or SSD, so every system serves them alike and the latencies and "
+        "throughputs say nothing about caching; give at least 10 users (--minutes 1 or more "
+        "at this rate)"
+    )
+    argv = ["simulate", "--minutes", "0.01", "--systems", "vllm,ideal", "--no-progress"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.err == f"tieredkv simulate: {note}\n"
+    assert captured.out.rstrip().endswith(f"\n\nD{note[1:]}.")
+    out = tmp_path / "report"
+    argv = ["reproduce", "--minutes", "0.01", "--rates", "5,25", "--systems", "vllm,bidaw",
+            "--no-progress", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"tieredkv reproduce: {note}\n")
+    assert f"\n{note}.\n" in captured.out
+    assert f"**D{note[1:]}.**" in (out / "report.md").read_text()
+    # 10 users is enough to say nothing
+    assert main(["simulate", "--minutes", "0.4", "--systems", "ideal", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert "degenerate" not in captured.out + captured.err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from tieredkv import __version__
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"tieredkv {__version__}\n"
+
+
+def test_simulate_help_lists_the_presets_and_says_what_seed_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from tieredkv.sim.costmodel import GPUS, MODELS
+    from tieredkv.sim.systems import SYSTEMS
+
+    for command in ("simulate", "reproduce"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+        assert f"--model MODEL model preset: {', '.join(MODELS)} (default opt-13b)" in text
+        assert f"--gpu GPU GPU preset: {', '.join(GPUS)} (default a800)" in text
+        assert f"comma-separated system presets, of: {', '.join(SYSTEMS)} (default: all" in text
+        assert "vllm recomputes each turn's whole history" in text
+        assert "--seed SEED seed of the generated users" in text
+
+
+def test_a_demo_of_many_conversations_keeps_its_rows_short_and_shows_the_time_left(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """25 conversations of 4 turns: a row names its own conversation's place (not 25
+    cells), a count per tier ends the table, and the 100 turns draw a progress bar with
+    the time left on standard error."""
+    assert main(["demo", "--conversations", "25", "--turns", "4", "--host-mb", "2"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    start = lines.index("turn  conversation tokens  history from  where now") + 1
+    rows = lines[start : start + 100]
+    assert all(row.split()[-1] in ("host", "ssd") for row in rows), rows[:3]
+    assert max(len(row) for row in rows) < 60
+    summary = next(line for line in lines if line.startswith("where the 25 conversations"))
+    counts = dict(part.rsplit(" ", 1) for part in summary.split(": ")[1].split(", "))
+    assert sum(int(n) for n in counts.values()) == 25
+    bar = captured.err.splitlines()
+    assert bar[0].startswith("tieredkv demo [")
+    assert any(line.endswith(" s left") for line in bar)
+    assert bar[-1].startswith("tieredkv demo [" + "#" * 30 + "] 100%")
+    # --no-progress, and a short demo, draw none
+    assert main(["demo", "--conversations", "25", "--turns", "4", "--no-progress"]) == 0
+    assert "tieredkv demo [" not in capsys.readouterr().err
+    assert main(["demo"]) == 0
+    assert "tieredkv demo [" not in capsys.readouterr().err

@@ -114,6 +114,116 @@ def test_the_install_line_names_the_extras_the_code_needs(page: Path) -> None:
             )
 
 
+_INDEX_INSTALL = re.compile(r"pip install\b[^\n]*?(?<![\w./-])['\"]?tieredkv\b(?![\w/-])")
+"""``pip install tieredkv`` / ``'tieredkv[extra]'``: a package index has no tieredkv."""
+
+
+def test_no_page_installs_tieredkv_from_a_package_index() -> None:
+    """tieredkv is installed from a checkout (``pip install -e '.[extra]'``) or from the
+    wheel it builds (docs/how-to/install.md), never by name from an index."""
+    pages = [DOCS.parent / "README.md", *sorted(DOCS.rglob("*.md"))]
+    found = [
+        f"{page.relative_to(DOCS.parent)}: {m.group(0)}"
+        for page in pages
+        for m in _INDEX_INSTALL.finditer(page.read_text())
+    ]
+    assert found == []
+
+
+def test_the_index_install_pattern_finds_what_fails_and_passes_what_works() -> None:
+    for fails in (
+        "pip install 'tieredkv[plots]'",
+        "pip install tieredkv[redis]",
+        "pip install tieredkv",
+        'pip install -q "tieredkv[vllm,transformers]"',
+    ):
+        assert _INDEX_INSTALL.search(fails), fails
+    for works in (
+        "pip install -e '.[plots]'",
+        "pip install 'dist/tieredkv-0.1.0-py3-none-any.whl[plots]'",
+        "pip install -e .",
+        "pip install build twine",
+    ):
+        assert not _INDEX_INSTALL.search(works), works
+
+
+_FILE_BLOCK = re.compile(r"^```python (\S+)\n(.*?)^```", re.DOTALL | re.MULTILINE)
+"""A block that is a file (its path after the language): the page says to save it there."""
+
+
+def test_the_tier_contract_kit_runs_on_a_tier_in_a_folder_of_its_own(tmp_path: Path) -> None:
+    """write-a-tier's separate folder, as a reader makes it from the page: its tier passes
+    the contract kit (tieredkv.testing) when the page's command runs its tests."""
+    page = DOCS / "how-to" / "write-a-tier.md"
+    text = page.read_text()
+    files = dict(_FILE_BLOCK.findall(text))
+    assert sorted(files) == ["my-tier/my_tier.py", "my-tier/test_my_tier.py"]
+    for name, body in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(body)
+    assert "\n    python -m pytest my-tier -q\n" in text
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "my-tier", "-q", "-p", "no:cacheprovider", "-s"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    from tieredkv.testing import CHECKS
+
+    assert f"{len(CHECKS)} checks passed" in result.stdout
+    assert "1 passed" in result.stdout
+
+
+def test_the_readme_and_reproduce_the_paper_give_the_same_timings() -> None:
+    """Both pages time ``tieredkv reproduce``: with the same figures, in the same words."""
+
+    def timing(text: str) -> str:
+        flat = " ".join(text.split())
+        start = flat.index("The reproduction's wall time depends on how busy")
+        return flat[start : flat.index("(`/usr/bin/time", start)]
+
+    readme = (DOCS.parent / "README.md").read_text()
+    howto = (DOCS / "how-to" / "reproduce-the-paper.md").read_text()
+    assert timing(readme) == timing(howto)
+
+
+def test_the_api_reference_gives_each_cache_method_its_parts() -> None:
+    """docs/reference/api.md, as a reference: each entry of the cache and the tiers gives
+    the signature, then its parameters or returns, what it raises, and an example."""
+    text = (DOCS / "reference" / "api.md").read_text()
+    section = text[text.index("## The cache\n") : text.index("## The metadata channel")]
+    tiers = text[text.index("## Tiers\n") : text.index("## Serving loop")]
+    entries = re.split(r"^### ", section + tiers, flags=re.M)[1:]
+    names = [e.split("\n", 1)[0] for e in entries]
+    for method in ("append", "load", "load_into", "prefetch", "drop", "stats", "aclose"):
+        assert f"`{method}`" in names
+    for tier in ("HostMemoryTier", "SSDTier", "MmapTier", "register_tier"):
+        assert f"`{tier}`" in names
+    for entry in entries:
+        if entry.startswith("Other methods"):
+            continue
+        assert "**Raises**" in entry, entry[:40]
+        assert "**Example**" in entry, entry[:40]
+        assert "**Parameters**" in entry or "**Returns**" in entry, entry[:40]
+
+
+_ISSUE = re.compile(r"\bissues? #?\d+|\(#\d+\)", re.IGNORECASE)
+
+
+def test_user_docs_cite_no_issue_numbers() -> None:
+    """The docs say what the code does; a reader has no issue tracker to look things up in."""
+    pages = [DOCS.parent / "README.md", *sorted(DOCS.rglob("*.md"))]
+    found = [
+        f"{page.relative_to(DOCS.parent)}: {m.group(0)}"
+        for page in pages
+        for m in _ISSUE.finditer(page.read_text())
+    ]
+    assert found == []
+
+
 def _run(
     blocks: list[str], tmp_path: Path, *, engine: bool = False
 ) -> subprocess.CompletedProcess[str]:

@@ -181,7 +181,7 @@ def test_reproduce_writes_the_report(
         assert "latency_vs_rate.png" in text
     else:
         assert pngs == []
-        assert "pip install 'tieredkv[plots]'" in text
+        assert "`pip install -e '.[plots]'` in a checkout" in text
     assert "| bidaw |" in capsys.readouterr().out
 
 

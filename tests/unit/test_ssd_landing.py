@@ -17,6 +17,7 @@ from tests.faults import FaultInjector
 from tests.invariants import problems
 from tieredkv import SSDTier, TieredKVCache
 from tieredkv._cache.gather import Scatter
+from tieredkv._cache.outputs import POOLED_MIN_BYTES
 from tieredkv.backends.base import LandingConsumer
 from tieredkv.backends.ssd import segment_file_name
 from tieredkv.errors import SessionNotFoundError, TierIOError
@@ -32,8 +33,10 @@ page-aligned, keeps its span from landing)."""
 def turns(n: int, *, dim: int = 0, rows: int = 128) -> list[dict[str, torch.Tensor]]:
     """``n`` turns of four fp16 tensors of ``rows`` tokens and more (2 KiB per token: 256 KiB
     and more at the default), an int8 one (too small to land) and an empty one. A history
-    of them is over 1 MiB per tensor, so a load's outputs come from the cache's pool of
-    page-aligned memory (smaller ones are ``torch.empty``'s, not aligned for O_DIRECT)."""
+    of four or more is over 1 MiB per tensor (``POOLED_MIN_BYTES``), so a load's outputs
+    come from the cache's pool of page-aligned memory; a shorter one's come from
+    ``torch.empty``, whose 64-byte alignment lands a span in O_DIRECT's 512-byte alignment
+    only by chance: a test that needs spans to land loads :data:`LANDS`."""
     g = torch.Generator().manual_seed(n)
     out = []
     for t in range(n):
@@ -47,6 +50,10 @@ def turns(n: int, *, dim: int = 0, rows: int = 128) -> list[dict[str, torch.Tens
         turn["empty"] = torch.empty(shape(0))
         out.append(turn)
     return out
+
+
+LANDS = 4
+"""Turns whose history is large enough for its spans to land (see :func:`turns`)."""
 
 
 def joined(parts: list[dict[str, torch.Tensor]], dim: int = 0) -> dict[str, torch.Tensor]:
@@ -79,6 +86,13 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> type[Counting]:
     Counting.consumed = Counting.landed_asked = 0
     monkeypatch.setattr("tieredkv._cache.tierio.Scatter", Counting)
     return Counting
+
+
+def test_a_history_of_lands_turns_comes_from_the_pool() -> None:
+    """The tests that count landed spans load a history whose large outputs are pooled
+    (page-aligned): with fewer turns they come from ``torch.empty`` and land by chance."""
+    assert joined(turns(LANDS))["l0"].nbytes >= POOLED_MIN_BYTES
+    assert joined(turns(LANDS - 1))["l0"].nbytes < POOLED_MIN_BYTES
 
 
 def test_large_tensors_are_placed_for_landing() -> None:
@@ -169,7 +183,7 @@ async def test_damage_in_a_landed_tensor_is_caught(
     """A flipped byte in the middle of a large tensor of the second segment: the checksum
     covers what landed in the outputs, so the load is a counted miss (the damaged history
     is never returned) and the file is quarantined."""
-    parts = turns(3)
+    parts = turns(LANDS)
     async with TieredKVCache(
         [SSDTier(tmp_path, CAPACITY, chunk_size=SPAN, secret=secret)]
     ) as cache:
@@ -192,7 +206,7 @@ async def test_an_io_error_in_a_landed_read_is_a_tier_error(
 ) -> None:
     """EIO from the ``preadv`` of a landed span: TierIOError, nothing deleted, and the
     next load returns the history exactly."""
-    parts = turns(3)
+    parts = turns(LANDS)
     async with TieredKVCache([SSDTier(tmp_path, CAPACITY, chunk_size=SPAN)]) as cache:
         for i, part in enumerate(parts):
             await cache.append("s", part, answer_tokens=i)
@@ -229,7 +243,7 @@ async def test_an_io_error_at_each_os_call_of_a_landed_load_loses_nothing(
     """Fail each os call of a landed load in turn: the load raises (a miss or an I/O error)
     or returns the exact history, the cache stays consistent, and whatever is still stored
     loads back exactly."""
-    parts = turns(3)
+    parts = turns(LANDS)
     want = joined(parts)
     async with TieredKVCache([SSDTier(tmp_path, CAPACITY, chunk_size=SPAN)]) as cache:
         for i, part in enumerate(parts):

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from .._version import __version__
 from ..errors import TieredKVError
 from ._args import Invalid, Parser, glue_negative_values
 from ._costs import add_costs, check_costs, costs_command
@@ -38,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="tieredkv",
         description="Tiered KV caching for multi-turn LLM serving (Bidaw, FAST'26).",
     )
+    parser.add_argument("--version", action="version", version=f"tieredkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_demo(sub)
     add_simulate(sub)

@@ -31,6 +31,12 @@ def add_demo(sub: argparse._SubParsersAction[Parser]) -> None:
         "'tieredkv fsck DIR' or 'tieredkv inspect DIR' (default: a temporary folder, removed)",
     )
     p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="draw no progress bar (a demo of 100 turns or more draws one, with the time "
+        "left, on standard error)",
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         help="serve Prometheus metrics on this port (0: any free one) during the demo and "
@@ -52,7 +58,8 @@ def check_demo(args: argparse.Namespace) -> None:
             import prometheus_client  # noqa: F401
         except ModuleNotFoundError:
             raise Invalid(
-                "--metrics-port needs prometheus-client: pip install 'tieredkv[metrics]'"
+                "--metrics-port needs prometheus-client (the metrics extra: pip install -e "
+                "'.[metrics]' in a checkout, or pip install prometheus-client)"
             ) from None
 
 
@@ -85,6 +92,7 @@ def demo_command(args: argparse.Namespace) -> int:
                     keep=args.keep is not None,
                     metrics_port=port,
                     linger=math.inf if port is not None else 0.0,
+                    progress=not args.no_progress,
                 )
             )
         except KeyboardInterrupt:

@@ -8,7 +8,14 @@ import sys
 from collections.abc import Sequence
 
 from ._args import Invalid, Parser, at_least, positive, writable_folder
-from ._workload import add_workload_command, check_common, check_traces, setup
+from ._workload import (
+    add_workload_command,
+    check_common,
+    check_size,
+    check_traces,
+    degenerate,
+    setup,
+)
 
 __all__ = ["add_reproduce", "check_reproduce", "reproduce_command"]
 
@@ -51,6 +58,7 @@ def check_reproduce(args: argparse.Namespace) -> None:
         positive(args.slo, "--slo")
     if args.jobs is not None:
         at_least(args.jobs, 1, "--jobs")
+    check_size(args, _swept(args), "--minutes/--rates/--rate")
     check_traces(args)
     _check_out(args.out)
 
@@ -68,6 +76,14 @@ def _rates(text: str | None) -> tuple[float, ...] | None:
     if not rates:
         raise Invalid("--rates names no rate (give users per minute separated by commas)")
     return rates
+
+
+def _swept(args: argparse.Namespace) -> list[float]:
+    """The rates a generated workload runs at: the sweep and the reference rate."""
+    from ..sim.report import SYNTHETIC_RATES
+
+    rates = list(_rates(args.rates) or SYNTHETIC_RATES)
+    return rates if args.rate is None else [*rates, args.rate]
 
 
 def _check_out(out: str) -> None:
@@ -90,6 +106,9 @@ def reproduce_command(args: argparse.Namespace, argv: Sequence[str] | None) -> i
     native = workload.native_rate()
     if native is not None:
         print(f"the trace carries {native:.2f} users per minute", file=sys.stderr)
+    few = degenerate(args, _swept(args))
+    if few is not None:
+        print(f"tieredkv reproduce: {few}", file=sys.stderr)
     options = ReproduceOptions(
         workload=workload,
         config=config,
@@ -110,5 +129,8 @@ def reproduce_command(args: argparse.Namespace, argv: Sequence[str] | None) -> i
         print(f"\n{note}.")
     print(f"\nreport: {path} ({report.seconds:.0f} s)")
     if not report.plots:
-        print("plots skipped: matplotlib is not installed (pip install 'tieredkv[plots]')")
+        print(
+            "plots skipped: matplotlib is not installed (the plots extra: pip install -e "
+            "'.[plots]' in a checkout, or pip install matplotlib)"
+        )
     return 0

@@ -6,9 +6,19 @@ import argparse
 import sys
 
 from ._args import Parser, policy, positive
-from ._workload import add_workload_command, check_common, check_traces, setup
+from ._workload import (
+    add_workload_command,
+    check_common,
+    check_size,
+    check_traces,
+    degenerate,
+    setup,
+)
 
-__all__ = ["add_simulate", "check_simulate", "simulate_command"]
+__all__ = ["DEFAULT_RATE", "add_simulate", "check_simulate", "simulate_command"]
+
+DEFAULT_RATE = 25.0
+"""Users per minute of a generated workload when ``--rate`` is not given."""
 
 
 def add_simulate(sub: argparse._SubParsersAction[Parser]) -> None:
@@ -48,6 +58,7 @@ def check_simulate(args: argparse.Namespace) -> None:
         positive(args.rate, "--rate")
     policy(make_scheduler, args.scheduler, "--scheduler")
     policy(make_eviction, args.eviction, "--eviction")
+    check_size(args, [args.rate if args.rate is not None else DEFAULT_RATE], "--minutes/--rate")
     check_traces(args)
 
 
@@ -79,7 +90,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     if args.rate is not None:
         rate = args.rate
     elif native is None:
-        rate = 25.0
+        rate = DEFAULT_RATE
     else:  # a trace: a rate where one GPU keeps up with it (the ideal meets the SLO)
         rate, _, met = ideal_rate(workload, config)
         chosen = (
@@ -88,6 +99,9 @@ def simulate_command(args: argparse.Namespace) -> int:
             if met
             else " (the trace's native rate / 256: even there the ideal system misses the SLO)"
         )
+    few = degenerate(args, [rate])
+    if few is not None:
+        print(f"tieredkv simulate: {few}", file=sys.stderr)
     turns = workload.turns(rate)
     slo = workload_slo(workload, turns)
     rows = []
@@ -142,4 +156,6 @@ def simulate_command(args: argparse.Namespace) -> int:
         )
         if note is not None:
             print(f"\n{note}.")
+        if few is not None:
+            print(f"\n{few[0].upper()}{few[1:]}.")
     return 0

@@ -15,7 +15,24 @@ if TYPE_CHECKING:
     from ..sim.engine import SimConfig
     from ..sim.workloads import WorkloadSpec
 
-__all__ = ["add_workload_command", "check_common", "check_traces", "setup"]
+MODEL_PRESETS = ("opt-6.7b", "opt-13b", "opt-30b", "qwen-7b", "qwen-14b", "llama-3-8b")
+"""``tieredkv.sim.costmodel.MODELS``' names, for the help text (importing the simulator
+takes seconds: a test checks that the two agree)."""
+GPU_PRESETS = ("a800", "h100", "h200")
+"""``tieredkv.sim.costmodel.GPUS``' names (checked by a test, like :data:`MODEL_PRESETS`)."""
+SYSTEM_PRESETS = ("vllm", "cachedattention", "flashgen", "bidaw", "ideal")
+"""``tieredkv.sim.systems.SYSTEMS``' names (checked by a test, like :data:`MODEL_PRESETS`)."""
+
+__all__ = [
+    "GPU_PRESETS",
+    "MODEL_PRESETS",
+    "SYSTEM_PRESETS",
+    "add_workload_command",
+    "check_common",
+    "check_size",
+    "check_traces",
+    "setup",
+]
 
 
 def add_workload_command(sub: argparse._SubParsersAction[Parser], name: str, help: str) -> Parser:
@@ -35,15 +52,29 @@ def add_workload_command(sub: argparse._SubParsersAction[Parser], name: str, hel
     p.add_argument(
         "--minutes", type=float, default=40.0, help="minutes of user arrivals (generated workloads)"
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default="opt-13b", help="model preset (default opt-13b)")
-    p.add_argument("--gpu", default="a800", help="GPU preset: a800 (default), h100, h200")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the generated users (arrivals, turns, lengths) and of a trace's user "
+        "sampling; the same seed gives the same workload (default 0)",
+    )
+    p.add_argument(
+        "--model",
+        default="opt-13b",
+        help=f"model preset: {', '.join(MODEL_PRESETS)} (default opt-13b)",
+    )
+    p.add_argument(
+        "--gpu", default="a800", help=f"GPU preset: {', '.join(GPU_PRESETS)} (default a800)"
+    )
     p.add_argument("--host-mem", type=float, default=200.0, help="host memory, GB (default 200)")
     p.add_argument("--ssd-bw", type=float, default=1.5, help="SSD bandwidth, GB/s (default 1.5)")
     p.add_argument(
         "--systems",
-        default="vllm,cachedattention,flashgen,bidaw,ideal",
-        help="comma-separated system presets",
+        default=",".join(SYSTEM_PRESETS),
+        help=f"comma-separated system presets, of: {', '.join(SYSTEM_PRESETS)} (default: all "
+        "of them); vllm recomputes each turn's whole history (no KV kept between turns), "
+        "ideal has all KV in host memory and never waits for the SSD",
     )
     return p
 
@@ -64,6 +95,26 @@ def check_common(args: argparse.Namespace) -> None:
         raise Invalid("--systems names no system (give presets separated by commas)")
     for name in systems:
         preset(get_system, name, "--systems")
+
+
+def check_size(args: argparse.Namespace, rates: list[float], flags: str) -> None:
+    """A generated workload's users at the highest of ``rates`` (``rate * minutes``) within
+    :data:`~tieredkv.sim.workloads.MAX_USERS`, checked before any work starts."""
+    from ..sim.workloads import generated_users
+
+    if args.workload in ("synthetic", "sharegpt") and rates:
+        try:
+            generated_users(max(rates), args.minutes)
+        except ValueError as exc:
+            raise Invalid(f"{flags}: {exc}") from None
+
+
+def degenerate(args: argparse.Namespace, rates: list[float]) -> str | None:
+    """The note of a degenerate run at the highest of ``rates`` (see
+    :func:`~tieredkv.sim.workloads.degenerate_note`)."""
+    from ..sim.workloads import degenerate_note
+
+    return degenerate_note(args.workload, max(rates), args.minutes) if rates else None
 
 
 def check_traces(args: argparse.Namespace) -> None:

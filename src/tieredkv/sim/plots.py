@@ -10,7 +10,29 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .report import ReproduceReport
 
-__all__ = ["figures", "save_figures"]
+__all__ = ["SYSTEM_COLORS", "figures", "save_figures", "system_color"]
+
+SYSTEM_COLORS = {
+    "vllm": "tab:blue",
+    "cachedattention": "tab:orange",
+    "flashgen": "tab:green",
+    "bidaw": "tab:red",
+    "ideal": "tab:purple",
+}
+"""Each preset's color in every figure (the order of matplotlib's default cycle, so the
+latency figure of the five presets looks as it always did)."""
+
+_OTHER_COLORS = ("tab:brown", "tab:pink", "tab:gray", "tab:olive", "tab:cyan")
+
+
+def system_color(name: str, others: list[str]) -> str:
+    """``name``'s color: a preset's own (:data:`SYSTEM_COLORS`), else the next of a few
+    others in the order ``others`` first met them (pass one list per report)."""
+    if name in SYSTEM_COLORS:
+        return SYSTEM_COLORS[name]
+    if name not in others:
+        others.append(name)
+    return _OTHER_COLORS[others.index(name) % len(_OTHER_COLORS)]
 
 
 def save_figures(report: ReproduceReport, out: Path) -> list[str]:
@@ -45,12 +67,14 @@ def figures(report: ReproduceReport) -> Iterator[tuple[str, Any]]:
     import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
 
     rates = list(report.rates)
+    others: list[str] = []
     per_rate = "arrival rate (users per minute)"
     where = f"{report.options.config.model}, {report.options.config.host_gb:g} GB host memory"
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for name, results in report.sweep.items():
-        ax.plot(rates, [r.latency_mean for r in results], marker="o", label=name)
+        color = system_color(name, others)
+        ax.plot(rates, [r.latency_mean for r in results], marker="o", label=name, color=color)
     ax.axhline(report.slo, color="grey", linestyle="--", linewidth=1, label=f"SLO {report.slo:g} s")
     ax.set_yscale("log")
     ax.set_xlabel(per_rate)
@@ -70,7 +94,8 @@ def figures(report: ReproduceReport) -> Iterator[tuple[str, Any]]:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for name, results in report.sweep.items():
-        ax.plot(rates, [max(r.queueing_mean, 1e-3) for r in results], marker="o", label=name)
+        queueing = [max(r.queueing_mean, 1e-3) for r in results]
+        ax.plot(rates, queueing, marker="o", label=name, color=system_color(name, others))
     ax.set_yscale("log")
     ax.set_xlabel(per_rate)
     ax.set_ylabel("mean queueing time (s, log scale)")
@@ -80,7 +105,12 @@ def figures(report: ReproduceReport) -> Iterator[tuple[str, Any]]:
 
     fig, ax = plt.subplots(figsize=(7.2, 3.8))
     steps = list(report.ablation)
-    ax.barh(steps[::-1], [report.ablation[s][1] for s in steps][::-1], color="tab:green")
+    # the first step is CachedAttention and the last Bidaw: their colors; the steps between
+    colors = [
+        SYSTEM_COLORS["bidaw"] if s.endswith("(bidaw)") else SYSTEM_COLORS.get(s, "tab:olive")
+        for s in steps
+    ]
+    ax.barh(steps[::-1], [report.ablation[s][1] for s in steps][::-1], color=colors[::-1])
     ax.set_xlabel(f"throughput (users per minute at mean latency <= {report.slo:g} s)")
     ax.set_ylabel("configuration")
     ax.set_title("Ablation: Bidaw's mechanisms added one by one")
@@ -92,7 +122,8 @@ def figures(report: ReproduceReport) -> Iterator[tuple[str, Any]]:
     ):
         fig, ax = plt.subplots(figsize=(6.0, 3.8))
         for name, per in data.items():
-            ax.plot(list(per), list(per.values()), marker="o", label=name)
+            color = system_color(name, others)
+            ax.plot(list(per), list(per.values()), marker="o", label=name, color=color)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(f"throughput (users per minute at <= {report.slo:g} s)")
         ax.set_title(f"Throughput vs {what}")

@@ -15,6 +15,7 @@ import numpy as np
 from .calibration import calibration_rows, paper_setup
 from .config import SimConfig, steady_state
 from .plots import save_figures
+from .workloads import degenerate_note
 
 if TYPE_CHECKING:
     from .report import ReproduceReport
@@ -83,8 +84,14 @@ def summary_table(report: ReproduceReport) -> str:
 
 def summary_note(report: ReproduceReport) -> str | None:
     """A plain note under the summary when no throughput of it says anything about
-    caching: the ideal system (all KV in host memory) misses the SLO at every swept rate
-    (``None`` otherwise, or when the ideal did not run)."""
+    caching: a degenerate run (too few users at the highest rate:
+    :func:`~tieredkv.sim.workloads.degenerate_note`), or the ideal system (all KV in host
+    memory) missing the SLO at every swept rate (``None`` otherwise, or when the ideal did
+    not run)."""
+    wl = report.options.workload
+    few = degenerate_note(wl.kind, max([*report.rates, report.reference_rate]), wl.minutes)
+    if few is not None:
+        return few
     ideal = report.sweep.get("ideal")
     if not ideal or any(r.latency_mean <= report.slo for r in ideal):
         return None
@@ -115,7 +122,8 @@ def render_markdown(report: ReproduceReport, command: str) -> str:
     if not plots:
         out.append(
             "Plots were not drawn: matplotlib is not installed "
-            "(`pip install 'tieredkv[plots]'` and run again). Tables only.\n"
+            "(the plots extra: `pip install -e '.[plots]'` in a checkout, or "
+            "`pip install matplotlib`, and run again). Tables only.\n"
         )
     wl = o.workload
     source = wl.kind if not wl.paths else f"{wl.kind} ({', '.join(wl.paths)})"
@@ -145,6 +153,7 @@ def render_markdown(report: ReproduceReport, command: str) -> str:
             ],
         )
     )
+    out.append(_systems_section(report))
     out.append(_shape_section(report))
     out.append("\nLoad: mean live KV (K/V bytes of every active conversation) per rate.\n")
     out.append(
@@ -271,6 +280,22 @@ def render_markdown(report: ReproduceReport, command: str) -> str:
             [[s, *per.values()] for s, per in report.ssd_bandwidth.items()],
         )
     )
+    flat = [s for s, per in report.ssd_bandwidth.items() if len(set(per.values())) == 1]
+    if flat and len(o.ssd_bandwidths) > 1:
+        out.append(
+            f"\n{', '.join(flat)}: the same throughput at every bandwidth. A flat line means "
+            "the SSD does not limit that system here: at the lowest bandwidth it already "
+            "loads what it needs while the GPU computes, and the GPU sets the rate (or the "
+            "system met the SLO at every swept rate: sweep higher --rates)."
+            + (
+                " The paper measures Bidaw gaining 27.8 -> 30.4 users/min from 1.5 to 5 GB/s; "
+                + _doc_link("the simulator", "calibration-against-the-papers-figures")
+                + " says why this model does not."
+                if "bidaw" in flat
+                else ""
+            )
+            + "\n"
+        )
 
     out.append("\n\n## 7. Reuse distance vs previous answer length\n")
     out.append(fig("reuse_distance.png", "reuse distance lower bound vs answer length"))
@@ -291,6 +316,45 @@ def render_markdown(report: ReproduceReport, command: str) -> str:
     )
     out.append("")
     return "\n".join(out)
+
+
+SYSTEM_MEANINGS = {
+    "vllm": "vLLM without a KV cache between turns: each turn recomputes (prefills) the "
+    "conversation's whole history",
+    "cachedattention": "CachedAttention (ATC'24): host memory and SSD, FCFS with loads "
+    "prefetched for the next 30 queued requests, queue-aware eviction",
+    "flashgen": "FlashGen: host memory and SSD, inclusive (write-through), loads on demand "
+    "while the GPU waits, LRU",
+    "bidaw": "Bidaw (FAST'26): host memory and SSD, the I/O-aware dual-queue scheduler, "
+    "eviction by the previous answer's length, storage-efficient tensors",
+    "ideal": "an upper bound, not a system: every history stays in host memory (unbounded) "
+    "and no turn waits for the SSD; only the GPU's compute limits it",
+}
+"""What each preset stands for, in the report's words (docs/explanation/simulator.md has
+the details)."""
+
+
+def _doc_link(text: str, anchor: str = "") -> str:
+    """A Markdown link to docs/explanation/simulator.md: to the file in this checkout where
+    the installed package is one (the report is written anywhere), else the path in the
+    repository."""
+    rel = "docs/explanation/simulator.md"
+    page = Path(__file__).resolve().parents[3] / rel
+    target = page.as_uri() if page.is_file() else rel
+    return f"[{text}]({target}{'#' + anchor if anchor else ''}) (`{rel}`)"
+
+
+def _systems_section(report: ReproduceReport) -> str:
+    """What each system of the run is (for a preset) or is made of."""
+    names = list(dict.fromkeys([*report.options.systems, *report.options.sensitivity_systems]))
+    rows = [[n, SYSTEM_MEANINGS.get(n, "a system of your own (SystemSpec)")] for n in names]
+    return (
+        "\nSystems compared (their models: "
+        + _doc_link("the simulator", "systems")
+        + "):\n\n"
+        + _table(["system", "what it is"], rows)
+        + "\n"
+    )
 
 
 _SHAPE_ROWS = (

@@ -1,5 +1,5 @@
 """``tieredkv reproduce``: the paper's experiments on one workload, as a Markdown report
-with PNG plots (plots need matplotlib: ``pip install 'tieredkv[plots]'``).
+with PNG plots (plots need matplotlib, the ``plots`` extra).
 
 Experiments (each a section, a table and a figure):
 
@@ -37,7 +37,7 @@ from .saturation import PAPER_SLO, default_slo, workload_slo
 from .sweep import Job, curve_throughput, run_curves
 from .synthetic import SyntheticWorkload, describe
 from .systems import ABLATIONS, SystemSpec, get_system
-from .workloads import WorkloadSpec
+from .workloads import WorkloadSpec, generated_users
 
 __all__ = [
     "SYNTHETIC_RATES",
@@ -182,7 +182,7 @@ def reproduce(
     ref_turns = wl.turns(ref)
     shape = {"workload": describe(ref_turns)}
     if wl.kind != "synthetic":
-        users = max(1, round(ref * wl.minutes))
+        users = generated_users(ref, wl.minutes)
         synthetic = SyntheticWorkload(users=users, arrival_rate=ref / 60, seed=wl.seed)
         shape["synthetic"] = describe(synthetic.generate())
     slo = opts.slo if opts.slo is not None else workload_slo(wl, ref_turns)

