@@ -29,7 +29,7 @@ from ...policies.registry import make_scheduler
 from ...policies.scheduling import Request, kv_needs_load
 from .config import ConnectorConfig
 from .index import PrefixIndex, read_sidecars
-from .keys import session_key
+from .keys import PLAIN, RequestKeys, session_key
 from .ops import LoadOp, SaveOp, StepPlan, WorkerReport
 from .worker import HOST, REDIS, SSD, decode_meta, sidecar_dir
 
@@ -93,7 +93,7 @@ class SchedulerSide:
         if directory is not None:
             now = clock()
             for sidecar in read_sidecars(directory, fp):
-                hashes = self.index.hashes(sidecar.tokens)
+                hashes = self.index.hashes(sidecar.tokens, sidecar.keys)
                 if not hashes:
                     continue
                 self.index.put(sidecar.session, hashes)
@@ -112,10 +112,11 @@ class SchedulerSide:
 
     # -- matching ------------------------------------------------------------------------
     def match(
-        self, req_id: str, tokens: Sequence[int], local_tokens: int
+        self, req_id: str, tokens: Sequence[int], local_tokens: int, keys: RequestKeys = PLAIN
     ) -> tuple[int | None, bool]:
         """Tokens of this prompt beyond ``local_tokens`` that a stored conversation holds,
-        and whether they load asynchronously (the history is below host memory).
+        and whether they load asynchronously (the history is below host memory). Only a
+        history stored under the same ``keys`` (adapter, salt, multimodal inputs) matches.
 
         The last prompt token is never counted (vLLM must compute at least one), and a
         request whose load failed once is never offered a load again (it recomputes:
@@ -126,7 +127,7 @@ class SchedulerSide:
         self._matches.pop(req_id, None)
         if req_id in self._failed or not (len(self.index) or self._pending_saves):
             return 0, False
-        hashes = self.index.hashes(tokens[: max(0, len(tokens) - 1)])
+        hashes = self.index.hashes(tokens[: max(0, len(tokens) - 1)], keys)
         if self._continues_a_pending_save(req_id, hashes):
             return None, False
         session, blocks = self.index.match(hashes)
@@ -209,6 +210,7 @@ class SchedulerSide:
         block_ids: Sequence[int],
         computed: int,
         answer_tokens: int,
+        keys: RequestKeys = PLAIN,
     ) -> bool:
         """A request finished with KV for its first ``computed`` tokens in ``block_ids``.
 
@@ -223,7 +225,7 @@ class SchedulerSide:
         end = min(computed, len(tokens) - 1, len(block_ids) * self.block_size) // self.block_size
         if end <= 0:
             return False
-        hashes = self.index.hashes(tokens[: end * self.block_size])
+        hashes = self.index.hashes(tokens[: end * self.block_size], keys)
         session, blocks = self.index.match(hashes)
         if session is not None and blocks == self.index.blocks(session):
             start = blocks  # it continues the whole stored conversation
@@ -242,6 +244,7 @@ class SchedulerSide:
                 end=end,
                 tokens=tuple(tokens[: end * self.block_size]),
                 answer_tokens=answer_tokens,
+                keys=keys.prefix(end),
             )
         )
         self._pending_saves[req_id] = (session, hashes)
