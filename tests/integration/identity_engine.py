@@ -12,6 +12,7 @@ with ``keep`` the conversation continues with that prompt and the answer.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,6 +48,7 @@ class Spec(msgspec.Struct, kw_only=True):
     adapters: dict[str, str] = {}
     max_tokens: int = 8
     gap: float = 1.0
+    tensor_parallel_size: int = 1
 
 
 class Answer(msgspec.Struct, kw_only=True):
@@ -88,6 +90,8 @@ def run(spec: Spec) -> Result:
         max_model_len=2048,
         enforce_eager=True,
         seed=0,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        distributed_executor_backend="mp" if spec.tensor_parallel_size > 1 else None,
     )
     adapters = {
         name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(spec.adapters.items())
@@ -123,6 +127,29 @@ def run(spec: Spec) -> Result:
         time.sleep(spec.gap)  # the turns just answered are stored in the background
     del llm
     return Result(rounds=out, prompts=prompts)
+
+
+def run_engine(spec: Spec, work: Path, env: dict[str, str] | None = None) -> Result:
+    """Run the spec's engine in a fresh interpreter (this script) and return its result.
+
+    :raises RuntimeError: if the engine failed (its output's tail is in the message)
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    spec_path, out_path = work / "spec.json", work / "result.json"
+    spec_path.write_bytes(msgspec.json.encode(spec))
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), str(spec_path), str(out_path)],
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if proc.returncode != 0 or not out_path.exists():
+        tail = (proc.stdout + proc.stderr)[-12000:]
+        raise RuntimeError(f"the vLLM engine run failed (exit {proc.returncode}):\n{tail}")
+    return msgspec.json.decode(out_path.read_bytes(), type=Result)
 
 
 def main(argv: list[str]) -> int:

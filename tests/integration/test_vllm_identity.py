@@ -15,24 +15,19 @@ model is saved over the same directory, nothing stored before is served.
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from tests.vllm_support import require_vllm, tiny_model
 
 require_vllm()
 
-from tests.integration.identity_engine import Answer, Ask, Result, Spec  # noqa: E402
+from tests.integration.identity_engine import Answer, Ask, Result, Spec, run_engine  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32
 HIDDEN, KV_HEADS, HEAD = 256, 2, 64
 
@@ -71,24 +66,7 @@ def lora_adapter(directory: Path, seed: int, rank: int = 8) -> Path:
 
 
 def run(spec: Spec, work: Path) -> Result:
-    """Run the spec's engine in a fresh interpreter (``identity_engine.py``)."""
-    work.mkdir(parents=True, exist_ok=True)
-    spec_path, out_path = work / "spec.json", work / "result.json"
-    spec_path.write_bytes(msgspec.json.encode(spec))
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("identity_engine.py")), spec_path, out_path],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    if proc.returncode != 0 or not out_path.exists():
-        tail = (proc.stdout + proc.stderr)[-12000:]
-        raise RuntimeError(f"the vLLM engine run failed (exit {proc.returncode}):\n{tail}")
-    return msgspec.json.decode(out_path.read_bytes(), type=Result)
+    return run_engine(spec, work)
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
