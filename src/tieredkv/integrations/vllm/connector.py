@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...errors import InvalidArgumentError
 from .config import ConnectorConfig, parse_config
+from .events import KVEvents
 from .keys import (
     PLAIN,
     FilesDigests,
@@ -46,6 +48,7 @@ from .worker import LayerStream, WorkerStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -261,6 +264,10 @@ class TieredKVConnector(KVConnectorBase_V1):
         self.fp = model_fingerprint(vllm_config, kv_cache_config, self.config.model_id)
         self._digests = FilesDigests()
         self._keys: dict[str, RequestKeys | None] = {}
+        events = vllm_config.kv_events_config
+        self._events: KVEvents | None = None
+        if role == KVConnectorRole.SCHEDULER and events and events.enable_kv_cache_events:
+            self._events = KVEvents(self.block_size)
         self._scheduler: SchedulerSide | None = None
         self._store: WorkerStore | None = None
         self._load_errors: set[int] = set()
@@ -353,6 +360,25 @@ class TieredKVConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         report = meta.report if isinstance(meta, TieredKVWorkerMetadata) else None
         self._scheduler.update(report, set(connector_output.failed_recving or ()))
+        if self._events is not None:
+            self._events.update(report)
+
+    def _announce(self, request: Request) -> None:
+        """Keep vLLM's block hashes of a turn being saved, for its events."""
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        assert self._events is not None
+        lora = request.lora_request
+        self._events.finishing(
+            request.request_id,
+            [maybe_convert_block_hash(h) for h in request.block_hashes],
+            request.all_token_ids,
+            lora.lora_int_id if lora else None,
+            lora.lora_name if lora else None,
+        )
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return () if self._events is None else self._events.take()
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -368,6 +394,8 @@ class TieredKVConnector(KVConnectorBase_V1):
             request.num_output_tokens,
             keys or PLAIN,
         )
+        if self._events is not None and delay:
+            self._announce(request)
         return delay, None
 
     # -- worker side ---------------------------------------------------------------------
