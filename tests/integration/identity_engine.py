@@ -172,13 +172,13 @@ class Subscriber:
             except zmq.Again:
                 continue
             for e in decoder.decode(payload).events:
-                hashes = [h.hex() if isinstance(h, bytes) else h for h in e.block_hashes]
                 if isinstance(e, BlockStored):
-                    parent = e.parent_block_hash
-                    parent = parent.hex() if isinstance(parent, bytes) else parent
+                    hashes = [_hex(h) for h in e.block_hashes]
+                    parent = _hex(e.parent_block_hash)
                     event = ["stored", e.medium, e.ownership, hashes, parent, e.token_ids]
                     self.events.append(event)
                 elif isinstance(e, BlockRemoved):
+                    hashes = [_hex(h) for h in e.block_hashes]
                     self.events.append(["removed", e.medium, e.ownership, hashes, None, []])
 
     def stop(self) -> list[Any]:
@@ -187,6 +187,10 @@ class Subscriber:
         self._sock.close(linger=0)
         self._ctx.term()
         return self.events
+
+
+def _hex(h: bytes | int | None) -> str | int | None:
+    return h.hex() if isinstance(h, bytes) else h
 
 
 def run_engine(spec: Spec, work: Path, env: dict[str, str] | None = None) -> Result:
