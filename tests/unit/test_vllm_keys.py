@@ -184,11 +184,16 @@ def test_a_lagging_sidecar_of_a_multimodal_engine_is_dropped_not_rebuilt(
         store = WorkerStore(cfg, FP, BS, per_block_keys=per_block)
         store.open({name: torch.randn(16, 2, BS, 8) for name in LAYERS})
         tokens = tuple(range(100, 116))
-        store.save(SaveOp("r1", session, (3, 5), 0, 2, tokens[:8], 1, keys))
-        store.save(SaveOp("r2", session, (3, 5, 6, 7), 2, 4, tokens, 1, keys))
-        store.wait_idle()
-        assert [ok for _, ok in store.finished_saves()] == [True, True]
-        store.close()
+        try:
+            for op in (
+                SaveOp("r1", session, (3, 5), 0, 2, tokens[:8], 1, keys),
+                SaveOp("r2", session, (3, 5, 6, 7), 2, 4, tokens, 1, keys),
+            ):
+                store.save(op)
+                store.wait_idle()
+                assert [ok for _, ok in store.finished_saves()] == [True]
+        finally:
+            store.close()
         write_sidecar(  # the crash: the second turn's sidecar was not written
             root / "index",
             Sidecar(
