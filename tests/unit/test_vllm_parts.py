@@ -25,7 +25,7 @@ from tieredkv.integrations.vllm.worker import HOST, SSD, WorkerStore
 
 BS = 4  # tokens per block
 FP = fingerprint(
-    model="m", revision=None, dtype="float32", kv_dtype="auto", block_size=BS, layout="L2"
+    model="m", identity="id:m", dtype="float32", kv_dtype="auto", block_size=BS, layout="L2"
 )
 
 
@@ -63,7 +63,7 @@ def test_bad_config_names_the_key(extra: dict[str, object], named: str) -> None:
 def test_fingerprint_separates_model_dtype_block_size_and_layout() -> None:
     base: dict[str, Any] = {
         "model": "m",
-        "revision": None,
+        "identity": "id:m",
         "dtype": "float32",
         "kv_dtype": "auto",
         "block_size": 16,
@@ -75,7 +75,7 @@ def test_fingerprint_separates_model_dtype_block_size_and_layout() -> None:
         {"kv_dtype": "fp8"},
         {"block_size": 32},
         {"layout": "L3"},
-        {"revision": "r1"},
+        {"identity": "files:0123"},
     ]
     fps = {fingerprint(**{**base, **v}) for v in variants}
     fps.add(fingerprint(**base))

@@ -11,10 +11,10 @@ machine install ``vllm`` itself). Select it with::
     )
 
 The how-to (``docs/how-to/serve-with-vllm.md``) has the keys, ``vllm serve`` and what is
-measured. The parts: :mod:`.config` (the keys), :mod:`.keys` (fingerprints and prefix
-hashes), :mod:`.index` (the scheduler side's index and its sidecars), :mod:`.scheduler`
-(the scheduler side), :mod:`.worker` (the worker side and its cache), :mod:`.connector`
-(the vLLM API).
+measured. The parts: :mod:`.config` (the keys), :mod:`.keys` (the model's and the
+request's identity, prefix hashes), :mod:`.index` (the scheduler side's index and its
+sidecars), :mod:`.scheduler` (the scheduler side), :mod:`.worker` (the worker side and its
+cache), :mod:`.events` (KV events for routers), :mod:`.connector` (the vLLM API).
 """
 
 from __future__ import annotations

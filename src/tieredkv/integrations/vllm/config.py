@@ -1,8 +1,10 @@
 """The connector's settings, read from vLLM's ``kv_connector_extra_config``.
 
-Every key is checked once, where the connector is built (in the scheduler process and in
-each worker alike), and a bad one fails with :class:`~tieredkv.errors.InvalidArgumentError`
-naming the key and what to write instead; nothing is stored before that.
+Every key is checked where the connector is built (in the scheduler process and in each
+worker alike) and, where vLLM asks the connector's class about the config before the
+engine starts (``requires_piecewise_for_cudagraph``, on builds with CUDA graphs), already
+there; a bad one fails with :class:`~tieredkv.errors.InvalidArgumentError` naming the key
+and what to write instead; nothing is stored before that.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
         the default; needs ``layerwise``)
     :param codec: what is stored: ``"kv"`` (vLLM's paged KV blocks, byte for byte; the
         only codec that can run inside vLLM, see the how-to)
+    :param model_id: the model's identity as the operator pins it (a name that changes
+        whenever the weights do); ``None`` (default): a digest of the model directory's
+        weight and config files, computed at start, or a hub model's commit hash
     """
 
     host_bytes: int = 1 << 30
@@ -62,6 +67,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     layerwise: bool = True
     sync_load_bytes: int = 0
     codec: str = "kv"
+    model_id: str | None = None
 
 
 _KEYS = tuple(ConnectorConfig.__struct_fields__)
@@ -99,7 +105,7 @@ def parse_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
             raise InvalidArgumentError(
                 f"kv_connector_extra_config['metrics_port'] must be 0..65535, not {port}"
             )
-    for key in ("ssd_path", "redis_url"):
+    for key in ("ssd_path", "redis_url", "model_id"):
         value = extra.get(key)
         if value is not None and (not isinstance(value, str) or not value):
             raise InvalidArgumentError(

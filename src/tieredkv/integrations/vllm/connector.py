@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,13 +32,23 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...errors import InvalidArgumentError
 from .config import ConnectorConfig, parse_config
-from .keys import fingerprint
+from .events import KVEvents
+from .keys import (
+    PLAIN,
+    FilesDigests,
+    RequestKeys,
+    extra_key_digest,
+    fingerprint,
+    identity_digest,
+    model_identity,
+)
 from .ops import LoadOp, SaveOp, StepPlan, WorkerReport
 from .scheduler import SchedulerSide
 from .worker import LayerStream, WorkerStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -138,8 +149,13 @@ class TieredKVPromMetrics(KVConnectorPromMetrics):
                 per_engine[engine_idx].inc(value)
 
 
-def model_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
-    """What makes this engine's KV blocks interchangeable (see :func:`.keys.fingerprint`)."""
+def model_fingerprint(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_id: str | None = None
+) -> str:
+    """What makes this engine's KV blocks interchangeable (see :func:`.keys.fingerprint`):
+    the model's weights (``model_id`` if the operator pins it, else
+    :func:`.keys.model_identity`), its dtype, quantization and config overrides, the KV
+    dtype, block size and layout."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise InvalidArgumentError(
@@ -155,14 +171,79 @@ def model_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -
         f":pp{parallel.pipeline_parallel_size}"
     )
     model = vllm_config.model_config
+    overrides = model.hf_overrides
+    if callable(overrides):  # a function of the config: its effect is not knowable here
+        overrides = {"callable": getattr(overrides, "__qualname__", repr(overrides))}
+    arithmetic = json.dumps(
+        [str(model.dtype), model.quantization, overrides], sort_keys=True, default=str
+    )
     return fingerprint(
         model=str(model.model),
-        revision=model.revision,
-        dtype=str(model.dtype),
+        identity=model_identity(str(model.model), model.revision, model_id=model_id),
+        dtype=arithmetic,
         kv_dtype=f"{vllm_config.cache_config.cache_dtype}/{getattr(spec, 'dtype', '?')}",
         block_size=vllm_config.cache_config.block_size,
         layout=layout,
     )
+
+
+def request_keys(request: Request, block_size: int, digests: FilesDigests) -> RequestKeys | None:
+    """What besides its tokens keys a request's blocks, from the extra keys vLLM's own
+    prefix cache adds to them (``generate_block_hash_extra_keys``): the LoRA adapter (with
+    a digest of its files added), the ``cache_salt``, and per block its multimodal inputs.
+
+    ``None``, with a log line saying why, for a request that cannot be keyed safely:
+    nothing of it is stored or served. That is one with prompt embeddings (the token ids
+    stored with its KV, which every load compares before it fills a block, are
+    placeholders there) or whose adapter's files cannot be read.
+    """
+    if request.prompt_embeds is not None:
+        _log.info(
+            "tieredkv: not storing or serving %s: its prompt is given as embeddings, whose "
+            "positions have no token ids to check a stored history against",
+            request.request_id,
+        )
+        return None
+    lora = request.lora_request
+    if not lora and not request.cache_salt and not request.mm_features:
+        return PLAIN
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+    whole: list[tuple[Any, ...]] = []
+    extra: list[str] = []
+    blocks = -(-request.num_prompt_tokens // block_size) if request.mm_features else 1
+    try:
+        for i in range(blocks):
+            keys, _ = generate_block_hash_extra_keys(
+                request, i * block_size, (i + 1) * block_size, 0
+            )
+            own = []
+            for key in keys or ():
+                if key[0] == "lora" and lora:
+                    if i == 0:
+                        whole.append((*key, digests.digest(_adapter_path(lora.lora_path))))
+                elif key[0] == "cache_salt":
+                    whole.append(key)
+                else:
+                    own.append(key)
+            extra.append(extra_key_digest(own))
+    except (InvalidArgumentError, OSError, TypeError, ValueError) as exc:
+        _log.warning(
+            "tieredkv: not storing or serving %s: its keys cannot be established (%s)",
+            request.request_id,
+            exc,
+        )
+        return None
+    while extra and not extra[-1]:
+        extra.pop()
+    return RequestKeys(identity_digest(whole), tuple(extra))
+
+
+def _adapter_path(path: str) -> str:
+    """A LoRA adapter's local directory (vLLM resolves a hub name to its download)."""
+    from vllm.lora.utils import get_adapter_absolute_path
+
+    return get_adapter_absolute_path(path)
 
 
 class TieredKVConnector(KVConnectorBase_V1):
@@ -180,7 +261,13 @@ class TieredKVConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.config: ConnectorConfig = parse_config(extra)
         self.block_size: int = vllm_config.cache_config.block_size
-        self.fp = model_fingerprint(vllm_config, kv_cache_config)
+        self.fp = model_fingerprint(vllm_config, kv_cache_config, self.config.model_id)
+        self._digests = FilesDigests()
+        self._keys: dict[str, RequestKeys | None] = {}
+        events = vllm_config.kv_events_config
+        self._events: KVEvents | None = None
+        if role == KVConnectorRole.SCHEDULER and events and events.enable_kv_cache_events:
+            self._events = KVEvents(self.block_size)
         self._scheduler: SchedulerSide | None = None
         self._store: WorkerStore | None = None
         self._load_errors: set[int] = set()
@@ -207,8 +294,18 @@ class TieredKVConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self._store = WorkerStore(
-                self.config, self.fp, self.block_size, rank=get_tensor_model_parallel_rank()
+                self.config,
+                self.fp,
+                self.block_size,
+                rank=get_tensor_model_parallel_rank(),
+                per_block_keys=vllm_config.model_config.is_multimodal_model,
             )
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # vLLM asks this while it builds its config, before the engine starts (on builds
+        # with CUDA graphs): the earliest point a bad config can be refused
+        return parse_config(extra_config).layerwise  # layer hooks cannot run in a graph
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -219,9 +316,19 @@ class TieredKVConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
+        keys = self._request_keys(request)
+        if keys is None:
+            return 0, False
         return self._scheduler.match(
-            request.request_id, request.prompt_token_ids or [], num_computed_tokens
+            request.request_id, request.prompt_token_ids or [], num_computed_tokens, keys
         )
+
+    def _request_keys(self, request: Request) -> RequestKeys | None:
+        """The request's keys besides its tokens (computed once per request), ``None``
+        if it cannot be keyed safely (then nothing of it is stored or served)."""
+        if request.request_id not in self._keys:
+            self._keys[request.request_id] = request_keys(request, self.block_size, self._digests)
+        return self._keys[request.request_id]
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -254,6 +361,8 @@ class TieredKVConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         report = meta.report if isinstance(meta, TieredKVWorkerMetadata) else None
         self._scheduler.update(report, set(connector_output.failed_recving or ()))
+        if self._events is not None:
+            self._events.update(report)
         drained = self._scheduler.drained()
         if drained and not self._drained:
             _log.debug("tieredkv scheduler side drained: %s", self._scheduler_state())
@@ -277,19 +386,41 @@ class TieredKVConnector(KVConnectorBase_V1):
         # fork, that continues it is then served from it
         return self._scheduler is not None and self._scheduler.saving()
 
+    def _announce(self, request: Request) -> None:
+        """Keep vLLM's block hashes of a turn being saved, for its events."""
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        assert self._events is not None
+        lora = request.lora_request
+        self._events.finishing(
+            request.request_id,
+            [maybe_convert_block_hash(h) for h in request.block_hashes],
+            request.all_token_ids,
+            lora.lora_int_id if lora else None,
+            lora.lora_name if lora else None,
+        )
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return () if self._events is None else self._events.take()
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         # every phase of a request ends here, aborts included (see SchedulerSide.finished:
         # a request still waiting for its KV stores nothing and is reported once)
         assert self._scheduler is not None
+        keys = self._request_keys(request)
+        self._keys.pop(request.request_id, None)
         delay = self._scheduler.finished(
             request.request_id,
-            request.all_token_ids,
+            request.all_token_ids if keys is not None else (),
             block_ids,
             min(request.num_computed_tokens, request.num_tokens - 1),
             request.num_output_tokens,
+            keys or PLAIN,
         )
+        if self._events is not None and delay:
+            self._announce(request)
         return delay, None
 
     # -- worker side ---------------------------------------------------------------------

@@ -5,8 +5,8 @@ chained hashes of its block-aligned tokens (:mod:`.keys`), and answers "how many
 blocks of this prompt are stored, and in which conversation". It learns what the worker
 stored from the worker's per-step metadata, and after a restart it reads the same facts
 back from the sidecar files the worker writes next to the SSD tier (one small JSON file
-per conversation: its fingerprint and token ids, written after the KV they describe has
-been committed). A sidecar may lag the stored KV (a crash between the two), never lead
+per conversation: its fingerprint, its keys and token ids, written after the KV they
+describe has been committed). A sidecar may lag the stored KV (a crash between the two), never lead
 it; and a load compares the stored token ids anyway, so a stale entry costs a recompute.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import msgspec
 
-from .keys import block_hashes
+from .keys import PLAIN, RequestKeys, block_hashes
 
 __all__ = ["PrefixIndex", "Sidecar", "read_sidecars", "remove_sidecar", "write_sidecar"]
 
@@ -30,11 +30,20 @@ class Sidecar(msgspec.Struct, frozen=True, kw_only=True):
     :param session: the conversation's key in the cache
     :param fingerprint: the model/dtype/layout fingerprint it was stored under
     :param tokens: the token ids of its stored, block-aligned history
+    :param identity: its requests' identity (:attr:`.keys.RequestKeys.identity`)
+    :param extra: its blocks' own keys (:attr:`.keys.RequestKeys.extra`)
     """
 
     session: str
     fingerprint: str
     tokens: list[int]
+    identity: str = ""
+    extra: list[str] = []
+
+    @property
+    def keys(self) -> RequestKeys:
+        """The keys its blocks were stored under."""
+        return RequestKeys(self.identity, tuple(self.extra))
 
 
 def _sidecar_path(directory: Path, session: str) -> Path:
@@ -97,9 +106,9 @@ class PrefixIndex:
         """Blocks stored for ``session`` (0 if unknown)."""
         return len(self._blocks.get(session, ()))
 
-    def hashes(self, tokens: Sequence[int]) -> list[bytes]:
-        """The chained hashes of the full blocks of ``tokens``."""
-        return block_hashes(self.fp, tokens, self.block_size)
+    def hashes(self, tokens: Sequence[int], keys: RequestKeys = PLAIN) -> list[bytes]:
+        """The chained hashes of the full blocks of ``tokens`` under a request's keys."""
+        return block_hashes(self.fp, tokens, self.block_size, keys)
 
     def match(self, hashes: Sequence[bytes]) -> tuple[str | None, int]:
         """The conversation holding the longest stored prefix of these block hashes.

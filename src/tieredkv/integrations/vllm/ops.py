@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .keys import PLAIN, RequestKeys
+
 __all__ = ["LoadOp", "SaveOp", "StepPlan", "WorkerReport"]
 
 
@@ -49,6 +51,7 @@ class SaveOp:
     :param end: blocks of KV the request computed (full blocks only)
     :param tokens: the request's token ids of blocks ``0 .. end-1``
     :param answer_tokens: tokens the model generated (Bidaw's eviction signal)
+    :param keys: the request's keys besides its tokens (its sidecar records them)
     """
 
     req_id: str
@@ -58,6 +61,7 @@ class SaveOp:
     end: int
     tokens: tuple[int, ...]
     answer_tokens: int
+    keys: RequestKeys = PLAIN
 
 
 @dataclass

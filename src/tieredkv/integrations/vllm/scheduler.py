@@ -30,7 +30,7 @@ from ...policies.registry import make_scheduler
 from ...policies.scheduling import Request, kv_needs_load
 from .config import ConnectorConfig
 from .index import PrefixIndex, read_sidecars
-from .keys import session_key
+from .keys import PLAIN, RequestKeys, session_key
 from .ops import LoadOp, SaveOp, StepPlan, WorkerReport
 from .worker import HOST, REDIS, SSD, decode_meta, sidecar_dir
 
@@ -123,7 +123,7 @@ class SchedulerSide:
         if directory is not None:
             now = clock()
             for sidecar in read_sidecars(directory, fp):
-                hashes = self.index.hashes(sidecar.tokens)
+                hashes = self.index.hashes(sidecar.tokens, sidecar.keys)
                 if not hashes:
                     continue
                 self.index.put(sidecar.session, hashes)
@@ -142,10 +142,11 @@ class SchedulerSide:
 
     # -- matching ------------------------------------------------------------------------
     def match(
-        self, req_id: str, tokens: Sequence[int], local_tokens: int
+        self, req_id: str, tokens: Sequence[int], local_tokens: int, keys: RequestKeys = PLAIN
     ) -> tuple[int | None, bool]:
         """Tokens of this prompt beyond ``local_tokens`` that a stored conversation holds,
-        and whether they load asynchronously (the history is below host memory).
+        and whether they load asynchronously (the history is below host memory). Only a
+        history stored under the same ``keys`` (adapter, salt, multimodal inputs) matches.
 
         The last prompt token is never counted (vLLM must compute at least one), and a
         request whose load failed once is never offered a load again (it recomputes:
@@ -157,7 +158,7 @@ class SchedulerSide:
         self._reqs.pop(req_id, None)  # vLLM asks again (preempted, or a failed load)
         if req_id in self._failed or not (len(self.index) or self._pending_saves):
             return 0, False
-        hashes = self.index.hashes(tokens[: max(0, len(tokens) - 1)])
+        hashes = self.index.hashes(tokens[: max(0, len(tokens) - 1)], keys)
         session, blocks = self.index.match(hashes)
         local = local_tokens // self.block_size
         if self._waits_for_a_pending_save(req_id, hashes, max(blocks, local)):
@@ -271,6 +272,7 @@ class SchedulerSide:
         block_ids: Sequence[int],
         computed: int,
         answer_tokens: int,
+        keys: RequestKeys = PLAIN,
     ) -> bool:
         """vLLM is done with the request (finished, or aborted, in any phase): with KV for
         its first ``computed`` tokens in ``block_ids`` if it was computing.
@@ -292,7 +294,7 @@ class SchedulerSide:
         if r is not None and r.phase is not Phase.MATCHED:
             self._withdraw(req_id, r)
             return False
-        return self._plan_save(req_id, tokens, block_ids, computed, answer_tokens)
+        return self._plan_save(req_id, tokens, block_ids, computed, answer_tokens, keys)
 
     def _withdraw(self, req_id: str, r: _Req) -> None:
         """A request that waited for KV finished (nothing of it is stored)."""
@@ -330,11 +332,12 @@ class SchedulerSide:
         block_ids: Sequence[int],
         computed: int,
         answer_tokens: int,
+        keys: RequestKeys,
     ) -> bool:
         end = min(computed, len(tokens) - 1, len(block_ids) * self.block_size) // self.block_size
         if end <= 0:
             return False
-        hashes = self.index.hashes(tokens[: end * self.block_size])
+        hashes = self.index.hashes(tokens[: end * self.block_size], keys)
         if any(saved == hashes for _, saved in self._pending_saves.values()):
             return False  # the same turn (a duplicate request's) is being stored
         session, blocks = self.index.match(hashes)
@@ -359,6 +362,7 @@ class SchedulerSide:
                 end=end,
                 tokens=tuple(tokens[: end * self.block_size]),
                 answer_tokens=answer_tokens,
+                keys=keys.prefix(end),
             )
         )
         self._pending_saves[req_id] = (session, hashes)

@@ -115,6 +115,9 @@ class WorkerStore:
     :param block_size: tokens per vLLM block
     :param rank: the tensor-parallel rank (rank 0 writes the index sidecars)
     :param tiers: the tiers (default: :func:`make_tiers`)
+    :param per_block_keys: requests may carry per-block keys (a multimodal model): a
+        sidecar that lags its stored KV cannot then be rebuilt from the stored token ids
+        alone, and its conversation is dropped at a restart instead
     """
 
     def __init__(
@@ -125,8 +128,10 @@ class WorkerStore:
         *,
         rank: int = 0,
         tiers: Sequence[Tier] | None = None,
+        per_block_keys: bool = False,
     ) -> None:
         self.config = config
+        self.per_block_keys = per_block_keys
         self.fp = fp
         self.block_size = block_size
         self.rank = rank
@@ -211,10 +216,14 @@ class WorkerStore:
             if meta.tokens < len(sidecar.tokens):
                 cut = meta.tokens // self.block_size * self.block_size
                 cut_back = Sidecar(
-                    session=sidecar.session, fingerprint=self.fp, tokens=sidecar.tokens[:cut]
+                    session=sidecar.session,
+                    fingerprint=self.fp,
+                    tokens=sidecar.tokens[:cut],
+                    identity=sidecar.identity,
+                    extra=sidecar.extra[: cut // self.block_size],
                 )
                 write_sidecar(self._sidecars, cut_back)
-            elif meta.tokens > len(sidecar.tokens) and not self._catch_up(sidecar.session):
+            elif meta.tokens > len(sidecar.tokens) and not self._catch_up(sidecar):
                 known.discard(sidecar.session)
                 remove_sidecar(self._sidecars, sidecar.session)
         with self._lock:  # the first report tells the scheduler side where each one is
@@ -224,11 +233,16 @@ class WorkerStore:
             _log.info("dropping %s: stored without an index entry", session)
             self._portal.call(self.cache.drop, session)
 
-    def _catch_up(self, session: str) -> bool:
-        """Rewrite ``session``'s sidecar from its stored token ids; ``False`` if they
-        cannot be read (the conversation is then dropped)."""
+    def _catch_up(self, sidecar: Sidecar) -> bool:
+        """Rewrite a sidecar from its conversation's stored token ids; ``False`` if they
+        cannot be read, or the turns it misses may have had per-block keys that only the
+        request knew (the conversation is then dropped)."""
         assert self._portal is not None
         assert self._sidecars is not None
+        session = sidecar.session
+        if self.per_block_keys:
+            _log.info("dropping %s: its index entry lags and cannot be rebuilt", session)
+            return False
         try:
             history = self._portal.call(self.cache.load, session)
         except (SessionNotFoundError, TierIOError):
@@ -236,9 +250,10 @@ class WorkerStore:
             return False
         tokens = history[TOKENS][0, :, 0].tolist()
         cut = len(tokens) // self.block_size * self.block_size
-        write_sidecar(
-            self._sidecars, Sidecar(session=session, fingerprint=self.fp, tokens=tokens[:cut])
+        caught_up = Sidecar(
+            session=session, fingerprint=self.fp, tokens=tokens[:cut], identity=sidecar.identity
         )
+        write_sidecar(self._sidecars, caught_up)
         return True
 
     # -- events --------------------------------------------------------------------------
@@ -513,8 +528,13 @@ class WorkerStore:
         # before it only drops this conversation at the restart (see _tidy)
         stored.set_result(meta is not None)
         if meta is not None and self._sidecars is not None:
+            keys = op.keys.prefix(meta.tokens // self.block_size)
             sidecar = Sidecar(
-                session=op.session, fingerprint=self.fp, tokens=list(op.tokens[: meta.tokens])
+                session=op.session,
+                fingerprint=self.fp,
+                tokens=list(op.tokens[: meta.tokens]),
+                identity=keys.identity,
+                extra=list(keys.extra),
             )
             lock = self._sidecar_locks.setdefault(op.session, anyio.Lock())
             async with lock:  # in the order the turns were stored (anyio's lock is fair)
