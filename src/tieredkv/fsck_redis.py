@@ -35,7 +35,10 @@ from .payload import derive_key
 try:
     import redis
 except ImportError as _exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("checking a Redis tier needs: pip install 'tieredkv[redis]'") from _exc
+    raise ImportError(
+        "checking a Redis tier needs the redis client (the redis extra: pip install -e "
+        "'.[redis]' in a checkout, or pip install redis)"
+    ) from _exc
 
 __all__ = ["RedisReport", "check_prefix", "run_redis_command"]
 

@@ -1,6 +1,6 @@
 """Prometheus metrics of a :class:`~tieredkv.TieredKVCache` (and optionally a scheduler).
 
-Needs the ``metrics`` extra (``pip install 'tieredkv[metrics]'``, which installs
+Needs the ``metrics`` extra (``pip install -e '.[metrics]'`` in a checkout, which installs
 ``prometheus-client``). One call serves them over HTTP::
 
     server = tieredkv.metrics.serve(cache, 9400, scheduler=scheduler)
@@ -61,7 +61,8 @@ try:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 except ModuleNotFoundError as exc:  # pragma: no cover - the extra is installed in tests
     raise ModuleNotFoundError(
-        "tieredkv.metrics needs prometheus-client: pip install 'tieredkv[metrics]'",
+        "tieredkv.metrics needs prometheus-client (the metrics extra: pip install -e "
+        "'.[metrics]' in a checkout, or pip install prometheus-client)",
         name=exc.name,
     ) from None
 

@@ -2,7 +2,7 @@
 
 * :mod:`tieredkv.integrations.transformers`: Hugging Face transformers decoder models whose
   cache holds per-layer keys and values, and their ``DynamicCache``
-  (``pip install tieredkv[transformers]``);
+  (the ``transformers`` extra: ``pip install -e '.[transformers]'`` in a checkout);
 * :mod:`tieredkv.integrations.architectures`: the families the activation codec can
   re-project, and how (no dependency);
 * :mod:`tieredkv.integrations.forward`: calling a transformers model's forward pass with a
