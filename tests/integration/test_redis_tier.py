@@ -403,6 +403,12 @@ async def test_delete_only_forgets_and_the_writer_discards(
     assert await tier.discard("s")
     assert await peer.lookup("s") == []
     assert [k for k in _keys(redis_server, prefix) if not k.endswith(":m")] == []
+    # the writer starts the conversation again under the same key: a new history, for
+    # every replica (the discarded lease and history are not this tier's any more)
+    again = seg(tokens=600, seed=10)
+    await store(tier, again)
+    assert [h.seq for h in await peer.lookup("s")] == [0]
+    assert await read_back(peer, again) == again.data
 
 
 async def test_open_recovers_published_conversations_only_when_asked(

@@ -283,5 +283,6 @@ class Leases(Replica):
         if int(reply[0]) < 0:
             self._drop_view(session)
             return False
-        self._known.pop(session, None)  # (the manifest is gone with it)
+        self._known.pop(session, None)  # (the manifest is gone with it, and the lease: a
+        self._drop_writer(session, writer)  # new history under this key takes a new one)
         return True
