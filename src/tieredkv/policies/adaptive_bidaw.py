@@ -10,9 +10,12 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence, Set
 
+import numpy as np
+import numpy.typing as npt
+
 from ..meta import KVMeta, MetadataView
 from .base import shielded
-from .bidaw_eviction import DEFAULT_ANSWER_EDGES, BidawEviction, _Seen
+from .bidaw_eviction import DEFAULT_ANSWER_EDGES, BidawEviction, _Seen, _unimodal
 from .ghost import GhostCache
 
 __all__ = ["DEFAULT_HINT_EDGES", "AdaptiveBidaw"]
@@ -153,6 +156,7 @@ class AdaptiveBidaw(BidawEviction):
             raise ValueError(f"hint_edges must be positive and increase strictly (got {hints})")
         self.hint_edges = hints
         self._answer_buckets = len(tuple(answer_edges)) + 1
+        self._dense: list[list[float]] | None = None  # the tool and hint buckets' scores
         super().__init__(
             capacity,
             answer_edges=answer_edges,
@@ -359,9 +363,38 @@ class AdaptiveBidaw(BidawEviction):
             return bucket
         return bucket + self._buckets * (priority + _PRIORITY_SPAN + 1)
 
+    def _tabulated(
+        self, potential: npt.NDArray[np.float64], mass: npt.NDArray[np.float64],
+        never: npt.NDArray[np.float64], tail: npt.NDArray[np.float64],
+    ) -> None:  # fmt: skip
+        """The tool and hint buckets' ranking tables: potential times ``C`` over the
+        expected occupancy (see the class docstring)."""
+        nb = self.bins_per_capacity
+        k_max = mass.shape[1]
+        idx = np.arange(k_max)
+        shift = idx[None, :] - idx[:, None]  # [k, j]: bins left from elapsed k to return j
+        held = np.where(shift >= 0, np.minimum(shift + 0.5, nb), 0.0)
+        occupancy = (mass @ held.T + never[:, None] * nb) / np.maximum(tail, 1e-12)
+        first = self._answer_buckets
+        dense = potential[first:] * nb / np.maximum(occupancy[first:], 0.5)
+        self._dense = [_unimodal(row) for row in dense.tolist()]
+
     def _score(self, session: str) -> float:
-        score = super()._score(session)
-        rank = self._seen[session].rank
+        seen = self._seen[session]
+        dense = self._dense
+        first = self._answer_buckets
+        if dense is None or seen.bucket < first or seen.overdue:
+            score = self._potential(session, seen)
+        else:
+            elapsed = self._tracker.elapsed(session)
+            assert elapsed is not None
+            assert self._capacity is not None
+            row = dense[seen.bucket - first]
+            k = elapsed * self.bins_per_capacity // self._capacity
+            score = row[k] if k < len(row) else 0.0
+        if self.size_aware:
+            score /= max(self._resident[session], 1)
+        rank = seen.rank
         if rank < self._buckets:
             return score
         priority = rank // self._buckets - _PRIORITY_SPAN - 1
