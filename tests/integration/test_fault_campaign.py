@@ -248,6 +248,7 @@ class PinCampaign(Campaign):
         self.counts.update({"violations": 0, "pins": 0, "pins refused": 0, "releases": 0})
         self.peak = 0  # the most pinned bytes seen
         self.moving: set[str] = set()  # pinned while a move down was under way
+        self.violations: list[str] = []
         cache.channel.subscribe(self.watch)
 
     def watch(self, event: Event) -> None:
@@ -263,7 +264,7 @@ class PinCampaign(Campaign):
                 self.counts["pinned while moving down"] += 1
             elif meta is not None and meta.pinned(event.time):
                 self.counts["violations"] += 1
-                self.unexpected.append(f"pinned {event.session} moved: {event!r}")
+                self.violations.append(f"pinned {event.session} moved: {event!r}")
             elif meta is not None and meta.pinned_until is not None:
                 self.counts["moves after the pin ended"] += 1
             self.check_bound(event.time)
@@ -278,7 +279,7 @@ class PinCampaign(Campaign):
         self.peak = max(self.peak, pinned)
         if pinned > self.cache.max_pinned_bytes:
             self.counts["violations"] += 1
-            self.unexpected.append(f"{pinned} pinned bytes > {self.cache.max_pinned_bytes}")
+            self.violations.append(f"{pinned} pinned bytes > {self.cache.max_pinned_bytes}")
 
     async def step(self, session: str, i: int) -> None:
         rng = self.rng
@@ -335,7 +336,6 @@ async def test_a_pin_given_while_victims_move_holds(ssd_dir: Path) -> None:
         assert cache.where("y") == "host", f"pinned y was moved: {moved}"
 
 
-@pytest.mark.xfail(strict=False, reason=RACE + " (the campaign hits it in about 1 run in 4)")
 @pytest.mark.parametrize("mode", ["exclusive", "inclusive"])
 async def test_pins_hold_under_cancellations_and_io_errors(ssd_dir: Path, mode: str) -> None:
     """Pins given and released at random while 8 sessions append, load, prefetch and drop
@@ -345,17 +345,20 @@ async def test_pins_hold_under_cancellations_and_io_errors(ssd_dir: Path, mode: 
     async with make_cache(ssd_dir, mode, fsync=False) as cache:
         campaign = PinCampaign(cache, seed=34 + len(mode))
         with FaultInjector(seed=34, rate=0.03, errnos=(errno.EIO, errno.ENOSPC)) as faults:
-            await campaign.run(sessions=8, ops=60 * SCALE)
+            await campaign.run(sessions=8, ops=40 * SCALE)
             faults.clear()
             report(f"pins under faults ({mode}, bound {cache.max_pinned_bytes})", campaign, faults)
             print(f"most pinned bytes: {campaign.peak}")
-            assert campaign.counts["violations"] == 0, "\n".join(campaign.unexpected[:10])
             assert not campaign.unexpected, "\n".join(campaign.unexpected[:10])
             assert campaign.counts["pins"] >= 5
             assert campaign.counts["moves"] >= 10  # the host tier really churned
             assert faults.total_injected >= 5
             await settle_and_check(cache, campaign)
     await reopen_and_check(ssd_dir, mode, campaign)
+    if campaign.violations and all("moved" in v for v in campaign.violations):
+        # every other check passed; the known race (shown deterministically above)
+        pytest.xfail(f"{RACE}: {campaign.violations[0]}")
+    assert campaign.violations == []
 
 
 SITES = ("open", "pwrite", "fsync", "replace", "preadv", "unlink", "mkdir")
