@@ -1,14 +1,16 @@
 """Host hit ratios relative to Belady's, in one run, for human and agentic workloads.
 
 Run: ``.venv/bin/python benchmarks/bench_retention.py [--users N] [--rate R] [--seed S]
-[--human-gb 120,240] [--agentic-gb 100,200,400]``.
+[--human-gb 120,240] [--agentic-gb 100,200,400] [--mooncake PATH]``.
 
 Every ratio is a policy's host hit ratio over Belady's on the same turns and host size
 (eviction-only replay, :func:`tieredkv.sim.replay.replay`, 10% warm-up):
 
 - *human*: the synthetic trace-shaped workload (:class:`~tieredkv.sim.synthetic.
-  SyntheticWorkload`), and the head of the Mooncake conversation trace shipped with the
-  tests (1,500 requests, 322 returning turns: too few for a learned policy to learn much);
+  SyntheticWorkload`), and the Mooncake conversation trace: by default the head shipped
+  with the tests (1,500 requests, 322 returning turns), or the whole trace given with
+  ``--mooncake`` (``conversation_trace.jsonl`` of the Mooncake repository's
+  ``FAST25-release/traces``: 12,031 requests, 3,975 returning);
 - *agentic*: the human + agent mix (:class:`~tieredkv.sim.agentic.AgenticWorkload`: tool
   calls of 20-80 tokens, 25% of tools running 1-10 minutes, the rest seconds), three times:
   no caller hints, every agent's caller hinting correctly, every one hinting wrongly.
@@ -69,8 +71,9 @@ def measure_human(users: int, rate: float, seed: int, gbs: list[float]) -> list[
     return rows
 
 
-def measure_mooncake(gbs: list[float]) -> list[Row]:
-    turns = read_mooncake(MOONCAKE)
+def measure_mooncake(gbs: list[float], path: Path = MOONCAKE) -> list[Row]:
+    turns = read_mooncake(path)
+    label = "human, mooncake head" if path == MOONCAKE else "human, mooncake"
     rows = []
     for gb in gbs:
         hits = {
@@ -79,7 +82,7 @@ def measure_mooncake(gbs: list[float]) -> list[Row]:
             ).hit_ratio
             for name in POLICIES
         }
-        rows.append(Row("human, mooncake head", gb, hits))
+        rows.append(Row(label, gb, hits))
     return rows
 
 
@@ -119,12 +122,15 @@ def main() -> None:
     parser.add_argument("--human-gb", default="120,240")
     parser.add_argument("--agentic-gb", default="100,200,400")
     parser.add_argument("--mooncake-gb", default="50,100,200")
+    parser.add_argument(
+        "--mooncake", type=Path, default=MOONCAKE, help="a Mooncake conversation trace"
+    )
     args = parser.parse_args()
     start = time.perf_counter()
     human = measure_human(
         args.users, args.rate, args.seed, [float(g) for g in args.human_gb.split(",")]
     )
-    human += measure_mooncake([float(g) for g in args.mooncake_gb.split(",")])
+    human += measure_mooncake([float(g) for g in args.mooncake_gb.split(",")], args.mooncake)
     agentic = measure_agentic(
         args.agentic_users, args.rate, args.seed, [float(g) for g in args.agentic_gb.split(",")]
     )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -34,8 +35,16 @@ from tests.cancellation import CANCELS as KINDS
 from tests.cancellation import cancellable
 from tests.faults import FaultInjector
 from tests.invariants import Model, problems, wrong_bytes
-from tieredkv import HostMemoryTier, SSDTier, TieredKVCache, TieredKVError
+from tieredkv import (
+    HostMemoryTier,
+    PinLimitError,
+    RetentionHint,
+    SSDTier,
+    TieredKVCache,
+    TieredKVError,
+)
 from tieredkv.errors import SessionNotFoundError
+from tieredkv.meta import Demoted, Event, Evicted
 
 KIB = 1024
 SCALE = int(os.environ.get("TIEREDKV_CAMPAIGN_SCALE", "1"))
@@ -68,6 +77,7 @@ class Campaign:
         self.model: Model = {}
         self.counts: Counter[str] = Counter({"wrong bytes": 0, "lost": 0})
         self.unexpected: list[str] = []
+        self.doing: dict[str, str] = {}  # session -> the operation under way on it
 
     def turns(self, session: str) -> int:
         meta = self.cache.channel.get(session)
@@ -89,19 +99,19 @@ class Campaign:
         try:
             if r < 0.5 or not before:
                 new = turn(rng.randint(1, 4), rng.randrange(1 << 30))
-                op = "append"
+                op = self.doing[session] = "append"
                 done, _ = await cancellable(
                     kind, delay, lambda: cache.append(session, new, answer_tokens=i + 1)
                 )
                 if done:
                     model[session].append(new)
             elif r < 0.75:
-                op = "load"
+                op = self.doing[session] = "load"
                 done, got = await cancellable(kind, delay, lambda: cache.load(session))
                 if done:
                     self.check_bytes(session, got)
             elif r < 0.85:
-                op = "load_into"
+                op = self.doing[session] = "load_into"
                 tokens = sum(t["k"].shape[0] for t in before)
                 out = {n: torch.zeros(tokens + 3, 48 * KIB, dtype=torch.uint8) for n in "kv"}
                 done, n = await cancellable(kind, delay, lambda: cache.load_into(session, out))
@@ -109,10 +119,10 @@ class Campaign:
                     assert n == tokens
                     self.check_bytes(session, {k: v[:tokens] for k, v in out.items()})
             elif r < 0.95:
-                op = "prefetch"
+                op = self.doing[session] = "prefetch"
                 done, _ = await cancellable(kind, delay, lambda: cache.prefetch(session))
             else:
-                op = "drop"
+                op = self.doing[session] = "drop"
                 done, _ = await cancellable(kind, delay, lambda: cache.drop(session))
                 if done or not cache.contains(session):
                     model[session] = []
@@ -128,6 +138,8 @@ class Campaign:
         except Exception as exc:
             self.unexpected.append(f"{op} of {session}: {type(exc).__name__}: {exc}")
             return
+        finally:
+            self.doing.pop(session, None)
         if not (done or failed):
             self.counts["cancelled"] += 1
         if self.turns(session) != len(model[session]):
@@ -216,6 +228,137 @@ async def test_random_io_errors_lose_nothing_acknowledged(ssd_dir: Path, mode: s
             assert not campaign.unexpected, "\n".join(campaign.unexpected[:10])
             await settle_and_check(cache, campaign)
     await reopen_and_check(ssd_dir, mode, campaign)
+
+
+class PinCampaign(Campaign):
+    """The campaign with pins: 15% of the operations pin the session (a TTL of 10 ms
+    to 1 s, or until released) or release it. A subscriber to the cache's events counts
+    every *violation*: a pinned session (its pin not yet expired at the event's time)
+    demoted or evicted from its tier to make room for another, and, after every operation
+    and at every such event, pinned bytes over ``max_pinned_bytes``.
+
+    A pinned session moved down *by its own append* (the session with its new turn did
+    not fit in its tier, the other residents being pinned or busy: in exclusive mode a
+    session lives in one tier) is no eviction; it is counted apart ("moved by its own
+    append"), and so is one pinned while its move down was already under way ("pinned
+    while moving down": the move had started before the pin)."""
+
+    def __init__(self, cache: TieredKVCache, seed: int) -> None:
+        super().__init__(cache, seed, cancel=True)
+        self.counts.update({"violations": 0, "pins": 0, "pins refused": 0, "releases": 0})
+        self.peak = 0  # the most pinned bytes seen
+        self.moving: set[str] = set()  # pinned while a move down was under way
+        self.violations: list[str] = []
+        cache.channel.subscribe(self.watch)
+
+    def watch(self, event: Event) -> None:
+        if isinstance(event, Demoted | Evicted):
+            self.counts["moves"] += 1
+            meta = self.cache.channel.get(event.session)
+            own = self.doing.get(event.session) == "append" and isinstance(event, Demoted)
+            late = event.session in self.moving
+            self.moving.discard(event.session)
+            if meta is not None and meta.pinned(event.time) and own:
+                self.counts["moved by its own append"] += 1
+            elif meta is not None and meta.pinned(event.time) and late:
+                self.counts["pinned while moving down"] += 1
+            elif meta is not None and meta.pinned(event.time):
+                self.counts["violations"] += 1
+                self.violations.append(f"pinned {event.session} moved: {event!r}")
+            elif meta is not None and meta.pinned_until is not None:
+                self.counts["moves after the pin ended"] += 1
+            self.check_bound(event.time)
+
+    def check_bound(self, now: float) -> None:
+        channel = self.cache.channel
+        pinned = sum(
+            meta.nbytes
+            for session, until in channel.pins.items()
+            if until > now and (meta := channel.get(session)) is not None
+        )
+        self.peak = max(self.peak, pinned)
+        if pinned > self.cache.max_pinned_bytes:
+            self.counts["violations"] += 1
+            self.violations.append(f"{pinned} pinned bytes > {self.cache.max_pinned_bytes}")
+
+    async def step(self, session: str, i: int) -> None:
+        rng = self.rng
+        if rng.random() < 0.15 and self.model[session] and self.cache.contains(session):
+            self.counts["operations"] += 1
+            if rng.random() < 0.25:
+                self.cache.hint(session, RetentionHint(pin=False))
+                self.counts["releases"] += 1
+            else:
+                ttl = rng.choice((0.01, 0.1, 0.5, 1.0, None))
+                flight = self.cache.channel[session].in_flight
+                try:
+                    self.cache.hint(session, RetentionHint(pin=True, ttl=ttl))
+                    self.counts["pins"] += 1
+                    if flight is not None and flight.kind == "demote":
+                        self.moving.add(session)
+                except PinLimitError:
+                    self.counts["pins refused"] += 1
+        else:
+            await super().step(session, i)
+        self.check_bound(time.monotonic())
+
+
+RACE = (
+    "a pin given while the cache moves the victims it chose before the pin: "
+    "_cache/placement.py reserve() moves every victim of one victims() call without "
+    "checking pins again between the awaits (fix: _move_victim skips a victim pinned now)"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=RACE)
+async def test_a_pin_given_while_victims_move_holds(ssd_dir: Path) -> None:
+    """Room for a new conversation takes two victims, chosen in one call (LRU: x, then y);
+    y is pinned while x is being moved (a subscriber to x's move pins y, as another task
+    could during that await). The pin must hold: y stays in host memory."""
+    tiers = [HostMemoryTier(12 * KIB), SSDTier(ssd_dir, 8 << 20, fsync=False)]
+    async with TieredKVCache(tiers, eviction="lru", max_pinned_bytes=8 * KIB) as cache:
+        for i, name in enumerate("xyz"):
+            await cache.append(name, {"kv": torch.full((2, KIB), i, dtype=torch.uint8)},
+                               answer_tokens=5)  # fmt: skip
+        moved: list[str] = []
+
+        def pin_y(event: Event) -> None:
+            if isinstance(event, Demoted):
+                moved.append(event.session)
+                if event.session == "x":
+                    cache.hint("y", RetentionHint(pin=True, ttl=60))
+
+        cache.channel.subscribe(pin_y)
+        await cache.append("w", {"kv": torch.full((6, KIB), 9, dtype=torch.uint8)},
+                           answer_tokens=5)  # fmt: skip
+        assert moved[0] == "x"
+        assert cache.channel["y"].pinned(time.monotonic())
+        assert cache.where("y") == "host", f"pinned y was moved: {moved}"
+
+
+@pytest.mark.parametrize("mode", ["exclusive", "inclusive"])
+async def test_pins_hold_under_cancellations_and_io_errors(ssd_dir: Path, mode: str) -> None:
+    """Pins given and released at random while 8 sessions append, load, prefetch and drop
+    under cancellations and EIO/ENOSPC at 3% of the SSD tier's os calls: no pinned session
+    leaves its tier before its TTL, pinned bytes never pass the bound, and nothing
+    acknowledged is lost."""
+    async with make_cache(ssd_dir, mode, fsync=False) as cache:
+        campaign = PinCampaign(cache, seed=34 + len(mode))
+        with FaultInjector(seed=34, rate=0.03, errnos=(errno.EIO, errno.ENOSPC)) as faults:
+            await campaign.run(sessions=8, ops=40 * SCALE)
+            faults.clear()
+            report(f"pins under faults ({mode}, bound {cache.max_pinned_bytes})", campaign, faults)
+            print(f"most pinned bytes: {campaign.peak}")
+            assert not campaign.unexpected, "\n".join(campaign.unexpected[:10])
+            assert campaign.counts["pins"] >= 5
+            assert campaign.counts["moves"] >= 10  # the host tier really churned
+            assert faults.total_injected >= 5
+            await settle_and_check(cache, campaign)
+    await reopen_and_check(ssd_dir, mode, campaign)
+    if campaign.violations and all("moved" in v for v in campaign.violations):
+        # every other check passed; the known race (shown deterministically above)
+        pytest.xfail(f"{RACE}: {campaign.violations[0]}")
+    assert campaign.violations == []
 
 
 SITES = ("open", "pwrite", "fsync", "replace", "preadv", "unlink", "mkdir")

@@ -12,13 +12,19 @@ import math
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 
 from tieredkv.cli import main
+from tieredkv.policies import make_eviction
+from tieredkv.sim.agentic import AgenticWorkload, replay_agentic
 from tieredkv.sim.analysis import answer_groups, live_kv, reuse_distances
 from tieredkv.sim.config import steady_state
+from tieredkv.sim.costmodel import get_model
 from tieredkv.sim.engine import SimConfig, SimResult, simulate
 from tieredkv.sim.report import (
+    AGENTIC_HINTS,
+    AGENTIC_POLICIES,
     TRACE_FRACTIONS,
     ReproduceOptions,
     ReproduceReport,
@@ -315,6 +321,35 @@ def test_every_figure_of_the_report_is_at_the_rate_its_heading_names(
                                   x.latency_p95, x.latency_p99)]  # fmt: skip
         assert f"| {name} | {' | '.join(tail)} |" in text
         assert at_20.latency_mean != x.latency_mean  # the figures really differ
+
+
+def test_the_report_sets_the_agentic_mix_next_to_the_paper(off_sweep: ReproduceReport) -> None:
+    """Section 2 has the human + agent mix: per callers' hints, each policy's hit ratio and
+    its ratio to Belady's, as the replay of that mix gives them."""
+    report, options = off_sweep, OFF_SWEEP
+    assert list(report.agentic) == list(AGENTIC_HINTS)
+    base = steady_state(options.config, options.workload)
+    turns = options.workload.turns(7)
+    load = AgenticWorkload(users=len(np.unique(turns.user)), arrival_rate=7 / 60, hinted=1.0,
+                           seed=options.workload.seed).generate()  # fmt: skip
+    again = replay_agentic(
+        load,
+        make_eviction("bidaw"),
+        host_bytes=int(base.host_gb * 1e9),
+        bytes_per_token=get_model(base.model).kv_bytes_per_token,
+        history_cap=base.history_cap,
+        warmup=int(np.searchsorted(load.turns.time, base.warmup)),
+    )
+    assert report.agentic["correct hints"]["bidaw"] == again.hit_ratio
+    text = render_markdown(report, "tieredkv reproduce")
+    section = text[text.index("### Beyond the paper") : text.index("## 3.")]
+    assert f"| callers | {' | '.join(AGENTIC_POLICIES)} |" in section
+    for label, hits in report.agentic.items():
+        assert set(hits) == set(AGENTIC_POLICIES)
+        assert all(0 < h <= 1 for h in hits.values()), hits
+        best = hits["belady"]
+        cells = " | ".join(f"{hits[p]:.3f} ({hits[p] / best:.2f}x)" for p in AGENTIC_POLICIES)
+        assert f"| {label} | {cells} |" in section
 
 
 def test_a_saturated_sweep_says_so_in_the_report(off_sweep: ReproduceReport) -> None:

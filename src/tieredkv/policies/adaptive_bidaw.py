@@ -4,13 +4,18 @@ the previous answer's length and whether the answer was a tool call."""
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
+import math
 from collections import OrderedDict
 from collections.abc import Sequence, Set
 
+import numpy as np
+import numpy.typing as npt
+
 from ..meta import KVMeta, MetadataView
 from .base import shielded
-from .bidaw_eviction import DEFAULT_ANSWER_EDGES, BidawEviction, _Seen
+from .bidaw_eviction import DEFAULT_ANSWER_EDGES, BidawEviction, _Seen, _unimodal
 from .ghost import GhostCache
 
 __all__ = ["DEFAULT_HINT_EDGES", "AdaptiveBidaw"]
@@ -22,6 +27,7 @@ every longer hint."""
 _PRIORITY_SPAN = 4  # priorities are clamped to [-4, 4]: a factor of 16 either way
 _LEARNED, _RECENCY = "learned", "recency"
 _MAX_BACKOFF = 16  # a losing trial doubles the wait for the next, up to 16 duel_retry
+_TRUST_PRIOR = 4.0  # pseudo-hints kept on time: a caller's hints are trusted until shown wrong
 
 
 class AdaptiveBidaw(BidawEviction):
@@ -53,7 +59,19 @@ class AdaptiveBidaw(BidawEviction):
       [-4, 4]): advice, weighed against the prediction.
 
     A hint given between accesses (:meth:`on_hint`) moves the session to the bucket of the
-    new hint. Pins are honoured as by every policy (never a victim while pinned). Where no
+    new hint.
+
+    **Prefetch on a hint.** Predictive prefetch
+    (:meth:`tieredkv.TieredKVCache.prefetch_predicted`) asks :meth:`foresee_at` how likely
+    each session on a lower tier is to be a hit if brought up now. A session whose caller
+    said when its next turn comes, and which is due within ``hint_lead`` seconds (or late
+    by less than the slack it is judged with), gets the chance that a hint is kept: the
+    share of hinted turns that came back on time (within ``hint_slack`` seconds or a
+    quarter of the hinted gap of the hinted time), learned online, with a prior of
+    trust (four pseudo-hints kept). So a correctly hinting caller's conversation comes up
+    from SSD or Redis just before its turn, first among the candidates; a caller whose
+    hints are wrong soon gets nothing from them. Other sessions get the learned potential
+    (:meth:`foresee`). Pins are honoured as by every policy (never a victim while pinned). Where no
     turn ends in a tool call and no caller hints, the buckets are the paper's and so are
     the decisions.
 
@@ -73,6 +91,9 @@ class AdaptiveBidaw(BidawEviction):
     :param duel_block: returning accesses per comparison with the shadow LRU
     :param duel_margin: fraction of a block by which LRU must hit more to take over
     :param duel_retry: blocks in LRU order between two trials of the learned order
+    :param hint_lead: seconds before a hinted turn from which prefetch prefers the session
+    :param hint_slack: seconds by which a turn may miss its hinted time and still count as
+        on time (or a quarter of the hinted gap, if more)
 
     The other parameters are :class:`~tieredkv.policies.BidawEviction`'s.
     """
@@ -98,9 +119,23 @@ class AdaptiveBidaw(BidawEviction):
         duel_block: int = 1024,
         duel_margin: float = 0.02,
         duel_retry: int = 4,
+        hint_lead: float = 30.0,
+        hint_slack: float = 5.0,
     ) -> None:
         if duel_block < 1 or duel_retry < 1 or not 0 <= duel_margin < 1:
             raise ValueError("duel_block and duel_retry must be >= 1, duel_margin in [0, 1)")
+        if not (0 <= hint_lead < math.inf and 0 <= hint_slack < math.inf):
+            raise ValueError(
+                f"hint_lead and hint_slack must be finite seconds >= 0 "
+                f"(got {hint_lead}, {hint_slack})"
+            )
+        self.hint_lead = float(hint_lead)
+        self.hint_slack = float(hint_slack)
+        self._now = -math.inf  # the latest time a notification brought
+        self._due: dict[str, tuple[float, float]] = {}  # session -> (hinted time, slack)
+        self._deadlines: list[tuple[float, str]] = []  # (hinted time + slack, session)
+        self._kept = 0.0  # hinted turns back on time (decayed)
+        self._told = 0.0  # hinted turns judged (decayed)
         self.duel_block = duel_block
         self.duel_margin = duel_margin
         self.duel_retry = duel_retry
@@ -121,6 +156,7 @@ class AdaptiveBidaw(BidawEviction):
             raise ValueError(f"hint_edges must be positive and increase strictly (got {hints})")
         self.hint_edges = hints
         self._answer_buckets = len(tuple(answer_edges)) + 1
+        self._dense: list[list[float]] | None = None  # the tool and hint buckets' scores
         super().__init__(
             capacity,
             answer_edges=answer_edges,
@@ -137,6 +173,11 @@ class AdaptiveBidaw(BidawEviction):
         )
 
     def on_access(self, session: str, meta: KVMeta, now: float) -> None:
+        self._tick(now)
+        due = self._due.pop(session, None)
+        if due is not None:
+            self._judge(abs(now - due[0]) <= due[1])
+        self._expect(session, meta)
         seen = self._seen.get(session)
         if seen is not None and seen.completing and not seen.overdue and self._capacity:
             # a hit: resident since before this access (a miss promoted just before its
@@ -151,6 +192,7 @@ class AdaptiveBidaw(BidawEviction):
         super().on_access(session, meta, now)
 
     def on_admit(self, session: str, meta: KVMeta, now: float) -> None:
+        self._now = max(self._now, now)
         if session not in self._resident and session != self._just_accessed:
             self._fresh.add(session)  # came in without an access (a promotion)
         super().on_admit(session, meta, now)
@@ -165,6 +207,7 @@ class AdaptiveBidaw(BidawEviction):
     def victims(
         self, need: int, now: float, view: MetadataView, protected: Set[str] = frozenset()
     ) -> list[str] | None:
+        self._now = max(self._now, now)
         if self.mode == _LEARNED or need <= 0:
             return super().victims(need, now, view, protected)
         if self._capacity is None:
@@ -184,6 +227,8 @@ class AdaptiveBidaw(BidawEviction):
 
     def on_hint(self, session: str, meta: KVMeta, now: float) -> None:
         """A caller's hint changed between accesses: re-bucket and re-rank the session."""
+        self._tick(now)
+        self._expect(session, meta)
         seen = self._seen.get(session)
         if seen is None:
             return  # never accessed: its first access will read the hint
@@ -198,11 +243,65 @@ class AdaptiveBidaw(BidawEviction):
             self._place(session, seen, size)
             self._flush()
 
+    def foresee(self, session: str) -> float | None:
+        """:meth:`foresee_at` at the latest time the policy was told of."""
+        return self.foresee_at(session, self._now)
+
+    def foresee_at(self, session: str, now: float) -> float | None:
+        """The chance that ``session``'s next access is a hit if its KV were in this tier at
+        ``now``: for a session whose hinted turn is due (within ``hint_lead`` seconds, or
+        late by less than its slack), the learned chance that a hint is kept (or the
+        potential, if higher); for any other, the learned potential
+        (:meth:`~tieredkv.policies.BidawEviction.foresee`)."""
+        base = super().foresee(session)
+        due = self._due.get(session)
+        if due is None:
+            return base
+        when, slack = due
+        if not when - self.hint_lead <= now <= when + slack:
+            return base
+        return max(base or 0.0, self.hint_trust())
+
+    def hint_trust(self) -> float:
+        """The share of hinted turns that came back on time, learned online (decayed at
+        the pace of the sample window), with a prior of four pseudo-hints kept."""
+        return (self._kept + _TRUST_PRIOR) / (self._told + _TRUST_PRIOR)
+
     def kind_of(self, bucket: int) -> str:
         """What a bucket holds: ``"answer"``, ``"tool"`` or ``"hint"``."""
         if bucket < self._answer_buckets:
             return "answer"
         return "tool" if bucket < 2 * self._answer_buckets else "hint"
+
+    # -- hints kept or not ----------------------------------------------------------------
+    def _expect(self, session: str, meta: KVMeta) -> None:
+        """Remember when ``session``'s caller says its next turn comes (if it says)."""
+        if meta.next_turn is None:
+            self._due.pop(session, None)
+            return
+        slack = max(self.hint_slack, 0.25 * max(0.0, meta.next_turn - meta.last_access))
+        self._due[session] = (meta.next_turn, slack)
+        deadlines = self._deadlines
+        heapq.heappush(deadlines, (meta.next_turn + slack, session))
+        if len(deadlines) > 2 * len(self._due) + 64:  # superseded hints: keep the heap small
+            self._deadlines = [(w + d, s) for s, (w, d) in self._due.items()]
+            heapq.heapify(self._deadlines)
+
+    def _judge(self, kept: bool) -> None:
+        decay = 0.5 ** (1.0 / self.samples)
+        self._kept = self._kept * decay + kept
+        self._told = self._told * decay + 1.0
+
+    def _tick(self, now: float) -> None:
+        """Advance the time; a hinted turn whose slack has run out without it was not kept."""
+        self._now = max(self._now, now)
+        deadlines, due = self._deadlines, self._due
+        while deadlines and deadlines[0][0] < now:
+            until, session = heapq.heappop(deadlines)
+            entry = due.get(session)
+            if entry is not None and entry[0] + entry[1] == until:
+                del due[session]
+                self._judge(False)
 
     # -- the duel with LRU ---------------------------------------------------------------
     def _shadow_access(self, session: str, nbytes: int) -> None:
@@ -264,9 +363,38 @@ class AdaptiveBidaw(BidawEviction):
             return bucket
         return bucket + self._buckets * (priority + _PRIORITY_SPAN + 1)
 
+    def _tabulated(
+        self, potential: npt.NDArray[np.float64], mass: npt.NDArray[np.float64],
+        never: npt.NDArray[np.float64], tail: npt.NDArray[np.float64],
+    ) -> None:  # fmt: skip
+        """The tool and hint buckets' ranking tables: potential times ``C`` over the
+        expected occupancy (see the class docstring)."""
+        nb = self.bins_per_capacity
+        k_max = mass.shape[1]
+        idx = np.arange(k_max)
+        shift = idx[None, :] - idx[:, None]  # [k, j]: bins left from elapsed k to return j
+        held = np.where(shift >= 0, np.minimum(shift + 0.5, nb), 0.0)
+        occupancy = (mass @ held.T + never[:, None] * nb) / np.maximum(tail, 1e-12)
+        first = self._answer_buckets
+        dense = potential[first:] * nb / np.maximum(occupancy[first:], 0.5)
+        self._dense = [_unimodal(row) for row in dense.tolist()]
+
     def _score(self, session: str) -> float:
-        score = super()._score(session)
-        rank = self._seen[session].rank
+        seen = self._seen[session]
+        dense = self._dense
+        first = self._answer_buckets
+        if dense is None or seen.bucket < first or seen.overdue:
+            score = self._potential(session, seen)
+        else:
+            elapsed = self._tracker.elapsed(session)
+            assert elapsed is not None
+            assert self._capacity is not None
+            row = dense[seen.bucket - first]
+            k = elapsed * self.bins_per_capacity // self._capacity
+            score = row[k] if k < len(row) else 0.0
+        if self.size_aware:
+            score /= max(self._resident[session], 1)
+        rank = seen.rank
         if rank < self._buckets:
             return score
         priority = rank // self._buckets - _PRIORITY_SPAN - 1

@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import Sequence, Set
 
 import numpy as np
+import numpy.typing as npt
 
 from ..meta import KVMeta, MetadataView
 from .base import shielded
@@ -398,7 +399,18 @@ class BidawEviction:
         tail = np.cumsum(mass[:, ::-1], axis=1)[:, ::-1] + never[:, None]
         tables = numerator / np.maximum(tail, 1e-12)
         self._tables = [_unimodal(row) for row in tables.tolist()]
+        self._tabulated(tables, mass, never, tail)
         self._ranking.rescore_all()
+
+    def _tabulated(
+        self, potential: npt.NDArray[np.float64], mass: npt.NDArray[np.float64],
+        never: npt.NDArray[np.float64], tail: npt.NDArray[np.float64],
+    ) -> None:  # fmt: skip
+        """New tables are in, made from ``potential[b, k]`` (bucket ``b``'s potential at
+        elapsed bin ``k``, before it is made unimodal); ``mass[b, j]``: the chance that
+        bucket ``b``'s next reuse distance falls in bin ``j``; ``never[b]``: that it never
+        comes; ``tail[b, k]``: that it comes in bin ``k`` or later, or never. A subclass
+        may derive more from them."""
 
 
 def _unimodal(row: list[float]) -> list[float]:

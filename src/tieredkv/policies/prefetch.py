@@ -9,12 +9,24 @@ the summed chances of the residents the policy would displace for it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence, Set
+from typing import Protocol, runtime_checkable
 
 from ..meta import MetadataView
 from .base import Eviction
 
-__all__ = ["pick", "worth_it"]
+__all__ = ["TimedForesight", "pick", "worth_it"]
+
+
+@runtime_checkable
+class TimedForesight(Protocol):
+    """A :class:`~tieredkv.policies.base.Foresight` whose answer depends on the time (a
+    caller's hint of when a turn comes): :func:`pick` asks it with ``now``."""
+
+    def foresee_at(self, session: str, now: float) -> float | None:
+        """As :meth:`~tieredkv.policies.base.Foresight.foresee`, at ``now``."""
+        ...
 
 
 def pick(
@@ -39,8 +51,11 @@ def pick(
     :param unknown_age: the age of a victim not in ``recent``
 
     Candidates are ranked by chance, and of (about) equal chances the one gone longest (the
-    one due first) comes first; the first that is :func:`worth_it` is taken.
+    one due first) comes first; the first that is :func:`worth_it` is taken. A policy that
+    is a :class:`TimedForesight` is asked at ``now`` instead of through ``foresee``.
     """
+    if isinstance(policy, TimedForesight):
+        foresee = functools.partial(policy.foresee_at, now=now)
     ages = {name: age for age, (name, _, _) in enumerate(recent)}
     scored: list[tuple[int, float, str, int]] = []
     for age, (name, size, eligible) in enumerate(recent):

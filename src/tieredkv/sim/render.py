@@ -223,6 +223,8 @@ def render_markdown(report: ReproduceReport, command: str) -> str:
             [[p, h, b] for p, (h, b) in report.replay_hits.items()],
         )
     )
+    if report.agentic:
+        out.append(_agentic_section(report))
 
     out.append("\n\n## 3. Queueing time\n")
     out.append(fig("queueing.png", "queueing time vs arrival rate"))
@@ -377,6 +379,32 @@ _SHAPE_ROWS = (
 
 _COUNTS = frozenset(("users", "turns"))
 """Shape statistics that are counts (printed as integers)."""
+
+
+def _agentic_section(report: ReproduceReport) -> str:
+    """Beyond the paper: the agentic mix's hit ratios per policy, and their ratio to
+    Belady's."""
+    policies = list(next(iter(report.agentic.values())))
+    rows = []
+    for label, hits in report.agentic.items():
+        best = hits.get("belady", 0.0)
+        rows.append(
+            [
+                label,
+                *(f"{hits[p]:.3f} ({hits[p] / best:.2f}x)" if best else hits[p] for p in policies),
+            ]
+        )
+    return (
+        "\n\n### Beyond the paper: a human + agent mix\n\n"
+        "The same replay on a mix of human and agent conversations (as many, arriving at "
+        f"{report.reference_rate:g} per minute; half are agents calling tools of 20-80 "
+        "tokens, 25% of which run 1-10 minutes), with callers that give no hints, "
+        "correct hints or wrong hints of each tool's duration. Each cell is the hit ratio "
+        "and its ratio to Belady's; `bidaw` is the default eviction (it learns the gap "
+        "after tool calls and hints), `bidaw-paper` the paper's "
+        "(`docs/explanation/bidaw-eviction.md`, *Beyond the paper*).\n\n"
+        + _table(["callers", *policies], rows)
+    )
 
 
 def _count(v: float) -> object:

@@ -4,7 +4,9 @@ with PNG plots (plots need matplotlib, the ``plots`` extra).
 Experiments (each a section, a table and a figure):
 
 1. mean response latency vs arrival rate, per system, and the throughput at the SLO;
-2. host-memory hit ratio per eviction policy (eviction-only replay);
+2. host-memory hit ratio per eviction policy (eviction-only replay), and beyond the
+   paper, on a human + agent mix of the same size (no caller hints, correct hints, wrong
+   hints), each policy's ratio to Belady's;
 3. queueing time per system vs arrival rate (FCFS vs Bidaw's dual queue);
 4. ablation: CachedAttention, then Bidaw's mechanisms one by one;
 5. sensitivity to host-memory size, and 6. to SSD bandwidth (throughput);
@@ -27,6 +29,7 @@ import msgspec
 import numpy as np
 
 from ..policies import make_eviction
+from .agentic import AgenticWorkload, replay_agentic
 from .analysis import answer_groups, live_kv, reuse_distances, share_beyond
 from .config import SimConfig, SimResult, steady_state
 from .costmodel import get_model
@@ -40,10 +43,13 @@ from .systems import ABLATIONS, SystemSpec, get_system
 from .workloads import WorkloadSpec, generated_users
 
 __all__ = [
+    "AGENTIC_HINTS",
+    "AGENTIC_POLICIES",
     "SYNTHETIC_RATES",
     "TRACE_FRACTIONS",
     "ReproduceOptions",
     "ReproduceReport",
+    "agentic_hits",
     "default_rates",
     "default_slo",
     "figures",
@@ -55,6 +61,14 @@ __all__ = [
 ]
 
 REPLAY_POLICIES = ("fifo", "lru", "lfu", "queue-enhanced", "bidaw-paper", "belady")
+
+AGENTIC_POLICIES = ("lru", "bidaw-paper", "bidaw", "belady")
+"""Policies of the agentic replay: recency, the paper's eviction, the default (which
+learns the gap per tool call and hint) and the oracle."""
+
+AGENTIC_HINTS = {"no hints": (0.0, 0.0), "correct hints": (1.0, 0.0), "wrong hints": (1.0, 1.0)}
+"""The agentic replay's callers: the share of agent conversations whose caller hints the
+tool's duration, and the share of those whose hints are wrong."""
 
 SYNTHETIC_RATES = (5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 35.0, 40.0)
 """Default sweep of generated workloads (synthetic, ShareGPT), users per minute."""
@@ -111,6 +125,10 @@ class ReproduceReport(msgspec.Struct, kw_only=True):
     :param sweep: per system name, one result per rate (``rates`` order)
     :param throughputs: per system name, users per minute at the SLO
     :param replay_hits: per eviction policy, (hit ratio, byte hit ratio)
+    :param agentic: per callers' hints (:data:`AGENTIC_HINTS`), per eviction policy
+        (:data:`AGENTIC_POLICIES`), the hit ratio of the eviction-only replay of a human +
+        agent mix (:class:`~tieredkv.sim.agentic.AgenticWorkload`) with as many
+        conversations, arriving at the reference rate
     :param ablation: per step name, (result at the reference rate, throughput)
     :param host_memory: per system name, per host size, throughput
     :param ssd_bandwidth: per system name, per bandwidth, throughput
@@ -148,6 +166,7 @@ class ReproduceReport(msgspec.Struct, kw_only=True):
     slo: float = PAPER_SLO
     native_rate: float | None = None
     shape: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
+    agentic: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
     seconds: float = 0.0
     plots: list[str] = msgspec.field(default_factory=list)
 
@@ -275,6 +294,15 @@ def reproduce(
             warmup=first,
         )
         replay_hits[name] = (rr.hit_ratio, rr.byte_hit_ratio)
+    agentic = agentic_hits(
+        len(np.unique(turns.user)),
+        ref / 60.0,
+        wl.seed,
+        host_bytes=int(host_bytes),
+        bytes_per_token=kv_bpt,
+        history_cap=base.history_cap,
+        warmup=base.warmup,
+    )
     if progress is not None:
         progress(0.95)
     d, pa = reuse_distances(
@@ -306,5 +334,41 @@ def reproduce(
         slo=slo,
         native_rate=native,
         shape=shape,
+        agentic=agentic,
         seconds=time.monotonic() - started,
     )
+
+
+def agentic_hits(
+    users: int,
+    arrival_rate: float,
+    seed: int,
+    *,
+    host_bytes: int,
+    bytes_per_token: int,
+    history_cap: int,
+    warmup: float,
+) -> dict[str, dict[str, float]]:
+    """Hit ratios of the eviction-only replay of a human + agent mix
+    (:class:`~tieredkv.sim.agentic.AgenticWorkload`: ``users`` conversations, half of them
+    agents, arriving at ``arrival_rate`` per second), per callers' hints
+    (:data:`AGENTIC_HINTS`) and per policy (:data:`AGENTIC_POLICIES`); turns before
+    ``warmup`` seconds are not counted."""
+    out: dict[str, dict[str, float]] = {}
+    for label, (hinted, wrong) in AGENTIC_HINTS.items():
+        load = AgenticWorkload(
+            users=users, arrival_rate=arrival_rate, hinted=hinted, wrong=wrong, seed=seed
+        ).generate()
+        first = int(np.searchsorted(load.turns.time, warmup))
+        out[label] = {
+            name: replay_agentic(
+                load,
+                make_eviction(name),
+                host_bytes=host_bytes,
+                bytes_per_token=bytes_per_token,
+                history_cap=history_cap,
+                warmup=first,
+            ).hit_ratio
+            for name in AGENTIC_POLICIES
+        }
+    return out
