@@ -42,7 +42,6 @@ def problems(cache: TieredKVCache) -> list[str]:
     held_by_tier: list[dict[SegmentKey, int]] = [{} for _ in core.tiers]
     complete_by_tier = [0 for _ in core.tiers]
     for key, s in core.sessions.items():
-        seqs = {seg.header.seq for seg in s.segs}
         if [seg.header.seq for seg in s.segs] != list(range(len(s.segs))):
             found.append(f"{key}: segments are not 0..n-1")
         completes = [t for t in range(len(core.tiers)) if s.complete(t)]
@@ -50,16 +49,21 @@ def problems(cache: TieredKVCache) -> list[str]:
             found.append(f"{key}: primary {s.primary} but complete copies in {completes}")
         if s.primary is not None and s.primary not in completes:
             found.append(f"{key}: primary {s.primary} is not a complete copy")
+        found.extend(
+            f"{key}: lists segment {seg.key} but is not among its users"
+            for seg in s.segs
+            if s not in seg.users
+        )
         for t in range(len(core.tiers)):
-            if not s.held[t] <= seqs:
-                found.append(f"{key}: tier {t} holds unknown segments {s.held[t] - seqs}")
-            if s.held[t] and not s.complete(t):
-                found.append(f"{key}: partial copy in tier {t} at rest ({sorted(s.held[t])})")
+            # a segment held at rest is part of a complete copy of some conversation listing
+            # it (a fork's, its parent's, or its own)
+            idle = [g.key for g in s.holds(t) if not any(u.complete(t) for u in g.users)]
+            if idle:
+                found.append(f"{key}: partial copy in tier {t} at rest ({sorted(idle)})")
             if s.complete(t):
                 complete_by_tier[t] += 1
-            for seg in s.segs:
-                if seg.header.seq in s.held[t]:
-                    held_by_tier[t][(key, seg.header.seq)] = seg.length
+            for seg in s.holds(t):
+                held_by_tier[t][seg.key] = seg.length
         meta = cache.channel.get(key)
         if s.primary is None:
             if meta is not None and meta.tier is not None:

@@ -209,11 +209,14 @@ def plan_segment(
     answer_tokens: int,
     codec: str = "kv",
     created: float = 0.0,
+    base: tuple[tuple[str, int, int], ...] = (),
 ) -> SegmentPlan:
     """Validate one turn's tensors and lay out its segment.
 
     :param tensors: named torch tensors or numpy arrays, all with the same size along
         ``token_dim`` (negative counts from the end, per tensor)
+    :param base: a fork's first turn: the earlier turns it references (see
+        :class:`SegmentHeader`)
     :raises TypeError: for values that are not dense tensors of a storable dtype on the CPU
         or a CUDA device
     :raises ValueError: for an empty mapping, mismatched token counts, or bad arguments
@@ -289,6 +292,7 @@ def plan_segment(
         body_offset=0,
         body_len=body_len,
         created=created,
+        base=base,
     )
     header, header_bytes = _encode_laid_out(header)
     return SegmentPlan(header, header_bytes, header_schema(header), tuple(values))

@@ -104,6 +104,9 @@ class SegmentHeader(msgspec.Struct, frozen=True, kw_only=True):
     :param body_mac: keyed BLAKE2b of everything after the header (zeros if not
         authenticated)
     :param mac: keyed BLAKE2b of this header with ``mac`` zeroed (zeros if not authenticated)
+    :param base: on the first turn a fork stores, the history it starts from, by reference:
+        one ``(session, seq, tokens)`` per earlier turn (the segment stored under that key,
+        of which the first ``tokens`` are part of this history); empty otherwise
     """
 
     version: int = 1
@@ -120,6 +123,7 @@ class SegmentHeader(msgspec.Struct, frozen=True, kw_only=True):
     incarnation: bytes = _NO_INCARNATION
     body_mac: bytes = _NO_MAC
     mac: bytes = _NO_MAC
+    base: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def length(self) -> int:
@@ -166,7 +170,28 @@ def _shape_str(shape: tuple[int, ...]) -> str:
     return "(" + ", ".join("T" if d == -1 else str(d) for d in shape) + ")"
 
 
-_header_encoder = msgspec.msgpack.Encoder()
+class _HeaderEncoder:
+    """Encodes a header; one that references no earlier history (``base`` empty: every
+    segment but a fork's first) without the ``base`` field, byte for byte as before forks
+    existed."""
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        fields = [f for f in msgspec.structs.fields(SegmentHeader) if f.name != "base"]
+        self._names = [f.name for f in fields]
+        self._plain = msgspec.defstruct(
+            "_PlainHeader",
+            [(f.name, f.type) if f.required else (f.name, f.type, f.default) for f in fields],
+            kw_only=True,
+        )
+
+    def encode(self, header: SegmentHeader) -> bytes:
+        if header.base:
+            return self._encoder.encode(header)
+        return self._encoder.encode(self._plain(**{n: getattr(header, n) for n in self._names}))
+
+
+_header_encoder = _HeaderEncoder()
 _header_decoder = msgspec.msgpack.Decoder(SegmentHeader)
 
 

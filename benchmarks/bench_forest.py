@@ -1,0 +1,220 @@
+"""Conversations that share history: host bytes held against unique bytes, with forks and
+without, and the speed of a fork against a plain conversation of the same length.
+
+Run: ``.venv/bin/python benchmarks/bench_forest.py [--conversations 200] [--prompt 2048]
+[--turns 4] [--fork-rate 0.05] [--kib-per-token 1] [--reps 40] [--seed 0]``.
+
+Workload: ``--conversations`` conversations all start with the same system prompt of
+``--prompt`` tokens, then take ``--turns`` turns of 64-192 tokens each; at each turn, with
+probability ``--fork-rate``, the user regenerates instead: a new conversation forks at the
+previous turn's prompt (inside the stored turn: its answer is dropped) and takes the turn.
+Every turn's KV is ``--kib-per-token`` KiB per token (two float16 tensors), so the run fits
+a small machine; the ratios do not depend on it once turns span a few pages.
+
+The same turns run through two caches in one process, each with a host tier large enough
+for everything: *forest* (the prompt stored once as conversation ``system``, every
+conversation a fork of it, every regenerate a fork of its conversation) and *no sharing*
+(what the cache did before forks: every conversation appends the whole prompt, every
+regenerate the whole history before its turn). *Unique bytes* are the KV bytes of the
+distinct tokens: the prompt once plus every appended turn. Printed: host bytes held /
+unique bytes for both (target for the forest: <= 1.05x), every load checked byte for byte.
+
+Speed: one fork of ``system`` and one plain conversation holding the same prompt as its
+own first turn, each then appending the same turns, then each loaded whole; ``--reps``
+times, alternating which goes first, each append after the first and each load timed;
+printed: the median fork time over the median plain time for append and for load
+(target: within 5%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from tieredkv import HostMemoryTier, TieredKVCache
+
+TARGET_RATIO = 1.05
+TARGET_SPEED = 1.05
+
+
+def turn_kv(tokens: int, seed: int, kib: int) -> dict[str, torch.Tensor]:
+    """A turn's KV: two float16 tensors of ``tokens`` x ``kib`` x 256 (``kib`` KiB a token)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "k": torch.randn(tokens, kib, 256, generator=g).to(torch.float16),
+        "v": torch.randn(tokens, kib, 256, generator=g).to(torch.float16),
+    }
+
+
+def cat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {n: torch.cat([p[n] for p in parts]) for n in parts[0]}
+
+
+def head(t: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    return {k: v[:n] for k, v in t.items()}
+
+
+def raw(t: dict[str, torch.Tensor]) -> int:
+    return sum(v.numel() * v.element_size() for v in t.values())
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[n].shape == b[n].shape and a[n].view(torch.uint8).equal(b[n].view(torch.uint8)) for n in a
+    )
+
+
+class Op:
+    """One step of the workload: ``key`` appends ``turn`` (forked from ``parent`` at
+    ``at`` tokens when ``parent`` is set)."""
+
+    def __init__(self, key: str, turn: int, tokens: int, parent: str | None, at: int) -> None:
+        self.key, self.turn, self.tokens, self.parent, self.at = key, turn, tokens, parent, at
+
+
+def workload(args: argparse.Namespace) -> list[Op]:
+    rng = random.Random(args.seed)
+    ops: list[Op] = []
+    n = 0
+    for c in range(args.conversations):
+        key = f"c{c}"
+        length = args.prompt
+        last = 0  # tokens of the previous turn
+        for t in range(args.turns):
+            tokens = rng.randint(64, 192)
+            if t == 0:
+                ops.append(Op(key, n, tokens, "system", args.prompt))
+            elif rng.random() < args.fork_rate:
+                # regenerate: fork at the previous turn's prompt (half of it, here)
+                at = length - last // 2
+                fork = f"{key}/r{t}"
+                ops.append(Op(fork, n, tokens, key, at))
+            else:
+                ops.append(Op(key, n, tokens, None, 0))
+            n += 1
+            if ops[-1].key == key:
+                length += tokens
+                last = tokens
+    return ops
+
+
+async def held(args: argparse.Namespace, ops: list[Op], forest: bool) -> tuple[int, int, int]:
+    """Run the workload; host bytes held, unique bytes, loads that came back wrong."""
+    kib = args.kib_per_token
+    prompt = turn_kv(args.prompt, 1 << 30, kib)
+    history: dict[str, list[dict[str, torch.Tensor]]] = {"system": [prompt]}
+    unique = raw(prompt)
+    wrong = 0
+    async with TieredKVCache([HostMemoryTier(args.host_mib << 20)], output_reuse_bytes=0) as c:
+        if forest:
+            await c.append("system", prompt, answer_tokens=0)
+        for op in ops:
+            kv = turn_kv(op.tokens, op.turn, kib)
+            unique += raw(kv)
+            if op.parent is None:
+                history[op.key].append(kv)
+                await c.append(op.key, kv, answer_tokens=op.tokens // 2)
+                continue
+            before = head(cat(history[op.parent]), op.at)
+            history[op.key] = [before, kv]
+            if forest:
+                await c.append(
+                    op.key, kv, answer_tokens=op.tokens // 2, parent=op.parent, parent_tokens=op.at
+                )
+            else:
+                await c.append(op.key, before, answer_tokens=0)
+                await c.append(op.key, kv, answer_tokens=op.tokens // 2)
+        for key, turns in history.items():
+            if key == "system" and not forest:
+                continue
+            if not same(await c.load(key), cat(turns)):
+                wrong += 1
+        return c.stats().tiers[0].used, unique, wrong
+
+
+async def speed(args: argparse.Namespace) -> tuple[float, float, int]:
+    """Median fork / plain seconds for an append and for a load of the whole history."""
+    kib = args.kib_per_token
+    prompt = turn_kv(args.prompt, 1 << 30, kib)
+    turns = [turn_kv(128, 100 + i, kib) for i in range(args.turns)]
+    times: dict[tuple[str, str], list[float]] = {}
+    wrong = 0
+    async with TieredKVCache([HostMemoryTier(args.host_mib << 20)]) as c:
+        await c.append("system", prompt, answer_tokens=0)
+        for rep in range(args.reps):
+            order = ("fork", "plain") if rep % 2 == 0 else ("plain", "fork")
+            for kind in order:
+                key = f"{kind}{rep}"
+                if kind == "fork":
+                    await c.append(key, turns[0], answer_tokens=64, parent="system")
+                else:
+                    await c.append(key, cat([prompt, turns[0]]), answer_tokens=64)
+                for turn in turns[1:]:
+                    t0 = time.perf_counter()
+                    await c.append(key, turn, answer_tokens=64)
+                    times.setdefault((kind, "append"), []).append(time.perf_counter() - t0)
+            # loads once both are stored, in the same alternating order (each history's
+            # bytes as warm in the CPU's caches as the other's)
+            for kind in order:
+                key = f"{kind}{rep}"
+                t0 = time.perf_counter()
+                got = await c.load(key)
+                times.setdefault((kind, "load"), []).append(time.perf_counter() - t0)
+                if not same(got, cat([prompt, *turns])):
+                    wrong += 1
+                del got
+            for kind in order:
+                await c.drop(f"{kind}{rep}")
+
+    def ratio(op: str) -> float:
+        return statistics.median(times[("fork", op)]) / statistics.median(times[("plain", op)])
+
+    return ratio("append"), ratio("load"), wrong
+
+
+async def main(args: argparse.Namespace) -> int:
+    ops = workload(args)
+    forks = sum(1 for op in ops if op.parent not in (None, "system"))
+    print(
+        f"{args.conversations} conversations, a {args.prompt}-token shared prompt, "
+        f"{len(ops)} turns, {forks} regenerate forks, {args.kib_per_token} KiB/token"
+    )
+    t0 = time.perf_counter()
+    f_held, unique, f_wrong = await held(args, ops, forest=True)
+    b_held, b_unique, b_wrong = await held(args, ops, forest=False)
+    assert b_unique == unique
+    f_ratio, b_ratio = f_held / unique, b_held / unique
+    print(f"unique bytes                   {unique:>14,}")
+    target = f"(target <= {TARGET_RATIO}x)"
+    print(f"host bytes held, forest        {f_held:>14,}  {f_ratio:.3f}x unique {target}")
+    print(f"host bytes held, no sharing    {b_held:>14,}  {b_ratio:.3f}x unique (baseline)")
+    a_ratio, l_ratio, s_wrong = await speed(args)
+    print(f"fork / plain append (median)   {a_ratio:.3f}  (target <= {TARGET_SPEED})")
+    print(f"fork / plain load (median)     {l_ratio:.3f}  (target <= {TARGET_SPEED})")
+    wrong = f_wrong + b_wrong + s_wrong
+    print(f"loads byte-checked: {'all equal' if not wrong else f'{wrong} WRONG'}")
+    print(f"took {time.perf_counter() - t0:.1f} s")
+    return 1 if wrong else 0
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--conversations", type=int, default=200)
+    p.add_argument("--prompt", type=int, default=2048)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--fork-rate", type=float, default=0.05)
+    p.add_argument("--kib-per-token", type=int, default=1)
+    p.add_argument("--host-mib", type=int, default=1024)
+    p.add_argument("--reps", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main(parse())))
