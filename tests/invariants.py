@@ -16,6 +16,7 @@ from tieredkv import SSDTier, TieredKVCache
 from tieredkv.backends.arena import ArenaTier
 from tieredkv.backends.base import SegmentKey, Tier
 from tieredkv.backends.ssd import segment_file_name
+from tieredkv.payload import RETIRED_SEQ
 
 Model = dict[str, list[dict[str, torch.Tensor]]]
 """What the test believes is stored: session -> the acknowledged turns, in order."""
@@ -89,7 +90,12 @@ def problems(cache: TieredKVCache) -> list[str]:
     for t, tier in enumerate(core.tiers):
         actual = tier_keys(tier)
         orphans = {key for u, key in core.orphans if u == t}
-        expected = set(held_by_tier[t]) | orphans
+        markers = {(owner, RETIRED_SEQ) for owner, r in core.retired.items() if t in r.markers}
+        expected = set(held_by_tier[t]) | orphans | markers
+        for owner, r in core.retired.items():
+            held_here = [g.key for g in r.segs if t in g.tiers]
+            if held_here and tier.persistent and t not in r.markers:
+                found.append(f"tier {tier.name}: holds {held_here} of retired {owner!r}, no marker")
         if set(actual) != expected:
             extra = sorted(set(actual) - expected)[:5]
             missing = sorted(expected - set(actual))[:5]

@@ -18,6 +18,7 @@ from tieredkv import (
 )
 from tieredkv.backends.base import Tier
 from tieredkv.backends.ssd import segment_file_name
+from tieredkv.fsck import check_directory
 
 from ..invariants import problems
 
@@ -235,7 +236,7 @@ async def test_fork_in_mmap_and_inclusive_mode(tmp_path: Path, ssd_dir: Path) ->
         await check(c)
         same(await c.load("b"), cat(head(a0, 6), b0))
         assert segments(c.tiers[0]) == 2
-        assert segments(c.tiers[1]) == 2
+        assert segments(c.tiers[1]) == 3  # and a's retirement marker: a stays dropped
 
 
 async def test_layerwise_load_of_a_fork(ssd_dir: Path) -> None:
@@ -253,3 +254,67 @@ async def test_layerwise_load_of_a_fork(ssd_dir: Path) -> None:
                 await load.finished()
             same(out, want)
             await check(c)
+
+
+async def test_a_dropped_parent_stays_dropped_after_a_reopen(ssd_dir: Path) -> None:
+    a0, a1, b0 = kv(8, 1), kv(6, 2), kv(5, 3)
+    async with TieredKVCache([HostMemoryTier(1 << 20), SSDTier(ssd_dir, 8 << 20)]) as c:
+        await c.append("a", a0, answer_tokens=1)
+        await c.append("a", a1, answer_tokens=1)
+        await c.append("b", b0, answer_tokens=1, parent="a", parent_tokens=4)
+        await c.drop("a")
+        with pytest.raises(ValueError, match="another key"):
+            await c.append("a", a0, answer_tokens=1)
+        await check(c)
+    async with TieredKVCache([HostMemoryTier(1 << 20), SSDTier(ssd_dir, 8 << 20)]) as c:
+        assert c.sessions() == ["b"]
+        assert c.truncated() == {}
+        same(await c.load("b"), cat(head(a0, 4), b0))
+        await check(c)
+        await c.drop("b")
+        await check(c)
+        # nothing of a or b is left, and the key is free again
+        await c.append("a", a1, answer_tokens=1)
+        same(await c.load("a"), a1)
+    async with TieredKVCache([SSDTier(ssd_dir, 8 << 20)]) as c:
+        assert c.sessions() == ["a"]
+        assert segments(c.tiers[0]) == 1
+
+
+async def test_fsck_reports_forks_dangling_references_and_reclaimable_turns(
+    ssd_dir: Path,
+) -> None:
+    a0, a1 = kv(8, 1), kv(6, 2)
+    async with TieredKVCache([SSDTier(ssd_dir, 8 << 20)]) as c:
+        await c.append("a", a0, answer_tokens=1)
+        await c.append("a", a1, answer_tokens=1)
+        await c.append("b", kv(5, 3), answer_tokens=1, parent="a", parent_tokens=4)
+        await c.append("b", kv(5, 4), answer_tokens=1)
+        await c.append("c", kv(2, 5), answer_tokens=1, parent="b")
+        await c.drop("a")
+    report = await asyncio.to_thread(check_directory, ssd_dir)
+    assert report.clean
+    assert report.retired == ["a"]
+    assert report.reclaimable == 0
+    turns = {s.session: (s.turns, s.stray) for s in report.sessions}
+    assert turns == {"b": (2, 0), "c": (1, 0)}
+    # c's reference to b's second turn dangles once that file is gone: damage
+    (ssd_dir / "segments" / segment_file_name(("b", 2))).unlink()
+    report = await asyncio.to_thread(check_directory, ssd_dir)
+    assert not report.clean
+    assert [d.path for d in report.damaged] == [f"segments/{segment_file_name(('c', 3))}"]
+    assert "dangling reference" in report.damaged[0].problem
+    # a's first turn, which b alone referenced, is reclaimable once b is gone
+    for seq in (1, 2):
+        f = ssd_dir / "segments" / segment_file_name(("b", seq))
+        if f.exists():
+            f.unlink()
+    (ssd_dir / "segments" / segment_file_name(("c", 3))).unlink()
+    report = await asyncio.to_thread(check_directory, ssd_dir)
+    assert report.clean
+    assert report.retired == []
+    assert report.reclaimable == 2  # a's turn 0 and its marker
+    async with TieredKVCache([SSDTier(ssd_dir, 8 << 20)]) as c:
+        assert c.sessions() == []
+        assert segments(c.tiers[0]) == 0
+    assert (await asyncio.to_thread(check_directory, ssd_dir)).reclaimable == 0

@@ -31,6 +31,7 @@ from ..errors import (
 )
 from ..meta import Demoted, Dropped, Evicted, Promoted
 from .atomic import settle
+from .forest import copying, deleted, retire
 from .refusals import record_refusal
 from .state import Core, Session, begin_fill, end_fill, filling
 
@@ -96,10 +97,14 @@ async def remove_copy(core: Core, s: Session, t: int) -> bool:
     becomes an orphan. Never raises for I/O: ``False`` if some segment became an orphan.
     """
     clean = True
+    gone = []
     for seg in reversed(s.segs):
         if t in seg.tiers and not seg.needed(t, s):
             seg.tiers.discard(t)
+            gone.append(seg)
             clean = await delete_or_orphan(core, t, seg.key) and clean
+    if core.retired:
+        await deleted(core, gone, t)
     if s.dropped or not s.complete(t):  # (else its sharers keep all of it there)
         core.residency.removed(s.key, t)
     return clean
@@ -121,8 +126,11 @@ async def remove_all(core: Core, s: Session) -> None:
 async def drop(core: Core, s: Session, stop: Callable[[Session], Awaitable[None]]) -> None:
     """Forget ``s`` (locked): its background copy stopped (``stop``: cancelled there, the
     drop did nothing), then it leaves the index and the channel (the point of no return),
-    then every copy is deleted, whatever cancels the caller (raised at the end)."""
+    then every copy is deleted, whatever cancels the caller (raised at the end). If forks
+    still list some of its turns, its retirement marker is written first (an I/O error
+    there: the drop did nothing, and raises it)."""
     await stop(s)
+    await retire(core, s)
     s.dropped = True
     nbytes = s.nbytes()
     if core.sessions.get(s.key) is s:
@@ -148,7 +156,13 @@ def unlist(core: Core, s: Session) -> None:
 
 async def forget_copy(core: Core, s: Session, t: int) -> bool:
     """Remove the copy in ``t``; re-elect the primary; return whether the session is lost
-    (the caller publishes the outcome)."""
+    (the caller publishes the outcome).
+
+    :raises TierIOError: the session would be lost while forks list some of its turns,
+        and its retirement marker could not be written (nothing changed)
+    """
+    if not any(s.complete(u) for u in range(len(core.tiers)) if u != t):
+        await retire(core, s)
     await remove_copy(core, s, t)
     if s.primary == t:
         s.primary = next((u for u in range(len(core.tiers)) if s.complete(u)), None)
@@ -403,6 +417,7 @@ async def copy_segments(
 
     A segment found damaged in ``src`` costs ``s`` that copy (and raises).
     """
+    await copying(core, keys, dst)
     try:
         await core.copies[src][dst](keys, written)
     except CorruptSegmentError as exc:

@@ -21,10 +21,10 @@ import msgspec
 
 from ..backends.base import Tier
 from ..meta import TierInfo
-from ..payload import SegmentHeader, header_schema
+from ..payload import RETIRED_SEQ, SegmentHeader, header_schema, is_retirement
 from .atomic import settle
 from .placement import delete_or_orphan, evict_copy
-from .state import Core, Seg, Session
+from .state import Core, Retired, Seg, Session
 
 __all__ = ["Truncation", "open_tiers", "recover"]
 
@@ -82,13 +82,20 @@ async def recover(core: Core, recovered: list[list[SegmentHeader]]) -> dict[str,
     ntiers = len(core.tiers)
     by_session: dict[str, list[dict[int, SegmentHeader]]] = {}
     blobs: dict[tuple[str, int], Seg] = {}
+    markers: dict[str, set[int]] = {}  # retired conversations: the tiers with their marker
     for t, headers in enumerate(recovered):
         for h in headers:
-            by_session.setdefault(h.session, [{} for _ in range(ntiers)])[t][h.seq] = h
+            if is_retirement(h):
+                markers.setdefault(h.session, set()).add(t)
+            else:
+                by_session.setdefault(h.session, [{} for _ in range(ntiers)])[t][h.seq] = h
+    recovered = [[h for h in headers if not is_retirement(h)] for headers in recovered]
     now = core.clock()
     truncated: dict[str, Truncation] = {}
     rebuilt: list[Session] = []
     for key, per_tier in by_session.items():
+        if key in markers:  # retired: its segments are its forks' only
+            continue
         s, why = _rebuild(key, per_tier, blobs, recovered)
         cut = _truncation(core, s, per_tier, why)
         if cut is not None:
@@ -113,6 +120,16 @@ async def recover(core: Core, recovered: list[list[SegmentHeader]]) -> dict[str,
                 if seg is not None:
                     seg.tiers.discard(t)
                 await delete_or_orphan(core, t, key)
+    for key, tiers in markers.items():
+        left = [g for k, g in blobs.items() if k[0] == key and g.tiers]
+        if left:
+            r = core.retired[key] = Retired(left)
+            r.markers = set(tiers)
+        for t in sorted(tiers):
+            if not any(t in g.tiers for g in left):
+                await delete_or_orphan(core, t, (key, RETIRED_SEQ))
+                if key in core.retired:
+                    core.retired[key].markers.discard(t)
     for s in rebuilt:
         if not any(s.complete(t) for t in range(ntiers)):
             s.clear()

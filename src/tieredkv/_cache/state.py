@@ -45,6 +45,7 @@ __all__ = [
     "CacheStats",
     "Core",
     "Refusal",
+    "Retired",
     "Seg",
     "Session",
     "begin_fill",
@@ -261,6 +262,18 @@ class Session:
         return freed
 
 
+class Retired:
+    """A conversation that left while others list some of its segments (see
+    :mod:`tieredkv._cache.forest`): those segments, and the persistent tiers holding its
+    retirement marker."""
+
+    __slots__ = ("markers", "segs")
+
+    def __init__(self, segs: list[Seg]) -> None:
+        self.segs = segs
+        self.markers: set[int] = set()
+
+
 async def claim(segs: list[Seg], t: int) -> list[Seg]:
     """Wait until no copy of any of ``segs`` into tier ``t`` is under way, then claim those
     ``t`` lacks (no other copy of them into ``t`` starts until :func:`unclaim`): two
@@ -354,6 +367,8 @@ class Core:
         self.stats = CacheStats()
         self.protected: Callable[[], AbstractSet[str]] = frozenset
         self.orphans: set[tuple[int, SegmentKey]] = set()
+        self.retired: dict[str, Retired] = {}
+        """Conversations that left while forks still list some of their segments."""
         self.refused: dict[str, Refusal] = {}
         """Per session, turns a shared tier refused, until the session is next used."""
         self.refusals = 0

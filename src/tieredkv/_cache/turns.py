@@ -26,6 +26,7 @@ from ..errors import (
 from ..meta import KVMeta, Loaded, Stored
 from ..payload import SegmentPlan, plan_segment
 from .atomic import settle
+from .forest import check_not_retired
 from .gather import Target
 from .placement import (
     delete_or_orphan,
@@ -214,6 +215,8 @@ def plan_turn(
     first turn: after the segments it inherits, which it names in its header)."""
     if s.primary is None and s.segs:  # lost or damaged earlier: start afresh
         unlist(core, s)
+    if not s.segs:
+        check_not_retired(core, s.key)
     base = () if fork is None else tuple((g.key[0], g.key[1], n) for g, n in fork[1])
     plan = plan_segment(
         s.key,

@@ -22,6 +22,8 @@ from ._format import (
     LAND_MIN,
     MAX_SESSION_KEY_BYTES,
     PREFIX,
+    RETIRED_CODEC,
+    RETIRED_SEQ,
     Schema,
     SegmentHeader,
     TensorSpec,
@@ -296,6 +298,18 @@ def plan_segment(
     )
     header, header_bytes = _encode_laid_out(header)
     return SegmentPlan(header, header_bytes, header_schema(header), tuple(values))
+
+
+def plan_retirement(session: str) -> SegmentPlan:
+    """The retirement marker of ``session`` (see :data:`~tieredkv.payload.RETIRED_SEQ`)."""
+    return plan_segment(
+        session,
+        RETIRED_SEQ,
+        {"retired": torch.zeros(1, dtype=torch.uint8)},
+        token_dim=0,
+        answer_tokens=0,
+        codec=RETIRED_CODEC,
+    )
 
 
 def _check_count(what: str, value: object) -> None:

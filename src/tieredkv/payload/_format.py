@@ -19,6 +19,8 @@ __all__ = [
     "MAGIC",
     "MAX_SESSION_KEY_BYTES",
     "PREFIX",
+    "RETIRED_CODEC",
+    "RETIRED_SEQ",
     "Schema",
     "SegmentHeader",
     "TensorSpec",
@@ -27,6 +29,7 @@ __all__ = [
     "hash_body",
     "hashed_from",
     "header_schema",
+    "is_retirement",
 ]
 
 MAGIC = b"TKVSEG\x00\x01"
@@ -45,6 +48,13 @@ LAND_MIN = 64 << 10
 """Tensors at least this large are placed at multiples of :data:`LAND_ALIGN` (the padding,
 at most 448 bytes more than before, is under 0.7% of such a tensor)."""
 MAX_SESSION_KEY_BYTES = 65536
+RETIRED_CODEC = "tieredkv-retired"
+RETIRED_SEQ = 2**31 - 1
+"""A *retirement marker* is the segment ``(session, RETIRED_SEQ)`` with codec
+:data:`RETIRED_CODEC` (one token of one byte): ``session`` left (dropped, or its last copy
+evicted) while forks still list some of its turns, which stay stored, under its key, for
+them only. A persistent tier that holds such a turn holds the marker too, so that a
+restart does not bring the conversation back."""
 INCARNATION_BYTES = 16
 MAC_BYTES = 32
 _NO_INCARNATION = bytes(INCARNATION_BYTES)
@@ -207,6 +217,11 @@ def header_schema(header: SegmentHeader) -> Schema:
             for t in header.tensors
         ),
     )
+
+
+def is_retirement(header: SegmentHeader) -> bool:
+    """Whether ``header`` is a retirement marker (see :data:`RETIRED_SEQ`)."""
+    return header.seq == RETIRED_SEQ and header.codec == RETIRED_CODEC
 
 
 def dtype_of(name: str) -> torch.dtype:
