@@ -34,7 +34,9 @@ import random
 import statistics
 import sys
 import time
+from typing import Any
 
+import numpy as np
 import torch
 
 from tieredkv import HostMemoryTier, TieredKVCache
@@ -44,11 +46,13 @@ TARGET_SPEED = 1.05
 
 
 def turn_kv(tokens: int, seed: int, kib: int) -> dict[str, torch.Tensor]:
-    """A turn's KV: two float16 tensors of ``tokens`` x ``kib`` x 256 (``kib`` KiB a token)."""
+    """A turn's KV: two float16 tensors of ``tokens`` x ``kib`` x 256 (``kib`` KiB a token),
+    random bits (only their bytes matter here)."""
     g = torch.Generator().manual_seed(seed)
+    shape = (tokens, kib, 256)
     return {
-        "k": torch.randn(tokens, kib, 256, generator=g).to(torch.float16),
-        "v": torch.randn(tokens, kib, 256, generator=g).to(torch.float16),
+        n: torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=g).view(torch.float16)
+        for n in ("k", "v")
     }
 
 
@@ -56,18 +60,41 @@ def cat(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {n: torch.cat([p[n] for p in parts]) for n in parts[0]}
 
 
-def head(t: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
-    return {k: v[:n] for k, v in t.items()}
+Parts = list[dict[str, torch.Tensor]]
+"""A history as the turns (or views of turns) it is made of, in order."""
+
+
+def prefix(parts: Parts, n: int) -> Parts:
+    """The first ``n`` tokens of a history, as views."""
+    out: Parts = []
+    for p in parts:
+        if n <= 0:
+            break
+        size = next(iter(p.values())).shape[0]
+        out.append(p if size <= n else {k: v[:n] for k, v in p.items()})
+        n -= size
+    return out
+
+
+def bits(t: torch.Tensor) -> np.ndarray[Any, Any]:
+    """A tensor's bits, to compare (NaN patterns included)."""
+    return t.contiguous().view(torch.int16).numpy()
+
+
+def matches(got: dict[str, torch.Tensor], parts: Parts) -> bool:
+    """Whether ``got`` is exactly the history ``parts`` (compared part by part)."""
+    at = 0
+    for p in parts:
+        size = next(iter(p.values())).shape[0]
+        for n, v in p.items():
+            if not np.array_equal(bits(got[n][at : at + size]), bits(v)):
+                return False
+        at += size
+    return all(v.shape[0] == at for v in got.values())
 
 
 def raw(t: dict[str, torch.Tensor]) -> int:
     return sum(v.numel() * v.element_size() for v in t.values())
-
-
-def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(
-        a[n].shape == b[n].shape and a[n].view(torch.uint8).equal(b[n].view(torch.uint8)) for n in a
-    )
 
 
 class Op:
@@ -108,7 +135,7 @@ async def held(args: argparse.Namespace, ops: list[Op], forest: bool) -> tuple[i
     """Run the workload; host bytes held, unique bytes, loads that came back wrong."""
     kib = args.kib_per_token
     prompt = turn_kv(args.prompt, 1 << 30, kib)
-    history: dict[str, list[dict[str, torch.Tensor]]] = {"system": [prompt]}
+    history: dict[str, Parts] = {"system": [prompt]}
     unique = raw(prompt)
     wrong = 0
     async with TieredKVCache([HostMemoryTier(args.host_mib << 20)], output_reuse_bytes=0) as c:
@@ -121,19 +148,19 @@ async def held(args: argparse.Namespace, ops: list[Op], forest: bool) -> tuple[i
                 history[op.key].append(kv)
                 await c.append(op.key, kv, answer_tokens=op.tokens // 2)
                 continue
-            before = head(cat(history[op.parent]), op.at)
-            history[op.key] = [before, kv]
+            before = prefix(history[op.parent], op.at)
+            history[op.key] = [*before, kv]
             if forest:
                 await c.append(
                     op.key, kv, answer_tokens=op.tokens // 2, parent=op.parent, parent_tokens=op.at
                 )
             else:
-                await c.append(op.key, before, answer_tokens=0)
+                await c.append(op.key, cat(before), answer_tokens=0)
                 await c.append(op.key, kv, answer_tokens=op.tokens // 2)
         for key, turns in history.items():
             if key == "system" and not forest:
                 continue
-            if not same(await c.load(key), cat(turns)):
+            if not matches(await c.load(key), turns):
                 wrong += 1
         return c.stats().tiers[0].used, unique, wrong
 
@@ -166,7 +193,7 @@ async def speed(args: argparse.Namespace) -> tuple[float, float, int]:
                 t0 = time.perf_counter()
                 got = await c.load(key)
                 times.setdefault((kind, "load"), []).append(time.perf_counter() - t0)
-                if not same(got, cat([prompt, *turns])):
+                if not matches(got, [prompt, *turns]):
                     wrong += 1
                 del got
             for kind in order:

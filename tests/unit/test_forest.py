@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tieredkv import (
+    BidawEviction,
     HostMemoryTier,
     MmapTier,
     SchemaMismatchError,
@@ -19,6 +20,7 @@ from tieredkv import (
 from tieredkv.backends.base import Tier
 from tieredkv.backends.ssd import segment_file_name
 from tieredkv.fsck import check_directory
+from tieredkv.policies.base import freed_bytes
 
 from ..invariants import problems
 
@@ -318,3 +320,75 @@ async def test_fsck_reports_forks_dangling_references_and_reclaimable_turns(
         assert c.sessions() == []
         assert segments(c.tiers[0]) == 0
     assert (await asyncio.to_thread(check_directory, ssd_dir)).reclaimable == 0
+
+
+async def test_eviction_sees_what_evicting_a_conversation_frees(ssd_dir: Path) -> None:
+    """Bidaw's resident sizes are owned bytes: the shared prompt counts for nobody while
+    both forks hold it, and for the parent alone once the forks are gone."""
+    policy = BidawEviction()
+    tiers = [HostMemoryTier(1 << 20), SSDTier(ssd_dir, 8 << 20)]
+    async with TieredKVCache(tiers, eviction=policy) as c:
+        sys_meta = await c.append("system", kv(16, 1), answer_tokens=0)
+        f = await c.append("f", kv(4, 2), answer_tokens=1, parent="system")
+        g = await c.append("g", kv(4, 3), answer_tokens=1, parent="system")
+        prompt = sys_meta.nbytes
+        assert c.channel["system"].shared_bytes == prompt
+        assert c.channel["system"].owned_bytes == 0
+        assert (f.shared_bytes, g.shared_bytes) == (prompt, prompt)
+        assert freed_bytes(c.channel["f"]) == f.nbytes - prompt
+        own = freed_bytes(c.channel["f"]) + freed_bytes(c.channel["g"])
+        assert policy.resident_bytes() == own
+        assert c.tiers[0].used == prompt + own  # stored once
+        await c.drop("f")
+        await c.drop("g")
+        assert c.channel["system"].shared_bytes == 0
+        assert policy.resident_bytes() == prompt
+        await check(c)
+
+
+async def test_concurrent_forks_loads_and_evictions_keep_the_forest_consistent(
+    ssd_dir: Path,
+) -> None:
+    """Many forks of one prompt, appended, loaded and pushed between tiers concurrently:
+    a shared segment is never copied into a tier twice at once nor deleted under a
+    conversation that needs it, and every load is exact."""
+    prompt = kv(64, 1)
+    model: dict[str, dict[str, torch.Tensor]] = {}
+    async with TieredKVCache(
+        [HostMemoryTier(512 * KIB), SSDTier(ssd_dir, 16 << 20)], mode="exclusive"
+    ) as c:
+        await c.append("system", prompt, answer_tokens=0)
+        at_once = asyncio.Semaphore(4)  # busy conversations are never victims: leave some
+
+        async def user(i: int) -> None:
+            async with at_once:
+                await converse(i)
+
+        async def converse(i: int) -> None:
+            key = f"u{i}"
+            mine = [kv(8, 100 + i)]
+            await c.append(key, mine[0], answer_tokens=1, parent="system")
+            for t in range(3):
+                same(await c.load(key), cat(prompt, *mine))
+                turn = kv(8 + t, 1000 * i + t)
+                mine.append(turn)
+                await c.append(key, turn, answer_tokens=t)
+                await asyncio.sleep(0)
+            model[key] = cat(prompt, *mine)
+
+        await asyncio.gather(*(user(i) for i in range(12)))
+        await check(c)
+        assert c.stats().demotions > 0  # conversations did move between tiers
+        for key, want in model.items():
+            same(await c.load(key), want)
+        same(await c.load("system"), prompt)
+        await check(c)
+        # the prompt is stored at most once per tier
+        for tier in c.tiers:
+            assert sum(1 for k in _keys(tier) if k[0] == "system") <= 1
+
+
+def _keys(tier: Tier) -> list[tuple[str, int]]:
+    from ..invariants import tier_keys
+
+    return list(tier_keys(tier))

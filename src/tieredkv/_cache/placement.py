@@ -146,9 +146,9 @@ async def drop(core: Core, s: Session, stop: Callable[[Session], Awaitable[None]
 
 
 def unlist(core: Core, s: Session) -> None:
-    """``s``'s history is gone (dropped or lost): it no longer lists its segments, and the
-    conversations it shared them with are published with their new shared bytes."""
-    sharers = {u for seg in s.segs for u in seg.users if u is not s}
+    """``s``'s history is gone (dropped or lost): it no longer lists its segments, and a
+    conversation that now lists one of them alone is published with its new shared bytes."""
+    sharers = {u for seg in s.segs if len(seg.users) == 2 for u in seg.users if u is not s}
     s.clear()
     for u in sharers:
         core.reshared(u)

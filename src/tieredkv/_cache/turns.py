@@ -252,7 +252,11 @@ async def store(core: Core, s: Session, plan: SegmentPlan, start: int | None = N
     t = start if start is not None else 0 if s.primary is None else s.primary
     try:
         while not await reserve(core, t, key, plan.length, {s.key}):
-            if t + 1 >= len(core.tiers) or start is not None:
+            if start is not None:
+                tier = core.tiers[t]
+                what = f"the fork's first turn (stored in its parent's tier, {tier.name!r})"
+                raise CapacityError(what, plan.length, tier.capacity - tier.used)
+            if t + 1 >= len(core.tiers):
                 tier = core.tiers[t]
                 raise CapacityError("the segment", plan.length, tier.capacity - tier.used)
             if s.primary == t:
@@ -313,9 +317,9 @@ def commit_append(
 
 
 def inherit(core: Core, s: Session, p: Session, inherited: list[tuple[Seg, int]]) -> None:
-    """``s`` (a fork being committed) lists ``p``'s segments ``inherited``; the
-    conversations already listing them are published with their new shared bytes."""
-    sharers = {u for seg, _ in inherited for u in seg.users}
+    """``s`` (a fork being committed) lists ``p``'s segments ``inherited``; a conversation
+    that listed one of them alone until now is published with its new shared bytes."""
+    sharers = {u for seg, _ in inherited if len(seg.users) == 1 for u in seg.users}
     for seg, take in inherited:
         s.add(seg, take)
     s.base = len(inherited)
