@@ -106,30 +106,28 @@ async def recover(core: Core, recovered: list[list[SegmentHeader]]) -> dict[str,
     # conversation, so a crash part-way leaves prefixes)
     listed = {seg.key for s in rebuilt for seg in s.segs}
     for t in range(ntiers):
-        for key in sorted(
-            (k for segs_t in [recovered[t]] for k in {(h.session, h.seq) for h in segs_t}),
-            key=lambda k: (k[0], -k[1]),
-        ):
-            seg = blobs.get(key)
+        stored = {(h.session, h.seq) for h in recovered[t]}
+        for sk in sorted(stored, key=lambda k: (k[0], -k[1])):
+            seg = blobs.get(sk)
             if (
                 seg is None
-                or key not in listed
+                or sk not in listed
                 or t not in seg.tiers
                 or not any(u.complete(t) for u in seg.users)
             ):
                 if seg is not None:
                     seg.tiers.discard(t)
-                await delete_or_orphan(core, t, key)
-    for key, tiers in markers.items():
-        left = [g for k, g in blobs.items() if k[0] == key and g.tiers]
+                await delete_or_orphan(core, t, sk)
+    for owner, tiers in markers.items():
+        left = [g for k, g in blobs.items() if k[0] == owner and g.tiers]
         if left:
-            r = core.retired[key] = Retired(left)
+            r = core.retired[owner] = Retired(left)
             r.markers = set(tiers)
         for t in sorted(tiers):
             if not any(t in g.tiers for g in left):
-                await delete_or_orphan(core, t, (key, RETIRED_SEQ))
-                if key in core.retired:
-                    core.retired[key].markers.discard(t)
+                await delete_or_orphan(core, t, (owner, RETIRED_SEQ))
+                if owner in core.retired:
+                    core.retired[owner].markers.discard(t)
     for s in rebuilt:
         if not any(s.complete(t) for t in range(ntiers)):
             s.clear()
