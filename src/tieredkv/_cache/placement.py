@@ -98,8 +98,10 @@ async def remove_copy(core: Core, s: Session, t: int) -> bool:
     """
     clean = True
     gone = []
+    copies = core.mode == "inclusive"
+    sharers = {u for seg in s.segs for u in seg.users if u is not s and u.complete(t)}
     for seg in reversed(s.segs):
-        if t in seg.tiers and not seg.needed(t, s):
+        if t in seg.tiers and not seg.needed(t, s, copies):
             seg.tiers.discard(t)
             gone.append(seg)
             clean = await delete_or_orphan(core, t, seg.key) and clean
@@ -107,6 +109,10 @@ async def remove_copy(core: Core, s: Session, t: int) -> bool:
         await deleted(core, gone, t)
     if s.dropped or not s.complete(t):  # (else its sharers keep all of it there)
         core.residency.removed(s.key, t)
+    for u in sharers:  # a copy in t that only shared segments made complete, now gone
+        if not u.complete(t):
+            core.residency.removed(u.key, t)
+            core.publish(u)
     return clean
 
 

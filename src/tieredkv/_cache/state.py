@@ -152,11 +152,15 @@ class Seg:
         """Whether more than one conversation lists it."""
         return len(self.users) > 1
 
-    def needed(self, t: int, but: Session) -> bool:
-        """Whether a conversation other than ``but`` serves from, or keeps a complete copy
-        in, tier ``t`` with this segment (so the copy in ``t`` must stay)."""
+    def needed(self, t: int, but: Session, copies: bool) -> bool:
+        """Whether a conversation other than ``but`` serves from tier ``t``, is copying
+        its history there, or (``copies``: inclusive mode, where lower tiers keep copies on
+        purpose) keeps a complete copy there: then this segment's copy in ``t`` stays."""
         return any(
-            u is not but and not u.dropped and (u.complete(t) or t in u.filling) for u in self.users
+            u is not but
+            and not u.dropped
+            and (u.primary == t or t in u.filling or (copies and u.complete(t)))
+            for u in self.users
         )
 
 
