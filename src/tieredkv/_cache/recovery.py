@@ -224,6 +224,8 @@ def _rebuild(
     n = max(prefix)
     best = prefix.index(n)
     headers = [per_tier[best][i] for i in range(first, n)]
+    if not headers:  # its first turn is missing
+        return s, None
     inherited: list[tuple[Seg, int]] = []
     if first:
         base = headers[0].base
