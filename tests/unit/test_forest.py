@@ -348,8 +348,9 @@ async def test_eviction_sees_what_evicting_a_conversation_frees(ssd_dir: Path) -
         await check(c)
 
 
+@pytest.mark.parametrize("mode", ["exclusive", "inclusive"])
 async def test_concurrent_forks_loads_and_evictions_keep_the_forest_consistent(
-    ssd_dir: Path,
+    ssd_dir: Path, mode: str
 ) -> None:
     """Many forks of one prompt, appended, loaded and pushed between tiers concurrently:
     a shared segment is never copied into a tier twice at once nor deleted under a
@@ -357,7 +358,8 @@ async def test_concurrent_forks_loads_and_evictions_keep_the_forest_consistent(
     prompt = kv(64, 1)
     model: dict[str, dict[str, torch.Tensor]] = {}
     async with TieredKVCache(
-        [HostMemoryTier(512 * KIB), SSDTier(ssd_dir, 16 << 20)], mode="exclusive"
+        [HostMemoryTier(512 * KIB), SSDTier(ssd_dir, 16 << 20)],
+        mode=mode,  # type: ignore[arg-type]
     ) as c:
         await c.append("system", prompt, answer_tokens=0)
         at_once = asyncio.Semaphore(4)  # busy conversations are never victims: leave some
@@ -377,6 +379,13 @@ async def test_concurrent_forks_loads_and_evictions_keep_the_forest_consistent(
                 await c.append(key, turn, answer_tokens=t)
                 await asyncio.sleep(0)
             model[key] = cat(prompt, *mine)
+            if i % 3 == 2:  # a regenerate branch of it, then the original goes
+                await c.append(
+                    f"{key}/r", kv(4, 5000 + i), answer_tokens=1, parent=key, parent_tokens=70
+                )
+                model[f"{key}/r"] = cat(prompt, head(mine[0], 6), kv(4, 5000 + i))
+                await c.drop(key)
+                del model[key]
 
         await asyncio.gather(*(user(i) for i in range(12)))
         await check(c)
