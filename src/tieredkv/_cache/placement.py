@@ -134,9 +134,10 @@ async def drop(core: Core, s: Session, stop: Callable[[Session], Awaitable[None]
     drop did nothing), then it leaves the index and the channel (the point of no return),
     then every copy is deleted, whatever cancels the caller (raised at the end). If forks
     still list some of its turns, its retirement marker is written first (an I/O error
-    there: the drop did nothing, and raises it)."""
+    there: the drop did nothing, and raises it; once the marker is written, the drop
+    completes whatever cancels the caller, so no marker ever stands for a live one)."""
     await stop(s)
-    await retire(core, s)
+    _, first = await settle(lambda: retire(core, s))
     s.dropped = True
     nbytes = s.nbytes()
     if core.sessions.get(s.key) is s:
@@ -147,8 +148,9 @@ async def drop(core: Core, s: Session, stop: Callable[[Session], Awaitable[None]
     unlist(core, s)
     s.primary = None
     core.residency.announced(Dropped(session=s.key, time=core.clock(), nbytes=nbytes))
-    if cancel is not None:
-        raise cancel
+    pending = first if first is not None else cancel
+    if pending is not None:
+        raise pending
 
 
 def unlist(core: Core, s: Session) -> None:
