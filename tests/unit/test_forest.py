@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from tieredkv import (
 )
 from tieredkv.backends.base import Tier
 from tieredkv.backends.ssd import segment_file_name
-from tieredkv.fsck import check_directory
+from tieredkv.fsck import check_directory, repair_directory
 from tieredkv.policies.base import freed_bytes
 
 from ..invariants import problems
@@ -308,6 +309,13 @@ async def test_fsck_reports_forks_dangling_references_and_reclaimable_turns(
     assert not report.clean
     assert [d.path for d in report.damaged] == [f"segments/{segment_file_name(('c', 3))}"]
     assert "dangling reference" in report.damaged[0].problem
+    # a repair quarantines the fork no cache would recover (nothing is deleted)
+    copy = ssd_dir.parent / "copy"
+    shutil.copytree(ssd_dir, copy)
+    repaired = await asyncio.to_thread(repair_directory, copy)
+    assert repaired.clean
+    assert repaired.quarantined == 1
+    assert [s.session for s in repaired.sessions] == ["b"]
     # a's first turn, which b alone referenced, is reclaimable once b is gone
     for seq in (1, 2):
         f = ssd_dir / "segments" / segment_file_name(("b", seq))
