@@ -4,8 +4,10 @@ Every function here runs inside :func:`~tieredkv._cache.atomic.settle` (no calle
 cancellation reaches it) with the session's lock held, and keeps the invariants listed in
 :mod:`tieredkv._cache.state` whatever fails:
 
-* a copy becomes part of the index (``held``) only once every byte of it is committed in
-  the tier; a copy is taken out of the index before (not after) its space is reused;
+* a copy becomes part of the index (a segment's ``tiers``) only once every byte of it is
+  committed in the tier; a copy is taken out of the index before (not after) its space is
+  reused; a segment other conversations share leaves a tier only when none of them needs
+  it there;
 * what a failed step wrote is deleted again; a deletion that fails leaves its key in
   :attr:`Core.orphans`, retried before the key is used again and at close, so a failed
   cleanup never poisons later operations (of this session or any other);
