@@ -1,6 +1,8 @@
 """TieredKVCache: the async facade over tiers, eviction policies and the metadata channel.
 
-One conversation ("session") = an append-only list of segments, one per turn. A session's
+One conversation ("session") = an append-only list of segments, one per turn; a fork
+(``append(..., parent=...)``) lists its parent's segments up to the fork point, stored once
+for both (:mod:`tieredkv._cache.forest`, docs/explanation/forest.md). A session's
 complete history lives in one *primary* tier (the one loads are served from); in inclusive
 mode lower tiers may also hold a copy. Tiers are ordered: index 0 is the performance tier
 (host memory), the rest are capacity tiers (SSD, mmap).
