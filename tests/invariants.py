@@ -16,6 +16,7 @@ from tieredkv import SSDTier, TieredKVCache
 from tieredkv.backends.arena import ArenaTier
 from tieredkv.backends.base import SegmentKey, Tier
 from tieredkv.backends.ssd import segment_file_name
+from tieredkv.payload import RETIRED_SEQ
 
 Model = dict[str, list[dict[str, torch.Tensor]]]
 """What the test believes is stored: session -> the acknowledged turns, in order."""
@@ -42,7 +43,6 @@ def problems(cache: TieredKVCache) -> list[str]:
     held_by_tier: list[dict[SegmentKey, int]] = [{} for _ in core.tiers]
     complete_by_tier = [0 for _ in core.tiers]
     for key, s in core.sessions.items():
-        seqs = {seg.header.seq for seg in s.segs}
         if [seg.header.seq for seg in s.segs] != list(range(len(s.segs))):
             found.append(f"{key}: segments are not 0..n-1")
         completes = [t for t in range(len(core.tiers)) if s.complete(t)]
@@ -50,16 +50,21 @@ def problems(cache: TieredKVCache) -> list[str]:
             found.append(f"{key}: primary {s.primary} but complete copies in {completes}")
         if s.primary is not None and s.primary not in completes:
             found.append(f"{key}: primary {s.primary} is not a complete copy")
+        found.extend(
+            f"{key}: lists segment {seg.key} but is not among its users"
+            for seg in s.segs
+            if s not in seg.users
+        )
         for t in range(len(core.tiers)):
-            if not s.held[t] <= seqs:
-                found.append(f"{key}: tier {t} holds unknown segments {s.held[t] - seqs}")
-            if s.held[t] and not s.complete(t):
-                found.append(f"{key}: partial copy in tier {t} at rest ({sorted(s.held[t])})")
+            # a segment held at rest is part of a complete copy of some conversation listing
+            # it (a fork's, its parent's, or its own)
+            idle = [g.key for g in s.holds(t) if not any(u.complete(t) for u in g.users)]
+            if idle:
+                found.append(f"{key}: partial copy in tier {t} at rest ({sorted(idle)})")
             if s.complete(t):
                 complete_by_tier[t] += 1
-            for seg in s.segs:
-                if seg.header.seq in s.held[t]:
-                    held_by_tier[t][(key, seg.header.seq)] = seg.length
+            for seg in s.holds(t):
+                held_by_tier[t][seg.key] = seg.length
         meta = cache.channel.get(key)
         if s.primary is None:
             if meta is not None and meta.tier is not None:
@@ -85,7 +90,12 @@ def problems(cache: TieredKVCache) -> list[str]:
     for t, tier in enumerate(core.tiers):
         actual = tier_keys(tier)
         orphans = {key for u, key in core.orphans if u == t}
-        expected = set(held_by_tier[t]) | orphans
+        markers = {(owner, RETIRED_SEQ) for owner, r in core.retired.items() if t in r.markers}
+        expected = set(held_by_tier[t]) | orphans | markers
+        for owner, r in core.retired.items():
+            held_here = [g.key for g in r.segs if t in g.tiers]
+            if held_here and tier.persistent and t not in r.markers:
+                found.append(f"tier {tier.name}: holds {held_here} of retired {owner!r}, no marker")
         if set(actual) != expected:
             extra = sorted(set(actual) - expected)[:5]
             missing = sorted(expected - set(actual))[:5]

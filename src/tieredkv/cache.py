@@ -1,6 +1,8 @@
 """TieredKVCache: the async facade over tiers, eviction policies and the metadata channel.
 
-One conversation ("session") = an append-only list of segments, one per turn. A session's
+One conversation ("session") = an append-only list of segments, one per turn; a fork
+(``append(..., parent=...)``) lists its parent's segments up to the fork point, stored once
+for both (:mod:`tieredkv._cache.forest`, docs/explanation/forest.md). A session's
 complete history lives in one *primary* tier (the one loads are served from); in inclusive
 mode lower tiers may also hold a copy. Tiers are ordered: index 0 is the performance tier
 (host memory), the rest are capacity tiers (SSD, mmap).
@@ -279,8 +281,17 @@ class TieredKVCache:
         token_dim: int | None = None,
         codec: str = "kv",
         hint: RetentionHint | None = None,
+        parent: str | None = None,
+        parent_tokens: int | None = None,
     ) -> KVMeta:
         """Store one turn's new KV segment and record the model's answer length.
+
+        With ``parent``, this is the first turn of a *fork*: the conversation's history is
+        ``parent``'s first ``parent_tokens`` tokens (all of them if ``None``; a point inside
+        a stored turn works), followed by ``tensors``. The inherited history is not copied:
+        both conversations list the same stored segments, in every tier, until neither
+        needs them (:doc:`/explanation/forest`). The fork's first turn is stored in the
+        tier that serves ``parent``.
 
         :param session: the conversation's key (any non-empty text)
         :param tensors: named torch tensors or numpy arrays (CPU or CUDA), all with the same
@@ -294,18 +305,35 @@ class TieredKVCache:
         :param hint: what the caller knows of the conversation's future, applied once the
             turn is stored (see :meth:`hint`; a pin past the bound raises
             :class:`~tieredkv.errors.PinLimitError` after the turn is stored)
+        :param parent: the stored conversation this one forks from (only at its first
+            turn); its tensors must have the same names, dtypes and non-token shapes
+        :param parent_tokens: how many of ``parent``'s tokens the fork starts with (1 to
+            all of them; ``None``: all)
         :returns: the session's metadata after the append
         :raises SchemaMismatchError: the tensors disagree with the session's earlier turns
             (the session is untouched)
-        :raises CapacityError: the segment (or the session with it) fits in no tier
-            (nothing is stored)
+        :raises CapacityError: the segment (or the session with it) fits in no tier, or a
+            fork's first turn does not fit in its parent's tier (nothing is stored)
+        :raises SessionNotFoundError: ``parent`` is not stored
+        :raises ValueError: ``parent`` given for a conversation already stored, or
+            ``parent_tokens`` out of range or without ``parent`` (nothing is stored)
         :raises TierIOError: a tier failed while making room or writing (nothing is lost:
             what was stored stays where it was)
         """
         self._check_open()
         check_key(session)
+        fork: tuple[str, int | None] | None = None
+        if parent is not None:
+            check_key(parent)
+            if parent_tokens is not None:
+                check_int("parent_tokens", parent_tokens, minimum=1)
+            fork = (parent, parent_tokens)
+        elif parent_tokens is not None:
+            raise InvalidArgumentError("parent_tokens needs parent (the conversation to fork)")
         dim = self._token_dim if token_dim is None else token_dim
-        meta = await append(self._core, self._pumps, session, tensors, answer_tokens, dim, codec)
+        meta = await append(
+            self._core, self._pumps, session, tensors, answer_tokens, dim, codec, fork
+        )
         if hint is not None:
             meta = self.hint(session, hint)
         return self._keep_pins_bounded(meta)
@@ -511,6 +539,9 @@ class TieredKVCache:
     # -- drop ----------------------------------------------------------------------------
     async def drop(self, session: str) -> None:
         """Forget the session: delete every copy of its history and its metadata.
+
+        What its forks (or the conversation it was forked from) still list stays stored
+        for them; the rest is deleted.
 
         :raises SessionNotFoundError: if the cache does not know the session
         """

@@ -16,6 +16,12 @@ another schema: a cache's open deletes it) is a *stray*. The directory is *clean
 with no damaged, unreadable or stray file; a session with a damaged or stray segment is
 listed as one whose history comes back shorter than what was stored.
 
+Forks: a fork's first stored turn names the turns it inherits, stored under other
+conversations' keys. A reference to a turn the directory lacks (a *dangling* reference) is
+damage: no cache recovers the fork. A conversation that left while forks still listed its
+turns has a retirement marker; its turns no fork references any more are *reclaimable*
+(a cache's open deletes them, and the marker with the last of them), not damage.
+
 :func:`repair_directory` takes the tier's lock (so no tier may have the directory open),
 opens the directory as an :class:`~tieredkv.backends.SSDTier` would and reads every
 segment back: the tier's own checks move what is damaged to ``quarantine/``, and the
@@ -31,6 +37,7 @@ import functools
 import os
 import sys
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +67,7 @@ from .payload import (
     check_body_mac,
     derive_key,
     header_schema,
+    is_retirement,
     verify_segment,
 )
 
@@ -144,6 +152,12 @@ class FsckReport:
     :param quarantined: files already in ``quarantine/``
     :param unreadable: files that could not be read (I/O errors, after retries): not shown
         to be damaged, and a tier's open fails until they read
+    :param retired: conversations that left while forks still list some of their turns
+        (kept for those forks only)
+    :param reclaimable: good files no conversation needs (turns of a retired conversation
+        that no fork references, or a marker with no such turn left): a cache's open
+        deletes them
+    :param reclaimable_bytes: their total size
     """
 
     directory: Path
@@ -154,6 +168,9 @@ class FsckReport:
     leftovers: int = 0
     quarantined: int = 0
     unreadable: list[Damaged] = field(default_factory=list)
+    retired: list[str] = field(default_factory=list)
+    reclaimable: int = 0
+    reclaimable_bytes: int = 0
 
     @property
     def stray(self) -> int:
@@ -283,6 +300,7 @@ def _verify_file(sub: int, name: str, rel: str, key: bytes | None) -> SegmentHea
 def _summarize(headers: list[SegmentHeader], authenticated: bool, report: FsckReport) -> None:
     damaged_names = [name_digest(d.path.rsplit("/", 1)[-1]) for d in report.damaged]
     groups = by_session(headers)
+    refs, dangling = _references(groups)
     for session in sorted(groups):
         group = sorted(groups[session], key=lambda h: h.seq)
         if authenticated and mixed_incarnations(group):
@@ -291,30 +309,78 @@ def _summarize(headers: list[SegmentHeader], authenticated: bool, report: FsckRe
                 for h in group
             )
             continue
-        summary = SessionSummary(session)
-        kept, strays = _recoverable(group)
         for h in group:
-            summary.bytes += h.length
             report.segments += 1
             report.bytes += h.length
+        if any(is_retirement(h) for h in group):
+            turns = [h for h in group if not is_retirement(h)]
+            needed = [h for h in turns if (h.session, h.seq) in refs]
+            if needed:
+                report.retired.append(session)
+            spare = [h for h in turns if h not in needed] if needed else group
+            report.reclaimable += len(spare)
+            report.reclaimable_bytes += sum(h.length for h in spare)
+            continue
+        summary = SessionSummary(session)
+        kept, strays = _recoverable(group, refs)
+        summary.bytes = sum(h.length for h in group)
+        summary.damaged = damaged_names.count(session_digest(session))
+        if session in dangling:
+            first = kept[0]
+            report.damaged.append(
+                Damaged(f"segments/{segment_file_name((session, first.seq))}", dangling[session])
+            )
+            summary.damaged += 1
+            strays = kept[1:] + strays
+            kept = []
         summary.turns = len(kept)
         summary.tokens = sum(h.tokens for h in kept)
         summary.stray = len(strays)
-        summary.damaged = damaged_names.count(session_digest(session))
         report.sessions.append(summary)
     report.damaged.sort(key=lambda d: d.path)
 
 
-def _recoverable(group: list[SegmentHeader]) -> tuple[list[SegmentHeader], list[SegmentHeader]]:
-    """One session's good segments (in seq order) split into what a cache recovers (turns
-    0, 1, ... without a gap, with the first one's schema) and the strays."""
+def _references(
+    groups: dict[str, list[SegmentHeader]],
+) -> tuple[set[tuple[str, int]], dict[str, str]]:
+    """The turns forks reference (that the directory holds), and each fork with a dangling
+    reference (one to a turn the directory lacks), with what is wrong."""
+    good = {(h.session, h.seq): h for group in groups.values() for h in group}
+    refs: set[tuple[str, int]] = set()
+    dangling: dict[str, str] = {}
+    for session, group in groups.items():
+        own = [h for h in group if not is_retirement(h)]
+        if not own or any(is_retirement(h) for h in group):
+            continue
+        first = min(own, key=lambda h: h.seq)
+        for owner, seq, take in first.base:
+            h = good.get((owner, seq))
+            if h is None or is_retirement(h) or not 0 < take <= h.tokens:
+                dangling[session] = (
+                    f"a dangling reference: this fork's first turn lists turn {seq} of "
+                    f"{owner!r}, which the directory does not hold (no cache recovers the fork)"
+                )
+                break
+            refs.add((owner, seq))
+    return refs, dangling
+
+
+def _recoverable(
+    group: list[SegmentHeader], refs: AbstractSet[tuple[str, int]] = frozenset()
+) -> tuple[list[SegmentHeader], list[SegmentHeader]]:
+    """One session's good segments (in seq order) split into what a cache recovers (its
+    turns without a gap, with the first one's schema: from 0, or for a fork from the first
+    turn after those it inherits) and the strays (a turn a fork references is neither: a
+    cache keeps it for the fork)."""
     kept: list[SegmentHeader] = []
     strays: list[SegmentHeader] = []
+    group = [h for h in group if not is_retirement(h)]
+    first = group[0].seq if group and group[0].base else 0
     schema = header_schema(group[0]) if group else None
     for h in group:
-        if h.seq == len(kept) and header_schema(h) == schema:
+        if h.seq == first + len(kept) and header_schema(h) == schema:
             kept.append(h)
-        else:
+        elif (h.session, h.seq) not in refs:
             strays.append(h)
     return kept, strays
 
@@ -356,10 +422,17 @@ def repair_directory(
                     unread.add(h.session)
                     continue
                 by_session.setdefault(h.session, []).append(h)
+            refs, dangling = _references(by_session)
             for session, group in by_session.items():
                 if session in unread:  # what follows an unreadable turn may be whole
                     continue
-                for h in _recoverable(group)[1]:
+                if session in dangling:
+                    for h in group:
+                        await tier.quarantine((h.session, h.seq), dangling[session])
+                    continue
+                if any(is_retirement(h) for h in group):
+                    continue  # reclaimable at most: a cache's open deletes what is spare
+                for h in _recoverable(group, refs)[1]:
                     await tier.quarantine(
                         (h.session, h.seq),
                         "no cache would recover it (after a gap in its session's turns, or "
@@ -463,6 +536,16 @@ def _print_report(report: FsckReport) -> None:
         print(f"  damaged: {d.path}: {d.problem}")
     for d in report.unreadable:
         print(f"  unreadable: {d.path}: {d.problem} (not shown to be damaged; a tier's open fails)")
+    if report.retired:
+        print(
+            f"  {len(report.retired)} dropped conversation(s) whose turns forks still list "
+            f"(kept for them)"
+        )
+    if report.reclaimable:
+        print(
+            f"  reclaimable: {report.reclaimable} file(s), {report.reclaimable_bytes:,} bytes "
+            f"no conversation needs (a cache's open deletes them)"
+        )
     for s in report.sessions:
         if s.truncated:
             print(

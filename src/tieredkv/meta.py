@@ -93,6 +93,14 @@ class KVMeta(msgspec.Struct, frozen=True, kw_only=True):
         caller's clock; ``math.inf``: until released); ``None``: not pinned
     :param priority: the caller's priority (0 neutral; higher is kept longer, lower goes
         first); advice a policy may weigh
+    :param parent: for a fork, the conversation it was forked from (its history starts
+        with that conversation's first ``parent_tokens`` tokens, stored once for both)
+    :param parent_tokens: the tokens the fork inherited (0 for a conversation that is not
+        a fork)
+    :param shared_bytes: bytes of ``nbytes`` that other stored conversations also list
+        (a shared system prompt, the history before a fork point): a tier frees them only
+        when no conversation it serves needs them any more; :attr:`owned_bytes` are the
+        rest
     """
 
     session: str
@@ -112,10 +120,20 @@ class KVMeta(msgspec.Struct, frozen=True, kw_only=True):
     next_turn: float | None = None
     pinned_until: float | None = None
     priority: int = 0
+    parent: str | None = None
+    parent_tokens: int = 0
+    shared_bytes: int = 0
 
     def pinned(self, now: float) -> bool:
         """Whether the conversation is pinned at ``now``."""
         return self.pinned_until is not None and self.pinned_until > now
+
+    @property
+    def owned_bytes(self) -> int:
+        """Bytes of the history no other stored conversation lists: what evicting this
+        conversation from a tier frees there, while the conversations it shares the rest
+        with stay."""
+        return self.nbytes - self.shared_bytes
 
 
 def advance_meta(
@@ -136,6 +154,9 @@ def advance_meta(
     accesses: int | None = None,
     tool_call: bool | None = None,
     next_turn: float | EllipsisType | None = ...,
+    parent: str | None = None,
+    parent_tokens: int = 0,
+    shared_bytes: int = 0,
 ) -> KVMeta:
     """The session's next :class:`KVMeta`, from the previous one and what just changed.
 
@@ -148,7 +169,9 @@ def advance_meta(
     caller knows it better (a trace replay counts the conversation's rounds).
     ``tool_call`` replaces whether the latest answer ended in a tool call (an append that
     does not say: it did not); an access clears the caller's ``next_turn`` hint unless a new
-    one is given; a pin and a priority carry over.
+    one is given; a pin and a priority carry over. ``parent``, ``parent_tokens`` and
+    ``shared_bytes`` (a fork's link, the bytes shared with other conversations) are taken
+    as given.
     """
     fresh = old is None or restart
     return KVMeta(
@@ -181,6 +204,9 @@ def advance_meta(
         ),
         pinned_until=old.pinned_until if old else None,
         priority=old.priority if old else 0,
+        parent=parent,
+        parent_tokens=parent_tokens,
+        shared_bytes=shared_bytes,
     )
 
 

@@ -189,7 +189,7 @@ async def _drop_partial(core: Core, s: Session, targets: list[int]) -> None:
     older history)."""
     changed = False
     for t in targets:
-        if s.held[t] and not s.complete(t):
+        if s.holds(t) and not s.complete(t):
             await remove_copy(core, s, t)
             changed = True
     if changed:

@@ -99,8 +99,10 @@ class Scatter:
         span: int | None,
         *,
         non_blocking: bool = False,
+        takes: list[int] | None = None,
     ) -> None:
         self._headers = headers
+        self._takes = takes if takes is not None else [h.tokens for h in headers]
         self._out = out
         self._dim = dim
         self._non_blocking = non_blocking
@@ -108,12 +110,12 @@ class Scatter:
         self._groups: list[list[list[TensorSpec]]] = []
         self._offsets: list[int] = []
         offset = 0
-        for header in headers:
+        for header, take in zip(headers, self._takes, strict=True):
             spans, groups = span_plan(header, header.length if span is None else span)
             self.spans.append(spans)
             self._groups.append(groups)
             self._offsets.append(offset)
-            offset += header.tokens
+            offset += take
         self._plans: dict[tuple[int, int], tuple[list[tuple[int, int, int]], int] | None] = {}
 
     def __call__(self, item: int, k: int, view: memoryview) -> None:
@@ -126,11 +128,14 @@ class Scatter:
         header = self._headers[item]
         start = self.spans[item][k][0]
         offset = self._offsets[item]
+        take = self._takes[item]
         for spec in self._groups[item][k]:
             if not spec.nbytes:
                 continue
             src = tensor_at(view, spec, header.body_offset + spec.offset - start)
-            dst = self._out[spec.name].narrow(self._dim, offset, header.tokens)
+            if take != header.tokens:  # a fork point inside this turn: its first tokens
+                src = src.narrow(self._dim, 0, take)
+            dst = self._out[spec.name].narrow(self._dim, offset, take)
             copy_tensor(dst, src, non_blocking=self._non_blocking)
 
     def landing(self, item: int, k: int) -> list[tuple[int, int, int]] | None:
@@ -155,6 +160,7 @@ class Scatter:
         header = self._headers[item]
         start = self.spans[item][k][0]
         offset = self._offsets[item]
+        take = self._takes[item]
         moves: list[tuple[int, int, int]] = []
         need = 0
         plan: tuple[list[tuple[int, int, int]], int] | None = None
@@ -169,7 +175,7 @@ class Scatter:
                 or out.dim() != len(spec.shape)
                 or tuple(out.shape[1:]) != tuple(spec.shape[1:])
                 or spec.shape[0] != header.tokens
-                or offset + header.tokens > out.shape[0]
+                or offset + take > out.shape[0]
             ):
                 break
             row = out[0].nbytes if out.shape[0] else 0
@@ -178,8 +184,8 @@ class Scatter:
             rel = header.body_offset + spec.offset - start
             if rel < 0:
                 break
-            moves.append((out.data_ptr() + offset * row, rel, spec.nbytes))
-            need = max(need, rel + spec.nbytes)
+            moves.append((out.data_ptr() + offset * row, rel, row * take))
+            need = max(need, rel + row * take)
         else:
             plan = (moves, need)
         self._plans[key] = plan

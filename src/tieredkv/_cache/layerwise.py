@@ -49,7 +49,7 @@ from ..payload import Schema, SegmentHeader, align_up, segment_tensors
 from .atomic import settle
 from .gather import check_into
 from .placement import drop_damaged, finish_promotion, start_promotion
-from .state import Core, Session
+from .state import Core, Session, end_fill
 from .turns import commit_load, damaged
 
 __all__ = ["LayerwiseLoad", "check_groups", "layerwise", "reported", "stream"]
@@ -192,14 +192,14 @@ class _Scatter:
         """Copy from ``buffers`` (one per segment, each holding all of it once it lands)."""
         dim = self._s.schema.token_dim if self._s.schema is not None else 0
         offset = 0
-        for seg, buf in zip(self._s.segs, buffers, strict=True):
+        for seg, take, buf in zip(self._s.segs, self._s.takes, buffers, strict=True):
             views = segment_tensors(buf, seg.header)
             for g, group in enumerate(self._groups):
                 self._moves[g].extend(
-                    (self._out[name].narrow(dim, offset, seg.header.tokens), views[name])
+                    (self._out[name].narrow(dim, offset, take), views[name].narrow(dim, 0, take))
                     for name in group
                 )
-            offset += seg.header.tokens
+            offset += take
 
     def __call__(self, group: int) -> None:
         for dst, src in self._moves[group]:
@@ -360,8 +360,10 @@ async def _stream_promoting(
                 top.commit(key)
             release.pop_all()
         for key in missing:
-            s.held[0].add(key[1])
+            s.seg(key).tiers.add(0)
+        core.gained(s, [s.seg(key) for key in missing], 0)
     finally:
         core.set_transfer(s, None)
+        end_fill(s, 0)
     await finish_promotion(core, s, src, began)
     return True

@@ -4,8 +4,10 @@ Every function here runs inside :func:`~tieredkv._cache.atomic.settle` (no calle
 cancellation reaches it) with the session's lock held, and keeps the invariants listed in
 :mod:`tieredkv._cache.state` whatever fails:
 
-* a copy becomes part of the index (``held``) only once every byte of it is committed in
-  the tier; a copy is taken out of the index before (not after) its space is reused;
+* a copy becomes part of the index (a segment's ``tiers``) only once every byte of it is
+  committed in the tier; a copy is taken out of the index before (not after) its space is
+  reused; a segment other conversations share leaves a tier only when none of them needs
+  it there;
 * what a failed step wrote is deleted again; a deletion that fails leaves its key in
   :attr:`Core.orphans`, retried before the key is used again and at close, so a failed
   cleanup never poisons later operations (of this session or any other);
@@ -31,8 +33,9 @@ from ..errors import (
 )
 from ..meta import Demoted, Dropped, Evicted, Promoted
 from .atomic import settle
+from .forest import copying, deleted, retire
 from .refusals import record_refusal
-from .state import Core, Session
+from .state import Core, Session, begin_fill, end_fill, filling
 
 __all__ = [
     "copy_into_room",
@@ -51,6 +54,7 @@ __all__ = [
     "reserve",
     "reserve_all",
     "start_promotion",
+    "unlist",
 ]
 
 _log = logging.getLogger("tieredkv.cache")
@@ -90,14 +94,27 @@ async def remove_copy(core: Core, s: Session, t: int) -> bool:
     """Take ``s``'s segments in tier ``t`` out of the index and delete them, highest first.
 
     Highest first, so a crash part-way leaves a prefix (which recovery can use). A segment
-    that cannot be deleted becomes an orphan. Never raises for I/O: ``False`` if some
-    segment became an orphan.
+    another conversation still needs in ``t`` (one it shares with ``s``: see
+    :meth:`~tieredkv._cache.state.Seg.needed`) stays. A segment that cannot be deleted
+    becomes an orphan. Never raises for I/O: ``False`` if some segment became an orphan.
     """
     clean = True
-    for seq in sorted(s.held[t], reverse=True):
-        s.held[t].discard(seq)
-        clean = await delete_or_orphan(core, t, (s.key, seq)) and clean
-    core.residency.removed(s.key, t)
+    gone = []
+    copies = core.mode == "inclusive"
+    sharers = {u for seg in s.segs for u in seg.users if u is not s and u.complete(t)}
+    for seg in reversed(s.segs):
+        if t in seg.tiers and not seg.needed(t, s, copies):
+            seg.tiers.discard(t)
+            gone.append(seg)
+            clean = await delete_or_orphan(core, t, seg.key) and clean
+    if core.retired:
+        await deleted(core, gone, t)
+    if s.dropped or not s.complete(t):  # (else its sharers keep all of it there)
+        core.residency.removed(s.key, t)
+    for u in sharers:  # a copy in t that only shared segments made complete, now gone
+        if not u.complete(t):
+            core.residency.removed(u.key, t)
+            core.publish(u)
     return clean
 
 
@@ -117,8 +134,12 @@ async def remove_all(core: Core, s: Session) -> None:
 async def drop(core: Core, s: Session, stop: Callable[[Session], Awaitable[None]]) -> None:
     """Forget ``s`` (locked): its background copy stopped (``stop``: cancelled there, the
     drop did nothing), then it leaves the index and the channel (the point of no return),
-    then every copy is deleted, whatever cancels the caller (raised at the end)."""
+    then every copy is deleted, whatever cancels the caller (raised at the end). If forks
+    still list some of its turns, its retirement marker is written first (an I/O error
+    there: the drop did nothing, and raises it; once the marker is written, the drop
+    completes whatever cancels the caller, so no marker ever stands for a live one)."""
     await stop(s)
+    _, first = await settle(lambda: retire(core, s))
     s.dropped = True
     nbytes = s.nbytes()
     if core.sessions.get(s.key) is s:
@@ -126,23 +147,43 @@ async def drop(core: Core, s: Session, stop: Callable[[Session], Awaitable[None]
     core.residency.unpublished(s.key)
     core.stats.drops += 1
     _, cancel = await settle(lambda: remove_all(core, s))
-    s.segs.clear()
+    unlist(core, s)
     s.primary = None
     core.residency.announced(Dropped(session=s.key, time=core.clock(), nbytes=nbytes))
-    if cancel is not None:
-        raise cancel
+    pending = first if first is not None else cancel
+    if pending is not None:
+        raise pending
+
+
+def unlist(core: Core, s: Session) -> None:
+    """``s``'s history is gone (dropped or lost): it no longer lists its segments, and a
+    conversation that now lists one of them alone is published with its new shared bytes."""
+    sharers = {u for seg in s.segs if len(seg.users) == 2 for u in seg.users if u is not s}
+    s.clear()
+    for u in sharers:
+        core.reshared(u)
 
 
 async def forget_copy(core: Core, s: Session, t: int) -> bool:
     """Remove the copy in ``t``; re-elect the primary; return whether the session is lost
-    (the caller publishes the outcome)."""
+    (the caller publishes the outcome).
+
+    :raises TierIOError: the session would be lost while forks list some of its turns,
+        and its retirement marker could not be written (nothing changed)
+    """
+    if not any(s.complete(u) for u in range(len(core.tiers)) if u != t):
+        await retire(core, s)
     await remove_copy(core, s, t)
     if s.primary == t:
         s.primary = next((u for u in range(len(core.tiers)) if s.complete(u)), None)
     if s.primary is None and s.segs:
-        for u in range(len(core.tiers)):
-            await remove_copy(core, s, u)  # partial copies are of no use
-        s.segs.clear()
+        s.dropped = True  # (its partial copies are of no use to anyone but its sharers)
+        try:
+            for u in range(len(core.tiers)):
+                await remove_copy(core, s, u)
+        finally:
+            s.dropped = False
+        unlist(core, s)
         core.stats.lost += 1
     return s.primary is None
 
@@ -217,7 +258,7 @@ async def reserve(
 
 async def _move_victim(core: Core, victim: str, t: int, lossless: bool) -> None:
     vs = core.sessions.get(victim)
-    if vs is None or not vs.held[t]:
+    if vs is None or not vs.holds(t):
         core.residency.removed(victim, t)  # stale entry
         return
     last = vs.primary == t and t + 1 >= len(core.tiers)
@@ -276,12 +317,12 @@ async def demote(core: Core, s: Session, t: int, *, may_lose: bool = True) -> No
             raise CapacityError("the session", total, 0)
         await evict_copy(core, s, t)
         return
-    missing = [k for k in s.segment_keys() if k[1] not in s.held[u]]
     core.set_transfer(s, core.transfer("demote", s, t, u))
     try:
-        moved = await reserve_all(core, s, u, missing)
-        if moved:
-            await _copy_into(core, s, t, u, missing)
+        async with filling(s, u) as missing:
+            moved = await reserve_all(core, s, u, missing)
+            if moved:
+                await _copy_into(core, s, t, u, missing)
     finally:
         core.set_transfer(s, None)
     if moved:
@@ -306,11 +347,11 @@ def _after_demote(core: Core, s: Session, t: int, u: int, total: int) -> None:
 
 async def reserve_all(core: Core, s: Session, dst: int, keys: list[SegmentKey]) -> bool:
     """Reserve room for ``keys`` of ``s`` in ``dst``: all of them (``True``), or none."""
-    lengths = {seg.header.seq: seg.length for seg in s.segs}
+    lengths = {seg.key: seg.length for seg in s.segs}
     reserved: list[SegmentKey] = []
     try:
         for key in keys:
-            if not await reserve(core, dst, key, lengths[key[1]], {s.key}):
+            if not await reserve(core, dst, key, lengths[key], {s.key}):
                 break
             reserved.append(key)
         else:
@@ -331,32 +372,33 @@ async def copy_into_room(core: Core, s: Session, dst: int) -> bool:
     """
     assert s.primary is not None
     tier = core.tiers[dst]
-    lengths = {seg.header.seq: seg.length for seg in s.segs}
-    missing = [k for k in s.segment_keys() if k[1] not in s.held[dst]]
+    lengths = {seg.key: seg.length for seg in s.segs}
     reserved: list[SegmentKey] = []
-    try:
-        for key in missing:
-            if (dst, key) in core.orphans and not await delete_or_orphan(core, dst, key):
-                return False
-            if not tier.reserve(key, lengths[key[1]]):
-                return False
-            reserved.append(key)
-        reserved = []  # _copy_into fills or releases them
-        core.set_transfer(s, core.transfer("demote", s, s.primary, dst))
+    async with filling(s, dst) as missing:
         try:
-            await _copy_into(core, s, s.primary, dst, missing)
+            for key in missing:
+                if (dst, key) in core.orphans and not await delete_or_orphan(core, dst, key):
+                    return False
+                if not tier.reserve(key, lengths[key]):
+                    return False
+                reserved.append(key)
+            reserved = []  # _copy_into fills or releases them
+            core.set_transfer(s, core.transfer("demote", s, s.primary, dst))
+            try:
+                await _copy_into(core, s, s.primary, dst, missing)
+            finally:
+                core.set_transfer(s, None)
         finally:
-            core.set_transfer(s, None)
-    finally:
-        for key in reserved:
-            tier.release(key)
+            for key in reserved:
+                tier.release(key)
     now = core.clock()
     core.residency.admitted(core.meta(s, now), now, dst)
     return True
 
 
 async def _copy_into(core: Core, s: Session, src: int, dst: int, keys: list[SegmentKey]) -> None:
-    """Copy ``keys`` of ``s`` from ``src`` into their reservations in ``dst``; add to ``held``.
+    """Copy ``keys`` of ``s`` from ``src`` into their reservations in ``dst``; mark them
+    held there.
 
     All or nothing: on an error the reservations are released, what was written is deleted
     again, and the error propagates.
@@ -364,9 +406,11 @@ async def _copy_into(core: Core, s: Session, src: int, dst: int, keys: list[Segm
     written: list[SegmentKey] = []
     try:
         await copy_segments(core, s, src, dst, keys, written)
-        for key in written:
-            s.held[dst].add(key[1])
+        segs = [s.seg(key) for key in written]
+        for seg in segs:
+            seg.tiers.add(dst)
         written = []
+        core.gained(s, segs, dst)
     finally:
         for key in keys:
             core.tiers[dst].release(key)  # (no-op for those committed)
@@ -383,6 +427,7 @@ async def copy_segments(
 
     A segment found damaged in ``src`` costs ``s`` that copy (and raises).
     """
+    await copying(core, keys, dst)
     try:
         await core.copies[src][dst](keys, written)
     except CorruptSegmentError as exc:
@@ -418,6 +463,7 @@ async def promote(core: Core, s: Session) -> bool:
             raise
     finally:
         core.set_transfer(s, None)
+        end_fill(s, 0)
     await finish_promotion(core, s, src, began)
     return True
 
@@ -426,8 +472,9 @@ async def start_promotion(core: Core, s: Session, src: int) -> list[SegmentKey] 
     """Mark ``s`` as moving up from tier ``src`` and reserve tier-0 room for the segments
     it lacks there; their keys, or ``None`` (unmarked, nothing reserved) if room cannot be
     made, even because of an I/O error elsewhere. The caller fills the reservations, then
-    clears the mark (``core.set_transfer(s, None)``) and calls :func:`finish_promotion`."""
-    missing = [k for k in s.segment_keys() if k[1] not in s.held[0]]
+    clears the mark (``core.set_transfer(s, None)``; ``end_fill(s, 0)``) and calls
+    :func:`finish_promotion`."""
+    missing = await begin_fill(s, 0)
     core.set_transfer(s, core.transfer("promote", s, src, 0))
     try:
         if await reserve_all(core, s, 0, missing):
@@ -436,8 +483,10 @@ async def start_promotion(core: Core, s: Session, src: int) -> list[SegmentKey] 
         core.stats.errors += 1
     except BaseException:
         core.set_transfer(s, None)
+        end_fill(s, 0)
         raise
     core.set_transfer(s, None)
+    end_fill(s, 0)
     return None
 
 

@@ -21,10 +21,10 @@ import msgspec
 
 from ..backends.base import Tier
 from ..meta import TierInfo
-from ..payload import SegmentHeader, header_schema
+from ..payload import RETIRED_SEQ, SegmentHeader, header_schema, is_retirement
 from .atomic import settle
-from .placement import delete_or_orphan, evict_copy, remove_copy
-from .state import Core, Seg, Session
+from .placement import delete_or_orphan, evict_copy
+from .state import Core, Retired, Seg, Session
 
 __all__ = ["Truncation", "open_tiers", "recover"]
 
@@ -72,32 +72,71 @@ async def open_tiers(core: Core) -> tuple[dict[str, Truncation], BaseException |
 
 async def recover(core: Core, recovered: list[list[SegmentHeader]]) -> dict[str, Truncation]:
     """Index what each tier recovered (``recovered[t]``: tier ``t``'s headers); return the
-    truncated sessions (also counted in ``core.stats.truncated``)."""
+    truncated sessions (also counted in ``core.stats.truncated``).
+
+    Every stored segment becomes one :class:`Seg`, whatever number of conversations list
+    it; a fork lists the segments its first turn names (its ``base``). A fork whose
+    inherited segments are not all found (a dangling reference) is not recovered. A
+    segment stays in a tier only while some conversation has a complete copy there.
+    """
     ntiers = len(core.tiers)
     by_session: dict[str, list[dict[int, SegmentHeader]]] = {}
+    blobs: dict[tuple[str, int], Seg] = {}
+    markers: dict[str, set[int]] = {}  # retired conversations: the tiers with their marker
     for t, headers in enumerate(recovered):
         for h in headers:
-            by_session.setdefault(h.session, [{} for _ in range(ntiers)])[t][h.seq] = h
+            if is_retirement(h):
+                markers.setdefault(h.session, set()).add(t)
+            else:
+                by_session.setdefault(h.session, [{} for _ in range(ntiers)])[t][h.seq] = h
+    recovered = [[h for h in headers if not is_retirement(h)] for headers in recovered]
     now = core.clock()
     truncated: dict[str, Truncation] = {}
+    rebuilt: list[Session] = []
     for key, per_tier in by_session.items():
-        s = _rebuild(key, per_tier, ntiers)
-        cut = _truncation(core, s, per_tier)
+        if key in markers:  # retired: its segments are its forks' only
+            continue
+        s, why = _rebuild(key, per_tier, blobs, recovered)
+        cut = _truncation(core, s, per_tier, why)
         if cut is not None:
             truncated[key] = cut
-        for t, segs in enumerate(per_tier):
-            for seq in sorted(segs, reverse=True):
-                if seq not in s.held[t]:
-                    await delete_or_orphan(core, t, (key, seq))
+        if s.segs:
+            rebuilt.append(s)
+    # a segment stays where some conversation listing it is complete (highest first per
+    # conversation, so a crash part-way leaves prefixes)
+    listed = {seg.key for s in rebuilt for seg in s.segs}
+    for t in range(ntiers):
+        stored = {(h.session, h.seq) for h in recovered[t]}
+        for sk in sorted(stored, key=lambda k: (k[0], -k[1])):
+            seg = blobs.get(sk)
+            if (
+                seg is None
+                or sk not in listed
+                or t not in seg.tiers
+                or not any(u.complete(t) for u in seg.users)
+            ):
+                if seg is not None:
+                    seg.tiers.discard(t)
+                await delete_or_orphan(core, t, sk)
+    for owner, tiers in markers.items():
+        left = [g for k, g in blobs.items() if k[0] == owner and g.tiers]
+        if left:
+            r = core.retired[owner] = Retired(left)
+            r.markers = set(tiers)
+        for t in sorted(tiers):
+            if not any(t in g.tiers for g in left):
+                await delete_or_orphan(core, t, (owner, RETIRED_SEQ))
+                if owner in core.retired:
+                    core.retired[owner].markers.discard(t)
+    for s in rebuilt:
         if not any(s.complete(t) for t in range(ntiers)):
-            for t in range(ntiers):
-                await remove_copy(core, s, t)
+            s.clear()
             continue
-        for t in range(ntiers):
-            if s.held[t] and not s.complete(t):
-                await remove_copy(core, s, t)
         s.primary = next(t for t in range(ntiers) if s.complete(t))
-        core.sessions[key] = s
+        core.sessions[s.key] = s
+    for s in rebuilt:
+        if s.primary is None:
+            continue
         meta = core.meta(s, now, answer=s.segs[-1].header.answer_tokens, restart=True)
         core.residency.published(meta)
         for t in range(ntiers):
@@ -123,7 +162,7 @@ async def recover(core: Core, recovered: list[list[SegmentHeader]]) -> dict[str,
 
 
 def _truncation(
-    core: Core, s: Session, per_tier: list[dict[int, SegmentHeader]]
+    core: Core, s: Session, per_tier: list[dict[int, SegmentHeader]], why: str | None
 ) -> Truncation | None:
     """What ``s`` (just rebuilt) lost against what its tiers held, or ``None``."""
     aside: set[int] = set()
@@ -135,7 +174,9 @@ def _truncation(
     stored = max(found) + 1 if found else 0
     if stored <= kept:
         return None
-    if kept in aside:
+    if why is not None:
+        reason = why
+    elif kept in aside:
         reason = f"turn {kept} was damaged (quarantined)"
     elif not any(kept in segs for segs in per_tier):
         reason = f"turn {kept} is missing"
@@ -144,29 +185,73 @@ def _truncation(
     return Truncation(session=s.key, turns=kept, stored=stored, reason=reason)
 
 
-def _rebuild(key: str, per_tier: list[dict[int, SegmentHeader]], ntiers: int) -> Session:
-    """The session's history: the longest gap-free prefix some tier holds, one schema."""
+def _blob(
+    blobs: dict[tuple[str, int], Seg], recovered: list[list[SegmentHeader]], key: tuple[str, int]
+) -> Seg | None:
+    """The one :class:`Seg` of ``key``, holding the tiers that store it at one length."""
+    seg = blobs.get(key)
+    if seg is not None:
+        return seg
+    for t, headers in enumerate(recovered):
+        for h in headers:
+            if (h.session, h.seq) != key:
+                continue
+            if seg is None:
+                seg = blobs[key] = Seg(h)
+            if h.length == seg.length:
+                seg.tiers.add(t)
+    return seg
+
+
+def _rebuild(
+    key: str,
+    per_tier: list[dict[int, SegmentHeader]],
+    blobs: dict[tuple[str, int], Seg],
+    recovered: list[list[SegmentHeader]],
+) -> tuple[Session, str | None]:
+    """The session's history: its inherited segments (a fork's), then the longest gap-free
+    run of its own that some tier holds, one schema; and why it stops short, if a reason
+    other than a missing or damaged turn of its own."""
+    s = Session(key, len(per_tier))
+    lowest = min((h for segs in per_tier for h in segs.values()), key=lambda h: h.seq)
+    first = lowest.seq if lowest.base else 0
     prefix: list[int] = []
     for segs in per_tier:
-        n = 0
+        n = first
         while n in segs:
             n += 1
         prefix.append(n)
     n = max(prefix)
     best = prefix.index(n)
-    headers = [per_tier[best][i] for i in range(n)]
-    schema = header_schema(headers[0]) if headers else None
+    headers = [per_tier[best][i] for i in range(first, n)]
+    if not headers:  # its first turn is missing
+        return s, None
+    inherited: list[tuple[Seg, int]] = []
+    if first:
+        base = headers[0].base
+        for owner, seq, take in base:
+            seg = _blob(blobs, recovered, (owner, seq))
+            if seg is None or not seg.tiers or not 0 < take <= seg.header.tokens:
+                return s, f"it was forked from {owner!r}, whose turn {seq} is missing"
+            inherited.append((seg, take))
+    schema = header_schema(inherited[0][0].header if inherited else headers[0])
     good = 0
-    for h in headers:
-        if schema is None or header_schema(h) != schema:
+    for h in [g.header for g, _ in inherited] + headers:
+        if header_schema(h) != schema:
             break
         good += 1
-    s = Session(key, ntiers)
-    s.segs = [Seg(h) for h in headers[:good]]
+    if good < len(inherited):
+        return s, "the history it was forked from has another schema"
+    for seg, take in inherited:
+        s.add(seg, take)
+    if inherited:
+        s.base = len(inherited)
+        s.parent = (inherited[-1][0].key[0], sum(take for _, take in inherited))
+    for h in headers[: good - len(inherited)]:
+        seg = _blob(blobs, recovered, (key, h.seq))
+        assert seg is not None
+        if seg.length != h.length:
+            break
+        s.add(seg)
     s.schema = schema
-    for t, segs in enumerate(per_tier):
-        keep = good if prefix[t] >= good else 0
-        for seq in segs:
-            if seq < keep and segs[seq].length == s.segs[seq].length:
-                s.held[t].add(seq)
-    return s
+    return s, None

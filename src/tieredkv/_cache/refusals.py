@@ -27,7 +27,7 @@ _log = logging.getLogger("tieredkv.cache")
 
 def pending(s: Session, t: int) -> list[int]:
     """The turns of ``s`` that shared tier ``t`` has not committed, in order."""
-    return [seg.header.seq for seg in s.segs if seg.header.seq not in s.held[t]]
+    return [seg.header.seq for seg in s.segs if t not in seg.tiers]
 
 
 def record_refusal(

@@ -178,7 +178,7 @@ async def _adopt(
     if state.status in ("absent", "lost", "damaged"):
         if not s.segs:
             return None if state.status == "absent" else _LOST[state.status]
-        if state.status == "absent" and not s.held[t] and tier.token(s.key) is not None:
+        if state.status == "absent" and not s.holds(t) and tier.token(s.key) is not None:
             return None  # a conversation this replica started: none of it is committed yet
         # the shared tier lost (or holds a damaged copy of) the history: this replica's
         # copy cannot be proven current
@@ -196,11 +196,15 @@ async def _adopt(
     same = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(local), n))
     # this replica's turns past what it shares with the committed history, never committed
     # here: if they are not the writer's to commit any more, they are refused
-    own = [seq for seq in range(same, len(local)) if seq not in s.held[t]]
+    own = [seq for seq in range(same, len(local)) if t not in s.segs[seq].tiers]
     if same == n:
         # this replica holds the committed history (and maybe its own turns after it)
         before = s.complete(t)
-        s.held[t] = set(range(n))
+        for i, seg in enumerate(s.segs):  # tier t holds exactly the committed turns
+            if i < n:
+                seg.tiers.add(t)
+            else:
+                seg.tiers.discard(t)
         if len(local) > n and tier.token(s.key) is None:
             # its own later turns, but another replica is the writer now: refused
             if own:
@@ -230,10 +234,13 @@ async def _take(core: Core, s: Session, t: int, headers: list[SegmentHeader]) ->
     schema = header_schema(headers[0]) if headers else None
     good = next((i for i, h in enumerate(headers) if header_schema(h) != schema), len(headers))
     for u in range(len(core.tiers)):
-        if u != t and s.held[u]:
+        if u != t and s.holds(u):
             await remove_copy(core, s, u)
-    s.segs = [Seg(h) for h in headers[:good]]
-    s.held[t] = set(range(good))
+    s.clear()  # (a conversation in a shared tier is never a fork: it shares nothing)
+    for h in headers[:good]:
+        seg = Seg(h)
+        seg.tiers.add(t)
+        s.add(seg)
     if not good:
         s.primary = None
         if s.key in core.channel:
@@ -251,7 +258,7 @@ async def _forget_all(core: Core, s: Session, *, lost: bool = True) -> None:
     replica's view): its history must be read again, or recomputed."""
     for u in range(len(core.tiers)):
         await remove_copy(core, s, u)
-    s.segs.clear()
+    s.clear()
     s.primary = None
     if lost:
         core.stats.lost += 1

@@ -1,13 +1,16 @@
 """Session state, its locking, the counters, and publishing to the metadata channel.
 
 The cache's index is one :class:`Session` per conversation: its segments (in order), which
-of them each tier holds (``held``), and which tier serves loads (``primary``). Invariants,
+of them each tier holds (each :class:`Seg`'s ``tiers``), and which tier serves loads
+(``primary``). Invariants,
 checked by ``tests/invariants.py`` after every fault campaign:
 
 * ``primary`` is ``None`` exactly when no tier holds every segment; otherwise it names
   such a tier (a *complete* copy);
-* ``held[t]`` is exactly the set of the session's segments committed in tier ``t`` (the
-  tier's own index agrees), except keys being moved under the session's lock;
+* a segment's ``tiers`` are exactly the tiers it is committed in (each tier's own index
+  agrees), except keys being moved under a session's lock; a segment is stored once per
+  tier however many conversations list it (a fork lists its parent's segments), and
+  leaves a tier only when no other conversation that lists it needs it there;
 * the channel's :class:`~tieredkv.meta.KVMeta` for the session says the same (``tier``,
   ``copies``, bytes, tokens, turns), and tier ``t``'s eviction policy tracks the session
   when it holds a copy there;
@@ -17,8 +20,9 @@ checked by ``tests/invariants.py`` after every fault campaign:
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Literal
 
@@ -41,10 +45,16 @@ __all__ = [
     "CacheStats",
     "Core",
     "Refusal",
+    "Retired",
     "Seg",
     "Session",
+    "begin_fill",
     "check_key",
+    "claim",
+    "end_fill",
+    "filling",
     "policies_per_tier",
+    "unclaim",
 ]
 
 
@@ -121,42 +131,84 @@ class CacheStats(msgspec.Struct, kw_only=True):
 
 
 class Seg:
-    """One committed segment of a session (its header, as written)."""
+    """One committed segment (its header, as written): stored once per tier under
+    :attr:`key`, listed by every conversation whose history includes it (:attr:`users`:
+    the one that appended it, and its forks)."""
 
-    __slots__ = ("header", "length")
+    __slots__ = ("claims", "header", "key", "length", "tiers", "users")
 
     def __init__(self, header: SegmentHeader) -> None:
         self.header = header
         self.length = header.length
+        self.key: SegmentKey = (header.session, header.seq)
+        self.tiers: set[int] = set()
+        """The tiers that hold it committed."""
+        self.users: set[Session] = set()
+        """The conversations in the index that list it."""
+        self.claims: dict[int, anyio.Event] = {}
+        """Tiers a copy of it is being made into (set when done): see :func:`claim`."""
+
+    def shared(self) -> bool:
+        """Whether more than one conversation lists it."""
+        return len(self.users) > 1
+
+    def needed(self, t: int, but: Session, copies: bool) -> bool:
+        """Whether a conversation other than ``but`` serves from tier ``t``, is copying
+        its history there, or (``copies``: inclusive mode, where lower tiers keep copies on
+        purpose) keeps a complete copy there: then this segment's copy in ``t`` stays."""
+        return any(
+            u is not but
+            and not u.dropped
+            and (u.primary == t or t in u.filling or (copies and u.complete(t)))
+            for u in self.users
+        )
 
 
 class Session:
-    """A conversation in the index. Mutated only with :attr:`cond` held (see :meth:`Core.hold`)."""
+    """A conversation in the index. Mutated only with :attr:`lock` held (see :meth:`Core.hold`).
+
+    Its history is :attr:`segs`, in order: the first :attr:`base` are inherited from the
+    conversation it was forked from (segments stored under their owners' keys, shared),
+    the rest its own turns. :attr:`takes` is how many tokens of each segment are part of
+    the history (all of them, but for a fork point inside a stored turn).
+    """
 
     __slots__ = (
+        "base",
         "dropped",
-        "held",
+        "filling",
         "inflight",
         "key",
         "lock",
+        "parent",
         "primary",
         "quiet",
         "schema",
         "segs",
         "stopping",
+        "takes",
     )
 
     def __init__(self, key: str, ntiers: int) -> None:
         self.key = key
         self.schema: Schema | None = None
         self.segs: list[Seg] = []
-        self.held: list[set[int]] = [set() for _ in range(ntiers)]
+        self.takes: list[int] = []
+        self.base = 0
+        self.parent: tuple[str, int] | None = None
+        """``(parent, tokens)`` for a fork: the conversation and token count it forked at."""
         self.primary: int | None = None
         self.lock = anyio.Lock()
         self.inflight = 0  # background copies under way (write-through)
         self.quiet: anyio.Event | None = None  # set when inflight drops to 0
         self.stopping = False  # a drop is waiting: background copies stop early
         self.dropped = False
+        self.filling: dict[int, list[Seg]] = {}
+        """Tiers a copy of the whole history is being made into, with the segments this
+        conversation claimed there (see :func:`begin_fill`)."""
+
+    def __hash__(self) -> int:
+        return id(self)
 
     async def wait_quiet(self) -> None:
         """Wait until no background copy of this session is under way (no lock needed)."""
@@ -164,16 +216,114 @@ class Session:
             await self.quiet.wait()
 
     def nbytes(self) -> int:
+        """Bytes of the history's segments (one copy; a shared one counted whole)."""
         return sum(seg.length for seg in self.segs)
 
+    def shared_bytes(self) -> int:
+        """Bytes of the history's segments that another conversation also lists."""
+        return sum(seg.length for seg in self.segs if seg.shared())
+
     def tokens(self) -> int:
-        return sum(seg.header.tokens for seg in self.segs)
+        return sum(self.takes)
+
+    def holds(self, t: int) -> list[Seg]:
+        """The history's segments tier ``t`` holds."""
+        return [seg for seg in self.segs if t in seg.tiers]
+
+    def missing(self, t: int) -> list[Seg]:
+        """The history's segments tier ``t`` lacks."""
+        return [seg for seg in self.segs if t not in seg.tiers]
 
     def complete(self, t: int) -> bool:
-        return bool(self.segs) and len(self.held[t]) == len(self.segs)
+        return bool(self.segs) and all(t in seg.tiers for seg in self.segs)
+
+    def own(self) -> list[Seg]:
+        """The segments this conversation appended (not inherited)."""
+        return self.segs[self.base :]
 
     def segment_keys(self) -> list[SegmentKey]:
-        return [(self.key, seg.header.seq) for seg in self.segs]
+        return [seg.key for seg in self.segs]
+
+    def seg(self, key: SegmentKey) -> Seg:
+        return next(seg for seg in self.segs if seg.key == key)
+
+    def add(self, seg: Seg, take: int | None = None) -> None:
+        """List ``seg`` at the end of the history (``take`` of its tokens: all by default)."""
+        self.segs.append(seg)
+        self.takes.append(seg.header.tokens if take is None else take)
+        seg.users.add(self)
+
+    def clear(self) -> list[Seg]:
+        """Unlist every segment (the history is gone: dropped or lost); those no other
+        conversation lists any more."""
+        freed = [seg for seg in self.segs if seg.users == {self}]
+        for seg in self.segs:
+            seg.users.discard(self)
+        self.segs = []
+        self.takes = []
+        self.base = 0
+        self.parent = None
+        return freed
+
+
+class Retired:
+    """A conversation that left while others list some of its segments (see
+    :mod:`tieredkv._cache.forest`): those segments, and the persistent tiers holding its
+    retirement marker."""
+
+    __slots__ = ("markers", "segs")
+
+    def __init__(self, segs: list[Seg]) -> None:
+        self.segs = segs
+        self.markers: set[int] = set()
+
+
+async def claim(segs: list[Seg], t: int) -> list[Seg]:
+    """Wait until no copy of any of ``segs`` into tier ``t`` is under way, then claim those
+    ``t`` lacks (no other copy of them into ``t`` starts until :func:`unclaim`): two
+    conversations that share a segment never copy it into one tier at once. A caller holds
+    no claim while it waits, so waits cannot form a cycle."""
+    while True:
+        busy = next((seg.claims[t] for seg in segs if t in seg.claims), None)
+        if busy is None:
+            break
+        await busy.wait()
+    todo = [seg for seg in segs if t not in seg.tiers]
+    for seg in todo:
+        seg.claims[t] = anyio.Event()
+    return todo
+
+
+def unclaim(segs: list[Seg], t: int) -> None:
+    """Give up the claims :func:`claim` took."""
+    for seg in segs:
+        event = seg.claims.pop(t, None)
+        if event is not None:
+            event.set()
+
+
+async def begin_fill(s: Session, t: int) -> list[SegmentKey]:
+    """``s`` (locked) starts copying its history into tier ``t``: the keys of the segments
+    ``t`` lacks, claimed; until :func:`end_fill`, the segments it shares that ``t`` holds
+    stay there (another conversation leaving ``t`` does not take them along)."""
+    todo = await claim(s.segs, t)
+    s.filling[t] = todo
+    return [seg.key for seg in todo]
+
+
+def end_fill(s: Session, t: int) -> None:
+    """The copy :func:`begin_fill` started is over (done or not)."""
+    unclaim(s.filling.pop(t, []), t)
+
+
+@contextlib.asynccontextmanager
+async def filling(s: Session, t: int) -> AsyncIterator[list[SegmentKey]]:
+    """``async with``: :func:`begin_fill` ... :func:`end_fill`."""
+    keys = await begin_fill(s, t)
+    try:
+        yield keys
+    finally:
+        end_fill(s, t)
 
 
 class Refusal:
@@ -221,6 +371,8 @@ class Core:
         self.stats = CacheStats()
         self.protected: Callable[[], AbstractSet[str]] = frozenset
         self.orphans: set[tuple[int, SegmentKey]] = set()
+        self.retired: dict[str, Retired] = {}
+        """Conversations that left while forks still list some of their segments."""
         self.refused: dict[str, Refusal] = {}
         """Per session, turns a shared tier refused, until the session is next used."""
         self.refusals = 0
@@ -291,7 +443,32 @@ class Core:
             answer=answer,
             codec=s.schema.codec if s.schema is not None else "kv",
             restart=restart,
+            parent=None if s.parent is None else s.parent[0],
+            parent_tokens=0 if s.parent is None else s.parent[1],
+            shared_bytes=s.shared_bytes(),
         )
+
+    def gained(self, s: Session, segs: list[Seg], t: int) -> None:
+        """``segs`` of ``s`` were just committed in tier ``t``: another conversation listing
+        them that is now complete there (a fork's parent whose whole history the fork
+        brought along) is resident there too, for that tier's policy and the channel."""
+        others = {u for seg in segs for u in seg.users if u is not s}
+        now = self.clock()
+        for u in others:
+            if u.primary is not None and not u.dropped and u.complete(t):
+                self.residency.admitted(self.meta(u, now), now, t)
+
+    def reshared(self, s: Session) -> None:
+        """``s`` shares more or fewer bytes with other conversations than before (a fork
+        of it came or went): publish it, and tell the policies of the tiers it is
+        resident in what evicting it frees now."""
+        if self.sessions.get(s.key) is not s or s.primary is None or s.dropped:
+            return
+        now = self.clock()
+        meta = self.residency.published(self.meta(s, now))
+        for t in range(len(self.tiers)):
+            if s.complete(t):
+                self.residency.admitted(meta, now, t)
 
     def publish(self, s: Session) -> KVMeta:
         """Publish ``s``'s metadata now (its placement changed, not its residency)."""

@@ -114,10 +114,18 @@ class TierIO:
         self.write_new: Callable[[SegmentKey, SegmentPlan, Staging], Awaitable[None]]
         """Serialize a planned new segment into the tier's reservation and commit it."""
         self.restore: Callable[
-            [list[SegmentKey], list[SegmentHeader], dict[str, torch.Tensor], int, Staging],
+            [
+                list[SegmentKey],
+                list[SegmentHeader],
+                list[int],
+                dict[str, torch.Tensor],
+                int,
+                Staging,
+            ],
             Awaitable[None],
         ]
-        """Copy a history (its keys and headers) into output tensors along a dimension."""
+        """Copy a history (its keys, headers and the tokens of each that belong to it) into
+        output tensors along a dimension."""
         if isinstance(tier, AddressableTier):
             self.view, self.commit = tier.view, tier.commit
             self.write_new, self.restore = self._write_in_place, self._restore_in_place
@@ -157,6 +165,7 @@ class TierIO:
         self,
         keys: list[SegmentKey],
         headers: list[SegmentHeader],
+        takes: list[int],
         out: dict[str, torch.Tensor],
         dim: int,
         staging: Staging,
@@ -166,7 +175,9 @@ class TierIO:
         Copies into CUDA tensors do not block: the pinned slots stay valid (the caller
         holds the session's lock) until the final synchronize."""
         cuda = any(t.is_cuda for t in out.values())
-        await self.tier.read(keys, consume=Scatter(headers, out, dim, None, non_blocking=cuda))
+        await self.tier.read(
+            keys, consume=Scatter(headers, out, dim, None, non_blocking=cuda, takes=takes)
+        )
         if cuda:
             await anyio.to_thread.run_sync(torch.cuda.synchronize)
 
@@ -174,6 +185,7 @@ class TierIO:
         self,
         keys: list[SegmentKey],
         headers: list[SegmentHeader],
+        takes: list[int],
         out: dict[str, torch.Tensor],
         dim: int,
         staging: Staging,
@@ -181,13 +193,14 @@ class TierIO:
         """One read for the whole history, span by span: the device's queue stays full
         across segments, and each tensor is copied once, from the span that holds it, while
         later spans are read."""
-        consume = Scatter(headers, out, dim, self.span)
+        consume = Scatter(headers, out, dim, self.span, takes=takes)
         await self.tier.read(keys, spans=consume.spans, consume=consume)
 
     async def _restore_staged(
         self,
         keys: list[SegmentKey],
         headers: list[SegmentHeader],
+        takes: list[int],
         out: dict[str, torch.Tensor],
         dim: int,
         staging: Staging,
@@ -197,7 +210,7 @@ class TierIO:
         the tier is not idle while the copy runs. A failed read stops the restore at the
         first segment that failed; reads already in flight finish first (a worker thread is
         never abandoned while it writes into a staging buffer)."""
-        consume = Scatter(headers, out, dim, None)
+        consume = Scatter(headers, out, dim, None, takes=takes)
         size = max(h.length for h in headers)
         ahead = min(len(keys), _READS_AHEAD)  # reads in flight before the first scatter
         depth = min(len(keys), ahead + 1)  # buffers: those reads', and the one scattered

@@ -13,19 +13,30 @@ from typing import Any
 
 import torch
 
+from .._checks import check_int
 from ..backends.base import SegmentKey
 from ..errors import (
     CapacityError,
     CommitDelayedError,
     CorruptSegmentError,
+    InvalidArgumentError,
     SchemaMismatchError,
     SessionNotFoundError,
 )
 from ..meta import KVMeta, Loaded, Stored
 from ..payload import SegmentPlan, plan_segment
 from .atomic import settle
+from .forest import check_not_retired
 from .gather import Target
-from .placement import delete_or_orphan, demote, drop_damaged, promote, purge_orphans, reserve
+from .placement import (
+    delete_or_orphan,
+    demote,
+    drop_damaged,
+    promote,
+    purge_orphans,
+    reserve,
+    unlist,
+)
 from .sharing import check_writer
 from .state import Core, Seg, Session
 from .writethrough import WriteThrough
@@ -50,10 +61,12 @@ async def append(
     answer_tokens: int,
     dim: int,
     codec: str,
+    parent: tuple[str, int | None] | None = None,
 ) -> KVMeta:
     """Store one turn of ``session`` (see :meth:`~tieredkv.TieredKVCache.append`): under the
     session's lock, all or nothing whatever cancels it; in inclusive mode a background copy
-    to the next tier follows."""
+    to the next tier follows. With ``parent`` (``(conversation, tokens)``, ``None`` tokens
+    for all of them) the turn is the first of a fork: under the parent's lock too."""
     sessions = core.sessions
     while True:
         s = sessions.get(session)
@@ -63,11 +76,76 @@ async def append(
             async with core.hold(s):
                 if sessions.get(session) is not s:  # dropped while we waited
                     continue
+                if parent is not None:
+                    return await _fork_locked(
+                        core, pumps, s, parent, tensors, answer_tokens, dim, codec
+                    )
                 if core.sharing:  # one writer per conversation across replicas
                     await check_writer(core, session)
                 return await _append_locked(core, pumps, s, tensors, answer_tokens, dim, codec)
         finally:
             core.discard_unused(s)  # a first append that failed or was cancelled
+
+
+async def _fork_locked(
+    core: Core,
+    pumps: WriteThrough,
+    s: Session,
+    parent: tuple[str, int | None],
+    tensors: Mapping[str, Any],
+    answer_tokens: int,
+    dim: int,
+    codec: str,
+) -> KVMeta:
+    """The first turn of ``s`` (locked), a fork of ``parent``'s first tokens: stored in
+    the tier that serves the parent, referencing the parent's segments (held, with the
+    parent's lock, until the turn is committed)."""
+    key, tokens = parent
+    if s.segs and s.primary is not None:
+        raise InvalidArgumentError(
+            f"conversation {s.key!r} is already stored; a conversation becomes a fork at its "
+            f"first turn (drop it first, or fork under a new key)"
+        )
+    if core.sharing:
+        raise InvalidArgumentError(
+            "forks are not supported with a tier shared between replicas; append the "
+            "fork's whole history instead"
+        )
+    if key == s.key:
+        raise InvalidArgumentError(f"conversation {key!r} cannot be forked from itself")
+    p = core.sessions.get(key)
+    if p is None or p.primary is None:
+        raise SessionNotFoundError(key)
+    async with core.hold(p):
+        if core.sessions.get(key) is not p or p.primary is None:  # dropped or lost meanwhile
+            raise SessionNotFoundError(key)
+        inherited = fork_point(p, tokens)
+        return await _append_locked(
+            core, pumps, s, tensors, answer_tokens, dim, codec, (p, inherited)
+        )
+
+
+def fork_point(p: Session, tokens: int | None) -> list[tuple[Seg, int]]:
+    """The segments (and tokens of each) of ``p``'s first ``tokens`` tokens (all if ``None``).
+
+    :raises ValueError: ``tokens`` out of range
+    """
+    total = p.tokens()
+    if tokens is None:
+        tokens = total
+    check_int("parent_tokens", tokens, minimum=1)
+    if tokens > total:
+        raise InvalidArgumentError(
+            f"parent_tokens is {tokens}, but conversation {p.key!r} holds {total} tokens"
+        )
+    out: list[tuple[Seg, int]] = []
+    left = tokens
+    for seg, take in zip(p.segs, p.takes, strict=True):
+        if left <= 0:
+            break
+        out.append((seg, min(take, left)))
+        left -= take
+    return out
 
 
 async def _append_locked(
@@ -78,15 +156,19 @@ async def _append_locked(
     answer_tokens: int,
     dim: int,
     codec: str,
+    fork: tuple[Session, list[tuple[Seg, int]]] | None = None,
 ) -> KVMeta:
     began = core.clock()
-    plan = plan_turn(core, s, tensors, answer_tokens, dim, codec)
-    t, cancel = await settle(lambda: store(core, s, plan))
+    plan = plan_turn(core, s, tensors, answer_tokens, dim, codec, fork)
+    start = None if fork is None else fork[0].primary
+    t, cancel = await settle(lambda: store(core, s, plan, start))
     if cancel is not None:  # roll back: the segment never happened
         await settle(lambda: delete_or_orphan(core, t, (s.key, plan.header.seq)))
         core.stats.cancelled += 1
         raise cancel
     # the point of no return: from here on, nothing awaits
+    if fork is not None:
+        inherit(core, s, fork[0], fork[1])
     meta = commit_append(core, s, plan, t, answer_tokens, began)
     if core.mode == "inclusive":
         pumps.start(s)
@@ -127,40 +209,53 @@ def plan_turn(
     answer_tokens: int,
     dim: int,
     codec: str,
+    fork: tuple[Session, list[tuple[Seg, int]]] | None = None,
 ) -> SegmentPlan:
-    """Plan ``s``'s next segment, refusing what cannot be stored before any I/O."""
+    """Plan ``s``'s next segment, refusing what cannot be stored before any I/O (a fork's
+    first turn: after the segments it inherits, which it names in its header)."""
     if s.primary is None and s.segs:  # lost or damaged earlier: start afresh
-        s.segs.clear()
+        unlist(core, s)
+    if not s.segs:
+        check_not_retired(core, s.key)
+    base = () if fork is None else tuple((g.key[0], g.key[1], n) for g, n in fork[1])
     plan = plan_segment(
         s.key,
-        len(s.segs),
+        len(base) if fork is not None else len(s.segs),
         tensors,
         token_dim=dim,
         answer_tokens=answer_tokens,
         codec=codec,
         created=time.time(),
+        base=base,
     )
-    if s.schema is not None and s.segs:
-        diff = s.schema.describe_difference(plan.schema)
+    schema = s.schema if fork is None else fork[0].schema
+    if schema is not None and (s.segs or fork is not None):
+        diff = schema.describe_difference(plan.schema)
         if diff is not None:
             raise SchemaMismatchError(s.key, diff)
     largest = max(t.capacity for t in core.tiers)
-    if plan.length + s.nbytes() > largest:
-        what = "the segment" if not s.segs else "the session with this segment"
-        raise CapacityError(what, plan.length + s.nbytes(), largest)
+    before = s.nbytes() if fork is None else sum(g.length for g, _ in fork[1])
+    if plan.length + before > largest:
+        what = "the segment" if not before else "the session with this segment"
+        raise CapacityError(what, plan.length + before, largest)
     return plan
 
 
-async def store(core: Core, s: Session, plan: SegmentPlan) -> int:
+async def store(core: Core, s: Session, plan: SegmentPlan, start: int | None = None) -> int:
     """Write the planned segment into the highest tier that can take it; return the tier.
 
-    The segment is committed in that tier but not yet in the index.
+    The segment is committed in that tier but not yet in the index. A fork's first turn
+    (``start``: the tier that serves its parent) goes into that tier or nowhere.
     """
     await purge_orphans(core, s.key)
     key: SegmentKey = (s.key, plan.header.seq)
-    t = 0 if s.primary is None else s.primary
+    t = start if start is not None else 0 if s.primary is None else s.primary
     try:
         while not await reserve(core, t, key, plan.length, {s.key}):
+            if start is not None:
+                tier = core.tiers[t]
+                what = f"the fork's first turn (stored in its parent's tier, {tier.name!r})"
+                raise CapacityError(what, plan.length, tier.capacity - tier.used)
             if t + 1 >= len(core.tiers):
                 tier = core.tiers[t]
                 raise CapacityError("the segment", plan.length, tier.capacity - tier.used)
@@ -188,7 +283,9 @@ async def restore(core: Core, s: Session, out: dict[str, torch.Tensor]) -> None:
     t = s.primary
     headers = [seg.header for seg in s.segs]
     try:
-        await core.io[t].restore(s.segment_keys(), headers, out, s.schema.token_dim, core.staging)
+        await core.io[t].restore(
+            s.segment_keys(), headers, s.takes, out, s.schema.token_dim, core.staging
+        )
     except CorruptSegmentError as exc:
         await drop_damaged(core, s, t, exc.where)
         raise
@@ -198,8 +295,9 @@ def commit_append(
     core: Core, s: Session, plan: SegmentPlan, t: int, answer_tokens: int, began: float
 ) -> KVMeta:
     """Make a stored segment part of the session: index, counters, channel, policies, event."""
-    s.segs.append(Seg(plan.header))
-    s.held[t].add(plan.header.seq)
+    seg = Seg(plan.header)
+    seg.tiers.add(t)
+    s.add(seg)
     s.schema = plan.schema
     if s.primary is None:
         s.primary = t
@@ -216,6 +314,18 @@ def commit_append(
     # the access, then the admission: a new session's first turn is its first access
     meta = core.meta(s, now, access=True, answer=answer_tokens)
     return core.residency.accessed(meta, now, admit=t, event=event)
+
+
+def inherit(core: Core, s: Session, p: Session, inherited: list[tuple[Seg, int]]) -> None:
+    """``s`` (a fork being committed) lists ``p``'s segments ``inherited``; a conversation
+    that listed one of them alone until now is published with its new shared bytes."""
+    sharers = {u for seg, _ in inherited if len(seg.users) == 1 for u in seg.users}
+    for seg, take in inherited:
+        s.add(seg, take)
+    s.base = len(inherited)
+    s.parent = (p.key, sum(take for _, take in inherited))
+    for u in sharers:
+        core.reshared(u)
 
 
 def commit_load(core: Core, s: Session, hit: bool, began: float) -> None:

@@ -42,7 +42,7 @@ from ..errors import (
 )
 from .placement import copy_segments, delete_or_orphan, remove_copy, reserve
 from .refusals import Owed, record_refusal, report
-from .state import Core, Session
+from .state import Core, Seg, Session, claim, unclaim
 
 __all__ = ["WriteThrough"]
 
@@ -242,13 +242,24 @@ class WriteThrough:
         """Copy the first segment ``dst`` lacks; ``False`` when the pump should stop."""
         core = self._core
         assert s.primary is not None
-        seg = next((g for g in s.segs if g.header.seq not in s.held[dst]), None)
+        seg = next((g for g in s.segs if dst not in g.tiers), None)
         shared = core.io[dst].shared is not None
         if seg is None:
             if shared:
                 self._waiting.pop(s.key, None)
             return False
-        key = (s.key, seg.header.seq)
+        if not await claim([seg], dst):  # another conversation copied it there meanwhile
+            return True
+        try:
+            return await self._copy_claimed(s, seg, dst, shared)
+        finally:
+            unclaim([seg], dst)
+
+    async def _copy_claimed(self, s: Session, seg: Seg, dst: int, shared: bool) -> bool:
+        core = self._core
+        if s.primary is None or s.dropped or seg not in s.segs:  # gone while it waited
+            return False
+        key = seg.key
         to = core.tiers[dst]
         try:
             stored = await reserve(core, dst, key, seg.length, {s.key}, lossless=True)
@@ -283,7 +294,8 @@ class WriteThrough:
         if s.dropped or seg not in s.segs:  # dropped or lost meanwhile
             await delete_or_orphan(core, dst, key)
             return False
-        s.held[dst].add(seg.header.seq)
+        seg.tiers.add(dst)
+        core.gained(s, [seg], dst)
         core.stats.write_through += 1
         w = self._waiting.get(s.key) if shared else None
         if w is not None:

@@ -64,6 +64,7 @@ from ._decode import verify_segment as verify_segment
 from ._encode import PartWriter as PartWriter
 from ._encode import SegmentPlan as SegmentPlan
 from ._encode import _encode_laid_out as _encode_laid_out  # tests build odd headers with it
+from ._encode import plan_retirement as plan_retirement
 from ._encode import plan_segment as plan_segment
 from ._format import ALIGN as ALIGN
 from ._format import INCARNATION_BYTES as INCARNATION_BYTES
@@ -73,6 +74,8 @@ from ._format import MAC_BYTES as MAC_BYTES
 from ._format import MAGIC as MAGIC
 from ._format import MAX_SESSION_KEY_BYTES as MAX_SESSION_KEY_BYTES
 from ._format import PREFIX as PREFIX
+from ._format import RETIRED_CODEC as RETIRED_CODEC
+from ._format import RETIRED_SEQ as RETIRED_SEQ
 from ._format import Schema as Schema
 from ._format import SegmentHeader as SegmentHeader
 from ._format import TensorSpec as TensorSpec
@@ -82,6 +85,7 @@ from ._format import dtype_of as dtype_of
 from ._format import hash_body as hash_body
 from ._format import hashed_from as hashed_from
 from ._format import header_schema as header_schema
+from ._format import is_retirement as is_retirement
 
 __all__ = [
     "ALIGN",
@@ -90,6 +94,8 @@ __all__ = [
     "MAGIC",
     "MAX_COUNT",
     "PREFIX",
+    "RETIRED_CODEC",
+    "RETIRED_SEQ",
     "PartWriter",
     "Schema",
     "SegmentHeader",
@@ -109,8 +115,10 @@ __all__ = [
     "hash_body",
     "hashed_from",
     "header_schema",
+    "is_retirement",
     "manifest_mac",
     "parse_header",
+    "plan_retirement",
     "plan_segment",
     "segment_tensors",
     "tensor_at",

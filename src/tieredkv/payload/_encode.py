@@ -22,6 +22,8 @@ from ._format import (
     LAND_MIN,
     MAX_SESSION_KEY_BYTES,
     PREFIX,
+    RETIRED_CODEC,
+    RETIRED_SEQ,
     Schema,
     SegmentHeader,
     TensorSpec,
@@ -209,11 +211,14 @@ def plan_segment(
     answer_tokens: int,
     codec: str = "kv",
     created: float = 0.0,
+    base: tuple[tuple[str, int, int], ...] = (),
 ) -> SegmentPlan:
     """Validate one turn's tensors and lay out its segment.
 
     :param tensors: named torch tensors or numpy arrays, all with the same size along
         ``token_dim`` (negative counts from the end, per tensor)
+    :param base: a fork's first turn: the earlier turns it references (see
+        :class:`SegmentHeader`)
     :raises TypeError: for values that are not dense tensors of a storable dtype on the CPU
         or a CUDA device
     :raises ValueError: for an empty mapping, mismatched token counts, or bad arguments
@@ -289,9 +294,22 @@ def plan_segment(
         body_offset=0,
         body_len=body_len,
         created=created,
+        base=base,
     )
     header, header_bytes = _encode_laid_out(header)
     return SegmentPlan(header, header_bytes, header_schema(header), tuple(values))
+
+
+def plan_retirement(session: str) -> SegmentPlan:
+    """The retirement marker of ``session`` (see :data:`~tieredkv.payload.RETIRED_SEQ`)."""
+    return plan_segment(
+        session,
+        RETIRED_SEQ,
+        {"retired": torch.zeros(1, dtype=torch.uint8)},
+        token_dim=0,
+        answer_tokens=0,
+        codec=RETIRED_CODEC,
+    )
 
 
 def _check_count(what: str, value: object) -> None:

@@ -19,6 +19,8 @@ __all__ = [
     "MAGIC",
     "MAX_SESSION_KEY_BYTES",
     "PREFIX",
+    "RETIRED_CODEC",
+    "RETIRED_SEQ",
     "Schema",
     "SegmentHeader",
     "TensorSpec",
@@ -27,6 +29,7 @@ __all__ = [
     "hash_body",
     "hashed_from",
     "header_schema",
+    "is_retirement",
 ]
 
 MAGIC = b"TKVSEG\x00\x01"
@@ -45,6 +48,13 @@ LAND_MIN = 64 << 10
 """Tensors at least this large are placed at multiples of :data:`LAND_ALIGN` (the padding,
 at most 448 bytes more than before, is under 0.7% of such a tensor)."""
 MAX_SESSION_KEY_BYTES = 65536
+RETIRED_CODEC = "tieredkv-retired"
+RETIRED_SEQ = 2**31 - 1
+"""A *retirement marker* is the segment ``(session, RETIRED_SEQ)`` with codec
+:data:`RETIRED_CODEC` (one token of one byte): ``session`` left (dropped, or its last copy
+evicted) while forks still list some of its turns, which stay stored, under its key, for
+them only. A persistent tier that holds such a turn holds the marker too, so that a
+restart does not bring the conversation back."""
 INCARNATION_BYTES = 16
 MAC_BYTES = 32
 _NO_INCARNATION = bytes(INCARNATION_BYTES)
@@ -104,6 +114,9 @@ class SegmentHeader(msgspec.Struct, frozen=True, kw_only=True):
     :param body_mac: keyed BLAKE2b of everything after the header (zeros if not
         authenticated)
     :param mac: keyed BLAKE2b of this header with ``mac`` zeroed (zeros if not authenticated)
+    :param base: on the first turn a fork stores, the history it starts from, by reference:
+        one ``(session, seq, tokens)`` per earlier turn (the segment stored under that key,
+        of which the first ``tokens`` are part of this history); empty otherwise
     """
 
     version: int = 1
@@ -120,6 +133,7 @@ class SegmentHeader(msgspec.Struct, frozen=True, kw_only=True):
     incarnation: bytes = _NO_INCARNATION
     body_mac: bytes = _NO_MAC
     mac: bytes = _NO_MAC
+    base: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def length(self) -> int:
@@ -166,7 +180,28 @@ def _shape_str(shape: tuple[int, ...]) -> str:
     return "(" + ", ".join("T" if d == -1 else str(d) for d in shape) + ")"
 
 
-_header_encoder = msgspec.msgpack.Encoder()
+class _HeaderEncoder:
+    """Encodes a header; one that references no earlier history (``base`` empty: every
+    segment but a fork's first) without the ``base`` field, byte for byte as before forks
+    existed."""
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        fields = [f for f in msgspec.structs.fields(SegmentHeader) if f.name != "base"]
+        self._names = [f.name for f in fields]
+        self._plain = msgspec.defstruct(
+            "_PlainHeader",
+            [(f.name, f.type) if f.required else (f.name, f.type, f.default) for f in fields],
+            kw_only=True,
+        )
+
+    def encode(self, header: SegmentHeader) -> bytes:
+        if header.base:
+            return self._encoder.encode(header)
+        return self._encoder.encode(self._plain(**{n: getattr(header, n) for n in self._names}))
+
+
+_header_encoder = _HeaderEncoder()
 _header_decoder = msgspec.msgpack.Decoder(SegmentHeader)
 
 
@@ -182,6 +217,11 @@ def header_schema(header: SegmentHeader) -> Schema:
             for t in header.tensors
         ),
     )
+
+
+def is_retirement(header: SegmentHeader) -> bool:
+    """Whether ``header`` is a retirement marker (see :data:`RETIRED_SEQ`)."""
+    return header.seq == RETIRED_SEQ and header.codec == RETIRED_CODEC
 
 
 def dtype_of(name: str) -> torch.dtype:

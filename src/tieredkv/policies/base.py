@@ -12,8 +12,9 @@ Eviction, phase by phase, for one tier:
    resident in this tier or not, with the metadata as it stands after the access. Learning
    policies (Bidaw) observe reuse here; recency policies (LRU) refresh resident entries.
 2. ``on_admit(session, meta, now)`` when the session's complete history becomes resident
-   in this tier, or when its resident size changes (an append); ``meta.nbytes`` is the
-   size to account.
+   in this tier, or when its resident size changes (an append, or a fork sharing its
+   history); ``meta.nbytes`` is the size of its history, :func:`freed_bytes` what
+   evicting it would free (less when it shares segments with other conversations).
 3. ``victims(need, now, view, protected)`` when the tier needs ``need`` more free bytes.
    The answer is atomic: a list of resident sessions, none of them in ``protected``, whose
    sizes add up to at least ``need``; or ``None`` (and nothing changes) when that is
@@ -39,7 +40,21 @@ from typing import Protocol, runtime_checkable
 
 from ..meta import KVMeta, MetadataView
 
-__all__ = ["Eviction", "Foresight", "Hinted", "shielded"]
+__all__ = ["Eviction", "Foresight", "Hinted", "freed_bytes", "shielded"]
+
+
+def freed_bytes(meta: KVMeta) -> int:
+    """What evicting the conversation from a tier frees there: its owned bytes
+    (:attr:`~tieredkv.meta.KVMeta.owned_bytes`; all of ``nbytes`` for a conversation that
+    shares nothing).
+
+    Conversations form a forest: a fork lists its parent's history up to the fork point,
+    stored once. A range shared by several conversations stays in a tier while any of them
+    needs it there, so evicting one of them frees only what it alone lists; the shared
+    range's value is counted by every conversation that lists it (it leaves a tier with
+    the last of them). A policy that ranks by value per byte divides by this.
+    """
+    return meta.nbytes - meta.shared_bytes
 
 
 def shielded(protected: Set[str], view: MetadataView, now: float) -> Set[str]:

@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..meta import KVMeta, MetadataView
-from .base import shielded
+from .base import freed_bytes, shielded
 from .ghost import GhostCache
 from .ranking import RESCORE_BINS, ResidentRanking
 from .reuse import ReuseTracker
@@ -207,11 +207,12 @@ class BidawEviction:
             seen.rank = self._rank_key(seen, meta)
             seen.completing = False  # its next access (the load) is no reuse we measured
         old = self._resident.get(session)
-        self._resident[session] = meta.nbytes
-        self._bytes += meta.nbytes - (old or 0)
-        if old is None or self._ranking.group_of(seen.rank, meta.nbytes) != seen.group:
-            self._place(session, seen, meta.nbytes)
-        elif old != meta.nbytes:  # same group, new size: its score changed
+        size = freed_bytes(meta)  # a shared range is freed with the last that lists it
+        self._resident[session] = size
+        self._bytes += size - (old or 0)
+        if old is None or self._ranking.group_of(seen.rank, size) != seen.group:
+            self._place(session, seen, size)
+        elif old != size:  # same group, new size: its score changed
             self._ranking.touch(seen.group)
         self._flush()
 

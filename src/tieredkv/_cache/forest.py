@@ -1,0 +1,108 @@
+"""Conversations that leave while forks still list their turns: retirement markers.
+
+A fork lists its parent's segments, stored under the parent's key. When the parent leaves
+the index (dropped, or its last copy evicted), the segments its forks still list stay
+stored under its key, for them only; the parent is *retired*. In every persistent tier
+that holds such a segment, a retirement marker (:func:`~tieredkv.payload.plan_retirement`)
+is committed first, so a restart does not bring the parent back: recovery reads the marker
+and keeps the segments only as the forks' (:mod:`tieredkv._cache.recovery`). The marker is
+written before anything of the parent is deleted and before a retired segment is copied
+into a persistent tier that lacks it, and deleted after the last retired segment left that
+tier: at every instant, a persistent tier holding a retired segment holds its marker.
+
+Until its forks are gone, a retired key cannot be used again (its segments' keys are
+still taken): :meth:`~tieredkv.TieredKVCache.append` says so.
+"""
+
+from __future__ import annotations
+
+from ..backends.base import SegmentKey
+from ..errors import InvalidArgumentError, TierIOError
+from ..payload import RETIRED_SEQ, plan_retirement
+from .state import Core, Retired, Seg, Session
+
+__all__ = ["check_not_retired", "copying", "deleted", "retire"]
+
+
+def check_not_retired(core: Core, key: str) -> None:
+    """Refuse to store a new conversation under a retired key."""
+    if key in core.retired:
+        raise InvalidArgumentError(
+            f"conversation {key!r} left while forks still list its history, which stays "
+            f"stored under its key for them; store the new conversation under another key "
+            f"(or drop those forks first)"
+        )
+
+
+async def retire(core: Core, s: Session) -> None:
+    """``s`` (locked) is about to leave the index: if other conversations list some of its
+    own segments, commit its retirement marker in every persistent tier holding one of
+    them, and record it as retired. Nothing of ``s`` is deleted yet.
+
+    :raises TierIOError: a marker could not be written (the markers written are deleted
+        again; ``s`` is as it was)
+    """
+    kept = [seg for seg in s.own() if seg.users - {s}]
+    if not kept:
+        return
+    r = Retired(kept)
+    tiers = sorted({t for seg in kept for t in seg.tiers if core.tiers[t].persistent})
+    try:
+        for t in tiers:
+            await _write_marker(core, s.key, t)
+            r.markers.add(t)
+    except BaseException:
+        for t in sorted(r.markers):
+            await _delete_marker(core, s.key, t)
+        raise
+    core.retired[s.key] = r
+
+
+async def copying(core: Core, keys: list[SegmentKey], dst: int) -> None:
+    """Before segments ``keys`` are copied into tier ``dst``: the retirement marker of each
+    retired owner among them, where ``dst`` is persistent and lacks it.
+
+    :raises TierIOError: a marker could not be written (nothing was copied)
+    """
+    if not core.retired or not core.tiers[dst].persistent:
+        return
+    for owner in sorted({k[0] for k in keys if k[0] in core.retired}):
+        r = core.retired[owner]
+        if dst not in r.markers:
+            await _write_marker(core, owner, dst)
+            r.markers.add(dst)
+
+
+async def deleted(core: Core, segs: list[Seg], t: int) -> None:
+    """``segs`` just left tier ``t``: a retired owner none of whose segments ``t`` holds
+    any more loses its marker there; one whose segments no tier holds is forgotten."""
+    for owner in sorted({seg.key[0] for seg in segs if seg.key[0] in core.retired}):
+        r = core.retired[owner]
+        stale = any(u == t and k[0] == owner and k[1] != RETIRED_SEQ for u, k in core.orphans)
+        spare = t in r.markers and not stale and not any(t in seg.tiers for seg in r.segs)
+        if spare and await _delete_marker(core, owner, t):
+            r.markers.discard(t)
+        if not any(seg.tiers for seg in r.segs) and not r.markers:
+            del core.retired[owner]
+
+
+async def _write_marker(core: Core, owner: str, t: int) -> None:
+    from .placement import delete_or_orphan, reserve  # (placement calls this module)
+
+    key: SegmentKey = (owner, RETIRED_SEQ)
+    plan = plan_retirement(owner)
+    tier = core.tiers[t]
+    if (t, key) in core.orphans and not await delete_or_orphan(core, t, key):
+        raise TierIOError(tier.name, "write a retirement marker", "a stale one remains")
+    try:
+        if not await reserve(core, t, key, plan.length, {owner}):
+            raise TierIOError(tier.name, "write a retirement marker", "the tier is full")
+        await core.io[t].write_new(key, plan, core.staging)
+    finally:
+        tier.release(key)
+
+
+async def _delete_marker(core: Core, owner: str, t: int) -> bool:
+    from .placement import delete_or_orphan
+
+    return await delete_or_orphan(core, t, (owner, RETIRED_SEQ))

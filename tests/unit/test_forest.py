@@ -1,0 +1,460 @@
+"""Forks: a conversation that starts as another's first tokens, stored once in every tier."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tieredkv import (
+    BidawEviction,
+    HostMemoryTier,
+    MmapTier,
+    SchemaMismatchError,
+    SessionNotFoundError,
+    SSDTier,
+    TieredKVCache,
+)
+from tieredkv.backends.base import Tier
+from tieredkv.backends.ssd import segment_file_name
+from tieredkv.fsck import check_directory, repair_directory
+from tieredkv.policies.base import freed_bytes
+
+from ..invariants import problems
+
+KIB = 1024
+
+
+def kv(tokens: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "k": torch.randn(tokens, 4, 64, generator=g).to(torch.float16),
+        "v": torch.randn(tokens, 4, 64, generator=g).to(torch.float16),
+    }
+
+
+def cat(*parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: torch.cat([p[n] for p in parts]) for n in parts[0]}
+
+
+def head(t: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    return {k: v[:n] for k, v in t.items()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for n in a:
+        assert a[n].shape == b[n].shape, n
+        assert a[n].contiguous().view(torch.uint8).equal(b[n].contiguous().view(torch.uint8)), n
+
+
+def segments(tier: Tier) -> int:
+    return tier.stats().segments
+
+
+async def check(cache: TieredKVCache) -> None:
+    await cache.flush()
+    assert problems(cache) == []
+
+
+async def test_fork_loads_parent_prefix_then_its_own_turns(ssd_dir: Path) -> None:
+    async with TieredKVCache([HostMemoryTier(1 << 20), SSDTier(ssd_dir, 8 << 20)]) as c:
+        a0, a1 = kv(8, 1), kv(6, 2)
+        await c.append("a", a0, answer_tokens=3)
+        await c.append("a", a1, answer_tokens=3)
+        b0 = kv(5, 3)
+        meta = await c.append("b", b0, answer_tokens=2, parent="a")
+        assert (meta.parent, meta.parent_tokens, meta.tokens) == ("a", 14, 19)
+        assert meta.shared_bytes > 0
+        assert meta.owned_bytes > 0
+        same(await c.load("b"), cat(a0, a1, b0))
+        same(await c.load("a"), cat(a0, a1))
+        # stored once: a's two turns and b's one
+        assert segments(c.tiers[0]) == 3
+        assert c.channel["a"].shared_bytes == c.channel["a"].nbytes
+        await check(c)
+
+
+async def test_fork_inside_a_turn_references_a_token_range(ssd_dir: Path) -> None:
+    async with TieredKVCache([HostMemoryTier(1 << 20), SSDTier(ssd_dir, 8 << 20)]) as c:
+        a0, a1 = kv(8, 1), kv(6, 2)
+        await c.append("a", a0, answer_tokens=3)
+        await c.append("a", a1, answer_tokens=3)
+        r0 = kv(4, 5)
+        await c.append("regen", r0, answer_tokens=4, parent="a", parent_tokens=11)
+        want = cat(a0, head(a1, 3), r0)
+        same(await c.load("regen"), want)
+        out = {n: torch.zeros(20, 4, 64, dtype=torch.float16) for n in want}
+        assert await c.load_into("regen", out) == 15
+        same(head(out, 15), want)
+        assert segments(c.tiers[0]) == 3
+        # the fork point inside the first turn
+        await c.append("early", kv(2, 6), answer_tokens=1, parent="a", parent_tokens=5)
+        same(await c.load("early"), cat(head(a0, 5), kv(2, 6)))
+        await check(c)
+
+
+async def test_forks_of_forks_and_dropping_the_parents(ssd_dir: Path) -> None:
+    async with TieredKVCache([HostMemoryTier(1 << 20), SSDTier(ssd_dir, 8 << 20)]) as c:
+        a0, b0, c0, c1 = kv(8, 1), kv(5, 2), kv(3, 3), kv(2, 4)
+        await c.append("a", a0, answer_tokens=1)
+        await c.append("b", b0, answer_tokens=1, parent="a")
+        await c.append("c", c0, answer_tokens=1, parent="b", parent_tokens=10)
+        await c.append("c", c1, answer_tokens=1)
+        want = cat(a0, head(b0, 2), c0, c1)
+        same(await c.load("c"), want)
+        await c.drop("a")
+        await c.drop("b")
+        assert not c.contains("a")
+        assert not c.contains("b")
+        with pytest.raises(SessionNotFoundError):
+            await c.load("a")
+        same(await c.load("c"), want)
+        # a0 and b0 stay for c; nothing else of a or b does
+        assert segments(c.tiers[0]) == 4
+        await check(c)
+        await c.drop("c")
+        assert segments(c.tiers[0]) == 0
+        await check(c)
+
+
+async def test_fork_moves_between_tiers_with_what_no_resident_needs(ssd_dir: Path) -> None:
+    # host room for about three 8-token turns
+    async with TieredKVCache([HostMemoryTier(40 * KIB), SSDTier(ssd_dir, 8 << 20)]) as c:
+        p = kv(8, 1)
+        await c.append("p", p, answer_tokens=1)
+        await c.append("f", kv(8, 2), answer_tokens=1, parent="p")
+        await c.append("g", kv(8, 3), answer_tokens=1, parent="p")
+        _host, _ssd = c.tiers
+        assert c.where("f") == "host"
+        assert c.where("g") == "host"
+        # a newcomer pushes the others down: each fork's own turn goes; p's turn stays
+        # while a resident still needs it
+        await c.append("x", kv(8, 4), answer_tokens=1)
+        await c.append("y", kv(8, 5), answer_tokens=1)
+        await check(c)
+        places = {k: c.where(k) for k in ("p", "f", "g", "x", "y")}
+        assert "ssd" in places.values()
+        for k in ("f", "g"):
+            want = cat(p, kv(8, 2 if k == "f" else 3))
+            same(await c.load(k), want)
+            await check(c)
+        assert await c.prefetch("p") == "host"
+        same(await c.load("p"), p)
+        await check(c)
+
+
+async def test_fork_errors_say_what_to_fix(ssd_dir: Path) -> None:
+    async with TieredKVCache([HostMemoryTier(1 << 20), SSDTier(ssd_dir, 8 << 20)]) as c:
+        await c.append("a", kv(8, 1), answer_tokens=1)
+        with pytest.raises(SessionNotFoundError):
+            await c.append("b", kv(4, 2), answer_tokens=1, parent="nobody")
+        with pytest.raises(ValueError, match="holds 8 tokens"):
+            await c.append("b", kv(4, 2), answer_tokens=1, parent="a", parent_tokens=9)
+        with pytest.raises(ValueError, match="needs parent"):
+            await c.append("b", kv(4, 2), answer_tokens=1, parent_tokens=3)
+        with pytest.raises(ValueError, match="already stored"):
+            await c.append("a", kv(4, 2), answer_tokens=1, parent="a")
+        other = {"k": torch.zeros(4, 2, 64, dtype=torch.float16)}
+        with pytest.raises(SchemaMismatchError):
+            await c.append("b", other, answer_tokens=1, parent="a")
+        assert not c.contains("b")
+        assert segments(c.tiers[0]) == 1
+        await check(c)
+
+
+async def test_forks_survive_a_reopen_and_keep_sharing(ssd_dir: Path) -> None:
+    a0, a1, b0, c0 = kv(8, 1), kv(6, 2), kv(5, 3), kv(3, 4)
+    async with TieredKVCache([SSDTier(ssd_dir, 8 << 20)]) as c:
+        await c.append("a", a0, answer_tokens=1)
+        await c.append("a", a1, answer_tokens=1)
+        await c.append("b", b0, answer_tokens=1, parent="a", parent_tokens=10)
+        await c.append("c", c0, answer_tokens=1, parent="b")
+    async with TieredKVCache([HostMemoryTier(1 << 20), SSDTier(ssd_dir, 8 << 20)]) as c:
+        assert c.truncated() == {}
+        same(await c.load("a"), cat(a0, a1))
+        same(await c.load("b"), cat(a0, head(a1, 2), b0))
+        same(await c.load("c"), cat(a0, head(a1, 2), b0, c0))
+        # each load promoted its conversation; a segment left the SSD with the last
+        # conversation that needed it there
+        assert segments(c.tiers[1]) == 0
+        assert segments(c.tiers[0]) == 4
+        assert c.channel["c"].parent_tokens == 15
+        await check(c)
+
+
+async def test_a_fork_whose_parent_history_is_gone_is_not_served(ssd_dir: Path) -> None:
+    async with TieredKVCache([SSDTier(ssd_dir, 8 << 20)]) as c:
+        await c.append("a", kv(8, 1), answer_tokens=1)
+        await c.append("b", kv(5, 2), answer_tokens=1, parent="a")
+    # a's segment disappears behind the cache's back: b's reference dangles
+    (ssd_dir / "segments" / segment_file_name(("a", 0))).unlink()
+    async with TieredKVCache([SSDTier(ssd_dir, 8 << 20)]) as c:
+        assert not c.contains("a")
+        assert not c.contains("b")
+        assert "forked from 'a'" in c.truncated()["b"].reason
+        await check(c)
+
+
+@pytest.mark.parametrize("how", ["task.cancel", "wait_for"])
+async def test_cancelled_fork_leaves_no_trace(ssd_dir: Path, how: str) -> None:
+    async with TieredKVCache([HostMemoryTier(1 << 20), SSDTier(ssd_dir, 8 << 20)]) as c:
+        a0 = kv(8, 1)
+        await c.append("a", a0, answer_tokens=1)
+        big = kv(2048, 2)
+        for _ in range(5):
+            task = asyncio.ensure_future(c.append("b", big, answer_tokens=1, parent="a"))
+            await asyncio.sleep(0)
+            if how == "task.cancel":
+                task.cancel()
+            else:
+                task2 = asyncio.ensure_future(asyncio.wait_for(task, 0))
+                await asyncio.sleep(0)
+                task = task2
+            try:
+                await task
+            except (asyncio.CancelledError, TimeoutError):
+                assert not c.contains("b")
+                assert segments(c.tiers[0]) == 1
+            else:
+                same(await c.load("b"), cat(a0, big))
+                await c.drop("b")
+            assert c.channel["a"].shared_bytes == 0
+            await check(c)
+        same(await c.load("a"), a0)
+
+
+async def test_fork_in_mmap_and_inclusive_mode(tmp_path: Path, ssd_dir: Path) -> None:
+    tiers = [MmapTier(tmp_path / "m", 1 << 20), SSDTier(ssd_dir, 8 << 20)]
+    async with TieredKVCache(tiers, mode="inclusive") as c:
+        a0, b0 = kv(8, 1), kv(4, 2)
+        await c.append("a", a0, answer_tokens=1)
+        await c.append("b", b0, answer_tokens=1, parent="a", parent_tokens=6)
+        await c.flush()
+        assert segments(c.tiers[0]) == 2
+        assert segments(c.tiers[1]) == 2
+        same(await c.load("b"), cat(head(a0, 6), b0))
+        await c.drop("a")
+        await check(c)
+        same(await c.load("b"), cat(head(a0, 6), b0))
+        assert segments(c.tiers[0]) == 2
+        assert segments(c.tiers[1]) == 3  # and a's retirement marker: a stays dropped
+
+
+async def test_layerwise_load_of_a_fork(ssd_dir: Path) -> None:
+    async with TieredKVCache([HostMemoryTier(1 << 20), SSDTier(ssd_dir, 8 << 20)]) as c:
+        a0, b0 = kv(8, 1), kv(4, 2)
+        await c.append("a", a0, answer_tokens=1)
+        await c.append("b", b0, answer_tokens=1, parent="a", parent_tokens=5)
+        want = cat(head(a0, 5), b0)
+        for where in ("host", "ssd"):
+            if where == "ssd":
+                await c.append("z", kv(1010, 9), answer_tokens=1)  # pushes a and b down
+                assert c.where("b") == "ssd"
+            out = {n: torch.zeros(9, 4, 64, dtype=torch.float16) for n in want}
+            async with c.load_layerwise("b", out, [["k"], ["v"]]) as load:
+                await load.finished()
+            same(out, want)
+            await check(c)
+
+
+async def test_a_dropped_parent_stays_dropped_after_a_reopen(ssd_dir: Path) -> None:
+    a0, a1, b0 = kv(8, 1), kv(6, 2), kv(5, 3)
+    async with TieredKVCache([HostMemoryTier(1 << 20), SSDTier(ssd_dir, 8 << 20)]) as c:
+        await c.append("a", a0, answer_tokens=1)
+        await c.append("a", a1, answer_tokens=1)
+        await c.append("b", b0, answer_tokens=1, parent="a", parent_tokens=4)
+        await c.drop("a")
+        with pytest.raises(ValueError, match="another key"):
+            await c.append("a", a0, answer_tokens=1)
+        await check(c)
+    async with TieredKVCache([HostMemoryTier(1 << 20), SSDTier(ssd_dir, 8 << 20)]) as c:
+        assert c.sessions() == ["b"]
+        assert c.truncated() == {}
+        same(await c.load("b"), cat(head(a0, 4), b0))
+        await check(c)
+        await c.drop("b")
+        await check(c)
+        # nothing of a or b is left, and the key is free again
+        await c.append("a", a1, answer_tokens=1)
+        same(await c.load("a"), a1)
+    async with TieredKVCache([SSDTier(ssd_dir, 8 << 20)]) as c:
+        assert c.sessions() == ["a"]
+        assert segments(c.tiers[0]) == 1
+
+
+async def test_fsck_reports_forks_dangling_references_and_reclaimable_turns(
+    ssd_dir: Path,
+) -> None:
+    a0, a1 = kv(8, 1), kv(6, 2)
+    async with TieredKVCache([SSDTier(ssd_dir, 8 << 20)]) as c:
+        await c.append("a", a0, answer_tokens=1)
+        await c.append("a", a1, answer_tokens=1)
+        await c.append("b", kv(5, 3), answer_tokens=1, parent="a", parent_tokens=4)
+        await c.append("b", kv(5, 4), answer_tokens=1)
+        await c.append("c", kv(2, 5), answer_tokens=1, parent="b")
+        await c.drop("a")
+    report = await asyncio.to_thread(check_directory, ssd_dir)
+    assert report.clean
+    assert report.retired == ["a"]
+    assert report.reclaimable == 0
+    turns = {s.session: (s.turns, s.stray) for s in report.sessions}
+    assert turns == {"b": (2, 0), "c": (1, 0)}
+    # c's reference to b's second turn dangles once that file is gone: damage
+    (ssd_dir / "segments" / segment_file_name(("b", 2))).unlink()
+    report = await asyncio.to_thread(check_directory, ssd_dir)
+    assert not report.clean
+    assert [d.path for d in report.damaged] == [f"segments/{segment_file_name(('c', 3))}"]
+    assert "dangling reference" in report.damaged[0].problem
+    # a repair quarantines the fork no cache would recover (nothing is deleted)
+    copy = ssd_dir.parent / "copy"
+    shutil.copytree(ssd_dir, copy)
+    repaired = await asyncio.to_thread(repair_directory, copy)
+    assert repaired.clean
+    assert repaired.quarantined == 1
+    assert [s.session for s in repaired.sessions] == ["b"]
+    # a's first turn, which b alone referenced, is reclaimable once b is gone
+    for seq in (1, 2):
+        f = ssd_dir / "segments" / segment_file_name(("b", seq))
+        if f.exists():
+            f.unlink()
+    (ssd_dir / "segments" / segment_file_name(("c", 3))).unlink()
+    report = await asyncio.to_thread(check_directory, ssd_dir)
+    assert report.clean
+    assert report.retired == []
+    assert report.reclaimable == 2  # a's turn 0 and its marker
+    async with TieredKVCache([SSDTier(ssd_dir, 8 << 20)]) as c:
+        assert c.sessions() == []
+        assert segments(c.tiers[0]) == 0
+    assert (await asyncio.to_thread(check_directory, ssd_dir)).reclaimable == 0
+
+
+async def test_eviction_sees_what_evicting_a_conversation_frees(ssd_dir: Path) -> None:
+    """Bidaw's resident sizes are owned bytes: the shared prompt counts for nobody while
+    both forks hold it, and for the parent alone once the forks are gone."""
+    policy = BidawEviction()
+    tiers = [HostMemoryTier(1 << 20), SSDTier(ssd_dir, 8 << 20)]
+    async with TieredKVCache(tiers, eviction=policy) as c:
+        sys_meta = await c.append("system", kv(16, 1), answer_tokens=0)
+        f = await c.append("f", kv(4, 2), answer_tokens=1, parent="system")
+        g = await c.append("g", kv(4, 3), answer_tokens=1, parent="system")
+        prompt = sys_meta.nbytes
+        assert c.channel["system"].shared_bytes == prompt
+        assert c.channel["system"].owned_bytes == 0
+        assert (f.shared_bytes, g.shared_bytes) == (prompt, prompt)
+        assert freed_bytes(c.channel["f"]) == f.nbytes - prompt
+        own = freed_bytes(c.channel["f"]) + freed_bytes(c.channel["g"])
+        assert policy.resident_bytes() == own
+        assert c.tiers[0].used == prompt + own  # stored once
+        await c.drop("f")
+        await c.drop("g")
+        assert c.channel["system"].shared_bytes == 0
+        assert policy.resident_bytes() == prompt
+        await check(c)
+
+
+@pytest.mark.parametrize("mode", ["exclusive", "inclusive"])
+async def test_concurrent_forks_loads_and_evictions_keep_the_forest_consistent(
+    ssd_dir: Path, mode: str
+) -> None:
+    """Many forks of one prompt, appended, loaded and pushed between tiers concurrently:
+    a shared segment is never copied into a tier twice at once nor deleted under a
+    conversation that needs it, and every load is exact."""
+    prompt = kv(64, 1)
+    model: dict[str, dict[str, torch.Tensor]] = {}
+    async with TieredKVCache(
+        [HostMemoryTier(512 * KIB), SSDTier(ssd_dir, 16 << 20)],
+        mode=mode,  # type: ignore[arg-type]
+    ) as c:
+        await c.append("system", prompt, answer_tokens=0)
+        at_once = asyncio.Semaphore(4)  # busy conversations are never victims: leave some
+
+        async def user(i: int) -> None:
+            async with at_once:
+                await converse(i)
+
+        async def converse(i: int) -> None:
+            key = f"u{i}"
+            mine = [kv(8, 100 + i)]
+            await c.append(key, mine[0], answer_tokens=1, parent="system")
+            for t in range(3):
+                same(await c.load(key), cat(prompt, *mine))
+                turn = kv(8 + t, 1000 * i + t)
+                mine.append(turn)
+                await c.append(key, turn, answer_tokens=t)
+                await asyncio.sleep(0)
+            model[key] = cat(prompt, *mine)
+            if i % 3 == 2:  # a regenerate branch of it, then the original goes
+                await c.append(
+                    f"{key}/r", kv(4, 5000 + i), answer_tokens=1, parent=key, parent_tokens=70
+                )
+                model[f"{key}/r"] = cat(prompt, head(mine[0], 6), kv(4, 5000 + i))
+                await c.drop(key)
+                del model[key]
+
+        await asyncio.gather(*(user(i) for i in range(12)))
+        await check(c)
+        assert c.stats().demotions > 0  # conversations did move between tiers
+        for key, want in model.items():
+            same(await c.load(key), want)
+        same(await c.load("system"), prompt)
+        await check(c)
+        # the prompt is stored at most once per tier
+        for tier in c.tiers:
+            assert sum(1 for k in _keys(tier) if k[0] == "system") <= 1
+
+
+def _keys(tier: Tier) -> list[tuple[str, int]]:
+    from ..invariants import tier_keys
+
+    return list(tier_keys(tier))
+
+
+async def test_close_writes_forks_down_with_what_they_share(ssd_dir: Path) -> None:
+    """Forks held only in host memory are written down at close, the shared turn once, and
+    come back as forks."""
+    a0, b0, c0 = kv(8, 1), kv(5, 2), kv(3, 3)
+    async with TieredKVCache([HostMemoryTier(1 << 20), SSDTier(ssd_dir, 8 << 20)]) as c:
+        await c.append("a", a0, answer_tokens=1)
+        await c.append("b", b0, answer_tokens=1, parent="a", parent_tokens=6)
+        await c.append("c", c0, answer_tokens=1, parent="a")
+        await c.drop("a")
+    assert c.stats().written_down == 2
+    async with TieredKVCache([SSDTier(ssd_dir, 8 << 20)]) as c:
+        assert sorted(c.sessions()) == ["b", "c"]
+        assert segments(c.tiers[0]) == 4  # a0 once, b0, c0, and a's retirement marker
+        same(await c.load("b"), cat(head(a0, 6), b0))
+        same(await c.load("c"), cat(a0, c0))
+        await check(c)
+
+
+@pytest.mark.parametrize("how", ["task.cancel", "timeout"])
+async def test_cancelled_load_of_a_fork_leaves_it_where_it_was_or_promoted(
+    ssd_dir: Path, how: str
+) -> None:
+    async with TieredKVCache([HostMemoryTier(1 << 20), SSDTier(ssd_dir, 32 << 20)]) as c:
+        a0, b0 = kv(600, 1), kv(300, 2)
+        await c.append("a", a0, answer_tokens=1)
+        await c.append("b", b0, answer_tokens=1, parent="a", parent_tokens=500)
+        want = cat(head(a0, 500), b0)
+        for delay in range(8):
+            await c.append(f"z{delay}", kv(1010, 9), answer_tokens=1)  # pushes a and b down
+            assert c.where("b") == "ssd"
+            task = asyncio.ensure_future(c.load("b"))
+            for _ in range(delay):
+                await asyncio.sleep(0)
+            if how == "task.cancel":
+                task.cancel()
+            try:
+                got = await (asyncio.wait_for(task, 0) if how == "timeout" else task)
+            except (asyncio.CancelledError, TimeoutError):
+                assert c.where("b") in ("ssd", "host")
+            else:
+                same(got, want)
+            await check(c)
+            same(await c.load("b"), want)
+            same(await c.load("a"), a0)
+            await c.drop(f"z{delay}")
