@@ -303,14 +303,6 @@ class PinCampaign(Campaign):
         self.check_bound(time.monotonic())
 
 
-RACE = (
-    "a pin given while the cache moves the victims it chose before the pin: "
-    "_cache/placement.py reserve() moves every victim of one victims() call without "
-    "checking pins again between the awaits (fix: _move_victim skips a victim pinned now)"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=RACE)
 async def test_a_pin_given_while_victims_move_holds(ssd_dir: Path) -> None:
     """Room for a new conversation takes two victims, chosen in one call (LRU: x, then y);
     y is pinned while x is being moved (a subscriber to x's move pins y, as another task
@@ -355,9 +347,6 @@ async def test_pins_hold_under_cancellations_and_io_errors(ssd_dir: Path, mode: 
             assert faults.total_injected >= 5
             await settle_and_check(cache, campaign)
     await reopen_and_check(ssd_dir, mode, campaign)
-    if campaign.violations and all("moved" in v for v in campaign.violations):
-        # every other check passed; the known race (shown deterministically above)
-        pytest.xfail(f"{RACE}: {campaign.violations[0]}")
     assert campaign.violations == []
 
 

@@ -264,6 +264,9 @@ async def _move_victim(core: Core, victim: str, t: int, lossless: bool) -> None:
     last = vs.primary == t and t + 1 >= len(core.tiers)
     if victim in core.busy or (lossless and last and core.io[t].shared is None):
         return  # (a shared tier's copy stays for the other replicas: this one only forgets it)
+    meta = core.channel.get(victim)
+    if meta is not None and meta.pinned(core.clock()):
+        return  # pinned since the policy chose it (victims move one by one, with awaits)
     try:
         vs.lock.acquire_nowait()
     except anyio.WouldBlock:
