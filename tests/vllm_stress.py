@@ -23,8 +23,11 @@ every prompt that completed is recomputed by the same engine with its prefix cac
 and the connector skipped (``skip_reading_prefix_cache``), and the engine shuts down. The
 result (a :class:`StressResult`) counts requests, aborts, forks, duplicates, preemptions,
 wrong answers and engine errors, and carries what the connector's two sides logged at
-shutdown: what they still held (all 0 after a clean drain) and the longest wait between a
-load's completion and vLLM scheduling a request that waited for it.
+shutdown, after an idle moment: what they still held for requests (all 0 after a clean
+drain: request state, loads, saves and copies in flight, planned saves' block hashes kept
+for KV events, host and SSD bytes beyond the stored conversations' copies, staging
+buffers), the conversations stored and indexed, and the longest wait between a load's
+completion and vLLM scheduling a request that waited for it.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class StressSpec(msgspec.Struct, kw_only=True):
     :param pool_blocks: vLLM's KV pool in blocks
     :param block_size: vLLM's block size
     :param request_timeout: seconds a request may take before it counts as stuck
+    :param idle_seconds: the idle moment between the last request and the shutdown
     """
 
     model: str
@@ -83,6 +87,7 @@ class StressSpec(msgspec.Struct, kw_only=True):
     pool_blocks: int = 64
     block_size: int = 32
     request_timeout: float = 120.0
+    idle_seconds: float = 2.0
 
 
 class StressResult(msgspec.Struct, kw_only=True):
@@ -134,6 +139,7 @@ def _metric(name: str) -> int:
 
 
 async def _stress(spec: StressSpec, log_path: Path) -> StressResult:
+    from vllm.config import KVEventsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -147,6 +153,9 @@ async def _stress(spec: StressSpec, log_path: Path) -> StressResult:
             gpu_memory_utilization=0.15,
             enable_prefix_caching=False,
             kv_transfer_config=kv,  # type: ignore[arg-type]
+            # KV events on (published nowhere): the connector keeps each planned save's
+            # block hashes until the save is reported, and must let go of every one
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
             block_size=spec.block_size,
             max_model_len=(spec.pool_blocks - 1) * spec.block_size,
             enforce_eager=True,
@@ -287,20 +296,22 @@ async def _stress(spec: StressSpec, log_path: Path) -> StressResult:
     items = list(answers.items())
     for i in range(0, len(items), 16):
         await asyncio.gather(*(recompute(r, p, a) for r, (p, a) in items[i : i + 16]))
-    await asyncio.sleep(1.0)  # the last saves are reported (the engine steps until they are)
+    # an idle moment: the last saves are reported (the engine steps until they are) and
+    # the SSD copies written behind them land
+    await asyncio.sleep(spec.idle_seconds)
     preemptions = _metric("vllm:num_preemptions_total")
     lower_hits = _metric("vllm:tieredkv_lower_hits_total")
     engine.shutdown()
-    # the connector's log: the scheduler side's state each time it drained (the last one
-    # must count every request), the worker's at shutdown
+    # the connector's log: what each side still held at shutdown, after the idle moment
+    # (TieredKVConnector.scheduler_state and worker_state)
     scheduler_side: dict[str, Any] = {}
     worker: dict[str, int] = {}
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not worker:
+    while time.monotonic() < deadline and not (worker and scheduler_side):
         await asyncio.sleep(0.2)
         for line in log_path.read_text().splitlines() if log_path.exists() else []:
             for marker, into in (
-                ("tieredkv scheduler side drained: ", scheduler_side),
+                ("tieredkv scheduler side at shutdown: ", scheduler_side),
                 ("tieredkv worker at shutdown: ", worker),
             ):
                 if marker in line:
