@@ -259,3 +259,45 @@ async def test_layerwise_needs_an_adapter_that_streams(
         with pytest.raises(TypeError, match="layerwise"):
             ServingEngine(streaming, cache, FCFS(), layerwise=True, recompute=True)
         assert ServingEngine(streaming, cache, FCFS(), layerwise=True).layerwise
+
+
+async def test_a_turns_retention_hint_reaches_its_conversation(
+    adapter_factory: object, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A TurnRequest's hint goes through the adapter to the conversation stored with the
+    turn: a pin, a priority and an expected next turn; a pin past the cache's bound is
+    refused with a warning and the turn (and the rest of its hint) kept."""
+    import logging
+    import math
+
+    from tieredkv.meta import RetentionHint
+
+    adapter = adapter_factory("kv")  # type: ignore[operator]
+    tiers: list[Tier] = [HostMemoryTier(160 << 10), SSDTier(tmp_path / "ssd", 64 << 20)]
+    async with TieredKVCache(
+        tiers, token_dim=adapter.token_dim, max_pinned_bytes=40 << 10, clock=time.monotonic
+    ) as cache:
+        engine = ServingEngine(adapter, cache, FCFS(), clock=time.monotonic)
+        hint = RetentionHint(pin=True, ttl=600.0, priority=2, next_turn_in=30.0)
+        q = tuple(range(3, 30))
+        with caplog.at_level(logging.WARNING, logger="tieredkv.integrations.hints"):
+            results = await engine.run(
+                [
+                    (0.0, TurnRequest(session="agent", query=q, answer_tokens=4, hint=hint)),
+                    (0.0, TurnRequest(session="plain", query=q, answer_tokens=4)),
+                    # pinned, it alone would pass the 40 KiB bound
+                    (0.0, TurnRequest(session="big", query=q * 2, answer_tokens=4, hint=hint)),
+                ]
+            )
+        assert len(results) == 3
+        now = time.monotonic()
+        agent, plain, big = (cache.channel[s] for s in ("agent", "plain", "big"))
+        assert agent.pinned_until is not None
+        assert now < agent.pinned_until <= now + 600
+        assert agent.priority == 2
+        assert agent.next_turn is not None
+        assert (plain.pinned_until, plain.priority, plain.next_turn) == (None, 0, None)
+        assert (big.pinned_until, big.priority) == (None, 2)  # pin refused, the rest kept
+        assert big.tokens == len(q) * 2 + 4
+        assert any("pin refused" in r.getMessage() for r in caplog.records)
+        assert math.isfinite(agent.pinned_until)

@@ -36,6 +36,7 @@ import numpy as np
 
 from ..cache import TieredKVCache
 from ..errors import SessionNotFoundError, TieredKVError
+from ..meta import RetentionHint
 from ..policies.scheduling import Request, Scheduler
 from .adapter import ChatAdapter, RecomputingAdapter
 
@@ -51,12 +52,18 @@ class TurnRequest(msgspec.Struct, frozen=True, kw_only=True):
     :param query: the new query's token ids
     :param answer_tokens: how many tokens the model generates
     :param last: the conversation ends after this turn (its KV is dropped)
+    :param hint: what the caller knows of the conversation's future
+        (:class:`~tieredkv.meta.RetentionHint`: the expected time to its next turn, a pin,
+        a priority, a tool call), handed to the adapter's ``chat_turn`` (``hint=``), which
+        applies it once the turn is stored; not given to an adapter when ``None``, nor
+        in ``recompute`` mode (nothing is stored there)
     """
 
     session: str
     query: tuple[int, ...]
     answer_tokens: int
     last: bool = False
+    hint: RetentionHint | None = None
 
 
 class ServedTurn(msgspec.Struct, frozen=True, kw_only=True):
@@ -359,7 +366,7 @@ class ServingEngine:
             await dropping.wait()
         history = self._history.setdefault(turn.session, [])
         self._running.add(turn.session)
-        hooks: dict[str, Any] = {}
+        hooks: dict[str, Any] = {} if turn.hint is None else {"hint": turn.hint}
         if go is not None:
 
             async def wait_for_model() -> None:
@@ -367,10 +374,8 @@ class ServingEngine:
                 await go.wait()
                 began, started = self._clock(), True
 
-            hooks = {
-                "before_compute": wait_for_model,
-                "on_loaded": lambda: self._loaded(turn.session),
-            }
+            hooks["before_compute"] = wait_for_model
+            hooks["on_loaded"] = lambda: self._loaded(turn.session)
         try:
             if self.recompute:
                 answer, restored, recomputed = await self._recompute(turn, history)

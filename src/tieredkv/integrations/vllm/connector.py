@@ -457,9 +457,9 @@ class TieredKVConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         keys = self._request_keys(request)
         self._keys.pop(request.request_id, None)
-        hint = None
-        if keys is not None and request.kv_transfer_params:
-            hint = read_hint(request.kv_transfer_params, request.request_id)
+        hint, echo = None, None
+        if request.kv_transfer_params:
+            hint, echo = read_hint(request.kv_transfer_params, request.request_id)
         delay = self._scheduler.finished(
             request.request_id,
             request.all_token_ids if keys is not None else (),
@@ -471,7 +471,7 @@ class TieredKVConnector(KVConnectorBase_V1):
         )
         if self._events is not None and delay:
             self._announce(request)
-        return delay, None
+        return delay, echo
 
     # -- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

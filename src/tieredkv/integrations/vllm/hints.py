@@ -9,8 +9,10 @@ They apply to the conversation the request's turn is stored in (or, when the req
 stores nothing new, to the stored conversation its prompt continues whole).
 
 A bad value never fails the request: the key is ignored, with a warning that names it and
-says what it takes, and the request is served with the rest of its hint. Keys of other
-connectors (any not starting with ``tieredkv_``) are left alone.
+says what it takes, and the request is served with the rest of its hint. The response's
+``kv_transfer_params`` tell the client what was read (``tieredkv_hint``) and what was
+ignored (``tieredkv_ignored``). Keys of other connectors (any not starting with
+``tieredkv_``) are left alone.
 """
 
 from __future__ import annotations
@@ -88,8 +90,8 @@ def parse_hint(params: Mapping[str, Any] | None) -> tuple[RetentionHint | None, 
         known = HINT_KEYS.get(key)
         if known is None:
             problems.append(
-                f"kv_transfer_params key {key!r} is not a tieredkv hint (ignored); "
-                f"the keys are {', '.join(HINT_KEYS)}"
+                f"kv_transfer_params key {key!r} is not a tieredkv hint: the keys are "
+                f"{', '.join(HINT_KEYS)} (ignored)"
             )
             continue
         field, check = known
@@ -110,9 +112,26 @@ def parse_hint(params: Mapping[str, Any] | None) -> tuple[RetentionHint | None, 
     return RetentionHint(**fields), problems
 
 
-def read_hint(params: Mapping[str, Any] | None, req_id: str) -> RetentionHint | None:
-    """:func:`parse_hint`, with a warning per ignored key naming the request."""
+def read_hint(
+    params: Mapping[str, Any] | None, req_id: str
+) -> tuple[RetentionHint | None, dict[str, Any] | None]:
+    """:func:`parse_hint`, with a warning per ignored key naming the request.
+
+    :returns: the hint, and what to tell the client in the response's
+        ``kv_transfer_params`` (``None`` if the request gave no ``tieredkv_`` key):
+        ``tieredkv_hint``, the hint's fields as read, and ``tieredkv_ignored``, a line per
+        key ignored
+    """
     hint, problems = parse_hint(params)
     for problem in problems:
         _log.warning("tieredkv: request %s: %s", req_id, problem)
-    return hint
+    if hint is None and not problems:
+        return None, None
+    echo: dict[str, Any] = {}
+    if hint is not None:
+        echo["tieredkv_hint"] = {
+            f: v for f in RetentionHint.__struct_fields__ if (v := getattr(hint, f)) is not None
+        }
+    if problems:
+        echo["tieredkv_ignored"] = problems
+    return hint, echo
