@@ -301,12 +301,15 @@ async def _stress(spec: StressSpec, log_path: Path) -> StressResult:
     await asyncio.sleep(spec.idle_seconds)
     preemptions = _metric("vllm:num_preemptions_total")
     lower_hits = _metric("vllm:tieredkv_lower_hits_total")
-    engine.shutdown()
+    # a grace for the engine's processes to shut down cleanly (vLLM's default, 5 s, is
+    # short on a loaded machine: the engine core is killed before its scheduler side
+    # logs its state)
+    engine.shutdown(timeout=120)
     # the connector's log: what each side still held at shutdown, after the idle moment
     # (TieredKVConnector.scheduler_state and worker_state)
     scheduler_side: dict[str, Any] = {}
     worker: dict[str, int] = {}
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not (worker and scheduler_side):
         await asyncio.sleep(0.2)
         for line in log_path.read_text().splitlines() if log_path.exists() else []:
