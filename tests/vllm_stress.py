@@ -33,7 +33,6 @@ completion and vLLM scheduling a request that waited for it.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import sys
@@ -48,7 +47,7 @@ import msgspec
 if __name__ == "__main__":  # run as a script: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.vllm_support import Spec, kv_transfer_config
+from tests.vllm_support import Spec, connector_logging, connector_states, kv_transfer_config
 
 __all__ = ["StressResult", "StressSpec", "run_stress"]
 
@@ -307,18 +306,7 @@ async def _stress(spec: StressSpec, log_path: Path) -> StressResult:
     engine.shutdown(timeout=120)
     # the connector's log: what each side still held at shutdown, after the idle moment
     # (TieredKVConnector.scheduler_state and worker_state)
-    scheduler_side: dict[str, Any] = {}
-    worker: dict[str, int] = {}
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (worker and scheduler_side):
-        await asyncio.sleep(0.2)
-        for line in log_path.read_text().splitlines() if log_path.exists() else []:
-            for marker, into in (
-                ("tieredkv scheduler side at shutdown: ", scheduler_side),
-                ("tieredkv worker at shutdown: ", worker),
-            ):
-                if marker in line:
-                    into.update(json.loads(line.split(marker, 1)[1]))
+    scheduler_side, worker = await asyncio.to_thread(connector_states, log_path, 60.0)
     return StressResult(
         requests=counts["requests"],
         completed=len(answers),
@@ -338,36 +326,6 @@ async def _stress(spec: StressSpec, log_path: Path) -> StressResult:
         run_seconds=ran - run_began,
         total_seconds=time.monotonic() - began,
     )
-
-
-def _logging_config(log_path: Path) -> Path:
-    """vLLM's logging config for every process of the engine: vLLM's warnings on stderr,
-    the connector's log (DEBUG) in ``log_path``."""
-    config = {
-        "version": 1,
-        "disable_existing_loggers": False,
-        "formatters": {"plain": {"format": "%(levelname)s %(name)s %(message)s"}},
-        "handlers": {
-            "err": {
-                "class": "logging.StreamHandler",
-                "stream": "ext://sys.stderr",
-                "formatter": "plain",
-                "level": "WARNING",
-            },
-            "file": {
-                "class": "logging.FileHandler",
-                "filename": str(log_path),
-                "formatter": "plain",
-            },
-        },
-        "loggers": {
-            "vllm": {"handlers": ["err"], "level": "WARNING", "propagate": False},
-            "tieredkv": {"handlers": ["err", "file"], "level": "DEBUG", "propagate": False},
-        },
-    }
-    path = log_path.with_suffix(".logging.json")
-    path.write_text(json.dumps(config))
-    return path
 
 
 def run_stress(spec: StressSpec, work: Path, *, timeout: float = 600.0) -> StressResult:
@@ -399,7 +357,7 @@ def run_stress(spec: StressSpec, work: Path, *, timeout: float = 600.0) -> Stres
 def main(argv: list[str]) -> int:
     spec = msgspec.json.decode(Path(argv[0]).read_bytes(), type=StressSpec)
     log_path = Path(tempfile.mkdtemp(prefix="tieredkv-stress-")) / "connector.log"
-    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(_logging_config(log_path))
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(connector_logging(log_path))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     result = asyncio.run(_stress(spec, log_path))
     Path(argv[1]).write_bytes(msgspec.json.encode(result))

@@ -737,3 +737,21 @@ def test_a_conversations_placement_combines_its_shards(tmp_path: Path) -> None:
     assert side.channel.get("A") is None
     side.update([WorkerReport(metas={"A": _meta("A", HOST)}, rank=1)], set())
     assert side.channel.get("A") is None  # rank 0's shard is still gone
+
+
+def test_the_leak_check_finds_what_either_side_still_holds() -> None:
+    """``tests.vllm_support.leaks``, which the engine tests end with: a count of what is
+    held, a side that logged nothing, a stored conversation not indexed."""
+    from tests.vllm_support import leaks
+
+    side = {"requests": 0, "event_turns": 0, "finished": 9, "withdrawn": {"queued": 1}}
+    worker = {"copies": 0, "ssd_unheld_bytes": 0, "stored_sessions": 3}
+    assert leaks({**side, "indexed": 3}, worker) == {}
+    assert leaks({**side, "indexed": 3, "event_turns": 2}, worker) == {
+        "scheduler side: event_turns": 2
+    }
+    assert leaks({**side, "indexed": 3}, {**worker, "ssd_unheld_bytes": 4096}) == {
+        "worker: ssd_unheld_bytes": 4096
+    }
+    assert leaks({**side, "indexed": 2}, worker) == {"stored_sessions != indexed": (3, 2)}
+    assert leaks({}, worker) == {"scheduler side": "logged nothing at shutdown"}
