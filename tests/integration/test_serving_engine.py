@@ -301,3 +301,28 @@ async def test_a_turns_retention_hint_reaches_its_conversation(
         assert big.tokens == len(q) * 2 + 4
         assert any("pin refused" in r.getMessage() for r in caplog.records)
         assert math.isfinite(agent.pinned_until)
+
+
+async def test_a_hint_for_an_adapter_that_takes_none_is_a_clear_error(tmp_path: Path) -> None:
+    """Hints need an adapter whose chat_turn takes ``hint=``: refused before anything runs,
+    saying what to do."""
+    from tieredkv.meta import RetentionHint
+
+    class NoHints:
+        async def chat_turn(
+            self,
+            cache: TieredKVCache,
+            session: str,
+            query: list[int],
+            *,
+            max_new_tokens: int,
+            history: list[int],
+        ) -> object:
+            raise AssertionError("never run")
+
+    async with TieredKVCache([HostMemoryTier(1 << 20)]) as cache:
+        engine = ServingEngine(NoHints(), cache, FCFS())  # type: ignore[arg-type]
+        turn = TurnRequest(session="s", query=(1, 2), answer_tokens=1, hint=RetentionHint(pin=True))
+        with pytest.raises(TypeError, match=r"NoHints\.chat_turn takes no hint= argument"):
+            await engine.run([(0.0, turn)])
+        assert cache.sessions() == []

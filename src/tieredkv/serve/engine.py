@@ -22,6 +22,7 @@ start - arrival; latency is end - arrival.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import math
@@ -56,7 +57,8 @@ class TurnRequest(msgspec.Struct, frozen=True, kw_only=True):
         (:class:`~tieredkv.meta.RetentionHint`: the expected time to its next turn, a pin,
         a priority, a tool call), handed to the adapter's ``chat_turn`` (``hint=``), which
         applies it once the turn is stored; not given to an adapter when ``None``, nor
-        in ``recompute`` mode (nothing is stored there)
+        in ``recompute`` mode (nothing is stored there). :meth:`ServingEngine.run` refuses
+        hints (``TypeError``) for an adapter whose ``chat_turn`` takes none
     """
 
     session: str
@@ -212,6 +214,8 @@ class ServingEngine:
         """
         if not arrivals:
             return []
+        if not self.recompute and any(turn.hint is not None for _, turn in arrivals):
+            _check_takes_hints(self.adapter)
         # ready requests' KV, and the running turns' (between their load and their append)
         ready_sessions = self.scheduler.ready_sessions
         self.cache.set_protected(lambda: ready_sessions() | self._running)
@@ -450,6 +454,18 @@ class ServingEngine:
         tokens = history + list(turn.query)
         answer = await adapter.recompute(tokens, max_new_tokens=turn.answer_tokens)
         return tuple(answer), 0, len(history)
+
+
+def _check_takes_hints(adapter: ChatAdapter) -> None:
+    """A turn carries a retention hint: the adapter's ``chat_turn`` must take ``hint=``."""
+    params = inspect.signature(adapter.chat_turn).parameters
+    takes = "hint" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    if not takes:
+        raise TypeError(
+            f"a TurnRequest carries a retention hint, but {type(adapter).__name__}."
+            f"chat_turn takes no hint= argument: give it one (applied once the turn is "
+            f"stored, as TransformersAdapter.chat_turn does), or send the turns without hints"
+        )
 
 
 def model_stall(results: Sequence[ServedTurn]) -> float:
