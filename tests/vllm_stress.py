@@ -23,14 +23,16 @@ every prompt that completed is recomputed by the same engine with its prefix cac
 and the connector skipped (``skip_reading_prefix_cache``), and the engine shuts down. The
 result (a :class:`StressResult`) counts requests, aborts, forks, duplicates, preemptions,
 wrong answers and engine errors, and carries what the connector's two sides logged at
-shutdown: what they still held (all 0 after a clean drain) and the longest wait between a
-load's completion and vLLM scheduling a request that waited for it.
+shutdown, after an idle moment: what they still held for requests (all 0 after a clean
+drain: request state, loads, saves and copies in flight, planned saves' block hashes kept
+for KV events, host and SSD bytes beyond the stored conversations' copies, staging
+buffers), the conversations stored and indexed, and the longest wait between a load's
+completion and vLLM scheduling a request that waited for it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import sys
@@ -45,7 +47,7 @@ import msgspec
 if __name__ == "__main__":  # run as a script: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.vllm_support import Spec, kv_transfer_config
+from tests.vllm_support import Spec, connector_logging, connector_states, kv_transfer_config
 
 __all__ = ["StressResult", "StressSpec", "run_stress"]
 
@@ -67,6 +69,7 @@ class StressSpec(msgspec.Struct, kw_only=True):
     :param pool_blocks: vLLM's KV pool in blocks
     :param block_size: vLLM's block size
     :param request_timeout: seconds a request may take before it counts as stuck
+    :param idle_seconds: the idle moment between the last request and the shutdown
     """
 
     model: str
@@ -83,6 +86,7 @@ class StressSpec(msgspec.Struct, kw_only=True):
     pool_blocks: int = 64
     block_size: int = 32
     request_timeout: float = 120.0
+    idle_seconds: float = 2.0
 
 
 class StressResult(msgspec.Struct, kw_only=True):
@@ -134,6 +138,7 @@ def _metric(name: str) -> int:
 
 
 async def _stress(spec: StressSpec, log_path: Path) -> StressResult:
+    from vllm.config import KVEventsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -147,6 +152,9 @@ async def _stress(spec: StressSpec, log_path: Path) -> StressResult:
             gpu_memory_utilization=0.15,
             enable_prefix_caching=False,
             kv_transfer_config=kv,  # type: ignore[arg-type]
+            # KV events on (published nowhere): the connector keeps each planned save's
+            # block hashes until the save is reported, and must let go of every one
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
             block_size=spec.block_size,
             max_model_len=(spec.pool_blocks - 1) * spec.block_size,
             enforce_eager=True,
@@ -287,24 +295,18 @@ async def _stress(spec: StressSpec, log_path: Path) -> StressResult:
     items = list(answers.items())
     for i in range(0, len(items), 16):
         await asyncio.gather(*(recompute(r, p, a) for r, (p, a) in items[i : i + 16]))
-    await asyncio.sleep(1.0)  # the last saves are reported (the engine steps until they are)
+    # an idle moment: the last saves are reported (the engine steps until they are) and
+    # the SSD copies written behind them land
+    await asyncio.sleep(spec.idle_seconds)
     preemptions = _metric("vllm:num_preemptions_total")
     lower_hits = _metric("vllm:tieredkv_lower_hits_total")
-    engine.shutdown()
-    # the connector's log: the scheduler side's state each time it drained (the last one
-    # must count every request), the worker's at shutdown
-    scheduler_side: dict[str, Any] = {}
-    worker: dict[str, int] = {}
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not worker:
-        await asyncio.sleep(0.2)
-        for line in log_path.read_text().splitlines() if log_path.exists() else []:
-            for marker, into in (
-                ("tieredkv scheduler side drained: ", scheduler_side),
-                ("tieredkv worker at shutdown: ", worker),
-            ):
-                if marker in line:
-                    into.update(json.loads(line.split(marker, 1)[1]))
+    # a grace for the engine's processes to shut down cleanly (vLLM's default, 5 s, is
+    # short on a loaded machine: the engine core is killed before its scheduler side
+    # logs its state)
+    engine.shutdown(timeout=120)
+    # the connector's log: what each side still held at shutdown, after the idle moment
+    # (TieredKVConnector.scheduler_state and worker_state)
+    scheduler_side, worker = await asyncio.to_thread(connector_states, log_path, 60.0)
     return StressResult(
         requests=counts["requests"],
         completed=len(answers),
@@ -324,36 +326,6 @@ async def _stress(spec: StressSpec, log_path: Path) -> StressResult:
         run_seconds=ran - run_began,
         total_seconds=time.monotonic() - began,
     )
-
-
-def _logging_config(log_path: Path) -> Path:
-    """vLLM's logging config for every process of the engine: vLLM's warnings on stderr,
-    the connector's log (DEBUG) in ``log_path``."""
-    config = {
-        "version": 1,
-        "disable_existing_loggers": False,
-        "formatters": {"plain": {"format": "%(levelname)s %(name)s %(message)s"}},
-        "handlers": {
-            "err": {
-                "class": "logging.StreamHandler",
-                "stream": "ext://sys.stderr",
-                "formatter": "plain",
-                "level": "WARNING",
-            },
-            "file": {
-                "class": "logging.FileHandler",
-                "filename": str(log_path),
-                "formatter": "plain",
-            },
-        },
-        "loggers": {
-            "vllm": {"handlers": ["err"], "level": "WARNING", "propagate": False},
-            "tieredkv": {"handlers": ["err", "file"], "level": "DEBUG", "propagate": False},
-        },
-    }
-    path = log_path.with_suffix(".logging.json")
-    path.write_text(json.dumps(config))
-    return path
 
 
 def run_stress(spec: StressSpec, work: Path, *, timeout: float = 600.0) -> StressResult:
@@ -385,7 +357,7 @@ def run_stress(spec: StressSpec, work: Path, *, timeout: float = 600.0) -> Stres
 def main(argv: list[str]) -> int:
     spec = msgspec.json.decode(Path(argv[0]).read_bytes(), type=StressSpec)
     log_path = Path(tempfile.mkdtemp(prefix="tieredkv-stress-")) / "connector.log"
-    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(_logging_config(log_path))
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(connector_logging(log_path))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     result = asyncio.run(_stress(spec, log_path))
     Path(argv[1]).write_bytes(msgspec.json.encode(result))

@@ -16,6 +16,7 @@ model's answer and a new query, as a chat client sends it.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -31,7 +32,10 @@ __all__ = [
     "Spec",
     "Turn",
     "answers",
+    "connector_logging",
+    "connector_states",
     "free_port",
+    "leaks",
     "kv_transfer_config",
     "require_vllm",
     "run_engine",
@@ -289,6 +293,88 @@ def _serve(spec: Spec) -> Result:
     return Result(
         turns=turns, metrics=metrics, start_seconds=started - began, run_seconds=ran - started
     )
+
+
+def connector_logging(log_path: Path) -> Path:
+    """vLLM's logging config for every process of an engine (``VLLM_LOGGING_CONFIG_PATH``
+    names the file it returns): vLLM's warnings on stderr, the connector's log (DEBUG) in
+    ``log_path``."""
+    config = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": "%(levelname)s %(name)s %(message)s"}},
+        "handlers": {
+            "err": {
+                "class": "logging.StreamHandler",
+                "stream": "ext://sys.stderr",
+                "formatter": "plain",
+                "level": "WARNING",
+            },
+            "file": {
+                "class": "logging.FileHandler",
+                "filename": str(log_path),
+                "formatter": "plain",
+            },
+        },
+        "loggers": {
+            "vllm": {"handlers": ["err"], "level": "WARNING", "propagate": False},
+            "tieredkv": {"handlers": ["err", "file"], "level": "DEBUG", "propagate": False},
+        },
+    }
+    path = log_path.with_suffix(".logging.json")
+    path.write_text(json.dumps(config))
+    return path
+
+
+def connector_states(log_path: Path, wait: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What the connector's scheduler side and worker logged of their state
+    (``TieredKVConnector.scheduler_state`` and ``worker_state``), from a log written
+    under :func:`connector_logging`: each side's line at shutdown, waiting up to ``wait``
+    seconds for both. The scheduler side's falls back to its last ``drained`` line (vLLM
+    may kill the engine core before its scheduler side shuts down: ``vllm serve`` gives
+    it 5 s); that line is its final state when its ``finished`` count covers every
+    request, as nothing changes what it holds for requests without a request. An empty
+    dict for a side that logged neither."""
+    markers = {
+        "shutdown": "tieredkv scheduler side at shutdown: ",
+        "drained": "tieredkv scheduler side drained: ",
+        "worker": "tieredkv worker at shutdown: ",
+    }
+    deadline = time.monotonic() + wait
+    while True:
+        found: dict[str, dict[str, Any]] = {}
+        for line in log_path.read_text().splitlines() if log_path.exists() else []:
+            for name, marker in markers.items():
+                if marker in line:
+                    found[name] = json.loads(line.split(marker, 1)[1])  # the last one
+        if ("shutdown" in found and "worker" in found) or time.monotonic() > deadline:
+            side = found.get("shutdown") or found.get("drained") or {}
+            return side, found.get("worker", {})
+        time.sleep(0.2)
+
+
+COUNTS = ("finished", "withdrawn", "longest_wait", "indexed", "stored_sessions")
+"""Keys of the connector's logged state that count what happened or what is stored, not
+what is held for requests."""
+
+
+def leaks(scheduler_side: dict[str, Any], worker: dict[str, Any]) -> dict[str, Any]:
+    """What the connector's two sides still held at shutdown (:func:`connector_states`):
+    every count of what is held for requests that is not 0, the side whose line never
+    came, and a worker that stores a conversation the scheduler side does not index (or
+    the other way around); ``{}`` when nothing leaked."""
+    out: dict[str, Any] = {}
+    for name, state in (("scheduler side", scheduler_side), ("worker", worker)):
+        if not state:
+            out[name] = "logged nothing at shutdown"
+        for key, value in state.items():
+            if key not in COUNTS and value:
+                out[f"{name}: {key}"] = value
+    if scheduler_side and worker:
+        stored, indexed = worker.get("stored_sessions"), scheduler_side.get("indexed")
+        if stored != indexed:
+            out["stored_sessions != indexed"] = (stored, indexed)
+    return out
 
 
 def run_engine(spec: Spec, work: Path, *, timeout: float = 900.0) -> Result:

@@ -121,7 +121,11 @@ _INDEX_INSTALL = re.compile(r"pip install\b[^\n]*?(?<![\w./-])['\"]?tieredkv\b(?
 def test_no_page_installs_tieredkv_from_a_package_index() -> None:
     """tieredkv is installed from a checkout (``pip install -e '.[extra]'``) or from the
     wheel it builds (docs/how-to/install.md), never by name from an index."""
-    pages = [DOCS.parent / "README.md", *sorted(DOCS.rglob("*.md"))]
+    pages = [
+        DOCS.parent / "README.md",
+        *sorted(DOCS.rglob("*.md")),
+        *sorted((DOCS.parent / "src").rglob("*.py")),  # messages and docstrings
+    ]
     found = [
         f"{page.relative_to(DOCS.parent)}: {m.group(0)}"
         for page in pages
@@ -215,7 +219,11 @@ _ISSUE = re.compile(r"\bissues? #?\d+|\(#\d+\)", re.IGNORECASE)
 
 def test_user_docs_cite_no_issue_numbers() -> None:
     """The docs say what the code does; a reader has no issue tracker to look things up in."""
-    pages = [DOCS.parent / "README.md", *sorted(DOCS.rglob("*.md"))]
+    pages = [
+        DOCS.parent / "README.md",
+        *sorted(DOCS.rglob("*.md")),
+        *sorted((DOCS.parent / "src").rglob("*.py")),  # messages and docstrings
+    ]
     found = [
         f"{page.relative_to(DOCS.parent)}: {m.group(0)}"
         for page in pages

@@ -259,3 +259,70 @@ async def test_layerwise_needs_an_adapter_that_streams(
         with pytest.raises(TypeError, match="layerwise"):
             ServingEngine(streaming, cache, FCFS(), layerwise=True, recompute=True)
         assert ServingEngine(streaming, cache, FCFS(), layerwise=True).layerwise
+
+
+async def test_a_turns_retention_hint_reaches_its_conversation(
+    adapter_factory: object, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A TurnRequest's hint goes through the adapter to the conversation stored with the
+    turn: a pin, a priority and an expected next turn; a pin past the cache's bound is
+    refused with a warning and the turn (and the rest of its hint) kept."""
+    import logging
+    import math
+
+    from tieredkv.meta import RetentionHint
+
+    adapter = adapter_factory("kv")  # type: ignore[operator]
+    tiers: list[Tier] = [HostMemoryTier(160 << 10), SSDTier(tmp_path / "ssd", 64 << 20)]
+    async with TieredKVCache(
+        tiers, token_dim=adapter.token_dim, max_pinned_bytes=40 << 10, clock=time.monotonic
+    ) as cache:
+        engine = ServingEngine(adapter, cache, FCFS(), clock=time.monotonic)
+        hint = RetentionHint(pin=True, ttl=600.0, priority=2, next_turn_in=30.0)
+        q = tuple(range(3, 30))
+        with caplog.at_level(logging.WARNING, logger="tieredkv.integrations.hints"):
+            results = await engine.run(
+                [
+                    (0.0, TurnRequest(session="agent", query=q, answer_tokens=4, hint=hint)),
+                    (0.0, TurnRequest(session="plain", query=q, answer_tokens=4)),
+                    # pinned, it alone would pass the 40 KiB bound
+                    (0.0, TurnRequest(session="big", query=q * 2, answer_tokens=4, hint=hint)),
+                ]
+            )
+        assert len(results) == 3
+        now = time.monotonic()
+        agent, plain, big = (cache.channel[s] for s in ("agent", "plain", "big"))
+        assert agent.pinned_until is not None
+        assert now < agent.pinned_until <= now + 600
+        assert agent.priority == 2
+        assert agent.next_turn is not None
+        assert (plain.pinned_until, plain.priority, plain.next_turn) == (None, 0, None)
+        assert (big.pinned_until, big.priority) == (None, 2)  # pin refused, the rest kept
+        assert big.tokens == len(q) * 2 + 4
+        assert any("pin refused" in r.getMessage() for r in caplog.records)
+        assert math.isfinite(agent.pinned_until)
+
+
+async def test_a_hint_for_an_adapter_that_takes_none_is_a_clear_error(tmp_path: Path) -> None:
+    """Hints need an adapter whose chat_turn takes ``hint=``: refused before anything runs,
+    saying what to do."""
+    from tieredkv.meta import RetentionHint
+
+    class NoHints:
+        async def chat_turn(
+            self,
+            cache: TieredKVCache,
+            session: str,
+            query: list[int],
+            *,
+            max_new_tokens: int,
+            history: list[int],
+        ) -> object:
+            raise AssertionError("never run")
+
+    async with TieredKVCache([HostMemoryTier(1 << 20)]) as cache:
+        engine = ServingEngine(NoHints(), cache, FCFS())  # type: ignore[arg-type]
+        turn = TurnRequest(session="s", query=(1, 2), answer_tokens=1, hint=RetentionHint(pin=True))
+        with pytest.raises(TypeError, match=r"NoHints\.chat_turn takes no hint= argument"):
+            await engine.run([(0.0, turn)])
+        assert cache.sessions() == []

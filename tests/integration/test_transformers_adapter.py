@@ -723,3 +723,23 @@ async def test_serving_hooks_restore_before_the_go_ahead(ssd_dir: Path, go_first
         if not go_first:
             assert seen == ["waiting", "loaded", "go"]
         assert problems(cache) == []
+
+
+async def test_a_turns_retention_hint_is_applied_once_it_is_stored(cache: TieredKVCache) -> None:
+    """``chat_turn(..., hint=)``: the turn is stored, then the hint applied; the returned
+    meta carries it. A pin past the cache's bound is refused, the turn and the rest kept."""
+    import math
+
+    from tieredkv import RetentionHint
+
+    adapter = TransformersAdapter(opt())
+    hint = RetentionHint(pin=True, priority=1, next_turn_in=5.0)
+    turn = await adapter.chat_turn(cache, "s", [5, 6, 7], max_new_tokens=3, hint=hint)
+    assert (turn.meta.pinned_until, turn.meta.priority) == (math.inf, 1)
+    assert turn.meta.next_turn is not None
+    assert cache.channel["s"] == turn.meta
+    assert turn.history_tokens == 6
+    cache.max_pinned_bytes = turn.meta.nbytes  # room for "s" alone
+    other = await adapter.chat_turn(cache, "t", [8, 9], max_new_tokens=2, hint=hint)
+    assert (other.meta.pinned_until, other.meta.priority, other.history_tokens) == (None, 1, 4)
+    assert len(other.answer) == 2  # the turn was served and stored all the same

@@ -24,6 +24,7 @@ import os
 import random
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -292,17 +293,32 @@ def test_vllm_serve_with_the_connector_over_http(work: Path, recompute: Result) 
         for r in range(-1, 2):  # three turns
             if r >= 0:
                 prompt += queries[r][0]
+            body: dict[str, Any] = {"return_token_ids": True}
+            if r == -1:  # retention hints, one of them bad: the request is served anyway
+                body["kv_transfer_params"] = {"tieredkv_pin": True, "tieredkv_priority": "hi"}
             response = client.completions.create(
                 model=model,
                 prompt=prompt,
                 max_tokens=8,
                 temperature=0.0,
-                extra_body={"return_token_ids": True},
+                extra_body=body,
             )
             choice = response.choices[0]
             assert choice.model_extra is not None
             answer = list(choice.model_extra["token_ids"])
             assert answer == ref[(0, r)], r
+            assert response.model_extra is not None
+            echo = response.model_extra.get("kv_transfer_params")
+            if r == -1:  # the response says what was read and what was ignored
+                assert echo == {
+                    "tieredkv_hint": {"pin": True},
+                    "tieredkv_ignored": [
+                        "kv_transfer_params key 'tieredkv_priority' takes an integer (0 "
+                        "neutral, higher kept longer), not 'hi' (ignored)"
+                    ],
+                }, echo
+            else:
+                assert echo is None, echo
             usage = response.usage
             assert usage is not None
             details = usage.prompt_tokens_details

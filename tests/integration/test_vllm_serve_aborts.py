@@ -8,6 +8,8 @@ that retries); a third of the streams are closed after their first chunk or at o
 server must stay healthy and keep serving, every stream that was read to its end must have
 all its tokens, and every answer to one prompt must be the same, whether it was computed
 or served from the connector (greedy decoding: the connector never changes an answer).
+After an idle moment the server shuts down, and the connector's two sides must hold
+nothing for any request (``tests.vllm_support.leaks``).
 
 The server starts in about a minute on two cores; the run takes about 20 s.
 """
@@ -27,7 +29,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm_support import free_port, require_vllm, tiny_model
+from tests.vllm_support import (
+    connector_logging,
+    connector_states,
+    free_port,
+    leaks,
+    require_vllm,
+    tiny_model,
+)
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]  # a server start: `pytest -m slow`
 require_vllm()
@@ -52,6 +61,7 @@ def test_streams_closed_early_leave_the_server_serving(tmp_path: Path) -> None:
         },
     }
     log_path = tmp_path / "serve.log"
+    connector_log = tmp_path / "connector.log"  # the connector's own log, DEBUG
     log = log_path.open("w")
     server = subprocess.Popen(
         [
@@ -78,7 +88,14 @@ def test_streams_closed_early_leave_the_server_serving(tmp_path: Path) -> None:
             "--kv-transfer-config",
             json.dumps(config),
         ],
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        env={
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_LOGGING_CONFIG_PATH": str(connector_logging(connector_log)),
+            # a grace for the engine's processes to shut down cleanly and log their
+            # state (vLLM's default, 5 s, is short on a loaded machine)
+            "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "120",
+        },
         stdout=subprocess.DEVNULL,
         stderr=log,
         start_new_session=True,
@@ -157,6 +174,15 @@ def test_streams_closed_early_leave_the_server_serving(tmp_path: Path) -> None:
         text = log_path.read_text()
         assert "EngineDeadError" not in text, text[-4000:]
         assert "AssertionError" not in text, text[-4000:]
+        # nothing leaks: after an idle moment, the server shuts down and the connector's
+        # two sides hold nothing for any request
+        time.sleep(2.0)
+        os.killpg(server.pid, signal.SIGINT)
+        server.wait(timeout=300)
+        side, worker = connector_states(connector_log, 30.0)
+        assert leaks(side, worker) == {}, (side, worker, log_path.read_text()[-4000:])
+        # the state covers every request the engine saw (at most those sent)
+        assert completed < side["finished"] <= closed + completed + 1, side
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGINT)

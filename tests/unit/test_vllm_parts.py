@@ -634,3 +634,124 @@ def test_a_fork_of_a_turn_being_stored_waits_for_it(tmp_path: Path) -> None:
     # a fork that shares no more than the index holds does not wait
     assert side.finished("r2", [*turn[:12], 5, 5, 5, 5, 5], [1, 2, 3, 4, 5], 16, 1)
     assert side.match("fork2", fork, 0) == (8, False)
+
+
+# -- tensor parallelism: every rank reports its shard -----------------------------------------
+def _meta(session: str, *copies: str, nbytes: int = 4096, tokens: int = 12) -> bytes:
+    import msgspec
+
+    from tieredkv.meta import KVMeta
+
+    meta = KVMeta(session=session, tier=copies[0], copies=copies, nbytes=nbytes, tokens=tokens)
+    return msgspec.msgpack.encode(meta)
+
+
+def test_a_save_counts_stored_once_every_rank_reported_it(tmp_path: Path) -> None:
+    """Under tensor parallelism each rank stores its own shard and may report it a step
+    after another: until the last rank's report the turn is not served (a load would find
+    a rank without its shard), and a turn one rank failed to store is never served."""
+    cfg = parse_config({"ssd_path": str(tmp_path)})
+    side = SchedulerSide(cfg, FP, BS, workers=2)
+    turn = list(range(1, 14))
+    assert side.finished("r1", turn, [1, 2, 3, 4], 12, 1)
+    save = side.plan().saves[0]
+    done = side.update([WorkerReport(stored=[("r1", save.session, 3, True)], rank=1)], set())
+    assert done.stored == []
+    assert side.saving()
+    assert side.match("next", [*turn, 5, 5, 5], 0) == (None, False)  # waits for rank 0
+    assert side.busy()["rank_saves"] == 1
+    done = side.update([WorkerReport(stored=[("r1", save.session, 3, True)], rank=0)], set())
+    assert done.stored == [("r1", save.session, 3, True)]
+    assert not side.saving()
+    assert side.match("next", [*turn, 5, 5, 5], 0) == (12, False)
+    side.finished("next", [*turn, 5, 5, 5], [], 0, 0)
+    # one rank failed its shard: the turn is not indexed; both in one step work the same
+    other = [9] * 13
+    assert side.finished("r2", other, [5, 6, 7, 8], 12, 1)
+    save2 = side.plan().saves[0]
+    reports = [
+        WorkerReport(stored=[("r2", save2.session, 3, True)], rank=0),
+        WorkerReport(stored=[("r2", save2.session, 3, False)], rank=1),
+    ]
+    assert side.update(reports, set()).stored == [("r2", save2.session, 3, False)]
+    assert save2.session not in side.index
+    assert side.match("again", [*other, 1], 0) == (0, False)
+    side.finished("again", [*other, 1], [], 0, 0)
+    _idle(side)
+
+
+def test_a_load_ends_once_every_rank_reported_it(tmp_path: Path) -> None:
+    """An asynchronous load is loaded (its policy slot free, the requests that joined it
+    released) once every rank filled its shard, and failed if any rank failed."""
+    a, b = list(range(1, 9)), [5] * 8
+    clock = Clock()
+    cfg = parse_config({"ssd_path": str(tmp_path), "scheduler": "fcfs"})
+    side = SchedulerSide(cfg, FP, BS, clock=clock, workers=2)
+    for name, tokens in (("A", a), ("B", b)):
+        side.index.put(name, side.index.hashes(tokens))
+    for rank in (0, 1):
+        metas: dict[str, bytes | None] = {n: _meta(n, SSD, tokens=8) for n in ("A", "B")}
+        side.update([WorkerReport(metas=metas, rank=rank)], set())
+    for req, tokens in (("r1", a), ("r2", b)):
+        assert side.match(req, [*tokens, 1], 0) == (8, True)
+        side.allocated(req, [*tokens, 1], [1, 2, 3], 8)
+    assert [op.req_id for op in side.plan().loads] == ["r1"]  # one load at a time
+    clock.now += 1.0
+    assert side.update([WorkerReport(loaded=[("r1", "A", True)], rank=0)], set()).loaded == []
+    assert side.phase("r1") is Phase.LOADING  # rank 1 still fills its shard
+    assert side.plan().loads == []  # r2 waits for the slot
+    clock.now += 1.0
+    done = side.update([WorkerReport(loaded=[("r1", "A", False)], rank=1)], {"r1"})
+    assert done.loaded == [("r1", "A", False)]
+    assert side.phase("r1") is Phase.LOADED
+    assert [op.req_id for op in side.plan().loads] == ["r2"]
+    assert side.match("r1", [*a, 1], 0) == (0, False)  # failed on a rank: it recomputes
+    side.finished("r1", [*a, 1], [], 0, 0)
+    side.update([WorkerReport(loaded=[("r2", "B", True)], rank=r) for r in (1, 0)], set())
+    assert side.phase("r2") is Phase.LOADED
+    side.allocated("r2", [*b, 1], [], 0)
+    side.finished("r2", [*b, 1], [1, 2, 3], 8, 0)
+    _idle(side)
+
+
+def test_a_conversations_placement_combines_its_shards(tmp_path: Path) -> None:
+    """The scheduler side's mirror of a conversation's placement is its slowest shard's
+    (the load waits for the last rank) and forgets it once any rank lost its shard."""
+    cfg = parse_config({"ssd_path": str(tmp_path)})
+    side = SchedulerSide(cfg, FP, BS, workers=2)
+    side.update(
+        [
+            WorkerReport(metas={"A": _meta("A", HOST, SSD)}, rank=0),
+            WorkerReport(metas={"A": _meta("A", SSD, nbytes=8192)}, rank=1),
+        ],
+        set(),
+    )
+    meta = side.channel.get("A")
+    assert meta is not None
+    assert (meta.tier, meta.copies, meta.nbytes) == (SSD, (SSD,), 8192)
+    side.update([WorkerReport(metas={"A": _meta("A", HOST, SSD)}, rank=1)], set())
+    meta = side.channel.get("A")
+    assert meta is not None
+    assert (meta.tier, meta.copies, meta.nbytes) == (HOST, (HOST, SSD), 4096)
+    side.update([WorkerReport(metas={"A": None}, rank=0)], set())
+    assert side.channel.get("A") is None
+    side.update([WorkerReport(metas={"A": _meta("A", HOST)}, rank=1)], set())
+    assert side.channel.get("A") is None  # rank 0's shard is still gone
+
+
+def test_the_leak_check_finds_what_either_side_still_holds() -> None:
+    """``tests.vllm_support.leaks``, which the engine tests end with: a count of what is
+    held, a side that logged nothing, a stored conversation not indexed."""
+    from tests.vllm_support import leaks
+
+    side = {"requests": 0, "event_turns": 0, "finished": 9, "withdrawn": {"queued": 1}}
+    worker = {"copies": 0, "ssd_unheld_bytes": 0, "stored_sessions": 3}
+    assert leaks({**side, "indexed": 3}, worker) == {}
+    assert leaks({**side, "indexed": 3, "event_turns": 2}, worker) == {
+        "scheduler side: event_turns": 2
+    }
+    assert leaks({**side, "indexed": 3}, {**worker, "ssd_unheld_bytes": 4096}) == {
+        "worker: ssd_unheld_bytes": 4096
+    }
+    assert leaks({**side, "indexed": 2}, worker) == {"stored_sessions != indexed": (3, 2)}
+    assert leaks({}, worker) == {"scheduler side": "logged nothing at shutdown"}

@@ -34,7 +34,10 @@ try:
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import NoScriptError, RedisError
 except ImportError as _exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("RedisTier needs the redis client: pip install 'tieredkv[redis]'") from _exc
+    raise ImportError(
+        "RedisTier needs the redis client (the redis extra: pip install -e '.[redis]' in a "
+        "checkout, or pip install redis)"
+    ) from _exc
 
 if TYPE_CHECKING:
     from redis.commands.core import AsyncScript

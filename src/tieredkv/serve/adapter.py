@@ -54,6 +54,12 @@ class ChatAdapter(Protocol):
 
         :param history: every query and answer token so far (the engine keeps them), to
             recompute the history from if the cache lost it
+
+        For a :class:`~tieredkv.serve.engine.TurnRequest` that carries a retention hint,
+        the engine also passes ``hint=`` (a :class:`~tieredkv.meta.RetentionHint`), which
+        the adapter applies to the conversation once the turn is stored (as
+        ``TransformersAdapter.chat_turn`` does); an adapter that takes no hints serves
+        requests without one.
         """
         ...
 

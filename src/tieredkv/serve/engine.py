@@ -22,6 +22,7 @@ start - arrival; latency is end - arrival.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import math
@@ -36,6 +37,7 @@ import numpy as np
 
 from ..cache import TieredKVCache
 from ..errors import SessionNotFoundError, TieredKVError
+from ..meta import RetentionHint
 from ..policies.scheduling import Request, Scheduler
 from .adapter import ChatAdapter, RecomputingAdapter
 
@@ -51,12 +53,19 @@ class TurnRequest(msgspec.Struct, frozen=True, kw_only=True):
     :param query: the new query's token ids
     :param answer_tokens: how many tokens the model generates
     :param last: the conversation ends after this turn (its KV is dropped)
+    :param hint: what the caller knows of the conversation's future
+        (:class:`~tieredkv.meta.RetentionHint`: the expected time to its next turn, a pin,
+        a priority, a tool call), handed to the adapter's ``chat_turn`` (``hint=``), which
+        applies it once the turn is stored; not given to an adapter when ``None``, nor
+        in ``recompute`` mode (nothing is stored there). :meth:`ServingEngine.run` refuses
+        hints (``TypeError``) for an adapter whose ``chat_turn`` takes none
     """
 
     session: str
     query: tuple[int, ...]
     answer_tokens: int
     last: bool = False
+    hint: RetentionHint | None = None
 
 
 class ServedTurn(msgspec.Struct, frozen=True, kw_only=True):
@@ -205,6 +214,8 @@ class ServingEngine:
         """
         if not arrivals:
             return []
+        if not self.recompute and any(turn.hint is not None for _, turn in arrivals):
+            _check_takes_hints(self.adapter)
         # ready requests' KV, and the running turns' (between their load and their append)
         ready_sessions = self.scheduler.ready_sessions
         self.cache.set_protected(lambda: ready_sessions() | self._running)
@@ -359,7 +370,7 @@ class ServingEngine:
             await dropping.wait()
         history = self._history.setdefault(turn.session, [])
         self._running.add(turn.session)
-        hooks: dict[str, Any] = {}
+        hooks: dict[str, Any] = {} if turn.hint is None else {"hint": turn.hint}
         if go is not None:
 
             async def wait_for_model() -> None:
@@ -367,10 +378,8 @@ class ServingEngine:
                 await go.wait()
                 began, started = self._clock(), True
 
-            hooks = {
-                "before_compute": wait_for_model,
-                "on_loaded": lambda: self._loaded(turn.session),
-            }
+            hooks["before_compute"] = wait_for_model
+            hooks["on_loaded"] = lambda: self._loaded(turn.session)
         try:
             if self.recompute:
                 answer, restored, recomputed = await self._recompute(turn, history)
@@ -445,6 +454,18 @@ class ServingEngine:
         tokens = history + list(turn.query)
         answer = await adapter.recompute(tokens, max_new_tokens=turn.answer_tokens)
         return tuple(answer), 0, len(history)
+
+
+def _check_takes_hints(adapter: ChatAdapter) -> None:
+    """A turn carries a retention hint: the adapter's ``chat_turn`` must take ``hint=``."""
+    params = inspect.signature(adapter.chat_turn).parameters
+    takes = "hint" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    if not takes:
+        raise TypeError(
+            f"a TurnRequest carries a retention hint, but {type(adapter).__name__}."
+            f"chat_turn takes no hint= argument: give it one (applied once the turn is "
+            f"stored, as TransformersAdapter.chat_turn does), or send the turns without hints"
+        )
 
 
 def model_stall(results: Sequence[ServedTurn]) -> float:

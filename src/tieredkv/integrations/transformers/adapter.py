@@ -18,7 +18,7 @@ import torch
 
 from ...codecs import Codec, TurnTensors, layer_groups
 from ...errors import SessionNotFoundError
-from ...meta import KVMeta
+from ...meta import KVMeta, RetentionHint
 from .capture import ActivationCapture
 from .chat import ChatTurn, TurnRun, sampler, token_ids
 from .choice import CodecAsked, check_asked, inspect_model
@@ -176,8 +176,11 @@ class TransformersAdapter:
         start: int,
         answer_tokens: int,
         capture: ActivationCapture | None = None,
+        hint: RetentionHint | None = None,
     ) -> KVMeta:
-        """:meth:`extract` the turn's new tokens and append them to ``cache``."""
+        """:meth:`extract` the turn's new tokens and append them to ``cache`` (with
+        ``hint``, as :meth:`TieredKVCache.append` takes it: a pin past the bound raises
+        :class:`~tieredkv.errors.PinLimitError` after the turn is stored)."""
         tensors = self.extract(model_cache, start=start, capture=capture)
         return await cache.append(
             session,
@@ -185,6 +188,7 @@ class TransformersAdapter:
             answer_tokens=answer_tokens,
             token_dim=self.token_dim,
             codec=self.codec_id,
+            hint=hint,
         )
 
     # -- before the next turn --------------------------------------------------------------
@@ -323,6 +327,7 @@ class TransformersAdapter:
         generator: torch.Generator | None = None,
         before_compute: Callable[[], Awaitable[None]] | None = None,
         on_loaded: Callable[[], None] | None = None,
+        hint: RetentionHint | None = None,
     ) -> ChatTurn:
         """Run one turn end to end: restore, prefill the query, decode, store.
 
@@ -351,6 +356,11 @@ class TransformersAdapter:
         :param on_loaded: called once (on the event loop) when the history has been read
             and verified, found missing or damaged, or was not needed: with ``layerwise``
             that may be after the prefill began
+        :param hint: what the caller knows of the conversation's future
+            (:class:`~tieredkv.meta.RetentionHint`), applied once the turn is stored (the
+            returned ``meta`` carries it); a pin that would pass the cache's
+            ``max_pinned_bytes`` is refused with a warning logged, and the turn and the
+            rest of the hint are kept
         :raises HistoryMismatchError: if the stored history does not fit the model or the
             given history (nothing is generated or stored)
         :raises SessionNotFoundError: if the cache lost the session's history (its metadata
@@ -379,5 +389,6 @@ class TransformersAdapter:
             pick=pick,
             before_compute=before_compute,
             on_loaded=on_loaded,
+            hint=hint,
         )
         return await run.run()

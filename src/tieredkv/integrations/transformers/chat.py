@@ -17,7 +17,8 @@ import torch
 
 from ...codecs import ModelAccess
 from ...errors import SessionNotFoundError
-from ...meta import KVMeta
+from ...meta import KVMeta, RetentionHint
+from ..hints import apply_turn_hint
 from .errors import check_loaded
 from .modelcache import ModelCaches
 from .runner import ModelRunner
@@ -39,7 +40,7 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
     :param stored_tokens: tokens of the segment appended: recomputed + query + answer
     :param history_tokens: tokens of the whole stored history after the turn
     :param codec: the codec string stored with the segment
-    :param meta: the session's metadata after the append
+    :param meta: the session's metadata after the append (and the turn's retention hint)
     :param restore_seconds: wall time from the call to the model's first step: checking
         the stored history and restoring it into the model cache (about 0 with none)
     :param compute_seconds: wall time of the model's prefill and decoding
@@ -88,6 +89,7 @@ class TurnRun:
         pick: Callable[[torch.Tensor], int],
         before_compute: Callable[[], Awaitable[None]] | None,
         on_loaded: Callable[[], None] | None,
+        hint: RetentionHint | None = None,
     ) -> None:
         self._adapter = adapter
         self._caches = caches
@@ -103,6 +105,7 @@ class TurnRun:
         self._pick = pick
         self._go = before_compute
         self._on_loaded = on_loaded
+        self._hint = hint
 
     def _loaded(self) -> None:
         """Report the history read (once)."""
@@ -238,6 +241,9 @@ class TurnRun:
             token_dim=adapter.token_dim,
             codec=adapter.codec_id,
         )
+        if self._hint is not None:  # a pin past the bound is refused (logged), not the turn
+            what = f"the hint of session {self._session!r}'s turn"
+            meta, _ = apply_turn_hint(self._cache, self._session, self._hint, what=what)
         # the segment is stored (copied): this turn's buffers are free for the next one
         self._caches.recycle(model_cache)
         return ChatTurn(

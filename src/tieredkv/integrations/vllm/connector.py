@@ -33,6 +33,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ...errors import InvalidArgumentError
 from .config import ConnectorConfig, parse_config
 from .events import KVEvents
+from .hints import read_hint
 from .keys import (
     PLAIN,
     FilesDigests,
@@ -89,13 +90,16 @@ class TieredKVMetadata(KVConnectorMetadata):
 
 @dataclass
 class TieredKVWorkerMetadata(KVConnectorWorkerMetadata):
-    """A worker's report for one step."""
+    """The workers' reports for one step: a worker's own, and after vLLM aggregated the
+    step's outputs of its tensor-parallel ranks, one per rank that reported (the
+    scheduler side counts a save or a load complete once every rank reported it; a rank
+    may report it a step later than another)."""
 
-    report: WorkerReport = field(default_factory=WorkerReport)
+    reports: list[WorkerReport] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TieredKVWorkerMetadata)
-        self.report.merge(other.report)
+        self.reports.extend(other.reports)
         return self
 
 
@@ -289,16 +293,31 @@ class TieredKVConnector(KVConnectorBase_V1):
                     self._kv_transfer_config.kv_load_failure_policy,
                 )
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            self._scheduler = SchedulerSide(self.config, self.fp, self.block_size)
+            parallel = vllm_config.parallel_config
+            self._scheduler = SchedulerSide(
+                self.config,
+                self.fp,
+                self.block_size,
+                workers=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+            )
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import (
+                get_pp_group,
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
 
+            tp_rank = get_tensor_model_parallel_rank()
             self._store = WorkerStore(
                 self.config,
                 self.fp,
                 self.block_size,
-                rank=get_tensor_model_parallel_rank(),
+                rank=tp_rank,
                 per_block_keys=vllm_config.model_config.is_multimodal_model,
+            )
+            # the scheduler side counts every worker's report: one rank each
+            self._report_rank = (
+                get_pp_group().rank_in_group * get_tensor_model_parallel_world_size() + tp_rank
             )
 
     @classmethod
@@ -359,26 +378,53 @@ class TieredKVConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
         meta = connector_output.kv_connector_worker_meta
-        report = meta.report if isinstance(meta, TieredKVWorkerMetadata) else None
-        self._scheduler.update(report, set(connector_output.failed_recving or ()))
+        reports = meta.reports if isinstance(meta, TieredKVWorkerMetadata) else []
+        done = self._scheduler.update(reports, set(connector_output.failed_recving or ()))
         if self._events is not None:
-            self._events.update(report)
+            self._events.update(done)
         drained = self._scheduler.drained()
         if drained and not self._drained:
             _log.debug("tieredkv scheduler side drained: %s", self._scheduler_state())
         self._drained = drained
 
-    def _scheduler_state(self) -> str:
+    def scheduler_state(self) -> dict[str, Any]:
+        """The scheduler side's state, read only: what it holds for requests (the keys of
+        :meth:`.SchedulerSide.busy`, the requests whose keys are kept, ``keys``, and with
+        KV events on, the turns whose hashes wait for their save's report,
+        ``event_turns``: all 0 once every request finished and every save was reported),
+        the requests finished and withdrawn so far, the longest wait after a load, and the
+        conversations indexed (``indexed``)."""
         assert self._scheduler is not None
         side = self._scheduler
-        return json.dumps(
-            {
-                **side.busy(),
-                "finished": side.finished_requests,
-                "withdrawn": side.withdrawn,
-                "longest_wait": side.longest_wait,
-            }
-        )
+        return {
+            **side.busy(),
+            "keys": len(self._keys),
+            **({} if self._events is None else self._events.busy()),
+            "finished": side.finished_requests,
+            "withdrawn": side.withdrawn,
+            "longest_wait": side.longest_wait,
+            "indexed": len(side.index),
+        }
+
+    def worker_state(self) -> dict[str, int]:
+        """The worker's state, read only: what it holds for requests (the keys of
+        :meth:`.WorkerStore.busy`, and the request ids and outcomes not yet handed to
+        vLLM: all 0 once nothing is in flight) and the conversations its cache stores
+        (``stored_sessions``)."""
+        assert self._store is not None
+        return {
+            **self._store.busy(),
+            "recving": len(self._recving),
+            "sending": len(self._sending),
+            "unsaved": len(self._unsaved),
+            "unreported_loads": len(self._finished_loads),
+            "streams": len(self._streams),
+            "load_errors": len(self._load_errors),
+            "stored_sessions": self._store.stored_sessions(),
+        }
+
+    def _scheduler_state(self) -> str:
+        return json.dumps(self.scheduler_state())
 
     def has_pending_push_work(self) -> bool:
         # vLLM keeps stepping while a finished turn is being stored, so the workers'
@@ -411,6 +457,9 @@ class TieredKVConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         keys = self._request_keys(request)
         self._keys.pop(request.request_id, None)
+        hint, echo = None, None
+        if request.kv_transfer_params:
+            hint, echo = read_hint(request.kv_transfer_params, request.request_id)
         delay = self._scheduler.finished(
             request.request_id,
             request.all_token_ids if keys is not None else (),
@@ -418,10 +467,11 @@ class TieredKVConnector(KVConnectorBase_V1):
             min(request.num_computed_tokens, request.num_tokens - 1),
             request.num_output_tokens,
             keys or PLAIN,
+            hint,
         )
         if self._events is not None and delay:
             self._announce(request)
-        return delay, None
+        return delay, echo
 
     # -- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -485,6 +535,8 @@ class TieredKVConnector(KVConnectorBase_V1):
                 _log.exception("copying %s's blocks out failed; the turn is not stored", op.req_id)
                 self._sending.add(op.req_id)
                 self._unsaved.append((op, False))  # reported: the scheduler side stops waiting
+        for req_id, session, hint in meta.plan.hints:
+            self._store.hint(req_id, session, hint)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._store is not None
@@ -519,7 +571,8 @@ class TieredKVConnector(KVConnectorBase_V1):
         loads, self._finished_loads = self._finished_loads, []
         unsaved, self._unsaved = self._unsaved, []
         report = self._store.report(loads, [*unsaved, *self._store.finished_saves()])
-        return None if report.empty() else TieredKVWorkerMetadata(report=report)
+        report.rank = self._report_rank
+        return None if report.empty() else TieredKVWorkerMetadata(reports=[report])
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._store is None:
@@ -550,5 +603,5 @@ class TieredKVConnector(KVConnectorBase_V1):
             _log.info("tieredkv scheduler side at shutdown: %s", self._scheduler_state())
         if self._store is not None:
             if self._store.layers:  # opened
-                _log.info("tieredkv worker at shutdown: %s", json.dumps(self._store.busy()))
+                _log.info("tieredkv worker at shutdown: %s", json.dumps(self.worker_state()))
             self._store.close()

@@ -141,6 +141,11 @@ class KVEvents:
         for tier, blocks in sorted(stored.tiers.items()):
             self._events.append(_removed(stored.hashes[:blocks], tier))
 
+    def busy(self) -> dict[str, int]:
+        """What the events hold for requests now (0 once every save was reported): the
+        turns whose saves are planned and not yet reported stored or failed."""
+        return {"event_turns": len(self._turns)}
+
     def take(self) -> list[Any]:
         """The events since the last call."""
         out, self._events = self._events, []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ...meta import RetentionHint
 from .keys import PLAIN, RequestKeys
 
 __all__ = ["LoadOp", "SaveOp", "StepPlan", "WorkerReport"]
@@ -52,6 +53,8 @@ class SaveOp:
     :param tokens: the request's token ids of blocks ``0 .. end-1``
     :param answer_tokens: tokens the model generated (Bidaw's eviction signal)
     :param keys: the request's keys besides its tokens (its sidecar records them)
+    :param hint: the request's retention hint, applied to the conversation once the turn
+        is stored
     """
 
     req_id: str
@@ -62,6 +65,7 @@ class SaveOp:
     tokens: tuple[int, ...]
     answer_tokens: int
     keys: RequestKeys = PLAIN
+    hint: RetentionHint | None = None
 
 
 @dataclass
@@ -73,11 +77,14 @@ class StepPlan:
         each worker reports them finished receiving once, so that vLLM frees their blocks
     :param idle: vLLM scheduled no tokens this step (it only waits, for loads or saves):
         the worker may then wait a little for one of them rather than return at once
+    :param hints: ``(req_id, session, hint)``: retention hints of finished requests that
+        stored nothing new, for the stored conversation each one's prompt continues whole
     """
 
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
+    hints: list[tuple[str, str, RetentionHint]] = field(default_factory=list)
     idle: bool = False
 
 
@@ -91,19 +98,15 @@ class WorkerReport:
         whose placement changed, or ``None`` for one the cache no longer holds
     :param gone: conversations that cannot serve again (lost, damaged, not what the index
         said): the index forgets them
+    :param rank: the worker's rank (each tensor-parallel rank stores and loads its own
+        shard: a save or a load is complete once every rank reported it)
     """
 
     stored: list[tuple[str, str, int, bool]] = field(default_factory=list)
     loaded: list[tuple[str, str, bool]] = field(default_factory=list)
     metas: dict[str, bytes | None] = field(default_factory=dict)
     gone: set[str] = field(default_factory=set)
-
-    def merge(self, other: WorkerReport) -> None:
-        """Add another worker's report (tensor-parallel ranks)."""
-        self.stored.extend(other.stored)
-        self.loaded.extend(other.loaded)
-        self.metas.update(other.metas)
-        self.gone |= other.gone
+    rank: int = 0
 
     def empty(self) -> bool:
         """Nothing to report."""

@@ -24,8 +24,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
-from ...meta import KVMeta, MetadataChannel, TierInfo
+import msgspec
+
+from ...meta import KVMeta, MetadataChannel, RetentionHint, TierInfo
 from ...policies.registry import make_scheduler
 from ...policies.scheduling import Request, kv_needs_load
 from .config import ConnectorConfig
@@ -40,6 +43,8 @@ SAVE_WAIT = 5.0
 """Seconds a prompt waits, at most, for the turn it continues to be reported stored."""
 
 _log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -80,6 +85,9 @@ class SchedulerSide:
     :param fp: the model/dtype/layout fingerprint
     :param block_size: tokens per vLLM block
     :param clock: time source for the load scheduler (``time.monotonic``)
+    :param workers: the workers that report each save and load (vLLM's world size: each
+        tensor-parallel rank stores and loads its own shard): one counts complete once
+        every worker reported it, stored (or loaded) only if every worker did
     """
 
     def __init__(
@@ -89,8 +97,12 @@ class SchedulerSide:
         block_size: int,
         *,
         clock: Callable[[], float] = time.monotonic,
+        workers: int = 1,
     ) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1 (got {workers})")
         self.config = config
+        self.workers = workers
         self.block_size = block_size
         self.clock = clock
         self.index = PrefixIndex(fp, block_size)
@@ -109,6 +121,11 @@ class SchedulerSide:
         self._pending_saves: dict[str, tuple[str, list[bytes]]] = {}
         self._failed: set[str] = set()
         self._deferred: dict[str, float] = {}  # request -> when it first waited for a save
+        # per request, what each worker reported of its save or load, until every one did
+        self._rank_stored: dict[str, dict[int, tuple[str, int, bool]]] = {}
+        self._rank_loaded: dict[str, dict[int, tuple[str, bool]]] = {}
+        # per conversation, each worker's placement of its shard (several workers only)
+        self._rank_metas: dict[str, dict[int, KVMeta | None]] = {}
         self.withdrawn: dict[str, int] = {phase.value: 0 for phase in Phase}
         """Requests that finished (aborted, mostly) while waiting for KV, per phase."""
         self.finished_requests = 0
@@ -273,6 +290,7 @@ class SchedulerSide:
         computed: int,
         answer_tokens: int,
         keys: RequestKeys = PLAIN,
+        hint: RetentionHint | None = None,
     ) -> bool:
         """vLLM is done with the request (finished, or aborted, in any phase): with KV for
         its first ``computed`` tokens in ``block_ids`` if it was computing.
@@ -285,6 +303,10 @@ class SchedulerSide:
         conversation when it continues none, only part of one, or one whose next turn
         another request is storing). Returns whether a save was planned: its blocks must
         then stay allocated until the worker copied them.
+
+        ``hint`` (the request's retention hint) goes with the save, for the conversation
+        the turn is stored in; a computing request that stores nothing new (its turn is
+        stored already) hints the stored conversation its prompt continues whole.
         """
         self.finished_requests += 1
         r = self._reqs.pop(req_id, None)
@@ -294,7 +316,27 @@ class SchedulerSide:
         if r is not None and r.phase is not Phase.MATCHED:
             self._withdraw(req_id, r)
             return False
-        return self._plan_save(req_id, tokens, block_ids, computed, answer_tokens, keys)
+        if self._plan_save(req_id, tokens, block_ids, computed, answer_tokens, keys, hint):
+            return True
+        if hint is not None:
+            self._hint_stored(req_id, tokens, keys, hint)
+        return False
+
+    def _hint_stored(
+        self, req_id: str, tokens: Sequence[int], keys: RequestKeys, hint: RetentionHint
+    ) -> None:
+        """A request that stored nothing new hints the conversation it continues whole."""
+        hashes = self.index.hashes(tokens[: max(0, len(tokens) - 1)], keys)
+        session, blocks = self.index.match(hashes)
+        if session is not None and blocks == self.index.blocks(session):
+            self._planned.hints.append((req_id, session, hint))
+        else:
+            _log.info(
+                "tieredkv: request %s's retention hint is not applied: it stored no turn of "
+                "its own (another request stores the same one, or it was too short) and "
+                "continues no stored conversation whole",
+                req_id,
+            )
 
     def _withdraw(self, req_id: str, r: _Req) -> None:
         """A request that waited for KV finished (nothing of it is stored)."""
@@ -333,6 +375,7 @@ class SchedulerSide:
         computed: int,
         answer_tokens: int,
         keys: RequestKeys,
+        hint: RetentionHint | None,
     ) -> bool:
         end = min(computed, len(tokens) - 1, len(block_ids) * self.block_size) // self.block_size
         if end <= 0:
@@ -363,6 +406,7 @@ class SchedulerSide:
                 tokens=tuple(tokens[: end * self.block_size]),
                 answer_tokens=answer_tokens,
                 keys=keys.prefix(end),
+                hint=hint,
             )
         )
         self._pending_saves[req_id] = (session, hashes)
@@ -381,6 +425,8 @@ class SchedulerSide:
             or self._pending_saves
             or self._failed
             or self._deferred
+            or self._rank_stored
+            or self._rank_loaded
             or self.from_host
             or len(self.policy)
         )
@@ -396,6 +442,8 @@ class SchedulerSide:
             "policy_queue": len(self.policy),
             "failed": len(self._failed),
             "deferred": len(self._deferred),
+            "rank_saves": len(self._rank_stored),
+            "rank_loads": len(self._rank_loaded),
             "from_host": len(self.from_host),
         }
 
@@ -406,26 +454,33 @@ class SchedulerSide:
         out, self._planned = self._planned, StepPlan()
         return out
 
-    def update(self, report: WorkerReport | None, failed_recving: set[str]) -> None:
-        """Take the workers' report: stored turns, finished loads, placement changes."""
+    def update(
+        self, reports: WorkerReport | Sequence[WorkerReport] | None, failed_recving: set[str]
+    ) -> WorkerReport:
+        """Take the workers' reports of a step (one per worker that reported): stored
+        turns, finished loads, placement changes. Returns what they amount to: the saves
+        and loads every worker has now reported (each ``ok`` only if it was on every
+        worker), the conversations' placements (each worker's shard combined), and the
+        conversations gone (from any worker: a history missing a shard cannot serve)."""
         now = self.clock()
-        if report is not None:
-            for session, data in report.metas.items():
-                if data is None:
-                    self.channel.remove(session)
-                else:
-                    self.channel.put(decode_meta(data))
-            for session in report.gone:
-                self.index.remove(session)
-            for req_id, session, blocks, ok in report.stored:
-                pending = self._pending_saves.pop(req_id, None)
-                if ok and pending is not None and pending[0] == session:
-                    self.index.put(session, pending[1][:blocks])
-            loaded = report.loaded
-        else:
-            loaded = []
+        if reports is None:
+            reports = []
+        elif isinstance(reports, WorkerReport):
+            reports = [reports]
+        out = self._combine(reports)
+        for session, data in out.metas.items():
+            if data is None:
+                self.channel.remove(session)
+            else:
+                self.channel.put(decode_meta(data))
+        for session in out.gone:
+            self.index.remove(session)
+        for req_id, session, blocks, ok in out.stored:
+            pending = self._pending_saves.pop(req_id, None)
+            if ok and pending is not None and pending[0] == session:
+                self.index.put(session, pending[1][:blocks])
         done: dict[str, bool] = {}
-        for req_id, session, ok in loaded:
+        for req_id, session, ok in out.loaded:
             r = self._reqs.get(req_id)
             if r is not None and r.phase is Phase.LOADING:
                 r.phase, r.op = Phase.LOADED, None
@@ -447,6 +502,69 @@ class SchedulerSide:
                 self._finish_load(session, now, ok=ok)
         if done:
             self._start_loads(now)
+        return out
+
+    def _combine(self, reports: Sequence[WorkerReport]) -> WorkerReport:
+        """The workers' reports as one: a save or load once every worker reported it."""
+        out = WorkerReport()
+        for report in reports:
+            for req_id, session, blocks, ok in report.stored:
+                saved = self._every(self._rank_stored, req_id, report.rank, (session, blocks, ok))
+                if saved is not None:
+                    sessions = {s for s, _, _ in saved}
+                    least = min(b for _, b, _ in saved)
+                    whole = len(sessions) == 1 and all(ok for _, _, ok in saved)
+                    out.stored.append((req_id, session, least, whole))
+            for req_id, session, ok in report.loaded:
+                loaded = self._every(self._rank_loaded, req_id, report.rank, (session, ok))
+                if loaded is not None:
+                    out.loaded.append((req_id, session, all(ok for _, ok in loaded)))
+            for session, data in report.metas.items():
+                out.metas[session] = data if self.workers == 1 else self._shards(session, report)
+            out.gone |= report.gone
+        return out
+
+    def _every(
+        self, table: dict[str, dict[int, _T]], req_id: str, rank: int, value: _T
+    ) -> list[_T] | None:
+        """Record one worker's report of a request's save or load: every worker's, in rank
+        order, once the last one reported (its entry is then gone), else ``None``."""
+        per = table.setdefault(req_id, {})
+        per[rank] = value
+        if len(per) < self.workers:
+            return None
+        del table[req_id]
+        return [per[r] for r in sorted(per)]
+
+    def _shards(self, session: str, report: WorkerReport) -> bytes | None:
+        """A conversation's placement over the workers' shards: stored nowhere if any
+        worker lost its shard; else in the tiers every shard is in, served (``tier``)
+        from the slowest tier a shard is served from, as large as the largest shard."""
+        data = report.metas[session]
+        per = self._rank_metas.setdefault(session, {})
+        per[report.rank] = None if data is None else decode_meta(data)
+        metas = list(per.values())
+        if all(m is None for m in metas):
+            del self._rank_metas[session]
+            return None
+        if any(m is None or m.tier is None for m in metas):
+            return None
+        shards = [m for m in metas if m is not None]
+        order = [t.name for t in self.channel.tiers]
+        slowest = max(
+            (m.tier for m in shards if m.tier is not None),
+            key=lambda t: order.index(t) if t in order else len(order),
+        )
+        common = [t for t in shards[0].copies if all(t in m.copies for m in shards)]
+        copies = [slowest, *(t for t in common if t != slowest)]
+        combined = msgspec.structs.replace(
+            shards[0],
+            tier=slowest,
+            copies=tuple(copies),
+            nbytes=max(m.nbytes for m in shards),
+            tokens=min(m.tokens for m in shards),
+        )
+        return msgspec.msgpack.encode(combined)
 
 
 def _shared(a: Sequence[bytes], b: Sequence[bytes]) -> int:

@@ -47,7 +47,8 @@ from ...backends.memory import HostMemoryTier
 from ...backends.ssd import SSDTier
 from ...cache import LayerwiseLoad, TieredKVCache
 from ...errors import RestoreFailedError, SessionNotFoundError, TierIOError
-from ...meta import Dropped, Event, Evicted, KVMeta
+from ...meta import Dropped, Event, Evicted, KVMeta, RetentionHint
+from ..hints import apply_turn_hint
 from .config import ConnectorConfig
 from .index import Sidecar, read_sidecars, remove_sidecar, write_sidecar
 from .ops import LoadOp, SaveOp, WorkerReport
@@ -579,7 +580,26 @@ class WorkerStore:
         stored = await self.cache.append(op.session, tensors, answer_tokens=op.answer_tokens)
         self._count("saved_tokens", (op.end - op.start) * self.block_size)
         self._count("saved_bytes", sum(t.numel() * t.element_size() for t in tensors.values()))
+        if op.hint is not None:
+            stored = self._hint(op.req_id, op.session, op.hint) or stored
         return stored
+
+    def _hint(self, req_id: str, session: str, hint: RetentionHint) -> KVMeta | None:
+        """Apply a request's retention hint to a stored conversation (on the cache's loop);
+        its metadata after, ``None`` if the cache no longer holds it."""
+        try:
+            meta, _ = apply_turn_hint(self.cache, session, hint, what=f"request {req_id}")
+        except SessionNotFoundError:
+            _log.info("request %s's retention hint not applied: %s is gone", req_id, session)
+            return None
+        with self._lock:  # the scheduler side's mirror hears of it with the next report
+            self._touched[session] = None
+        return meta
+
+    def hint(self, req_id: str, session: str, hint: RetentionHint) -> None:
+        """Apply a finished request's retention hint to a stored conversation now."""
+        assert self._portal is not None
+        self._portal.call(self._hint, req_id, session, hint)
 
     def finished_saves(self) -> list[tuple[SaveOp, bool]]:
         """Saves whose append finished since the last call, with their outcome."""
@@ -610,27 +630,42 @@ class WorkerStore:
         return out
 
     def busy(self) -> dict[str, int]:
-        """What the worker holds for requests now (all 0 but ``staging_bytes``, buffers
-        kept for reuse, once nothing is in flight): loads, saves and block copies in
-        flight, and the host tier's bytes beyond those of the conversations it holds
-        (reservations of appends or promotions in flight)."""
+        """What the worker holds for requests now (all 0 once nothing is in flight, on a
+        CPU build, where no staging buffer is used): loads, saves and block copies in
+        flight, sidecar writes waiting, the bytes of pinned staging buffers (kept for
+        reuse on CUDA), and per tier the bytes used beyond those of the complete copies of
+        the conversations it holds (``<tier>_unheld_bytes``: reservations of appends or
+        promotions in flight, or space a dropped or moved copy did not give back)."""
         assert self._portal is not None
-
-        def held() -> tuple[int, int]:
-            channel = self.cache.channel
-            host = next(t for t in self.cache.stats().tiers if t.name == HOST)
-            metas = (channel.get(session) for session in channel)
-            return host.used, sum(m.nbytes for m in metas if m is not None and HOST in m.copies)
-
-        used, held_bytes = self._portal.call(anyio.to_thread.run_sync, held)
+        used, held = self._portal.call(anyio.to_thread.run_sync, self._holdings)
         return {
             "loads": len(self._pending_loads),
             "saves": len(self._pending_saves),
             "copies": len(self._copying),
             "save_tasks": len(self._tasks()),
-            "host_unheld_bytes": used - held_bytes,
+            "sidecar_locks": len(self._sidecar_locks),
+            **{f"{tier}_unheld_bytes": n - held.get(tier, 0) for tier, n in used.items()},
             "staging_bytes": self._staging.nbytes(),
         }
+
+    def _holdings(self) -> tuple[dict[str, int], dict[str, int]]:
+        return {t.name: t.used for t in self.cache.stats().tiers}, self.held()
+
+    def held(self) -> dict[str, int]:
+        """Per tier, the bytes of the complete copies of the conversations stored there."""
+        out: dict[str, int] = {}
+        for session in self.cache.channel:
+            meta = self.cache.channel.get(session)
+            if meta is None or meta.tier is None:
+                continue
+            for tier in meta.copies:
+                out[tier] = out.get(tier, 0) + meta.nbytes
+        return out
+
+    def stored_sessions(self) -> int:
+        """Conversations the cache stores (a complete copy in some tier)."""
+        channel = self.cache.channel
+        return sum(1 for s in channel if (m := channel.get(s)) is not None and m.tier is not None)
 
     def wait_any(self, timeout: float) -> None:
         """Block until a pending load, copy or save finishes, ``timeout`` seconds at most

@@ -1,0 +1,137 @@
+"""Retention hints in a vLLM request's ``kv_transfer_params``.
+
+A client of ``vllm serve`` sends them in the request body
+(``extra_body={"kv_transfer_params": {"tieredkv_pin": True, "tieredkv_ttl": 600}}`` with
+the ``openai`` client); ``LLM``/``AsyncLLM`` callers put the same dict in
+``SamplingParams(extra_args={"kv_transfer_params": {...}})``. The keys
+(:data:`HINT_KEYS`) map one to one onto :class:`~tieredkv.meta.RetentionHint`'s fields.
+They apply to the conversation the request's turn is stored in (or, when the request
+stores nothing new, to the stored conversation its prompt continues whole).
+
+A bad value never fails the request: the key is ignored, with a warning that names it and
+says what it takes, and the request is served with the rest of its hint. The response's
+``kv_transfer_params`` tell the client what was read (``tieredkv_hint``) and what was
+ignored (``tieredkv_ignored``). Keys of other connectors (any not starting with
+``tieredkv_``) are left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ...meta import RetentionHint
+
+__all__ = ["HINT_KEYS", "PREFIX", "parse_hint", "read_hint"]
+
+_log = logging.getLogger(__name__)
+
+PREFIX = "tieredkv_"
+"""Every key this connector reads from ``kv_transfer_params`` starts with it."""
+
+
+def _seconds(positive: bool) -> Callable[[Any], float]:
+    def check(value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"takes a number of seconds, not {value!r}")
+        seconds = float(value)
+        if not math.isfinite(seconds) or seconds < 0 or (positive and seconds == 0):
+            bound = "> 0" if positive else ">= 0"
+            raise ValueError(f"takes a finite number of seconds {bound}, not {value!r}")
+        return seconds
+
+    return check
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"takes true or false, not {value!r}")
+    return value
+
+
+def _priority(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"takes an integer (0 neutral, higher kept longer), not {value!r}")
+    return value
+
+
+HINT_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "tieredkv_next_turn_in": ("next_turn_in", _seconds(positive=False)),
+    "tieredkv_pin": ("pin", _flag),
+    "tieredkv_ttl": ("ttl", _seconds(positive=True)),
+    "tieredkv_priority": ("priority", _priority),
+    "tieredkv_tool_call": ("tool_call", _flag),
+}
+"""``kv_transfer_params`` key -> the :class:`~tieredkv.meta.RetentionHint` field it sets,
+and its check: ``tieredkv_next_turn_in`` (seconds until the next turn is expected, >= 0),
+``tieredkv_pin`` (true pins the conversation in its tier, false releases a pin),
+``tieredkv_ttl`` (seconds a pin lasts, > 0, with ``tieredkv_pin: true``),
+``tieredkv_priority`` (an integer, 0 neutral), ``tieredkv_tool_call`` (true: the answer
+ended in a tool call)."""
+
+
+def parse_hint(params: Mapping[str, Any] | None) -> tuple[RetentionHint | None, list[str]]:
+    """The retention hint in a request's ``kv_transfer_params``, and what was wrong with it.
+
+    :returns: the hint (``None`` if the request gives none that is valid) and one line per
+        key that was ignored, naming it and saying what it takes
+    """
+    if not params:
+        return None, []
+    if not isinstance(params, Mapping):
+        return None, [f"kv_transfer_params must be an object of keys, not {params!r} (ignored)"]
+    fields: dict[str, Any] = {}
+    problems: list[str] = []
+    for key, value in params.items():
+        if not isinstance(key, str) or not key.startswith(PREFIX):
+            continue  # another connector's
+        known = HINT_KEYS.get(key)
+        if known is None:
+            problems.append(
+                f"kv_transfer_params key {key!r} is not a tieredkv hint: the keys are "
+                f"{', '.join(HINT_KEYS)} (ignored)"
+            )
+            continue
+        field, check = known
+        if value is None:
+            continue
+        try:
+            fields[field] = check(value)
+        except ValueError as exc:
+            problems.append(f"kv_transfer_params key {key!r} {exc} (ignored)")
+    if "ttl" in fields and fields.get("pin") is not True:
+        del fields["ttl"]
+        problems.append(
+            "kv_transfer_params key 'tieredkv_ttl' is the lifetime of a pin: give it with "
+            "'tieredkv_pin': true (ignored)"
+        )
+    if not fields:
+        return None, problems
+    return RetentionHint(**fields), problems
+
+
+def read_hint(
+    params: Mapping[str, Any] | None, req_id: str
+) -> tuple[RetentionHint | None, dict[str, Any] | None]:
+    """:func:`parse_hint`, with a warning per ignored key naming the request.
+
+    :returns: the hint, and what to tell the client in the response's
+        ``kv_transfer_params`` (``None`` if the request gave no ``tieredkv_`` key):
+        ``tieredkv_hint``, the hint's fields as read, and ``tieredkv_ignored``, a line per
+        key ignored
+    """
+    hint, problems = parse_hint(params)
+    for problem in problems:
+        _log.warning("tieredkv: request %s: %s", req_id, problem)
+    if hint is None and not problems:
+        return None, None
+    echo: dict[str, Any] = {}
+    if hint is not None:
+        echo["tieredkv_hint"] = {
+            f: v for f in RetentionHint.__struct_fields__ if (v := getattr(hint, f)) is not None
+        }
+    if problems:
+        echo["tieredkv_ignored"] = problems
+    return hint, echo

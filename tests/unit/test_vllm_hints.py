@@ -1,0 +1,195 @@
+"""Retention hints through the vLLM connector, below the engine: the keys a request's
+``kv_transfer_params`` may carry, their checks (a bad value is ignored with a line naming
+the key, the request still served), and a hint's way from the scheduler side's plan to
+the conversation a real worker stores."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tieredkv.integrations.vllm.config import parse_config
+from tieredkv.integrations.vllm.hints import HINT_KEYS, parse_hint, read_hint
+from tieredkv.integrations.vllm.keys import fingerprint
+from tieredkv.integrations.vllm.scheduler import SchedulerSide
+from tieredkv.integrations.vllm.worker import WorkerStore
+from tieredkv.meta import RetentionHint
+
+BS = 4
+FP = fingerprint(
+    model="m", identity="id:m", dtype="float32", kv_dtype="auto", block_size=BS, layout="L"
+)
+
+
+def test_every_key_sets_its_field() -> None:
+    hint, problems = parse_hint(
+        {
+            "tieredkv_next_turn_in": 30,
+            "tieredkv_pin": True,
+            "tieredkv_ttl": 600.5,
+            "tieredkv_priority": -2,
+            "tieredkv_tool_call": True,
+            "do_remote_prefill": True,  # another connector's key: left alone
+        }
+    )
+    assert problems == []
+    assert hint == RetentionHint(
+        next_turn_in=30.0, pin=True, ttl=600.5, priority=-2, tool_call=True
+    )
+    assert set(HINT_KEYS) == {
+        "tieredkv_next_turn_in",
+        "tieredkv_pin",
+        "tieredkv_ttl",
+        "tieredkv_priority",
+        "tieredkv_tool_call",
+    }
+    assert parse_hint({"tieredkv_pin": False}) == (RetentionHint(pin=False), [])
+    assert parse_hint(None) == (None, [])
+    assert parse_hint({"other": 1}) == (None, [])
+
+
+@pytest.mark.parametrize(
+    ("params", "kept", "named", "says"),
+    [
+        ({"tieredkv_pin": "yes"}, None, "tieredkv_pin", "true or false"),
+        ({"tieredkv_pin": 1}, None, "tieredkv_pin", "true or false"),
+        ({"tieredkv_next_turn_in": -1}, None, "tieredkv_next_turn_in", ">= 0"),
+        ({"tieredkv_next_turn_in": "5s"}, None, "tieredkv_next_turn_in", "seconds"),
+        ({"tieredkv_next_turn_in": math.inf}, None, "tieredkv_next_turn_in", "finite"),
+        ({"tieredkv_ttl": 0, "tieredkv_pin": True}, RetentionHint(pin=True), "tieredkv_ttl", "> 0"),
+        ({"tieredkv_ttl": 60}, None, "tieredkv_ttl", "'tieredkv_pin': true"),
+        ({"tieredkv_priority": 1.5}, None, "tieredkv_priority", "integer"),
+        ({"tieredkv_priority": True}, None, "tieredkv_priority", "integer"),
+        ({"tieredkv_tool_call": "true"}, None, "tieredkv_tool_call", "true or false"),
+        (
+            {"tieredkv_pinn": True, "tieredkv_priority": 2},
+            RetentionHint(priority=2),
+            "tieredkv_pinn",
+            "tieredkv_pin, tieredkv_ttl",
+        ),
+    ],
+)
+def test_a_bad_value_is_ignored_with_a_line_naming_the_key(
+    params: dict[str, Any], kept: RetentionHint | None, named: str, says: str
+) -> None:
+    hint, problems = parse_hint(params)
+    assert hint == kept
+    [problem] = problems
+    assert repr(named) in problem
+    assert says in problem
+    assert problem.endswith("(ignored)")
+
+
+def test_read_hint_logs_each_ignored_key_with_the_request(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="tieredkv.integrations.vllm.hints"):
+        hint, echo = read_hint({"tieredkv_pin": "yes", "tieredkv_priority": 1}, "req-7")
+    assert hint == RetentionHint(priority=1)
+    [record] = caplog.records
+    assert "req-7" in record.getMessage()
+    assert "'tieredkv_pin'" in record.getMessage()
+    # the response tells the client what was read and what was ignored
+    assert echo == {
+        "tieredkv_hint": {"priority": 1},
+        "tieredkv_ignored": [
+            "kv_transfer_params key 'tieredkv_pin' takes true or false, not 'yes' (ignored)"
+        ],
+    }
+    assert read_hint({"tieredkv_pin": True, "tieredkv_ttl": 5}, "r") == (
+        RetentionHint(pin=True, ttl=5.0),
+        {"tieredkv_hint": {"pin": True, "ttl": 5.0}},
+    )
+    assert read_hint({"do_remote_prefill": True}, "r") == (None, None)  # not ours
+    assert read_hint(["tieredkv_pin"], "req-8") == (  # type: ignore[arg-type]
+        None,
+        {
+            "tieredkv_ignored": [
+                "kv_transfer_params must be an object of keys, not ['tieredkv_pin'] (ignored)"
+            ]
+        },
+    )
+
+
+def _worker(tmp_path: Path, **extra: object) -> WorkerStore:
+    cfg = parse_config({"ssd_path": str(tmp_path), "host_bytes": 1 << 20, **extra})
+    store = WorkerStore(cfg, FP, BS)
+    g = torch.Generator().manual_seed(0)
+    layers = {f"layer.{i}": torch.randn(16, 1, BS, 8, generator=g) for i in range(2)}
+    store.open(layers)
+    return store
+
+
+def test_a_hint_rides_with_the_save_to_the_stored_conversation(tmp_path: Path) -> None:
+    """The scheduler side plans the request's hint with its save; the worker stores the
+    turn and applies it: the conversation's metadata carries the pin, the priority and
+    the expected next turn, and the scheduler side's mirror hears of them."""
+    cfg = parse_config({"ssd_path": str(tmp_path)})
+    side = SchedulerSide(cfg, FP, BS)
+    store = _worker(tmp_path)
+    try:
+        hint = RetentionHint(pin=True, priority=3, next_turn_in=120.0)
+        turn = list(range(1, 14))
+        assert side.finished("r1", turn, [1, 2, 3, 4], 12, 1, hint=hint)
+        [save] = side.plan().saves
+        assert save.hint == hint
+        store.save(save)
+        store.wait_idle()
+        saves = store.finished_saves()
+        assert [ok for _, ok in saves] == [True]
+        meta = store.cache.channel[save.session]
+        assert (meta.pinned_until, meta.priority) == (math.inf, 3)
+        assert meta.next_turn is not None
+        assert meta.next_turn > meta.last_access + 100
+        side.update(store.report([], saves), set())
+        mirrored = side.channel.get(save.session)
+        assert mirrored is not None
+        assert (mirrored.pinned_until, mirrored.priority) == (math.inf, 3)
+        # a request that stores nothing new (the same turn again) hints the stored
+        # conversation its prompt continues whole: here it releases the pin
+        release = RetentionHint(pin=False)
+        assert not side.finished("r2", turn, [5, 6, 7, 8], 12, 1, hint=release)
+        plan = side.plan()
+        assert (plan.saves, plan.hints) == ([], [("r2", save.session, release)])
+        store.hint("r2", save.session, release)
+        assert store.cache.channel[save.session].pinned_until is None
+        side.update(store.report([], []), set())
+        mirrored = side.channel.get(save.session)
+        assert mirrored is not None
+        assert mirrored.pinned_until is None
+        # a request that continues no stored conversation whole hints nothing
+        assert not side.finished("r3", [9] * 3, [1], 2, 1, hint=release)
+        assert side.plan().hints == []
+    finally:
+        store.close()
+
+
+def test_a_pin_past_the_bound_is_refused_and_the_turn_and_the_rest_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The pinned bytes are bounded per worker cache: a request whose pin would pass the
+    bound still has its turn stored and the rest of its hint applied, and the refusal is
+    logged with what to do."""
+    side = SchedulerSide(parse_config({"ssd_path": str(tmp_path)}), FP, BS)
+    store = _worker(tmp_path)
+    store.cache.max_pinned_bytes = 1  # nothing fits under it
+    try:
+        hint = RetentionHint(pin=True, ttl=60.0, priority=-1)
+        assert side.finished("r1", list(range(1, 14)), [1, 2, 3, 4], 12, 1, hint=hint)
+        [save] = side.plan().saves
+        with caplog.at_level(logging.WARNING, logger="tieredkv.integrations.hints"):
+            store.save(save)
+            store.wait_idle()
+        assert [ok for _, ok in store.finished_saves()] == [True]
+        meta = store.cache.channel[save.session]
+        assert (meta.tokens, meta.pinned_until, meta.priority) == (12, None, -1)
+        [record] = caplog.records
+        assert "request r1: pin refused, the rest applied" in record.getMessage()
+        assert "max_pinned_bytes" in record.getMessage()
+    finally:
+        store.close()
