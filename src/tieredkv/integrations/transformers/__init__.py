@@ -1,7 +1,8 @@
 """Hugging Face ``transformers`` adapter: a model's ``DynamicCache`` <-> :class:`TieredKVCache`.
 
 Install the ``transformers`` extra (``pip install -e '.[transformers]'`` in a checkout;
-tested with transformers 5.24). The adapter supports any decoder-only model whose cache holds per-layer keys and values,
+tested with transformers 5.24). The adapter supports any decoder-only model whose cache
+holds per-layer keys and values,
 full-attention and sliding-window layers alike (Llama, Mistral, Qwen, Gemma, GPT-2, ...;
 see ``docs/reference/supported-models.md``), batch size 1 (one conversation per session).
 Models whose cache holds recurrent, state-space or linear-attention states are refused.
