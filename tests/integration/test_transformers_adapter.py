@@ -556,7 +556,7 @@ async def test_generate_then_store_and_restore(cache: TieredKVCache) -> None:
 
 def test_missing_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)
-    with pytest.raises(TransformersMissingError, match=r"pip install tieredkv\[transformers\]"):
+    with pytest.raises(TransformersMissingError, match=r"pip install -e '\.\[transformers\]'"):
         TransformersAdapter(object())
     assert issubclass(TransformersMissingError, ImportError)
 

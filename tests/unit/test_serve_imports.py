@@ -41,4 +41,4 @@ def test_the_transformers_adapter_imports_without_transformers_and_says_what_to_
     )
     result = _run("-c", code)
     assert result.returncode == 0, result.stderr
-    assert "pip install tieredkv[transformers]" in result.stdout
+    assert "pip install -e '.[transformers]'" in result.stdout
