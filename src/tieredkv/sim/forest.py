@@ -86,20 +86,21 @@ class Forest:
         self.ranges: list[Ranges] = list(ranges)
 
     def unique_tokens(self) -> int:
-        """Tokens of the distinct ranges listed anywhere: what storing every history once
-        per range holds."""
+        """Tokens of the distinct ranges of every conversation's final history: what
+        storing every history once per range holds."""
         sizes: dict[Hashable, int] = {}
-        for rs in self.ranges:
+        for rs in self._finals().values():
             sizes.update(rs)
         return sum(sizes.values())
+
+    def _finals(self) -> dict[int, Ranges]:
+        # in time order, a conversation's last turn comes last: it wins
+        return dict(zip(self.turns.user.tolist(), self.ranges, strict=True))
 
     def total_tokens(self) -> int:
         """Tokens of every conversation's final history added up: what storing each
         conversation's own copy holds."""
-        final: dict[int, int] = {}
-        for u, rs in zip(self.turns.user.tolist(), self.ranges, strict=True):
-            final[u] = sum(t for _, t in rs)
-        return sum(final.values())
+        return sum(sum(t for _, t in rs) for rs in self._finals().values())
 
 
 def _sorted(
@@ -269,7 +270,8 @@ class ForestReplayResult(msgspec.Struct, frozen=True, kw_only=True):
     :param peak_stored_bytes: the most bytes host memory held
     :param peak_logical_bytes: the most history bytes of the resident conversations added
         up (what they would hold with no range stored once)
-    :param unique_bytes: bytes of the distinct ranges of every history in the workload
+    :param unique_bytes: bytes of the distinct ranges of the conversations' final
+        histories (:meth:`Forest.unique_tokens`)
     :param total_bytes: every conversation's final history added up
     """
 
