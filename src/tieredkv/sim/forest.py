@@ -425,7 +425,7 @@ def replay_forest(
             accesses=rounds[i] + 1,
             shared_bytes=mine,
         )
-        for other in changed - {session}:  # a fork now shares (or no longer) its history
+        for other in sorted(changed - {session}):  # a fork now shares (or no longer) its history
             m = msgspec.structs.replace(metas[other], shared_bytes=shared[other])
             if other in resident:
                 admitted(m, now, 0)
