@@ -12,7 +12,9 @@ history (:mod:`tieredkv.sim.forest`):
 For each it prints the workload's unique bytes (every distinct range once) against every
 conversation's history added up; the most bytes an unbounded host memory held with and
 without sharing (held / unique); and, at each fixed host size, each policy's hit ratio
-and the bytes held with and without sharing (the eviction-only replay,
+without and with sharing, the most bytes held with sharing against the history bytes of
+the conversations resident then (logical), and the admissions the policy could not make
+room for (rejected) without and with sharing (the eviction-only replay,
 :func:`~tieredkv.sim.forest.replay_forest`). KV is Llama-3-8B-sized: 128 KiB per token.
 """
 
@@ -48,7 +50,7 @@ def report(name: str, forest: Forest, sizes: list[float], policies: list[str]) -
         )
     print(
         f"{'host GiB':>8} {'policy':<8} {'hit off':>8} {'hit on':>8} "
-        f"{'held on/logical':>16} {'s':>5}"
+        f"{'held on/logical':>16} {'rejected off/on':>16} {'s':>5}"
     )
     for gb in sizes:
         for policy in policies:
@@ -62,6 +64,7 @@ def report(name: str, forest: Forest, sizes: list[float], policies: list[str]) -
             print(
                 f"{gb:>8g} {policy:<8} {off.replay.hit_ratio:>8.4f} {on.replay.hit_ratio:>8.4f} "
                 f"{on.peak_stored_bytes / GIB:>7.1f}/{on.peak_logical_bytes / GIB:<8.1f}"
+                f"{off.replay.rejected:>8}/{on.replay.rejected:<7}"
                 f"{time.perf_counter() - t:>5.1f}"
             )
 
