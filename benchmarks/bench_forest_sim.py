@@ -14,7 +14,10 @@ conversation's history added up; the most bytes an unbounded host memory held wi
 without sharing (held / unique); and, at each fixed host size, each policy's hit ratio
 without and with sharing, the most bytes held with sharing against the history bytes of
 the conversations resident then (logical), and the admissions the policy could not make
-room for (rejected) without and with sharing (the eviction-only replay,
+room for (rejected) without and with sharing; and the part of the shared history of first
+turns (a new conversation's prompt, a fork's inherited turns) that host memory held when
+they came (prefix held; a first turn counts as neither hit nor miss in the hit ratios, and
+without sharing nothing is held for it) (the eviction-only replay,
 :func:`~tieredkv.sim.forest.replay_forest`). KV is Llama-3-8B-sized: 128 KiB per token.
 """
 
@@ -50,7 +53,7 @@ def report(name: str, forest: Forest, sizes: list[float], policies: list[str]) -
         )
     print(
         f"{'host GiB':>8} {'policy':<8} {'hit off':>8} {'hit on':>8} "
-        f"{'held on/logical':>16} {'rejected off/on':>16} {'s':>5}"
+        f"{'held on/logical':>16} {'rejected off/on':>16} {'prefix held':>11} {'s':>5}"
     )
     for gb in sizes:
         for policy in policies:
@@ -65,6 +68,7 @@ def report(name: str, forest: Forest, sizes: list[float], policies: list[str]) -
                 f"{gb:>8g} {policy:<8} {off.replay.hit_ratio:>8.4f} {on.replay.hit_ratio:>8.4f} "
                 f"{on.peak_stored_bytes / GIB:>7.1f}/{on.peak_logical_bytes / GIB:<8.1f}"
                 f"{off.replay.rejected:>8}/{on.replay.rejected:<7}"
+                f"{on.prefix_hit_bytes / max(on.prefix_bytes, 1):>11.4f}"
                 f"{time.perf_counter() - t:>5.1f}"
             )
 

@@ -97,9 +97,12 @@ def test_a_shared_range_is_held_once_and_leaves_with_its_last_lister() -> None:
     assert r.peak_logical_bytes == 6 + 8
     assert (r.replay.hits, r.replay.misses, r.replay.evictions) == (1, 0, 2)
     assert r.unique_bytes == 4 + 2 + 2 + 2 + 10
+    # 1's first turn found the prompt it shares with 0 in host memory
+    assert (r.prefix_bytes, r.prefix_hit_bytes) == (4, 4)
     plain = replay_forest(f, LRU(), host_bytes=10, bytes_per_token=1, sharing=False)
     # without sharing 1's first turn does not fit next to 0: 0 is evicted, its next turn misses
     assert (plain.replay.hits, plain.replay.misses) == (0, 1)
+    assert (plain.prefix_bytes, plain.prefix_hit_bytes) == (0, 0)
 
 
 def test_sharing_stores_the_unique_bytes_and_hits_at_least_as_often() -> None:

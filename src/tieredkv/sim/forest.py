@@ -273,6 +273,10 @@ class ForestReplayResult(msgspec.Struct, frozen=True, kw_only=True):
     :param unique_bytes: bytes of the distinct ranges of the conversations' final
         histories (:meth:`Forest.unique_tokens`)
     :param total_bytes: every conversation's final history added up
+    :param prefix_bytes: bytes of counted first turns' histories that another conversation
+        lists (a shared prompt, a fork's inherited history; 0 without sharing)
+    :param prefix_hit_bytes: the part of ``prefix_bytes`` host memory held at the turn (a
+        first turn counts as neither hit nor miss: this is what sharing serves it)
     """
 
     replay: ReplayResult
@@ -281,6 +285,8 @@ class ForestReplayResult(msgspec.Struct, frozen=True, kw_only=True):
     peak_logical_bytes: int
     unique_bytes: int
     total_bytes: int
+    prefix_bytes: int = 0
+    prefix_hit_bytes: int = 0
 
 
 def replay_forest(
@@ -344,6 +350,7 @@ def replay_forest(
     history: dict[str, int] = {}
     used = logical = peak = peak_logical = 0
     hits = misses = hit_bytes = miss_bytes = evictions = rejected = 0
+    prefix_bytes = prefix_hit_bytes = 0
 
     def hold(rs: Ranges) -> None:
         nonlocal used
@@ -432,6 +439,12 @@ def replay_forest(
             else:
                 residency.published(m)
         view._i = i
+        if not rounds[i] and i >= warmup:  # a first turn: what it shares is a prefix
+            for key, _ in new:
+                if len(listers[key]) > 1:
+                    prefix_bytes += size[key]
+                    if key in held:
+                        prefix_hit_bytes += size[key]
         hold(new)  # the new history first: what it shares with the old one stays held
         if was is not None:
             release(old)
@@ -483,4 +496,6 @@ def replay_forest(
         peak_logical_bytes=peak_logical,
         unique_bytes=forest.unique_tokens() * bpt,
         total_bytes=forest.total_tokens() * bpt,
+        prefix_bytes=prefix_bytes,
+        prefix_hit_bytes=prefix_hit_bytes,
     )
