@@ -20,7 +20,9 @@ from tieredkv.sim.synthetic import SyntheticWorkload
 from tieredkv.sim.trace import Turns
 from tieredkv.sim.workloads import WORKLOAD_KINDS, WorkloadSpec, read_mooncake
 
-MOONCAKE = Path("/work/shared/traces/mooncake_fast25/conversation_trace.jsonl")
+MOONCAKE = (
+    Path(__file__).resolve().parents[1] / "data" / "mooncake" / "conversation_trace_head1500.jsonl"
+)
 BPT = 128 * 1024  # Llama-3-8B-sized KV per token
 
 
@@ -146,10 +148,9 @@ def test_mooncake_forest_lists_hash_blocks(tmp_path: Path) -> None:
     assert f.unique_tokens() == 4 * 512 + 183 + 69  # final histories: 86 was replaced
 
 
-@pytest.mark.skipif(not MOONCAKE.exists(), reason="the Mooncake trace is not in /work/shared")
 def test_mooncake_trace_forest_matches_the_turns() -> None:
-    f = read_mooncake_forest(str(MOONCAKE), limit=2000)
-    plain = read_mooncake(MOONCAKE, limit=2000)
+    f = read_mooncake_forest(str(MOONCAKE))
+    plain = read_mooncake(MOONCAKE)
     assert f.turns.user.tolist() == plain.user.tolist()
     assert f.turns.time.tolist() == plain.time.tolist()
     assert f.unique_tokens() < f.total_tokens()  # block 0 at least is shared
