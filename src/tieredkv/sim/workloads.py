@@ -16,6 +16,10 @@ turn index, last-turn flag).
 - **Mooncake FAST'25 traces** (:func:`read_mooncake`): JSON Lines of requests with prefix
   block hashes and no session ids; conversations are rebuilt from hash-id prefixes.
 - **Synthetic** (:class:`~tieredkv.sim.synthetic.SyntheticWorkload`).
+- **Shared prompt** (:class:`~tieredkv.sim.forest.SharedPromptWorkload`): synthetic
+  conversations that all start with one system prompt, with edit forks; as turns, every
+  conversation holds its whole history (:func:`~tieredkv.sim.forest.replay_forest` replays
+  it with shared ranges stored once).
 - **Agentic** (:class:`~tieredkv.sim.agentic.AgenticWorkload`): human conversations mixed
   with agents' tool-call loops (its tool flags and hints reach the eviction-only replay
   through :func:`~tieredkv.sim.agentic.replay_agentic`).
@@ -55,12 +59,13 @@ __all__ = [
     "mooncake_conversations",
     "read_bidaw_trace",
     "read_mooncake",
+    "read_mooncake_records",
     "read_sharegpt",
     "sample_users",
     "sharegpt_path",
 ]
 
-WORKLOAD_KINDS = ("synthetic", "bidaw", "sharegpt", "mooncake", "agentic")
+WORKLOAD_KINDS = ("synthetic", "bidaw", "sharegpt", "mooncake", "agentic", "shared-prompt")
 """Names :class:`WorkloadSpec` accepts as ``kind``."""
 
 MAX_USERS = 200_000
@@ -94,7 +99,7 @@ def degenerate_note(kind: str, rate: float, minutes: float) -> str | None:
     :data:`FEW_USERS` users: too few conversations overlap to load the GPU, the host memory
     or the SSD, so every system serves them alike and no result says anything about
     caching (``None`` otherwise, and for a recorded trace)."""
-    if kind not in ("synthetic", "sharegpt"):
+    if kind not in ("synthetic", "sharegpt", "shared-prompt"):
         return None
     users = generated_users(rate, minutes)
     if users >= FEW_USERS:
@@ -399,22 +404,14 @@ def mooncake_conversations(records: Iterable[dict[str, object]]) -> list[int]:
     return conv_of
 
 
-def read_mooncake(
-    path: str | os.PathLike[str], *, time_scale: float = 1.0, limit: int | None = None
-) -> Turns:
-    """A Mooncake FAST'25 trace (JSON Lines; ``timestamp`` in ms) as conversation turns.
+def read_mooncake_records(
+    path: str | os.PathLike[str], *, limit: int | None = None
+) -> list[dict[str, object]]:
+    """The requests of a Mooncake FAST'25 trace (JSON Lines), at most ``limit`` of them.
 
-    Conversations come from :func:`mooncake_conversations`. A turn's query is the part of
-    its input that is new: ``input_length`` minus the previous turn's input and output
-    (at least 1); its answer is ``output_length``. A request that starts a conversation
-    has its whole input as the query (prefix reuse across conversations, such as a shared
-    system prompt, is not modelled).
-
-    :param time_scale: arrival times are divided by it (2.0: twice the request rate)
-    :param limit: read at most this many requests
+    :raises ValueError: on a line that is not a JSON object with ``timestamp``,
+        ``input_length``, ``output_length`` (the message names the line)
     """
-    if time_scale <= 0:
-        raise ValueError(f"time_scale must be positive (got {time_scale})")
     records: list[dict[str, object]] = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -431,6 +428,27 @@ def read_mooncake(
             records.append(rec)
             if limit is not None and len(records) >= limit:
                 break
+    return records
+
+
+def read_mooncake(
+    path: str | os.PathLike[str], *, time_scale: float = 1.0, limit: int | None = None
+) -> Turns:
+    """A Mooncake FAST'25 trace (JSON Lines; ``timestamp`` in ms) as conversation turns.
+
+    Conversations come from :func:`mooncake_conversations`. A turn's query is the part of
+    its input that is new: ``input_length`` minus the previous turn's input and output
+    (at least 1); its answer is ``output_length``. A request that starts a conversation
+    has its whole input as the query (prefix reuse across conversations, such as a shared
+    system prompt, is not modelled here: :func:`~tieredkv.sim.forest.read_mooncake_forest`
+    models it).
+
+    :param time_scale: arrival times are divided by it (2.0: twice the request rate)
+    :param limit: read at most this many requests
+    """
+    if time_scale <= 0:
+        raise ValueError(f"time_scale must be positive (got {time_scale})")
+    records = read_mooncake_records(path, limit=limit)
     convs = mooncake_conversations(records)
     times: list[float] = []
     queries: list[int] = []
@@ -458,7 +476,7 @@ class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True):
     :param kind: one of :data:`WORKLOAD_KINDS`
     :param paths: the trace files (``bidaw``, ``mooncake``), or the ShareGPT JSON (none:
         the package's)
-    :param minutes: ``synthetic`` and ``sharegpt``: minutes of user arrivals
+    :param minutes: ``synthetic``, ``shared-prompt`` and ``sharegpt``: minutes of user arrivals
         (``users = rate * minutes``)
     :param sharegpt_limit: ShareGPT conversations read at most (``None``: all)
     :param seed: base seed (generation, sampling)
@@ -500,7 +518,8 @@ class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True):
     def turns(self, rate: float) -> Turns:
         """The workload at ``rate`` users per minute.
 
-        ``synthetic``/``sharegpt``: ``rate * minutes`` users arriving as a Poisson process.
+        ``synthetic``/``sharegpt``/``shared-prompt``: ``rate * minutes`` users arriving as a
+        Poisson process (``shared-prompt`` adds their forks).
         ``bidaw``: a sample of the trace's users (fraction ``rate / native_rate()``).
         ``mooncake``: the trace with times compressed by ``rate / native_rate()``.
 
@@ -519,6 +538,12 @@ class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True):
                     answer_max=max(1, round(base.answer_max * self.answer_scale)),
                 )
             return base.generate()
+        if self.kind == "shared-prompt":  # a shared system prompt and edit forks
+            from .forest import SharedPromptWorkload  # it reads Mooncake traces from here
+
+            users = generated_users(rate, self.minutes)
+            base = SyntheticWorkload(users=users, arrival_rate=rate / 60, seed=self.seed)
+            return SharedPromptWorkload(base=base).generate().turns
         if self.kind == "agentic":  # humans and agents (:mod:`tieredkv.sim.agentic`)
             users = max(1, round(rate * self.minutes))
             agentic = AgenticWorkload(users=users, arrival_rate=rate / 60, seed=self.seed)
