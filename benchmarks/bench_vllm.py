@@ -1,54 +1,67 @@
-"""tieredkv inside vLLM against vLLM's own options, on a multi-turn workload, on this CPU.
+"""tieredkv inside vLLM against vLLM's own options and LMCache, on four workloads, on this CPU.
 
-Run: ``.venv/bin/python benchmarks/bench_vllm.py`` (needs the ``vllm`` extra; with 8 users
-it took 17 min on 2 cores shared with other work; the default is now 12 users, plus the
-host-hit workload's three engines, whose ``--hits-only`` run alone took 11 min on 2 cores
-shared with other work).
-``--quick`` runs a 2-layer model on a few turns (what the test suite does, to prove the
-benchmark runs).
+Run: ``.venv/bin/python benchmarks/bench_vllm.py`` (needs the ``vllm`` extra, and the LMCache
+peer's environment, which it creates on first use: see ``benchmarks/peer_lmcache.py``).
+``--workloads`` picks some of the four, ``--skip`` leaves rows out, ``--keep`` keeps the
+work directory (every engine's spec and result, LMCache's logs and counters). ``--quick``
+runs a 2-layer model on a few turns of the chat workload (what the test suite does, to
+prove the benchmark runs). Every vLLM engine, and every LMCache server, runs alone, one
+after another; the machine's 1-minute load average as each row started is in its row.
 
-The workload is the synthetic generator's (:class:`tieredkv.sim.synthetic.SyntheticWorkload`):
-conversations with a first context (a system prompt / document) and turns of a query and
-an answer, replayed one request at a time in the order of their arrival times (first turns
-too: a user who arrives late starts late), where the gap before a user's next turn grows
-with the previous answer's length (so reuse follows answer length, what Bidaw's eviction
-predicts from). The model is a Llama config with random weights (default: 24 layers,
-hidden 896, 14 heads, 2 KV heads, MLP 4864: about 0.4B parameters and 24 KiB of fp32 KV
-per token, the shape of a 0.5B model), saved with ``save_pretrained``: nothing is
-downloaded. vLLM's KV pool holds only a few conversations (``--pool-blocks``), as a GPU's
-does against many users; tieredkv's host tier holds about a third of the histories
-(``--host-fraction``), the rest goes to an SSD directory.
+Workloads (each runs every row; the turns come from the synthetic generator,
+:class:`tieredkv.sim.synthetic.SyntheticWorkload`: conversations with a first context and
+turns of a query and an answer, replayed one request at a time in the order of their
+arrival times, where the gap before a user's next turn grows with the previous answer's
+length):
 
-The host-hit target needs many users whose turns interleave, which the 0.4B model cannot
-serve in minutes on this CPU; a hit ratio depends on the order and sizes of the accesses,
-not on the model's compute, so it is measured on a second workload (``--hit-users`` users
-of ``--hit-turns`` turns, host tier ``--hit-fraction`` of the histories) through the
-2-layer model of ``--quick``: rows ``vllm recompute`` (the answers' reference),
-``tieredkv lru`` and ``tieredkv bidaw``. Before its engines run, the benchmark prints what
-the project's eviction-only replay (:func:`tieredkv.sim.replay.replay`) predicts for the
-same turns and host budget (with the defaults: Bidaw 0.27, LRU 0.11). The shape matters:
-8 users of 3 turns give 9 returning turns, too few to tell (the replay's ratio swings
-from 0.5x to 2x with the settings); sending every first turn at once, as the previous
-version of this benchmark did, takes Bidaw's advantage away (48 users of 3 turns: 0.42x
-to 0.76x of LRU with a fifth to a third of the histories in host memory).
+* ``chat``: each conversation its own first context (``--context`` tokens) and short turns
+  (``--query``, ``--answer``): short turns over long histories, Bidaw's case;
+* ``system``: every conversation starts with the same ``--system-prompt`` tokens (2k);
+* ``documents``: ``--documents`` long documents (``--document`` tokens), conversation ``c``
+  starting with document ``c % --documents``;
+* ``pressure``: ``--hit-users`` users of ``--hit-turns`` turns on the 2-layer model, the
+  host memory a quarter of the histories (``--hit-fraction``): where eviction matters, and
+  reuse follows answer length (what Bidaw's eviction predicts from). Before its rows, the
+  project's eviction-only replay (:func:`tieredkv.sim.replay.replay`) prints what it
+  predicts for Bidaw and LRU on the same turns and budget.
+
+The model is a Llama config with random weights (default: 6 layers, hidden 512, 8 heads, 2
+KV heads, MLP 1536, vocabulary 8000: 6 KiB of fp32 KV per token), saved with
+``save_pretrained``: nothing is downloaded. vLLM's KV pool holds three of the longest
+conversations (``--pool-blocks``), as a GPU's does against many users; the host memory of
+tieredkv's host tier and of LMCache's L1 is the same, a third of the histories
+(``--host-fraction``); the rest goes to local disk.
 
 Rows (each its own engine, same turns, greedy; answers must all equal the recompute row's):
 
-* ``vllm recompute``: vLLM alone, its prefix cache on (the baseline of every ratio);
-* ``vllm offloading`` and ``vllm tiering-fs``: vLLM's OffloadingConnector with its CPU
-  spec, and with its tiering spec over a file-system tier, if they run on the CPU backend
-  (if not, the row says why, from the engine's own error: in vLLM 0.32 both stop with
-  "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs");
-* ``vllm example``: vLLM's ExampleConnector (safetensors files per prompt);
-* ``tieredkv lru`` and ``tieredkv bidaw``: the TieredKVConnector with LRU / Bidaw eviction
-  (Bidaw's disk-HRRN load order in both).
+* ``vllm recompute``: vLLM alone, its prefix cache on (the answers' reference);
+* ``vllm ideal``: the same with a pool that holds every history: each returning turn is a
+  prefix-cache hit, the best any connector can do;
+* ``vllm offloading``, ``vllm tiering-fs`` (chat only): vLLM's OffloadingConnector with its
+  CPU spec and with its tiering spec over a file-system tier; in vLLM 0.32 both stop at
+  start on the CPU backend ("CPU Offloading is currently only supported on CUDA-alike and
+  XPU GPUs"), and the row says so;
+* ``vllm example`` (not under pressure): vLLM's ExampleConnector (safetensors files);
+* ``lmcache cpu`` and ``lmcache disk``: LMCache 0.5.6 in its multi-process mode (its server
+  in a process of its own, vLLM's ``LMCacheMPConnector`` in the engine; the only mode that
+  runs on the CPU), from its own environment: L1 in host memory only, and L1 over its
+  ``fs`` L2 adapter on local disk; LRU eviction, chunks of ``--lmcache-chunk`` tokens (256).
+  ``lmcache cpu`` also runs once first, before any other engine, on the first workload:
+  its stand-alone figure, printed beside the in-run one;
+* ``tieredkv lru`` (chat and pressure) and ``tieredkv bidaw``: the TieredKVConnector, host
+  tier over an SSD tier, with LRU / Bidaw eviction (Bidaw's scheduler in both).
 
 Columns: returning-turn TTFT mean and P99 (seconds, vLLM's own first-token latency),
-throughput (turns per second of the run), tieredkv's host hit ratio (loads served from
-host memory over all loads, from the worker's ``tieredkv.metrics``), and each TTFT and
-throughput as a ratio to the recompute row measured in the same run. Targets (printed
-with each ratio): returning-turn TTFT <= 0.2x recompute; tieredkv bidaw >= 1.25x better
-than the best vLLM-native option that ran; Bidaw's host hit ratio >= 1.3x LRU's.
+throughput (turns per second of the run), host hit ratio (tieredkv: loads served from host
+memory over all loads, from the worker's ``tieredkv.metrics``; LMCache: of the tokens its
+lookups found, the share found in L1, from its server's counters), bytes stored (tieredkv:
+the bytes written into its largest-written tier, the SSD's, where every turn is written;
+LMCache: chunks written into L1 times a chunk's bytes, a chunk it already holds not written
+again), CPU seconds per returning turn (user + system of the engine's processes, and of
+LMCache's server, while returning turns ran), the share of returning-turn prompt tokens
+served from a cache (vLLM's prefix cache or the connector), TTFT as a ratio to recompute,
+the load average, and whether the answers equal recompute's. After each table: tieredkv's
+ratios to LMCache (the faster of its two rows) and to the ideal row, with the targets.
 """
 
 from __future__ import annotations
@@ -241,12 +254,12 @@ def metric(text: str, name: str) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
-def tier_metric_max(text: str, name: str) -> float:
-    """The largest value of a per-tier metric over the tiers (``nan``: none exported)."""
-    values = [
-        float(v) for v in re.findall(rf"^tieredkv_{name}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)
-    ]
-    return max(values) if values else float("nan")
+def ssd_written(text: str) -> float:
+    """Bytes written into the SSD tier (``nan``: none exported)."""
+    values = re.findall(
+        r'^tieredkv_tier_written_bytes_total\{kind="ssd",[^}]*\} ([0-9.e+]+)$', text, re.M
+    )
+    return sum(float(v) for v in values) if values else float("nan")
 
 
 @dataclass
@@ -259,6 +272,7 @@ class Row:
     host_hit: float = float("nan")
     stored: float = float("nan")
     load: float = float("nan")
+    note: str = ""
 
 
 def summarize(row: Row) -> dict[str, float]:
@@ -543,7 +557,14 @@ def run_one(
             )
             stats = srv.stats()
         stored = stats.stored_chunks * args.lmcache_chunk * kv_bytes_per_token(args)
-        return Row(result, host_hit=stats.host_hit, stored=stored)
+        note = (
+            f"{stats.stored_chunks:.0f} chunks stored, {stats.dropped_chunks:.0f} not stored "
+            f"(no room in L1), {stats.evicted_chunks:.0f} evicted; lookups found "
+            f"{stats.found:.0f} of {stats.requested:.0f} tokens asked"
+        )
+        if disk is not None:
+            note += f"; {stats.disk_bytes / 2**20:.1f} MiB on disk"
+        return Row(result, host_hit=stats.host_hit, stored=stored, note=note)
     if name.startswith("tieredkv "):
         policy = name.removeprefix("tieredkv ")
         for attempt in range(3):
@@ -571,7 +592,15 @@ def run_one(
         text = result.metrics[0] if result.metrics else ""
         loads = metric(text, "loads_total")
         hit = metric(text, "hits_total") / loads if loads > 0 else float("nan")
-        return Row(result, host_hit=hit, stored=tier_metric_max(text, "tier_written_bytes_total"))
+        # every turn is written to the SSD tier once (inclusive mode); the host tier's
+        # written bytes also count promotions back into it
+        stored = ssd_written(text)
+        note = (
+            f"{loads:.0f} loads, {metric(text, 'hits_total'):.0f} from host memory; "
+            f"{metric(text, 'promotions_total'):.0f} promotions, "
+            f"{metric(text, 'demotions_total'):.0f} demotions"
+        )
+        return Row(result, host_hit=hit, stored=stored, note=note)
     raise ValueError(f"unknown row {name!r}")
 
 
@@ -599,7 +628,7 @@ def report(
             )
     ideal = stats.get("vllm ideal")
     peers = [n for n in ("lmcache cpu", "lmcache disk") if n in stats]
-    lm = min(peers, key=lambda n: stats[n]["ttft_mean"]) if peers else None
+    lm: str | None = min(peers, key=lambda n: stats[n]["ttft_mean"]) if peers else None
     for mine in ("tieredkv lru", "tieredkv bidaw"):
         t = stats.get(mine)
         if t is None:
@@ -692,6 +721,9 @@ def table(rows: dict[str, Row]) -> tuple[dict[str, dict[str, float]] | None, boo
             f"{s['load']:>5.2f}  {'equal' if same else 'DIFFERENT'}"
         )
     print()
+    for name, row in rows.items():
+        if row.note:
+            print(f"  {name}: {row.note}")
     return stats, lossless
 
 

@@ -129,6 +129,8 @@ class Stats:
     :param found: tokens its lookups found (in L1 or L2)
     :param requested: chunk-aligned tokens its lookups asked for
     :param stored_chunks: chunks written into L1 (a chunk already held is not written again)
+    :param dropped_chunks: chunks it was asked to store and did not, finding no room in L1
+    :param evicted_chunks: chunks evicted from L1
     :param disk_bytes: bytes of the files under the L2 directory (0: no disk)
     """
 
@@ -136,6 +138,8 @@ class Stats:
     found: float
     requested: float
     stored_chunks: float
+    dropped_chunks: float
+    evicted_chunks: float
     disk_bytes: int
 
 
@@ -177,6 +181,8 @@ class Server:
             found=found,
             requested=counter(text, "lookup_requested_tokens"),
             stored_chunks=counter(text, "l1_write_chunks"),
+            dropped_chunks=counter(text, "l1_allocation_failure_chunks"),
+            evicted_chunks=counter(text, "l1_evicted_chunks"),
             disk_bytes=disk,
         )
 

@@ -225,7 +225,7 @@ def kv_transfer_config(spec: Spec) -> dict[str, Any] | None:
 def _cpu_seconds(pids: list[int]) -> float:
     """User + system CPU seconds of this process, its descendants and ``pids`` so far (a
     process that ended in between no longer counts)."""
-    import psutil
+    import psutil  # type: ignore[import-untyped,unused-ignore]
 
     me = psutil.Process()
     procs = [me, *me.children(recursive=True)]
