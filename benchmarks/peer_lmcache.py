@@ -128,7 +128,9 @@ class Stats:
         the rest came from L2, the disk)
     :param found: tokens its lookups found (in L1 or L2)
     :param requested: chunk-aligned tokens its lookups asked for
-    :param stored_chunks: chunks written into L1 (a chunk already held is not written again)
+    :param stored_chunks: chunks stored into L1 from vLLM (a chunk already held is not
+        stored again; one evicted and asked for again is); chunks brought back into L1 from
+        L2 are not counted
     :param dropped_chunks: chunks it was asked to store and did not, finding no room in L1
     :param evicted_chunks: chunks evicted from L1
     :param disk_bytes: bytes of the files under the L2 directory (0: no disk)
@@ -180,7 +182,8 @@ class Server:
             host_hit=l1 / found if found > 0 else float("nan"),
             found=found,
             requested=counter(text, "lookup_requested_tokens"),
-            stored_chunks=counter(text, "l1_write_chunks"),
+            stored_chunks=counter(text, "l1_write_chunks")
+            - counter(text, "l2_prefetch_load_completed_chunks"),
             dropped_chunks=counter(text, "l1_allocation_failure_chunks"),
             evicted_chunks=counter(text, "l1_evicted_chunks"),
             disk_bytes=disk,
