@@ -245,7 +245,15 @@ def why_not(output: str) -> str:
     m = re.findall(r"Worker failed with error '([^']+)'", output)
     if m:
         return str(m[-1])
-    errors = [line.strip() for line in output.splitlines() if "Error" in line]
+    lines = [line.strip() for line in output.splitlines()]
+    causes = [
+        line
+        for line in lines
+        if re.match(r"\w+(Error|Exception): ", line) and "initialization failed" not in line
+    ]
+    if causes:  # the engine's own error, not the "initialization failed" that wraps it
+        return causes[-1]
+    errors = [line for line in lines if "Error" in line]
     return errors[-1] if errors else output[-300:]
 
 

@@ -110,3 +110,18 @@ def test_lmcache_counters_are_read_from_its_prometheus_text() -> None:
     assert peer_lmcache.counter(text, "lookup_hit_l1_tokens") == 512.0
     assert peer_lmcache.counter(text, "l1_write_chunks") == 7.0
     assert peer_lmcache.counter(text, "lookup_requested_tokens") == 0.0
+
+
+def test_a_row_that_did_not_start_gives_the_engines_own_error(bench: ModuleType) -> None:
+    output = (
+        "  File kv_cache_utils.py, line 1030, in _check_enough_kv_cache_memory\n"
+        "    raise ValueError(\n"
+        "ValueError: To serve at least one request with the model's max seq len (288)\n"
+        "    raise RuntimeError(\n"
+        "RuntimeError: Engine core initialization failed. See root cause above.\n"
+    )
+    assert bench.why_not(output) == (
+        "ValueError: To serve at least one request with the model's max seq len (288)"
+    )
+    worker = "Worker failed with error 'CPU Offloading is only supported on GPUs'"
+    assert bench.why_not(worker) == "CPU Offloading is only supported on GPUs"
