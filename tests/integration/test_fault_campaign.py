@@ -367,7 +367,8 @@ async def fsck_clean(directory: Path, stored: list[str]) -> FsckReport:
     conversations it would recover are the stored ones (a retired parent is listed as
     retired, kept for its forks)."""
     found = await anyio.to_thread.run_sync(check_directory, directory)
-    assert found.damaged == [] and found.unreadable == [], (found.damaged, found.unreadable)
+    assert found.damaged == []
+    assert found.unreadable == []
     assert found.stray == 0
     names = {s.session for s in found.sessions} - set(found.retired)
     assert sorted(names) == stored, (sorted(names), stored)

@@ -148,7 +148,7 @@ class PausingSSD(SSDTier):
         self.reached = anyio.Event()
         self.go = anyio.Event()
 
-    async def write(self, key: SegmentKey, data: memoryview) -> None:  # type: ignore[override]
+    async def write(self, key: SegmentKey, data: memoryview) -> None:
         if key == self.pause and not self.go.is_set():
             self.reached.set()
             await self.go.wait()
@@ -164,7 +164,7 @@ async def test_a_parent_dropped_while_a_fork_copies_its_turn_down_stays_dropped(
     only in host memory, wrote no marker, and the copy then landed without one."""
     ssd = PausingSSD(tmp_path / "ssd", ("a", 0))
     tiers = [HostMemoryTier(40 * KIB), ssd]
-    async with TieredKVCache(tiers, eviction="lru") as c:  # type: ignore[arg-type]
+    async with TieredKVCache(tiers, eviction="lru") as c:
         await c.append("a", kv(8, 1), answer_tokens=1)  # 16 KiB
         await c.append("b", B0, answer_tokens=1, parent="a", parent_tokens=6)
         c.hint("a", RetentionHint(pin=True, ttl=60))  # b is the one to leave host memory
