@@ -11,13 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import anyio
 import pytest
 
 from tests.faults import SITES, FaultInjector
-from tieredkv import SSDTier, TieredKVCache
+from tieredkv import HostMemoryTier, RetentionHint, SSDTier, TieredKVCache
+from tieredkv.backends.base import SegmentKey
 from tieredkv.errors import TierIOError
 
 from ..invariants import problems
@@ -25,6 +28,7 @@ from .test_forest import cat, head, kv, same
 
 A0, A1, A2, B0 = kv(8, 1), kv(6, 2), kv(4, 4), kv(5, 3)
 CAPACITY = 8 << 20
+KIB = 1024
 
 Op = Callable[[TieredKVCache], Awaitable[None]]
 
@@ -133,3 +137,48 @@ async def test_a_cancelled_drop_of_a_parent_is_all_or_nothing(tmp_path: Path) ->
             assert state in ((True, True), (False, True))
             assert problems(c) == []
         assert await _outcome(directory) == state
+
+
+class PausingSSD(SSDTier):
+    """An SSD tier whose write of one segment waits for a signal (the copy is under way)."""
+
+    def __init__(self, directory: Path, pause: tuple[str, int]) -> None:
+        super().__init__(directory, CAPACITY, fsync=False)
+        self.pause = pause
+        self.reached = anyio.Event()
+        self.go = anyio.Event()
+
+    async def write(self, key: SegmentKey, data: memoryview) -> None:
+        if key == self.pause and not self.go.is_set():
+            self.reached.set()
+            await self.go.wait()
+        await super().write(key, data)
+
+
+async def test_a_parent_dropped_while_a_fork_copies_its_turn_down_stays_dropped(
+    tmp_path: Path,
+) -> None:
+    """A fork moving down to SSD copies its parent's turn there; the parent is dropped
+    while that copy is under way. The parent's retirement marker must be in SSD once its
+    turn is (else a restart brings the dropped parent back). Before, the drop saw the turn
+    only in host memory, wrote no marker, and the copy then landed without one."""
+    ssd = PausingSSD(tmp_path / "ssd", ("a", 0))
+    tiers = [HostMemoryTier(40 * KIB), ssd]
+    async with TieredKVCache(tiers, eviction="lru") as c:
+        await c.append("a", kv(8, 1), answer_tokens=1)  # 16 KiB
+        await c.append("b", B0, answer_tokens=1, parent="a", parent_tokens=6)
+        c.hint("a", RetentionHint(pin=True, ttl=60))  # b is the one to leave host memory
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(c.append, "c", kv(20, 5), answer_tokens=1))
+            with anyio.fail_after(30):
+                await ssd.reached.wait()  # b's demotion is copying a's turn into SSD
+            tg.start_soon(c.drop, "a")
+            await anyio.sleep(0.2)
+            ssd.go.set()
+        assert c.where("b") == "ssd"
+        await c.flush()
+        assert problems(c) == []
+    async with TieredKVCache([HostMemoryTier(40 * KIB), SSDTier(tmp_path / "ssd", CAPACITY)]) as c:
+        assert problems(c) == []
+        assert not c.contains("a"), "the dropped parent came back"
+        same(await c.load("b"), cat(head(kv(8, 1), 6), B0))

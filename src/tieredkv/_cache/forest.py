@@ -19,7 +19,7 @@ from __future__ import annotations
 from ..backends.base import SegmentKey
 from ..errors import InvalidArgumentError, TierIOError
 from ..payload import RETIRED_SEQ, plan_retirement
-from .state import Core, Retired, Seg, Session
+from .state import Core, Retired, Seg, Session, claim, unclaim
 
 __all__ = ["check_not_retired", "copying", "deleted", "retire"]
 
@@ -46,16 +46,28 @@ async def retire(core: Core, s: Session) -> None:
     if not kept:
         return
     r = Retired(kept)
-    tiers = sorted({t for seg in kept for t in seg.tiers if core.tiers[t].persistent})
+    persistent = [t for t, tier in enumerate(core.tiers) if tier.persistent]
+    claimed: dict[int, list[Seg]] = {}
     try:
-        for t in tiers:
-            await _write_marker(core, s.key, t)
-            r.markers.add(t)
-    except BaseException:
-        for t in sorted(r.markers):
-            await _delete_marker(core, s.key, t)
-        raise
-    core.retired[s.key] = r
+        # a fork's copy of a kept segment into a persistent tier may be under way (it
+        # checked for a marker before this retirement): wait for it, and start no other
+        # until the marker is there and the retirement recorded (later copies then write
+        # the marker first, see copying)
+        for t in persistent:
+            claimed[t] = await claim(kept, t)
+        tiers = sorted({t for seg in kept for t in seg.tiers if t in persistent})
+        try:
+            for t in tiers:
+                await _write_marker(core, s.key, t)
+                r.markers.add(t)
+        except BaseException:
+            for t in sorted(r.markers):
+                await _delete_marker(core, s.key, t)
+            raise
+        core.retired[s.key] = r
+    finally:
+        for t, segs in claimed.items():
+            unclaim(segs, t)
 
 
 async def copying(core: Core, keys: list[SegmentKey], dst: int) -> None:
