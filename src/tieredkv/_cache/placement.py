@@ -35,7 +35,7 @@ from ..meta import Demoted, Dropped, Evicted, Promoted
 from .atomic import settle
 from .forest import copying, deleted, retire
 from .refusals import record_refusal
-from .state import Core, Session, begin_fill, end_fill, filling
+from .state import Core, Session, begin_fill, claim, end_fill, filling, unclaim
 
 __all__ = [
     "copy_into_room",
@@ -106,13 +106,19 @@ async def remove_copy(core: Core, s: Session, t: int) -> bool:
         if t in seg.tiers and not seg.needed(t, s, copies):
             seg.tiers.discard(t)
             gone.append(seg)
-            clean = await delete_or_orphan(core, t, seg.key) and clean
+            # claimed while its delete is under way: a conversation sharing it that copies
+            # it back into t waits for the delete, instead of finding the key still held
+            claimed = await claim([seg], t)
+            try:
+                clean = await delete_or_orphan(core, t, seg.key) and clean
+            finally:
+                unclaim(claimed, t)
     if core.retired:
         await deleted(core, gone, t)
     if s.dropped or not s.complete(t):  # (else its sharers keep all of it there)
         core.residency.removed(s.key, t)
     for u in sharers:  # a copy in t that only shared segments made complete, now gone
-        if not u.complete(t):
+        if not u.dropped and not u.complete(t):  # (one dropped meanwhile is not published)
             core.residency.removed(u.key, t)
             core.publish(u)
     return clean
