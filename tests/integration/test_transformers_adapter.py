@@ -750,7 +750,7 @@ async def test_forks_regenerate_and_edit_answer_like_recompute_and_store_only_th
     codec: str, ssd_dir: Path
 ) -> None:
     model = opt()
-    adapter = TransformersAdapter(model, codec=codec)
+    adapter = TransformersAdapter(model, codec=CODECS[codec])
     per_token = adapter.bytes_per_token
     system, q1, q2, edited, q3 = queries(5, length=6, seed=11)
     async with TieredKVCache([HostMemoryTier(1 << 20), SSDTier(ssd_dir, 16 << 20)]) as cache:
