@@ -688,6 +688,18 @@ def test_worker_stores_a_fork_with_its_own_blocks_and_loads_its_whole_history(
         for name, layer in kv.items():
             assert torch.equal(layer[[11, 12]], expected[name][:2])
             assert torch.equal(layer[[13, 14]], layer[[9, 10]])
+        # the parent leaves: its blocks stay for the fork (with a retirement marker on
+        # the SSD); what either tier uses is what the stored conversations hold
+        assert s._portal is not None
+        s._portal.call(s.cache.flush)
+        s._portal.call(s.cache.drop, "S")
+        assert "S" not in s.cache.channel
+        unheld = {k: v for k, v in s.busy().items() if k.endswith("_unheld_bytes")}
+        assert unheld == {"host_unheld_bytes": 0, "ssd_unheld_bytes": 0}
+        ok = s.load_sync(LoadOp("r1", "C", (11, 12, 13, 14), 0, 4, fork.tokens, sync=True))
+        assert ok
+        for name, layer in kv.items():
+            assert torch.equal(layer[[11, 12]], expected[name][:2])
         # a fork whose parent is gone meanwhile is stored whole
         s.save(SaveOp("d", "D", (3, 5, 9, 10), 2, 4, (*tokens[:8], *own), 4, parent="gone"))
         s.wait_idle()

@@ -54,6 +54,7 @@ from ...errors import (
     TierIOError,
 )
 from ...meta import Dropped, Event, Evicted, KVMeta, RetentionHint
+from ...payload import RETIRED_SEQ, plan_retirement
 from ..hints import apply_turn_hint
 from .config import ConnectorConfig
 from .index import Sidecar, read_sidecars, remove_sidecar, write_sidecar
@@ -706,6 +707,12 @@ class WorkerStore:
             for s in core.sessions.values():
                 if s.complete(t):
                     held.update((seg.key, seg.length) for seg in s.segs)
+            # a conversation that left while forks list its turns keeps a marker there
+            held.update(
+                ((owner, RETIRED_SEQ), plan_retirement(owner).length)
+                for owner, r in core.retired.items()
+                if t in r.markers
+            )
             if held:
                 out[tier.name] = sum(held.values())
         return out
