@@ -743,3 +743,107 @@ async def test_a_turns_retention_hint_is_applied_once_it_is_stored(cache: Tiered
     other = await adapter.chat_turn(cache, "t", [8, 9], max_new_tokens=2, hint=hint)
     assert (other.meta.pinned_until, other.meta.priority, other.history_tokens) == (None, 1, 4)
     assert len(other.answer) == 2  # the turn was served and stored all the same
+
+
+@pytest.mark.parametrize("codec", ["kv", "act"])
+async def test_forks_regenerate_and_edit_answer_like_recompute_and_store_only_their_turn(
+    codec: str, ssd_dir: Path
+) -> None:
+    model = opt()
+    adapter = TransformersAdapter(model, codec=CODECS[codec])
+    per_token = adapter.bytes_per_token
+    system, q1, q2, edited, q3 = queries(5, length=6, seed=11)
+    async with TieredKVCache([HostMemoryTier(1 << 20), SSDTier(ssd_dir, 16 << 20)]) as cache:
+        # a system prompt every chat starts from, stored once under a key of its own
+        await adapter.chat_turn(cache, "system", system, max_new_tokens=2)
+        prompt = system + list(await adapter.recompute(system, max_new_tokens=2))
+        chats: dict[str, list[int]] = {}
+        for user, q in (("alice", q1), ("bob", q2)):
+            turn = await adapter.chat_turn(
+                cache, user, q, max_new_tokens=4, parent="system", history=prompt
+            )
+            assert list(turn.answer) == recompute_greedy(model, prompt + q, 4)
+            assert turn.restored_tokens == len(prompt)
+            assert turn.recomputed_tokens == 0
+            meta = cache.channel[user]
+            assert (meta.parent, meta.parent_tokens, meta.tokens) == (
+                "system",
+                len(prompt),
+                len(prompt) + len(q) + 4,
+            )
+            # the fork owns its turn only; the prompt is listed, not copied
+            assert meta.shared_bytes == cache.channel["system"].nbytes
+            assert meta.owned_bytes == meta.nbytes - meta.shared_bytes
+            assert (len(q) + 4) * per_token <= meta.owned_bytes < (len(q) + 4) * per_token + 8192
+            chats[user] = prompt + q + list(turn.answer)
+        # alice's second turn, then: regenerate it (fork at the end of the question) ...
+        second = await adapter.chat_turn(
+            cache, "alice", q3, max_new_tokens=4, history=chats["alice"]
+        )
+        question = len(chats["alice"]) + len(q3)
+        regen = await adapter.chat_turn(
+            cache,
+            "alice/regen",
+            [q3[-1]],
+            max_new_tokens=4,
+            parent="alice",
+            parent_tokens=question - 1,
+        )
+        assert list(regen.answer) == list(second.answer)  # greedy: the same answer again
+        assert list(regen.answer) == recompute_greedy(model, chats["alice"] + q3, 4)
+        # ... and edit its first message (fork before it, inside the stored first turn)
+        edit = await adapter.chat_turn(
+            cache,
+            "alice/edit",
+            edited,
+            max_new_tokens=4,
+            parent="alice",
+            parent_tokens=len(prompt),
+        )
+        assert list(edit.answer) == recompute_greedy(model, prompt + edited, 4)
+        meta = cache.channel["alice/edit"]
+        assert (meta.parent, meta.parent_tokens) == ("alice", len(prompt))
+        # a fork point at the end of alice's inherited prompt: it lists the prompt only
+        assert meta.shared_bytes == cache.channel["system"].nbytes
+        # a fork's next turn restores its whole history
+        edited_history = prompt + edited + list(edit.answer)
+        after = await adapter.chat_turn(
+            cache, "alice/edit", q2, max_new_tokens=4, history=edited_history
+        )
+        assert list(after.answer) == recompute_greedy(model, edited_history + q2, 4)
+        assert problems(cache) == []
+
+
+async def test_a_fork_of_a_lost_parent_is_recomputed_from_its_history(cache: TieredKVCache) -> None:
+    model = llama()
+    adapter = TransformersAdapter(model)
+    q1, q2 = queries(2)
+    first = await adapter.chat_turn(cache, "s", q1, max_new_tokens=4)
+    history = q1 + list(first.answer)
+    await cache.drop("s")
+    with pytest.raises(SessionNotFoundError):
+        await adapter.chat_turn(cache, "f", q2, max_new_tokens=4, parent="s")
+    turn = await adapter.chat_turn(cache, "f", q2, max_new_tokens=4, parent="s", history=history)
+    assert turn.recomputed_tokens == len(history)
+    assert list(turn.answer) == recompute_greedy(model, history + q2, 4)
+    meta = cache.channel["f"]
+    assert meta.parent is None
+    assert meta.shared_bytes == 0
+    assert meta.tokens == len(history) + len(q2) + 4
+
+
+async def test_bad_forks_are_refused_before_anything_runs(cache: TieredKVCache) -> None:
+    adapter = TransformersAdapter(llama())
+    q1, q2 = queries(2)
+    await adapter.chat_turn(cache, "s", q1, max_new_tokens=4)
+    with pytest.raises(ValueError, match="already stored"):
+        await adapter.chat_turn(cache, "s", q2, max_new_tokens=4, parent="s")
+    with pytest.raises(ValueError, match="needs parent"):
+        await adapter.chat_turn(cache, "f", q2, max_new_tokens=4, parent_tokens=3)
+    with pytest.raises(HistoryMismatchError, match="fewer than the 99"):
+        await adapter.chat_turn(cache, "f", q2, max_new_tokens=4, parent="s", parent_tokens=99)
+    with pytest.raises(HistoryMismatchError, match="the conversation has 4"):
+        await adapter.chat_turn(
+            cache, "f", q2, max_new_tokens=4, parent="s", parent_tokens=5, history=q1[:4]
+        )
+    assert "f" not in cache.channel

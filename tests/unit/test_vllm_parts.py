@@ -591,8 +591,11 @@ def test_a_request_aborted_while_loading_stores_nothing_and_ends_with_its_load(
     _idle(side)
 
 
-def test_two_continuations_of_one_conversation_each_store_their_turn(tmp_path: Path) -> None:
-    cfg = parse_config({"ssd_path": str(tmp_path)})
+@pytest.mark.parametrize("forks", [True, False])
+def test_two_continuations_of_one_conversation_each_store_their_turn(
+    tmp_path: Path, forks: bool
+) -> None:
+    cfg = parse_config({"ssd_path": str(tmp_path), "forks": forks})
     side = SchedulerSide(cfg, FP, BS)
     a = list(range(1, 9))
     side.index.put("A", side.index.hashes(a))
@@ -600,9 +603,10 @@ def test_two_continuations_of_one_conversation_each_store_their_turn(tmp_path: P
     assert side.finished("x", x, [1, 2, 3, 4], 12, 1)  # both in one step
     assert side.finished("y", y, [5, 6, 7, 8], 12, 1)
     sx, sy = side.plan().saves
-    assert (sx.session, sx.start, sx.end) == ("A", 2, 3)
-    assert sy.session != "A"
-    assert (sy.start, sy.end) == (0, 3)
+    assert (sx.session, sx.start, sx.end, sx.parent) == ("A", 2, 3, None)
+    assert sy.session == session_key(FP, side.index.hashes(y[:12]))
+    # y stores its own block only, as a fork of A's 2 blocks (or all 3 without forks)
+    assert (sy.start, sy.end, sy.parent) == ((2, 3, "A") if forks else (0, 3, None))
     side.update(WorkerReport(stored=[("x", "A", 3, True), ("y", sy.session, 3, True)]), set())
     assert side.index.match(side.index.hashes(x[:12])) == ("A", 3)
     assert side.index.match(side.index.hashes(y[:12])) == (sy.session, 3)
@@ -616,6 +620,100 @@ def test_two_continuations_of_one_conversation_each_store_their_turn(tmp_path: P
         ("z1", session_key(FP, side.index.hashes([7] * 8)), 0),
         ("d1", "A", 3),
     ]
+
+
+def test_a_request_continuing_part_of_a_conversation_is_planned_as_its_fork(
+    tmp_path: Path,
+) -> None:
+    """A shared system prompt, an edited message: the finished request's matched blocks
+    stay the stored conversation's, only its own are saved; the index then matches the
+    fork's whole history, and a fork of the fork again stores only its own blocks."""
+    cfg = parse_config({"ssd_path": str(tmp_path)})
+    side = SchedulerSide(cfg, FP, BS)
+    system = list(range(1, 13))  # 3 blocks
+    # the first chat stored the prompt and a block of its own
+    side.index.put("S", side.index.hashes([*system, 90, 91, 92, 93]))
+    chat = [*system, 50, 51, 52, 53, 54, 55, 56, 57, 0]  # 2 blocks of its own
+    assert side.finished("c", chat, list(range(10, 16)), 20, 4)
+    (save,) = side.plan().saves
+    assert (save.parent, save.start, save.end) == ("S", 3, 5)
+    assert save.block_ids == (10, 11, 12, 13, 14)  # from block 0: the worker copies 3..4
+    assert save.tokens == tuple(chat[:20])
+    side.update(WorkerReport(stored=[("c", save.session, 5, True)]), set())
+    assert side.index.match(side.index.hashes(chat[:20])) == (save.session, 5)
+    # an edit of the chat's message: a fork of the chat at the prompt
+    edit = [*system, 50, 51, 52, 53, 70, 71, 72, 73, 74, 75, 76, 77, 0]
+    assert side.finished("e", edit, list(range(20, 27)), 24, 4)
+    (fork,) = side.plan().saves
+    assert (fork.parent, fork.start, fork.end) == (save.session, 4, 6)
+    # a request inside what is stored stores nothing
+    assert not side.finished("short", [*system, 50, 51, 52, 53, 0], [1, 2, 3, 4, 5], 16, 1)
+    # with a tier shared between replicas, no forks: stored whole
+    shared = SchedulerSide(parse_config({"redis_url": "redis://localhost:1"}), FP, BS)
+    shared.index.put("S", shared.index.hashes([*system, 90, 91, 92, 93]))
+    assert shared.finished("c", chat, list(range(10, 16)), 20, 4)
+    (whole,) = shared.plan().saves
+    assert (whole.parent, whole.start, whole.end) == (None, 0, 5)
+
+
+def test_worker_stores_a_fork_with_its_own_blocks_and_loads_its_whole_history(
+    tmp_path: Path,
+) -> None:
+    from tieredkv.integrations.vllm.ops import SaveOp
+
+    s, kv, expected, tokens = saved_turn(tmp_path, "S")  # blocks 3, 5, 6: 12 tokens
+    try:
+        parent = s.cache.channel["S"]
+        s.take_counters()
+        own = tuple(range(200, 208))
+        fork = SaveOp("c", "C", (3, 5, 9, 10), 2, 4, (*tokens[:8], *own), 4, parent="S")
+        s.save(fork)
+        s.wait_idle()
+        assert [(op.req_id, ok) for op, ok in s.finished_saves()] == [("c", True)]
+        meta = s.cache.channel["C"]
+        assert (meta.parent, meta.parent_tokens, meta.tokens) == ("S", 8, 16)
+        # the fork's own 2 blocks are stored, the parent's are not stored again
+        assert meta.shared_bytes == parent.nbytes
+        assert meta.owned_bytes == meta.nbytes - parent.nbytes
+        assert s.cache.stats().tiers[0].used == parent.nbytes + meta.owned_bytes
+        counters = s.take_counters()
+        assert counters["forks"] == 1
+        assert counters["saved_tokens"] == 8
+        assert s.held()[HOST] == s.cache.stats().tiers[0].used
+        sidecar = json.loads((tmp_path / "index" / "C.json").read_text())
+        assert sidecar["tokens"] == [*tokens[:8], *own]
+        # its whole history loads, byte for byte: the parent's first 2 blocks, its own 2
+        ok = s.load_sync(LoadOp("r", "C", (11, 12, 13, 14), 0, 4, fork.tokens, sync=True))
+        assert ok
+        for name, layer in kv.items():
+            assert torch.equal(layer[[11, 12]], expected[name][:2])
+            assert torch.equal(layer[[13, 14]], layer[[9, 10]])
+        # the parent leaves: its blocks stay for the fork (with a retirement marker on
+        # the SSD); what either tier uses is what the stored conversations hold
+        assert s._portal is not None
+        s._portal.call(s.cache.flush)
+        s._portal.call(s.cache.drop, "S")
+        assert "S" not in s.cache.channel
+        unheld = {k: v for k, v in s.busy().items() if k.endswith("_unheld_bytes")}
+        assert unheld == {"host_unheld_bytes": 0, "ssd_unheld_bytes": 0}
+        ok = s.load_sync(LoadOp("r1", "C", (11, 12, 13, 14), 0, 4, fork.tokens, sync=True))
+        assert ok
+        for name, layer in kv.items():
+            assert torch.equal(layer[[11, 12]], expected[name][:2])
+        # a fork whose parent is gone meanwhile is stored whole
+        s.save(SaveOp("d", "D", (3, 5, 9, 10), 2, 4, (*tokens[:8], *own), 4, parent="gone"))
+        s.wait_idle()
+        assert [(op.req_id, ok) for op, ok in s.finished_saves()] == [("d", True)]
+        whole = s.cache.channel["D"]
+        assert (whole.parent, whole.tokens, whole.shared_bytes) == (None, 16, 0)
+        assert s.take_counters()["saved_tokens"] == 16
+        ok = s.load_sync(LoadOp("r2", "D", (0, 1, 2, 4), 0, 4, fork.tokens, sync=True))
+        assert ok
+        for name, layer in kv.items():
+            assert torch.equal(layer[[0, 1]], expected[name][:2])
+            assert torch.equal(layer[[2, 4]], layer[[9, 10]])
+    finally:
+        s.close()
 
 
 def test_a_fork_of_a_turn_being_stored_waits_for_it(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from ...codecs import Codec, TurnTensors, layer_groups
 from ...errors import SessionNotFoundError
 from ...meta import KVMeta, RetentionHint
 from .capture import ActivationCapture
-from .chat import ChatTurn, TurnRun, sampler, token_ids
+from .chat import ChatTurn, TurnRun, check_fork, sampler, token_ids
 from .choice import CodecAsked, check_asked, inspect_model
 from .errors import HistoryMismatchError, check_loaded, require_transformers
 from .modelcache import ModelCaches, layer_kv
@@ -253,6 +253,7 @@ class TransformersAdapter:
         *,
         expected_tokens: int | None = None,
         room: int = 0,
+        tokens: int | None = None,
     ) -> DynamicCache:
         """The session's history as a ``DynamicCache`` on the model's device.
 
@@ -262,17 +263,39 @@ class TransformersAdapter:
         (one copy, from the tier); ``room`` free positions after the history let the coming
         turn's tokens (query + answer) be appended without reallocating.
 
+        :param expected_tokens: the history's length as the caller counts it (with
+            ``tokens``, the length of the part restored)
+        :param tokens: restore only the history's first ``tokens`` tokens (a fork point:
+            see :meth:`chat_turn`'s ``parent``); ``None`` for all of them
         :raises SessionNotFoundError: if the cache holds no history for the session
-        :raises HistoryMismatchError: if it does not fit the model (nothing is loaded)
+        :raises HistoryMismatchError: if it does not fit the model, or holds fewer than
+            ``tokens`` tokens (nothing is loaded)
         """
         if room < 0:
             raise ValueError(f"room must be a number of token positions >= 0, not {room}")
-        meta = self.check_history(cache, session, expected_tokens=expected_tokens)
+        if tokens is not None and tokens < 1:
+            raise ValueError(f"tokens must be at least 1 (or None for all), not {tokens}")
+        if tokens is None:
+            meta = self.check_history(cache, session, expected_tokens=expected_tokens)
+            want = meta.tokens
+        else:
+            meta = self.check_history(cache, session)
+            if tokens > meta.tokens:
+                raise HistoryMismatchError(
+                    session, f"it holds {meta.tokens} tokens, fewer than the {tokens} asked for"
+                )
+            if expected_tokens is not None and expected_tokens != tokens:
+                raise HistoryMismatchError(
+                    session,
+                    f"{tokens} of its tokens were asked for, the conversation has "
+                    f"{expected_tokens}",
+                )
+            want = tokens
         in_place = self.codec.decodes_in_place
         out = self._allocate(meta.tokens + (room if in_place else 0))
-        tokens = await cache.load_into(session, out)
-        check_loaded(session, tokens, meta.tokens)
-        stored = self._caches.leading(self.codec, out, tokens)
+        loaded = await cache.load_into(session, out)
+        check_loaded(session, loaded, meta.tokens)
+        stored = self._caches.leading(self.codec, out, want)
         model_cache = await anyio.to_thread.run_sync(
             lambda: self._decoded(stored, 0, room, adopt=in_place)
         )
@@ -328,8 +351,18 @@ class TransformersAdapter:
         before_compute: Callable[[], Awaitable[None]] | None = None,
         on_loaded: Callable[[], None] | None = None,
         hint: RetentionHint | None = None,
+        parent: str | None = None,
+        parent_tokens: int | None = None,
     ) -> ChatTurn:
         """Run one turn end to end: restore, prefill the query, decode, store.
+
+        With ``parent``, the turn is the first of a new conversation that continues
+        ``parent``'s first ``parent_tokens`` tokens (all of them if ``None``): regenerate an
+        answer (fork at the end of the question, ask the same query again... or a new
+        one), edit a message (fork before it, send the edited one), or start a chat from a
+        stored system prompt. The session becomes a *fork* of ``parent``
+        (:doc:`/explanation/forest`): only this turn's tokens are stored, the inherited
+        history stays the parent's, stored once for both.
 
         Decoding is greedy (argmax) by default; with ``temperature > 0`` each token is
         sampled from the softmax of the logits divided by it, restricted to the ``top_k``
@@ -361,10 +394,22 @@ class TransformersAdapter:
             returned ``meta`` carries it); a pin that would pass the cache's
             ``max_pinned_bytes`` is refused with a warning logged, and the turn and the
             rest of the hint are kept
+        :param parent: the stored conversation this session's first turn continues (the
+            session must not be stored yet); ``history``, if given, is then the fork's
+            history (``parent``'s first ``parent_tokens`` tokens), recomputed and stored
+            whole, as a conversation of its own, if the cache lost ``parent``
+        :param parent_tokens: how many of ``parent``'s tokens the fork starts with (1 to
+            all of them; ``None``: all)
         :raises HistoryMismatchError: if the stored history does not fit the model or the
             given history (nothing is generated or stored)
         :raises SessionNotFoundError: if the cache lost the session's history (its metadata
-            remains, with no tier) and ``history`` was not given to recompute it
+            remains, with no tier), or ``parent``'s, and ``history`` was not given to
+            recompute it
+        :raises ValueError: with ``parent``, if the session is stored already, or the cache
+            has a tier shared between replicas (which takes no forks: pass the whole
+            ``history`` without ``parent`` instead); nothing is computed
+        :raises CapacityError: with ``parent``, if the turn does not fit in the tier that
+            serves ``parent`` (nothing is stored)
         """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
@@ -374,6 +419,12 @@ class TransformersAdapter:
         query_ids = token_ids(query, "query")
         if query_ids.numel() == 0:
             raise ValueError("the query is empty")
+        fork = None
+        if parent is not None:
+            fork = (parent, parent_tokens)
+            check_fork(cache, session, parent, parent_tokens)
+        elif parent_tokens is not None:
+            raise ValueError("parent_tokens needs parent (the conversation to fork)")
         run = TurnRun(
             self,
             self._caches,
@@ -390,5 +441,6 @@ class TransformersAdapter:
             before_compute=before_compute,
             on_loaded=on_loaded,
             hint=hint,
+            fork=fork,
         )
         return await run.run()

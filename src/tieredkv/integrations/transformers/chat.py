@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from ...cache import TieredKVCache
     from .adapter import TransformersAdapter
 
-__all__ = ["ChatTurn", "TurnRun", "sampler", "token_ids"]
+__all__ = ["ChatTurn", "TurnRun", "check_fork", "sampler", "token_ids"]
 
 
 class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,6 +90,7 @@ class TurnRun:
         before_compute: Callable[[], Awaitable[None]] | None,
         on_loaded: Callable[[], None] | None,
         hint: RetentionHint | None = None,
+        fork: tuple[str, int | None] | None = None,
     ) -> None:
         self._adapter = adapter
         self._caches = caches
@@ -106,6 +107,8 @@ class TurnRun:
         self._go = before_compute
         self._on_loaded = on_loaded
         self._hint = hint
+        self._fork = fork
+        self._parent: str | None = None  # the fork's parent, once its history is restored
 
     def _loaded(self) -> None:
         """Report the history read (once)."""
@@ -129,7 +132,9 @@ class TurnRun:
         room = int(query.numel()) + self._max_new
         model_cache: Any = None
         try:
-            if session in cache:
+            if self._fork is not None:
+                model_cache = await self._forked(expected, room)
+            elif session in cache:
                 try:
                     if adapter.layerwise and not cache.addressable(session):
                         return await self._streamed(expected)
@@ -168,6 +173,28 @@ class TurnRun:
             stored=int(prefill.numel()) + len(answer),
             times=(began, restored_at, time.perf_counter()),
         )
+
+    async def _forked(self, expected: int | None, room: int) -> Any:
+        """The fork's history: its parent's first tokens restored (``None`` if the cache
+        lost the parent and the caller's ``history`` is to be recomputed and stored whole).
+
+        :raises SessionNotFoundError: the parent is lost and there is no ``history``
+        """
+        assert self._fork is not None
+        parent, tokens = self._fork
+        cache = self._cache
+        try:
+            if parent in cache:
+                model_cache = await self._adapter.restore(
+                    cache, parent, expected_tokens=expected, room=room, tokens=tokens
+                )
+                self._parent = parent
+                return model_cache
+        except SessionNotFoundError:  # lost or found damaged meanwhile
+            pass
+        if self._history is None:
+            raise SessionNotFoundError(parent)
+        return None
 
     async def _streamed(self, expected: int | None) -> ChatTurn:
         """The turn, its history streaming in layer by layer while its prefill runs.
@@ -240,6 +267,9 @@ class TurnRun:
             answer_tokens=len(answer),
             token_dim=adapter.token_dim,
             codec=adapter.codec_id,
+            # a fork point as restored: the parent may have grown since
+            parent=self._parent,
+            parent_tokens=restored if self._parent is not None else None,
         )
         if self._hint is not None:  # a pin past the bound is refused (logged), not the turn
             what = f"the hint of session {self._session!r}'s turn"
@@ -257,6 +287,30 @@ class TurnRun:
             restore_seconds=restored_at - began,
             compute_seconds=computed_at - restored_at,
             store_seconds=time.perf_counter() - computed_at,
+        )
+
+
+def check_fork(cache: TieredKVCache, session: str, parent: str, parent_tokens: int | None) -> None:
+    """Refuse, before anything runs, a fork the cache would refuse once it is computed.
+
+    :raises ValueError: the session is stored already, forks itself, ``parent_tokens`` is
+        below 1, or the cache has a tier shared between replicas
+    """
+    from ...backends.shared import SharedTier
+
+    if session in cache.channel:
+        raise ValueError(
+            f"conversation {session!r} is already stored; a conversation becomes a fork at "
+            f"its first turn (fork under a new key)"
+        )
+    if parent == session:
+        raise ValueError(f"conversation {session!r} cannot be forked from itself")
+    if parent_tokens is not None and parent_tokens < 1:
+        raise ValueError(f"parent_tokens must be at least 1 (or None for all), not {parent_tokens}")
+    if any(isinstance(t, SharedTier) for t in cache.tiers):
+        raise ValueError(
+            "forks are not supported with a tier shared between replicas; pass the fork's "
+            "whole history= without parent instead"
         )
 
 

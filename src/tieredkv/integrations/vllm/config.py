@@ -51,6 +51,11 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     :param model_id: the model's identity as the operator pins it (a name that changes
         whenever the weights do); ``None`` (default): a digest of the model directory's
         weight and config files, computed at start, or a hub model's commit hash
+    :param forks: a finished request that continues only part of a stored conversation
+        (a shared system prompt, an edited message, a regenerated answer) is stored as a
+        *fork* of it: only its own blocks are stored, the shared ones stay stored once
+        (default on; off: it is stored whole, as a conversation of its own). Not with
+        ``redis_url``: a tier shared between replicas takes no forks
     """
 
     host_bytes: int = 1 << 30
@@ -68,6 +73,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     sync_load_bytes: int = 0
     codec: str = "kv"
     model_id: str | None = None
+    forks: bool = True
 
 
 _KEYS = tuple(ConnectorConfig.__struct_fields__)
@@ -119,7 +125,7 @@ def parse_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
         )
     if "sync_load_bytes" in extra:
         _positive_int("sync_load_bytes", extra["sync_load_bytes"], 0)
-    for key in ("fsync", "layerwise"):
+    for key in ("fsync", "layerwise", "forks"):
         if key in extra and not isinstance(extra[key], bool):
             raise InvalidArgumentError(
                 f"kv_connector_extra_config[{key!r}] must be true or false, not {extra[key]!r}"

@@ -78,6 +78,7 @@ STAT_KEYS = (
     "saved_tokens",
     "saved_bytes",
     "save_errors",
+    "forks",
 )
 
 
@@ -106,7 +107,8 @@ class TieredKVWorkerMetadata(KVConnectorWorkerMetadata):
 class TieredKVConnectorStats(KVConnectorStats):
     """The workers' counters over an interval: loads (host hits and lower-tier hits),
     load errors, tokens loaded and saved, layers a load filled while vLLM waited for them
-    (layer by layer, within the forward pass), bytes saved, seconds spent loading."""
+    (layer by layer, within the forward pass), bytes saved, seconds spent loading, turns
+    stored as forks of another conversation (their shared blocks not stored again)."""
 
     def reset(self) -> None:
         self.data = {}

@@ -55,6 +55,10 @@ class SaveOp:
     :param keys: the request's keys besides its tokens (its sidecar records them)
     :param hint: the request's retention hint, applied to the conversation once the turn
         is stored
+    :param parent: the stored conversation whose first ``start`` blocks this one
+        continues: the turn is the first of a new conversation (``session``), a fork of
+        ``parent`` that stores blocks ``start .. end-1`` only (``None``: ``session``
+        itself stores the first ``start`` blocks)
     """
 
     req_id: str
@@ -66,6 +70,7 @@ class SaveOp:
     answer_tokens: int
     keys: RequestKeys = PLAIN
     hint: RetentionHint | None = None
+    parent: str | None = None
 
 
 @dataclass

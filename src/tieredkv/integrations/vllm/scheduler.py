@@ -106,6 +106,8 @@ class SchedulerSide:
         self.block_size = block_size
         self.clock = clock
         self.index = PrefixIndex(fp, block_size)
+        # a tier shared between replicas takes no forks: such turns are stored whole
+        self._forks = config.forks and config.redis_url is None
         self.channel = MetadataChannel()
         tiers = [TierInfo(name=HOST, level=0, capacity=config.host_bytes)]
         if config.ssd_path is not None:
@@ -301,8 +303,10 @@ class SchedulerSide:
         already asked of the workers ends as they report it. A computing request's new
         full blocks are planned to be stored as its conversation's next turn (a new
         conversation when it continues none, only part of one, or one whose next turn
-        another request is storing). Returns whether a save was planned: its blocks must
-        then stay allocated until the worker copied them.
+        another request is storing: with ``forks`` on, one that continues part of a
+        stored conversation is a fork of it, storing its own blocks only). Returns
+        whether a save was planned: its blocks must then stay allocated until the worker
+        copied them.
 
         ``hint`` (the request's retention hint) goes with the save, for the conversation
         the turn is stored in; a computing request that stores nothing new (its turn is
@@ -385,15 +389,21 @@ class SchedulerSide:
             return False  # the same turn (a duplicate request's) is being stored
         session, blocks = self.index.match(hashes)
         saving = {pending[0] for pending in self._pending_saves.values()}
+        parent: str | None = None
         if session is not None and blocks == self.index.blocks(session) and session not in saving:
             start = blocks  # it continues the whole stored conversation
         else:
             # a new conversation: it continues none, part of one, or one whose next turn
             # another request stores now (two continuations of one conversation: each
-            # keeps its own turn)
+            # keeps its own turn); continuing one, it is a fork of it (its matched blocks,
+            # the same tokens under the same keys, stay stored once)
+            if session is not None and self._forks:
+                parent = session
             session, start = session_key(self.index.fp, hashes), 0
             if session in self.index or session in saving:  # the same turn again
                 return False
+            if parent is not None:
+                start = blocks
         if end <= start:
             return False
         self._planned.saves.append(
@@ -407,6 +417,7 @@ class SchedulerSide:
                 answer_tokens=answer_tokens,
                 keys=keys.prefix(end),
                 hint=hint,
+                parent=parent,
             )
         )
         self._pending_saves[req_id] = (session, hashes)

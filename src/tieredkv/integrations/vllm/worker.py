@@ -46,8 +46,15 @@ from ...backends.base import Tier
 from ...backends.memory import HostMemoryTier
 from ...backends.ssd import SSDTier
 from ...cache import LayerwiseLoad, TieredKVCache
-from ...errors import RestoreFailedError, SessionNotFoundError, TierIOError
+from ...errors import (
+    CapacityError,
+    InvalidArgumentError,
+    RestoreFailedError,
+    SessionNotFoundError,
+    TierIOError,
+)
 from ...meta import Dropped, Event, Evicted, KVMeta, RetentionHint
+from ...payload import RETIRED_SEQ, plan_retirement
 from ..hints import apply_turn_hint
 from .config import ConnectorConfig
 from .index import Sidecar, read_sidecars, remove_sidecar, write_sidecar
@@ -502,10 +509,12 @@ class WorkerStore:
 
     def _tensors(self, op: SaveOp) -> dict[str, torch.Tensor]:
         """The turn's token ids (first: a load checks them before it fills a block) and the
-        KV of its blocks."""
+        KV of its blocks (of all of them, from block 0, for a fork: stored whole should
+        the fork be refused)."""
         bs = self.block_size
-        tokens = torch.tensor(op.tokens[op.start * bs : op.end * bs], dtype=torch.int64)
-        return {TOKENS: tokens.reshape(1, -1, 1), **self.gather(op.block_ids[op.start : op.end])}
+        first = 0 if op.parent is not None else op.start
+        tokens = torch.tensor(op.tokens[first * bs : op.end * bs], dtype=torch.int64)
+        return {TOKENS: tokens.reshape(1, -1, 1), **self.gather(op.block_ids[first : op.end])}
 
     async def _save(
         self,
@@ -564,25 +573,60 @@ class WorkerStore:
         conversation's metadata after it, or ``None`` if it was not stored."""
         meta = self.cache.channel.get(op.session)
         have = 0 if meta is None or meta.tier is None else meta.tokens
+        first = 0 if op.parent is not None else op.start  # blocks the session holds
         if meta is not None and meta.tier is None:  # lost: it restarts from nothing
-            if op.start:
+            if first:
                 return None
             await self.cache.drop(op.session)
-        if have != op.start * self.block_size:
+        if have != first * self.block_size:
             _log.info(
                 "not storing %s's turn: %s holds %d tokens, the turn starts at %d",
                 op.req_id,
                 op.session,
                 have,
-                op.start * self.block_size,
+                first * self.block_size,
             )
             return None
-        stored = await self.cache.append(op.session, tensors, answer_tokens=op.answer_tokens)
-        self._count("saved_tokens", (op.end - op.start) * self.block_size)
+        stored = None
+        if op.parent is not None:
+            stored, tensors = await self._fork(op, tensors)
+        if stored is None:
+            stored = await self.cache.append(op.session, tensors, answer_tokens=op.answer_tokens)
+        self._count("saved_tokens", tensors[TOKENS].shape[1])
         self._count("saved_bytes", sum(t.numel() * t.element_size() for t in tensors.values()))
         if op.hint is not None:
             stored = self._hint(op.req_id, op.session, op.hint) or stored
         return stored
+
+    async def _fork(
+        self, op: SaveOp, tensors: dict[str, torch.Tensor]
+    ) -> tuple[KVMeta | None, dict[str, torch.Tensor]]:
+        """Store the turn as a fork of ``op.parent`` at block ``op.start`` (its own blocks
+        only): the conversation's metadata and the tensors stored, or ``None`` and all of
+        ``tensors`` (to store whole) if the cache refused the fork (the parent is gone,
+        retired or lost meanwhile, or its tier has no room for the turn)."""
+        assert op.parent is not None
+        at = op.start * self.block_size
+        own = {name: t.narrow(1, at, t.shape[1] - at) for name, t in tensors.items()}
+        try:
+            meta = await self.cache.append(
+                op.session,
+                own,
+                answer_tokens=op.answer_tokens,
+                parent=op.parent,
+                parent_tokens=at,
+            )
+        except (SessionNotFoundError, CapacityError, InvalidArgumentError) as exc:
+            _log.debug(
+                "storing %s's turn whole: the fork of %s at %d tokens was refused (%s)",
+                op.req_id,
+                op.parent,
+                at,
+                exc,
+            )
+            return None, tensors
+        self._count("forks")
+        return meta, own
 
     def _hint(self, req_id: str, session: str, hint: RetentionHint) -> KVMeta | None:
         """Apply a request's retention hint to a stored conversation (on the cache's loop);
@@ -637,7 +681,7 @@ class WorkerStore:
         the conversations it holds (``<tier>_unheld_bytes``: reservations of appends or
         promotions in flight, or space a dropped or moved copy did not give back)."""
         assert self._portal is not None
-        used, held = self._portal.call(anyio.to_thread.run_sync, self._holdings)
+        used, held = self._portal.call(self._holdings)  # on the loop: a consistent view
         return {
             "loads": len(self._pending_loads),
             "saves": len(self._pending_saves),
@@ -652,14 +696,25 @@ class WorkerStore:
         return {t.name: t.used for t in self.cache.stats().tiers}, self.held()
 
     def held(self) -> dict[str, int]:
-        """Per tier, the bytes of the complete copies of the conversations stored there."""
+        """Per tier, the bytes of the complete copies of the conversations stored there,
+        each stored segment counted once (the history forks share is stored once)."""
+        # the cache's index of segments: the metadata channel says how large each
+        # conversation is, not which of its bytes it shares with its forks
+        core = self.cache._core
         out: dict[str, int] = {}
-        for session in self.cache.channel:
-            meta = self.cache.channel.get(session)
-            if meta is None or meta.tier is None:
-                continue
-            for tier in meta.copies:
-                out[tier] = out.get(tier, 0) + meta.nbytes
+        for t, tier in enumerate(core.tiers):
+            held: dict[Any, int] = {}
+            for s in core.sessions.values():
+                if s.complete(t):
+                    held.update((seg.key, seg.length) for seg in s.segs)
+            # a conversation that left while forks list its turns keeps a marker there
+            held.update(
+                ((owner, RETIRED_SEQ), plan_retirement(owner).length)
+                for owner, r in core.retired.items()
+                if t in r.markers
+            )
+            if held:
+                out[tier.name] = sum(held.values())
         return out
 
     def stored_sessions(self) -> int:
