@@ -91,9 +91,13 @@ async def purge_orphans(core: Core, session: str | None = None) -> None:
 
 
 async def remove_copy(core: Core, s: Session, t: int) -> bool:
-    """Take ``s``'s segments in tier ``t`` out of the index and delete them, highest first.
+    """Take ``s``'s segments in tier ``t`` out of the index and delete them, highest first
+    (a dropped conversation's lowest first).
 
-    Highest first, so a crash part-way leaves a prefix (which recovery can use). A segment
+    Highest first, so a crash part-way leaves a prefix (which recovery can use) of a
+    conversation that stays; a dropped one's first segment goes first, so a crash part-way
+    through a drop leaves no history to serve (recovery reports the rest as a truncation
+    to 0 turns and deletes it), never a shorter one. A segment
     another conversation still needs in ``t`` (one it shares with ``s``: see
     :meth:`~tieredkv._cache.state.Seg.needed`) stays. A segment that cannot be deleted
     becomes an orphan. Never raises for I/O: ``False`` if some segment became an orphan.
@@ -102,7 +106,7 @@ async def remove_copy(core: Core, s: Session, t: int) -> bool:
     gone = []
     copies = core.mode == "inclusive"
     sharers = {u for seg in s.segs for u in seg.users if u is not s and u.complete(t)}
-    for seg in reversed(s.segs):
+    for seg in list(s.segs) if s.dropped else list(reversed(s.segs)):
         if t in seg.tiers and not seg.needed(t, s, copies):
             seg.tiers.discard(t)
             gone.append(seg)
