@@ -13,8 +13,6 @@ import os
 import random
 import select
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,11 +21,11 @@ import pytest
 import torch
 
 from tests.integration.crash_writer import SESSIONS, make_cache, tensors_for
+from tests.killed_writer import complete_lines, start_writer
 
 WRITER = Path(__file__).with_name("crash_writer.py")
 SCALE = int(os.environ.get("TIEREDKV_CAMPAIGN_SCALE", "1"))
 """Multiplies the kill rounds (the long campaign: see tests/integration/test_fault_campaign.py)."""
-REPO = Path(__file__).resolve().parents[2]
 
 
 def run_and_kill(directory: Path, mode: str, seed: int, log: Path) -> dict[int, int]:
@@ -37,20 +35,7 @@ def run_and_kill(directory: Path, mode: str, seed: int, log: Path) -> dict[int, 
     acked: dict[int, int] = {}
     last_ack = interval = 0.0
     with log.open("ab") as err:
-        proc = subprocess.Popen(
-            [sys.executable, str(WRITER), str(directory), mode, str(seed)],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            cwd=REPO,
-            # the repository (for ``tests``) ahead of any path the caller set (``tieredkv``
-            # may be importable only through it, e.g. PYTHONPATH=src without an install)
-            env={
-                **os.environ,
-                "PYTHONPATH": os.pathsep.join(
-                    filter(None, (str(REPO), os.environ.get("PYTHONPATH")))
-                ),
-            },
-        )
+        proc = start_writer(WRITER, [str(directory), mode, str(seed)], err)
         assert proc.stdout is not None
         try:
             deadline = time.monotonic() + 60
@@ -72,9 +57,8 @@ def run_and_kill(directory: Path, mode: str, seed: int, log: Path) -> dict[int, 
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             # acks the writer printed while we slept count too (a torn last line does not)
-            for rest in proc.stdout.read().decode(errors="replace").splitlines(keepends=True):
-                words = rest.split()
-                if rest.endswith("\n") and len(words) == 3 and words[0] == "acked":
+            for words in complete_lines(proc.stdout.read()):
+                if len(words) == 3 and words[0] == "acked":
                     acked[int(words[1])] = int(words[2])
             proc.stdout.close()
     assert proc.returncode == -signal.SIGKILL

@@ -4,12 +4,9 @@ absent, no dropped conversation back, and every history byte for byte."""
 
 from __future__ import annotations
 
-import os
 import random
 import select
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,13 +15,13 @@ import pytest
 import torch
 
 from tests.integration.forest_crash_writer import Parts, model, script
+from tests.killed_writer import complete_lines, start_writer
 from tieredkv import SSDTier, TieredKVCache
 from tieredkv.fsck import check_directory
 
 from ..invariants import problems
 
 WRITER = Path(__file__).with_name("forest_crash_writer.py")
-REPO = Path(__file__).resolve().parents[2]
 
 
 def run_and_kill(directory: Path, seed: int, log: Path) -> int:
@@ -33,18 +30,7 @@ def run_and_kill(directory: Path, seed: int, log: Path) -> int:
     kill_after = rng.randint(5, 40)
     acked = -1
     with log.open("ab") as err:
-        proc = subprocess.Popen(
-            [sys.executable, str(WRITER), str(directory), str(seed)],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            cwd=REPO,
-            env={
-                **os.environ,
-                "PYTHONPATH": os.pathsep.join(
-                    filter(None, (str(REPO), os.environ.get("PYTHONPATH")))
-                ),
-            },
-        )
+        proc = start_writer(WRITER, [str(directory), str(seed)], err)
         assert proc.stdout is not None
         try:
             deadline = time.monotonic() + 120
@@ -59,9 +45,9 @@ def run_and_kill(directory: Path, seed: int, log: Path) -> int:
         finally:
             proc.send_signal(signal.SIGKILL)
             rest, _ = proc.communicate()  # acks the child wrote before it died
-    for line in rest.decode().splitlines():
-        if line.startswith("acked "):
-            acked = int(line.split()[1])
+    for words in complete_lines(rest):  # (a line torn by the kill is no ack)
+        if len(words) == 2 and words[0] == "acked":
+            acked = int(words[1])
     return acked
 
 
