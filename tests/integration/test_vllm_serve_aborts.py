@@ -16,12 +16,10 @@ The server starts in about a minute on two cores; the run takes about 20 s.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +33,9 @@ from tests.vllm_support import (
     free_port,
     leaks,
     require_vllm,
+    start_server,
     tiny_model,
+    wait_healthy,
 )
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]  # a server start: `pytest -m slow`
@@ -63,53 +63,22 @@ def test_streams_closed_early_leave_the_server_serving(tmp_path: Path) -> None:
     log_path = tmp_path / "serve.log"
     connector_log = tmp_path / "connector.log"  # the connector's own log, DEBUG
     log = log_path.open("w")
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--skip-tokenizer-init",
-            "--enforce-eager",
-            "--dtype",
-            "float32",
-            "--block-size",
-            str(BS),
-            "--max-model-len",
-            "2048",
-            "--gpu-memory-utilization",
-            "0.15",
-            "--no-enable-prefix-caching",
-            "--kv-transfer-config",
-            json.dumps(config),
-        ],
+    server = start_server(
+        model,
+        port,
+        config,
+        log,
+        block_size=BS,
+        max_model_len=2048,
         env={
-            **os.environ,
-            "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_LOGGING_CONFIG_PATH": str(connector_logging(connector_log)),
             # a grace for the engine's processes to shut down cleanly and log their
             # state (vLLM's default, 5 s, is short on a loaded machine)
             "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "120",
         },
-        stdout=subprocess.DEVNULL,
-        stderr=log,
-        start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert server.poll() is None, log_path.read_text()[-4000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "vllm serve did not come up"
-                time.sleep(1)
+        wait_healthy(server, port, log_path)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
         rng = random.Random(3)
 
