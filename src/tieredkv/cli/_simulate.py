@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from ._args import Parser, policy, positive
 from ._workload import (
@@ -14,6 +15,9 @@ from ._workload import (
     degenerate,
     setup,
 )
+
+if TYPE_CHECKING:
+    from ..sim.forest import Forest
 
 __all__ = ["DEFAULT_RATE", "add_simulate", "check_simulate", "simulate_command"]
 
@@ -102,7 +106,9 @@ def simulate_command(args: argparse.Namespace) -> int:
     few = degenerate(args, [rate])
     if few is not None:
         print(f"tieredkv simulate: {few}", file=sys.stderr)
-    turns = workload.turns(rate)
+    forest = workload.forest(rate)
+    turns = forest.turns if forest is not None else workload.turns(rate)
+    shared = None if forest is None else _shared_note(forest, config.model)
     slo = workload_slo(workload, turns)
     rows = []
     bar = ProgressBar("tieredkv simulate", enabled=not args.no_progress)
@@ -129,6 +135,8 @@ def simulate_command(args: argparse.Namespace) -> int:
             note = saturation_note(ideal, slo, probe=probe)
     if args.json and note is not None:
         print(f"tieredkv simulate: {note}", file=sys.stderr)
+    if args.json and shared is not None:
+        print(f"tieredkv simulate: {shared}", file=sys.stderr)
     if not args.json:
         print(
             f"\n{workload.kind} workload, {rate:.4g} users/min{chosen}"
@@ -154,8 +162,25 @@ def simulate_command(args: argparse.Namespace) -> int:
             f"\nlatencies and queueing in seconds (SLO {slo:.3g} s); turns counted:",
             rows[0].turns if rows else 0,
         )
+        if shared is not None:
+            print(f"\n{shared[0].upper()}{shared[1:]}.")
         if note is not None:
             print(f"\n{note}.")
         if few is not None:
             print(f"\n{few[0].upper()}{few[1:]}.")
     return 0
+
+
+def _shared_note(forest: Forest, model: str) -> str:
+    """What storing shared history once would hold, against what this simulator stores."""
+    from ..sim.costmodel import get_model
+
+    per_token = get_model(model).kv_bytes_per_token
+    stored = forest.total_tokens() * per_token
+    unique = forest.unique_tokens() * per_token
+    return (
+        f"shared history: the conversations' final histories hold {stored / 1e9:,.1f} GB of "
+        f"{model} KV, stored whole by every system here (the simulator does not share "
+        f"history); their distinct ranges (the system prompt and forked turns once) hold "
+        f"{unique / 1e9:,.1f} GB (the histories hold {stored / max(unique, 1):.2f}x that)"
+    )

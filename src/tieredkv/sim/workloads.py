@@ -37,6 +37,7 @@ import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -45,8 +46,12 @@ from .agentic import AgenticWorkload
 from .synthetic import SyntheticWorkload
 from .trace import Turns, read_turns
 
+if TYPE_CHECKING:
+    from .forest import Forest
+
 __all__ = [
     "FEW_USERS",
+    "GENERATED_KINDS",
     "MAX_USERS",
     "WORKLOAD_KINDS",
     "Turn",
@@ -68,6 +73,10 @@ __all__ = [
 WORKLOAD_KINDS = ("synthetic", "bidaw", "sharegpt", "mooncake", "agentic", "shared-prompt")
 """Names :class:`WorkloadSpec` accepts as ``kind``."""
 
+GENERATED_KINDS = ("synthetic", "sharegpt", "shared-prompt", "agentic")
+"""The kinds whose users arrive as a Poisson process at the rate, for ``minutes``
+(``users = rate * minutes``); the others replay a recorded trace."""
+
 MAX_USERS = 200_000
 """The most users a generated workload (synthetic, ShareGPT) may have: ``rate * minutes``.
 Its turns are held in memory and each simulated system keeps state per conversation; 10,000
@@ -80,7 +89,7 @@ FEW_USERS = 10
 
 
 def generated_users(rate: float, minutes: float) -> int:
-    """Users of a generated workload (synthetic, ShareGPT) at ``rate`` users per minute for
+    """Users of a generated workload (:data:`GENERATED_KINDS`) at ``rate`` users per minute for
     ``minutes`` of arrivals: ``rate * minutes``, at least 1.
 
     :raises ValueError: above :data:`MAX_USERS` (the message names the limit and the fix)
@@ -99,7 +108,7 @@ def degenerate_note(kind: str, rate: float, minutes: float) -> str | None:
     :data:`FEW_USERS` users: too few conversations overlap to load the GPU, the host memory
     or the SSD, so every system serves them alike and no result says anything about
     caching (``None`` otherwise, and for a recorded trace)."""
-    if kind not in ("synthetic", "sharegpt", "shared-prompt"):
+    if kind not in GENERATED_KINDS:
         return None
     users = generated_users(rate, minutes)
     if users >= FEW_USERS:
@@ -476,12 +485,18 @@ class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True):
     :param kind: one of :data:`WORKLOAD_KINDS`
     :param paths: the trace files (``bidaw``, ``mooncake``), or the ShareGPT JSON (none:
         the package's)
-    :param minutes: ``synthetic``, ``shared-prompt`` and ``sharegpt``: minutes of user arrivals
-        (``users = rate * minutes``)
+    :param minutes: generated workloads (:data:`GENERATED_KINDS`): minutes of user
+        arrivals (``users = rate * minutes``)
     :param sharegpt_limit: ShareGPT conversations read at most (``None``: all)
     :param seed: base seed (generation, sampling)
     :param answer_scale: ``synthetic``: answer lengths (median and maximum) times this
         factor (the sensitivity study's knob; the think time grows with them too)
+    :param prompt_tokens: ``shared-prompt``: tokens of the system prompt every
+        conversation starts with
+    :param fork_fraction: ``shared-prompt``: probability that a turn after a
+        conversation's first forks it (an edited message, a regenerated answer)
+    :param agent_share: ``agentic``: fraction of the conversations run by an agent (the
+        rest are human conversations; 1: agents only)
     """
 
     kind: str = "synthetic"
@@ -490,6 +505,9 @@ class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True):
     sharegpt_limit: int | None = 20000
     seed: int = 0
     answer_scale: float = 1.0
+    prompt_tokens: int = 2048
+    fork_fraction: float = 0.05
+    agent_share: float = 0.5
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOAD_KINDS:
@@ -502,6 +520,12 @@ class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"minutes must be positive (got {self.minutes})")
         if self.answer_scale <= 0:
             raise ValueError(f"answer_scale must be positive (got {self.answer_scale})")
+        if self.prompt_tokens < 0:
+            raise ValueError(f"prompt_tokens must be >= 0 (got {self.prompt_tokens})")
+        for name in ("fork_fraction", "agent_share"):
+            value = getattr(self, name)
+            if not 0 <= value <= 1:
+                raise ValueError(f"{name} must be in [0, 1] (got {value})")
 
     def native_rate(self) -> float | None:
         """New users per minute of the trace as recorded: users over the span of their
@@ -539,14 +563,14 @@ class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True):
                 )
             return base.generate()
         if self.kind == "shared-prompt":  # a shared system prompt and edit forks
-            from .forest import SharedPromptWorkload  # it reads Mooncake traces from here
-
-            users = generated_users(rate, self.minutes)
-            base = SyntheticWorkload(users=users, arrival_rate=rate / 60, seed=self.seed)
-            return SharedPromptWorkload(base=base).generate().turns
+            forest = self.forest(rate)
+            assert forest is not None
+            return forest.turns
         if self.kind == "agentic":  # humans and agents (:mod:`tieredkv.sim.agentic`)
-            users = max(1, round(rate * self.minutes))
-            agentic = AgenticWorkload(users=users, arrival_rate=rate / 60, seed=self.seed)
+            users = generated_users(rate, self.minutes)
+            agentic = AgenticWorkload(
+                users=users, arrival_rate=rate / 60, agent_share=self.agent_share, seed=self.seed
+            )
             return agentic.generate().turns
         if self.kind == "sharegpt":
             users = generated_users(rate, self.minutes)
@@ -564,6 +588,26 @@ class WorkloadSpec(msgspec.Struct, frozen=True, kw_only=True):
                 )
             return sample_users(self._full(), min(1.0, rate / native), seed=self.seed)
         return read_mooncake(self.paths[0], time_scale=rate / native)
+
+    def forest(self, rate: float) -> Forest | None:
+        """``shared-prompt`` at ``rate`` users per minute as a
+        :class:`~tieredkv.sim.forest.Forest` (its turns are :meth:`turns`' and each one's
+        history as ranges, the system prompt and a fork's inherited turns shared); ``None``
+        for the other kinds.
+
+        :raises ValueError: as :meth:`turns`
+        """
+        if self.kind != "shared-prompt":
+            return None
+        if rate <= 0:
+            raise ValueError(f"rate must be positive users per minute (got {rate})")
+        from .forest import SharedPromptWorkload  # it reads Mooncake traces from here
+
+        users = generated_users(rate, self.minutes)
+        base = SyntheticWorkload(users=users, arrival_rate=rate / 60, seed=self.seed)
+        return SharedPromptWorkload(
+            base=base, prompt_tokens=self.prompt_tokens, fork_fraction=self.fork_fraction
+        ).generate()
 
     def _full(self) -> Turns:
         key = (self.kind, self.paths)
