@@ -45,9 +45,9 @@ def test_the_choices_are_the_simulators_workloads_and_defaults() -> None:
     spec = WorkloadSpec()
     from tieredkv.cli import _workload
 
-    assert _workload._PROMPT_TOKENS == spec.prompt_tokens
-    assert _workload._FORK_FRACTION == spec.fork_fraction
-    assert _workload._AGENT_SHARE == spec.agent_share
+    assert spec.prompt_tokens == _workload._PROMPT_TOKENS
+    assert spec.fork_fraction == _workload._FORK_FRACTION
+    assert spec.agent_share == _workload._AGENT_SHARE
 
 
 @pytest.mark.parametrize(("prompt", "forks"), [(None, None), (512, 0.3)])
@@ -88,7 +88,8 @@ def test_the_prompt_and_fork_options_reach_the_workload() -> None:
     base = WorkloadSpec(kind="shared-prompt", minutes=2).forest(5)
     other = WorkloadSpec(kind="shared-prompt", minutes=2, prompt_tokens=512, fork_fraction=0.3)
     forest = other.forest(5)
-    assert base is not None and forest is not None
+    assert base is not None
+    assert forest is not None
     assert forest.turns.users() > base.turns.users()  # forks are conversations of their own
     first = base.turns.round_index == 0
     assert int(base.turns.query[first].min()) > 2048  # the prompt counts in a first turn
@@ -167,9 +168,11 @@ def test_misplaced_or_out_of_range_options_are_refused(
     assert len(lines) == 1, captured.err
     assert lines[0].startswith(f"tieredkv {command}: error: ")
     if command == "reproduce":
-        message = message.replace("--minutes/--rate:", "--minutes/--rates/--rate:").replace(
-            "25 users/min", "40 users/min"
-        ).replace("25,000,000", "40,000,000")
+        message = (
+            message.replace("--minutes/--rate:", "--minutes/--rates/--rate:")
+            .replace("25 users/min", "40 users/min")
+            .replace("25,000,000", "40,000,000")
+        )
     assert message in lines[0]
 
 
