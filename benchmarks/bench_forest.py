@@ -29,6 +29,9 @@ against *plain*: within 5%; the fastest is the operation's own cost, as noise on
 machine only adds time), and the same ratio of the medians. Against *one-piece* a load
 reads one more segment, which costs a few microseconds: a few percent at this run's tiny
 KV per token, nothing at a real model's.
+
+Host hit ratios at a fixed host size with forks and without, on this workload and on the
+Mooncake trace, next to the simulator's: ``benchmarks/bench_forest_replay.py``.
 """
 
 from __future__ import annotations

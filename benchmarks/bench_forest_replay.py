@@ -29,7 +29,12 @@ and bytes per token:
   is served from SSD is stored there with it (the cache's rule), then prefetched into host
   memory, as a turn just computed would be: the simulator admits a first turn to host
   memory likewise;
-- *no sharing*: every conversation appends its whole history itself.
+- *no sharing*: every conversation appends its whole history itself;
+- for Mooncake, also *sharing the prompt only*: every conversation forks block 0's
+  conversation and nothing else. A fork of another conversation at more blocks lists that
+  conversation's whole first turn, which its load reads and which stays in host memory
+  while the fork is there: with 8-12k-token first turns, that can hold more than sharing
+  saves.
 
 Every turn after a conversation's first loads its history first: a *host hit* when
 ``cache.where()`` named the host tier before the load (checked against the cache's own
@@ -211,12 +216,13 @@ async def replay_real(
     sharing: bool,
     bytes_per_token: int,
     roots: Sequence[Ranges] = (),
+    roots_only: bool = False,
     directory: str,
 ) -> RealResult:
     """Replay ``forest`` through a real cache (host memory of ``host_bytes`` over SSD in
     ``directory``), forking where a first turn's history starts with a stored one's
-    (``sharing``; ``roots`` are stored first as conversations of their own) or storing
-    every history whole."""
+    (``sharing``; ``roots`` are stored first as conversations of their own; with
+    ``roots_only``, only they are forked) or storing every history whole."""
     content = Content(bytes_per_token)
     turns = forest.turns
     users = turns.user.tolist()
@@ -227,6 +233,7 @@ async def replay_real(
     history: dict[str, list[Piece]] = {}  # conversation -> the pieces it holds
     listed: dict[str, Ranges] = {}  # conversation -> the ranges its history starts with
     holders: dict[int, list[str]] = {}  # chained range prefix -> conversations holding it
+    rooted = {f"root{i}" for i in range(len(roots))}
     hits = misses = wrong = disagreed = forks = lifted = refused = 0
 
     def pieces(ranges: Ranges) -> list[Piece]:
@@ -235,6 +242,8 @@ async def replay_real(
     def hold(key: str, ranges: Ranges, start: int) -> None:
         """``key``'s history now starts with ``ranges``; index its prefixes from ``start``."""
         listed[key] = ranges
+        if roots_only and key not in rooted:
+            return
         for h in _chain(ranges)[start:]:
             holders.setdefault(h, []).append(key)
 
@@ -335,8 +344,10 @@ async def report(
     policies: Sequence[str],
     bytes_per_token: int,
     where: str | None,
+    prompt_only: bool = False,
 ) -> int:
-    """Print the comparison for one workload; the number of wrong or disagreeing loads."""
+    """Print the comparison for one workload (``prompt_only``: also with forks of the
+    roots only); the number of wrong or disagreeing loads."""
     turns = forest.turns
     unique = forest.unique_tokens() * bytes_per_token
     total = forest.total_tokens() * bytes_per_token
@@ -349,44 +360,46 @@ async def report(
     print(
         f"{'host GiB*':>9} {'MiB':>7} {'policy':<6} {'real off':>8} {'real on':>8} "
         f"{'sim off':>8} {'sim on':>8} {'held/unique off':>15} {'on':>6} {'pages':>6} "
-        f"{'forks':>6} {'lifted':>6} {'refused':>7} {'s':>6}"
+        f"{'forks':>6} {'lifted':>6} {'refused':>7} {'on, prompt':>10} {'s':>6}"
     )
+    modes = {"off": (False, False), "on": (True, False)}
+    if prompt_only:
+        modes["prompt"] = (True, True)
     bad = 0
     for gb in sizes:
         host = int(gb * GIB / LLAMA3_8B * bytes_per_token)
         for policy in policies:
-            real: dict[bool, RealResult] = {}
+            real: dict[str, RealResult] = {}
             sim: dict[bool, float] = {}
-            for sharing in (False, True):
+            for mode, (sharing, only) in modes.items():
                 with tempfile.TemporaryDirectory(prefix="bench-forest-replay-", dir=where) as d:
-                    real[sharing] = await replay_real(
+                    r = real[mode] = await replay_real(
                         forest,
                         policy=policy,
                         host_bytes=host,
                         sharing=sharing,
                         bytes_per_token=bytes_per_token,
                         roots=roots,
+                        roots_only=only,
                         directory=d,
                     )
-                s = replay_forest(forest, make_eviction(policy), host_bytes=host,
-                                  sharing=sharing, bytes_per_token=bytes_per_token)  # fmt: skip
-                sim[sharing] = s.replay.hit_ratio
-                r = real[sharing]
-                assert r.hits + r.misses == s.replay.accesses, (r, s.replay)
+                if not only:
+                    s = replay_forest(forest, make_eviction(policy), host_bytes=host,
+                                      sharing=sharing, bytes_per_token=bytes_per_token)  # fmt: skip
+                    sim[sharing] = s.replay.hit_ratio
+                    assert r.hits + r.misses == s.replay.accesses, (r, s.replay)
                 bad += r.wrong + r.disagreed
-            off, on = real[False], real[True]
+                if r.wrong or r.disagreed:
+                    print(f"  {mode}: {r.wrong} loads WRONG, {r.disagreed} hit counts differ")
+            off, on = real["off"], real["on"]
+            prompt = f"{real['prompt'].hit_ratio:>10.4f}" if prompt_only else f"{'-':>10}"
             print(
                 f"{gb:>9g} {host / 2**20:>7.1f} {policy:<6} {off.hit_ratio:>8.4f} "
                 f"{on.hit_ratio:>8.4f} {sim[False]:>8.4f} {sim[True]:>8.4f} "
                 f"{off.held_bytes / unique:>15.3f} {on.held_bytes / unique:>6.3f} "
                 f"{off.held_bytes / total:>6.3f} {on.forks:>6} {on.lifted:>6} {on.refused:>7} "
-                f"{off.seconds + on.seconds:>6.1f}"
+                f"{prompt} {sum(r.seconds for r in real.values()):>6.1f}"
             )
-            for mode, r in (("off", off), ("on", on)):
-                if r.wrong or r.disagreed:
-                    print(
-                        f"  sharing {mode}: {r.wrong} loads WRONG, {r.disagreed} hit counts differ"
-                    )
     return bad
 
 
@@ -405,7 +418,8 @@ async def main(args: argparse.Namespace) -> int:
         "bytes all tiers hold at the end over the unique bytes; pages: what they hold without "
         "sharing over the histories' raw bytes (whole 4 KiB pages per turn); lifted: forks "
         "stored on SSD with their parent, then prefetched; refused: forks the parent's tier "
-        "could not make room for, stored whole"
+        "could not make room for, stored whole; on, prompt: real host hit ratio with forks "
+        "of the shared prompt only (Mooncake)"
     )
     bad = await report(
         f"shared prompt ({args.users} conversations, 2,048-token prompt, 5% of turns fork)",
@@ -421,6 +435,7 @@ async def main(args: argparse.Namespace) -> int:
             f"Mooncake conversation trace, first {args.mooncake_limit:,} requests",
             read_mooncake_forest(args.mooncake, limit=args.mooncake_limit),
             roots=[((("block", 0), 512),)],
+            prompt_only=True,
             sizes=[float(g) for g in args.mooncake_gb.split(",")],
             policies=policies,
             bytes_per_token=args.mooncake_bytes_per_token,
