@@ -45,10 +45,11 @@ turn's new tokens are appended. A first turn counts as neither hit nor miss, as 
 simulator.
 
 Printed per workload: host hit ratio without and with sharing, real and simulated; the
-bytes every tier holds at the end against the unique bytes (each distinct range once); and
-the bytes host memory holds per raw byte (the host tier keeps each turn in whole 4 KiB
-pages, with its header: the simulator counts raw bytes, so at small turns and few bytes
-per token the real host holds fewer tokens than the simulated one of the same size).
+bytes every tier holds at the end against the unique bytes (each distinct range once); and,
+with sharing, the bytes a turn after a conversation's first takes in its tier per raw KV
+byte (a tier keeps each turn in whole 4 KiB pages, with its header: the simulator counts
+raw bytes, so with this workload's turns of tens of tokens at few bytes per token the real
+host holds fewer tokens than the simulated one of the same size).
 Host sizes are given as GiB of Llama-3-8B-sized KV (128 KiB per token), scaled to the run's
 bytes per token, so ``--gb 8`` holds the tokens that ``bench_forest_sim.py --gb 8`` holds.
 
@@ -189,6 +190,8 @@ class RealResult(msgspec.Struct, frozen=True, kw_only=True):
     :param forks: forks made (sharing)
     :param lifted: forks stored with their parent on SSD, then prefetched
     :param refused: forks the parent's tier could not make room for, stored whole instead
+    :param pages: the bytes the turns after a conversation's first take in a tier (whole
+        pages, with a header) over their raw KV bytes
     :param seconds: the replay's wall time
     """
 
@@ -201,6 +204,7 @@ class RealResult(msgspec.Struct, frozen=True, kw_only=True):
     forks: int
     lifted: int
     refused: int
+    pages: float
     seconds: float
 
     @property
@@ -235,6 +239,8 @@ async def replay_real(
     holders: dict[int, list[str]] = {}  # chained range prefix -> conversations holding it
     rooted = {f"root{i}" for i in range(len(roots))}
     hits = misses = wrong = disagreed = forks = lifted = refused = 0
+    stored: dict[str, int] = {}  # conversation -> the bytes its history takes in a tier
+    footprint = raw_bytes = 0  # of the turns after a conversation's first
 
     def pieces(ranges: Ranges) -> list[Piece]:
         return [(content.source(k, t), 0, t) for k, t in ranges]
@@ -294,7 +300,10 @@ async def replay_real(
                 else:  # its ranges are re-cut (Mooncake's blocks): new tokens of its own
                     new = [(content.source(("own", key, rounds[i]), after - have), 0, after - have)]
                 history[key].extend(new)
-                await cache.append(key, content.tensor(new), answer_tokens=answers[i])
+                meta = await cache.append(key, content.tensor(new), answer_tokens=answers[i])
+                footprint += meta.nbytes - stored[key]  # this turn's bytes in its tier
+                raw_bytes += tokens_of(new) * bytes_per_token
+                stored[key] = meta.nbytes
                 continue
             whole = pieces(ranges)
             found = parent_of(ranges[:-1], cache) if sharing else None
@@ -302,7 +311,7 @@ async def replay_real(
             if found is not None:
                 parent, k = found
                 try:
-                    await cache.append(
+                    meta = await cache.append(
                         key,
                         content.tensor(whole[k:]),
                         answer_tokens=answers[i],
@@ -318,7 +327,8 @@ async def replay_real(
                         lifted += 1
                         await cache.prefetch(key)
             if found is None:
-                await cache.append(key, content.tensor(whole), answer_tokens=answers[i])
+                meta = await cache.append(key, content.tensor(whole), answer_tokens=answers[i])
+            stored[key] = meta.nbytes
             hold(key, ranges, 0)
         stats = cache.stats()
         return RealResult(
@@ -331,6 +341,7 @@ async def replay_real(
             forks=forks,
             lifted=lifted,
             refused=refused,
+            pages=footprint / max(1, raw_bytes),
             seconds=time.perf_counter() - t0,
         )
 
@@ -397,7 +408,7 @@ async def report(
                 f"{gb:>9g} {host / 2**20:>7.1f} {policy:<6} {off.hit_ratio:>8.4f} "
                 f"{on.hit_ratio:>8.4f} {sim[False]:>8.4f} {sim[True]:>8.4f} "
                 f"{off.held_bytes / unique:>15.3f} {on.held_bytes / unique:>6.3f} "
-                f"{off.held_bytes / total:>6.3f} {on.forks:>6} {on.lifted:>6} {on.refused:>7} "
+                f"{on.pages:>6.3f} {on.forks:>6} {on.lifted:>6} {on.refused:>7} "
                 f"{prompt} {sum(r.seconds for r in real.values()):>6.1f}"
             )
     return bad
@@ -415,8 +426,9 @@ async def main(args: argparse.Namespace) -> int:
         "host GiB*: GiB of Llama-3-8B-sized KV (128 KiB/token) at the host size, scaled to "
         "the run's bytes per token (MiB: the real host tier's size); real/sim off/on: host hit "
         "ratio of the turns after a conversation's first, without/with sharing; held/unique: "
-        "bytes all tiers hold at the end over the unique bytes; pages: what they hold without "
-        "sharing over the histories' raw bytes (whole 4 KiB pages per turn); lifted: forks "
+        "bytes all tiers hold at the end over the unique bytes; pages: the bytes a turn after a "
+        "conversation's first takes in host memory over its raw KV bytes (whole 4 KiB pages "
+        "with a header; the simulator counts raw bytes); lifted: forks "
         "stored on SSD with their parent, then prefetched; refused: forks the parent's tier "
         "could not make room for, stored whole; on, prompt: real host hit ratio with forks "
         "of the shared prompt only (Mooncake)"
