@@ -45,11 +45,13 @@ turn's new tokens are appended. A first turn counts as neither hit nor miss, as 
 simulator.
 
 Printed per workload: host hit ratio without and with sharing, real and simulated; the
-bytes every tier holds at the end against the unique bytes (each distinct range once); and,
-with sharing, the bytes a turn after a conversation's first takes in its tier per raw KV
-byte (a tier keeps each turn in whole 4 KiB pages, with its header: the simulator counts
-raw bytes, so with this workload's turns of tens of tokens at few bytes per token the real
-host holds fewer tokens than the simulated one of the same size).
+bytes every tier holds at the end against the unique bytes (each distinct range once); and
+the bytes the turns take in a tier per raw KV byte (*pages*: a tier keeps each turn in
+whole 4 KiB pages, with its header, while the simulator counts raw bytes, so with the
+shared-prompt workload's turns of tens of tokens at few bytes per token the real host
+holds fewer tokens than the simulated one of the same size), and the simulator's hit
+ratio at the host size divided by that factor (*paged*: the simulator holding the tokens
+the real host holds).
 Host sizes are given as GiB of Llama-3-8B-sized KV (128 KiB per token), scaled to the run's
 bytes per token, so ``--gb 8`` holds the tokens that ``bench_forest_sim.py --gb 8`` holds.
 
@@ -190,8 +192,8 @@ class RealResult(msgspec.Struct, frozen=True, kw_only=True):
     :param forks: forks made (sharing)
     :param lifted: forks stored with their parent on SSD, then prefetched
     :param refused: forks the parent's tier could not make room for, stored whole instead
-    :param pages: the bytes the turns after a conversation's first take in a tier (whole
-        pages, with a header) over their raw KV bytes
+    :param pages: the bytes the turns take in a tier (whole pages, with a header) over
+        their raw KV bytes (a fork's first turn not counted)
     :param seconds: the replay's wall time
     """
 
@@ -240,7 +242,7 @@ async def replay_real(
     rooted = {f"root{i}" for i in range(len(roots))}
     hits = misses = wrong = disagreed = forks = lifted = refused = 0
     stored: dict[str, int] = {}  # conversation -> the bytes its history takes in a tier
-    footprint = raw_bytes = 0  # of the turns after a conversation's first
+    footprint = raw_bytes = 0  # of the turns stored whole (not a fork's first)
 
     def pieces(ranges: Ranges) -> list[Piece]:
         return [(content.source(k, t), 0, t) for k, t in ranges]
@@ -328,6 +330,8 @@ async def replay_real(
                         await cache.prefetch(key)
             if found is None:
                 meta = await cache.append(key, content.tensor(whole), answer_tokens=answers[i])
+                footprint += meta.nbytes
+                raw_bytes += tokens_of(whole) * bytes_per_token
             stored[key] = meta.nbytes
             hold(key, ranges, 0)
         stats = cache.stats()
@@ -370,7 +374,8 @@ async def report(
     )
     print(
         f"{'host GiB*':>9} {'MiB':>7} {'policy':<6} {'real off':>8} {'real on':>8} "
-        f"{'sim off':>8} {'sim on':>8} {'held/unique off':>15} {'on':>6} {'pages':>6} "
+        f"{'sim off':>8} {'sim on':>8} {'paged off':>9} {'paged on':>8} "
+        f"{'held/unique off':>15} {'on':>6} {'pages off':>9} {'on':>6} "
         f"{'forks':>6} {'lifted':>6} {'refused':>7} {'on, prompt':>10} {'s':>6}"
     )
     modes = {"off": (False, False), "on": (True, False)}
@@ -382,6 +387,7 @@ async def report(
         for policy in policies:
             real: dict[str, RealResult] = {}
             sim: dict[bool, float] = {}
+            paged: dict[bool, float] = {}
             for mode, (sharing, only) in modes.items():
                 with tempfile.TemporaryDirectory(prefix="bench-forest-replay-", dir=where) as d:
                     r = real[mode] = await replay_real(
@@ -399,6 +405,10 @@ async def report(
                                       sharing=sharing, bytes_per_token=bytes_per_token)  # fmt: skip
                     sim[sharing] = s.replay.hit_ratio
                     assert r.hits + r.misses == s.replay.accesses, (r, s.replay)
+                    s = replay_forest(forest, make_eviction(policy),
+                                      host_bytes=int(host / r.pages), sharing=sharing,
+                                      bytes_per_token=bytes_per_token)  # fmt: skip
+                    paged[sharing] = s.replay.hit_ratio
                 bad += r.wrong + r.disagreed
                 if r.wrong or r.disagreed:
                     print(f"  {mode}: {r.wrong} loads WRONG, {r.disagreed} hit counts differ")
@@ -407,8 +417,9 @@ async def report(
             print(
                 f"{gb:>9g} {host / 2**20:>7.1f} {policy:<6} {off.hit_ratio:>8.4f} "
                 f"{on.hit_ratio:>8.4f} {sim[False]:>8.4f} {sim[True]:>8.4f} "
+                f"{paged[False]:>9.4f} {paged[True]:>8.4f} "
                 f"{off.held_bytes / unique:>15.3f} {on.held_bytes / unique:>6.3f} "
-                f"{on.pages:>6.3f} {on.forks:>6} {on.lifted:>6} {on.refused:>7} "
+                f"{off.pages:>9.3f} {on.pages:>6.3f} {on.forks:>6} {on.lifted:>6} {on.refused:>7} "
                 f"{prompt} {sum(r.seconds for r in real.values()):>6.1f}"
             )
     return bad
@@ -426,9 +437,10 @@ async def main(args: argparse.Namespace) -> int:
         "host GiB*: GiB of Llama-3-8B-sized KV (128 KiB/token) at the host size, scaled to "
         "the run's bytes per token (MiB: the real host tier's size); real/sim off/on: host hit "
         "ratio of the turns after a conversation's first, without/with sharing; held/unique: "
-        "bytes all tiers hold at the end over the unique bytes; pages: the bytes a turn after a "
-        "conversation's first takes in host memory over its raw KV bytes (whole 4 KiB pages "
-        "with a header; the simulator counts raw bytes); lifted: forks "
+        "bytes all tiers hold at the end over the unique bytes; pages off/on: the bytes the "
+        "turns take in a tier over their raw KV bytes (whole 4 KiB pages with a header; the "
+        "simulator counts raw bytes); paged off/on: the simulator with the host size divided "
+        "by pages (so that it holds the tokens the real host holds); lifted: forks "
         "stored on SSD with their parent, then prefetched; refused: forks the parent's tier "
         "could not make room for, stored whole; on, prompt: real host hit ratio with forks "
         "of the shared prompt only (Mooncake)"

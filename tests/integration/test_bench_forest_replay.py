@@ -99,7 +99,8 @@ def test_sharing_raises_the_host_hit_ratio_on_the_shared_prompt_workload() -> No
     prompt, mooncake = out.split("== Mooncake")
     row = re.compile(
         r"^ +2 +[\d.]+ (?P<policy>\w+) +(?P<off>[\d.]+) +(?P<on>[\d.]+) +(?P<soff>[\d.]+) "
-        r"+(?P<son>[\d.]+) +(?P<held_off>[\d.]+) +(?P<held_on>[\d.]+)",
+        r"+(?P<son>[\d.]+) +(?P<poff>[\d.]+) +(?P<pon>[\d.]+) +(?P<held_off>[\d.]+) "
+        r"+(?P<held_on>[\d.]+)",
         re.M,
     )
     rows = {m["policy"]: m for m in row.finditer(prompt)}
@@ -107,5 +108,6 @@ def test_sharing_raises_the_host_hit_ratio_on_the_shared_prompt_workload() -> No
     for m in rows.values():
         assert float(m["on"]) > float(m["off"]) + 0.05, out  # the real cache
         assert float(m["son"]) > float(m["soff"]) + 0.05, out  # the simulator
+        assert float(m["pon"]) > float(m["poff"]) + 0.05, out  # holding the real's tokens
         assert float(m["held_on"]) < float(m["held_off"]) / 2, out
     assert re.search(r"^ +16 +4.0 bidaw ", mooncake, re.M), out
