@@ -269,7 +269,7 @@ class RedisTier(Reads, Commits, SharedTier):
             async for name in client.scan_iter(match=f"{self.prefix}:{{*}}:m", count=1000):
                 fields = manifest_fields(await client.hgetall(name))
                 try:
-                    m = parse(fields, None, self._key, f"{self.url} {text(name)}")
+                    m = parse(fields, None, self._key, f"{self.url} {text(name)}", self.prefix)
                 except Damaged as exc:
                     self._counters.corrupt += 1
                     _log.warning("%s: manifest %s is damaged: %s", self.name, text(name), exc)
@@ -294,6 +294,8 @@ class RedisTier(Reads, Commits, SharedTier):
                 self._heart.cancel()
             self._heart = None
         self._index.clear()
+        self._holders.clear()
+        self._origin.clear()
         self._reserved.clear()
         self._writers.clear()
         self._known.clear()
@@ -332,9 +334,7 @@ class RedisTier(Reads, Commits, SharedTier):
         """Stop counting a segment in this cache. Never removes it from the server: other
         replicas may be reading it (see :meth:`discard`)."""
         self._check_open()
-        entry = self._index.pop(key, None)
-        if entry is not None:
-            self._used -= entry.length
+        self._unhold(key)
 
     def contains(self, key: SegmentKey) -> bool:
         return key in self._index
