@@ -17,7 +17,12 @@ from tests.redis_server import RedisServer, new_prefix, own_redis_server, redis_
 from tieredkv import HostMemoryTier, TieredKVCache
 from tieredkv.backends.base import SegmentKey
 from tieredkv.backends.redis import RedisTier, conversation_tag
-from tieredkv.errors import CorruptSegmentError, HistoryConflictError, StaleWriterError
+from tieredkv.errors import (
+    CorruptSegmentError,
+    HistoryConflictError,
+    SessionNotFoundError,
+    StaleWriterError,
+)
 from tieredkv.fsck_redis import RedisReport, check_prefix
 from tieredkv.payload import plan_segment
 
@@ -332,14 +337,119 @@ async def test_forks_with_a_secret(
         assert (await _fsck(redis_server, prefix, secret)).clean
 
 
-async def test_a_fork_is_refused_with_a_shared_tier(own_redis_server: RedisServer) -> None:
-    shared = RedisTier(own_redis_server.url, 64 << 20, prefix=new_prefix(), timeout=2.0)
-    tiers = [HostMemoryTier(8 << 20), shared]
-    async with TieredKVCache(tiers, mode="inclusive") as cache:
-        kv = {"kv": torch.arange(8 * 256, dtype=torch.float32).reshape(8, 256)}
-        await cache.append("a", kv, answer_tokens=1)
-        with pytest.raises(ValueError, match="shared between replicas"):
-            await cache.append("b", kv, answer_tokens=1, parent="a")
-        assert not cache.contains("b")
-        await cache.flush()
-        assert torch.equal((await cache.load("a"))["kv"], kv["kv"])
+# -- forks through the cache, several replicas over one server ----------------------------
+
+
+def _kv(i: int, tokens: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(500 + i)
+    return {n: torch.randn(tokens, 64, generator=gen).to(torch.bfloat16) for n in ("k", "v")}
+
+
+def _cat(*parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: torch.cat([p[n] for p in parts]) for n in ("k", "v")}
+
+
+def _cut(kv: dict[str, torch.Tensor], tokens: int) -> dict[str, torch.Tensor]:
+    return {n: t[:tokens] for n, t in kv.items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.int16), b[k].view(torch.int16))
+        for k in a
+    )
+
+
+def _cache(server: RedisServer, prefix: str) -> TieredKVCache:
+    shared = RedisTier(server.url, CAPACITY, prefix=prefix, value_size=SMALL_VALUES, lease_ttl=0.3)
+    return TieredKVCache([HostMemoryTier(8 << 20), shared], mode="inclusive")
+
+
+P0, P1, C = _kv(0, 48), _kv(1, 40), _kv(2, 24)
+"""The parent's two turns (48 and 40 tokens), the fork's own turn."""
+FORK = _cat(_cut(_cat(P0, P1), 60), C)
+"""The fork's history: the parent's first 60 tokens (inside its second turn), its turn."""
+
+
+async def _parent_on_a_fork_on_b(a: TieredKVCache, b: TieredKVCache) -> None:
+    await a.append("p", P0, answer_tokens=8)
+    await a.append("p", P1, answer_tokens=8)
+    await a.flush()
+    await b.append("c", C, answer_tokens=4, parent="p", parent_tokens=60)
+    await b.flush()
+
+
+async def test_a_fork_of_another_replicas_conversation_is_served_everywhere(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Replica B forks a conversation replica A wrote; the fork commits only its own turn
+    to the shared tier (the parent's bytes stay stored once) and every replica loads the
+    fork's history byte for byte, the parent's too."""
+    async with _cache(redis_server, prefix) as a, _cache(redis_server, prefix) as b:
+        await _parent_on_a_fork_on_b(a, b)
+        forked = [k for k in _keys(redis_server, prefix) if k.startswith(_base(prefix, "c"))]
+        assert len(forked) == 2  # its manifest and its one turn's value: nothing copied
+        assert _same(await a.load("c"), FORK)
+        assert _same(await b.load("c"), FORK)
+        assert _same(await b.load("p"), _cat(P0, P1))
+    async with _cache(redis_server, prefix) as fresh:
+        assert _same(await fresh.load("c"), FORK)
+
+
+async def test_a_parent_dropped_on_another_replica_stays_for_its_fork(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A drops the parent after B forked it: the parent is gone for everyone, the fork is
+    served byte for byte on every replica, and once the fork goes nothing of either stays
+    on the server."""
+    async with _cache(redis_server, prefix) as a, _cache(redis_server, prefix) as b:
+        await _parent_on_a_fork_on_b(a, b)
+        await a.drop("p")
+        async with _cache(redis_server, prefix) as c:
+            assert _same(await c.load("c"), FORK)
+            with pytest.raises(SessionNotFoundError):
+                await c.load("p")
+        assert _same(await a.load("c"), FORK)
+        await a.drop("c")  # (A took it over with the load: its writer drops it)
+    assert _keys(redis_server, prefix) == set()
+
+
+async def test_a_fenced_replica_cannot_extend_a_fork(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Once another replica took the fork over (it loaded it), the replica that made it
+    cannot append to it: nothing of its turn is stored, and the fork stays as committed."""
+    async with _cache(redis_server, prefix) as a, _cache(redis_server, prefix) as b:
+        await _parent_on_a_fork_on_b(a, b)
+        assert _same(await a.load("c"), FORK)
+        with pytest.raises(StaleWriterError):
+            await b.append("c", _kv(3, 8), answer_tokens=1)
+        assert _same(await a.load("c"), FORK)
+
+
+async def test_a_fork_the_server_lost_is_a_counted_miss(own_redis_server: RedisServer) -> None:
+    """The server restarted empty: the fork (and its parent) cannot be proven current, and
+    a load is a counted miss, never a part of the history."""
+    prefix = new_prefix()
+    async with _cache(own_redis_server, prefix) as a, _cache(own_redis_server, prefix) as b:
+        await _parent_on_a_fork_on_b(a, b)
+        own_redis_server.restart(empty=True)
+        with pytest.raises(SessionNotFoundError, match="lost its history"):
+            await b.load("c")
+        assert b.stats().unproven == 1
+        with pytest.raises(SessionNotFoundError):
+            await a.load("c")
+
+
+async def test_a_fork_of_a_conversation_dropped_meanwhile_is_refused(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """B forks a conversation whose only copy is the shared tier's, after A dropped it: B
+    learns it is gone and stores nothing."""
+    async with _cache(redis_server, prefix) as a, _cache(redis_server, prefix) as b:
+        await a.append("p", P0, answer_tokens=8)
+        await a.flush()
+        await a.drop("p")
+        with pytest.raises(SessionNotFoundError):
+            await b.append("c", C, answer_tokens=4, parent="p", parent_tokens=20)
+        assert not b.contains("c")

@@ -26,7 +26,7 @@ from ..errors import (
     TierIOError,
     UnauthenticatedWriterError,
 )
-from ..payload import PREFIX, SegmentHeader, authenticated_head, parse_header
+from ..payload import PREFIX, SegmentHeader, authenticated_head, is_retirement, parse_header
 from ._redis_client import (
     NoScriptError,
     RedisCluster,
@@ -85,6 +85,11 @@ class Commits(Leases):
         header, _ = parse_header(data[:head_len], f"segment {seq} to write")
         if (header.session, header.seq) != key or header.length != length:
             raise ValueError(f"the bytes to write are not segment {seq} of this session")
+        if is_retirement(header):
+            # the server keeps a dropped conversation's segments that forks list by their
+            # reference sets (see DROP): the cache's marker is this replica's alone
+            self._markers[key] = self._reserved.pop(key)
+            return
         known = self._known.get(session)
         if (
             known is not None

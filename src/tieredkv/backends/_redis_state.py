@@ -102,6 +102,10 @@ class Replica:
         self._index: dict[SegmentKey, Entry] = {}
         """The committed segments this cache counts (and may read): every conversation's
         own, and the ones a fork it knows inherits (under their owners' keys)."""
+        self._markers: dict[SegmentKey, int] = {}
+        """Retirement markers the cache wrote (kept here only: on the server, a dropped
+        parent's segments that forks list are kept by their reference sets), and their
+        lengths."""
         self._holders: dict[SegmentKey, set[str]] = {}
         """Per indexed segment, the conversations whose known manifest lists it (its
         owner's, and forks'): it leaves the index with the last of them."""

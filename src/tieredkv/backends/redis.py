@@ -208,6 +208,12 @@ class RedisTier(Reads, Commits, SharedTier):
         return True
 
     @property
+    def forks(self) -> bool:
+        """Whether the tier takes forks: on one server, not a Cluster (a fork's references
+        name keys in its parent's slot, which its commit step updates)."""
+        return not self._conn.cluster
+
+    @property
     def authenticated(self) -> bool:
         """Whether values and manifests are written and checked with a MAC."""
         return self._key is not None
@@ -294,6 +300,7 @@ class RedisTier(Reads, Commits, SharedTier):
                 self._heart.cancel()
             self._heart = None
         self._index.clear()
+        self._markers.clear()
         self._holders.clear()
         self._origin.clear()
         self._reserved.clear()
@@ -315,7 +322,7 @@ class RedisTier(Reads, Commits, SharedTier):
     # -- space ---------------------------------------------------------------------------
     def reserve(self, key: SegmentKey, length: int) -> bool:
         self._check_open()
-        if key in self._reserved or key in self._index:
+        if key in self._reserved or key in self._index or key in self._markers:
             raise ValueError(f"tier {self.name!r} already holds or reserves segment {key[1]}")
         if length % ALIGN:
             raise ValueError(f"segment length {length} is not a multiple of {ALIGN}")
@@ -335,12 +342,16 @@ class RedisTier(Reads, Commits, SharedTier):
         replicas may be reading it (see :meth:`discard`)."""
         self._check_open()
         self._unhold(key)
+        length = self._markers.pop(key, None)
+        if length is not None:
+            self._used -= length
 
     def contains(self, key: SegmentKey) -> bool:
-        return key in self._index
+        return key in self._index or key in self._markers
 
     def length(self, key: SegmentKey) -> int:
-        return self._index[key].length
+        marker = self._markers.get(key)
+        return self._index[key].length if marker is None else marker
 
     def stats(self) -> TierStats:
         c = self._counters

@@ -1,0 +1,89 @@
+"""Forks with a tier shared between replicas (see :mod:`tieredkv._cache.sharing`).
+
+A shared tier that takes forks (its ``forks`` property is true: Redis on one server)
+commits a fork's first turn with references to the segments it inherits, in the same
+atomic step, under the fork's own writer lease; the store keeps a referenced segment while
+any committed fork lists it, and refuses a fork whose inherited range is gone
+(:mod:`tieredkv.backends.redis`). A shared tier without the property takes no forks.
+
+This module lets the cache make forks over such tiers, and take a fork another replica
+committed into its index: the history a shared tier gives for a fork starts with the
+inherited segments' headers (under their owners' keys), and the first header of the fork's
+own lists them with the tokens it takes of each. An inherited segment this replica already
+lists (its owner's, or another fork's) is the same :class:`~tieredkv._cache.state.Seg`: a
+segment is stored once per tier.
+"""
+
+from __future__ import annotations
+
+from ..backends.shared import plain_header
+from ..errors import InvalidArgumentError
+from ..payload import SegmentHeader
+from .state import Core, Seg, Session
+
+__all__ = ["check_forks", "list_shared"]
+
+
+def check_forks(core: Core) -> None:
+    """Refuse a fork when a shared tier takes none.
+
+    :raises InvalidArgumentError: which tier, and what to do instead
+    """
+    for io in core.io:
+        tier = io.shared
+        if tier is not None and not getattr(tier, "forks", False):
+            raise InvalidArgumentError(
+                f"forks are not supported with tier {tier.name!r}, shared between replicas "
+                f"(a Redis Cluster, or a shared tier that takes no forks); append the fork's "
+                f"whole history instead"
+            )
+
+
+def list_shared(core: Core, s: Session, t: int, headers: list[SegmentHeader]) -> int:
+    """Make ``s`` (cleared) list the history shared tier ``t`` holds (``headers``): a
+    plain conversation's own turns, or a fork's inherited segments then its own. Returns
+    how many segments it lists (0 when a fork's inherited segment conflicts with one this
+    replica lists under the same key: not served, a miss)."""
+    base = next((i for i, h in enumerate(headers) if h.session == s.key), len(headers))
+    if base and (base == len(headers) or len(headers[base].base) != base):
+        return 0  # (a shared tier gives a fork's history whole, or not at all)
+    takes = [take for _, _, take in headers[base].base] if base else []
+    segs: list[Seg] = []
+    for h in headers[:base]:
+        seg = _listed(core, h)
+        if seg is False:
+            return 0
+        segs.append(Seg(h) if seg is None else seg)
+    sharers = {u for seg in segs if len(seg.users) == 1 for u in seg.users}
+    for seg, take in zip(segs, takes, strict=True):
+        seg.tiers.add(t)
+        s.add(seg, take)
+    for h in headers[base:]:
+        seg = Seg(h)
+        seg.tiers.add(t)
+        s.add(seg)
+    if base:
+        s.base = base
+        s.parent = (headers[base - 1].session, sum(takes))
+        for u in sharers:
+            core.reshared(u)
+    return len(headers)
+
+
+def _listed(core: Core, h: SegmentHeader) -> Seg | bool | None:
+    """The segment this replica lists as ``h`` (its owner's, a retired owner's, or another
+    fork's); ``None``: none; ``False``: another segment under the same key."""
+    key = (h.session, h.seq)
+    owner = core.sessions.get(h.session)
+    retired = core.retired.get(h.session)
+    candidates = [
+        *(owner.segs if owner is not None else ()),
+        *(retired.segs if retired is not None else ()),
+        *(seg for u in core.sessions.values() if u.base for seg in u.segs[: u.base]),
+    ]
+    seg = next((g for g in candidates if g.key == key), None)
+    if seg is None:
+        return None
+    if plain_header(seg.header) != plain_header(h):
+        return False
+    return seg
