@@ -19,7 +19,7 @@ from __future__ import annotations
 from ..backends.shared import plain_header
 from ..errors import InvalidArgumentError
 from ..payload import SegmentHeader
-from .state import Core, Seg, Session
+from .state import Core, Retired, Seg, Session
 
 __all__ = ["check_forks", "list_shared"]
 
@@ -49,30 +49,48 @@ def list_shared(core: Core, s: Session, t: int, headers: list[SegmentHeader]) ->
         return 0  # (a shared tier gives a fork's history whole, or not at all)
     takes = [take for _, _, take in headers[base].base] if base else []
     segs: list[Seg] = []
-    for h in headers[:base]:
+    for h in headers:  # (its own turns too: forks made here may list them)
         seg = _listed(core, h)
         if seg is False:
             return 0
         segs.append(Seg(h) if seg is None else seg)
     sharers = {u for seg in segs if len(seg.users) == 1 for u in seg.users}
-    for seg, take in zip(segs, takes, strict=True):
+    for i, seg in enumerate(segs):
         seg.tiers.add(t)
-        s.add(seg, take)
-    for h in headers[base:]:
-        seg = Seg(h)
-        seg.tiers.add(t)
-        s.add(seg)
+        s.add(seg, takes[i] if i < base else None)
     if base:
         s.base = base
         s.parent = (headers[base - 1].session, sum(takes))
-        for u in sharers:
-            core.reshared(u)
+        _retire_unlisted(core, segs[:base])
+    r = core.retired.get(s.key)
+    if r is not None and not r.markers:  # (one _retire_unlisted recorded: it is live)
+        del core.retired[s.key]
+    for u in sharers:
+        core.reshared(u)
     return len(headers)
 
 
+def _retire_unlisted(core: Core, inherited: list[Seg]) -> None:
+    """Record as retired the owners of ``inherited`` segments that this replica does not
+    index (another replica's conversation, or one dropped while forks list it): their keys
+    stay taken here while the fork lists their segments (a new conversation under one is
+    refused, as the shared tier refuses it), until this replica takes the owner's history
+    in (a load) or the fork lets go of them."""
+    for seg in inherited:
+        owner = core.sessions.get(seg.key[0])
+        if owner is not None and seg in owner.segs:
+            continue
+        r = core.retired.get(seg.key[0])
+        if r is None:
+            core.retired[seg.key[0]] = Retired([seg])
+        elif seg not in r.segs:
+            r.segs.append(seg)
+
+
 def _listed(core: Core, h: SegmentHeader) -> Seg | bool | None:
-    """The segment this replica lists as ``h`` (its owner's, a retired owner's, or another
-    fork's); ``None``: none; ``False``: another segment under the same key."""
+    """The segment this replica lists as ``h`` (its owner's, a retired owner's, or a
+    fork's); ``None``: none; ``False``: another segment under the same key (the history
+    is then not taken: a miss, never a segment of another history)."""
     key = (h.session, h.seq)
     owner = core.sessions.get(h.session)
     retired = core.retired.get(h.session)
