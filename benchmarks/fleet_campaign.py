@@ -322,11 +322,11 @@ async def replica(args: dict[str, Any]) -> None:
         finally:
             watchdog.end(ticket)
 
-    async def fork(t0: float) -> None:
-        """A fork ``f<i>`` (one this replica holds nothing of) of a conversation it
-        holds, at a point inside one of its turns or at its end."""
+    async def fork(t0: float, key: str | None = None) -> None:
+        """A fork ``key`` (default: an ``f<i>`` this replica holds nothing of) of a
+        conversation it holds, at a point inside one of its turns or at its end."""
         nonlocal counter
-        free = [f for f in forks if views[f] == []]
+        free = [f for f in forks if views[f] == []] if key is None else [key]
         parents = [c for c in convs if views[c] and [t for t, _ in shapes.get(c, ())] == views[c]]
         if not free or not parents:
             return
@@ -409,8 +409,8 @@ async def replica(args: dict[str, Any]) -> None:
                     shapes[conv] = got
                 finally:
                     watchdog.end(ticket)
-            elif forks and r < 0.41:
-                await fork(t0)
+            elif forks and (r < 0.41 or (r < 0.85 and conv in forks and not view)):
+                await fork(t0, None if r < 0.41 else conv)  # (a fork key begins as a fork)
             elif forks and r < 0.43:
                 ticket = watchdog.begin("drop")
                 try:
