@@ -21,7 +21,7 @@ from ..errors import InvalidArgumentError
 from ..payload import SegmentHeader
 from .state import Core, Retired, Seg, Session
 
-__all__ = ["check_forks", "list_shared"]
+__all__ = ["check_forks", "keep_for_forks", "list_shared"]
 
 
 def check_forks(core: Core) -> None:
@@ -51,7 +51,8 @@ def list_shared(core: Core, s: Session, t: int, headers: list[SegmentHeader]) ->
     segs: list[Seg] = []
     for h in headers:  # (its own turns too: forks made here may list them)
         seg = _listed(core, h)
-        if seg is False:
+        if seg is not None and plain_header(seg.header) != plain_header(h):
+            _retire_unlisted(core, [seg])  # (forks here list another one: key taken)
             return 0
         segs.append(Seg(h) if seg is None else seg)
     sharers = {u for seg in segs if len(seg.users) == 1 for u in seg.users}
@@ -70,7 +71,14 @@ def list_shared(core: Core, s: Session, t: int, headers: list[SegmentHeader]) ->
     return len(headers)
 
 
-def _retire_unlisted(core: Core, inherited: list[Seg]) -> None:
+def keep_for_forks(core: Core, s: Session) -> None:
+    """``s``'s history is leaving this replica's index because the shared tier does not
+    hold it (lost, damaged, or another history): its own segments that forks here still
+    list stay theirs, and its key stays taken for them (as for a retired conversation)."""
+    _retire_unlisted(core, [seg for seg in s.own() if seg.users - {s}], but=s)
+
+
+def _retire_unlisted(core: Core, inherited: list[Seg], but: Session | None = None) -> None:
     """Record as retired the owners of ``inherited`` segments that this replica does not
     index (another replica's conversation, or one dropped while forks list it): their keys
     stay taken here while the fork lists their segments (a new conversation under one is
@@ -78,7 +86,7 @@ def _retire_unlisted(core: Core, inherited: list[Seg]) -> None:
     in (a load) or the fork lets go of them."""
     for seg in inherited:
         owner = core.sessions.get(seg.key[0])
-        if owner is not None and seg in owner.segs:
+        if owner is not None and owner is not but and seg in owner.segs:
             continue
         r = core.retired.get(seg.key[0])
         if r is None:
@@ -87,10 +95,10 @@ def _retire_unlisted(core: Core, inherited: list[Seg]) -> None:
             r.segs.append(seg)
 
 
-def _listed(core: Core, h: SegmentHeader) -> Seg | bool | None:
-    """The segment this replica lists as ``h`` (its owner's, a retired owner's, or a
-    fork's); ``None``: none; ``False``: another segment under the same key (the history
-    is then not taken: a miss, never a segment of another history)."""
+def _listed(core: Core, h: SegmentHeader) -> Seg | None:
+    """The segment this replica lists under ``h``'s key (its owner's, a retired owner's,
+    or a fork's), if any: the same as ``h`` or another one (a history not taken then: a
+    miss, never a segment of another history)."""
     key = (h.session, h.seq)
     owner = core.sessions.get(h.session)
     retired = core.retired.get(h.session)
@@ -99,9 +107,4 @@ def _listed(core: Core, h: SegmentHeader) -> Seg | bool | None:
         *(retired.segs if retired is not None else ()),
         *(seg for u in core.sessions.values() if u.base for seg in u.segs[: u.base]),
     ]
-    seg = next((g for g in candidates if g.key == key), None)
-    if seg is None:
-        return None
-    if plain_header(seg.header) != plain_header(h):
-        return False
-    return seg
+    return next((g for g in candidates if g.key == key), None)

@@ -40,7 +40,7 @@ from ..payload import SegmentHeader, header_schema
 from .atomic import settle
 from .placement import remove_copy
 from .refusals import record_refusal, report
-from .shared_forest import list_shared
+from .shared_forest import keep_for_forks, list_shared
 from .state import Core, Session
 
 __all__ = ["check_writer", "discover", "examine", "locked_stored", "shared_tiers"]
@@ -256,6 +256,7 @@ async def _forget_all(core: Core, s: Session, *, lost: bool = True) -> None:
     replica's view): its history must be read again, or recomputed."""
     for u in range(len(core.tiers)):
         await remove_copy(core, s, u)
+    keep_for_forks(core, s)  # (what forks here list stays theirs)
     s.clear()
     s.primary = None
     if lost:
