@@ -203,13 +203,18 @@ def _check_references(client: redis.Redis, report: RedisReport) -> set[str]:
         ]
         kept.update(parts)
         kept.add(f"{base}:t")
-        if listed is not None and listed.split(b":")[0] == nonce.encode():
+        if isinstance(listed, bytes) and listed.split(b":")[0] == nonce.encode():
             continue  # its owner lists it: not retired
         live = False
         for member in client.smembers(raw):
-            fields = client.hgetall(member)
             prefix = f"{base}:{seq}:{nonce}:".encode()
-            if any(k.startswith(b"q:") and v.startswith(prefix) for k, v in fields.items()):
+            if any(
+                isinstance(k, bytes)
+                and isinstance(v, bytes)
+                and k.startswith(b"q:")
+                and v.startswith(prefix)
+                for k, v in client.hgetall(member).items()
+            ):
                 live = True
                 break
         if not live:
