@@ -106,6 +106,11 @@ LAYOUTS = {
 """A replica's tiers above the shared one: the Redis how-to's layouts, and a host tier
 smaller than the largest turn (conversations go straight to Redis, and load from it)."""
 
+LATE_START = 60.0
+"""Seconds past ``duration`` the faults go on, at least, while the replicas have not done
+``min_operations`` or the replica without the secret has not started (on a loaded
+machine a replica process takes many seconds to start)."""
+
 BOUND = 30.0
 """Seconds any operation may take (the longest legitimate wait is a takeover's, under
 ``lease_ttl``, plus the server's ``timeout`` per try)."""
@@ -128,8 +133,9 @@ class Options:
     unkeyed_replica: bool = False
     """One more replica, without the secret (with ``secret``)."""
     min_operations: int = 0
-    """Keep the faults going past ``duration`` (up to three times it) until the replicas
-    have completed this many operations: a loaded machine still gets a campaign of size."""
+    """Keep the faults going past ``duration`` (up to three times it, and at least
+    :data:`LATE_START` seconds more) until the replicas have completed this many
+    operations: a loaded machine still gets a campaign of size."""
 
 
 @dataclass
@@ -531,7 +537,7 @@ async def campaign(opts: Options, workdir: Path) -> Result:
             await anyio.sleep(rng.uniform(*opts.fault_every))
             now = time.monotonic()
             if now >= deadline and (
-                now >= deadline + 2 * opts.duration
+                now >= deadline + max(2 * opts.duration, LATE_START)
                 or (
                     _completed(workdir, opts.replicas) >= opts.min_operations
                     and (unkeyed is None or _read(workdir / f"replica-{unkeyed}.jsonl"))
@@ -893,7 +899,8 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         metavar="N",
-        help="keep the faults going past --duration (up to 3x) until N operations completed (0)",
+        help="keep the faults going past --duration (up to 3x, or 60 s more) until N operations "
+        "completed (0)",
     )
     parser.add_argument(
         "--layout", choices=list(LAYOUTS), default="host+redis", help="the replicas' tiers"
