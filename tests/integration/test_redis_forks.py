@@ -174,7 +174,7 @@ async def test_a_parent_dropped_on_another_replica_keeps_what_its_fork_lists(
     assert await _read(peer, [p0.key, p1.key, c2.key]) == [p0.data, p1.data, c2.data]
     new = Turn("p", 0, 300, 9)
     turns.append(new)
-    third = _replica(redis_server, prefix, "C", recover=False)
+    third = _replica(redis_server, prefix, "C")  # (its open scans the fork)
     await third.open()
     try:
         with pytest.raises(HistoryConflictError, match="forks still list its history"):

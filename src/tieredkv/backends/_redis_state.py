@@ -161,13 +161,14 @@ class Replica:
         """When a lease set by a request sent at ``sent`` ends, by this process's clock."""
         return sent + LEASE_MARGIN * self._lease_ttl
 
-    def _absorb(self, m: Manifest) -> None:
+    def _absorb(self, m: Manifest, *, inherited: bool = True) -> None:
         """Make ``m`` what this tier knows of its conversation, and index its segments (a
-        fork's: the ones it inherits too)."""
+        fork's: the ones it inherits too, unless ``inherited`` is false: an open's scan,
+        which indexes each owner's segments through the owner's own manifest)."""
         self._known[m.session] = m
         self._stale.discard(m.session)
         self._forget(m.session)
-        for ref in m.base:
+        for ref in m.base if inherited else ():
             self._hold((ref.owner, ref.seq), ref.entry, ref.owner_id, m.session)
         for seq, entry in enumerate(m.entries, m.first):
             self._hold((m.session, seq), entry, m.id, m.session)

@@ -44,6 +44,16 @@ missing part (the server evicted it under ``maxmemory``, or restarted without pe
 or a failed check takes the conversation out of the manifest (in the version that was
 read, never a later one) and raises :class:`~tieredkv.errors.CorruptSegmentError`.
 
+**Forks.** A fork's manifest references the segments it inherits (see
+:mod:`.redis_manifest`): the commit of its first turn records the fork in each referenced
+segment's reference set and checks that the segment's values are all there, in the same
+Lua step, under the fork's fencing token; a drop keeps a segment whose reference set is
+not empty, and the last fork to leave it deletes it. A read of a fork reads the owner's
+values and checks them against the referenced entry. Forks need one server (the
+references cross slots): :attr:`RedisTier.forks` is false for a Cluster. The cache's
+retirement markers stay in this tier's index (the reference sets keep a dropped parent's
+segments on the server).
+
 **Authentication.** With a ``secret`` every segment is written with a keyed MAC of its
 header and body and the manifest's incarnation id, and the manifest with a keyed MAC of
 its whole history (session, id, version, every entry), all checked on every read: a
@@ -282,7 +292,7 @@ class RedisTier(Reads, Commits, SharedTier):
                     continue
                 if m is None or self._manifest(m.session) != text(name):
                     continue
-                self._absorb(m)
+                self._absorb(m, inherited=False)  # (its parent's: through the parent's)
                 headers.extend(m.headers)
         except (RedisError, OSError) as exc:
             raise self._io_error("list conversations", exc) from exc
