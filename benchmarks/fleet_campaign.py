@@ -381,12 +381,15 @@ async def replica(args: dict[str, Any]) -> None:
             with anyio.fail_after(BOUND):
                 got = runs(await cache.load(conv))
         except Exception:  # (not counted: the fork op's own check)
+            views[conv] = None  # (what the cache holds of it now is not known)
             return
         finally:
             watchdog.end(ticket)
         if got[:-1] != [tuple(x) for x in inherited] and got[-1:] == [(tag, tokens)]:
             log(op="rebase", conv=conv, tag=tag, fork=parent, inherited=got[:-1])
-            views[conv], shapes[conv] = [t for t, _ in got], got
+        # (another replica's history of the key may have replaced the fork meanwhile: its
+        # turn is then refused, and reported by a later call)
+        views[conv], shapes[conv] = [t for t, _ in got], got
 
     try:
         while not stop.is_set():

@@ -64,8 +64,8 @@ def list_shared(core: Core, s: Session, t: int, headers: list[SegmentHeader]) ->
         s.parent = (headers[base - 1].session, sum(takes))
         _retire_unlisted(core, segs[:base])
     r = core.retired.get(s.key)
-    if r is not None and not r.markers:  # (one _retire_unlisted recorded: it is live)
-        del core.retired[s.key]
+    if r is not None and not r.markers and all(seg in segs for seg in r.segs):
+        del core.retired[s.key]  # (one _retire_unlisted recorded: it is this history)
     for u in sharers:
         core.reshared(u)
     return len(headers)
