@@ -36,6 +36,15 @@ What is checked, per conversation (every turn names itself: :mod:`tests.fleet`):
   history means a replica wrote what the others refuse), and the replica without the
   secret commits nothing.
 
+Besides the conversations ``c0``, ``c1``, ... the replicas make *forks* ``f0``, ``f1``, ...
+(``append(..., parent=...)``) of any conversation they hold, another replica's included,
+at a token count inside one of its turns or at its end; forks of forks; and they drop
+conversations (a parent while its forks live, too). A fork's history is its parent's
+first tokens (the tags and token counts of those turns, logged when the fork is made)
+then its own turns, checked like any other: a load of a fork serves exactly one that was
+acknowledged, the inherited part byte for byte, or a miss. A drop is, for the loss check,
+like a manifest the server lost: the conversation's earlier histories may be gone after it.
+
 Replicas are local-first (inclusive mode): an append is acknowledged when it returns; a
 ``flush()`` that returns acknowledges it to the fleet.
 """
@@ -82,7 +91,7 @@ ALLOWED = {
 FAULTS = {"stall": 3, "kill-aof": 2, "replica-kill": 2, "kill-empty": 1, "lose-manifest": 1}
 """Fault kinds and their weights."""
 
-OPERATIONS = ("append", "load", "flush")
+OPERATIONS = ("append", "load", "flush", "drop")
 """The operations the checker counts (those a caller sees complete or fail)."""
 
 TOKENS = (16, 16, 16, 256, 256, 1024)
@@ -97,6 +106,11 @@ LAYOUTS = {
 """A replica's tiers above the shared one: the Redis how-to's layouts, and a host tier
 smaller than the largest turn (conversations go straight to Redis, and load from it)."""
 
+LATE_START = 60.0
+"""Seconds past ``duration`` the faults go on, at least, while the replicas have not done
+``min_operations`` or the replica without the secret has not started (on a loaded
+machine a replica process takes many seconds to start)."""
+
 BOUND = 30.0
 """Seconds any operation may take (the longest legitimate wait is a takeover's, under
 ``lease_ttl``, plus the server's ``timeout`` per try)."""
@@ -108,6 +122,8 @@ class Options:
     seed: int = 1
     replicas: int = 3
     conversations: int = 8
+    forks: int = 4
+    """Fork keys (``f0``, ...); 0: no forks, no drops."""
     lease_ttl: float = 1.0
     timeout: float = 0.5
     host: int = 4 << 20
@@ -117,8 +133,9 @@ class Options:
     unkeyed_replica: bool = False
     """One more replica, without the secret (with ``secret``)."""
     min_operations: int = 0
-    """Keep the faults going past ``duration`` (up to three times it) until the replicas
-    have completed this many operations: a loaded machine still gets a campaign of size."""
+    """Keep the faults going past ``duration`` (up to three times it, and at least
+    :data:`LATE_START` seconds more) until the replicas have completed this many
+    operations: a loaded machine still gets a campaign of size."""
 
 
 @dataclass
@@ -140,6 +157,10 @@ class Result:
     unkeyed_refused: int = 0
     """Times the replica without the secret was refused (at open, or a commit)."""
     lease_expiries: int = 0
+    forks: int = 0
+    """Forks made (acknowledged), and loads that served a fork."""
+    fork_loads: int = 0
+    drops: int = 0
     refused: int = 0
     unproven: int = 0
     fsck: str = ""
@@ -156,6 +177,8 @@ class Result:
             f"operations: {sum(self.operations.values()):,} ({ops})",
             f"faults: {sum(self.faults.values())} ({faults}); lease expiries: "
             f"{self.lease_expiries}",
+            f"forks made: {self.forks}; loads of a fork served: {self.fork_loads}; drops: "
+            f"{self.drops}",
             f"errors callers saw: {errors}; refused turns reported: {self.refused}; "
             f"unproven misses: {self.unproven}",
             f"wrong histories: {len(self.wrong)}",
@@ -265,8 +288,11 @@ async def replica(args: dict[str, Any]) -> None:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.set_exception_handler(lambda _loop, ctx: log(op="unretrieved", msg=str(ctx)[:300]))
     watchdog = _Watchdog(log)
-    convs = [f"c{i}" for i in range(args["conversations"])]
+    forks = [f"f{i}" for i in range(args.get("forks", 0))]
+    convs = [f"c{i}" for i in range(args["conversations"])] + forks
     views: dict[str, list[int] | None] = {c: [] for c in convs}  # what this cache holds
+    shapes: dict[str, list[tuple[int, int]]] = {}
+    """Per conversation, the (tag, tokens) of the turns of its view, where known."""
     since: dict[str, float] = dict.fromkeys(convs, time.monotonic())
     """When the view's history was last read from the server (or, from none, begun)."""
     counter = 0
@@ -302,6 +328,69 @@ async def replica(args: dict[str, Any]) -> None:
         finally:
             watchdog.end(ticket)
 
+    async def fork(t0: float, key: str | None = None) -> None:
+        """A fork ``key`` (default: an ``f<i>`` this replica holds nothing of) of a
+        conversation it holds, at a point inside one of its turns or at its end."""
+        nonlocal counter
+        free = [f for f in forks if views[f] == []] if key is None else [key]
+        parents = [c for c in convs if views[c] and [t for t, _ in shapes.get(c, ())] == views[c]]
+        if not free or not parents:
+            return
+        conv, parent = rng.choice(free), rng.choice(parents)
+        shape = shapes[parent]
+        k = rng.randrange(len(shape))
+        inherited = [*shape[:k], (shape[k][0], rng.randint(1, shape[k][1]))]
+        counter += 1
+        tag = (rid * 1000 + inc) * 100000 + counter
+        tokens = rng.choice(TOKENS)
+        at = sum(n for _, n in inherited)
+        log(
+            op="append",
+            ph="begin",
+            t0=t0,
+            conv=conv,
+            tag=tag,
+            tokens=tokens,
+            base=[t for t, _ in inherited],
+            fork=parent,
+            inherited=inherited,
+        )
+        views[parent] = None  # (the fork reads the parent's current history: load it again)
+        ticket = watchdog.begin("fork")
+        try:
+            with anyio.fail_after(BOUND):
+                await cache.append(
+                    conv, turn(tag, tokens), answer_tokens=1, parent=parent, parent_tokens=at
+                )
+        except Exception as exc:
+            failed(exc, op="append", ph="end", t0=t0, conv=conv, tag=tag, fork=parent)
+            views[conv] = None
+        else:
+            log(op="append", ph="end", t0=t0, t1=time.monotonic(), conv=conv, tag=tag, ok=True)
+            views[conv], since[conv] = [*(t for t, _ in inherited), tag], t0
+            shapes[conv] = [*inherited, (tag, tokens)]
+        finally:
+            watchdog.end(ticket)
+        if views[conv] is None:
+            return
+        # the cache forked the parent's current history: another replica may have dropped
+        # it and begun another under its key since this one read it. What the fork holds
+        # here (its own copy: no server needed) says which history it started from
+        ticket = watchdog.begin("load")
+        try:
+            with anyio.fail_after(BOUND):
+                got = runs(await cache.load(conv))
+        except Exception:  # (not counted: the fork op's own check)
+            views[conv] = None  # (what the cache holds of it now is not known)
+            return
+        finally:
+            watchdog.end(ticket)
+        if got[:-1] != [tuple(x) for x in inherited] and got[-1:] == [(tag, tokens)]:
+            log(op="rebase", conv=conv, tag=tag, fork=parent, inherited=got[:-1])
+        # (another replica's history of the key may have replaced the fork meanwhile: its
+        # turn is then refused, and reported by a later call)
+        views[conv], shapes[conv] = [t for t, _ in got], got
+
     try:
         while not stop.is_set():
             conv = rng.choice(convs)
@@ -326,6 +415,22 @@ async def replica(args: dict[str, Any]) -> None:
                     got = runs(history)
                     log(op="load", t0=t0, t1=time.monotonic(), conv=conv, ok=True, turns=got)
                     views[conv], since[conv] = [tag for tag, _ in got], t0
+                    shapes[conv] = got
+                finally:
+                    watchdog.end(ticket)
+            elif forks and (r < 0.41 or (r < 0.85 and conv in forks and not view)):
+                await fork(t0, None if r < 0.41 else conv)  # (a fork key begins as a fork)
+            elif forks and r < 0.43:
+                ticket = watchdog.begin("drop")
+                try:
+                    with anyio.fail_after(BOUND):
+                        await cache.drop(conv)
+                except Exception as exc:
+                    failed(exc, op="drop", t0=t0, conv=conv)
+                    views[conv] = None
+                else:
+                    log(op="drop", t0=t0, t1=time.monotonic(), conv=conv, ok=True)
+                    views[conv], since[conv] = [], t0
                 finally:
                     watchdog.end(ticket)
             elif r < 0.85:
@@ -343,6 +448,8 @@ async def replica(args: dict[str, Any]) -> None:
                 else:
                     t1 = time.monotonic()
                     log(op="append", ph="end", t0=t0, t1=t1, conv=conv, tag=tag, ok=True)
+                    if shapes.get(conv) is not None and [t for t, _ in shapes[conv]] == view:
+                        shapes[conv] = [*shapes[conv], (tag, tokens)]
                     meta = cache.channel.get(conv)
                     if meta is None or meta.turns != len(view) + 1:
                         log(op="inconsistent", conv=conv, base=view, turns=meta and meta.turns)
@@ -402,6 +509,7 @@ async def campaign(opts: Options, workdir: Path) -> Result:
             "prefix": prefix,
             "log": str(workdir / f"replica-{rid}.jsonl"),
             "conversations": opts.conversations,
+            "forks": opts.forks,
             "lease_ttl": opts.lease_ttl,
             "timeout": opts.timeout,
             "host": opts.host,
@@ -432,7 +540,7 @@ async def campaign(opts: Options, workdir: Path) -> Result:
             await anyio.sleep(rng.uniform(*opts.fault_every))
             now = time.monotonic()
             if now >= deadline and (
-                now >= deadline + 2 * opts.duration
+                now >= deadline + max(2 * opts.duration, LATE_START)
                 or (
                     _completed(workdir, opts.replicas) >= opts.min_operations
                     and (unkeyed is None or _read(workdir / f"replica-{unkeyed}.jsonl"))
@@ -455,7 +563,8 @@ async def campaign(opts: Options, workdir: Path) -> Result:
                     lambda: server.restart(empty=kind == "kill-empty")  # noqa: B023
                 )
             elif kind == "lose-manifest":
-                conv = f"c{rng.randrange(opts.conversations)}"
+                keys = [f"c{i}" for i in range(opts.conversations)]
+                conv = rng.choice(keys + [f"f{i}" for i in range(opts.forks)])
                 with server.client() as client:
                     client.delete(f"{prefix}:{{{conversation_tag(conv)}}}:m")
                 record["conv"] = conv
@@ -506,6 +615,7 @@ async def _final_loads(
     each call under a bound, in a process of their own (a load that cannot be cancelled
     is recorded as a hang, and the process ended)."""
     args = {"url": url, "prefix": prefix, "conversations": opts.conversations}
+    args["forks"] = opts.forks
     args |= {"secret": secret, "out": str(workdir / "final-loads.json")}
     proc = await anyio.open_process(
         [sys.executable, __file__, "--final", json.dumps(args)], stdin=None, cwd=ROOT
@@ -528,12 +638,14 @@ async def final_loads(args: dict[str, Any]) -> None:
     """The final loads (``--final``), written to ``args["out"]``; the process ends (status
     3) if one runs past :data:`BOUND` plus a grace."""
     watchdog = _Watchdog(_Log(Path(args["out"] + ".log"), -1, 0))
-    out = await _loads(args["url"], args["prefix"], args["conversations"], args["secret"], watchdog)
+    keys = [f"c{i}" for i in range(args["conversations"])]
+    keys += [f"f{i}" for i in range(args.get("forks", 0))]
+    out = await _loads(args["url"], args["prefix"], keys, args["secret"], watchdog)
     await anyio.Path(args["out"]).write_text(json.dumps(out))
 
 
 async def _loads(
-    url: str, prefix: str, conversations: int, secret: str | None, watchdog: _Watchdog
+    url: str, prefix: str, keys: list[str], secret: str | None, watchdog: _Watchdog
 ) -> list[dict[str, Any]]:
     from tieredkv import HostMemoryTier, TieredKVCache
     from tieredkv.backends.redis import RedisTier
@@ -546,8 +658,8 @@ async def _loads(
             url, 1 << 40, prefix=prefix, value_size=64 << 10, recover=False, secret=key
         )
         async with TieredKVCache([HostMemoryTier(host), shared], mode="inclusive") as cache:
-            for i in range(conversations):
-                conv, t0 = f"c{i}", time.monotonic()
+            for conv in keys:
+                t0 = time.monotonic()
                 record: dict[str, Any] = {"r": "final", "op": "load", "conv": conv, "t0": t0}
                 ticket = watchdog.begin("final load")
                 try:
@@ -572,7 +684,8 @@ def _fsck(url: str, prefix: str, secret: str | None) -> str:
     return (
         f"{report.segments} good segment(s) in {len(report.sessions)} conversation(s), "
         f"{len(report.damaged)} damaged, {report.pending} pending and {report.leaked} leaked "
-        f"value(s) (leaked: those of manifests the campaign deleted)"
+        f"value(s) (leaked: those of manifests the campaign deleted), {report.reclaimable} "
+        f"reclaimable segment(s) (kept for a fork whose manifest the campaign deleted)"
         + "".join(f"; damaged {d.path}: {d.problem}" for d in report.damaged[:3])
     )
 
@@ -622,6 +735,8 @@ def check(records: list[dict[str, Any]], faults: list[dict[str, Any]], opts: Opt
     # when the server lost data (some moment between a fault's start and end), per
     # conversation (None: every conversation)
     losses: dict[str | None, list[tuple[float, float]]] = defaultdict(list)
+    inherited: dict[str, set[tuple[int, int]]] = defaultdict(set)
+    """Per fork key, the (tag, tokens) of its forks' inherited turns (the last maybe cut)."""
     for f in faults:
         if f.get("loss"):
             losses[None].append((f["t0"], f["t1"]))
@@ -657,6 +772,14 @@ def check(records: list[dict[str, Any]], faults: list[dict[str, Any]], opts: Opt
             tags[r["tag"]] = (r["conv"], r["tokens"])
             if r["base"] is not None:
                 possible[r["conv"]].add((*r["base"], r["tag"]))
+            if "fork" in r:
+                inherited[r["conv"]].update((t, n) for t, n in r["inherited"])
+        elif op == "rebase":  # (the fork started from the parent's newer history)
+            possible[r["conv"]].add((*(t for t, _ in r["inherited"]), r["tag"]))
+            inherited[r["conv"]].update((t, n) for t, n in r["inherited"])
+        elif op == "drop" and r["ok"]:
+            losses[r["conv"]].append((r["t0"], r["t1"]))
+            result.drops += 1
         elif op == "append" and not r["ok"]:
             failed.add(r["tag"])
         elif op == "flush" and r["ok"]:
@@ -673,10 +796,11 @@ def check(records: list[dict[str, Any]], faults: list[dict[str, Any]], opts: Opt
             result.operations[r["op"]] += 1
             if not r.get("ok", True):
                 result.errors[r["err"]] += 1
-                if r["err"] not in ALLOWED:
+                if r["err"] not in ALLOWED and not _allowed_for_forks(r):
                     result.unexpected[r["err"]] += 1
     for conv in possible:  # a failed append left no trace: no history holds its turn
         possible[conv] = {h for h in possible[conv] if h[-1] not in failed}
+    _check_forks(records, possible, failed, inherited, result)
 
     def lost_between(conv: str, start: float, end: float) -> bool:
         return any(t1 > start and t0 < end for t0, t1 in (*losses[None], *losses[conv]))
@@ -686,7 +810,13 @@ def check(records: list[dict[str, Any]], faults: list[dict[str, Any]], opts: Opt
             continue
         conv, served = r["conv"], tuple(tag for tag, _ in r["turns"])
         where = f"replica {r['r']} at {r['t0']:.3f} loaded {conv} = {list(served)}"
-        wrong = [(tag, n) for tag, n in r["turns"] if tags.get(tag) != (conv, n)]
+        wrong = [
+            (tag, n)
+            for tag, n in r["turns"]
+            if tags.get(tag) != (conv, n) and (tag, n) not in inherited[conv]
+        ]
+        if any(tags.get(tag, ("",))[0] != conv for tag, _ in r["turns"]):
+            result.fork_loads += 1
         if wrong:
             result.wrong.append(f"{where}: turns of another conversation or size {wrong}")
         elif served not in possible[conv]:
@@ -707,6 +837,57 @@ def check(records: list[dict[str, Any]], faults: list[dict[str, Any]], opts: Opt
     return result
 
 
+def _allowed_for_forks(r: dict[str, Any]) -> bool:
+    """Errors only forks and drops may meet: a fork's first turn that does not fit in its
+    parent's tier, a fork point past the parent's current history (another replica
+    dropped it and began a shorter one), an append under a key whose forks keep its
+    dropped history."""
+    err, msg = r["err"], r.get("msg", "")
+    fork = "fork" in r and (
+        err == "CapacityError" or (err == "InvalidArgumentError" and "parent_tokens is" in msg)
+    )
+    return fork or (err == "InvalidArgumentError" and "forks still list its history" in msg)
+
+
+def _check_forks(
+    records: list[dict[str, Any]],
+    possible: dict[str, set[tuple[int, ...]]],
+    failed: set[int],
+    inherited: dict[str, set[tuple[int, int]]],
+    result: Result,
+) -> None:
+    """Every acknowledged fork starts from a history its parent could have had: its
+    inherited turns are a prefix of one acknowledged there (the last maybe cut), each
+    turn as long as it is there (its full size, or what the parent, a fork too, inherited
+    of it)."""
+    sizes = {r["tag"]: r["tokens"] for r in records if r.get("op") == "append" and "tokens" in r}
+    rebased = {r["tag"]: r for r in records if r.get("op") == "rebase"}
+    for r in records:
+        if r.get("op") != "append" or r.get("ph") != "begin" or "fork" not in r:
+            continue
+        if r["tag"] in failed:
+            continue
+        result.forks += 1
+        r = rebased.get(r["tag"], r)
+        base = tuple(t for t, _ in r["inherited"])
+        there = inherited[r["fork"]]
+
+        def length(tag: int, there: set[tuple[int, int]] = there) -> set[int]:
+            return {sizes.get(tag, 0)} | {n for t, n in there if t == tag}
+
+        whole = all(n in length(t) for t, n in r["inherited"][:-1])
+        last, cut = r["inherited"][-1]
+        if not (
+            whole
+            and 1 <= cut <= max(length(last))
+            and any(h[: len(base)] == base for h in possible[r["fork"]])
+        ):
+            result.wrong.append(
+                f"fork {r['conv']} (tag {r['tag']}) of {r['fork']} inherits {r['inherited']}: "
+                f"not the start of any history acknowledged there"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=300.0, help="seconds of faults (300)")
@@ -714,11 +895,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=3, help="replica processes (3)")
     parser.add_argument("--conversations", type=int, default=8, help="conversations (8)")
     parser.add_argument(
+        "--forks", type=int, default=4, help="fork keys (4; 0: no forks and no drops)"
+    )
+    parser.add_argument(
         "--min-operations",
         type=int,
         default=0,
         metavar="N",
-        help="keep the faults going past --duration (up to 3x) until N operations completed (0)",
+        help="keep the faults going past --duration (up to 3x, or 60 s more) until N operations "
+        "completed (0)",
     )
     parser.add_argument(
         "--layout", choices=list(LAYOUTS), default="host+redis", help="the replicas' tiers"
@@ -760,6 +945,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         replicas=args.replicas,
         conversations=args.conversations,
+        forks=args.forks,
         min_operations=args.min_operations,
         layout=args.layout,
         secret=args.secret,
@@ -779,7 +965,7 @@ def main(argv: list[str] | None = None) -> int:
         + (" with secret" if opts.secret else "")
         + (" and a replica without it" if opts.unkeyed_replica else "")
         + f", seed {opts.seed}, {opts.replicas} replicas, {opts.conversations} "
-        f"conversations, {opts.duration:.0f} s of faults "
+        f"conversations and {opts.forks} fork keys, {opts.duration:.0f} s of faults "
         f"({time.monotonic() - began:.0f} s in all)"
     )
     for line in result.lines():

@@ -6,8 +6,15 @@ them (:mod:`tieredkv.backends.redis_manifest`): the manifest's fields and entrie
 segment's header, CRC and body hash, its header bytes against its committed entry and,
 given the tiers' secret, the manifest's MAC and both MACs of every segment. It also lists
 the values no manifest names: *pending* ones (an uncommitted write's, with an expiry: they
-vanish on their own) and *leaked* ones (no expiry: memory nothing will free). It sends only
-reads (``SCAN``, ``HGETALL``, ``GET``, ``PTTL``), so it can run against a live server.
+vanish on their own) and *leaked* ones (no expiry: memory nothing will free).
+
+A fork's references are checked as its segments are: a referenced segment whose values are
+gone or fail their checks (a *dangling reference*), or whose reference set does not name
+the fork, is damage. A segment its owner dropped that only forks kept (a *retired* one) is
+*reclaimable* when no fork's manifest references it any more (the manifest that did was
+lost, say evicted under ``maxmemory``): memory that only deleting it frees. It sends only
+reads (``SCAN``, ``HGETALL``, ``GET``, ``PTTL``, ``SMEMBERS``), so it can run against a
+live server.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from pathlib import Path
 from ._urls import redacted as _redacted
 from .backends.redis import RedisTier
 from .backends.redis_manifest import Damaged as _Damaged
-from .backends.redis_manifest import parse, verify_segment_read
+from .backends.redis_manifest import Entry, parse, verify_segment_read
 from .errors import (
     CorruptSegmentError,
     InvalidArgumentError,
@@ -43,6 +50,7 @@ except ImportError as _exc:  # pragma: no cover - exercised only without the ext
 __all__ = ["RedisReport", "check_prefix", "run_redis_command"]
 
 _PART = re.compile(r"^(?P<base>.*:\{[0-9a-f]{32}\}):(?P<seq>\d+):(?P<nonce>[0-9a-f]+):\d+$")
+_REFS = re.compile(r"^(?P<base>.*:\{[0-9a-f]{32}\}):(?P<seq>\d+):(?P<nonce>[0-9a-f]+):r$")
 
 
 @dataclass
@@ -58,6 +66,8 @@ class RedisReport:
     :param damaged: what a replica would refuse to serve (a manifest, or a segment), and why
     :param pending: values of uncommitted writes (they expire)
     :param leaked: values that no manifest names and that never expire
+    :param reclaimable: segments only forks kept (their owner dropped them) that no fork
+        references any more
     """
 
     url: str
@@ -68,6 +78,7 @@ class RedisReport:
     damaged: list[Damaged] = field(default_factory=list)
     pending: int = 0
     leaked: int = 0
+    reclaimable: int = 0
 
     @property
     def clean(self) -> bool:
@@ -89,6 +100,7 @@ def check_prefix(url: str, prefix: str, *, secret: bytes | None = None) -> Redis
     client = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=10)
     try:
         named = _check_manifests(client, report, key)
+        named |= _check_references(client, report)
         _check_parts(client, report, named)
     except (redis.RedisError, OSError) as exc:
         raise TierIOError("fsck", f"read {report.url}", f"{type(exc).__name__}: {exc}") from exc
@@ -112,37 +124,102 @@ def _check_manifests(client: redis.Redis, report: RedisReport, key: bytes | None
         }
         named |= _named_by(base, fields)  # (a damaged manifest's values are not leaked)
         try:
-            m = parse(fields, None, key, f"{report.url} {name}")
+            m = parse(fields, None, key, f"{report.url} {name}", report.prefix)
         except _Damaged as exc:
             report.damaged.append(Damaged(name, exc.detail))
             continue
         if m is None or not m.entries:  # (a conversation begun, nothing committed yet)
             continue
         summary = SessionSummary(m.session)
-        incarnation = bytes.fromhex(m.id) if key is not None else None
-        for seq, (entry, header) in enumerate(zip(m.entries, m.headers, strict=True)):
-            parts = [f"{base}:{seq}:{entry.nonce}:{i}" for i in range(entry.parts)]
-            values = client.mget(parts)
-            where = f"{name} segment {seq}"
-            gone = [p for p, v in zip(parts, values, strict=True) if v is None]
-            if gone:
-                report.damaged.append(Damaged(where, f"value {gone[0]} is gone"))
+        for i, ref in enumerate(m.base):
+            where = f"{name} reference {i}"
+            rbase = ref.qfield(report.prefix).rsplit(":", 3)[0]
+            problem = _check_segment(
+                client, rbase, (ref.owner, ref.seq), ref.entry, ref.owner_id, key, where
+            )
+            members = client.smembers(f"{rbase}:{ref.seq}:{ref.entry.nonce}:r")
+            if problem is None and raw not in members:
+                problem = "its reference set does not name this fork (its owner may delete it)"
+            if problem is not None:
+                report.damaged.append(Damaged(where, f"a dangling reference: {problem}"))
                 break
-            buf = memoryview(b"".join(v for v in values if isinstance(v, bytes)))
-            try:
-                if len(buf) != entry.length:
-                    raise CorruptSegmentError(where, f"{len(buf)} bytes, expected {entry.length}")
-                verify_segment_read(buf, (m.session, seq), entry, incarnation, key, where)
-            except CorruptSegmentError as exc:
-                report.damaged.append(Damaged(where, exc.detail))
-                break
-            summary.turns += 1
-            summary.tokens += header.tokens
-            summary.bytes += entry.length
-            report.segments += 1
-            report.bytes += entry.length
+        else:
+            for seq, (entry, header) in enumerate(zip(m.entries, m.headers, strict=True), m.first):
+                where = f"{name} segment {seq}"
+                problem = _check_segment(client, base, (m.session, seq), entry, m.id, key, where)
+                if problem is not None:
+                    report.damaged.append(Damaged(where, problem))
+                    break
+                summary.turns += 1
+                summary.tokens += header.tokens
+                summary.bytes += entry.length
+                report.segments += 1
+                report.bytes += entry.length
         report.sessions.append(summary)
     return named
+
+
+def _check_segment(
+    client: redis.Redis,
+    base: str,
+    seg: tuple[str, int],
+    entry: Entry,
+    mid: str,
+    key: bytes | None,
+    where: str,
+) -> str | None:
+    """What is wrong with a committed segment's values (``None``: nothing)."""
+    parts = [f"{base}:{seg[1]}:{entry.nonce}:{i}" for i in range(entry.parts)]
+    values = client.mget(parts)
+    gone = [p for p, v in zip(parts, values, strict=True) if v is None]
+    if gone:
+        return f"value {gone[0]} is gone"
+    buf = memoryview(b"".join(v for v in values if isinstance(v, bytes)))
+    incarnation = bytes.fromhex(mid) if key is not None else None
+    try:
+        if len(buf) != entry.length:
+            raise CorruptSegmentError(where, f"{len(buf)} bytes, expected {entry.length}")
+        verify_segment_read(buf, seg, entry, incarnation, key, where)
+    except CorruptSegmentError as exc:
+        return exc.detail
+    return None
+
+
+def _check_references(client: redis.Redis, report: RedisReport) -> set[str]:
+    """Find the segments forks keep (their reference sets); count as reclaimable those no
+    fork's manifest references any more and their owner no longer lists. Returns the
+    names of the values and keys they keep (not leaked)."""
+    kept: set[str] = set()
+    for raw in client.scan_iter(match=f"{report.prefix}:{{*}}:*:r", count=1000):
+        found = _REFS.match(raw.decode("utf-8", "replace"))
+        if found is None:
+            continue
+        base, seq, nonce = found["base"], found["seq"], found["nonce"]
+        kfield = f"k:{seq}".encode()
+        listed = client.hget(f"{base}:m", kfield)
+        parts = [
+            k.decode("utf-8", "replace")
+            for k in client.scan_iter(match=f"{base}:{seq}:{nonce}:*", count=1000)
+        ]
+        kept.update(parts)
+        kept.add(f"{base}:t")
+        if isinstance(listed, bytes) and listed.split(b":")[0] == nonce.encode():
+            continue  # its owner lists it: not retired
+        live = False
+        for member in client.smembers(raw):
+            prefix = f"{base}:{seq}:{nonce}:".encode()
+            if any(
+                isinstance(k, bytes)
+                and isinstance(v, bytes)
+                and k.startswith(b"q:")
+                and v.startswith(prefix)
+                for k, v in client.hgetall(member).items()
+            ):
+                live = True
+                break
+        if not live:
+            report.reclaimable += 1
+    return kept
 
 
 def _named_by(base: str, fields: dict[bytes, bytes]) -> set[str]:
@@ -196,7 +273,8 @@ def run_redis_command(args: argparse.Namespace) -> int:
         f"{report.url} prefix {report.prefix!r}: {report.segments} good segment(s) in "
         f"{len(report.sessions)} conversation(s), {report.bytes:,} bytes; "
         f"{len(report.damaged)} damaged; {report.pending} pending value(s); "
-        f"{report.leaked} leaked value(s)"
+        f"{report.leaked} leaked value(s); {report.reclaimable} reclaimable segment(s) "
+        f"only forks kept"
     )
     for d in report.damaged:
         print(f"  damaged: {d.path}: {d.problem}")

@@ -3,8 +3,10 @@
 Replica processes share one redis-server while it is SIGKILLed and restarted (from its
 append-only file, or empty), SIGSTOPped, and loses manifests; replicas are SIGKILLed and
 come back; leases expire; the replicas write the same eight conversations at once, and
-flush several times at once. Each tier layout the Redis how-to describes runs, with and
-without ``secret=`` (and with it, one more replica without the secret). Then the checker
+flush several times at once; they fork each other's conversations (inside a turn, at its
+end, forks of forks) and drop conversations, parents of live forks among them. Each tier
+layout the Redis how-to describes runs, with and without ``secret=`` (and with it, one
+more replica without the secret). Then the checker
 compares every history served with the acknowledged ones: no wrong history, no lost
 acknowledged turn beyond what the server itself lost, no exception outside the contract,
 no operation past its bound (no hang), no history damaged by a misconfigured replica.
@@ -93,3 +95,5 @@ def test_fleet_campaign_finds_nothing(
         assert f"{kind} " in out.split("faults:")[1].split("\n")[0], f"no {kind} fault"
     assert operations(out) >= 150, out
     assert "concurrent flushes: 0;" not in out, out
+    assert "forks made: 0;" not in out, out
+    assert "loads of a fork served: 0;" not in out, out

@@ -1,26 +1,458 @@
-"""A cache with a tier shared between replicas refuses forks with a message that says what
-to do, and stores nothing (the shared tier's fencing and manifests know no references)."""
+"""Forks in a Redis tier, against a real redis-server: a fork's manifest references its
+parent's committed segments (no copy), every replica reads them, a parent's drop keeps what
+forks reference, and a fork commit is fenced and refused cleanly when its parent's range is
+gone; a load of a fork is its committed history byte for byte, or a miss."""
 
 from __future__ import annotations
 
+import functools
+import mmap
+from collections.abc import AsyncIterator, Iterator
+
+import anyio
 import pytest
 import torch
 
-from tests.redis_server import RedisServer, new_prefix, own_redis_server
+from tests.redis_server import RedisServer, new_prefix, own_redis_server, redis_server
 from tieredkv import HostMemoryTier, TieredKVCache
-from tieredkv.backends.redis import RedisTier
+from tieredkv.backends.base import SegmentKey
+from tieredkv.backends.redis import RedisTier, conversation_tag
+from tieredkv.errors import (
+    CorruptSegmentError,
+    HistoryConflictError,
+    SessionNotFoundError,
+    StaleWriterError,
+)
+from tieredkv.fsck_redis import RedisReport, check_prefix
+from tieredkv.payload import plan_segment
 
-__all__ = ["own_redis_server"]  # fixtures used below
+__all__ = ["own_redis_server", "redis_server"]  # fixtures used below
+
+CAPACITY = 64 << 20
+SMALL_VALUES = 64 << 10
 
 
-async def test_a_fork_is_refused_with_a_shared_tier(own_redis_server: RedisServer) -> None:
-    shared = RedisTier(own_redis_server.url, 64 << 20, prefix=new_prefix(), timeout=2.0)
-    tiers = [HostMemoryTier(8 << 20), shared]
-    async with TieredKVCache(tiers, mode="inclusive") as cache:
-        kv = {"kv": torch.arange(8 * 256, dtype=torch.float32).reshape(8, 256)}
-        await cache.append("a", kv, answer_tokens=1)
-        with pytest.raises(ValueError, match="shared between replicas"):
-            await cache.append("b", kv, answer_tokens=1, parent="a")
-        assert not cache.contains("b")
-        await cache.flush()
-        assert torch.equal((await cache.load("a"))["kv"], kv["kv"])
+class Turn:
+    """One real segment (``base``: a fork's first turn, referencing those segments)."""
+
+    def __init__(
+        self,
+        session: str,
+        seq: int,
+        tokens: int,
+        seed: int,
+        base: tuple[tuple[str, int, int], ...] = (),
+    ) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        tensors = {
+            name: torch.randint(-(2**15), 2**15, (tokens, 64), dtype=torch.int16, generator=gen)
+            for name in ("k", "v")
+        }
+        plan = plan_segment(session, seq, tensors, token_dim=0, answer_tokens=1, base=base)
+        self.key: SegmentKey = (session, seq)
+        self.length = plan.length
+        self._mm = mmap.mmap(-1, plan.length)
+        self.view = memoryview(self._mm)
+        plan.write_into(self.view)
+        self.data = bytes(self.view)
+
+    def close(self) -> None:
+        self.view.release()
+        self._mm.close()
+
+
+@pytest.fixture
+def turns() -> Iterator[list[Turn]]:
+    made: list[Turn] = []
+    yield made
+    for t in made:
+        t.close()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return new_prefix()
+
+
+def _replica(server: RedisServer, prefix: str, name: str, **kw: object) -> RedisTier:
+    return RedisTier(server.url, CAPACITY, prefix=prefix, value_size=SMALL_VALUES, name=name, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def tier(redis_server: RedisServer, prefix: str) -> AsyncIterator[RedisTier]:
+    async with _replica(redis_server, prefix, "A") as t:
+        yield t
+
+
+@pytest.fixture
+async def peer(redis_server: RedisServer, prefix: str) -> AsyncIterator[RedisTier]:
+    async with _replica(redis_server, prefix, "B") as t:
+        yield t
+
+
+async def _store(tier: RedisTier, t: Turn) -> None:
+    assert tier.reserve(t.key, t.length)
+    try:
+        await tier.write(t.key, t.view)
+    finally:
+        tier.release(t.key)
+
+
+async def _read(tier: RedisTier, keys: list[SegmentKey]) -> list[bytes]:
+    outs = [memoryview(bytearray(tier.length(k))) for k in keys]
+    await tier.read(keys, outs)
+    return [bytes(o) for o in outs]
+
+
+def _keys(server: RedisServer, prefix: str) -> set[str]:
+    with server.client() as c:
+        return {k.decode() for k in c.scan_iter(match=f"{prefix}:{{*")}
+
+
+async def _fsck(server: RedisServer, prefix: str, secret: bytes | None = None) -> RedisReport:
+    check = functools.partial(check_prefix, server.url, prefix, secret=secret)
+    return await anyio.to_thread.run_sync(check)
+
+
+def _base(prefix: str, session: str) -> str:
+    return f"{prefix}:{{{conversation_tag(session)}}}"
+
+
+async def _parent_and_fork(
+    tier: RedisTier, turns: list[Turn], *, parent: str = "p", fork: str = "c"
+) -> tuple[Turn, Turn, Turn]:
+    """``parent``: two turns; ``fork``: a fork of its first turn and 100 tokens of its
+    second, then its own turn (seq 2)."""
+    p0, p1 = Turn(parent, 0, 300, 1), Turn(parent, 1, 400, 2)
+    c2 = Turn(fork, 2, 200, 3, base=((parent, 0, 300), (parent, 1, 100)))
+    turns += [p0, p1, c2]
+    await _store(tier, p0)
+    await _store(tier, p1)
+    await _store(tier, c2)
+    return p0, p1, c2
+
+
+async def test_a_fork_references_its_parent_and_every_replica_reads_it(
+    tier: RedisTier, peer: RedisTier, redis_server: RedisServer, prefix: str, turns: list[Turn]
+) -> None:
+    """The fork's manifest names the parent's segments (one copy of their bytes on the
+    server, a reference set per segment naming the fork); another replica gets the whole
+    history and reads it byte for byte."""
+    p0, p1, c2 = await _parent_and_fork(tier, turns)
+    keys = _keys(redis_server, prefix)
+    assert not [k for k in keys if k.startswith(f"{_base(prefix, 'c')}:0:")]  # nothing copied
+    refs = sorted(k for k in keys if k.endswith(":r"))
+    assert len(refs) == 2
+    with redis_server.client() as c:
+        assert [c.smembers(r) for r in refs] == [{f"{_base(prefix, 'c')}:m".encode()}] * 2
+    state = await peer.refresh("c")
+    assert state.status == "changed"
+    assert [(h.session, h.seq) for h in state.headers] == [("p", 0), ("p", 1), ("c", 2)]
+    assert await _read(peer, [p0.key, p1.key, c2.key]) == [p0.data, p1.data, c2.data]
+    assert (await peer.lookup("p"))[1].seq == 1
+    report = await _fsck(redis_server, prefix)
+    assert report.clean, report.damaged
+    assert (report.segments, report.reclaimable) == (3, 0)
+
+
+async def test_a_parent_dropped_on_another_replica_keeps_what_its_fork_lists(
+    tier: RedisTier, peer: RedisTier, redis_server: RedisServer, prefix: str, turns: list[Turn]
+) -> None:
+    """The parent's writer drops it: its manifest goes, the segments the fork lists stay
+    (retired) and the key cannot start a new history; the fork reads on, byte for byte.
+    When the fork goes, the parent's last bytes go with it: nothing stays on the server."""
+    p0, p1, c2 = await _parent_and_fork(tier, turns)
+    p2 = Turn("p", 2, 50, 4)
+    turns.append(p2)
+    await _store(tier, p2)  # (the parent goes on after the fork: turn 2 is its own)
+    await peer.refresh("c", take=True)
+    assert await tier.discard("p")
+    assert await peer.lookup("p") == []
+    keys = _keys(redis_server, prefix)
+    assert f"{_base(prefix, 'p')}:m" not in keys
+    assert not [k for k in keys if k.startswith(f"{_base(prefix, 'p')}:2:")]  # unreferenced
+    assert await _read(peer, [p0.key, p1.key, c2.key]) == [p0.data, p1.data, c2.data]
+    new = Turn("p", 0, 300, 9)
+    turns.append(new)
+    third = _replica(redis_server, prefix, "C")  # (its open scans the fork)
+    await third.open()
+    try:
+        with pytest.raises(HistoryConflictError, match="forks still list its history"):
+            await _store(third, new)
+        report = await _fsck(redis_server, prefix)
+        assert report.clean, report.damaged
+        # (the fork's own turn; p's two retired turns are checked as its references)
+        assert (report.segments, report.leaked, report.reclaimable) == (1, 0, 0)
+        assert await peer.discard("c")
+        assert _keys(redis_server, prefix) <= {f"{_base(prefix, 'p')}:m"}  # (C's lease)
+        await _store(third, new)  # the key is free again
+        assert await _read(third, [new.key]) == [new.data]
+    finally:
+        await third.aclose()
+
+
+async def test_a_fork_commit_is_refused_without_trace_when_its_parent_range_is_gone(
+    tier: RedisTier, peer: RedisTier, redis_server: RedisServer, prefix: str, turns: list[Turn]
+) -> None:
+    """A replica whose view of the parent is stale (the parent was dropped meanwhile) or
+    whose referenced bytes the server lost cannot commit the fork: nothing of it stays."""
+    p0, p1 = Turn("p", 0, 300, 1), Turn("p", 1, 400, 2)
+    turns += [p0, p1]
+    await _store(tier, p0)
+    await _store(tier, p1)
+    await peer.refresh("p")  # the peer's view of p: then p is dropped
+    assert await tier.discard("p")
+    before = _keys(redis_server, prefix)
+    c2 = Turn("c", 2, 200, 3, base=(("p", 0, 300), ("p", 1, 100)))
+    turns.append(c2)
+    with pytest.raises(HistoryConflictError, match="no longer in the shared tier"):
+        await _store(peer, c2)
+    assert not peer.contains(c2.key)
+    # (the fork's empty manifest, the lease its writer took, holds no history)
+    assert _keys(redis_server, prefix) - before <= {f"{_base(prefix, 'c')}:m"}
+    assert await tier.lookup("c") == []
+    # a referenced part evicted by the server: refused the same way
+    q0, q1 = Turn("q", 0, 300, 5), Turn("q", 1, 400, 6)
+    turns += [q0, q1]
+    await _store(tier, q0)
+    await _store(tier, q1)
+    with redis_server.client() as c:
+        c.delete(
+            next(k for k in _keys(redis_server, prefix) if k.startswith(f"{_base(prefix, 'q')}:1:"))
+        )
+    d2 = Turn("d", 2, 200, 7, base=(("q", 0, 300), ("q", 1, 100)))
+    turns.append(d2)
+    with pytest.raises(HistoryConflictError, match="no longer in the shared tier"):
+        await _store(tier, d2)
+    assert not [k for k in _keys(redis_server, prefix) if k.endswith(":r")]
+    assert await peer.lookup("d") == []
+
+
+async def test_a_fenced_replica_cannot_commit_a_fork(
+    tier: RedisTier, peer: RedisTier, redis_server: RedisServer, prefix: str, turns: list[Turn]
+) -> None:
+    """A replica another one took the fork's key over from is refused by the server: no
+    reference is recorded, the parent's drop then deletes all of it."""
+    p0 = Turn("p", 0, 300, 1)
+    turns.append(p0)
+    await _store(tier, p0)
+    await tier.acquire("c")
+    await peer.acquire("c", force=True)
+    c1 = Turn("c", 1, 100, 2, base=(("p", 0, 300),))
+    turns.append(c1)
+    with pytest.raises(StaleWriterError):
+        await _store(tier, c1)
+    assert not [k for k in _keys(redis_server, prefix) if k.endswith(":r")]
+    assert await tier.discard("p")
+    assert _keys(redis_server, prefix) <= {f"{_base(prefix, 'c')}:m"}
+
+
+async def test_a_fork_whose_referenced_bytes_vanished_is_never_spliced(
+    tier: RedisTier, peer: RedisTier, redis_server: RedisServer, prefix: str, turns: list[Turn]
+) -> None:
+    """A referenced part the server evicted: reading the fork fails (never other bytes),
+    and every conversation listing that segment (the fork, its parent) is taken out."""
+    p0, p1, c2 = await _parent_and_fork(tier, turns)
+    await peer.refresh("c")
+    with redis_server.client() as c:
+        c.delete(
+            next(
+                k
+                for k in _keys(redis_server, prefix)
+                if k.startswith(f"{_base(prefix, 'p')}:1:") and not k.endswith(":r")
+            )
+        )
+    with pytest.raises(CorruptSegmentError, match="gone"):
+        await _read(peer, [p0.key, p1.key, c2.key])
+    assert not peer.contains(c2.key)
+    assert await tier.lookup("c") == []  # taken out for every replica
+    with pytest.raises(CorruptSegmentError, match="gone"):  # (and p, by its next reader)
+        await _read(tier, [p1.key])
+    assert await peer.lookup("p") == []
+
+
+async def test_restart_empty_loses_the_fork_as_a_whole(
+    own_redis_server: RedisServer, turns: list[Turn]
+) -> None:
+    """A server restarted empty: a replica that knew the fork finds it lost (a miss for
+    the cache), never a part of it."""
+    prefix = new_prefix()
+    async with _replica(own_redis_server, prefix, "A") as tier:
+        await _parent_and_fork(tier, turns)
+        own_redis_server.restart(empty=True)
+        assert (await tier.refresh("c")).status == "lost"
+        assert not tier.contains(("c", 2))
+        assert (await tier.refresh("p")).status == "lost"
+        assert not tier.contains(("p", 0))
+
+
+async def test_fsck_reports_a_dangling_reference_and_a_reclaimable_range(
+    tier: RedisTier, redis_server: RedisServer, prefix: str, turns: list[Turn]
+) -> None:
+    """A fork whose referenced bytes are gone is damage; a retired range whose only
+    referrer's manifest vanished (evicted under maxmemory) is reclaimable."""
+    await _parent_and_fork(tier, turns)
+    with redis_server.client() as c:
+        c.delete(
+            next(
+                k
+                for k in _keys(redis_server, prefix)
+                if k.startswith(f"{_base(prefix, 'p')}:0:") and not k.endswith(":r")
+            )
+        )
+    report = await _fsck(redis_server, prefix)
+    dangling = [
+        d.problem for d in report.damaged if d.path == f"{_base(prefix, 'c')}:m reference 0"
+    ]
+    assert dangling
+    assert dangling[0].startswith("a dangling reference: value ")
+    assert not report.clean
+    other = new_prefix()
+    async with _replica(redis_server, other, "A2") as t2:
+        await _parent_and_fork(t2, turns)
+        assert await t2.discard("p")  # retired: the fork lists p's turns 0 and 1
+        with redis_server.client() as c:
+            c.delete(f"{_base(other, 'c')}:m")  # the fork's manifest evicted
+        report = await _fsck(redis_server, other)
+        # (the fork's own turn is leaked: nothing names it any more)
+        assert (report.reclaimable, report.leaked, report.damaged) == (2, 1, [])
+
+
+async def test_forks_with_a_secret(
+    redis_server: RedisServer, prefix: str, turns: list[Turn]
+) -> None:
+    """With a secret, a fork's references are part of its manifest's MAC, and the parent's
+    segments are checked with the parent's incarnation by every replica."""
+    secret = b"0123456789abcdef-fleet"
+    async with (
+        _replica(redis_server, prefix, "A", secret=secret) as a,
+        _replica(redis_server, prefix, "B", secret=secret) as b,
+    ):
+        p0, p1, c2 = await _parent_and_fork(a, turns)
+        assert (await b.refresh("c")).status == "changed"
+        keys = [p0.key, p1.key, c2.key]
+        got = await _read(b, keys)
+        assert got == await _read(a, keys)  # (as authenticated: MACs in their headers)
+        assert [len(g) for g in got] == [p0.length, p1.length, c2.length]
+        assert (await _fsck(redis_server, prefix, secret)).clean
+
+
+# -- forks through the cache, several replicas over one server ----------------------------
+
+
+def _kv(i: int, tokens: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(500 + i)
+    return {n: torch.randn(tokens, 64, generator=gen).to(torch.bfloat16) for n in ("k", "v")}
+
+
+def _cat(*parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: torch.cat([p[n] for p in parts]) for n in ("k", "v")}
+
+
+def _cut(kv: dict[str, torch.Tensor], tokens: int) -> dict[str, torch.Tensor]:
+    return {n: t[:tokens] for n, t in kv.items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.int16), b[k].view(torch.int16))
+        for k in a
+    )
+
+
+def _cache(server: RedisServer, prefix: str) -> TieredKVCache:
+    shared = RedisTier(server.url, CAPACITY, prefix=prefix, value_size=SMALL_VALUES, lease_ttl=0.3)
+    return TieredKVCache([HostMemoryTier(8 << 20), shared], mode="inclusive")
+
+
+P0, P1, C = _kv(0, 48), _kv(1, 40), _kv(2, 24)
+"""The parent's two turns (48 and 40 tokens), the fork's own turn."""
+FORK = _cat(_cut(_cat(P0, P1), 60), C)
+"""The fork's history: the parent's first 60 tokens (inside its second turn), its turn."""
+
+
+async def _parent_on_a_fork_on_b(a: TieredKVCache, b: TieredKVCache) -> None:
+    await a.append("p", P0, answer_tokens=8)
+    await a.append("p", P1, answer_tokens=8)
+    await a.flush()
+    await b.append("c", C, answer_tokens=4, parent="p", parent_tokens=60)
+    await b.flush()
+
+
+async def test_a_fork_of_another_replicas_conversation_is_served_everywhere(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Replica B forks a conversation replica A wrote; the fork commits only its own turn
+    to the shared tier (the parent's bytes stay stored once) and every replica loads the
+    fork's history byte for byte, the parent's too."""
+    async with _cache(redis_server, prefix) as a, _cache(redis_server, prefix) as b:
+        await _parent_on_a_fork_on_b(a, b)
+        forked = [k for k in _keys(redis_server, prefix) if k.startswith(_base(prefix, "c"))]
+        assert len(forked) == 2  # its manifest and its one turn's value: nothing copied
+        assert _same(await a.load("c"), FORK)
+        assert _same(await b.load("c"), FORK)
+        assert _same(await b.load("p"), _cat(P0, P1))
+    async with _cache(redis_server, prefix) as fresh:
+        assert _same(await fresh.load("c"), FORK)
+
+
+async def test_a_parent_dropped_on_another_replica_stays_for_its_fork(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A drops the parent after B forked it: the parent is gone for everyone, the fork is
+    served byte for byte on every replica, and once the fork goes nothing of either stays
+    on the server."""
+    async with _cache(redis_server, prefix) as a, _cache(redis_server, prefix) as b:
+        await _parent_on_a_fork_on_b(a, b)
+        await a.drop("p")
+        async with _cache(redis_server, prefix) as c:
+            # (its open does not bring the fork back: its parent's segments are not listed
+            # by any manifest it scans; its first load reads it from the server)
+            assert "c" in c.truncated()
+            assert _same(await c.load("c"), FORK)
+            with pytest.raises(SessionNotFoundError):
+                await c.load("p")
+        assert _same(await a.load("c"), FORK)
+        await a.drop("c")  # (A took it over with the load: its writer drops it)
+    assert _keys(redis_server, prefix) == set()
+
+
+async def test_a_fenced_replica_cannot_extend_a_fork(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Once another replica took the fork over (it loaded it), the replica that made it
+    cannot append to it: nothing of its turn is stored, and the fork stays as committed."""
+    async with _cache(redis_server, prefix) as a, _cache(redis_server, prefix) as b:
+        await _parent_on_a_fork_on_b(a, b)
+        assert _same(await a.load("c"), FORK)
+        with pytest.raises(StaleWriterError):
+            await b.append("c", _kv(3, 8), answer_tokens=1)
+        assert _same(await a.load("c"), FORK)
+
+
+async def test_a_fork_the_server_lost_is_a_counted_miss(own_redis_server: RedisServer) -> None:
+    """The server restarted empty: the fork (and its parent) cannot be proven current, and
+    a load is a counted miss, never a part of the history."""
+    prefix = new_prefix()
+    async with _cache(own_redis_server, prefix) as a, _cache(own_redis_server, prefix) as b:
+        await _parent_on_a_fork_on_b(a, b)
+        own_redis_server.restart(empty=True)
+        with pytest.raises(SessionNotFoundError, match="lost its history"):
+            await b.load("c")
+        assert b.stats().unproven == 1
+        with pytest.raises(SessionNotFoundError):
+            await a.load("c")
+
+
+async def test_a_fork_of_a_conversation_dropped_meanwhile_is_refused(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """B forks a conversation whose only copy is the shared tier's, after A dropped it: B
+    learns it is gone and stores nothing."""
+    async with _cache(redis_server, prefix) as a, _cache(redis_server, prefix) as b:
+        await a.append("p", P0, answer_tokens=8)
+        await a.flush()
+        await a.drop("p")
+        with pytest.raises(SessionNotFoundError):
+            await b.append("c", C, answer_tokens=4, parent="p", parent_tokens=20)
+        assert not b.contains("c")

@@ -648,12 +648,14 @@ def test_a_request_continuing_part_of_a_conversation_is_planned_as_its_fork(
     assert (fork.parent, fork.start, fork.end) == (save.session, 4, 6)
     # a request inside what is stored stores nothing
     assert not side.finished("short", [*system, 50, 51, 52, 53, 0], [1, 2, 3, 4, 5], 16, 1)
-    # with a tier shared between replicas, no forks: stored whole
-    shared = SchedulerSide(parse_config({"redis_url": "redis://localhost:1"}), FP, BS)
-    shared.index.put("S", shared.index.hashes([*system, 90, 91, 92, 93]))
-    assert shared.finished("c", chat, list(range(10, 16)), 20, 4)
-    (whole,) = shared.plan().saves
-    assert (whole.parent, whole.start, whole.end) == (None, 0, 5)
+    # with a tier shared between replicas too; with forks off: stored whole
+    for forks, planned in ((True, ("S", 3, 5)), (False, (None, 0, 5))):
+        config = parse_config({"redis_url": "redis://localhost:1", "forks": forks})
+        shared = SchedulerSide(config, FP, BS)
+        shared.index.put("S", shared.index.hashes([*system, 90, 91, 92, 93]))
+        assert shared.finished("c", chat, list(range(10, 16)), 20, 4)
+        (op,) = shared.plan().saves
+        assert (op.parent, op.start, op.end) == planned
 
 
 def test_worker_stores_a_fork_with_its_own_blocks_and_loads_its_whole_history(

@@ -40,7 +40,8 @@ from ..payload import SegmentHeader, header_schema
 from .atomic import settle
 from .placement import remove_copy
 from .refusals import record_refusal, report
-from .state import Core, Seg, Session
+from .shared_forest import keep_for_forks, list_shared
+from .state import Core, Session
 
 __all__ = ["check_writer", "discover", "examine", "locked_stored", "shared_tiers"]
 
@@ -236,11 +237,8 @@ async def _take(core: Core, s: Session, t: int, headers: list[SegmentHeader]) ->
     for u in range(len(core.tiers)):
         if u != t and s.holds(u):
             await remove_copy(core, s, u)
-    s.clear()  # (a conversation in a shared tier is never a fork: it shares nothing)
-    for h in headers[:good]:
-        seg = Seg(h)
-        seg.tiers.add(t)
-        s.add(seg)
+    s.clear()
+    good = list_shared(core, s, t, headers[:good])  # (a fork: its inherited segments too)
     if not good:
         s.primary = None
         if s.key in core.channel:
@@ -258,6 +256,7 @@ async def _forget_all(core: Core, s: Session, *, lost: bool = True) -> None:
     replica's view): its history must be read again, or recomputed."""
     for u in range(len(core.tiers)):
         await remove_copy(core, s, u)
+    keep_for_forks(core, s)  # (what forks here list stays theirs)
     s.clear()
     s.primary = None
     if lost:

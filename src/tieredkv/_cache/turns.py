@@ -37,7 +37,8 @@ from .placement import (
     reserve,
     unlist,
 )
-from .sharing import check_writer
+from .shared_forest import check_forks
+from .sharing import check_writer, discover
 from .state import Core, Seg, Session
 from .writethrough import WriteThrough
 
@@ -106,13 +107,13 @@ async def _fork_locked(
             f"conversation {s.key!r} is already stored; a conversation becomes a fork at its "
             f"first turn (drop it first, or fork under a new key)"
         )
-    if core.sharing:
-        raise InvalidArgumentError(
-            "forks are not supported with a tier shared between replicas; append the "
-            "fork's whole history instead"
-        )
     if key == s.key:
         raise InvalidArgumentError(f"conversation {key!r} cannot be forked from itself")
+    if core.sharing:  # the fork's writer lease (as for any new conversation), and the
+        check_forks(core)  # parent's current history (another replica's, maybe)
+        await check_writer(core, s.key)
+        if not await discover(core, key, take=False):
+            raise SessionNotFoundError(key)
     p = core.sessions.get(key)
     if p is None or p.primary is None:
         raise SessionNotFoundError(key)

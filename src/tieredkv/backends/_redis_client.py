@@ -132,6 +132,11 @@ class Connection:
         self.skew = 0.0
         """Server clock minus this process's monotonic clock, ms: a lower bound."""
 
+    @property
+    def cluster(self) -> bool:
+        """Whether the server is a Redis Cluster (a client given for one)."""
+        return isinstance(self._server, RedisCluster)
+
     async def open(self) -> None:
         """Build the client (or check the one given), learn the server's clock, register
         the Lua steps.

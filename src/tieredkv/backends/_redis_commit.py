@@ -26,7 +26,7 @@ from ..errors import (
     TierIOError,
     UnauthenticatedWriterError,
 )
-from ..payload import PREFIX, SegmentHeader, authenticated_head, parse_header
+from ..payload import PREFIX, SegmentHeader, authenticated_head, is_retirement, parse_header
 from ._redis_client import (
     NoScriptError,
     RedisCluster,
@@ -38,7 +38,7 @@ from ._redis_client import (
 from ._redis_lease import Leases
 from ._redis_state import Attempt, Writer
 from .base import SegmentKey
-from .redis_manifest import Damaged, Entry, Manifest, encode_entry, parse, sign
+from .redis_manifest import Damaged, Entry, Manifest, Ref, encode_entry, parse, sign
 from .shared import plain_header as plain
 
 __all__ = ["Commits"]
@@ -85,9 +85,18 @@ class Commits(Leases):
         header, _ = parse_header(data[:head_len], f"segment {seq} to write")
         if (header.session, header.seq) != key or header.length != length:
             raise ValueError(f"the bytes to write are not segment {seq} of this session")
+        if is_retirement(header):
+            # the server keeps a dropped conversation's segments that forks list by their
+            # reference sets (see DROP): the cache's marker is this replica's alone
+            self._markers[key] = self._reserved.pop(key)
+            return
         known = self._known.get(session)
-        if known is not None and seq < known.n and plain(known.headers[seq]) == plain(header):
-            self._commit_local(key, known.entries[seq])  # committed already (written back)
+        if (
+            known is not None
+            and known.first <= seq < known.n
+            and plain(known.headers[seq - known.first]) == plain(header)
+        ):  # committed already (written back)
+            self._commit_local(key, known.entries[seq - known.first], known.id)
             return
         for attempt in range(2):
             if session in self._stale:  # a commit of this tier's moved the version on
@@ -100,25 +109,49 @@ class Commits(Leases):
                 raise HistoryConflictError(
                     self.name, session, "this replica has not read its shared history"
                 )
-            if seq != known.n:
+            first = len(header.base)  # (a fork's first turn: after the ones it inherits)
+            if seq != known.n if not first else (known.n or seq != first):
                 self._counters.conflicts += 1
                 raise HistoryConflictError(
                     self.name,
                     session,
-                    f"the shared history has {known.n} turn(s), this is turn {seq}",
+                    f"the shared history has {known.n} turn(s), this is turn {seq}"
+                    + (f" of a fork of {first} turn(s)" if first else ""),
                 )
+            refs = self._references(session, header) if header.base else None
             try:
-                await self._commit(key, data, header, head_len, known)
+                await self._commit(key, data, header, head_len, known, refs)
                 return
             except _Vanished:
                 if attempt or known.n:
                     raise self._lost(session) from None
                 self._drop_view(session)  # nothing was committed yet: start the log again
 
-    def _commit_local(self, key: SegmentKey, entry: Entry) -> None:
-        del self._reserved[key]
-        self._index[key] = entry
+    def _commit_local(self, key: SegmentKey, entry: Entry, mid: str) -> None:
+        self._used -= self._reserved.pop(key)  # (counted again as committed)
+        self._hold(key, entry, mid, key[0])
         self._attempts.pop(key, None)
+
+    def _references(self, session: str, header: SegmentHeader) -> list[Ref]:
+        """The references a fork's first turn (``header``) commits: the committed entry of
+        every segment it starts from, as this tier indexes them.
+
+        :raises HistoryConflictError: one of them is not committed in this tier
+        """
+        refs: list[Ref] = []
+        for owner, seq, _ in header.base:
+            entry = self._index.get((owner, seq))
+            mid = self._origin.get((owner, seq))
+            if entry is None or mid is None:
+                self._counters.conflicts += 1
+                raise HistoryConflictError(
+                    self.name,
+                    session,
+                    f"turn {seq} of {owner[:80]!r}, which the fork starts from, is not "
+                    f"committed in the shared tier",
+                )
+            refs.append(Ref(owner=owner, owner_id=mid, seq=seq, entry=entry))
+        return refs
 
     async def _commit(
         self,
@@ -127,7 +160,9 @@ class Commits(Leases):
         header: SegmentHeader,
         head_len: int,
         known: Manifest,
+        refs: list[Ref] | None = None,
     ) -> None:
+        """Commit segment ``key`` (``refs``: a fork's first, with its references)."""
         client = self._check_open()
         session, seq = key
         writer = self._writers[session]
@@ -158,10 +193,11 @@ class Commits(Leases):
         views = [memoryview(first)[at : at + vs] for at in range(0, len(first), vs)]
         views += [data[at : at + vs] for at in range(cover * vs, length, vs)]
         parts = self._parts(key, entry)
+        base = known.base if refs is None else refs
         mac = (
             b""
             if self._key is None
-            else sign(session, known.id, known.v + 1, [*known.entries, entry], self._key)
+            else sign(session, known.id, known.v + 1, [*known.entries, entry], self._key, base)
         )
         start = time.monotonic()
         keys = [self._manifest(session), *parts]
@@ -179,6 +215,10 @@ class Commits(Leases):
             # (without a secret, on one server: the prefix's mark, checked in the same step;
             # a Cluster keeps it in another slot, and the heartbeat checks it instead)
             self._marker if self._key is None and not isinstance(client, RedisCluster) else "",
+            len(refs or ()),
+            *[ref.qfield(self.prefix) for ref in refs or ()],
+            *[encode_entry(ref) for ref in refs or ()],
+            f"{self._base(session)}:t",
         ]
         commit = self._conn.scripts["commit"]
         try:
@@ -210,7 +250,7 @@ class Commits(Leases):
             for view in views:
                 view.release()
         self._conn.clock(reply[1])
-        await self._after_commit(key, entry, known, writer, reply, start)
+        await self._after_commit(key, entry, known, writer, reply, start, refs)
 
     async def _resolve(self, key: SegmentKey, entry: Entry) -> bool:
         """Whether a commit whose reply did not come was made (``False`` also when that
@@ -235,6 +275,7 @@ class Commits(Leases):
         writer: Writer,
         reply: Sequence[Any],
         start: float,
+        refs: list[Ref] | None = None,
     ) -> None:
         """Settle a commit's reply (``known`` and ``writer``: what the commit was made
         with; another call may have replaced them meanwhile)."""
@@ -244,17 +285,21 @@ class Commits(Leases):
             v = to_int(reply[2])
             if v == known.v + 1 and self._known.get(session) is known:
                 head, _ = parse_header(entry.head, "a committed segment")
+                for ref in refs or ():
+                    known.base.append(ref)
+                    known.base_headers.append(parse_header(ref.entry.head, "a reference")[0])
+                    self._hold((ref.owner, ref.seq), ref.entry, ref.owner_id, session)
                 known.entries.append(entry)
                 known.headers.append(head)
                 known.v = v
             else:  # the version moved on, or another call changed the view: read it again
                 self._stale.add(session)  # (before the next commit)
             writer.lease_until = self._lease_from(start)
-            self._commit_local(key, entry)
+            self._commit_local(key, entry, known.id)
             self._counters.writes += 1
             self._counters.bytes_written += entry.length
             return
-        if code in (-1, -2, -4):
+        if code in (-1, -2, -4, -8, -9):
             self._attempts.pop(key, None)  # refused for good: its parts are gone
         if code == -1:
             self._drop_writer(session, writer)
@@ -285,6 +330,18 @@ class Commits(Leases):
             raise CommitDelayedError(self.name, session, retry_in)
         if code == -4:
             raise _Vanished
+        if code in (-8, -9):
+            self._counters.conflicts += 1
+            raise HistoryConflictError(
+                self.name,
+                session,
+                "the history the fork starts from is no longer in the shared tier (its "
+                "conversation was dropped, or the server evicted or lost it)"
+                if code == -8
+                else "the conversation was dropped while forks still list its history, which "
+                "stays in the shared tier under its key for them; store the new conversation "
+                "under another key",
+            )
         if code == -7:
             self._attempts.pop(key, None)  # refused for good: its parts are gone
             self._counters.refused += 1
@@ -311,7 +368,11 @@ class Commits(Leases):
         fields = await self._conn.manifest(self._manifest(session))
         self._stale.discard(session)
         try:
-            m = parse(fields, session, self._key, self._where(session)) if fields else None
+            m = (
+                parse(fields, session, self._key, self._where(session), self.prefix)
+                if fields
+                else None
+            )
         except Damaged:
             m = None
         if m is None:

@@ -69,7 +69,11 @@ class Leases(Replica):
         """Compare the manifest just read with what this tier knew; index it."""
         prev = self._known.get(session)
         try:
-            m = parse(fields, session, self._key, self._where(session)) if fields else None
+            m = (
+                parse(fields, session, self._key, self._where(session), self.prefix)
+                if fields
+                else None
+            )
         except Damaged as exc:
             self._counters.corrupt += 1
             _log.warning("%s: the manifest of %.80r is damaged: %s", self.name, session, exc)
@@ -94,7 +98,7 @@ class Leases(Replica):
             return SharedState(status="lost")
         self._absorb(m)
         same = prev is not None and (prev.id, prev.v) == (m.id, m.v)
-        return SharedState(status="current" if same else "changed", headers=tuple(m.headers))
+        return SharedState(status="current" if same else "changed", headers=tuple(m.history))
 
     async def lookup(self, session: str) -> list[SegmentHeader]:
         state = await self.refresh(session)

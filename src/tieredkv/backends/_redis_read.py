@@ -76,7 +76,7 @@ class Reads(Replica):
             outs=[out for _, out in items],
             keys=list(keys),
             entries=entries,
-            incarnations=[self._incarnation(key[0]) for key in keys],
+            incarnations=[self._incarnation(key) for key in keys],
             key=self._key,
             url=self.url,
         )
@@ -113,9 +113,11 @@ class Reads(Replica):
             await self._take_out(keys[bad], missing)
             raise CorruptSegmentError(f"{self._where(keys[bad][0])}", detail)
 
-    def _incarnation(self, session: str) -> bytes | None:
-        known = self._known.get(session)
-        return None if known is None or self._key is None else bytes.fromhex(known.id)
+    def _incarnation(self, key: SegmentKey) -> bytes | None:
+        """The manifest id segment ``key`` was committed in (with a secret: it is in the
+        segment's authenticated header)."""
+        mid = self._origin.get(key)
+        return None if mid is None or self._key is None else bytes.fromhex(mid)
 
     async def _fetch(
         self, client: Client, batch: list[tuple[int, str, int, int]]
@@ -127,29 +129,30 @@ class Reads(Replica):
         return values
 
     async def _take_out(self, key: SegmentKey, missing: bool) -> None:
-        """Count a damaged segment and take its conversation out of service, here and (if
-        the manifest is still the version that was read) in the server."""
+        """Count a damaged segment and take every conversation that lists it (its owner's,
+        and the forks that inherit it) out of service, here and (where the manifest is
+        still the version that was read) in the server."""
         self._counters.corrupt += 1
         if missing:
             self._counters.missing += 1
-        session = key[0]
-        known = self._known.get(session)
-        self._drop_view(session, keep_writer=True)
-        if known is None:
-            return
-        with anyio.CancelScope(shield=True):
-            # if the server is failing too, the parts are checked again on every read
-            with contextlib.suppress(RedisError, OSError), anyio.fail_after(self._timeout):
-                await self._conn.scripts["drop"](
-                    keys=[self._manifest(session)],
-                    args=[
-                        "damaged",
-                        known.v,
-                        known.id,
-                        self._base(session),
-                        secrets.token_hex(16),
-                    ],
-                )
+        for session in sorted(self._holders.get(key, set()) | {key[0]}):
+            known = self._known.get(session)
+            self._drop_view(session, keep_writer=True)
+            if known is None:
+                continue
+            with anyio.CancelScope(shield=True):
+                # if the server is failing too, the parts are checked again on every read
+                with contextlib.suppress(RedisError, OSError), anyio.fail_after(self._timeout):
+                    await self._conn.scripts["drop"](
+                        keys=[self._manifest(session)],
+                        args=[
+                            "damaged",
+                            known.v,
+                            known.id,
+                            self._base(session),
+                            secrets.token_hex(16),
+                        ],
+                    )
 
 
 async def _reap(task: asyncio.Task[Any] | None) -> None:

@@ -108,14 +108,20 @@ local function refuse(code, a, b, c)
   for i = 2, #KEYS do redis.call('UNLINK', KEYS[i]) end
   return {code, now, a or '', b or 0, c or 0}
 end
+local bn = tonumber(ARGV[12] or '') or 0
 if redis.call('EXISTS', KEYS[1]) == 0 then return refuse(-4) end
-local f = redis.call('HMGET', KEYS[1], 'fence', 'id', 'v', 'n', 'nb', 'dmg')
+local f = redis.call('HMGET', KEYS[1], 'fence', 'id', 'v', 'n', 'nb', 'dmg', 'bn')
 if f[1] ~= ARGV[2] then return refuse(-1, f[1], num(f[6])) end
+if f[4] == '0' and redis.call('EXISTS', ARGV[13 + 2 * bn]) == 1 then return refuse(-9) end
 if ARGV[8] == '' and redis.call('HEXISTS', KEYS[1], 'mac') == 1 then return refuse(-7) end
 if ARGV[8] == '' and ARGV[11] ~= '' and redis.call('EXISTS', ARGV[11]) == 1 then
   return refuse(-7)
 end
-if f[2] ~= ARGV[5] or f[3] ~= ARGV[6] or f[4] ~= seq then
+local next_seq = seq
+if bn > 0 then
+  if tonumber(seq) ~= bn or f[7] then next_seq = '' else next_seq = '0' end
+end
+if f[2] ~= ARGV[5] or f[3] ~= ARGV[6] or f[4] ~= next_seq then
   return refuse(-2, f[2], num(f[3]), num(f[4]))
 end
 if num(f[5]) > now then
@@ -124,7 +130,22 @@ end
 for i = 2, #KEYS do
   if redis.call('EXISTS', KEYS[i]) == 0 then return {-6, now, KEYS[i]} end
 end
+for i = 1, bn do
+  local base, rseq, nonce, np = string.match(ARGV[12 + i], '^(.*):(%d+):(%x+):(%d+)$')
+  if not base then return refuse(-8, ARGV[12 + i]) end
+  for p = 0, tonumber(np) - 1 do
+    if redis.call('PTTL', base .. ':' .. rseq .. ':' .. nonce .. ':' .. p) ~= -1 then
+      return refuse(-8, ARGV[12 + i])
+    end
+  end
+end
 for i = 2, #KEYS do redis.call('PERSIST', KEYS[i]) end
+for i = 1, bn do
+  local base, rseq, nonce = string.match(ARGV[12 + i], '^(.*):(%d+):(%x+):%d+$')
+  redis.call('SADD', base .. ':' .. rseq .. ':' .. nonce .. ':r', KEYS[1])
+  redis.call('HSET', KEYS[1], 'q:' .. (i - 1), ARGV[12 + i], 'r:' .. (i - 1), ARGV[12 + bn + i])
+end
+if bn > 0 then redis.call('HSET', KEYS[1], 'bn', fmt(bn)) end
 local v = num(f[3]) + 1
 redis.call('HSET', KEYS[1], 'e:' .. seq, ARGV[3], 'k:' .. seq, ARGV[4], 'n', fmt(tonumber(seq) + 1),
            'v', fmt(v), 'owner', ARGV[9], 'le', fmt(now + tonumber(ARGV[10])))
@@ -135,7 +156,18 @@ return {0, now, v}
 )
 """KEYS: manifest, parts...; ARGV: seq, token, entry, nonce:parts, manifest id and version
 the writer extends, deadline (server ms), the new manifest MAC (''), owner, lease ms, the
-prefix's authentication mark ('' for none: a writer with a secret, or on a Cluster).
+prefix's authentication mark ('' for none: a writer with a secret, or on a Cluster), then
+``bn``, the number of segments a fork's first turn references ('0' for none), its ``bn``
+``q:<i>`` values, its ``bn`` ``r:<i>`` values, and the conversation's retired set (its
+keys' base and ``:t``).
+
+A fork's first turn (``bn`` > 0, ``seq`` = ``bn``, an empty manifest) is committed with
+its references only if every part of every referenced segment is there and committed (no
+expiry): the parent's range is the one the fork names, or the commit leaves no trace
+({-8, now, q}). It adds the fork's manifest key to each referenced segment's reference
+set (``<base>:<seq>:<nonce>:r``) in the same step. A conversation's first commit is
+refused while its retired set holds segments that forks still list ({-9, now}: the key
+cannot start a new history yet).
 
 Commits segment ``seq`` only if the token is the current fence, the manifest is the
 version the writer extends and ``seq`` is its next segment, no takeover delay is pending,
@@ -148,8 +180,8 @@ writer; ``dmg`` 1: it then found the history damaged),
 lease of ``holder`` would have ended), {-4, now} (no
 manifest), {-5, now} (past the deadline), {-6, now, part} (a part is missing), {-7, now}
 (a writer without a MAC, ``ARGV[8]`` empty, extending an authenticated history, or
-writing under a prefix marked authenticated). Refusals
--1, -2, -4 and -7 unlink the given parts (they are this write's own, referenced by
+writing under a prefix marked authenticated), -8 and -9 (above). Refusals
+-1, -2, -4, -7, -8 and -9 unlink the given parts (they are this write's own, referenced by
 nothing)."""
 
 DROP = (
@@ -162,17 +194,37 @@ if ARGV[1] == 'discard' then
 elseif f[2] ~= ARGV[3] or f[3] ~= ARGV[2] then
   return {0, now}
 end
+local function unlink(base, seq, nonce, n)
+  for i = 0, tonumber(n) - 1 do
+    redis.call('UNLINK', base .. ':' .. seq .. ':' .. nonce .. ':' .. i)
+  end
+end
 for _, field in ipairs(redis.call('HKEYS', KEYS[1])) do
   local seq = string.match(field, '^k:(%d+)$')
   if seq then
     local nonce, n = string.match(redis.call('HGET', KEYS[1], field), '^(%x+):(%d+)$')
     if nonce then
-      for i = 0, tonumber(n) - 1 do
-        redis.call('UNLINK', ARGV[4] .. ':' .. seq .. ':' .. nonce .. ':' .. i)
+      if redis.call('EXISTS', ARGV[4] .. ':' .. seq .. ':' .. nonce .. ':r') == 1 then
+        redis.call('SADD', ARGV[4] .. ':t', seq .. ':' .. nonce .. ':' .. n)
+      else
+        unlink(ARGV[4], seq, nonce, n)
       end
     end
     redis.call('HDEL', KEYS[1], field)
-  elseif string.match(field, '^e:') then
+  elseif string.match(field, '^q:') then
+    local q = redis.call('HGET', KEYS[1], field)
+    local base, rseq, nonce, n = string.match(q, '^(.*):(%d+):(%x+):(%d+)$')
+    if base then
+      local refs = base .. ':' .. rseq .. ':' .. nonce .. ':r'
+      redis.call('SREM', refs, KEYS[1])
+      if redis.call('EXISTS', refs) == 0
+         and redis.call('HGET', base .. ':m', 'k:' .. rseq) ~= nonce .. ':' .. n then
+        unlink(base, rseq, nonce, n)
+        redis.call('SREM', base .. ':t', rseq .. ':' .. nonce .. ':' .. n)
+      end
+    end
+    redis.call('HDEL', KEYS[1], field)
+  elseif string.match(field, '^[er]:') or field == 'bn' then
     redis.call('HDEL', KEYS[1], field)
   end
 end
@@ -188,14 +240,23 @@ return {1, now, v}
 )
 """KEYS: manifest; ARGV: 'discard' and the writer's token, or 'damaged' and the version
 found damaged; the manifest id found damaged (unused for a discard); the keys' base; a
-new manifest id. Removes every segment (values included). A discard (only by the current
+new manifest id. Removes every segment (values included), but for one that forks still
+list (its reference set is not empty): that one stays, recorded in the conversation's
+retired set (``<base>:t``), until its last fork leaves. A fork's references go too: it
+leaves each referenced segment's reference set, and the last one to leave a segment its
+owner no longer lists deletes it (and its place in the owner's retired set).
+
+A discard (only by the current
 writer: {-1, now, fence} otherwise) removes the manifest too: nothing of the conversation
 stays on the server (a writer that still holds a token finds no manifest and is refused;
 a later writer's token is still larger, being at least the server's clock). A damaged
 history (only in the version that was found damaged: a later one is left alone) keeps an
 empty manifest under a new version and incarnation id (so no value of the old one can be
 put back), marked ``dmg`` until the next writer takes it, so its writer learns why it was
-refused. Returns {1, now, v} when it removed them, {0, now} when there was nothing to do."""
+refused. Returns {1, now, v} when it removed them, {0, now} when there was nothing to do.
+
+A fork's references name keys in other conversations' slots: forks need one server (not a
+Cluster)."""
 
 RECLAIM = (
     _COMMON

@@ -100,7 +100,17 @@ class Replica:
         self._batch = read_batch
         self._recover = recover
         self._index: dict[SegmentKey, Entry] = {}
-        """The committed segments this cache counts (and may read)."""
+        """The committed segments this cache counts (and may read): every conversation's
+        own, and the ones a fork it knows inherits (under their owners' keys)."""
+        self._markers: dict[SegmentKey, int] = {}
+        """Retirement markers the cache wrote (kept here only: on the server, a dropped
+        parent's segments that forks list are kept by their reference sets), and their
+        lengths."""
+        self._holders: dict[SegmentKey, set[str]] = {}
+        """Per indexed segment, the conversations whose known manifest lists it (its
+        owner's, and forks'): it leaves the index with the last of them."""
+        self._origin: dict[SegmentKey, str] = {}
+        """Per indexed segment, the id of the owner's manifest that committed it."""
         self._reserved: dict[SegmentKey, int] = {}
         self._known: dict[str, Manifest] = {}
         """Per conversation, the manifest as this tier last committed or read it."""
@@ -151,19 +161,53 @@ class Replica:
         """When a lease set by a request sent at ``sent`` ends, by this process's clock."""
         return sent + LEASE_MARGIN * self._lease_ttl
 
-    def _absorb(self, m: Manifest) -> None:
-        """Make ``m`` what this tier knows of its conversation, and index its segments."""
+    def _absorb(self, m: Manifest, *, inherited: bool = True) -> None:
+        """Make ``m`` what this tier knows of its conversation, and index its segments (a
+        fork's: the ones it inherits too, unless ``inherited`` is false: an open's scan,
+        which indexes each owner's segments through the owner's own manifest)."""
         self._known[m.session] = m
         self._stale.discard(m.session)
         self._forget(m.session)
-        for seq, entry in enumerate(m.entries):
-            self._index[(m.session, seq)] = entry
+        for ref in m.base if inherited else ():
+            self._hold((ref.owner, ref.seq), ref.entry, ref.owner_id, m.session)
+        for seq, entry in enumerate(m.entries, m.first):
+            self._hold((m.session, seq), entry, m.id, m.session)
+
+    def _hold(self, key: SegmentKey, entry: Entry, mid: str, by: str) -> None:
+        """Index segment ``key`` (``entry``, committed in manifest ``mid``) as listed by
+        ``by``. Another segment indexed under the same key (a history the owner no longer
+        has) takes the views that listed it out: they are read again before they are used."""
+        held = self._index.get(key)
+        if held is not None and (held.kfield, self._origin[key]) != (entry.kfield, mid):
+            for other in sorted(self._holders.get(key, set()) - {by}):
+                self._drop_view(other, keep_writer=True)
+                self._stale.add(other)
+            held = self._index.get(key)
+        if held is None:
+            self._index[key] = entry
+            self._origin[key] = mid
             self._used += entry.length
+        self._holders.setdefault(key, set()).add(by)
+
+    def _unhold(self, key: SegmentKey, by: str | None = None) -> None:
+        """``by`` no longer lists ``key`` (``None``: none does): it leaves the index with
+        the last conversation that listed it."""
+        holders = self._holders.get(key)
+        if holders is not None and by is not None:
+            holders.discard(by)
+            if holders:
+                return
+        self._holders.pop(key, None)
+        self._origin.pop(key, None)
+        entry = self._index.pop(key, None)
+        if entry is not None:
+            self._used -= entry.length
 
     def _forget(self, session: str) -> None:
-        """Drop this tier's index entries for ``session`` (not the server's data)."""
-        for seq in [k[1] for k in self._index if k[0] == session]:
-            self._used -= self._index.pop((session, seq)).length
+        """Drop this tier's index entries for ``session`` (not the server's data): the
+        segments it lists that no other known conversation lists."""
+        for key in [k for k, holders in self._holders.items() if session in holders]:
+            self._unhold(key, session)
 
     def _reconcile(self, session: str, m: Manifest) -> None:
         """Settle the writes of ``session`` whose outcome was unknown, from its manifest."""

@@ -44,6 +44,16 @@ missing part (the server evicted it under ``maxmemory``, or restarted without pe
 or a failed check takes the conversation out of the manifest (in the version that was
 read, never a later one) and raises :class:`~tieredkv.errors.CorruptSegmentError`.
 
+**Forks.** A fork's manifest references the segments it inherits (see
+:mod:`.redis_manifest`): the commit of its first turn records the fork in each referenced
+segment's reference set and checks that the segment's values are all there, in the same
+Lua step, under the fork's fencing token; a drop keeps a segment whose reference set is
+not empty, and the last fork to leave it deletes it. A read of a fork reads the owner's
+values and checks them against the referenced entry. Forks need one server (the
+references cross slots): :attr:`RedisTier.forks` is false for a Cluster. The cache's
+retirement markers stay in this tier's index (the reference sets keep a dropped parent's
+segments on the server).
+
 **Authentication.** With a ``secret`` every segment is written with a keyed MAC of its
 header and body and the manifest's incarnation id, and the manifest with a keyed MAC of
 its whole history (session, id, version, every entry), all checked on every read: a
@@ -208,6 +218,12 @@ class RedisTier(Reads, Commits, SharedTier):
         return True
 
     @property
+    def forks(self) -> bool:
+        """Whether the tier takes forks: on one server, not a Cluster (a fork's references
+        name keys in its parent's slot, which its commit step updates)."""
+        return not self._conn.cluster
+
+    @property
     def authenticated(self) -> bool:
         """Whether values and manifests are written and checked with a MAC."""
         return self._key is not None
@@ -269,14 +285,14 @@ class RedisTier(Reads, Commits, SharedTier):
             async for name in client.scan_iter(match=f"{self.prefix}:{{*}}:m", count=1000):
                 fields = manifest_fields(await client.hgetall(name))
                 try:
-                    m = parse(fields, None, self._key, f"{self.url} {text(name)}")
+                    m = parse(fields, None, self._key, f"{self.url} {text(name)}", self.prefix)
                 except Damaged as exc:
                     self._counters.corrupt += 1
                     _log.warning("%s: manifest %s is damaged: %s", self.name, text(name), exc)
                     continue
                 if m is None or self._manifest(m.session) != text(name):
                     continue
-                self._absorb(m)
+                self._absorb(m, inherited=False)  # (its parent's: through the parent's)
                 headers.extend(m.headers)
         except (RedisError, OSError) as exc:
             raise self._io_error("list conversations", exc) from exc
@@ -294,6 +310,9 @@ class RedisTier(Reads, Commits, SharedTier):
                 self._heart.cancel()
             self._heart = None
         self._index.clear()
+        self._markers.clear()
+        self._holders.clear()
+        self._origin.clear()
         self._reserved.clear()
         self._writers.clear()
         self._known.clear()
@@ -313,7 +332,7 @@ class RedisTier(Reads, Commits, SharedTier):
     # -- space ---------------------------------------------------------------------------
     def reserve(self, key: SegmentKey, length: int) -> bool:
         self._check_open()
-        if key in self._reserved or key in self._index:
+        if key in self._reserved or key in self._index or key in self._markers:
             raise ValueError(f"tier {self.name!r} already holds or reserves segment {key[1]}")
         if length % ALIGN:
             raise ValueError(f"segment length {length} is not a multiple of {ALIGN}")
@@ -332,15 +351,17 @@ class RedisTier(Reads, Commits, SharedTier):
         """Stop counting a segment in this cache. Never removes it from the server: other
         replicas may be reading it (see :meth:`discard`)."""
         self._check_open()
-        entry = self._index.pop(key, None)
-        if entry is not None:
-            self._used -= entry.length
+        self._unhold(key)
+        length = self._markers.pop(key, None)
+        if length is not None:
+            self._used -= length
 
     def contains(self, key: SegmentKey) -> bool:
-        return key in self._index
+        return key in self._index or key in self._markers
 
     def length(self, key: SegmentKey) -> int:
-        return self._index[key].length
+        marker = self._markers.get(key)
+        return self._index[key].length if marker is None else marker
 
     def stats(self) -> TierStats:
         c = self._counters

@@ -16,7 +16,22 @@ A manifest is one Redis hash per conversation (``prefix:{H}:m``, ``H`` its
     owner     the replica holding the writer lease, and ``le`` when it ends (server ms)
     nb        no commit before this server time (ms): set when a replica takes the
               conversation over from one whose lease was live
-    mac       with a secret and n > 0: keyed BLAKE2b of (session, id, v, every entry)
+    mac       with a secret and n > 0: keyed BLAKE2b of (session, id, v, every entry, and
+              a fork's references)
+
+A *fork* (a conversation whose first turn starts from another's history) lists the
+segments it inherits by reference, committed in the same step as its first own segment::
+
+    bn        the inherited segments: r:0 ... r:<bn-1>; its own entries are e:<bn> ...
+    r:<i>     the reference (msgpack: the owner's key and manifest id, the segment's
+              seq in the owner's history, and the owner's entry for it)
+    q:<i>     "<owner's keys' base>:<seq>:<nonce>:<parts>", for the Lua steps
+
+Every referenced segment carries a *reference set* in its owner's slot,
+``prefix:{Howner}:<seq>:<nonce>:r``: the manifest keys of the forks that list it. The
+owner's drop leaves a segment whose set is not empty (and records it in
+``prefix:{Howner}:t``, the owner's *retired* segments, which keeps the key from starting a
+new history), and the last fork to leave deletes it.
 
 The parts of segment ``seq`` live under ``prefix:{H}:<seq>:<nonce>:<i>``; the nonce is new
 for every segment written, so a part is only ever visible through the committed entry
@@ -29,7 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -50,6 +65,7 @@ __all__ = [
     "Damaged",
     "Entry",
     "Manifest",
+    "Ref",
     "conversation_tag",
     "encode_entry",
     "parse",
@@ -82,8 +98,24 @@ class Entry(msgspec.Struct, array_like=True, frozen=True):
         return f"{self.nonce}:{self.parts}"
 
 
+class Ref(msgspec.Struct, array_like=True, frozen=True):
+    """One segment a fork inherits, as stored in its manifest's ``r:<i>`` field."""
+
+    owner: str
+    """The key of the conversation that committed it."""
+    owner_id: str
+    """The owner's manifest id when it committed it (its incarnation, for MACs)."""
+    seq: int
+    entry: Entry
+
+    def qfield(self, prefix: str) -> str:
+        """Its ``q:<i>`` field (the Lua steps' view) under ``prefix``."""
+        return f"{prefix}:{{{conversation_tag(self.owner)}}}:{self.seq}:{self.entry.kfield}"
+
+
 encode_entry = msgspec.msgpack.Encoder().encode
 _decode_entry = msgspec.msgpack.Decoder(Entry).decode
+_decode_ref = msgspec.msgpack.Decoder(Ref).decode
 _encode = msgspec.msgpack.Encoder().encode
 
 
@@ -97,7 +129,8 @@ class Damaged(Exception):
 
 @dataclass
 class Manifest:
-    """A parsed, checked manifest."""
+    """A parsed, checked manifest: a fork's references (``base``, with their headers), then
+    its own entries (``seq`` ``first``, ``first + 1``, ...)."""
 
     session: str
     id: str
@@ -108,19 +141,51 @@ class Manifest:
     owner: str = ""
     lease_end: int = 0
     not_before: int = 0
+    base: list[Ref] = field(default_factory=list)
+    base_headers: list[SegmentHeader] = field(default_factory=list)
+
+    @property
+    def first(self) -> int:
+        """The ``seq`` of its first own segment (the number of segments it inherits)."""
+        return len(self.base)
 
     @property
     def n(self) -> int:
-        return len(self.entries)
+        """The segments of its history (inherited and own)."""
+        return len(self.base) + len(self.entries)
+
+    @property
+    def history(self) -> list[SegmentHeader]:
+        """The headers of its whole history, in order (a fork's inherited ones first)."""
+        return [*self.base_headers, *self.headers]
 
 
-def sign(session: str, mid: str, v: int, entries: list[Entry], key: bytes) -> bytes:
-    """The manifest MAC of a history: (session, id, version, every entry) under ``key``."""
-    return manifest_mac(_message(session, mid, v, entries), key)
+def sign(
+    session: str,
+    mid: str,
+    v: int,
+    entries: Sequence[Entry],
+    key: bytes,
+    base: Sequence[Ref] = (),
+) -> bytes:
+    """The manifest MAC of a history: (session, id, version, every entry, a fork's
+    references) under ``key``."""
+    return manifest_mac(_message(session, mid, v, entries, base), key)
 
 
-def _message(session: str, mid: str, v: int, entries: list[Entry]) -> bytes:
-    return _encode(["tieredkv-manifest-1", session, mid, v, [encode_entry(e) for e in entries]])
+def _message(
+    session: str, mid: str, v: int, entries: Sequence[Entry], base: Sequence[Ref] = ()
+) -> bytes:
+    history: list[object] = [
+        "tieredkv-manifest-1",
+        session,
+        mid,
+        v,
+        [encode_entry(e) for e in entries],
+    ]
+    if base:  # (a plain conversation's MAC is the one it always was)
+        history.append([encode_entry(r) for r in base])
+    return _encode(history)
 
 
 def _int(fields: Mapping[bytes, bytes], name: bytes, default: int | None = None) -> int:
@@ -142,12 +207,17 @@ def _lenient(fields: Mapping[bytes, bytes], name: bytes) -> int | None:
 
 
 def parse(
-    fields: Mapping[bytes, bytes], session: str | None, key: bytes | None, where: str
+    fields: Mapping[bytes, bytes],
+    session: str | None,
+    key: bytes | None,
+    where: str,
+    prefix: str | None = None,
 ) -> Manifest | None:
     """Check and parse a manifest (``HGETALL``'s reply).
 
     :param session: the conversation expected (``None``: any, as a scan finds it)
     :param key: the tier's MAC key, if it has a secret
+    :param prefix: the tier's key prefix: a fork's references must name keys under it
     :returns: ``None`` if the manifest is another conversation's (a hash collision)
     :raises Damaged: if any check fails
     """
@@ -166,6 +236,7 @@ def parse(
         raise Damaged(f"its id {mid_raw[:40]!r} is not 32 hex digits")
     v = _int(fields, b"v")
     n = _int(fields, b"n")
+    bn = _int(fields, b"bn", 0)
     # the writer's fields are not part of the history: garbage there (another client wrote
     # it) means no valid writer, which the next takeover replaces
     m = Manifest(
@@ -177,46 +248,99 @@ def parse(
         lease_end=_lenient(fields, b"le") or 0,
         not_before=_lenient(fields, b"nb") or 0,
     )
-    seqs = {f for f in fields if f.startswith((b"e:", b"k:"))}
-    if seqs != {p + str(i).encode() for i in range(n) for p in (b"e:", b"k:")}:
-        raise Damaged(f"its entries are not exactly segments 0 to {n - 1}")
+    if bn and n <= bn:
+        raise Damaged(f"it references {bn} segment(s) but holds no turn of its own")
+    seqs = {f for f in fields if f.startswith((b"e:", b"k:", b"r:", b"q:"))}
+    expected = {p + str(i).encode() for i in range(bn, n) for p in (b"e:", b"k:")}
+    expected |= {p + str(i).encode() for i in range(bn) for p in (b"r:", b"q:")}
+    if seqs != expected:
+        raise Damaged(
+            f"its entries are not exactly segments 0 to {n - 1}"
+            + (f" ({bn} of them references)" if bn else "")
+        )
+    for i in range(bn):
+        ref, header = _parse_ref(fields, i, prefix, key, f"{where} reference {i}")
+        m.base.append(ref)
+        m.base_headers.append(header)
     incarnation = bytes.fromhex(mid)
-    for seq in range(n):
+    for seq in range(bn, n):
         at = f"{where} segment {seq}"
         try:
             entry = _decode_entry(fields[f"e:{seq}".encode()])
         except msgspec.DecodeError as exc:
             raise Damaged(f"entry {seq} cannot be decoded ({exc})") from None
-        vs = entry.value_size
-        if (
-            not _NONCE.fullmatch(entry.nonce)
-            or vs < ALIGN
-            or vs % ALIGN
-            or entry.length <= 0
-            or entry.parts != -(-entry.length // vs)
-            or fields[f"k:{seq}".encode()] != entry.kfield.encode()
-        ):
+        if not _consistent(entry) or fields[f"k:{seq}".encode()] != entry.kfield.encode():
             raise Damaged(f"entry {seq} is inconsistent")
-        try:
-            header, _ = parse_header(entry.head, at)
-            if key is not None:
-                check_header_mac(header, key, at)
-                if header.incarnation != incarnation:
-                    raise CorruptSegmentError(at, "written for another incarnation of the manifest")
-        except CorruptSegmentError as exc:
-            raise Damaged(f"entry {seq}: {exc.detail}") from None
+        header = _entry_header(entry, key, incarnation, at, f"entry {seq}")
         if (header.session, header.seq) != (name, seq) or header.length != entry.length:
             raise Damaged(f"entry {seq} describes another segment")
+        if (
+            seq == bn
+            and bn
+            and [(o, s) for o, s, _ in header.base] != [(r.owner, r.seq) for r in m.base]
+        ):
+            raise Damaged(f"its references are not the ones its turn {seq} starts from")
         m.entries.append(entry)
         m.headers.append(header)
+    if n > bn and not bn and m.headers and m.headers[0].base:
+        raise Damaged("its first turn starts from a history it does not reference")
     if key is not None and n:
         try:
             check_manifest_mac(
-                _message(name, mid, v, m.entries), fields.get(b"mac", b""), key, where
+                _message(name, mid, v, m.entries, m.base), fields.get(b"mac", b""), key, where
             )
         except CorruptSegmentError as exc:
             raise Damaged(exc.detail) from None
     return m
+
+
+def _consistent(entry: Entry) -> bool:
+    vs = entry.value_size
+    return bool(
+        _NONCE.fullmatch(entry.nonce)
+        and vs >= ALIGN
+        and not vs % ALIGN
+        and entry.length > 0
+        and entry.parts == -(-entry.length // vs)
+    )
+
+
+def _entry_header(
+    entry: Entry, key: bytes | None, incarnation: bytes, at: str, what: str
+) -> SegmentHeader:
+    """The header an entry records, checked (with ``key``: its MAC and incarnation)."""
+    try:
+        header, _ = parse_header(entry.head, at)
+        if key is not None:
+            check_header_mac(header, key, at)
+            if header.incarnation != incarnation:
+                raise CorruptSegmentError(at, "written for another incarnation of the manifest")
+    except CorruptSegmentError as exc:
+        raise Damaged(f"{what}: {exc.detail}") from None
+    return header
+
+
+def _parse_ref(
+    fields: Mapping[bytes, bytes], i: int, prefix: str | None, key: bytes | None, at: str
+) -> tuple[Ref, SegmentHeader]:
+    try:
+        ref = _decode_ref(fields[f"r:{i}".encode()])
+    except msgspec.DecodeError as exc:
+        raise Damaged(f"reference {i} cannot be decoded ({exc})") from None
+    q = fields[f"q:{i}".encode()].decode("utf-8", "replace")
+    tail = f":{{{conversation_tag(ref.owner)}}}:{ref.seq}:{ref.entry.kfield}"
+    if (
+        not _ID.fullmatch(ref.owner_id)
+        or ref.seq < 0
+        or not _consistent(ref.entry)
+        or not q.endswith(tail)
+        or (prefix is not None and q != prefix + tail)
+    ):
+        raise Damaged(f"reference {i} is inconsistent")
+    header = _entry_header(ref.entry, key, bytes.fromhex(ref.owner_id), at, f"reference {i}")
+    if (header.session, header.seq) != (ref.owner, ref.seq) or header.length != ref.entry.length:
+        raise Damaged(f"reference {i} describes another segment")
+    return ref, header
 
 
 def verify_segment_read(

@@ -54,8 +54,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     :param forks: a finished request that continues only part of a stored conversation
         (a shared system prompt, an edited message, a regenerated answer) is stored as a
         *fork* of it: only its own blocks are stored, the shared ones stay stored once
-        (default on; off: it is stored whole, as a conversation of its own). Not with
-        ``redis_url``: a tier shared between replicas takes no forks
+        (default on; off: it is stored whole, as a conversation of its own). With
+        ``redis_url`` the fork is shared with the other replicas like any conversation
     """
 
     host_bytes: int = 1 << 30

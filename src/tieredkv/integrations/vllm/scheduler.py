@@ -106,8 +106,7 @@ class SchedulerSide:
         self.block_size = block_size
         self.clock = clock
         self.index = PrefixIndex(fp, block_size)
-        # a tier shared between replicas takes no forks: such turns are stored whole
-        self._forks = config.forks and config.redis_url is None
+        self._forks = config.forks
         self.channel = MetadataChannel()
         tiers = [TierInfo(name=HOST, level=0, capacity=config.host_bytes)]
         if config.ssd_path is not None:
