@@ -48,8 +48,8 @@ from ..errors import (
 from ..payload import Schema, SegmentHeader, align_up, segment_tensors
 from .atomic import settle
 from .gather import check_into
-from .placement import drop_damaged, finish_promotion, start_promotion
-from .state import Core, Session, end_fill
+from .placement import drop_damaged, end_filling, finish_promotion, start_promotion
+from .state import Core, Session
 from .turns import commit_load, damaged
 
 __all__ = ["LayerwiseLoad", "check_groups", "layerwise", "reported", "stream"]
@@ -364,6 +364,6 @@ async def _stream_promoting(
         core.gained(s, [s.seg(key) for key in missing], 0)
     finally:
         core.set_transfer(s, None)
-        end_fill(s, 0)
+        await end_filling(core, s, 0)
     await finish_promotion(core, s, src, began)
     return True

@@ -297,7 +297,13 @@ def commit_append(
     """Make a stored segment part of the session: index, counters, channel, policies, event."""
     seg = Seg(plan.header)
     seg.tiers.add(t)
+    # a copy elsewhere lacks the new turn now (one its forks made complete, in exclusive
+    # mode; in inclusive mode the copy written through is admitted again once complete)
+    stored = s.primary is not None  # (not a fork's first turn: no policy tracks it yet)
+    stale = [u for u in range(len(core.tiers)) if stored and u != t and s.complete(u)]
     s.add(seg)
+    for u in stale:
+        core.residency.removed(s.key, u)
     s.schema = plan.schema
     if s.primary is None:
         s.primary = t
