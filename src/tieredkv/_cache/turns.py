@@ -218,6 +218,8 @@ def plan_turn(
     if not s.segs:
         check_not_retired(core, s.key)
     base = () if fork is None else tuple((g.key[0], g.key[1], n) for g, n in fork[1])
+    # the parent, named where a restart could not tell it from the turns listed
+    parent = "" if fork is None or fork[0].key == base[-1][0] else fork[0].key
     plan = plan_segment(
         s.key,
         len(base) if fork is not None else len(s.segs),
@@ -227,6 +229,7 @@ def plan_turn(
         codec=codec,
         created=time.time(),
         base=base,
+        parent=parent,
     )
     schema = s.schema if fork is None else fork[0].schema
     if schema is not None and (s.segs or fork is not None):
