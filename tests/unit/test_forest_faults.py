@@ -326,3 +326,28 @@ async def test_a_promotion_that_fails_leaves_no_shared_turn_behind(tmp_path: Pat
             same(await c.load("g"), cat(a0, g0))
             same(await c.load("b"), cat(head(a0, 6), B0))
             assert problems(c) == []
+
+
+async def test_a_parent_evicted_from_its_last_tier_is_lost_or_kept_as_a_restart_finds_it(
+    tmp_path: Path,
+) -> None:
+    """Room in the last tier is made by evicting a parent whose every turn a fork lists
+    (the fork keeps them there). The parent is retired first (a marker: a restart does
+    not bring it back); it must then be lost, not stay served, since a restart would not
+    find it. Before, it stayed: complete there through its fork's turns, served live, and
+    gone after a restart."""
+    a0, b0, c0 = kv(8, 1), kv(5, 3), kv(8, 2)  # 12, 8 and 12 KiB segments, a marker 4
+    async with TieredKVCache([SSDTier(tmp_path / "ssd", 28 * KIB)], eviction="lru") as c:
+        await c.append("a", a0, answer_tokens=1)
+        await c.append("b", b0, answer_tokens=1, parent="a")
+        await c.append("c", c0, answer_tokens=1)  # a is the first victim
+        live = {k: c.contains(k) for k in "abc"}
+        assert problems(c) == []
+    async with TieredKVCache([SSDTier(tmp_path / "ssd", 28 * KIB)]) as c:
+        assert problems(c) == []
+        assert {k: c.contains(k) for k in "abc"} == live
+        if live["a"]:
+            same(await c.load("a"), a0)
+        if live["b"]:
+            same(await c.load("b"), cat(a0, b0))
+        same(await c.load("c"), c0)

@@ -47,6 +47,7 @@ from ..errors import (
 )
 from ..payload import Schema, SegmentHeader, align_up, segment_tensors
 from .atomic import settle
+from .forest import copying
 from .gather import check_into
 from .placement import drop_damaged, end_filling, finish_promotion, start_promotion
 from .state import Core, Session
@@ -346,6 +347,7 @@ async def _stream_promoting(
         with ExitStack() as release:
             for key in missing:
                 release.callback(top.tier.release, key)  # until committed
+            await copying(core, missing, 0)  # (a persistent tier 0: retirement markers)
             keys = s.segment_keys()
             views = [top.view(key) for key in keys]
             wanted = set(missing)

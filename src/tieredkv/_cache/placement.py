@@ -187,7 +187,10 @@ async def forget_copy(core: Core, s: Session, t: int) -> bool:
         await retire(core, s)
     await remove_copy(core, s, t)
     if s.primary == t:
-        s.primary = next((u for u in range(len(core.tiers)) if s.complete(u)), None)
+        # not t again, though the turns its forks keep there may still make it complete:
+        # it is retired if it had no other copy, so it is lost (as a restart finds it)
+        others = (u for u in range(len(core.tiers)) if u != t and s.complete(u))
+        s.primary = next(others, None)
     if s.primary is None and s.segs:
         s.dropped = True  # (its partial copies are of no use to anyone but its sharers)
         try:
