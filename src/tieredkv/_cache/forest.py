@@ -102,24 +102,31 @@ async def deleted(core: Core, segs: list[Seg], t: int) -> None:
     is forgotten.
 
     A marker kept because a copy was under way stays after the copy failed, spare until
-    the next segment of its owner leaves ``t`` (or a restart); it never stands for a live
+    the next segment of its owner leaves a tier (or a restart); it never stands for a live
     conversation.
     """
     for owner in sorted({seg.key[0] for seg in segs if seg.key[0] in core.retired}):
         r = core.retired[owner]
-        stale = any(u == t and k[0] == owner and k[1] != RETIRED_SEQ for u, k in core.orphans)
-        spare = (
-            t in r.markers
-            and t not in r.busy
-            and not stale
-            and not any(t in seg.tiers or t in seg.claims for seg in r.segs)
-        )
-        if spare:
-            async with _marking(r, t):
-                if await _delete_marker(core, owner, t):
-                    r.markers.discard(t)
+        for u in sorted(r.markers):  # t, and any marker a failed copy left elsewhere
+            if _spare(core, owner, r, u):
+                async with _marking(r, u):
+                    if await _delete_marker(core, owner, u):
+                        r.markers.discard(u)
         if not any(seg.tiers for seg in r.segs) and not r.markers and not r.busy:
             core.retired.pop(owner, None)
+
+
+def _spare(core: Core, owner: str, r: Retired, t: int) -> bool:
+    """Whether ``owner``'s marker in tier ``t`` stands for nothing: no segment of it is
+    there, being copied there or being deleted from there (nor failed to be: an orphan),
+    and no write or delete of the marker is under way."""
+    stale = any(u == t and k[0] == owner and k[1] != RETIRED_SEQ for u, k in core.orphans)
+    return (
+        t in r.markers
+        and t not in r.busy
+        and not stale
+        and not any(t in seg.tiers or t in seg.claims for seg in r.segs)
+    )
 
 
 @contextlib.asynccontextmanager
