@@ -36,7 +36,7 @@ from ..meta import Demoted, Dropped, Evicted, Promoted
 from .atomic import settle
 from .forest import copying, deleted, retire
 from .refusals import record_refusal
-from .state import Core, Session, begin_fill, claim, end_fill, unclaim
+from .state import Core, Seg, Session, begin_fill, claim, end_fill, unclaim
 
 __all__ = [
     "copy_into_room",
@@ -110,15 +110,8 @@ async def remove_copy(core: Core, s: Session, t: int) -> bool:
     sharers = {u for seg in s.segs for u in seg.users if u is not s and u.complete(t)}
     for seg in list(s.segs) if s.dropped else list(reversed(s.segs)):
         if t in seg.tiers and not seg.needed(t, s, copies):
-            seg.tiers.discard(t)
             gone.append(seg)
-            # claimed while its delete is under way: a conversation sharing it that copies
-            # it back into t waits for the delete, instead of finding the key still held
-            claimed = await claim([seg], t)
-            try:
-                clean = await delete_or_orphan(core, t, seg.key) and clean
-            finally:
-                unclaim(claimed, t)
+            clean = await _take_out(core, seg, t) and clean
     if core.retired:
         await deleted(core, gone, t)
     if s.dropped or not s.complete(t):  # (else its sharers keep all of it there)
@@ -128,6 +121,19 @@ async def remove_copy(core: Core, s: Session, t: int) -> bool:
             core.residency.removed(u.key, t)
             core.publish(u)
     return clean
+
+
+async def _take_out(core: Core, seg: Seg, t: int) -> bool:
+    """Take ``seg`` out of tier ``t``'s part of the index, then delete it there (an orphan
+    if that fails: ``False``)."""
+    seg.tiers.discard(t)
+    # claimed while its delete is under way: a conversation sharing it that copies it back
+    # into t waits for the delete, instead of finding the key still held
+    claimed = await claim([seg], t)
+    try:
+        return await delete_or_orphan(core, t, seg.key)
+    finally:
+        unclaim(claimed, t)
 
 
 async def remove_all(core: Core, s: Session) -> None:
@@ -236,13 +242,8 @@ async def end_filling(core: Core, s: Session, t: int) -> None:
         if t in seg.tiers and not any(
             u.primary == t or t in u.filling or u.complete(t) for u in seg.users
         ):
-            seg.tiers.discard(t)
             gone.append(seg)
-            claimed = await claim([seg], t)  # (as remove_copy does)
-            try:
-                await delete_or_orphan(core, t, seg.key)
-            finally:
-                unclaim(claimed, t)
+            await _take_out(core, seg, t)
     if gone and core.retired:
         await deleted(core, gone, t)
 
