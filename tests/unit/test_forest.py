@@ -6,6 +6,7 @@ import asyncio
 import shutil
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ from tieredkv import (
 from tieredkv.backends.base import Tier
 from tieredkv.backends.ssd import segment_file_name
 from tieredkv.fsck import check_directory, repair_directory
+from tieredkv.payload import plan_segment, verify_segment
 from tieredkv.policies.base import freed_bytes
 
 from ..invariants import problems
@@ -184,6 +186,47 @@ async def test_forks_survive_a_reopen_and_keep_sharing(ssd_dir: Path) -> None:
         assert segments(c.tiers[0]) == 4
         assert c.channel["c"].parent_tokens == 15
         await check(c)
+
+
+async def test_a_restart_names_the_parent_a_fork_was_given(ssd_dir: Path) -> None:
+    """A fork of a fork at a point inside the turns it inherited lists only its
+    grandparent's turns; after a restart it still names the conversation it was forked
+    from (and the tokens), as it did before."""
+    a0, a1, b0, c0, d0 = kv(8, 1), kv(6, 2), kv(5, 3), kv(3, 4), kv(2, 5)
+    async with TieredKVCache([SSDTier(ssd_dir, 8 << 20)]) as c:
+        await c.append("a", a0, answer_tokens=1)
+        await c.append("a", a1, answer_tokens=1)
+        await c.append("b", b0, answer_tokens=1, parent="a", parent_tokens=10)
+        await c.append("c", c0, answer_tokens=1, parent="b", parent_tokens=7)  # inside a0
+        await c.append("d", d0, answer_tokens=1, parent="b", parent_tokens=12)  # inside b0
+        before = {k: (c.channel[k].parent, c.channel[k].parent_tokens) for k in "bcd"}
+    assert before == {"b": ("a", 10), "c": ("b", 7), "d": ("b", 12)}
+    async with TieredKVCache([SSDTier(ssd_dir, 8 << 20)]) as c:
+        assert c.truncated() == {}
+        after = {k: (c.channel[k].parent, c.channel[k].parent_tokens) for k in "bcd"}
+        assert after == before
+        same(await c.load("c"), cat(head(a0, 7), c0))
+        same(await c.load("d"), cat(a0, head(a1, 2), head(b0, 2), d0))
+        await check(c)
+
+
+def test_a_fork_header_names_its_parent_only_where_its_turns_do_not() -> None:
+    """A fork's first turn whose parent owns the last turn it lists is written as before
+    the parent was named (no ``parent`` field: the same bytes); another names it."""
+    plain = plan_segment("b", 1, kv(2, 1), token_dim=0, answer_tokens=1, base=(("a", 0, 8),))
+    named = plan_segment(
+        "c", 1, kv(2, 1), token_dim=0, answer_tokens=1, base=(("a", 0, 7),), parent="b"
+    )
+    fields = msgspec.msgpack.decode(plain.header_bytes)
+    assert "parent" not in fields
+    assert fields["base"] == [["a", 0, 8]]
+    assert "parent" in msgspec.msgpack.decode(named.header_bytes)
+    for plan, parent in ((plain, ""), (named, "b")):
+        stored = bytearray(plan.length)
+        plan.write_into(memoryview(stored))
+        assert verify_segment(memoryview(stored), "test").parent == parent
+    with pytest.raises(ValueError, match="parent names"):
+        plan_segment("c", 1, kv(2, 1), token_dim=0, answer_tokens=1, parent="b")
 
 
 async def test_a_fork_whose_parent_history_is_gone_is_not_served(ssd_dir: Path) -> None:

@@ -22,6 +22,7 @@ from tests.faults import SITES, FaultInjector
 from tieredkv import HostMemoryTier, RetentionHint, SSDTier, TieredKVCache
 from tieredkv.backends.base import SegmentKey
 from tieredkv.errors import TierIOError
+from tieredkv.payload import RETIRED_SEQ
 
 from ..invariants import problems
 from .test_forest import cat, head, kv, same
@@ -140,19 +141,28 @@ async def test_a_cancelled_drop_of_a_parent_is_all_or_nothing(tmp_path: Path) ->
 
 
 class PausingSSD(SSDTier):
-    """An SSD tier whose write of one segment waits for a signal (the copy is under way)."""
+    """An SSD tier whose write (or delete) of one segment waits for a signal (the copy, or
+    the delete, is under way)."""
 
-    def __init__(self, directory: Path, pause: tuple[str, int]) -> None:
+    def __init__(self, directory: Path, pause: tuple[str, int], op: str = "write") -> None:
         super().__init__(directory, CAPACITY, fsync=False)
         self.pause = pause
+        self.op = op
         self.reached = anyio.Event()
         self.go = anyio.Event()
 
-    async def write(self, key: SegmentKey, data: memoryview) -> None:
-        if key == self.pause and not self.go.is_set():
+    async def _wait(self, op: str, key: SegmentKey) -> None:
+        if op == self.op and key == self.pause and not self.go.is_set():
             self.reached.set()
             await self.go.wait()
+
+    async def write(self, key: SegmentKey, data: memoryview) -> None:
+        await self._wait("write", key)
         await super().write(key, data)
+
+    async def delete(self, key: SegmentKey) -> None:
+        await self._wait("delete", key)
+        await super().delete(key)
 
 
 async def test_a_parent_dropped_while_a_fork_copies_its_turn_down_stays_dropped(
@@ -182,3 +192,162 @@ async def test_a_parent_dropped_while_a_fork_copies_its_turn_down_stays_dropped(
         assert problems(c) == []
         assert not c.contains("a"), "the dropped parent came back"
         same(await c.load("b"), cat(head(kv(8, 1), 6), B0))
+
+
+async def test_a_turn_a_fork_is_copying_down_stays_in_place_while_room_is_made(
+    tmp_path: Path,
+) -> None:
+    """A fork moving down to SSD copies its parent's turn from its host-memory slot; while
+    that copy is under way, another append needs a gap that only moving segments aside
+    (defragmenting host memory) can make. The parent is idle, but its turn is being read:
+    it must not move. Before, only the turns of busy conversations' own keys stayed put:
+    the parent's turn moved, the new turn was written where it had been, and the fork's
+    copy in SSD held those bytes (a restart found it damaged: the fork and its parent lost)."""
+    a0 = kv(8, 1)  # 12 KiB segments: x, a; b's own turn 8 KiB
+    ssd = PausingSSD(tmp_path / "ssd", ("a", 0))
+    tiers = [HostMemoryTier(44 * KIB), ssd]
+    async with TieredKVCache(tiers, eviction="lru") as c:
+        await c.append("x", kv(8, 9), answer_tokens=1)
+        await c.append("a", a0, answer_tokens=1)
+        await c.append("b", B0, answer_tokens=1, parent="a", parent_tokens=6)
+        c.hint("a", RetentionHint(pin=True, ttl=60))  # b is the one to leave host memory
+        await c.drop("x")  # host memory: [12 KiB free][a 12][b 8][12 KiB free]
+        d0 = kv(20, 6)  # 24 KiB: fits only once a's turn moves aside
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(c.append, "c", kv(24, 5), answer_tokens=1))
+            with anyio.fail_after(30):
+                await ssd.reached.wait()  # b's demotion is copying a's turn into SSD
+            await c.append("d", d0, answer_tokens=1)
+            ssd.go.set()
+        assert c.where("b") == "ssd"
+        await c.flush()
+        assert problems(c) == []
+    # (a load would promote b and delete its SSD copy: the restart reads what was copied)
+    async with TieredKVCache([HostMemoryTier(44 * KIB), SSDTier(tmp_path / "ssd", CAPACITY)]) as c:
+        assert c.truncated() == {}
+        assert problems(c) == []
+        same(await c.load("b"), cat(head(a0, 6), B0))
+        same(await c.load("a"), a0)
+        same(await c.load("d"), d0)
+
+
+async def test_a_retired_turn_copied_down_while_its_marker_is_deleted_keeps_a_marker(
+    tmp_path: Path,
+) -> None:
+    """A dropped parent's turn, kept for two forks, leaves SSD with the fork that held it
+    there (promoted to host memory); its retirement marker is deleted from SSD after it.
+    While that delete is under way, the other fork moves down to SSD and copies the turn
+    back. The turn must not stay in SSD without a marker (a restart would bring the
+    dropped parent back). Before, the copy saw the marker still listed and wrote none; the
+    delete then took it away."""
+    a0, c0, d0 = kv(8, 1), kv(5, 7), kv(12, 6)  # 12, 8 and 16 KiB segments
+    ssd = PausingSSD(tmp_path / "ssd", ("a", RETIRED_SEQ), op="delete")
+    tiers = [HostMemoryTier(40 * KIB), ssd]
+    async with TieredKVCache(tiers, eviction="lru") as c:
+        await c.append("a", a0, answer_tokens=1)
+        await c.append("b", B0, answer_tokens=1, parent="a", parent_tokens=6)
+        c.hint("a", RetentionHint(pin=True, ttl=60))
+        await c.append("x", kv(20, 9), answer_tokens=1)  # b moves down, a's turn with it
+        await c.drop("x")
+        await c.append("c", c0, answer_tokens=1, parent="a", parent_tokens=8)
+        await c.drop("a")  # kept for b (SSD) and c (host): a marker in SSD
+        assert (c.where("b"), c.where("c")) == ("ssd", "host")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(c.load, "b")  # promoted: a's turn leaves SSD, then its marker
+            with anyio.fail_after(30):
+                await ssd.reached.wait()
+            tg.start_soon(functools.partial(c.append, "d", d0, answer_tokens=1))  # c moves down
+            await anyio.sleep(0.2)
+            ssd.go.set()
+        assert (c.where("b"), c.where("c")) == ("host", "ssd")
+        await c.flush()
+        assert problems(c) == []
+    async with TieredKVCache([HostMemoryTier(40 * KIB), SSDTier(tmp_path / "ssd", CAPACITY)]) as c:
+        assert problems(c) == []
+        assert not c.contains("a"), "the dropped parent came back"
+        same(await c.load("c"), cat(a0, c0))
+        same(await c.load("b"), cat(head(a0, 6), B0))
+        same(await c.load("d"), d0)
+
+
+async def test_a_parent_complete_in_ssd_through_its_fork_leaves_its_policy_when_it_grows(
+    tmp_path: Path,
+) -> None:
+    """A fork moved down to SSD took all of its parent's turns there: the parent, served
+    from host memory, has a complete copy in SSD too, and SSD's policy tracks it. Its next
+    turn goes to host memory only: its SSD copy is no longer complete, and SSD's policy
+    must stop tracking it (else it counts bytes that are not a copy of the parent, and
+    picks it as a victim of SSD). Before, the policy went on tracking it."""
+    tiers = [HostMemoryTier(40 * KIB), SSDTier(tmp_path / "ssd", CAPACITY, fsync=False)]
+    async with TieredKVCache(tiers, eviction="lru") as c:
+        a0, a1 = kv(8, 1), kv(4, 2)
+        await c.append("a", a0, answer_tokens=1)
+        await c.append("b", B0, answer_tokens=1, parent="a")
+        c.hint("a", RetentionHint(pin=True, ttl=60))  # b is the one to leave host memory
+        await c.append("x", kv(20, 9), answer_tokens=1)
+        assert (c.where("a"), c.where("b")) == ("host", "ssd")
+        assert list(c.channel["a"].copies) == ["host", "ssd"]
+        assert problems(c) == []
+        await c.append("a", a1, answer_tokens=1)
+        assert list(c.channel["a"].copies) == ["host"]
+        assert problems(c) == []
+        same(await c.load("a"), cat(a0, a1))
+        same(await c.load("b"), cat(a0, B0))
+
+
+async def test_a_promotion_that_fails_leaves_no_shared_turn_behind(tmp_path: Path) -> None:
+    """A fork being promoted into host memory keeps the turn it shares with another fork
+    there while that one leaves (to make room for the promoted fork's own turn; their
+    parent was dropped). The copy of the promoted fork's own turn then fails (EIO): neither
+    fork has a complete copy in host memory, and the shared turn must not stay there (a
+    partial copy at rest: space that no policy tracks or frees). Before, it stayed."""
+    a0, g0 = kv(8, 1), kv(5, 7)  # 12 and 8 KiB segments; b's own turn 8 KiB
+    tiers = [HostMemoryTier(40 * KIB), SSDTier(tmp_path / "ssd", CAPACITY, fsync=False)]
+    with FaultInjector() as faults:
+        async with TieredKVCache(tiers, eviction="lru", max_pinned_bytes=40 * KIB) as c:
+            await c.append("a", a0, answer_tokens=1)
+            await c.append("b", B0, answer_tokens=1, parent="a", parent_tokens=6)
+            await c.append("g", g0, answer_tokens=1, parent="a")
+            for keep in "ab":
+                c.hint(keep, RetentionHint(pin=True, ttl=60))
+            await c.append("x", kv(12, 9), answer_tokens=1)  # g moves down
+            await c.drop("x")
+            await c.drop("a")  # its turn stays, for b (host memory) and g (SSD)
+            c.hint("b", RetentionHint(pin=False))
+            await c.append("y", kv(16, 8), answer_tokens=1)  # host memory: 0 KiB free
+            c.hint("y", RetentionHint(pin=True, ttl=60))
+            assert [c.where(k) for k in "bgy"] == ["host", "ssd", "host"]
+            # g's promotion: b leaves host memory for room, then g's turn fails to load
+            faults.fail_nth("preadv", faults.calls["preadv"] + 1)
+            with pytest.raises(TierIOError):
+                await c.load("g")
+            assert [c.where(k) for k in "bg"] == ["ssd", "ssd"]
+            assert problems(c) == []
+            same(await c.load("g"), cat(a0, g0))
+            same(await c.load("b"), cat(head(a0, 6), B0))
+            assert problems(c) == []
+
+
+async def test_a_parent_evicted_from_its_last_tier_is_lost_or_kept_as_a_restart_finds_it(
+    tmp_path: Path,
+) -> None:
+    """Room in the last tier is made by evicting a parent whose every turn a fork lists
+    (the fork keeps them there). The parent is retired first (a marker: a restart does
+    not bring it back); it must then be lost, not stay served, since a restart would not
+    find it. Before, it stayed: complete there through its fork's turns, served live, and
+    gone after a restart."""
+    a0, b0, c0 = kv(8, 1), kv(5, 3), kv(8, 2)  # 12, 8 and 12 KiB segments, a marker 4
+    async with TieredKVCache([SSDTier(tmp_path / "ssd", 28 * KIB)], eviction="lru") as c:
+        await c.append("a", a0, answer_tokens=1)
+        await c.append("b", b0, answer_tokens=1, parent="a")
+        await c.append("c", c0, answer_tokens=1)  # a is the first victim
+        live = {k: c.contains(k) for k in "abc"}
+        assert problems(c) == []
+    async with TieredKVCache([SSDTier(tmp_path / "ssd", 28 * KIB)]) as c:
+        assert problems(c) == []
+        assert {k: c.contains(k) for k in "abc"} == live
+        if live["a"]:
+            same(await c.load("a"), a0)
+        if live["b"]:
+            same(await c.load("b"), cat(a0, b0))
+        same(await c.load("c"), c0)

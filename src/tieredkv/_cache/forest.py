@@ -16,6 +16,11 @@ still taken): :meth:`~tieredkv.TieredKVCache.append` says so.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
+import anyio
+
 from ..backends.base import SegmentKey
 from ..errors import InvalidArgumentError, TierIOError
 from ..payload import RETIRED_SEQ, plan_retirement
@@ -80,22 +85,60 @@ async def copying(core: Core, keys: list[SegmentKey], dst: int) -> None:
         return
     for owner in sorted({k[0] for k in keys if k[0] in core.retired}):
         r = core.retired[owner]
+        # a delete of the marker there may be under way (it decided before this copy was
+        # claimed): wait for it, then look (a marker still listed might be going away)
+        while (busy := r.busy.get(dst)) is not None:
+            await busy.wait()
         if dst not in r.markers:
-            await _write_marker(core, owner, dst)
-            r.markers.add(dst)
+            async with _marking(r, dst):
+                await _write_marker(core, owner, dst)
+                r.markers.add(dst)
 
 
 async def deleted(core: Core, segs: list[Seg], t: int) -> None:
     """``segs`` just left tier ``t``: a retired owner none of whose segments ``t`` holds
-    any more loses its marker there; one whose segments no tier holds is forgotten."""
+    any more, and none of whose segments is being copied into ``t`` (or deleted from it:
+    that delete comes here next), loses its marker there; one whose segments no tier holds
+    is forgotten.
+
+    A marker kept because a copy was under way stays after the copy failed, spare until
+    the next segment of its owner leaves a tier (or a restart); it never stands for a live
+    conversation.
+    """
     for owner in sorted({seg.key[0] for seg in segs if seg.key[0] in core.retired}):
         r = core.retired[owner]
-        stale = any(u == t and k[0] == owner and k[1] != RETIRED_SEQ for u, k in core.orphans)
-        spare = t in r.markers and not stale and not any(t in seg.tiers for seg in r.segs)
-        if spare and await _delete_marker(core, owner, t):
-            r.markers.discard(t)
-        if not any(seg.tiers for seg in r.segs) and not r.markers:
-            del core.retired[owner]
+        for u in sorted(r.markers):  # t, and any marker a failed copy left elsewhere
+            if _spare(core, owner, r, u):
+                async with _marking(r, u):
+                    if await _delete_marker(core, owner, u):
+                        r.markers.discard(u)
+        if not any(seg.tiers for seg in r.segs) and not r.markers and not r.busy:
+            core.retired.pop(owner, None)
+
+
+def _spare(core: Core, owner: str, r: Retired, t: int) -> bool:
+    """Whether ``owner``'s marker in tier ``t`` stands for nothing: no segment of it is
+    there, being copied there or being deleted from there (nor failed to be: an orphan),
+    and no write or delete of the marker is under way."""
+    stale = any(u == t and k[0] == owner and k[1] != RETIRED_SEQ for u, k in core.orphans)
+    return (
+        t in r.markers
+        and t not in r.busy
+        and not stale
+        and not any(t in seg.tiers or t in seg.claims for seg in r.segs)
+    )
+
+
+@contextlib.asynccontextmanager
+async def _marking(r: Retired, t: int) -> AsyncIterator[None]:
+    """``async with``: ``r``'s marker in tier ``t`` is being written or deleted (a copy of
+    its segments into ``t`` waits, see :func:`copying`)."""
+    done = r.busy[t] = anyio.Event()
+    try:
+        yield
+    finally:
+        del r.busy[t]
+        done.set()
 
 
 async def _write_marker(core: Core, owner: str, t: int) -> None:

@@ -47,9 +47,10 @@ from ..errors import (
 )
 from ..payload import Schema, SegmentHeader, align_up, segment_tensors
 from .atomic import settle
+from .forest import copying
 from .gather import check_into
-from .placement import drop_damaged, finish_promotion, start_promotion
-from .state import Core, Session, end_fill
+from .placement import drop_damaged, end_filling, finish_promotion, start_promotion
+from .state import Core, Session
 from .turns import commit_load, damaged
 
 __all__ = ["LayerwiseLoad", "check_groups", "layerwise", "reported", "stream"]
@@ -346,6 +347,7 @@ async def _stream_promoting(
         with ExitStack() as release:
             for key in missing:
                 release.callback(top.tier.release, key)  # until committed
+            await copying(core, missing, 0)  # (a persistent tier 0: retirement markers)
             keys = s.segment_keys()
             views = [top.view(key) for key in keys]
             wanted = set(missing)
@@ -364,6 +366,6 @@ async def _stream_promoting(
         core.gained(s, [s.seg(key) for key in missing], 0)
     finally:
         core.set_transfer(s, None)
-        end_fill(s, 0)
+        await end_filling(core, s, 0)
     await finish_promotion(core, s, src, began)
     return True

@@ -17,8 +17,9 @@ cancellation reaches it) with the session's lock held, and keeps the invariants 
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
 
@@ -35,7 +36,7 @@ from ..meta import Demoted, Dropped, Evicted, Promoted
 from .atomic import settle
 from .forest import copying, deleted, retire
 from .refusals import record_refusal
-from .state import Core, Session, begin_fill, claim, end_fill, filling, unclaim
+from .state import Core, Seg, Session, begin_fill, claim, end_fill, unclaim
 
 __all__ = [
     "copy_into_room",
@@ -44,6 +45,7 @@ __all__ = [
     "demote",
     "drop",
     "drop_damaged",
+    "end_filling",
     "evict_copy",
     "finish_promotion",
     "forget_copy",
@@ -108,15 +110,8 @@ async def remove_copy(core: Core, s: Session, t: int) -> bool:
     sharers = {u for seg in s.segs for u in seg.users if u is not s and u.complete(t)}
     for seg in list(s.segs) if s.dropped else list(reversed(s.segs)):
         if t in seg.tiers and not seg.needed(t, s, copies):
-            seg.tiers.discard(t)
             gone.append(seg)
-            # claimed while its delete is under way: a conversation sharing it that copies
-            # it back into t waits for the delete, instead of finding the key still held
-            claimed = await claim([seg], t)
-            try:
-                clean = await delete_or_orphan(core, t, seg.key) and clean
-            finally:
-                unclaim(claimed, t)
+            clean = await _take_out(core, seg, t) and clean
     if core.retired:
         await deleted(core, gone, t)
     if s.dropped or not s.complete(t):  # (else its sharers keep all of it there)
@@ -126,6 +121,19 @@ async def remove_copy(core: Core, s: Session, t: int) -> bool:
             core.residency.removed(u.key, t)
             core.publish(u)
     return clean
+
+
+async def _take_out(core: Core, seg: Seg, t: int) -> bool:
+    """Take ``seg`` out of tier ``t``'s part of the index, then delete it there (an orphan
+    if that fails: ``False``)."""
+    seg.tiers.discard(t)
+    # claimed while its delete is under way: a conversation sharing it that copies it back
+    # into t waits for the delete, instead of finding the key still held
+    claimed = await claim([seg], t)
+    try:
+        return await delete_or_orphan(core, t, seg.key)
+    finally:
+        unclaim(claimed, t)
 
 
 async def remove_all(core: Core, s: Session) -> None:
@@ -185,7 +193,10 @@ async def forget_copy(core: Core, s: Session, t: int) -> bool:
         await retire(core, s)
     await remove_copy(core, s, t)
     if s.primary == t:
-        s.primary = next((u for u in range(len(core.tiers)) if s.complete(u)), None)
+        # not t again, though the turns its forks keep there may still make it complete:
+        # it is retired if it had no other copy, so it is lost (as a restart finds it)
+        others = (u for u in range(len(core.tiers)) if u != t and s.complete(u))
+        s.primary = next(others, None)
     if s.primary is None and s.segs:
         s.dropped = True  # (its partial copies are of no use to anyone but its sharers)
         try:
@@ -216,6 +227,37 @@ async def drop_damaged(core: Core, s: Session, t: int, where: str) -> None:
     core.publish(s)
 
 
+# -- copying a whole history into a tier ---------------------------------------------------
+async def end_filling(core: Core, s: Session, t: int) -> None:
+    """The copy of ``s``'s history into tier ``t`` that :func:`begin_fill` started is over
+    (done or not). If it did not complete, the segments of the history that ``t`` kept
+    only for it (shared ones that the conversations listing them left ``t`` meanwhile)
+    leave ``t`` too: no segment stays at rest in a tier where no conversation listing it
+    is complete."""
+    end_fill(s, t)
+    if s.complete(t):
+        return
+    gone = []
+    for seg in list(reversed(s.segs)):
+        if t in seg.tiers and not any(
+            u.primary == t or t in u.filling or u.complete(t) for u in seg.users
+        ):
+            gone.append(seg)
+            await _take_out(core, seg, t)
+    if gone and core.retired:
+        await deleted(core, gone, t)
+
+
+@contextlib.asynccontextmanager
+async def filling(core: Core, s: Session, t: int) -> AsyncIterator[list[SegmentKey]]:
+    """``async with``: :func:`begin_fill` ... :func:`end_filling`."""
+    keys = await begin_fill(s, t)
+    try:
+        yield keys
+    finally:
+        await end_filling(core, s, t)
+
+
 # -- making room --------------------------------------------------------------------------
 async def reserve(
     core: Core, t: int, key: SegmentKey, length: int, protect: set[str], *, lossless: bool = False
@@ -244,7 +286,7 @@ async def reserve(
         if (
             short <= 0
             and defragment is not None
-            and defragment(length, lambda k: k[0] not in busy) is not None
+            and defragment(length, _movable(core)) is not None
             and tier.reserve(key, length)
         ):
             break
@@ -264,6 +306,18 @@ async def reserve(
                 # the shared tier is away: that victim stays, room is made from others
                 # (one conversation's trouble never fails another's operation)
     return True
+
+
+def _movable(core: Core) -> Callable[[SegmentKey], bool]:
+    """Which committed segments defragmenting may move: those no operation may be reading
+    from its slot. A busy conversation (an operation holds it) may read every segment its
+    history lists, under whatever key each is stored (a fork's parent's turns too, the
+    parent idle or retired)."""
+    busy = core.busy
+    listed = {
+        seg.key for key in busy if (s := core.sessions.get(key)) is not None for seg in s.segs
+    }
+    return lambda k: k[0] not in busy and k not in listed
 
 
 async def _move_victim(core: Core, victim: str, t: int, lossless: bool) -> None:
@@ -332,7 +386,7 @@ async def demote(core: Core, s: Session, t: int, *, may_lose: bool = True) -> No
         return
     core.set_transfer(s, core.transfer("demote", s, t, u))
     try:
-        async with filling(s, u) as missing:
+        async with filling(core, s, u) as missing:
             moved = await reserve_all(core, s, u, missing)
             if moved:
                 await _copy_into(core, s, t, u, missing)
@@ -387,7 +441,7 @@ async def copy_into_room(core: Core, s: Session, dst: int) -> bool:
     tier = core.tiers[dst]
     lengths = {seg.key: seg.length for seg in s.segs}
     reserved: list[SegmentKey] = []
-    async with filling(s, dst) as missing:
+    async with filling(core, s, dst) as missing:
         try:
             for key in missing:
                 if (dst, key) in core.orphans and not await delete_or_orphan(core, dst, key):
@@ -476,7 +530,7 @@ async def promote(core: Core, s: Session) -> bool:
             raise
     finally:
         core.set_transfer(s, None)
-        end_fill(s, 0)
+        await end_filling(core, s, 0)
     await finish_promotion(core, s, src, began)
     return True
 
@@ -485,7 +539,7 @@ async def start_promotion(core: Core, s: Session, src: int) -> list[SegmentKey] 
     """Mark ``s`` as moving up from tier ``src`` and reserve tier-0 room for the segments
     it lacks there; their keys, or ``None`` (unmarked, nothing reserved) if room cannot be
     made, even because of an I/O error elsewhere. The caller fills the reservations, then
-    clears the mark (``core.set_transfer(s, None)``; ``end_fill(s, 0)``) and calls
+    clears the mark (``core.set_transfer(s, None)``; :func:`end_filling`) and calls
     :func:`finish_promotion`."""
     missing = await begin_fill(s, 0)
     core.set_transfer(s, core.transfer("promote", s, src, 0))
@@ -496,10 +550,10 @@ async def start_promotion(core: Core, s: Session, src: int) -> list[SegmentKey] 
         core.stats.errors += 1
     except BaseException:
         core.set_transfer(s, None)
-        end_fill(s, 0)
+        await end_filling(core, s, 0)
         raise
     core.set_transfer(s, None)
-    end_fill(s, 0)
+    await end_filling(core, s, 0)
     return None
 
 

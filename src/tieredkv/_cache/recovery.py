@@ -246,7 +246,8 @@ def _rebuild(
         s.add(seg, take)
     if inherited:
         s.base = len(inherited)
-        s.parent = (inherited[-1][0].key[0], sum(take for _, take in inherited))
+        parent = headers[0].parent or inherited[-1][0].key[0]
+        s.parent = (parent, sum(take for _, take in inherited))
     for h in headers[: good - len(inherited)]:
         seg = _blob(blobs, recovered, (key, h.seq))
         assert seg is not None

@@ -20,9 +20,8 @@ checked by ``tests/invariants.py`` after every fault campaign:
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Literal
 
@@ -52,7 +51,6 @@ __all__ = [
     "check_key",
     "claim",
     "end_fill",
-    "filling",
     "policies_per_tier",
     "unclaim",
 ]
@@ -271,11 +269,13 @@ class Retired:
     :mod:`tieredkv._cache.forest`): those segments, and the persistent tiers holding its
     retirement marker."""
 
-    __slots__ = ("markers", "segs")
+    __slots__ = ("busy", "markers", "segs")
 
     def __init__(self, segs: list[Seg]) -> None:
         self.segs = segs
         self.markers: set[int] = set()
+        self.busy: dict[int, anyio.Event] = {}
+        """Tiers where its marker is being written or deleted (set when done)."""
 
 
 async def claim(segs: list[Seg], t: int) -> list[Seg]:
@@ -314,16 +314,6 @@ async def begin_fill(s: Session, t: int) -> list[SegmentKey]:
 def end_fill(s: Session, t: int) -> None:
     """The copy :func:`begin_fill` started is over (done or not)."""
     unclaim(s.filling.pop(t, []), t)
-
-
-@contextlib.asynccontextmanager
-async def filling(s: Session, t: int) -> AsyncIterator[list[SegmentKey]]:
-    """``async with``: :func:`begin_fill` ... :func:`end_fill`."""
-    keys = await begin_fill(s, t)
-    try:
-        yield keys
-    finally:
-        end_fill(s, t)
 
 
 class Refusal:

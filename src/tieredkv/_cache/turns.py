@@ -219,6 +219,8 @@ def plan_turn(
     if not s.segs:
         check_not_retired(core, s.key)
     base = () if fork is None else tuple((g.key[0], g.key[1], n) for g, n in fork[1])
+    # the parent, named where a restart could not tell it from the turns listed
+    parent = "" if fork is None or fork[0].key == base[-1][0] else fork[0].key
     plan = plan_segment(
         s.key,
         len(base) if fork is not None else len(s.segs),
@@ -228,6 +230,7 @@ def plan_turn(
         codec=codec,
         created=time.time(),
         base=base,
+        parent=parent,
     )
     schema = s.schema if fork is None else fork[0].schema
     if schema is not None and (s.segs or fork is not None):
@@ -298,7 +301,13 @@ def commit_append(
     """Make a stored segment part of the session: index, counters, channel, policies, event."""
     seg = Seg(plan.header)
     seg.tiers.add(t)
+    # a copy elsewhere lacks the new turn now (one its forks made complete, in exclusive
+    # mode; in inclusive mode the copy written through is admitted again once complete)
+    stored = s.primary is not None  # (not a fork's first turn: no policy tracks it yet)
+    stale = [u for u in range(len(core.tiers)) if stored and u != t and s.complete(u)]
     s.add(seg)
+    for u in stale:
+        core.residency.removed(s.key, u)
     s.schema = plan.schema
     if s.primary is None:
         s.primary = t

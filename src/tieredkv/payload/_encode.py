@@ -212,6 +212,7 @@ def plan_segment(
     codec: str = "kv",
     created: float = 0.0,
     base: tuple[tuple[str, int, int], ...] = (),
+    parent: str = "",
 ) -> SegmentPlan:
     """Validate one turn's tensors and lay out its segment.
 
@@ -219,6 +220,8 @@ def plan_segment(
         ``token_dim`` (negative counts from the end, per tensor)
     :param base: a fork's first turn: the earlier turns it references (see
         :class:`SegmentHeader`)
+    :param parent: a fork's first turn: the conversation it was forked from, if not the
+        owner of the last turn ``base`` lists (see :class:`SegmentHeader`)
     :raises TypeError: for values that are not dense tensors of a storable dtype on the CPU
         or a CUDA device
     :raises ValueError: for an empty mapping, mismatched token counts, or bad arguments
@@ -227,6 +230,11 @@ def plan_segment(
         raise InvalidArgumentError("tensors must be a non-empty mapping of name -> tensor")
     _check_count("answer_tokens", answer_tokens)
     _check_count("seq", seq)
+    if not isinstance(parent, str) or (parent and not base):
+        raise InvalidArgumentError(
+            f"parent names the conversation a fork's first turn was forked from (a str, "
+            f"with base listing the turns it inherits), not {parent!r} with base {base!r}"
+        )
     if isinstance(token_dim, bool) or not isinstance(token_dim, int):
         raise InvalidArgumentError(f"token_dim must be an int, not {token_dim!r}")
     if not isinstance(codec, str) or not codec:
@@ -295,6 +303,7 @@ def plan_segment(
         body_len=body_len,
         created=created,
         base=base,
+        parent=parent,
     )
     header, header_bytes = _encode_laid_out(header)
     return SegmentPlan(header, header_bytes, header_schema(header), tuple(values))

@@ -117,6 +117,9 @@ class SegmentHeader(msgspec.Struct, frozen=True, kw_only=True):
     :param base: on the first turn a fork stores, the history it starts from, by reference:
         one ``(session, seq, tokens)`` per earlier turn (the segment stored under that key,
         of which the first ``tokens`` are part of this history); empty otherwise
+    :param parent: on the first turn a fork stores, the conversation it was forked from,
+        where that is not the owner of the last turn ``base`` lists (a fork of a fork at a
+        point inside the turns it inherited); empty otherwise
     """
 
     version: int = 1
@@ -134,6 +137,7 @@ class SegmentHeader(msgspec.Struct, frozen=True, kw_only=True):
     body_mac: bytes = _NO_MAC
     mac: bytes = _NO_MAC
     base: tuple[tuple[str, int, int], ...] = ()
+    parent: str = ""
 
     @property
     def length(self) -> int:
@@ -181,24 +185,32 @@ def _shape_str(shape: tuple[int, ...]) -> str:
 
 
 class _HeaderEncoder:
-    """Encodes a header; one that references no earlier history (``base`` empty: every
-    segment but a fork's first) without the ``base`` field, byte for byte as before forks
-    existed."""
+    """Encodes a header without the fields it leaves empty among those added since the
+    format's first segments (``base``, then ``parent``), so that a header encodes byte for
+    byte as it did before they existed: one that references no earlier history (every
+    segment but a fork's first) without either, a fork's first turn that names no
+    ``parent`` without that one."""
 
     def __init__(self) -> None:
         self._encoder = msgspec.msgpack.Encoder()
-        fields = [f for f in msgspec.structs.fields(SegmentHeader) if f.name != "base"]
-        self._names = [f.name for f in fields]
-        self._plain = msgspec.defstruct(
-            "_PlainHeader",
+        self._plain = self._without("_PlainHeader", {"base", "parent"})
+        self._fork = self._without("_ForkHeader", {"parent"})
+
+    @staticmethod
+    def _without(name: str, left: set[str]) -> tuple[type, list[str]]:
+        fields = [f for f in msgspec.structs.fields(SegmentHeader) if f.name not in left]
+        kind = msgspec.defstruct(
+            name,
             [(f.name, f.type) if f.required else (f.name, f.type, f.default) for f in fields],
             kw_only=True,
         )
+        return kind, [f.name for f in fields]
 
     def encode(self, header: SegmentHeader) -> bytes:
-        if header.base:
+        if header.parent:
             return self._encoder.encode(header)
-        return self._encoder.encode(self._plain(**{n: getattr(header, n) for n in self._names}))
+        kind, names = self._fork if header.base else self._plain
+        return self._encoder.encode(kind(**{n: getattr(header, n) for n in names}))
 
 
 _header_encoder = _HeaderEncoder()
