@@ -28,7 +28,7 @@ every conversation holds its own copy of everything it lists: the replay is then
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 import msgspec
 import numpy as np
@@ -345,38 +345,61 @@ def replay_forest(
     listers: dict[Hashable, set[str]] = {}  # range -> conversations whose history lists it
     listed: dict[str, Ranges] = {}  # conversation -> its history's ranges
     shared: dict[str, int] = {}  # conversation -> bytes of its ranges another one lists
-    held: dict[Hashable, int] = {}  # range -> resident conversations listing it
+    holders: dict[Hashable, set[str]] = {}  # held range -> resident conversations listing it
+    here: dict[str, int] = {}  # resident -> bytes of its ranges another resident lists
     resident: dict[str, int] = {}  # resident conversation -> its history bytes
     history: dict[str, int] = {}
     used = logical = peak = peak_logical = 0
     hits = misses = hit_bytes = miss_bytes = evictions = rejected = 0
     prefix_bytes = prefix_hit_bytes = 0
+    moved: set[str] = set()  # residents whose bytes shared in host memory changed
 
-    def hold(rs: Ranges) -> None:
+    def hold(session: str, rs: Ranges) -> None:
         nonlocal used
         for key, _ in rs:
-            n = held.get(key, 0)
-            if not n:
+            who = holders.get(key)
+            if who is None:
                 used += size[key]
-            held[key] = n + 1
+                holders[key] = {session}
+            elif session not in who:
+                if len(who) == 1:  # its one holder no longer frees it alone
+                    (other,) = who
+                    here[other] = here.get(other, 0) + size[key]
+                    moved.add(other)
+                who.add(session)
 
-    def release(rs: Ranges) -> None:
+    def release(session: str, keys: Iterable[Hashable]) -> None:
         nonlocal used
-        for key, _ in rs:
-            n = held[key] - 1
-            if n:
-                held[key] = n
-            else:
-                del held[key]
+        for key in keys:
+            who = holders[key]
+            who.discard(session)
+            if not who:
+                del holders[key]
                 used -= size[key]
+            elif len(who) == 1:  # its last holder now frees it with itself
+                (other,) = who
+                here[other] = here.get(other, 0) - size[key]
+                moved.add(other)
 
-    def evict(chosen: list[str]) -> None:
+    def republish(now: float, but: str) -> None:
+        """Tell the policy what evicting each resident whose shared bytes moved frees."""
+        for other in sorted(moved):
+            if other != but and other in resident:
+                m = metas[other] = msgspec.structs.replace(
+                    metas[other], tier_shared=(here.get(other, 0),)
+                )
+                admitted(m, now, 0)
+        moved.clear()
+
+    def evict(chosen: list[str], now: float, but: str) -> None:
         nonlocal evictions, logical
         for v in chosen:
             logical -= resident.pop(v)
-            release(listed[v])
+            release(v, {k for k, _ in listed[v]})
+            here.pop(v, None)
             removed(v, 0)
         evictions += len(chosen)
+        republish(now, but)
 
     for i, session in enumerate(sessions):
         now = times[i]
@@ -413,10 +436,22 @@ def replay_forest(
                 changed.add(other)
         listed[session] = new
         mine = shared[session] = sum(size[k] for k, _ in new if len(listers[k]) > 1)
+        share = sum(size[k] // len(listers[k]) for k, _ in new)
         tokens = sum(t for _, t in new)
         nbytes = tokens * bytes_per_token
         history[session] = nbytes
         n = nxt[i]
+        view._i = i
+        if not rounds[i] and i >= warmup:  # a first turn: what it shares is a prefix
+            for key, _ in new:
+                if len(listers[key]) > 1:
+                    prefix_bytes += size[key]
+                    if key in holders:
+                        prefix_hit_bytes += size[key]
+        hold(session, new)  # the new history first: what it shares with the old one stays held
+        if was is not None:
+            release(session, old_keys - new_keys)
+            logical -= was
         meta = advance_meta(
             metas.get(session),
             session=session,
@@ -431,27 +466,22 @@ def replay_forest(
             next_access=times[n] if n >= 0 else None,
             accesses=rounds[i] + 1,
             shared_bytes=mine,
+            tier_shared=(sum(size[k] for k in new_keys if len(holders[k]) > 1),),
+            share_bytes=share,
         )
         for other in sorted(changed - {session}):  # a fork now shares (or no longer) its history
             m = msgspec.structs.replace(metas[other], shared_bytes=shared[other])
             if other in resident:
+                moved.discard(other)
+                m = msgspec.structs.replace(m, tier_shared=(here.get(other, 0),))
                 admitted(m, now, 0)
             else:
                 residency.published(m)
-        view._i = i
-        if not rounds[i] and i >= warmup:  # a first turn: what it shares is a prefix
-            for key, _ in new:
-                if len(listers[key]) > 1:
-                    prefix_bytes += size[key]
-                    if key in held:
-                        prefix_hit_bytes += size[key]
-        hold(new)  # the new history first: what it shares with the old one stays held
-        if was is not None:
-            release(old)
-            logical -= was
+        republish(now, session)
         if used <= host_bytes:
             accessed(meta, now, 0)
             resident[session] = nbytes
+            here[session] = meta.tier_shared[0]
             logical += nbytes
         else:
             accessed(meta, now)
@@ -462,17 +492,22 @@ def replay_forest(
                     chosen = victims(used - host_bytes, now, view, protected)
                     if not chosen:
                         break
-                    evict(chosen)
+                    evict(chosen, now, session)
                     if used <= host_bytes:
                         fits = True
                         break
             if fits:
                 resident[session] = nbytes
                 logical += nbytes
+                here[session] = mine_here = sum(size[k] for k in new_keys if len(holders[k]) > 1)
+                if mine_here != meta.tier_shared[0]:
+                    meta = msgspec.structs.replace(meta, tier_shared=(mine_here,))
                 admitted(meta, now, 0)
             else:
                 rejected += 1
-                release(new)
+                release(session, new_keys)
+                here.pop(session, None)
+                republish(now, session)
                 if was is not None:  # it cannot grow in place: it leaves host memory
                     del resident[session]
                     removed(session, 0)
