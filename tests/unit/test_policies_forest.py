@@ -9,7 +9,7 @@ import msgspec
 import torch
 
 from tieredkv import HostMemoryTier, RetentionHint, SSDTier, TieredKVCache
-from tieredkv.meta import KVMeta
+from tieredkv.meta import KVMeta, MetadataChannel, TierInfo
 from tieredkv.policies import LRU, AdaptiveBidaw, BidawEviction
 from tieredkv.policies.base import freed_bytes, stored_share
 from tieredkv.sim.forest import Forest, replay_forest
@@ -96,3 +96,16 @@ def test_adaptive_bidaw_shadow_lru_sizes_by_share() -> None:
         )  # fmt: skip
         policy.on_access(meta.session, meta, float(i))
     assert policy.shadow_sessions() == [f"s{i}" for i in range(10)]
+
+
+def test_lru_resize_is_not_a_use() -> None:
+    # a fork of "a" came: the cache tells LRU that evicting "a" frees less; "a" was not used
+    view = MetadataChannel([TierInfo(name="host", level=0, capacity=100)])
+    lru = LRU()
+    a = KVMeta(session="a", tier="host", nbytes=10)
+    lru.on_admit("a", a, 0.0)
+    lru.on_admit("b", KVMeta(session="b", tier="host", nbytes=10), 1.0)
+    lru.on_admit("a", msgspec.structs.replace(a, shared_bytes=6), 2.0)
+    assert lru.victims(4, 3.0, view) == ["a"]
+    lru.on_access("a", a, 4.0)  # a use
+    assert lru.victims(4, 5.0, view) == ["b"]
