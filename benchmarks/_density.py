@@ -17,7 +17,8 @@ next turn, never for a user who has left), divided by its bytes; the lowest goes
   previous-answer-length bucket (Bidaw's buckets; tool-call turns apart) and the share of
   users who leave (no turn within ``depart`` seconds), and ranks by the same rule. A turn
   whose caller hinted when the next one comes is ranked by the hint (its next access is
-  known: one hit for the seconds until then), weighed by the share of hints kept so far.
+  known: one hit for the seconds until then), weighed against the learned density by the
+  share of hints kept so far.
 
 They are instruments, not library policies: a decision scores every resident (O(residents)
 with numpy), which the library's policies may not afford (``bench_policies.py``).
@@ -311,6 +312,7 @@ class LearnedDensity(_Ranked):
             for i, session in enumerate(sessions):
                 due = self._due.get(session)
                 if due is not None and due[0] + due[1] >= now:  # one hit in the time left
-                    density[i] = max(density[i], trust / max(due[0] - now, 0.25))
+                    hinted = 1.0 / max(due[0] - now, 0.25)
+                    density[i] = trust * hinted + (1 - trust) * density[i]
         scores: Floats = density / sizes
         return scores
