@@ -17,6 +17,10 @@ Every ratio is a policy's host hit ratio over Belady's on the same turns and hos
 
 Policies: ``lru``, ``bidaw-paper`` (the paper's eviction), ``bidaw`` (the default: it
 learns the gap per answer length, tool call and hint class, and duels LRU) and ``belady``.
+With ``--bound``, two instruments too (``benchmarks/_density.py``): ``learned-density``
+(hit density in time, gaps learned online) on every workload, and ``known-distribution``
+(hit density under the synthetic generator's exact model) on the synthetic human one: what
+an online policy reaches there.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from pathlib import Path
 
 import msgspec
 
-from tieredkv.policies import make_eviction
+from _density import KnownDistribution, LearnedDensity
+from tieredkv.policies import Eviction, make_eviction
 from tieredkv.sim.agentic import AgenticWorkload, replay_agentic
 from tieredkv.sim.replay import replay
 from tieredkv.sim.synthetic import SyntheticWorkload
@@ -42,6 +47,19 @@ MOONCAKE = (
 )
 
 POLICIES = ("lru", "bidaw-paper", "bidaw", "belady")
+LEARNED, KNOWN = "learned-density", "known-distribution"
+
+
+def build(name: str, workload: SyntheticWorkload | None = None) -> Eviction:
+    """A registered policy, or one of the ``--bound`` instruments."""
+    if name == LEARNED:
+        return LearnedDensity()
+    if name == KNOWN:
+        assert workload is not None
+        return KnownDistribution(workload)
+    return make_eviction(name)
+
+
 HINTS = {"no hints": (0.0, 0.0), "correct hints": (1.0, 0.0), "wrong hints": (1.0, 1.0)}
 
 
@@ -57,36 +75,43 @@ class Row(msgspec.Struct, frozen=True):
         return self.hits[policy] / self.hits["belady"]
 
 
-def measure_human(users: int, rate: float, seed: int, gbs: list[float]) -> list[Row]:
-    turns = SyntheticWorkload(users=users, arrival_rate=rate, seed=seed).generate()
+def measure_human(
+    users: int, rate: float, seed: int, gbs: list[float], extra: tuple[str, ...] = ()
+) -> list[Row]:
+    workload = SyntheticWorkload(users=users, arrival_rate=rate, seed=seed)
+    turns = workload.generate()
     rows = []
     for gb in gbs:
         hits = {
             name: replay(
-                turns, make_eviction(name), host_bytes=int(gb * 1e9), warmup=len(turns) // 10
+                turns, build(name, workload), host_bytes=int(gb * 1e9), warmup=len(turns) // 10
             ).hit_ratio
-            for name in POLICIES
+            for name in POLICIES + extra
         }
         rows.append(Row("human", gb, hits))
     return rows
 
 
-def measure_mooncake(gbs: list[float], path: Path = MOONCAKE) -> list[Row]:
+def measure_mooncake(
+    gbs: list[float], path: Path = MOONCAKE, extra: tuple[str, ...] = ()
+) -> list[Row]:
     turns = read_mooncake(path)
     label = "human, mooncake head" if path == MOONCAKE else "human, mooncake"
     rows = []
     for gb in gbs:
         hits = {
             name: replay(
-                turns, make_eviction(name), host_bytes=int(gb * 1e9), warmup=len(turns) // 10
+                turns, build(name), host_bytes=int(gb * 1e9), warmup=len(turns) // 10
             ).hit_ratio
-            for name in POLICIES
+            for name in POLICIES + extra
         }
         rows.append(Row(label, gb, hits))
     return rows
 
 
-def measure_agentic(users: int, rate: float, seed: int, gbs: list[float]) -> list[Row]:
+def measure_agentic(
+    users: int, rate: float, seed: int, gbs: list[float], extra: tuple[str, ...] = ()
+) -> list[Row]:
     rows = []
     for label, (hinted, wrong) in HINTS.items():
         load = AgenticWorkload(
@@ -95,9 +120,9 @@ def measure_agentic(users: int, rate: float, seed: int, gbs: list[float]) -> lis
         for gb in gbs:
             hits = {
                 name: replay_agentic(
-                    load, make_eviction(name), host_bytes=int(gb * 1e9), warmup=len(load) // 10
+                    load, build(name), host_bytes=int(gb * 1e9), warmup=len(load) // 10
                 ).hit_ratio
-                for name in POLICIES
+                for name in POLICIES + extra
             }
             rows.append(Row(f"agentic, {label}", gb, hits))
     return rows
@@ -107,7 +132,7 @@ def render(rows: list[Row]) -> list[str]:
     lines = []
     for row in rows:
         cells = "  ".join(
-            f"{name} {row.hits[name]:.3f} ({row.ratio(name):.2f}x)" for name in POLICIES
+            f"{name} {row.hits[name]:.3f} ({row.ratio(name):.3f}x)" for name in row.hits
         )
         lines.append(f"{row.workload:24} {row.gb:5.0f} GB  {cells}")
     return lines
@@ -125,14 +150,28 @@ def main() -> None:
     parser.add_argument(
         "--mooncake", type=Path, default=MOONCAKE, help="a Mooncake conversation trace"
     )
+    parser.add_argument(
+        "--bound", action="store_true", help="also the hit-density instruments (_density.py)"
+    )
     args = parser.parse_args()
     start = time.perf_counter()
+    learned: tuple[str, ...] = (LEARNED,) if args.bound else ()
     human = measure_human(
-        args.users, args.rate, args.seed, [float(g) for g in args.human_gb.split(",")]
+        args.users,
+        args.rate,
+        args.seed,
+        [float(g) for g in args.human_gb.split(",")],
+        (LEARNED, KNOWN) if args.bound else (),
     )
-    human += measure_mooncake([float(g) for g in args.mooncake_gb.split(",")], args.mooncake)
+    human += measure_mooncake(
+        [float(g) for g in args.mooncake_gb.split(",")], args.mooncake, learned
+    )
     agentic = measure_agentic(
-        args.agentic_users, args.rate, args.seed, [float(g) for g in args.agentic_gb.split(",")]
+        args.agentic_users,
+        args.rate,
+        args.seed,
+        [float(g) for g in args.agentic_gb.split(",")],
+        learned,
     )
     print("host hit ratio (ratio to Belady's on the same turns and host size)")
     for line in render(human + agentic):

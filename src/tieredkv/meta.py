@@ -101,6 +101,17 @@ class KVMeta(msgspec.Struct, frozen=True, kw_only=True):
         (a shared system prompt, the history before a fork point): a tier frees them only
         when no conversation it serves needs them any more; :attr:`owned_bytes` are the
         rest
+    :param tier_shared: per tier, in the order of the channel's tiers: bytes of ``nbytes``
+        that another conversation *resident in that tier* also lists (its copy there stays
+        while that conversation does), so ``nbytes - tier_shared[t]`` is what moving this
+        conversation out of tier ``t`` frees there (:func:`~tieredkv.policies.base.freed_bytes`);
+        a tier past the end (or all of them, when empty: a publisher that does not track
+        residency per tier) counts ``shared_bytes``
+    :param share_bytes: this conversation's share of the stored bytes: what it owns plus,
+        for each range it shares, the range's bytes divided by the number of stored
+        conversations listing it (over all conversations these add up to the unique bytes
+        stored); ``None``: ``nbytes`` (it shares nothing). A policy that measures how many
+        bytes pass through a tier between two accesses weighs each access by it
     """
 
     session: str
@@ -123,6 +134,8 @@ class KVMeta(msgspec.Struct, frozen=True, kw_only=True):
     parent: str | None = None
     parent_tokens: int = 0
     shared_bytes: int = 0
+    tier_shared: tuple[int, ...] = ()
+    share_bytes: int | None = None
 
     def pinned(self, now: float) -> bool:
         """Whether the conversation is pinned at ``now``."""
@@ -157,6 +170,8 @@ def advance_meta(
     parent: str | None = None,
     parent_tokens: int = 0,
     shared_bytes: int = 0,
+    tier_shared: tuple[int, ...] = (),
+    share_bytes: int | None = None,
 ) -> KVMeta:
     """The session's next :class:`KVMeta`, from the previous one and what just changed.
 
@@ -170,8 +185,9 @@ def advance_meta(
     ``tool_call`` replaces whether the latest answer ended in a tool call (an append that
     does not say: it did not); an access clears the caller's ``next_turn`` hint unless a new
     one is given; a pin and a priority carry over. ``parent``, ``parent_tokens`` and
-    ``shared_bytes`` (a fork's link, the bytes shared with other conversations) are taken
-    as given.
+    ``shared_bytes``, ``tier_shared``, ``share_bytes`` (a fork's link, the bytes shared
+    with other conversations, in any tier and per tier, and the conversation's share of
+    the stored bytes) are taken as given.
     """
     fresh = old is None or restart
     return KVMeta(
@@ -207,6 +223,8 @@ def advance_meta(
         parent=parent,
         parent_tokens=parent_tokens,
         shared_bytes=shared_bytes,
+        tier_shared=tier_shared,
+        share_bytes=share_bytes,
     )
 
 

@@ -116,10 +116,18 @@ async def remove_copy(core: Core, s: Session, t: int) -> bool:
         await deleted(core, gone, t)
     if s.dropped or not s.complete(t):  # (else its sharers keep all of it there)
         core.residency.removed(s.key, t)
+    alone: set[Session] = set()  # sharers now the only one needing a segment kept in t
+    for seg in s.segs:
+        if t in seg.tiers:
+            needing = seg.needing(t, s, copies)
+            if len(needing) == 1:
+                alone.add(needing[0])
     for u in sharers:  # a copy in t that only shared segments made complete, now gone
         if not u.dropped and not u.complete(t):  # (one dropped meanwhile is not published)
             core.residency.removed(u.key, t)
             core.publish(u)
+        elif u in alone and not u.dropped and u.primary is not None:
+            core.admit(u, t)  # moving it out of t now frees the segments it alone needs
     return clean
 
 
@@ -410,6 +418,7 @@ def _after_demote(core: Core, s: Session, t: int, u: int, total: int) -> None:
     src, dst = core.tiers[t].name, core.tiers[u].name
     event = Demoted(session=s.key, time=now, nbytes=total, src=src, dst=dst)
     core.residency.admitted(core.meta(s, now), now, u, event)
+    core.joined(s, u)
 
 
 async def reserve_all(core: Core, s: Session, dst: int, keys: list[SegmentKey]) -> bool:
@@ -460,6 +469,7 @@ async def copy_into_room(core: Core, s: Session, dst: int) -> bool:
                 tier.release(key)
     now = core.clock()
     core.residency.admitted(core.meta(s, now), now, dst)
+    core.joined(s, dst)
     return True
 
 
@@ -573,6 +583,7 @@ async def finish_promotion(core: Core, s: Session, src: int, began: float) -> No
         seconds=now - began,
     )
     core.residency.admitted(core.meta(s, now), now, 0, event)
+    core.joined(s, 0)
     if core.mode == "exclusive":
         await remove_copy(core, s, src)
         core.publish(s)

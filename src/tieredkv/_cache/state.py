@@ -154,12 +154,11 @@ class Seg:
         """Whether a conversation other than ``but`` serves from tier ``t``, is copying
         its history there, or (``copies``: inclusive mode, where lower tiers keep copies on
         purpose) keeps a complete copy there: then this segment's copy in ``t`` stays."""
-        return any(
-            u is not but
-            and not u.dropped
-            and (u.primary == t or t in u.filling or (copies and u.complete(t)))
-            for u in self.users
-        )
+        return any(u is not but and u.keeps(t, copies) for u in self.users)
+
+    def needing(self, t: int, but: Session, copies: bool) -> list[Session]:
+        """The conversations other than ``but`` for which :meth:`needed` holds."""
+        return [u for u in self.users if u is not but and u.keeps(t, copies)]
 
 
 class Session:
@@ -213,6 +212,13 @@ class Session:
         while self.inflight and self.quiet is not None:
             await self.quiet.wait()
 
+    def keeps(self, t: int, copies: bool) -> bool:
+        """Whether this conversation keeps its segments' copies in tier ``t``: it serves
+        from ``t``, is copying its history there, or (``copies``) holds a complete copy."""
+        return not self.dropped and (
+            self.primary == t or t in self.filling or (copies and self.complete(t))
+        )
+
     def nbytes(self) -> int:
         """Bytes of the history's segments (one copy; a shared one counted whole)."""
         return sum(seg.length for seg in self.segs)
@@ -220,6 +226,19 @@ class Session:
     def shared_bytes(self) -> int:
         """Bytes of the history's segments that another conversation also lists."""
         return sum(seg.length for seg in self.segs if seg.shared())
+
+    def tier_shared(self, ntiers: int, copies: bool) -> tuple[int, ...]:
+        """Per tier: bytes of the history's segments whose copy there another conversation
+        still needs (:meth:`Seg.needed`): what moving this one out of the tier leaves."""
+        shared = [seg for seg in self.segs if seg.shared()]
+        return tuple(
+            sum(seg.length for seg in shared if seg.needed(t, self, copies)) for t in range(ntiers)
+        )
+
+    def share_bytes(self) -> int:
+        """The history's share of the bytes stored: each segment's bytes divided among the
+        conversations listing it."""
+        return sum(seg.length // max(len(seg.users), 1) for seg in self.segs)
 
     def tokens(self) -> int:
         return sum(self.takes)
@@ -436,6 +455,8 @@ class Core:
             parent=None if s.parent is None else s.parent[0],
             parent_tokens=0 if s.parent is None else s.parent[1],
             shared_bytes=s.shared_bytes(),
+            tier_shared=s.tier_shared(len(self.tiers), self.mode == "inclusive"),
+            share_bytes=s.share_bytes(),
         )
 
     def gained(self, s: Session, segs: list[Seg], t: int) -> None:
@@ -459,6 +480,21 @@ class Core:
         for t in range(len(self.tiers)):
             if s.complete(t):
                 self.residency.admitted(meta, now, t)
+
+    def joined(self, s: Session, t: int) -> None:
+        """``s`` became resident in tier ``t``: a conversation that alone needed a segment
+        ``s`` lists there no longer frees it by leaving: tell ``t``'s policy."""
+        copies = self.mode == "inclusive"
+        alone: set[Session] = set()
+        for seg in s.segs:
+            if len(seg.users) > 1:
+                needing = seg.needing(t, s, copies)
+                if len(needing) == 1:
+                    alone.add(needing[0])
+        now = self.clock()
+        for u in alone:
+            if u.primary is not None and u.complete(t):
+                self.residency.admitted(self.meta(u, now), now, t)
 
     def publish(self, s: Session) -> KVMeta:
         """Publish ``s``'s metadata now (its placement changed, not its residency)."""

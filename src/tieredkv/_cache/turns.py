@@ -323,7 +323,10 @@ def commit_append(
     )
     # the access, then the admission: a new session's first turn is its first access
     meta = core.meta(s, now, access=True, answer=answer_tokens)
-    return core.residency.accessed(meta, now, admit=t, event=event)
+    meta = core.residency.accessed(meta, now, admit=t, event=event)
+    if s.base and len(s.segs) == s.base + 1:  # a fork's first turn: it joins t
+        core.joined(s, t)
+    return meta
 
 
 def inherit(core: Core, s: Session, p: Session, inherited: list[tuple[Seg, int]]) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..meta import KVMeta, MetadataView
-from .base import shielded
+from .base import shielded, stored_share
 from .bidaw_eviction import DEFAULT_ANSWER_EDGES, BidawEviction, _Seen, _unimodal
 from .ghost import GhostCache
 
@@ -186,7 +186,7 @@ class AdaptiveBidaw(BidawEviction):
             self._score_duel(own, session in self._shadow)
         self._fresh.discard(session)
         self._just_accessed = session
-        self._shadow_access(session, meta.nbytes)
+        self._shadow_access(session, stored_share(meta))
         if session in self._recency:
             self._recency.move_to_end(session)
         super().on_access(session, meta, now)
@@ -266,6 +266,12 @@ class AdaptiveBidaw(BidawEviction):
         """The share of hinted turns that came back on time, learned online (decayed at
         the pace of the sample window), with a prior of four pseudo-hints kept."""
         return (self._kept + _TRUST_PRIOR) / (self._told + _TRUST_PRIOR)
+
+    def shadow_sessions(self) -> list[str]:
+        """The sessions the shadow LRU holds, least recently used first (each sized by its
+        share of the stored bytes, :func:`~tieredkv.policies.base.stored_share`: a range
+        shared by many conversations counts once in all, as in the tier)."""
+        return list(self._shadow)
 
     def kind_of(self, bucket: int) -> str:
         """What a bucket holds: ``"answer"``, ``"tool"`` or ``"hint"``."""

@@ -40,21 +40,35 @@ from typing import Protocol, runtime_checkable
 
 from ..meta import KVMeta, MetadataView
 
-__all__ = ["Eviction", "Foresight", "Hinted", "freed_bytes", "shielded"]
+__all__ = ["Eviction", "Foresight", "Hinted", "freed_bytes", "shielded", "stored_share"]
 
 
-def freed_bytes(meta: KVMeta) -> int:
-    """What evicting the conversation from a tier frees there: its owned bytes
-    (:attr:`~tieredkv.meta.KVMeta.owned_bytes`; all of ``nbytes`` for a conversation that
-    shares nothing).
+def freed_bytes(meta: KVMeta, tier: int = 0) -> int:
+    """What moving the conversation out of tier ``tier`` (by index; the host tier by
+    default) frees there: its history's bytes less those another conversation resident in
+    that tier also lists (:attr:`~tieredkv.meta.KVMeta.tier_shared`; all of ``nbytes`` for
+    a conversation that shares nothing).
 
     Conversations form a forest: a fork lists its parent's history up to the fork point,
     stored once. A range shared by several conversations stays in a tier while any of them
-    needs it there, so evicting one of them frees only what it alone lists; the shared
-    range's value is counted by every conversation that lists it (it leaves a tier with
-    the last of them). A policy that ranks by value per byte divides by this.
+    is resident there, so evicting one of them frees what no other resident lists; once
+    the others have left the tier, the range is freed with the last of them, and counts
+    in full in what evicting it frees (its publisher tells the policy again when that
+    changes). A policy that ranks by value per byte divides by this.
     """
-    return meta.nbytes - meta.shared_bytes
+    shared = meta.tier_shared
+    return meta.nbytes - (shared[tier] if tier < len(shared) else meta.shared_bytes)
+
+
+def stored_share(meta: KVMeta) -> int:
+    """The conversation's share of the bytes stored (:attr:`~tieredkv.meta.KVMeta.share_bytes`:
+    what it owns, plus each range it shares divided among the conversations listing it;
+    ``nbytes`` for one that shares nothing). The bytes that pass through a tier when a set
+    of conversations is accessed add up to about their shares (exactly, when every
+    conversation listing a range is in the set): a policy that measures reuse distances
+    in bytes, or simulates a cache of the tier's capacity, weighs each access by it."""
+    share = meta.share_bytes
+    return meta.nbytes if share is None else share
 
 
 def shielded(protected: Set[str], view: MetadataView, now: float) -> Set[str]:

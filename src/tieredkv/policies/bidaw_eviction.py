@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..meta import KVMeta, MetadataView
-from .base import freed_bytes, shielded
+from .base import freed_bytes, shielded, stored_share
 from .ghost import GhostCache
 from .ranking import RESCORE_BINS, ResidentRanking
 from .reuse import ReuseTracker
@@ -165,7 +165,8 @@ class BidawEviction:
     # -- notifications ------------------------------------------------------------------
     def on_access(self, session: str, meta: KVMeta, now: float) -> None:
         bucket = self._bucket(meta, now)
-        distance = self._tracker.access(session, meta.nbytes)
+        weight = stored_share(meta)  # the bytes its access brings through the tier
+        distance = self._tracker.access(session, weight)
         seen = self._seen.get(session)
         if seen is None:
             seen = self._seen[session] = _Seen(bucket, meta.turns)
@@ -187,14 +188,14 @@ class BidawEviction:
         size = self._resident.get(session)
         if size is not None:  # newest of its (possibly new) group
             self._place(session, seen, size)
-        self.ghost.record(session, meta.nbytes, distance)
+        self.ghost.record(session, weight, distance)
         self._sweep()
         self._accesses += 1
         n = self._accesses
         # warm-up: first tables after 16 accesses, then at doubling counts up to the period
         if n % self.refresh_every == 0 or (16 <= n < self.refresh_every and n & (n - 1) == 0):
             self._refresh()
-        self._rescore_some(meta.nbytes)
+        self._rescore_some(weight)
         self._flush()
 
     def on_admit(self, session: str, meta: KVMeta, now: float) -> None:

@@ -28,5 +28,7 @@ class LRU(FIFO):
             self._sizes.move_to_end(session)
 
     def on_admit(self, session: str, meta: KVMeta, now: float) -> None:
+        new = session not in self._sizes
         super().on_admit(session, meta, now)
-        self._sizes.move_to_end(session)
+        if new:  # a resident resized (a fork came or went) was not used
+            self._sizes.move_to_end(session)

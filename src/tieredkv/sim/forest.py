@@ -28,15 +28,14 @@ every conversation holds its own copy of everything it lists: the replay is then
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 import msgspec
 import numpy as np
 
-from ..meta import TierInfo, advance_meta
+from ..meta import KVMeta
 from ..policies.base import Eviction
-from ..residency import Residency
-from .replay import OPT_13B_BYTES_PER_TOKEN, ReplayResult, _View
+from .replay import OPT_13B_BYTES_PER_TOKEN, ReplayResult, _Histories, _History, _run
 from .synthetic import SyntheticWorkload
 from .trace import Turns
 from .workloads import _BLOCK, mooncake_conversations, read_mooncake_records
@@ -309,6 +308,8 @@ def replay_forest(
     takes the bytes of its ranges not already held; evicting one frees the ranges no other
     resident conversation lists, so a victim may free less than its history: room is
     asked of the policy again until the conversation fits or the policy has nothing more.
+    It is the plain replay's loop with another model of what host memory holds (ranges,
+    not whole histories).
 
     :raises ValueError: on a non-positive budget or size, or a negative window/warmup
     """
@@ -316,88 +317,65 @@ def replay_forest(
         raise ValueError("host_bytes and bytes_per_token must be positive")
     if window < 0 or warmup < 0:
         raise ValueError("window and warmup must be >= 0")
-    turns = forest.turns
-    users = turns.user.tolist()
-    names = {u: f"u{u}" for u in set(users)}
-    sessions = [names[u] for u in users]
-    times = turns.time.tolist()
-    answers = turns.answer.tolist()
-    rounds = turns.round_index.tolist()
-    nxt = turns.next_index().tolist()
-    if sharing:
-        lists: list[Ranges] = forest.ranges
-    else:  # every conversation lists a copy of its own
-        lists = [
-            tuple(((s, k), t) for k, t in rs) for s, rs in zip(sessions, forest.ranges, strict=True)
-        ]
-    tiers = (
-        TierInfo(name=_HOST, level=0, capacity=host_bytes),
-        TierInfo(name="ssd", level=1, capacity=2**62),
+    store = _SharedRanges(forest, sharing, bytes_per_token, warmup)
+    result = _run(forest.turns, policy, store, host_bytes, window=window, warmup=warmup)
+    bpt = bytes_per_token
+    return ForestReplayResult(
+        replay=result,
+        sharing=sharing,
+        peak_stored_bytes=store.peak,
+        peak_logical_bytes=store.peak_logical,
+        unique_bytes=forest.unique_tokens() * bpt,
+        total_bytes=forest.total_tokens() * bpt,
+        prefix_bytes=store.prefix_bytes,
+        prefix_hit_bytes=store.prefix_hit_bytes,
     )
-    view = _View(sessions, window, tiers)
-    metas = view._metas
-    residency = Residency(view, [policy])
-    accessed = residency.accessed
-    admitted = residency.admitted
-    removed = residency.removed
-    victims = policy.victims
-    size: dict[Hashable, int] = {}  # range -> bytes
-    listers: dict[Hashable, set[str]] = {}  # range -> conversations whose history lists it
-    listed: dict[str, Ranges] = {}  # conversation -> its history's ranges
-    shared: dict[str, int] = {}  # conversation -> bytes of its ranges another one lists
-    held: dict[Hashable, int] = {}  # range -> resident conversations listing it
-    resident: dict[str, int] = {}  # resident conversation -> its history bytes
-    history: dict[str, int] = {}
-    used = logical = peak = peak_logical = 0
-    hits = misses = hit_bytes = miss_bytes = evictions = rejected = 0
-    prefix_bytes = prefix_hit_bytes = 0
 
-    def hold(rs: Ranges) -> None:
-        nonlocal used
-        for key, _ in rs:
-            n = held.get(key, 0)
-            if not n:
-                used += size[key]
-            held[key] = n + 1
 
-    def release(rs: Ranges) -> None:
-        nonlocal used
-        for key, _ in rs:
-            n = held[key] - 1
-            if n:
-                held[key] = n
-            else:
-                del held[key]
-                used -= size[key]
+class _SharedRanges(_Histories):
+    """Host memory holding each range once while any resident conversation lists it
+    (``sharing``), or once per conversation listing it: the residency model of
+    :func:`replay_forest`. It publishes each conversation's ``shared_bytes`` (ranges another
+    conversation lists), ``tier_shared`` (ranges another *resident* conversation lists) and
+    ``share_bytes``, and tells the policy again of a resident whose ``tier_shared``
+    changed (a sharer joined or left host memory)."""
 
-    def evict(chosen: list[str]) -> None:
-        nonlocal evictions, logical
-        for v in chosen:
-            logical -= resident.pop(v)
-            release(listed[v])
-            removed(v, 0)
-        evictions += len(chosen)
+    def __init__(self, forest: Forest, sharing: bool, bytes_per_token: int, warmup: int) -> None:
+        turns = forest.turns
+        sessions = [f"u{u}" for u in turns.user.tolist()]
+        super().__init__([], bytes_per_token)
+        if sharing:
+            self._lists: list[Ranges] = forest.ranges
+        else:  # every conversation lists a copy of its own
+            self._lists = [
+                tuple(((s, k), t) for k, t in rs)
+                for s, rs in zip(sessions, forest.ranges, strict=True)
+            ]
+        self._first = [not r for r in turns.round_index.tolist()]
+        self._warmup = warmup
+        self._size: dict[Hashable, int] = {}  # range -> bytes
+        self._listers: dict[Hashable, set[str]] = {}  # range -> conversations listing it
+        self._listed: dict[str, Ranges] = {}  # conversation -> its history's ranges
+        self._shared: dict[str, int] = {}  # conversation -> bytes of ranges another lists
+        self._holders: dict[Hashable, set[str]] = {}  # held range -> residents listing it
+        self._here: dict[str, int] = {}  # resident -> bytes of ranges another resident lists
+        self._moved: set[str] = set()  # residents whose bytes shared in host memory changed
+        self._changed: set[str] = set()  # conversations whose shared_bytes changed
+        self._old: Ranges = ()
+        self.logical = self.peak = self.peak_logical = 0
+        self.prefix_bytes = self.prefix_hit_bytes = 0
 
-    for i, session in enumerate(sessions):
-        now = times[i]
-        was = resident.get(session)
-        if rounds[i] and i >= warmup:
-            if was is None:
-                misses += 1
-                miss_bytes += history[session]
-            else:
-                hits += 1
-                hit_bytes += was
-        # the history's ranges now, and what that changes in others' shared bytes
-        new = lists[i]
-        old = listed.get(session, ())
-        changed: set[str] = set()
+    def history(self, i: int, session: str) -> _History:
+        size, listers, shared = self._size, self._listers, self._shared
+        new = self._lists[i]
+        old = self._old = self._listed.get(session, ())
+        changed = self._changed
         new_keys = {k for k, _ in new}
         old_keys = {k for k, _ in old}
         for key, t in new:
             if key in old_keys:
                 continue
-            size[key] = t * bytes_per_token
+            size[key] = t * self._bpt
             who = listers.setdefault(key, set())
             if len(who) == 1:
                 (other,) = who
@@ -411,91 +389,99 @@ def replay_forest(
                 (other,) = who
                 shared[other] -= size[key]
                 changed.add(other)
-        listed[session] = new
+        self._listed[session] = new
         mine = shared[session] = sum(size[k] for k, _ in new if len(listers[k]) > 1)
+        share = sum(size[k] // len(listers[k]) for k, _ in new)
         tokens = sum(t for _, t in new)
-        nbytes = tokens * bytes_per_token
-        history[session] = nbytes
-        n = nxt[i]
-        meta = advance_meta(
-            metas.get(session),
-            session=session,
-            tier=_HOST,
-            copies=(_HOST,),
-            nbytes=nbytes,
-            tokens=tokens,
-            turns=rounds[i] + 1,
-            now=now,
-            access=True,
-            answer=answers[i],
-            next_access=times[n] if n >= 0 else None,
-            accesses=rounds[i] + 1,
-            shared_bytes=mine,
-        )
-        for other in sorted(changed - {session}):  # a fork now shares (or no longer) its history
-            m = msgspec.structs.replace(metas[other], shared_bytes=shared[other])
-            if other in resident:
-                admitted(m, now, 0)
-            else:
-                residency.published(m)
-        view._i = i
-        if not rounds[i] and i >= warmup:  # a first turn: what it shares is a prefix
+        if self._first[i] and i >= self._warmup:  # a first turn: what it shares is a prefix
             for key, _ in new:
                 if len(listers[key]) > 1:
-                    prefix_bytes += size[key]
-                    if key in held:
-                        prefix_hit_bytes += size[key]
-        hold(new)  # the new history first: what it shares with the old one stays held
+                    self.prefix_bytes += size[key]
+                    if key in self._holders:
+                        self.prefix_hit_bytes += size[key]
+        return tokens * self._bpt, tokens, False, None, mine, share
+
+    def hold(self, i: int, session: str, was: int | None, meta: KVMeta, now: float) -> KVMeta:
+        new = self._lists[i]
+        self._take(session, new)  # the new history first: what it shares with the old stays
         if was is not None:
-            release(old)
-            logical -= was
-        if used <= host_bytes:
-            accessed(meta, now, 0)
-            resident[session] = nbytes
-            logical += nbytes
-        else:
-            accessed(meta, now)
-            fits = False
-            if nbytes <= host_bytes:
-                protected = frozenset((session,))
-                while True:
-                    chosen = victims(used - host_bytes, now, view, protected)
-                    if not chosen:
-                        break
-                    evict(chosen)
-                    if used <= host_bytes:
-                        fits = True
-                        break
-            if fits:
-                resident[session] = nbytes
-                logical += nbytes
-                admitted(meta, now, 0)
+            self._release(session, {k for k, _ in self._old} - {k for k, _ in new})
+            self.logical -= was
+        meta = msgspec.structs.replace(meta, tier_shared=(self._resident_shared(new),))
+        metas = self.view._metas
+        for other in sorted(self._changed - {session}):  # a fork now shares (or no longer)
+            m = msgspec.structs.replace(metas[other], shared_bytes=self._shared[other])
+            if other in self.resident:
+                self._moved.discard(other)
+                m = msgspec.structs.replace(m, tier_shared=(self._here.get(other, 0),))
+                self.residency.admitted(m, now, 0)
             else:
-                rejected += 1
-                release(new)
-                if was is not None:  # it cannot grow in place: it leaves host memory
-                    del resident[session]
-                    removed(session, 0)
-        peak = max(peak, used)
-        peak_logical = max(peak_logical, logical)
-    bpt = bytes_per_token
-    return ForestReplayResult(
-        replay=ReplayResult(
-            policy=policy.name,
-            host_bytes=host_bytes,
-            turns=len(sessions),
-            hits=hits,
-            misses=misses,
-            hit_bytes=hit_bytes,
-            miss_bytes=miss_bytes,
-            evictions=evictions,
-            rejected=rejected,
-        ),
-        sharing=sharing,
-        peak_stored_bytes=peak,
-        peak_logical_bytes=peak_logical,
-        unique_bytes=forest.unique_tokens() * bpt,
-        total_bytes=forest.total_tokens() * bpt,
-        prefix_bytes=prefix_bytes,
-        prefix_hit_bytes=prefix_hit_bytes,
-    )
+                self.residency.published(m)
+        self._changed.clear()
+        self.evicted(now, session)
+        return meta
+
+    def stays(self, session: str, meta: KVMeta, now: float) -> KVMeta:
+        here = self._here[session] = self._resident_shared(self._listed[session])
+        if here != meta.tier_shared[0]:  # victims left since: it holds more alone
+            meta = msgspec.structs.replace(meta, tier_shared=(here,))
+        self.logical += meta.nbytes
+        self._settle()
+        return meta
+
+    def leaves(self, session: str, nbytes: int) -> None:
+        self.logical -= nbytes
+        self._release(session, {k for k, _ in self._listed[session]})
+        self._here.pop(session, None)
+
+    def evicted(self, now: float, but: str) -> None:
+        """Tell the policy what evicting each resident whose shared bytes moved frees."""
+        metas = self.view._metas
+        for other in sorted(self._moved):
+            if other != but and other in self.resident:
+                m = metas[other] = msgspec.structs.replace(
+                    metas[other], tier_shared=(self._here.get(other, 0),)
+                )
+                self.residency.admitted(m, now, 0)
+        self._moved.clear()
+
+    def refused(self, session: str, nbytes: int, now: float) -> None:
+        self._release(session, {k for k, _ in self._listed[session]})
+        self._here.pop(session, None)
+        self.evicted(now, session)
+        self._settle()
+
+    def _settle(self) -> None:
+        self.peak = max(self.peak, self.used)
+        self.peak_logical = max(self.peak_logical, self.logical)
+
+    def _resident_shared(self, rs: Ranges) -> int:
+        holders = self._holders
+        return sum(self._size[k] for k in {k for k, _ in rs} if len(holders[k]) > 1)
+
+    def _take(self, session: str, rs: Ranges) -> None:
+        holders, here = self._holders, self._here
+        for key, _ in rs:
+            who = holders.get(key)
+            if who is None:
+                self.used += self._size[key]
+                holders[key] = {session}
+            elif session not in who:
+                if len(who) == 1:  # its one holder no longer frees it alone
+                    (other,) = who
+                    here[other] = here.get(other, 0) + self._size[key]
+                    self._moved.add(other)
+                who.add(session)
+
+    def _release(self, session: str, keys: Iterable[Hashable]) -> None:
+        holders, here = self._holders, self._here
+        for key in keys:
+            who = holders[key]
+            who.discard(session)
+            if not who:
+                del holders[key]
+                self.used -= self._size[key]
+            elif len(who) == 1:  # its last holder now frees it with itself
+                (other,) = who
+                here[other] = here.get(other, 0) - self._size[key]
+                self._moved.add(other)

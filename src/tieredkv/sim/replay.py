@@ -149,21 +149,112 @@ def replay(
         raise ValueError("host_bytes, bytes_per_token and history_cap must be positive")
     if window < 0 or warmup < 0:
         raise ValueError("window and warmup must be >= 0")
-    users = turns.user.tolist()
-    names = {u: f"u{u}" for u in set(users)}
-    sessions = [names[u] for u in users]
-    times = turns.time.tolist()
-    answers = turns.answer.tolist()
-    rounds = turns.round_index.tolist()
     tokens = [min(c, history_cap) for c in turns.context_after().tolist()]
-    nxt = turns.next_index().tolist()
-    count = len(sessions)
+    count = len(tokens)
     tools = [False] * count if tool_calls is None else [bool(x) for x in tool_calls]
     told: list[float | None] = [None] * count
     if hints is not None:
         told = [None if math.isnan(h) else float(h) for h in hints]
     if len(tools) != count or len(told) != count:
         raise ValueError(f"tool_calls and hints need one value per turn ({count})")
+    return _run(turns, policy, _Histories(tokens, bytes_per_token, tools, told), host_bytes,
+               window=window, warmup=warmup)  # fmt: skip
+
+
+_History = tuple[int, int, bool, float | None, int, int | None]
+"""What :meth:`_Histories.history` returns."""
+
+
+class _Histories:
+    """How host memory holds the conversations' histories, for :func:`_run`: here each
+    conversation holds its whole history (``tokens[i]`` after turn ``i``), as its own
+    bytes. :class:`tieredkv.sim.forest` holds ranges shared by several conversations
+    once. The replay calls, per turn: :meth:`history`; :meth:`hold`; :meth:`leaves` for
+    every victim, then :meth:`evicted` after each batch; then :meth:`stays` (admitted) or
+    :meth:`refused`."""
+
+    __slots__ = ("_bpt", "_tokens", "_told", "_tools", "residency", "resident", "used", "view")
+
+    def __init__(
+        self,
+        tokens: list[int],
+        bytes_per_token: int,
+        tools: list[bool] | None = None,
+        told: list[float | None] | None = None,
+    ) -> None:
+        self._tokens = tokens
+        self._bpt = bytes_per_token
+        self._tools = tools
+        self._told = told
+        self.used = 0
+        """Bytes host memory holds now."""
+        self.resident: dict[str, int] = {}
+        """Resident conversation -> its history's bytes (the replay keeps it)."""
+
+    def attach(self, view: _View, residency: Residency) -> None:
+        """The replay's view and notifier (for a model that tells the policy of changes to
+        other conversations than the one accessed)."""
+        self.view = view
+        self.residency = residency
+
+    def history(self, i: int, session: str) -> _History:
+        """Turn ``i``'s conversation's history after the turn: its bytes and tokens, whether
+        the turn ended in a tool call, the caller's hint, its bytes another conversation
+        lists and its share of the stored bytes (``None``: all of them)."""
+        tokens = self._tokens[i]
+        tools, told = self._tools, self._told
+        return (
+            tokens * self._bpt,
+            tokens,
+            tools[i] if tools is not None else False,
+            told[i] if told is not None else None,
+            0,
+            None,
+        )
+
+    def hold(self, i: int, session: str, was: int | None, meta: KVMeta, now: float) -> KVMeta:
+        """Hold the history of turn ``i`` in place of the one the conversation had resident
+        (``was`` bytes; ``None``: none); the metadata to publish."""
+        self.used += meta.nbytes - (was or 0)
+        return meta
+
+    def stays(self, session: str, meta: KVMeta, now: float) -> KVMeta:
+        """The conversation was admitted with ``meta``; the metadata to admit it with."""
+        return meta
+
+    def leaves(self, session: str, nbytes: int) -> None:
+        """The resident conversation's history (``nbytes``) was evicted."""
+        self.used -= nbytes
+
+    def evicted(self, now: float, but: str) -> None:
+        """A batch of victims left (a model tells the policy of what that changed)."""
+
+    def refused(self, session: str, nbytes: int, now: float) -> None:
+        """The conversation's new history (``nbytes``) could not be admitted."""
+        self.used -= nbytes
+
+
+def _run(
+    turns: Turns,
+    policy: Eviction,
+    store: _Histories,
+    host_bytes: int,
+    *,
+    window: int = 30,
+    warmup: int = 0,
+) -> ReplayResult:
+    """The replay's one loop: ``turns`` through ``policy``, host memory holding histories
+    as ``store`` models it (:func:`replay`; :func:`tieredkv.sim.forest.replay_forest`).
+
+    A victim may free less than its history (a model that shares bytes): room is asked of
+    the policy again until the conversation fits or the policy has nothing more."""
+    users = turns.user.tolist()
+    names = {u: f"u{u}" for u in set(users)}
+    sessions = [names[u] for u in users]
+    times = turns.time.tolist()
+    answers = turns.answer.tolist()
+    rounds = turns.round_index.tolist()
+    nxt = turns.next_index().tolist()
     tiers = (
         TierInfo(name=_HOST, level=0, capacity=host_bytes),
         TierInfo(name="ssd", level=1, capacity=2**62),
@@ -175,23 +266,25 @@ def replay(
     accessed = residency.accessed
     admitted = residency.admitted
     removed = residency.removed
-    resident: dict[str, int] = {}
+    store.attach(view, residency)
+    resident = store.resident
     history: dict[str, int] = {}  # session -> bytes of its history after its latest turn
-    used = hits = misses = hit_bytes = miss_bytes = evictions = rejected = 0
+    hits = misses = hit_bytes = miss_bytes = evictions = rejected = 0
     victims = policy.victims
     for i, session in enumerate(sessions):
         now = times[i]
-        held = resident.get(session)
+        was = resident.get(session)
         if rounds[i] and i >= warmup:
             # The history this turn needs is what the previous turn left behind.
-            if held is None:
+            if was is None:
                 misses += 1
                 miss_bytes += history[session]
             else:
                 hits += 1
-                hit_bytes += held
+                hit_bytes += was
         n = nxt[i]
-        nbytes = tokens[i] * bytes_per_token
+        view._i = i
+        nbytes, tokens, tool_call, next_turn, shared, share = store.history(i, session)
         history[session] = nbytes
         meta = advance_meta(
             metas.get(session),
@@ -199,40 +292,49 @@ def replay(
             tier=_HOST,
             copies=(_HOST,),
             nbytes=nbytes,
-            tokens=tokens[i],
+            tokens=tokens,
             turns=rounds[i] + 1,
             now=now,
             access=True,
             answer=answers[i],
             next_access=times[n] if n >= 0 else None,
             accesses=rounds[i] + 1,
-            tool_call=tools[i],
-            next_turn=told[i],
+            tool_call=tool_call,
+            next_turn=next_turn,
+            shared_bytes=shared,
+            share_bytes=share,
         )
-        view._i = i
-        old = held or 0
-        need = used - old + nbytes - host_bytes
-        if need <= 0:  # it fits: the access, then the admission
+        meta = store.hold(i, session, was, meta, now)
+        if store.used <= host_bytes:  # it fits: the access, then the admission
             accessed(meta, now, 0)
             resident[session] = nbytes
-            used += nbytes - old
+            store.stays(session, meta, now)
             continue
         accessed(meta, now)  # the access first; then room is made; then the admission
-        chosen = victims(need, now, view, frozenset((session,))) if nbytes <= host_bytes else None
-        if chosen is None:
+        fits = False
+        if nbytes <= host_bytes:
+            protected = frozenset((session,))
+            while True:
+                chosen = victims(store.used - host_bytes, now, view, protected)
+                if not chosen:
+                    break
+                for victim in chosen:
+                    store.leaves(victim, resident.pop(victim))
+                    removed(victim, 0)
+                evictions += len(chosen)
+                store.evicted(now, session)
+                if store.used <= host_bytes:
+                    fits = True
+                    break
+        if fits:
+            resident[session] = nbytes
+            admitted(store.stays(session, meta, now), now, 0)
+        else:
             rejected += 1
-            if held is not None:  # it cannot grow in place: it leaves host memory
+            store.refused(session, nbytes, now)
+            if was is not None:  # it cannot grow in place: it leaves host memory
                 del resident[session]
-                used -= held
                 removed(session, 0)
-            continue
-        for victim in chosen:
-            used -= resident.pop(victim)
-            removed(victim, 0)
-        evictions += len(chosen)
-        resident[session] = nbytes
-        used += nbytes - old
-        admitted(meta, now, 0)
     return ReplayResult(
         policy=policy.name,
         host_bytes=host_bytes,

@@ -1,0 +1,318 @@
+"""Two measuring instruments for ``bench_retention.py --bound``: eviction by hit density in
+time, one knowing the synthetic workload's generator, one learning the gaps online.
+
+Both rank a resident conversation by its best *hit density*: over every horizon ``h`` it
+could still be kept, the chance that its next turn comes within ``h`` over the seconds it
+is expected to hold its bytes meanwhile (``E[min(R, h)]``, ``R`` the time left until its
+next turn, never for a user who has left), divided by its bytes; the lowest goes first
+(hit density after LHD: Beckmann, Chen and Cidon, NSDI '18).
+
+- :class:`KnownDistribution` knows the generator of
+  :class:`~tieredkv.sim.synthetic.SyntheticWorkload`: the gap before a turn is 0.3 s per
+  token of the previous answer plus a lognormal typing delay, and a user's number of turns
+  is lognormal. It sees what any online policy sees (the previous answer's length, the
+  turns so far, the time since the latest access), never a future turn's time: what an
+  online policy could reach on that workload with the exact model.
+- :class:`LearnedDensity` learns, online, the distribution of the gap in seconds per
+  previous-answer-length bucket (Bidaw's buckets; tool-call turns apart) and the share of
+  users who leave (no turn within ``depart`` seconds), and ranks by the same rule. A turn
+  whose caller hinted when the next one comes is ranked by the hint (its next access is
+  known: one hit for the seconds until then), weighed against the learned density by the
+  share of hints kept so far.
+
+They are instruments, not library policies: a decision scores every resident (O(residents)
+with numpy), which the library's policies may not afford (``bench_policies.py``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import OrderedDict, deque
+from collections.abc import Set
+
+import numpy as np
+import numpy.typing as npt
+
+from tieredkv.meta import KVMeta, MetadataView
+from tieredkv.policies.base import shielded
+from tieredkv.policies.bidaw_eviction import DEFAULT_ANSWER_EDGES
+from tieredkv.sim.synthetic import SyntheticWorkload
+
+__all__ = ["KnownDistribution", "LearnedDensity"]
+
+Floats = npt.NDArray[np.float64]
+HORIZONS: Floats = np.r_[0.0, np.geomspace(0.25, 7200.0, 64)]
+"""Horizons (seconds) over which the best density is taken; the first is 0."""
+
+
+def best_density(q: Floats, s_now: Floats, s_ahead: Floats) -> Floats:
+    """Per conversation, the best hits per second of keeping it over :data:`HORIZONS`.
+
+    :param q: chance that the user comes back at all (given the turns so far)
+    :param s_now: survival of the gap at the time already elapsed, ``P(G > t)``
+    :param s_ahead: survival at ``t + h`` for every horizon but the first, ``(n, m)``
+    """
+    alive = np.concatenate(
+        [((1 - q) + q * s_now)[:, None], (1 - q)[:, None] + q[:, None] * s_ahead], axis=1
+    )  # P(not back yet) at t + h (unnormalized: the ratio below cancels it)
+    held = np.cumsum((alive[:, 1:] + alive[:, :-1]) * 0.5 * np.diff(HORIZONS)[None, :], axis=1)
+    hit = q[:, None] * (s_now[:, None] - s_ahead)
+    best: Floats = (hit / np.maximum(held, 1e-12)).max(axis=1)
+    return best
+
+
+class _Ranked:
+    """Resident bookkeeping and victim choice by a per-resident score (lowest first)."""
+
+    name = "density"
+
+    def __init__(self) -> None:
+        self._sizes: dict[str, int] = {}
+        self._bytes = 0
+
+    def on_admit(self, session: str, meta: KVMeta, now: float) -> None:
+        self._bytes += meta.nbytes - self._sizes.get(session, 0)
+        self._sizes[session] = meta.nbytes
+
+    def on_remove(self, session: str) -> None:
+        size = self._sizes.pop(session, None)
+        if size is not None:
+            self._bytes -= size
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def resident_bytes(self) -> int:
+        return self._bytes
+
+    def scores(self, sessions: list[str], now: float) -> Floats:
+        """Hits per second per byte of keeping each of ``sessions``."""
+        raise NotImplementedError
+
+    def victims(
+        self, need: int, now: float, view: MetadataView, protected: Set[str] = frozenset()
+    ) -> list[str] | None:
+        if need <= 0:
+            return []
+        shield = shielded(protected, view, now)
+        candidates = [s for s in self._sizes if s not in shield]
+        if not candidates:
+            return None
+        chosen: list[str] = []
+        freed = 0
+        for i in np.argsort(self.scores(candidates, now), kind="stable").tolist():
+            if freed >= need:
+                break
+            chosen.append(candidates[i])
+            freed += self._sizes[candidates[i]]
+        return chosen if freed >= need else None
+
+
+def _lognormal_survival(x: Floats, median: float, sigma: float) -> Floats:
+    out = np.ones_like(x)
+    pos = x > 0
+    z = (np.log(x[pos]) - math.log(median)) / (sigma * math.sqrt(2.0))
+    out[pos] = 0.5 * np.vectorize(math.erfc)(z)
+    return out
+
+
+class KnownDistribution(_Ranked):
+    """Hit density under the exact model of ``workload`` (see the module docstring)."""
+
+    name = "known-distribution"
+
+    def __init__(self, workload: SyntheticWorkload) -> None:
+        super().__init__()
+        w = self._w = workload
+        # the typing delay's survival, tabulated on a log grid
+        self._log_x = np.log(np.geomspace(1e-3, 1e5, 8192))
+        self._s_x = _lognormal_survival(np.exp(self._log_x), w.type_median, w.type_sigma)
+        # turns per user: clip(rint(lognormal), 1, turns_max): P(N >= k + 1 | N >= k)
+        top = w.turns_max
+        n = np.arange(top + 2, dtype=np.float64)
+        cdf = 1 - _lognormal_survival(n + 0.5, w.turns_median, w.turns_sigma)
+        at_least = np.ones(top + 2)  # P(N >= k)
+        at_least[2:] = 1 - cdf[1:-1]
+        at_least[top + 1] = 0.0
+        before = np.maximum(at_least[:-1], 1e-300)
+        self._more = np.where(at_least[:-1] > 0, at_least[1:] / before, 0.0)
+        self._seen: dict[str, tuple[float, float, int]] = {}  # last access, reading s, turns
+
+    def on_access(self, session: str, meta: KVMeta, now: float) -> None:
+        self._seen[session] = (
+            meta.last_access,
+            self._w.read_seconds_per_token * meta.prev_answer_tokens,
+            meta.turns,
+        )
+        if session in self._sizes:
+            self.on_admit(session, meta, now)
+
+    def on_remove(self, session: str) -> None:
+        super().on_remove(session)
+        self._seen.pop(session, None)
+
+    def _survival(self, x: Floats) -> Floats:
+        out = np.ones_like(x)
+        pos = x > 0
+        out[pos] = np.interp(np.log(x[pos]), self._log_x, self._s_x, left=1.0, right=0.0)
+        return out
+
+    def scores(self, sessions: list[str], now: float) -> Floats:
+        seen = [self._seen[s] for s in sessions]
+        typing = now - np.array([r[0] for r in seen]) - np.array([r[1] for r in seen])
+        turns = np.minimum(np.array([r[2] for r in seen]), len(self._more) - 1)
+        q = self._more[turns]
+        s_now = self._survival(typing)
+        s_ahead = self._survival(typing[:, None] + HORIZONS[None, 1:])
+        sizes = np.array([self._sizes[s] for s in sessions], dtype=np.float64)
+        scores: Floats = best_density(q, s_now, s_ahead) / sizes
+        return scores
+
+
+class LearnedDensity(_Ranked):
+    """Hit density under gap distributions learned online (see the module docstring).
+
+    :param depart: seconds without a turn after which a user counts as gone
+    :param samples: gap samples kept (all buckets together)
+    :param prior: pseudo-samples of the pooled distribution added to each bucket
+    :param refresh: accesses between two rebuilds of the tables
+    :param hints: rank a hinted turn by its hint (weighed by the share of hints kept)
+    """
+
+    name = "learned-density"
+
+    def __init__(
+        self,
+        *,
+        depart: float = 1800.0,
+        samples: int = 4096,
+        prior: float = 32.0,
+        refresh: int = 1024,
+        hints: bool = True,
+    ) -> None:
+        super().__init__()
+        self._edges = DEFAULT_ANSWER_EDGES
+        self._answers = len(self._edges) + 1
+        buckets = 2 * self._answers  # tool-call turns apart
+        self._depart = depart
+        self._samples: deque[tuple[int, float]] = deque(maxlen=samples)
+        self._prior = prior
+        self._refresh_every = refresh
+        self._hints = hints
+        self._returned = np.zeros(buckets)
+        self._departed = np.zeros(buckets)
+        # session -> (last access, bucket, turns, its access completed a turn)
+        self._seen: dict[str, tuple[float, int, int, bool]] = {}
+        self._waiting: OrderedDict[str, None] = OrderedDict()  # oldest access first
+        self._due: dict[str, tuple[float, float]] = {}  # hinted time, slack
+        self._kept = self._told = 0.0
+        self._accesses = 0
+        self._elapsed_grid: Floats = np.r_[0.0, np.geomspace(0.25, 2 * depart, 96)]
+        self._tables: Floats | None = None  # [bucket, elapsed grid point]
+
+    def on_access(self, session: str, meta: KVMeta, now: float) -> None:
+        due = self._due.pop(session, None)
+        if due is not None:
+            self._kept += abs(now - due[0]) <= due[1]
+            self._told += 1.0
+        if meta.next_turn is not None:
+            slack = max(5.0, 0.25 * max(0.0, meta.next_turn - now))
+            self._due[session] = (meta.next_turn, slack)
+        answer = bisect.bisect_right(self._edges, meta.prev_answer_tokens)
+        bucket = answer + self._answers if meta.tool_call else answer
+        old = self._seen.get(session)
+        if old is not None and old[3] and meta.turns > old[2] and now - old[0] < self._depart:
+            self._samples.append((old[1], now - old[0]))
+            self._returned[old[1]] += 1.0
+        completed = old is None or meta.turns > old[2]
+        self._seen[session] = (now, bucket, meta.turns, completed)
+        self._waiting[session] = None
+        self._waiting.move_to_end(session)
+        while self._waiting:
+            oldest = next(iter(self._waiting))
+            last, b, _, _ = self._seen[oldest]
+            if now - last < self._depart:
+                break
+            del self._waiting[oldest]
+            self._departed[b] += 1.0
+            self._due.pop(oldest, None)
+            if oldest not in self._sizes:
+                del self._seen[oldest]
+        if session in self._sizes:
+            self.on_admit(session, meta, now)
+        self._accesses += 1
+        n = self._accesses
+        if n % self._refresh_every == 0 or (64 <= n < self._refresh_every and n & (n - 1) == 0):
+            self._refresh()
+
+    def on_admit(self, session: str, meta: KVMeta, now: float) -> None:
+        if session not in self._seen:
+            answer = bisect.bisect_right(self._edges, meta.prev_answer_tokens)
+            self._seen[session] = (now, answer, meta.turns, False)
+        super().on_admit(session, meta, now)
+
+    def on_remove(self, session: str) -> None:
+        super().on_remove(session)
+        if session not in self._waiting:
+            self._seen.pop(session, None)
+
+    def _refresh(self) -> None:
+        if not self._samples:
+            return
+        pairs = np.array(self._samples, dtype=np.float64)
+        labels = pairs[:, 0].astype(np.int64)
+        gaps = pairs[:, 1]
+        pooled = np.sort(gaps)
+        grid = self._elapsed_grid
+        ahead = grid[:, None] + HORIZONS[None, 1:]
+
+        def survival(sorted_gaps: Floats, x: Floats) -> Floats:
+            right = np.searchsorted(sorted_gaps, x, side="right")
+            above: Floats = (len(sorted_gaps) - right).astype(np.float64)
+            return above
+
+        returned, departed = self._returned, self._departed
+        p_prior = (returned.sum() + 1.0) / (returned.sum() + departed.sum() + 1.0)
+        rows = []
+        for b in range(len(returned)):
+            mine = np.sort(gaps[labels == b])
+            total = len(mine) + self._prior
+
+            def s(x: Floats, mine: Floats = mine, total: float = total) -> Floats:
+                mixed: Floats = (
+                    survival(mine, x) + self._prior * survival(pooled, x) / len(pooled)
+                ) / total
+                return mixed
+
+            q = (returned[b] + self._prior * p_prior) / (returned[b] + departed[b] + self._prior)
+            rows.append(best_density(np.full(len(grid), q), s(grid), s(ahead)))
+        self._tables = np.array(rows)
+        decay = 0.5 ** (self._refresh_every / (self._samples.maxlen or 1))
+        self._returned *= decay
+        self._departed *= decay
+
+    def hint_trust(self) -> float:
+        """The share of hinted turns that came on time, with four pseudo-hints kept."""
+        return (self._kept + 4.0) / (self._told + 4.0)
+
+    def scores(self, sessions: list[str], now: float) -> Floats:
+        seen = [self._seen[s] for s in sessions]
+        last = np.array([r[0] for r in seen])
+        sizes = np.array([self._sizes[s] for s in sessions], dtype=np.float64)
+        tables = self._tables
+        if tables is None:  # nothing learned yet: least recently used first
+            lru: Floats = last - now
+            return lru
+        grid = self._elapsed_grid
+        at = np.clip(np.searchsorted(grid, now - last, side="right") - 1, 0, len(grid) - 1)
+        density: Floats = tables[np.array([r[1] for r in seen]), at]
+        if self._hints and self._due:
+            trust = self.hint_trust()
+            for i, session in enumerate(sessions):
+                due = self._due.get(session)
+                if due is not None and due[0] + due[1] >= now:  # one hit in the time left
+                    hinted = 1.0 / max(due[0] - now, 0.25)
+                    density[i] = trust * hinted + (1 - trust) * density[i]
+        scores: Floats = density / sizes
+        return scores
