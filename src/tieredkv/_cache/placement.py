@@ -241,9 +241,11 @@ async def end_filling(core: Core, s: Session, t: int) -> None:
     (done or not). If it did not complete, the segments of the history that ``t`` kept
     only for it (shared ones that the conversations listing them left ``t`` meanwhile)
     leave ``t`` too: no segment stays at rest in a tier where no conversation listing it
-    is complete."""
+    is complete. A tier shared between replicas is left as it is: what it holds is
+    committed for every replica, and its writer's leases, not this replica's index,
+    decide when it goes."""
     end_fill(s, t)
-    if s.complete(t):
+    if s.complete(t) or core.io[t].shared is not None:
         return
     gone = []
     for seg in list(reversed(s.segs)):
