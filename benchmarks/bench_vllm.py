@@ -20,7 +20,8 @@ length):
 * ``documents``: ``--documents`` long documents (``--document`` tokens), conversation ``c``
   starting with document ``c % --documents``;
 * ``pressure``: ``--hit-users`` users of ``--hit-turns`` turns on the 2-layer model, the
-  host memory a quarter of the histories (``--hit-fraction``): where eviction matters, and
+  host memory a quarter of the histories (``--hit-fraction``) and vLLM's pool one
+  conversation (``--hit-pool-conversations``): where eviction matters, and
   reuse follows answer length (what Bidaw's eviction predicts from). Before its rows, the
   project's eviction-only replay (:func:`tieredkv.sim.replay.replay`) prints what it
   predicts for Bidaw and LRU on the same turns and budget.
@@ -28,9 +29,10 @@ length):
 The model is a Llama config with random weights (default: 6 layers, hidden 512, 8 heads, 2
 KV heads, MLP 1536, vocabulary 8000: 6 KiB of fp32 KV per token), saved with
 ``save_pretrained``: nothing is downloaded. vLLM's KV pool holds three of the longest
-conversations (``--pool-blocks``), as a GPU's does against many users; the host memory of
-tieredkv's host tier and of LMCache's L1 is the same, a third of the histories
-(``--host-fraction``); the rest goes to local disk.
+conversations (``--pool-conversations``, or ``--pool-blocks``), as a GPU's does against
+many users; the host memory of tieredkv's host tier and of LMCache's L1 is the same, a
+third of the histories (``--host-fraction``, or ``--host-bytes``); the rest goes to local
+disk.
 
 Rows (each its own engine, same turns, greedy; answers must all equal the recompute row's):
 
@@ -49,12 +51,19 @@ Rows (each its own engine, same turns, greedy; answers must all equal the recomp
   ``lmcache cpu`` also runs once first, before any other engine, on the first workload:
   its stand-alone figure, printed beside the in-run one;
 * ``tieredkv lru`` (chat and pressure) and ``tieredkv bidaw``: the TieredKVConnector, host
-  tier over an SSD tier, with LRU / Bidaw eviction (Bidaw's scheduler in both).
+  tier over an SSD tier, with LRU / Bidaw eviction (Bidaw's scheduler in both), storing a
+  request that continues part of a stored conversation as its fork (the connector's
+  ``forks``, on by default); ``--sync-load-bytes`` sets the connector's ``sync_load_bytes``;
+* ``tieredkv bidaw (no forks)`` (system and documents): the same with ``forks`` off, every
+  conversation stored whole.
 
 Columns: returning-turn TTFT mean and P99 (seconds, vLLM's own first-token latency),
-throughput (turns per second of the run), host hit ratio (tieredkv: loads served from host
-memory over all loads, from the worker's ``tieredkv.metrics``; LMCache: of the tokens its
-lookups found, the share found in L1, from its server's counters), bytes stored (tieredkv:
+throughput (turns per second of the run), host hit ratio (what each cache was asked for that
+it served from host memory; tieredkv: loads served from host memory over all loads, from the
+worker's ``tieredkv.metrics``, every history being on its SSD tier, what it is asked for it
+finds; LMCache: of the tokens its lookups asked for, the share found in L1, from its
+server's counters; its share of the tokens it found, in L1 or on disk, is in the row's
+note and ratios), bytes stored (tieredkv:
 the bytes written into its largest-written tier, the SSD's, where every turn is written;
 LMCache: chunks written into L1 times a chunk's bytes, a chunk it already holds not written
 again), CPU seconds per returning turn (user + system of the engine's processes, and of
@@ -288,8 +297,8 @@ class Row:
     result: Result | None
     why: str = ""
     host_hit: float = float("nan")
-    #: LMCache: of the tokens its lookups asked for, the share found in L1
-    host_hit_asked: float = float("nan")
+    #: LMCache: of the tokens its lookups found, the share found in L1
+    host_hit_found: float = float("nan")
     stored: float = float("nan")
     load: float = float("nan")
     note: str = ""
@@ -638,9 +647,10 @@ def run_one(
         )
         if disk is not None:
             note += f"; {stats.disk_bytes / 2**20:.1f} MiB on disk"
-        asked = stats.host_hit * stats.found / stats.requested if stats.requested else float("nan")
-        note += f" ({stats.host_hit * stats.found:.0f} in L1: {asked:.2f} of those asked)"
-        return Row(result, host_hit=stats.host_hit, host_hit_asked=asked, stored=stored, note=note)
+        l1 = stats.host_hit * stats.found if stats.found > 0 else 0.0
+        asked = l1 / stats.requested if stats.requested > 0 else float("nan")
+        note += f", {l1:.0f} in L1 ({stats.host_hit:.2f} of those found)"
+        return Row(result, host_hit=asked, host_hit_found=stats.host_hit, stored=stored, note=note)
     if name in TIEREDKV_ROWS:
         policy, forks = TIEREDKV_ROWS[name]
         for attempt in range(3):
@@ -719,11 +729,12 @@ def report(
             ratios["TTFT P99 / LMCache"] = ratio(t["ttft_p99"], p["ttft_p99"])
             ratios["throughput / LMCache"] = ratio(t["throughput"], p["throughput"])
             ratios["host hit / LMCache"] = ratio(t["host_hit"], p["host_hit"])
-            if shape == "pressure":  # LMCache's L1 share of what it was asked, not found
-                asked = rows[lm].host_hit_asked
-                ratios["host hit / LMCache asked"] = ratio(t["host_hit"], asked)
+            # LMCache's other ratio: of the tokens it found (in L1 or on disk), L1's share
+            ratios["host hit / LMCache's of found"] = ratio(t["host_hit"], rows[lm].host_hit_found)
             ratios["bytes stored / LMCache"] = ratio(t["stored"], p["stored"])
+            ratios["LMCache's bytes / distinct"] = ratio(p["stored"], unique_bytes(wl, args))
             ratios["CPU-s per turn / LMCache"] = ratio(t["cpu_per_turn"], p["cpu_per_turn"])
+        ratios["bytes stored / distinct"] = ratio(t["stored"], unique_bytes(wl, args))
         if ideal is not None:
             ratios["TTFT mean / ideal"] = ratio(t["ttft_mean"], ideal["ttft_mean"])
             ratios["throughput / ideal"] = ratio(t["throughput"], ideal["throughput"])
