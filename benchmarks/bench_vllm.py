@@ -20,7 +20,8 @@ length):
 * ``documents``: ``--documents`` long documents (``--document`` tokens), conversation ``c``
   starting with document ``c % --documents``;
 * ``pressure``: ``--hit-users`` users of ``--hit-turns`` turns on the 2-layer model, the
-  host memory a quarter of the histories (``--hit-fraction``): where eviction matters, and
+  host memory a quarter of the histories (``--hit-fraction``) and vLLM's pool one
+  conversation (``--hit-pool-conversations``): where eviction matters, and
   reuse follows answer length (what Bidaw's eviction predicts from). Before its rows, the
   project's eviction-only replay (:func:`tieredkv.sim.replay.replay`) prints what it
   predicts for Bidaw and LRU on the same turns and budget.
@@ -28,9 +29,10 @@ length):
 The model is a Llama config with random weights (default: 6 layers, hidden 512, 8 heads, 2
 KV heads, MLP 1536, vocabulary 8000: 6 KiB of fp32 KV per token), saved with
 ``save_pretrained``: nothing is downloaded. vLLM's KV pool holds three of the longest
-conversations (``--pool-blocks``), as a GPU's does against many users; the host memory of
-tieredkv's host tier and of LMCache's L1 is the same, a third of the histories
-(``--host-fraction``); the rest goes to local disk.
+conversations (``--pool-conversations``, or ``--pool-blocks``), as a GPU's does against
+many users; the host memory of tieredkv's host tier and of LMCache's L1 is the same, a
+third of the histories (``--host-fraction``, or ``--host-bytes``); the rest goes to local
+disk.
 
 Rows (each its own engine, same turns, greedy; answers must all equal the recompute row's):
 
@@ -49,12 +51,19 @@ Rows (each its own engine, same turns, greedy; answers must all equal the recomp
   ``lmcache cpu`` also runs once first, before any other engine, on the first workload:
   its stand-alone figure, printed beside the in-run one;
 * ``tieredkv lru`` (chat and pressure) and ``tieredkv bidaw``: the TieredKVConnector, host
-  tier over an SSD tier, with LRU / Bidaw eviction (Bidaw's scheduler in both).
+  tier over an SSD tier, with LRU / Bidaw eviction (Bidaw's scheduler in both), storing a
+  request that continues part of a stored conversation as its fork (the connector's
+  ``forks``, on by default); ``--sync-load-bytes`` sets the connector's ``sync_load_bytes``;
+* ``tieredkv bidaw (no forks)`` (system and documents): the same with ``forks`` off, every
+  conversation stored whole.
 
 Columns: returning-turn TTFT mean and P99 (seconds, vLLM's own first-token latency),
-throughput (turns per second of the run), host hit ratio (tieredkv: loads served from host
-memory over all loads, from the worker's ``tieredkv.metrics``; LMCache: of the tokens its
-lookups found, the share found in L1, from its server's counters), bytes stored (tieredkv:
+throughput (turns per second of the run), host hit ratio (what each cache was asked for that
+it served from host memory; tieredkv: loads served from host memory over all loads, from the
+worker's ``tieredkv.metrics``, every history being on its SSD tier, what it is asked for it
+finds; LMCache: of the tokens its lookups asked for, the share found in L1, from its
+server's counters; its share of the tokens it found, in L1 or on disk, is in the row's
+note and ratios), bytes stored (tieredkv:
 the bytes written into its largest-written tier, the SSD's, where every turn is written;
 LMCache: chunks written into L1 times a chunk's bytes, a chunk it already holds not written
 again), CPU seconds per returning turn (user + system of the engine's processes, and of
@@ -155,6 +164,9 @@ class Workload:
                 for _ in range(args.documents)
             ]
         self.firsts: list[list[int]] = []
+        #: per conversation, how many of its first tokens another conversation stored
+        #: before it (its shared context after the first conversation that starts with it)
+        self.reused: list[int] = []
         self.first_answers: list[int] = []
         self.first_rounds: list[int] = []
         self.rounds: list[dict[int, list[int]]] = []
@@ -165,7 +177,9 @@ class Workload:
             if turn.index == 0:
                 if shared:
                     context = shared[len(self.firsts) % len(shared)]
+                    self.reused.append(len(context) if len(self.firsts) >= len(shared) else 0)
                 else:
+                    self.reused.append(0)
                     context = rng.integers(1, args.vocab - 1, size=args.context).tolist()
                 self.firsts.append(context + query)
                 self.first_answers.append(max(1, turn.answer))
@@ -224,6 +238,11 @@ def histories_bytes(wl: Workload, args: argparse.Namespace) -> int:
     return int(sum(_final_tokens(wl)) * kv_bytes_per_token(args))
 
 
+def unique_bytes(wl: Workload, args: argparse.Namespace) -> int:
+    """KV bytes of the distinct tokens of every history: a shared context counted once."""
+    return int((sum(_final_tokens(wl)) - sum(wl.reused)) * kv_bytes_per_token(args))
+
+
 def predicted_hit_ratios(wl: Workload, args: argparse.Namespace, host: int) -> dict[str, float]:
     """Host hit ratio of Bidaw and LRU eviction on this workload and host budget, from the
     project's eviction-only replay (:func:`tieredkv.sim.replay.replay`): what the vLLM
@@ -278,6 +297,8 @@ class Row:
     result: Result | None
     why: str = ""
     host_hit: float = float("nan")
+    #: LMCache: of the tokens its lookups found, the share found in L1
+    host_hit_found: float = float("nan")
     stored: float = float("nan")
     load: float = float("nan")
     note: str = ""
@@ -314,7 +335,17 @@ ROWS = (
     "lmcache disk",
     "tieredkv lru",
     "tieredkv bidaw",
+    "tieredkv bidaw (no forks)",
 )
+#: tieredkv's rows: eviction policy, and whether a request continuing part of a stored
+#: conversation is stored as its fork (the connector's ``forks``)
+TIEREDKV_ROWS = {
+    "tieredkv lru": ("lru", True),
+    "tieredkv bidaw": ("bidaw", True),
+    "tieredkv bidaw (no forks)": ("bidaw", False),
+}
+#: rows that run only where conversations share a prefix (forks on and off differ only there)
+SHARED_ONLY = {"tieredkv bidaw (no forks)"}
 #: rows that run only on the chat workload: on the CPU backend both offloading specs stop
 #: at start, the same way whatever the workload
 CHAT_ONLY = {"vllm offloading", "vllm tiering-fs"}
@@ -330,6 +361,18 @@ TARGETS: dict[str, list[tuple[str, str, float]]] = {
     "documents": [("TTFT mean / LMCache", "<=", 1.0), ("bytes stored / LMCache", "<=", 1.1)],
     "pressure": [("host hit / LMCache", ">=", 1.3)],
 }
+
+
+def rows_for(shape: str, skip: set[str]) -> list[str]:
+    """The rows a workload runs, in order, less those in ``skip``."""
+    rows = [r for r in ROWS if r not in skip and (shape == "chat" or r not in CHAT_ONLY)]
+    if shape not in ("system", "documents"):  # no shared prefix: forks change nothing
+        rows = [r for r in rows if r not in SHARED_ONLY]
+    if shape not in ("chat", "pressure"):  # eviction policies differ only under pressure
+        rows = [r for r in rows if r != "tieredkv lru"]
+    if shape == "pressure":
+        rows = [r for r in rows if r != "vllm example"]
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -357,14 +400,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--intermediate", type=int, default=1536)
     parser.add_argument("--vocab", type=int, default=8000)
-    parser.add_argument("--pool-blocks", type=int, default=0, help="vLLM KV blocks (0: auto)")
-    parser.add_argument("--host-fraction", type=float, default=0.33)
+    parser.add_argument(
+        "--pool-blocks", type=int, default=0, help="vLLM KV blocks (0: --pool-conversations)"
+    )
+    parser.add_argument(
+        "--pool-conversations",
+        type=int,
+        default=3,
+        help="vLLM's pool holds this many of the longest conversations (chat, system, documents)",
+    )
+    parser.add_argument(
+        "--host-fraction",
+        type=float,
+        default=0.33,
+        help="host memory (tieredkv's host tier, LMCache's L1) / histories",
+    )
+    parser.add_argument(
+        "--host-bytes",
+        type=int,
+        default=0,
+        help="host memory in bytes instead of --host-fraction / --hit-fraction (0: off)",
+    )
+    parser.add_argument(
+        "--sync-load-bytes",
+        type=int,
+        default=0,
+        help="tieredkv rows: the connector's sync_load_bytes (0: its default, off)",
+    )
     parser.add_argument(
         "--hit-users", type=int, default=16, help="users of the pressure workload (2-layer model)"
     )
     parser.add_argument("--hit-turns", type=int, default=5, help="turns per pressure user")
     parser.add_argument(
         "--hit-fraction", type=float, default=0.25, help="host tier / histories, pressure"
+    )
+    parser.add_argument(
+        "--hit-pool-conversations",
+        type=int,
+        default=1,
+        help="pressure: vLLM's pool holds this many of the longest conversations (well "
+        "below the host memory, as a GPU's pool is below a server's host memory)",
     )
     parser.add_argument(
         "--max-model-len", type=int, default=0, help="0: the longest conversation's tokens"
@@ -437,17 +512,14 @@ def main(argv: list[str] | None = None) -> int:
             wargs = argparse.Namespace(**vars(args))
             if shape == "pressure":
                 vars(wargs).update(QUICK_MODEL)
+                wargs.pool_conversations = args.hit_pool_conversations
                 wl = Workload(wargs, users=args.hit_users, turns=args.hit_turns, shape=shape)
                 fraction = args.hit_fraction
             else:
                 wl = Workload(wargs, shape=shape)
                 fraction = args.host_fraction
-            host = max(1 << 20, int(histories_bytes(wl, wargs) * fraction))
-            rows = [r for r in ROWS if r not in skip and (shape == "chat" or r not in CHAT_ONLY)]
-            if shape != "chat":  # eviction policies differ only under pressure
-                rows = [r for r in rows if r != "tieredkv lru" or shape == "pressure"]
-            if shape == "pressure":
-                rows = [r for r in rows if r != "vllm example"]
+            host = args.host_bytes or max(1 << 20, int(histories_bytes(wl, wargs) * fraction))
+            rows = rows_for(shape, skip)
             print(f"\n== workload {shape} ==", flush=True)
             if peer is not None and alone is None and not args.no_alone:
                 alone = Row(None, "not run")
@@ -476,8 +548,8 @@ def run_rows(
     longest = max(_final_tokens(wl))
     if args.max_model_len == 0:
         args.max_model_len = (longest // BS + 2) * BS
-    if args.pool_blocks == 0:  # three of the longest conversations, as a small GPU holds
-        args.pool_blocks = 3 * (args.max_model_len // BS)
+    if args.pool_blocks == 0:  # a few of the longest conversations, as a small GPU holds
+        args.pool_blocks = args.pool_conversations * (args.max_model_len // BS) + 1
     ideal_blocks = sum(t // BS + 2 for t in _final_tokens(wl)) + args.max_model_len // BS
     model = tiny_model(
         work / "model",
@@ -491,8 +563,11 @@ def run_rows(
     print(
         f"workload {wl.shape}: {len(wl.firsts)} conversations, {len(wl.rounds)} returning "
         f"turns, histories {histories_bytes(wl, args) / 2**20:.1f} MiB of KV "
+        f"({unique_bytes(wl, args) / 2**20:.1f} MiB of distinct tokens) "
         f"({args.layers}-layer model, {kv_bytes_per_token(args)} B/token); vLLM pool "
-        f"{args.pool_blocks} blocks of {BS} tokens ({ideal_blocks} in the ideal row); "
+        f"{args.pool_blocks} blocks of {BS} tokens, "
+        f"{args.pool_blocks * BS * kv_bytes_per_token(args) / 2**20:.1f} MiB "
+        f"({ideal_blocks} in the ideal row); "
         f"host memory {host / 2**20:.1f} MiB for tieredkv's host tier and LMCache's L1, "
         f"the rest on disk ({work})",
         flush=True,
@@ -501,7 +576,7 @@ def run_rows(
 
     def run(label: str) -> None:
         name = label.removesuffix(", alone")
-        slug = label.replace(" ", "-").replace(",", "")
+        slug = re.sub(r"[^\w]+", "-", label).strip("-")
         load = os.getloadavg()[0]
         began = time.monotonic()
         try:
@@ -572,9 +647,12 @@ def run_one(
         )
         if disk is not None:
             note += f"; {stats.disk_bytes / 2**20:.1f} MiB on disk"
-        return Row(result, host_hit=stats.host_hit, stored=stored, note=note)
-    if name.startswith("tieredkv "):
-        policy = name.removeprefix("tieredkv ")
+        l1 = stats.host_hit * stats.found if stats.found > 0 else 0.0
+        asked = l1 / stats.requested if stats.requested > 0 else float("nan")
+        note += f", {l1:.0f} in L1 ({stats.host_hit:.2f} of those found)"
+        return Row(result, host_hit=asked, host_hit_found=stats.host_hit, stored=stored, note=note)
+    if name in TIEREDKV_ROWS:
+        policy, forks = TIEREDKV_ROWS[name]
         for attempt in range(3):
             # the port is free when picked, but the engine may take it for a socket of its
             # own before the worker's metrics server binds it: then pick another
@@ -586,7 +664,10 @@ def run_one(
                 "eviction": policy,
                 "scheduler": "bidaw",
                 "metrics_port": port,
+                "forks": forks,
             }
+            if args.sync_load_bytes:
+                extra["sync_load_bytes"] = args.sync_load_bytes
             spec = spec_for(args, wl, model, "tieredkv", extra)
             spec.metrics_urls = [f"http://127.0.0.1:{port}/metrics"]
             try:
@@ -637,7 +718,7 @@ def report(
     ideal = stats.get("vllm ideal")
     peers = [n for n in ("lmcache cpu", "lmcache disk") if n in stats]
     lm: str | None = min(peers, key=lambda n: stats[n]["ttft_mean"]) if peers else None
-    for mine in ("tieredkv lru", "tieredkv bidaw"):
+    for mine in TIEREDKV_ROWS:
         t = stats.get(mine)
         if t is None:
             continue
@@ -648,13 +729,17 @@ def report(
             ratios["TTFT P99 / LMCache"] = ratio(t["ttft_p99"], p["ttft_p99"])
             ratios["throughput / LMCache"] = ratio(t["throughput"], p["throughput"])
             ratios["host hit / LMCache"] = ratio(t["host_hit"], p["host_hit"])
+            # LMCache's other ratio: of the tokens it found (in L1 or on disk), L1's share
+            ratios["host hit / LMCache's of found"] = ratio(t["host_hit"], rows[lm].host_hit_found)
             ratios["bytes stored / LMCache"] = ratio(t["stored"], p["stored"])
+            ratios["LMCache's bytes / distinct"] = ratio(p["stored"], unique_bytes(wl, args))
             ratios["CPU-s per turn / LMCache"] = ratio(t["cpu_per_turn"], p["cpu_per_turn"])
+        ratios["bytes stored / distinct"] = ratio(t["stored"], unique_bytes(wl, args))
         if ideal is not None:
             ratios["TTFT mean / ideal"] = ratio(t["ttft_mean"], ideal["ttft_mean"])
             ratios["throughput / ideal"] = ratio(t["throughput"], ideal["throughput"])
         targets = (
-            {what: (cmp, v) for what, cmp, v in TARGETS[shape]} if mine.endswith("bidaw") else {}
+            {what: (cmp, v) for what, cmp, v in TARGETS[shape]} if mine == "tieredkv bidaw" else {}
         )
         vs = f" (LMCache: its faster row, {lm})" if lm else ""
         print(f"{mine}{vs}:")
@@ -667,6 +752,15 @@ def report(
                 line += f"  (target {cmp} {v}x: {verdict})"
             print(line)
     bidaw = stats.get("tieredkv bidaw")
+    plain = stats.get("tieredkv bidaw (no forks)")
+    if bidaw is not None and plain is not None:
+        on_off = ratio(bidaw["stored"], plain["stored"])
+        print(
+            f"tieredkv bidaw, forks on / off: bytes stored {on_off:.3f}x "
+            f"({bidaw['stored'] / 2**20:.1f} / {plain['stored'] / 2**20:.1f} MiB), returning-turn "
+            f"TTFT mean {ratio(bidaw['ttft_mean'], plain['ttft_mean']):.3f}x; distinct tokens' KV "
+            f"{unique_bytes(wl, args) / 2**20:.1f} MiB"
+        )
     if shape == "chat" and bidaw is not None:
         base = stats["vllm recompute"]
         vs_base = bidaw["ttft_mean"] / base["ttft_mean"]
@@ -712,18 +806,18 @@ def table(rows: dict[str, Row]) -> tuple[dict[str, dict[str, float]] | None, boo
     lossless = True
     print()
     print(
-        f"{'row':<16} {'TTFT mean':>9} {'TTFT P99':>9} {'turns/s':>7} {'host hit':>8} "
+        f"{'row':<25} {'TTFT mean':>9} {'TTFT P99':>9} {'turns/s':>7} {'host hit':>8} "
         f"{'stored MiB':>10} {'CPU-s/turn':>10} {'cached':>6} {'TTFT x':>6} {'load':>5}  answers"
     )
     for name, row in rows.items():
         if row.result is None:
-            print(f"{name:<16} did not run: {row.why}")
+            print(f"{name:<25} did not run: {row.why}")
             continue
         s = stats[name]
         same = answers(row.result) == ref
         lossless &= same
         print(
-            f"{name:<16} {s['ttft_mean']:>8.3f}s {s['ttft_p99']:>8.3f}s {s['throughput']:>7.3f} "
+            f"{name:<25} {s['ttft_mean']:>8.3f}s {s['ttft_p99']:>8.3f}s {s['throughput']:>7.3f} "
             f"{s['host_hit']:>8.2f} {s['stored'] / 2**20:>10.1f} {s['cpu_per_turn']:>10.3f} "
             f"{s['cached_fraction']:>6.2f} {s['ttft_mean'] / base['ttft_mean']:>6.3f} "
             f"{s['load']:>5.2f}  {'equal' if same else 'DIFFERENT'}"

@@ -125,3 +125,33 @@ def test_a_row_that_did_not_start_gives_the_engines_own_error(bench: ModuleType)
     )
     worker = "Worker failed with error 'CPU Offloading is only supported on GPUs'"
     assert bench.why_not(worker) == "CPU Offloading is only supported on GPUs"
+
+
+def test_distinct_bytes_count_a_shared_context_once(bench: ModuleType) -> None:
+    args = _args()
+    args.layers, args.kv_heads, args.hidden, args.heads = 2, 2, 64, 4  # 2*2*2*16*4 = 512 B
+    per_token = bench.kv_bytes_per_token(args)
+    assert per_token == 512
+    chat = bench.Workload(args, shape="chat")
+    assert bench.unique_bytes(chat, args) == bench.histories_bytes(chat, args)
+    system = bench.Workload(args, shape="system")  # 5 conversations, one 300-token prompt
+    total = sum(bench._final_tokens(system))
+    assert bench.unique_bytes(system, args) == (total - 4 * 300) * per_token
+    documents = bench.Workload(args, shape="documents")  # 2 documents of 200, 5 users
+    total = sum(bench._final_tokens(documents))
+    assert bench.unique_bytes(documents, args) == (total - 3 * 200) * per_token
+
+
+def test_forks_on_and_off_run_where_conversations_share_a_prefix(bench: ModuleType) -> None:
+    plain = "tieredkv bidaw (no forks)"
+    for shape in ("system", "documents"):
+        rows = bench.rows_for(shape, set())
+        assert rows[-2:] == ["tieredkv bidaw", plain]
+        assert "tieredkv lru" not in rows
+    for shape in ("chat", "pressure"):
+        rows = bench.rows_for(shape, set())
+        assert plain not in rows
+        assert rows[-2:] == ["tieredkv lru", "tieredkv bidaw"]
+    assert "vllm example" not in bench.rows_for("pressure", set())
+    assert plain not in bench.rows_for("system", {plain})
+    assert bench.TIEREDKV_ROWS[plain] == ("bidaw", False)
