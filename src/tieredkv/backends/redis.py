@@ -74,7 +74,7 @@ from typing import Any
 
 import anyio
 
-from ..errors import InvalidArgumentError
+from ..errors import HistoryConflictError, InvalidArgumentError
 from ..payload import ALIGN, SegmentHeader, derive_key
 from ._redis_client import Client, Connection, RedisError, driver_options, text
 from ._redis_client import fields as manifest_fields
@@ -332,8 +332,17 @@ class RedisTier(Reads, Commits, SharedTier):
     # -- space ---------------------------------------------------------------------------
     def reserve(self, key: SegmentKey, length: int) -> bool:
         self._check_open()
-        if key in self._reserved or key in self._index or key in self._markers:
+        if key in self._reserved or key in self._markers:
             raise ValueError(f"tier {self.name!r} already holds or reserves segment {key[1]}")
+        if key in self._index:
+            # a history this replica did not take in under the key (another replica's,
+            # listed by a fork it knows, or one it let go of): the server would refuse it
+            raise HistoryConflictError(
+                self.name,
+                key[0],
+                f"turn {key[1]} of another history under this key is stored in the shared "
+                f"tier (a fork lists it)",
+            )
         if length % ALIGN:
             raise ValueError(f"segment length {length} is not a multiple of {ALIGN}")
         if self._used + length > self._capacity:
