@@ -32,8 +32,8 @@ from transformers import (
 )
 
 from tests.invariants import problems
-from tests.redis_server import RedisServer, new_prefix, redis_server
 from tests.packed_codec import PackedKV
+from tests.redis_server import RedisServer, new_prefix, redis_server
 from tieredkv import HostMemoryTier, SessionNotFoundError, SSDTier, TieredKVCache
 from tieredkv.backends.redis import RedisTier
 from tieredkv.backends.ssd import segment_file_name
@@ -823,7 +823,8 @@ async def test_forks_over_a_shared_redis_tier_answer_like_recompute(
 ) -> None:
     """Two replicas over one Redis server: A stores the system prompt, B forks a chat from
     it (referencing the prompt's turn in Redis, not copying it), and A takes that chat over
-    from the shared tier and continues it: every answer is the one recomputing the conversation gives."""
+    from the shared tier and continues it: every answer is the one recomputing the
+    conversation gives."""
     model = opt()
     adapter = TransformersAdapter(model)
     system, q1, q2 = queries(3, length=6, seed=17)

@@ -116,25 +116,12 @@ class Leases(Replica):
             return
         if ask and not self._marked:
             try:
-                with anyio.fail_after(self._timeout + self._liveness):
-                    await self._wait_for_marks()
+                with anyio.fail_after(self._timeout):
                     self._marked = bool(await self._check_open().exists(self._marker))
             except (RedisError, OSError, TimeoutError) as exc:
                 raise self._io_error("check the prefix's secret", exc) from exc
         if self._marked:
             raise UnauthenticatedWriterError(self.name, session)
-
-    async def _wait_for_marks(self) -> None:
-        """A server that restarted empty lost the prefix's mark; the replicas with the
-        secret put it back with their next heartbeat (every third of ``liveness``). On a
-        server up for less than ``liveness``, wait until it has been up that long, so that
-        a tier without the secret never takes a conversation of an authenticated prefix
-        in the moments after such a restart (its writes would be refused by every other
-        replica, as damaged)."""
-        info = await self._check_open().info("server")
-        up = info.get("uptime_in_seconds") if isinstance(info, dict) else None
-        if isinstance(up, int | float) and up < self._liveness:
-            await anyio.sleep(self._liveness - up + 1.0)  # (the server counts whole seconds)
 
     async def acquire(self, session: str, *, force: bool = False) -> int:
         self._check_open()

@@ -240,6 +240,8 @@ class RedisTier(Reads, Commits, SharedTier):
         await self._conn.open()
         try:
             await self._check_secret()
+            if self._key is None and await self._wait_for_marks():
+                await self._check_secret()  # (marked again meanwhile: refused)
             await self.beat()
             self._stop_heart = stop = anyio.Event()
             self._heart = asyncio.get_running_loop().create_task(self.beat_forever(stop))
@@ -277,6 +279,27 @@ class RedisTier(Reads, Commits, SharedTier):
                 f"tier {self.name!r}: prefix {self.prefix!r} on {self.url} is authenticated "
                 f"with another secret; give every replica of the prefix the same secret"
             )
+
+    async def _wait_for_marks(self) -> bool:
+        """A server that restarted empty lost the prefix's mark; the replicas with the
+        secret put it back with their next heartbeat (every third of ``liveness``). On a
+        server up for less than ``liveness``, wait until it has been up that long (whether
+        it waited), so that a tier without the secret does not open on an authenticated
+        prefix in the moments after such a restart (its writes would be refused by every
+        other replica, as damaged).
+
+        :raises TierIOError: the server cannot be reached
+        """
+        try:
+            with anyio.fail_after(self._timeout):
+                info = await self._check_open().info("server")
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise self._io_error("check the prefix's secret", exc) from exc
+        up = info.get("uptime_in_seconds") if isinstance(info, dict) else None
+        if not isinstance(up, int | float) or up >= self._liveness:
+            return False
+        await anyio.sleep(self._liveness - up)  # (up is rounded down: long enough)
+        return True
 
     async def _scan(self) -> list[SegmentHeader]:
         client = self._check_open()
