@@ -272,6 +272,35 @@ async def test_a_replica_without_the_secret_is_refused_before_it_writes(
                 pass
 
 
+async def test_a_replica_without_the_secret_opened_after_an_empty_restart_is_refused(
+    server: RedisServer,
+) -> None:
+    """The server restarts empty (the prefix's mark goes with everything else) while a
+    replica with the secret runs. A replica without the secret opened at once, before the
+    keyed replica's next heartbeat marks the prefix again, may not start a conversation:
+    its open waits until the server has been up for a liveness period, and it is refused;
+    the keyed replica goes on writing."""
+    prefix, secret = new_prefix(), bytes(range(32))
+
+    async def start_a_conversation_without_the_secret() -> None:
+        async with replica(server.url, prefix, lease_ttl=3.0) as unkeyed:
+            await unkeyed.append("new", turn(1), answer_tokens=1)
+            await unkeyed.flush()
+
+    async with replica(server.url, prefix, secret=secret, lease_ttl=3.0) as keyed:
+        await keyed.append("chat", turn(0), answer_tokens=1)
+        await keyed.flush()
+        server.restart(empty=True)
+        with pytest.raises((UnauthenticatedWriterError, InvalidArgumentError)):
+            await start_a_conversation_without_the_secret()
+        await keyed.append("next", turn(2), answer_tokens=1)
+        await keyed.flush()
+    async with replica(server.url, prefix, secret=secret) as other:
+        assert tags(await other.load("next")) == [2]
+        with pytest.raises(SessionNotFoundError):
+            await other.load("new")
+
+
 @pytest.mark.parametrize("holder", ["dead", "alive"])
 async def test_a_takeover_waits_for_a_live_holder_only(server: RedisServer, holder: str) -> None:
     """B (another process, a 30 s lease, 1 s liveness) writes t0 and flushes; A takes the

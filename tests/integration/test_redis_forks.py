@@ -8,13 +8,14 @@ from __future__ import annotations
 import functools
 import mmap
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import anyio
 import pytest
 import torch
 
 from tests.redis_server import RedisServer, new_prefix, own_redis_server, redis_server
-from tieredkv import HostMemoryTier, TieredKVCache
+from tieredkv import HostMemoryTier, SSDTier, TieredKVCache
 from tieredkv.backends.base import SegmentKey
 from tieredkv.backends.redis import RedisTier, conversation_tag
 from tieredkv.errors import (
@@ -456,3 +457,65 @@ async def test_a_fork_of_a_conversation_dropped_meanwhile_is_refused(
         with pytest.raises(SessionNotFoundError):
             await b.append("c", C, answer_tokens=4, parent="p", parent_tokens=20)
         assert not b.contains("c")
+
+
+async def test_a_conversation_retired_for_forks_here_keeps_one_marker_when_dropped(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    """B (host, SSD, Redis) forks A's conversation; the server loses the parent's manifest
+    (as ``maxmemory`` evicts one) and B's load finds it gone: its key stays taken on B for
+    the fork (its turns are the fork's), and the fork's copy into SSD writes the parent's
+    retirement marker there. The manifest comes back and B takes the parent in again;
+    dropping it then keeps that one marker (it is not written twice): the drop succeeds
+    and the fork is still served byte for byte."""
+    C3 = _kv(3, 8)
+    shared = RedisTier(
+        redis_server.url, CAPACITY, prefix=prefix, value_size=SMALL_VALUES, lease_ttl=0.3
+    )
+    b = TieredKVCache(
+        [HostMemoryTier(8 << 20), SSDTier(tmp_path / "ssd", 8 << 20), shared], mode="inclusive"
+    )
+    async with _cache(redis_server, prefix) as a, b:
+        await _parent_on_a_fork_on_b(a, b)
+        manifest = f"{_base(prefix, 'p')}:m"
+        with redis_server.client() as c:
+            saved = c.dump(manifest)
+            c.delete(manifest)
+        with pytest.raises(SessionNotFoundError):
+            await b.load("p")
+        assert _same(await b.load("c"), FORK)
+        await b.append("c", C3, answer_tokens=1)  # (written through to SSD: p's turns too)
+        await b.flush()
+        assert b.stats().tiers[1].segments == 5  # p's two turns, c's two, p's marker
+        with redis_server.client() as c:
+            c.restore(manifest, 0, saved)
+        assert _same(await b.load("p"), _cat(P0, P1))
+        await b.flush()
+        await b.drop("p")
+        assert _same(await b.load("c"), _cat(FORK, C3))
+        assert _same(await a.load("c"), _cat(FORK, C3))
+
+
+async def test_a_fork_over_a_key_another_history_holds_here_is_a_conflict(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """B forks ``c`` from A's conversation and leaves; A's shared tier indexes that fork
+    (a look-up, as a load's) without A taking it in. A then forks B's other conversation
+    ``q`` (served from the shared tier) under ``c``: its first own turn falls on a turn of
+    the history A's tier indexes under ``c``. Refused as a conflict, leaving no trace; the
+    fork B made is served as committed."""
+    async with _cache(redis_server, prefix) as a:
+        async with _cache(redis_server, prefix) as b:
+            await _parent_on_a_fork_on_b(a, b)
+            await b.append("q", P0, answer_tokens=8)
+            await b.append("q", P1, answer_tokens=8)
+            await b.flush()
+        shared = a.tiers[1]
+        assert isinstance(shared, RedisTier)
+        assert len(await shared.lookup("c")) == 3
+        with pytest.raises(HistoryConflictError, match="another history"):
+            await a.append("c", C, answer_tokens=4, parent="q")
+        assert not a.contains("c")
+        await a.flush()
+        assert _same(await a.load("c"), FORK)
+        assert _same(await a.load("q"), _cat(P0, P1))

@@ -33,7 +33,9 @@ from transformers import (
 
 from tests.invariants import problems
 from tests.packed_codec import PackedKV
+from tests.redis_server import RedisServer, new_prefix, redis_server
 from tieredkv import HostMemoryTier, SessionNotFoundError, SSDTier, TieredKVCache
+from tieredkv.backends.redis import RedisTier
 from tieredkv.backends.ssd import segment_file_name
 from tieredkv.integrations import architectures
 from tieredkv.integrations.architectures import (
@@ -59,6 +61,8 @@ from tieredkv.serve import ServingEngine
 from tieredkv.serve.adapter import ChatAdapter, RecomputingAdapter
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+__all__ = ["redis_server"]  # a fixture used below
 
 
 def tiny(config: Any, **kw: Any) -> Any:
@@ -812,6 +816,40 @@ async def test_forks_regenerate_and_edit_answer_like_recompute_and_store_only_th
         )
         assert list(after.answer) == recompute_greedy(model, edited_history + q2, 4)
         assert problems(cache) == []
+
+
+async def test_forks_over_a_shared_redis_tier_answer_like_recompute(
+    redis_server: RedisServer,
+) -> None:
+    """Two replicas over one Redis server: A stores the system prompt, B forks a chat from
+    it (referencing the prompt's turn in Redis, not copying it), and A takes that chat over
+    from the shared tier and continues it: every answer is the one recomputing the
+    conversation gives."""
+    model = opt()
+    adapter = TransformersAdapter(model)
+    system, q1, q2 = queries(3, length=6, seed=17)
+    prefix = new_prefix()
+
+    def replica() -> TieredKVCache:
+        shared = RedisTier(redis_server.url, 16 << 20, prefix=prefix, lease_ttl=0.5)
+        return TieredKVCache([HostMemoryTier(1 << 20), shared], mode="inclusive")
+
+    async with replica() as a, replica() as b:
+        await adapter.chat_turn(a, "system", system, max_new_tokens=2)
+        await a.flush()
+        prompt = system + list(await adapter.recompute(system, max_new_tokens=2))
+        turn = await adapter.chat_turn(b, "alice", q1, max_new_tokens=4, parent="system")
+        assert list(turn.answer) == recompute_greedy(model, prompt + q1, 4)
+        assert turn.restored_tokens == len(prompt)
+        meta = b.channel["alice"]
+        assert (meta.parent, meta.parent_tokens) == ("system", len(prompt))
+        assert meta.shared_bytes == a.channel["system"].nbytes  # (listed, not copied)
+        await b.flush()
+        history = prompt + q1 + list(turn.answer)
+        await a.load("alice")  # (A takes the chat over: the fork, read from Redis)
+        after = await adapter.chat_turn(a, "alice", q2, max_new_tokens=4, history=history)
+        assert after.restored_tokens == len(history)
+        assert list(after.answer) == recompute_greedy(model, history + q2, 4)
 
 
 async def test_a_fork_of_a_lost_parent_is_recomputed_from_its_history(cache: TieredKVCache) -> None:

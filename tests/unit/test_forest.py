@@ -501,3 +501,31 @@ async def test_cancelled_load_of_a_fork_leaves_it_where_it_was_or_promoted(
             same(await c.load("b"), want)
             same(await c.load("a"), a0)
             await c.drop(f"z{delay}")
+
+
+async def test_a_forks_first_turn_waits_for_a_busy_victim_in_its_parents_tier(
+    ssd_dir: Path,
+) -> None:
+    """The fork's first turn goes into its parent's tier, host memory, which has room
+    only once conversation ``v`` moves down; while ``v`` is busy (a load under way), the
+    fork waits for it instead of being refused for capacity, then is stored, and every
+    history is exact."""
+    prompt, mine, theirs = kv(64, 1), kv(64, 2), kv(64, 3)
+    async with TieredKVCache(
+        [HostMemoryTier(160 * KIB), SSDTier(ssd_dir, 8 << 20)], mode="exclusive"
+    ) as c:
+        await c.append("system", prompt, answer_tokens=0)
+        await c.append("v", theirs, answer_tokens=1)
+        assert c.where("v") == "host"
+        out = {n: torch.empty(64, 4, 64, dtype=torch.float16) for n in ("k", "v")}
+        async with c.load_layerwise("v", out, [["k"], ["v"]]) as load:
+            fork = asyncio.ensure_future(c.append("u", mine, answer_tokens=1, parent="system"))
+            await asyncio.sleep(0.3)
+            assert not fork.done()  # (before: a CapacityError at once)
+            await load.finished()
+        await asyncio.wait_for(fork, 30)
+        same(out, theirs)
+        assert (c.where("u"), c.where("v")) == ("host", "ssd")
+        same(await c.load("u"), cat(prompt, mine))
+        same(await c.load("v"), theirs)
+        await check(c)

@@ -50,9 +50,15 @@ async def retire(core: Core, s: Session) -> None:
     kept = [seg for seg in s.own() if seg.users - {s}]
     if not kept:
         return
-    r = Retired(kept)
+    # already recorded as retired here (its history left this replica's index while forks
+    # here list some of it, see shared_forest): that record, with its markers, stays the
+    # one; what it lacks is added to it
+    old = core.retired.get(s.key)
+    r = old if old is not None else Retired([])
+    segs = [*r.segs, *(seg for seg in kept if seg not in r.segs)]
     persistent = [t for t, tier in enumerate(core.tiers) if tier.persistent]
     claimed: dict[int, list[Seg]] = {}
+    written: list[int] = []
     try:
         # a fork's copy of a kept segment into a persistent tier may be under way (it
         # checked for a marker before this retirement): wait for it, and start no other
@@ -63,16 +69,23 @@ async def retire(core: Core, s: Session) -> None:
         tiers = sorted({t for seg in kept for t in seg.tiers if t in persistent})
         try:
             for t in tiers:
-                await _write_marker(core, s.key, t)
-                r.markers.add(t)
+                while (busy := r.busy.get(t)) is not None:  # (a recorded one's marker)
+                    await busy.wait()
+                if t not in r.markers:
+                    async with _marking(r, t):
+                        await _write_marker(core, s.key, t)
+                        r.markers.add(t)
+                    written.append(t)
         except BaseException:
-            for t in sorted(r.markers):
-                await _delete_marker(core, s.key, t)
+            for t in written:
+                if await _delete_marker(core, s.key, t):
+                    r.markers.discard(t)
             raise
+        r.segs = segs
         core.retired[s.key] = r
     finally:
-        for t, segs in claimed.items():
-            unclaim(segs, t)
+        for t, segs_t in claimed.items():
+            unclaim(segs_t, t)
 
 
 async def copying(core: Core, keys: list[SegmentKey], dst: int) -> None:

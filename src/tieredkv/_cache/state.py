@@ -377,6 +377,8 @@ class Core:
         self.clock = clock
         self.sessions: dict[str, Session] = {}
         self.busy: Counter[str] = Counter()
+        self._unbusied: anyio.Event | None = None
+        """Set when a conversation stops being busy (see :meth:`wait_unbusy`)."""
         self.stats = CacheStats()
         self.protected: Callable[[], AbstractSet[str]] = frozenset
         self.orphans: set[tuple[int, SegmentKey]] = set()
@@ -407,6 +409,15 @@ class Core:
         self.busy[key] -= 1
         if self.busy[key] <= 0:
             del self.busy[key]
+            if self._unbusied is not None:
+                self._unbusied.set()
+                self._unbusied = None
+
+    async def wait_unbusy(self) -> None:
+        """Wait until some conversation stops being busy (it may be a victim again)."""
+        if self._unbusied is None:
+            self._unbusied = anyio.Event()
+        await self._unbusied.wait()
 
     def set_transfer(self, s: Session, transfer: Transfer | None) -> None:
         meta = self.channel.get(s.key)

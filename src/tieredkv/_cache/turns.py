@@ -11,6 +11,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import anyio
 import torch
 
 from .._checks import check_int
@@ -41,6 +42,10 @@ from .shared_forest import check_forks
 from .sharing import check_writer, discover
 from .state import Core, Seg, Session
 from .writethrough import WriteThrough
+
+BUSY_WAIT = 10.0
+"""Longest wait, s, for busy conversations to become victims again before a fork's first
+turn is refused for want of room in its parent's tier."""
 
 __all__ = [
     "append",
@@ -161,8 +166,8 @@ async def _append_locked(
 ) -> KVMeta:
     began = core.clock()
     plan = plan_turn(core, s, tensors, answer_tokens, dim, codec, fork)
-    start = None if fork is None else fork[0].primary
-    t, cancel = await settle(lambda: store(core, s, plan, start))
+    start, parent = (None, "") if fork is None else (fork[0].primary, fork[0].key)
+    t, cancel = await settle(lambda: store(core, s, plan, start, parent))
     if cancel is not None:  # roll back: the segment never happened
         await settle(lambda: delete_or_orphan(core, t, (s.key, plan.header.seq)))
         core.stats.cancelled += 1
@@ -245,17 +250,27 @@ def plan_turn(
     return plan
 
 
-async def store(core: Core, s: Session, plan: SegmentPlan, start: int | None = None) -> int:
+async def store(
+    core: Core, s: Session, plan: SegmentPlan, start: int | None = None, parent: str = ""
+) -> int:
     """Write the planned segment into the highest tier that can take it; return the tier.
 
     The segment is committed in that tier but not yet in the index. A fork's first turn
-    (``start``: the tier that serves its parent) goes into that tier or nowhere.
+    (``start``: the tier that serves its parent, ``parent``, held by the caller) goes into
+    that tier or nowhere: while conversations busy there (a background copy, a load) are
+    the only victims left, it waits for them, for up to :data:`BUSY_WAIT` seconds.
     """
     await purge_orphans(core, s.key)
     key: SegmentKey = (s.key, plan.header.seq)
     t = start if start is not None else 0 if s.primary is None else s.primary
+    deadline = anyio.current_time() + BUSY_WAIT
     try:
         while not await reserve(core, t, key, plan.length, {s.key}):
+            if start is not None and _busy_in(core, t, {s.key, parent}):
+                with anyio.move_on_after(deadline - anyio.current_time()) as waited:
+                    await core.wait_unbusy()
+                if not waited.cancelled_caught:
+                    continue
             if start is not None:
                 tier = core.tiers[t]
                 what = f"the fork's first turn (stored in its parent's tier, {tier.name!r})"
@@ -274,6 +289,14 @@ async def store(core: Core, s: Session, plan: SegmentPlan, start: int | None = N
     finally:
         core.tiers[t].release(key)
     return t
+
+
+def _busy_in(core: Core, t: int, held: set[str]) -> bool:
+    """Whether a conversation other than ``held`` is busy with a copy in tier ``t`` (a
+    victim once it is idle again)."""
+    return any(
+        (u := core.sessions.get(k)) is not None and u.holds(t) for k in core.busy.keys() - held
+    )
 
 
 async def restore(core: Core, s: Session, out: dict[str, torch.Tensor]) -> None:

@@ -74,7 +74,7 @@ from typing import Any
 
 import anyio
 
-from ..errors import InvalidArgumentError
+from ..errors import HistoryConflictError, InvalidArgumentError
 from ..payload import ALIGN, SegmentHeader, derive_key
 from ._redis_client import Client, Connection, RedisError, driver_options, text
 from ._redis_client import fields as manifest_fields
@@ -240,6 +240,8 @@ class RedisTier(Reads, Commits, SharedTier):
         await self._conn.open()
         try:
             await self._check_secret()
+            if self._key is None and await self._wait_for_marks():
+                await self._check_secret()  # (marked again meanwhile: refused)
             await self.beat()
             self._stop_heart = stop = anyio.Event()
             self._heart = asyncio.get_running_loop().create_task(self.beat_forever(stop))
@@ -277,6 +279,27 @@ class RedisTier(Reads, Commits, SharedTier):
                 f"tier {self.name!r}: prefix {self.prefix!r} on {self.url} is authenticated "
                 f"with another secret; give every replica of the prefix the same secret"
             )
+
+    async def _wait_for_marks(self) -> bool:
+        """A server that restarted empty lost the prefix's mark; the replicas with the
+        secret put it back with their next heartbeat (every third of ``liveness``). On a
+        server up for less than ``liveness``, wait until it has been up that long (whether
+        it waited), so that a tier without the secret does not open on an authenticated
+        prefix in the moments after such a restart (its writes would be refused by every
+        other replica, as damaged).
+
+        :raises TierIOError: the server cannot be reached
+        """
+        try:
+            with anyio.fail_after(self._timeout):
+                info = await self._check_open().info("server")
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise self._io_error("check the prefix's secret", exc) from exc
+        up = info.get("uptime_in_seconds") if isinstance(info, dict) else None
+        if not isinstance(up, int | float) or up >= self._liveness:
+            return False
+        await anyio.sleep(self._liveness - up)  # (up is rounded down: long enough)
+        return True
 
     async def _scan(self) -> list[SegmentHeader]:
         client = self._check_open()
@@ -332,8 +355,17 @@ class RedisTier(Reads, Commits, SharedTier):
     # -- space ---------------------------------------------------------------------------
     def reserve(self, key: SegmentKey, length: int) -> bool:
         self._check_open()
-        if key in self._reserved or key in self._index or key in self._markers:
+        if key in self._reserved or key in self._markers:
             raise ValueError(f"tier {self.name!r} already holds or reserves segment {key[1]}")
+        if key in self._index:
+            # a history this replica did not take in under the key (another replica's,
+            # listed by a fork it knows, or one it let go of): the server would refuse it
+            raise HistoryConflictError(
+                self.name,
+                key[0],
+                f"turn {key[1]} of another history under this key is stored in the shared "
+                f"tier (a fork lists it)",
+            )
         if length % ALIGN:
             raise ValueError(f"segment length {length} is not a multiple of {ALIGN}")
         if self._used + length > self._capacity:

@@ -406,8 +406,8 @@ class TransformersAdapter:
             remains, with no tier), or ``parent``'s, and ``history`` was not given to
             recompute it
         :raises ValueError: with ``parent``, if the session is stored already, or the cache
-            has a tier shared between replicas (which takes no forks: pass the whole
-            ``history`` without ``parent`` instead); nothing is computed
+            has a tier shared between replicas that takes no forks (a Redis Cluster: pass
+            the whole ``history`` without ``parent`` instead); nothing is computed
         :raises CapacityError: with ``parent``, if the turn does not fit in the tier that
             serves ``parent`` (nothing is stored)
         """

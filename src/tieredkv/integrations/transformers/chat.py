@@ -15,6 +15,7 @@ import anyio
 import msgspec
 import torch
 
+from ...backends.shared import SharedTier
 from ...codecs import ModelAccess
 from ...errors import SessionNotFoundError
 from ...meta import KVMeta, RetentionHint
@@ -183,8 +184,8 @@ class TurnRun:
         assert self._fork is not None
         parent, tokens = self._fork
         cache = self._cache
-        try:
-            if parent in cache:
+        try:  # (with a shared tier, another replica's parent too)
+            if await cache.discover(parent):
                 model_cache = await self._adapter.restore(
                     cache, parent, expected_tokens=expected, room=room, tokens=tokens
                 )
@@ -294,10 +295,8 @@ def check_fork(cache: TieredKVCache, session: str, parent: str, parent_tokens: i
     """Refuse, before anything runs, a fork the cache would refuse once it is computed.
 
     :raises ValueError: the session is stored already, forks itself, ``parent_tokens`` is
-        below 1, or the cache has a tier shared between replicas
+        below 1, or the cache has a tier shared between replicas that takes no forks
     """
-    from ...backends.shared import SharedTier
-
     if session in cache.channel:
         raise ValueError(
             f"conversation {session!r} is already stored; a conversation becomes a fork at "
@@ -307,11 +306,13 @@ def check_fork(cache: TieredKVCache, session: str, parent: str, parent_tokens: i
         raise ValueError(f"conversation {session!r} cannot be forked from itself")
     if parent_tokens is not None and parent_tokens < 1:
         raise ValueError(f"parent_tokens must be at least 1 (or None for all), not {parent_tokens}")
-    if any(isinstance(t, SharedTier) for t in cache.tiers):
-        raise ValueError(
-            "forks are not supported with a tier shared between replicas; pass the fork's "
-            "whole history= without parent instead"
-        )
+    for t in cache.tiers:
+        if isinstance(t, SharedTier) and not getattr(t, "forks", False):
+            raise ValueError(
+                f"forks are not supported with tier {t.name!r}, shared between replicas (a "
+                f"Redis Cluster, or a shared tier that takes no forks); pass the fork's "
+                f"whole history= without parent instead"
+            )
 
 
 def sampler(
