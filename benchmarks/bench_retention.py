@@ -139,6 +139,7 @@ def render(rows: list[Row]) -> list[str]:
 
 
 def main() -> None:
+    global POLICIES
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--users", type=int, default=3000, help="human workload's users")
     parser.add_argument("--rate", type=float, default=0.5, help="new users per second")
@@ -151,27 +152,48 @@ def main() -> None:
         "--mooncake", type=Path, default=MOONCAKE, help="a Mooncake conversation trace"
     )
     parser.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help="registered policies to compare (belady is always run: ratios are to it)",
+    )
+    parser.add_argument(
+        "--skip",
+        default="",
+        help="workloads to leave out, comma-separated: human, mooncake, agentic",
+    )
+    parser.add_argument(
         "--bound", action="store_true", help="also the hit-density instruments (_density.py)"
     )
     args = parser.parse_args()
     start = time.perf_counter()
+    POLICIES = tuple(dict.fromkeys([*args.policies.split(","), "belady"]))
+    skip = set(filter(None, args.skip.split(",")))
     learned: tuple[str, ...] = (LEARNED,) if args.bound else ()
-    human = measure_human(
-        args.users,
-        args.rate,
-        args.seed,
-        [float(g) for g in args.human_gb.split(",")],
-        (LEARNED, KNOWN) if args.bound else (),
+    human = (
+        []
+        if "human" in skip
+        else measure_human(
+            args.users,
+            args.rate,
+            args.seed,
+            [float(g) for g in args.human_gb.split(",")],
+            (LEARNED, KNOWN) if args.bound else (),
+        )
     )
-    human += measure_mooncake(
-        [float(g) for g in args.mooncake_gb.split(",")], args.mooncake, learned
-    )
-    agentic = measure_agentic(
-        args.agentic_users,
-        args.rate,
-        args.seed,
-        [float(g) for g in args.agentic_gb.split(",")],
-        learned,
+    if "mooncake" not in skip:
+        human += measure_mooncake(
+            [float(g) for g in args.mooncake_gb.split(",")], args.mooncake, learned
+        )
+    agentic = (
+        []
+        if "agentic" in skip
+        else measure_agentic(
+            args.agentic_users,
+            args.rate,
+            args.seed,
+            [float(g) for g in args.agentic_gb.split(",")],
+            learned,
+        )
     )
     print("host hit ratio (ratio to Belady's on the same turns and host size)")
     for line in render(human + agentic):
@@ -180,6 +202,8 @@ def main() -> None:
     print("wrong hints vs no hints, bidaw:")
     for (workload, gb), row in by.items():
         if workload.endswith("wrong hints"):
+            if "bidaw" not in row.hits:
+                continue
             base = by["agentic, no hints", gb].hits["bidaw"]
             print(f"  {gb:5.0f} GB  {row.hits['bidaw'] / base - 1:+.1%}")
     print(f"({time.perf_counter() - start:.0f} s)")
