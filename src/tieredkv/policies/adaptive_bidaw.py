@@ -41,26 +41,43 @@ class AdaptiveBidaw(BidawEviction):
     the call: after a tool call the conversation is back when the tool returns, seconds or
     minutes later whatever the answer's length, and a human's short answer and an agent's
     tool call of the same length land in one bucket whose distribution is neither. This
-    policy learns with the same machinery (distance samples, departures, the ghost cache's
-    Belady hit ratios, the potential given the distance already elapsed) over finer
-    buckets:
+    policy learns over finer buckets:
 
     - a turn that ended in a tool call (``meta.tool_call``) is learned apart from one that
       did not, per answer-length bucket (the tool-call buckets simply find no signal in
-      the length, and the elapsed distance separates a quick tool from a slow one: once a
-      quick tool would be back, the conversation's potential falls);
+      the length, and the elapsed time separates a quick tool from a slow one: once a
+      quick tool would be back, the conversation's density falls);
     - a turn whose caller hinted when the next one comes (``meta.next_turn``) is learned by
       the class of the hinted gap (``hint_edges``, seconds, doubling): the cache does not
-      take a hint at its word, it learns what the reuse distance *is* after a hint of that
-      size. Correct hints give each class a tight distribution (close to Belady's
-      foresight); wrong hints give every class the same broad one, and the policy ranks as
-      if there were no hint (the answer length of a hinted turn is not used: a caller that
+      take a hint at its word, it learns what the gap *is* after a hint of that size.
+      Correct hints give each class a tight distribution (close to Belady's foresight);
+      wrong hints give every class the same broad one, and the policy ranks as if there
+      were no hint (the answer length of a hinted turn is not used: a caller that
       hints runs tools, where it carries no signal);
     - a caller's ``meta.priority`` scales the score by ``2 ** priority`` (clamped to
       [-4, 4]): advice, weighed against the prediction.
 
     A hint given between accesses (:meth:`on_hint`) moves the session to the bucket of the
     new hint.
+
+    **Hit density in time.** What it learns per bucket is the gap in *seconds* from an
+    access that completed a turn to the session's next access (the last ``samples`` gaps,
+    all buckets together, sparse buckets drawing on the pooled ones with ``prior_weight``
+    pseudo-samples), and the share of sessions that come back at all (a session without an
+    access for ``depart`` seconds counts as gone; decayed at the pace of the sample
+    window). A resident is ranked by its best *hit density*: over every horizon it could
+    still be kept (0.25 s to 2 h), the chance that its next turn comes within it, given the
+    seconds already elapsed since its latest access, over the seconds it is expected to
+    hold its bytes meanwhile (after LHD: Beckmann, Chen and Cidon, NSDI '18), per byte of
+    what removing it frees (``size_aware``); the lowest goes first. The density depends
+    only on (bucket, elapsed seconds), so it is tabulated per bucket at every refresh
+    (on 97 elapsed times up to ``2 * depart``, made unimodal), and residents are ranked
+    with the paper policy's grouped :class:`~tieredkv.policies.ranking.ResidentRanking`:
+    within a bucket the oldest access has the longest elapsed time, so a bucket's lowest
+    score is at one of its ends. Time comes only from the calls' ``now``. Before the first
+    gap is learned, the order is the paper's. The reuse distances, departures and hit
+    potential of :class:`~tieredkv.policies.BidawEviction` are still learned: they are
+    what :meth:`foresee` (predictive prefetch) reads.
 
     **Prefetch on a hint.** Predictive prefetch
     (:meth:`tieredkv.TieredKVCache.prefetch_predicted`) asks :meth:`foresee_at` how likely
@@ -72,9 +89,9 @@ class AdaptiveBidaw(BidawEviction):
     trust (four pseudo-hints kept). So a correctly hinting caller's conversation comes up
     from SSD or Redis just before its turn, first among the candidates; a caller whose
     hints are wrong soon gets nothing from them. Other sessions get the learned potential
-    (:meth:`foresee`). Pins are honoured as by every policy (never a victim while pinned). Where no
-    turn ends in a tool call and no caller hints, the buckets are the paper's and so are
-    the decisions.
+    (:meth:`foresee`). Pins are honoured as by every policy (never a victim while pinned).
+    Where no turn ends in a tool call and no caller hints, the buckets are the paper's (the
+    ranking is not: hit density in seconds, not potential in bytes of traffic).
 
     **A duel with LRU.** Where nothing the policy conditions on predicts the gap, a learned
     order can lose to recency. The policy keeps a shadow LRU cache of the same capacity
@@ -95,6 +112,8 @@ class AdaptiveBidaw(BidawEviction):
     :param hint_lead: seconds before a hinted turn from which prefetch prefers the session
     :param hint_slack: seconds by which a turn may miss its hinted time and still count as
         on time (or a quarter of the hinted gap, if more)
+    :param depart: seconds without an access after which a session counts as gone (its
+        user left); gaps are learned up to there
 
     The other parameters are :class:`~tieredkv.policies.BidawEviction`'s.
     """
@@ -122,7 +141,7 @@ class AdaptiveBidaw(BidawEviction):
         duel_retry: int = 4,
         hint_lead: float = 30.0,
         hint_slack: float = 5.0,
-        depart: float = 1800.0,
+        depart: float = 600.0,
     ) -> None:
         if not 0 < depart < math.inf:
             raise ValueError(f"depart must be a finite number of seconds > 0 (got {depart})")
