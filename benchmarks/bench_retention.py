@@ -16,7 +16,9 @@ Every ratio is a policy's host hit ratio over Belady's on the same turns and hos
   no caller hints, every agent's caller hinting correctly, every one hinting wrongly.
 
 Policies: ``lru``, ``bidaw-paper`` (the paper's eviction), ``bidaw`` (the default: it
-learns the gap per answer length, tool call and hint class, and duels LRU) and ``belady``.
+learns the gap per answer length, tool call and hint class, and duels LRU),
+``bidaw-density`` (the default's ``ranking="density"``: gaps learned in seconds, ranked by
+best-horizon hit density) and ``belady``.
 With ``--bound``, two instruments too (``benchmarks/_density.py``): ``learned-density``
 (hit density in time, gaps learned online) on every workload, and ``known-distribution``
 (hit density under the synthetic generator's exact model) on the synthetic human one: what
@@ -32,7 +34,7 @@ from pathlib import Path
 import msgspec
 
 from _density import KnownDistribution, LearnedDensity
-from tieredkv.policies import Eviction, make_eviction
+from tieredkv.policies import AdaptiveBidaw, Eviction, make_eviction
 from tieredkv.sim.agentic import AgenticWorkload, replay_agentic
 from tieredkv.sim.replay import replay
 from tieredkv.sim.synthetic import SyntheticWorkload
@@ -46,7 +48,8 @@ MOONCAKE = (
     / "conversation_trace_head1500.jsonl"
 )
 
-POLICIES = ("lru", "bidaw-paper", "bidaw", "belady")
+DENSITY = "bidaw-density"
+POLICIES = ("lru", "bidaw-paper", "bidaw", DENSITY, "belady")
 LEARNED, KNOWN = "learned-density", "known-distribution"
 
 
@@ -57,6 +60,8 @@ def build(name: str, workload: SyntheticWorkload | None = None) -> Eviction:
     if name == KNOWN:
         assert workload is not None
         return KnownDistribution(workload)
+    if name == DENSITY:
+        return AdaptiveBidaw(ranking="density")
     return make_eviction(name)
 
 

@@ -77,11 +77,34 @@ def test_tool_calls_are_learned_apart_from_answers_of_the_same_length() -> None:
 
 
 def test_a_tool_call_back_soon_is_ranked_by_the_memory_time_it_holds() -> None:
+    """Per byte alone, a large conversation whose tool returns within 0.3 C is worth less
+    than a small one whose person reads for 3 C; but it holds its bytes for a tenth of the
+    time. Tool calls are ranked by potential per byte times C over the expected time held,
+    so the person's conversation goes first."""
+    p = AdaptiveBidaw(capacity=40 * GB, refresh_every=64, duel_block=10**9)
+    learn(p, 6000, tool_signal=True)
+    answer, tool = p.bucket_of(40), p.bucket_of(40) + len(p.answer_edges) + 1
+    table_tool, table_people = p.table(tool), p.table(answer)
+    assert table_tool is not None
+    assert table_people is not None
+    assert table_people[0] > 0
+    size, small = 20 * GB, int(20 * GB * table_people[0] / table_tool[0] / 1.5)
+    channel = MetadataChannel([TierInfo(name="host", level=0, capacity=40 * GB)])
+    for name, m in (("agent", meta("agent", size, tool=True)), ("person", meta("person", small))):
+        channel.put(m)
+        p.on_access(name, m, 6000.0)
+        p.on_admit(name, m, 6000.0)
+    assert p.potential("agent") == table_tool[0]
+    assert p.potential("agent") / size < p.potential("person") / small  # type: ignore[operator]
+    assert p.victims(1, 6000.0, channel) == ["person"]
+
+
+def test_density_ranking_weighs_the_seconds_a_conversation_holds_its_bytes() -> None:
     """A large conversation whose tool returns within seconds holds its bytes for a tenth
     of the time a person reading for minutes does. Conversations are ranked by hits per
     byte per second of memory: the person's conversation goes first unless it is small
     enough to hold fewer byte-seconds per hit."""
-    p = AdaptiveBidaw(capacity=40 * GB, refresh_every=64, duel_block=10**9)
+    p = AdaptiveBidaw(capacity=40 * GB, refresh_every=64, duel_block=10**9, ranking="density")
     learn(p, 6000, tool_signal=True)
     answer, tool = p.bucket_of(40), p.bucket_of(40) + len(p.answer_edges) + 1
     people, agents = p.observed_seconds(answer), p.observed_seconds(tool)
@@ -195,3 +218,8 @@ def test_the_duel_counts_a_promoted_miss_as_a_miss() -> None:
     p.on_admit("a", meta("a", turns=2), 4.0)  # promoted for its load...
     p.on_access("a", meta("a", turns=2), 4.0)  # ...which is a miss
     assert p._duel == [2, 1, 2]
+
+
+def test_an_unknown_ranking_is_refused() -> None:
+    with pytest.raises(ValueError, match="ranking must be one of"):
+        AdaptiveBidaw(ranking="seconds")

@@ -25,6 +25,7 @@ DEFAULT_HINT_EDGES: tuple[float, ...] = (2, 4, 8, 16, 32, 64, 128, 256, 512, 102
 """Upper edges (exclusive, seconds) of the classes of hinted gaps; one more class takes
 every longer hint."""
 
+_RANKINGS = ("potential", "density")
 _PRIORITY_SPAN = 4  # priorities are clamped to [-4, 4]: a factor of 16 either way
 _LEARNED, _RECENCY = "learned", "recency"
 _MAX_BACKOFF = 16  # a losing trial doubles the wait for the next, up to 16 duel_retry
@@ -60,10 +61,15 @@ class AdaptiveBidaw(BidawEviction):
     A hint given between accesses (:meth:`on_hint`) moves the session to the bucket of the
     new hint.
 
-    **Hit density in time.** What it learns per bucket is the gap in *seconds* from an
-    access that completed a turn to the session's next access (the last ``samples`` gaps,
-    all buckets together, sparse buckets drawing on the pooled ones with ``prior_weight``
-    pseudo-samples), and the share of sessions that come back at all (a session without an
+    **How it ranks.** By default (``ranking="potential"``) a resident's score is the
+    paper policy's hit potential per byte, learned from reuse distances in bytes of
+    traffic; for a tool-call or hinted turn, times ``C`` over its expected occupancy
+    (``E[min(R, C)]``, the remaining distance ``R`` in bins from the same distribution).
+
+    **Hit density in time** (``ranking="density"``). It learns per bucket the gap in
+    *seconds* from an access that completed a turn to the session's next access (the last
+    ``samples`` gaps, all buckets together, sparse buckets drawing on the pooled ones with
+    ``prior_weight`` pseudo-samples), and the share of sessions that come back at all (a session without an
     access for ``depart`` seconds counts as gone; decayed at the pace of the sample
     window). A resident is ranked by its best *hit density*: over every horizon it could
     still be kept (0.25 s to 2 h), the chance that its next turn comes within it, given the
@@ -76,8 +82,8 @@ class AdaptiveBidaw(BidawEviction):
     within a bucket the oldest access has the longest elapsed time, so a bucket's lowest
     score is at one of its ends. Time comes only from the calls' ``now``. Before the first
     gap is learned, the order is the paper's. The reuse distances, departures and hit
-    potential of :class:`~tieredkv.policies.BidawEviction` are still learned: they are
-    what :meth:`foresee` (predictive prefetch) reads.
+    potential are still learned: they are what :meth:`foresee` (predictive prefetch)
+    reads.
 
     **Prefetch on a hint.** Predictive prefetch
     (:meth:`tieredkv.TieredKVCache.prefetch_predicted`) asks :meth:`foresee_at` how likely
@@ -90,8 +96,8 @@ class AdaptiveBidaw(BidawEviction):
     from SSD or Redis just before its turn, first among the candidates; a caller whose
     hints are wrong soon gets nothing from them. Other sessions get the learned potential
     (:meth:`foresee`). Pins are honoured as by every policy (never a victim while pinned).
-    Where no turn ends in a tool call and no caller hints, the buckets are the paper's (the
-    ranking is not: hit density in seconds, not potential in bytes of traffic).
+    Where no turn ends in a tool call and no caller hints, the buckets are the paper's and,
+    with ``ranking="potential"``, so are the decisions.
 
     **A duel with LRU.** Where nothing the policy conditions on predicts the gap, a learned
     order can lose to recency. The policy keeps a shadow LRU cache of the same capacity
@@ -112,8 +118,10 @@ class AdaptiveBidaw(BidawEviction):
     :param hint_lead: seconds before a hinted turn from which prefetch prefers the session
     :param hint_slack: seconds by which a turn may miss its hinted time and still count as
         on time (or a quarter of the hinted gap, if more)
-    :param depart: seconds without an access after which a session counts as gone (its
-        user left); gaps are learned up to there
+    :param depart: with ``ranking="density"``, seconds without an access after which a
+        session counts as gone (its user left); gaps are learned up to there
+    :param ranking: ``"potential"`` (hit potential in bytes of traffic) or ``"density"``
+        (hit density in seconds)
 
     The other parameters are :class:`~tieredkv.policies.BidawEviction`'s.
     """
@@ -142,7 +150,11 @@ class AdaptiveBidaw(BidawEviction):
         hint_lead: float = 30.0,
         hint_slack: float = 5.0,
         depart: float = 600.0,
+        ranking: str = "potential",
     ) -> None:
+        if ranking not in _RANKINGS:
+            raise ValueError(f"ranking must be one of {_RANKINGS} (got {ranking!r})")
+        self.ranking = ranking
         if not 0 < depart < math.inf:
             raise ValueError(f"depart must be a finite number of seconds > 0 (got {depart})")
         self.depart = float(depart)
@@ -188,6 +200,7 @@ class AdaptiveBidaw(BidawEviction):
             raise ValueError(f"hint_edges must be positive and increase strictly (got {hints})")
         self.hint_edges = hints
         self._answer_buckets = len(tuple(answer_edges)) + 1
+        self._dense: list[list[float]] | None = None  # the tool and hint buckets' scores
         buckets = self._bucket_count(self._answer_buckets)
         self._t_returned = [0.0] * buckets
         self._t_departed = [0.0] * buckets
@@ -212,7 +225,8 @@ class AdaptiveBidaw(BidawEviction):
         if due is not None:
             self._judge(abs(now - due[0]) <= due[1])
         self._expect(session, meta)
-        self._learn_gap(session, meta, now)
+        if self.ranking == "density":
+            self._learn_gap(session, meta, now)
         seen = self._seen.get(session)
         if seen is not None and seen.completing and not seen.overdue and self._capacity:
             # a hit: resident since before this access (a miss promoted just before its
@@ -453,8 +467,21 @@ class AdaptiveBidaw(BidawEviction):
         self, potential: npt.NDArray[np.float64], mass: npt.NDArray[np.float64],
         never: npt.NDArray[np.float64], tail: npt.NDArray[np.float64],
     ) -> None:  # fmt: skip
-        """Every bucket's hit density (hits per second of keeping a conversation) by the
-        seconds elapsed since its latest access, from the gaps learned in seconds."""
+        """With ``ranking="potential"``: the tool and hint buckets' ranking tables,
+        potential times ``C`` over the expected occupancy. With ``"density"``: every
+        bucket's hit density (hits per second of keeping a conversation) by the seconds
+        elapsed since its latest access, from the gaps learned in seconds."""
+        if self.ranking == "potential":
+            nb = self.bins_per_capacity
+            k_max = mass.shape[1]
+            idx = np.arange(k_max)
+            shift = idx[None, :] - idx[:, None]  # [k, j]: bins left from elapsed k to return j
+            held = np.where(shift >= 0, np.minimum(shift + 0.5, nb), 0.0)
+            occupancy = (mass @ held.T + never[:, None] * nb) / np.maximum(tail, 1e-12)
+            first = self._answer_buckets
+            dense = potential[first:] * nb / np.maximum(occupancy[first:], 0.5)
+            self._dense = [_unimodal(row) for row in dense.tolist()]
+            return
         if not self._gaps:
             return
         pairs = np.array(self._gaps, dtype=np.float64)
@@ -477,8 +504,7 @@ class AdaptiveBidaw(BidawEviction):
             mine = np.sort(gaps[labels == b])
             total = len(mine) + prior
             s_now = len(mine) - np.searchsorted(mine, grid, side="right") + prior * pooled_now
-            s_ahead = len(mine) - np.searchsorted(mine, ahead, side="right")
-            s_ahead = s_ahead + prior * pooled_ahead
+            s_ahead = len(mine) - np.searchsorted(mine, ahead, side="right") + prior * pooled_ahead
             q = (returned[b] + prior * p_prior) / (returned[b] + departed[b] + prior)
             density = best_density(np.full(len(grid), q), s_now / total, s_ahead / total)
             rows.append(_unimodal(density.tolist()))
@@ -487,8 +513,18 @@ class AdaptiveBidaw(BidawEviction):
     def _score(self, session: str) -> float:
         seen = self._seen[session]
         density = self._density
-        if density is None:
+        dense = self._dense
+        first = self._answer_buckets
+        if density is None and (dense is None or seen.bucket < first or seen.overdue):
             score = self._potential(session, seen)
+        elif density is None:
+            assert dense is not None
+            elapsed = self._tracker.elapsed(session)
+            assert elapsed is not None
+            assert self._capacity is not None
+            row = dense[seen.bucket - first]
+            k = elapsed * self.bins_per_capacity // self._capacity
+            score = row[k] if k < len(row) else 0.0
         else:
             grid = self._grid
             k = bisect.bisect_right(grid, self._now - self._clock[session]) - 1
