@@ -35,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tieredkv.meta import KVMeta, MetadataView
+from tieredkv.policies._hit_density import HORIZONS, best_density
 from tieredkv.policies.base import shielded
 from tieredkv.policies.bidaw_eviction import DEFAULT_ANSWER_EDGES
 from tieredkv.sim.synthetic import SyntheticWorkload
@@ -42,24 +43,6 @@ from tieredkv.sim.synthetic import SyntheticWorkload
 __all__ = ["KnownDistribution", "LearnedDensity"]
 
 Floats = npt.NDArray[np.float64]
-HORIZONS: Floats = np.r_[0.0, np.geomspace(0.25, 7200.0, 64)]
-"""Horizons (seconds) over which the best density is taken; the first is 0."""
-
-
-def best_density(q: Floats, s_now: Floats, s_ahead: Floats) -> Floats:
-    """Per conversation, the best hits per second of keeping it over :data:`HORIZONS`.
-
-    :param q: chance that the user comes back at all (given the turns so far)
-    :param s_now: survival of the gap at the time already elapsed, ``P(G > t)``
-    :param s_ahead: survival at ``t + h`` for every horizon but the first, ``(n, m)``
-    """
-    alive = np.concatenate(
-        [((1 - q) + q * s_now)[:, None], (1 - q)[:, None] + q[:, None] * s_ahead], axis=1
-    )  # P(not back yet) at t + h (unnormalized: the ratio below cancels it)
-    held = np.cumsum((alive[:, 1:] + alive[:, :-1]) * 0.5 * np.diff(HORIZONS)[None, :], axis=1)
-    hit = q[:, None] * (s_now[:, None] - s_ahead)
-    best: Floats = (hit / np.maximum(held, 1e-12)).max(axis=1)
-    return best
 
 
 class _Ranked:

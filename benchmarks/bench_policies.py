@@ -201,10 +201,15 @@ def main() -> None:
         lru_decide, lru_admit = bench_eviction(LRU, n, warm, measured)
         decide, admit = bench_eviction(lambda: AdaptiveBidaw(), n, warm, measured)
         paper_decide, paper_admit = bench_eviction(lambda: BidawEviction(), n, warm, measured)
+        dense_decide, dense_admit = bench_eviction(
+            lambda: AdaptiveBidaw(ranking="density"), n, warm, measured
+        )
         print(row("bidaw eviction: victims()", decide, PAPER_US["evict"], lru_decide))
         print(row("bidaw: access+victims+remove+admit", admit, None, lru_decide))
         print(row("bidaw-paper: victims()", paper_decide, PAPER_US["evict"], lru_decide))
         print(row("bidaw-paper: access+victims+...", paper_admit, None, lru_decide))
+        print(row("bidaw, density ranking: victims()", dense_decide, None, lru_decide))
+        print(row("bidaw, density: access+victims+...", dense_admit, None, lru_decide))
         print(row("lru eviction: victims() (baseline)", lru_decide, None))
         print(row("lru: access+victims+remove+admit", lru_admit, None))
         sched, sched_pop = bench_scheduler(n, measured)

@@ -16,7 +16,9 @@ Every ratio is a policy's host hit ratio over Belady's on the same turns and hos
   no caller hints, every agent's caller hinting correctly, every one hinting wrongly.
 
 Policies: ``lru``, ``bidaw-paper`` (the paper's eviction), ``bidaw`` (the default: it
-learns the gap per answer length, tool call and hint class, and duels LRU) and ``belady``.
+learns the gap per answer length, tool call and hint class, and duels LRU),
+``bidaw-density`` (the default's ``ranking="density"``: gaps learned in seconds, ranked by
+best-horizon hit density) and ``belady``.
 With ``--bound``, two instruments too (``benchmarks/_density.py``): ``learned-density``
 (hit density in time, gaps learned online) on every workload, and ``known-distribution``
 (hit density under the synthetic generator's exact model) on the synthetic human one: what
@@ -32,7 +34,7 @@ from pathlib import Path
 import msgspec
 
 from _density import KnownDistribution, LearnedDensity
-from tieredkv.policies import Eviction, make_eviction
+from tieredkv.policies import AdaptiveBidaw, Eviction, make_eviction
 from tieredkv.sim.agentic import AgenticWorkload, replay_agentic
 from tieredkv.sim.replay import replay
 from tieredkv.sim.synthetic import SyntheticWorkload
@@ -46,7 +48,8 @@ MOONCAKE = (
     / "conversation_trace_head1500.jsonl"
 )
 
-POLICIES = ("lru", "bidaw-paper", "bidaw", "belady")
+DENSITY = "bidaw-density"
+POLICIES = ("lru", "bidaw-paper", "bidaw", DENSITY, "belady")
 LEARNED, KNOWN = "learned-density", "known-distribution"
 
 
@@ -57,6 +60,8 @@ def build(name: str, workload: SyntheticWorkload | None = None) -> Eviction:
     if name == KNOWN:
         assert workload is not None
         return KnownDistribution(workload)
+    if name == DENSITY:
+        return AdaptiveBidaw(ranking="density")
     return make_eviction(name)
 
 
@@ -139,6 +144,7 @@ def render(rows: list[Row]) -> list[str]:
 
 
 def main() -> None:
+    global POLICIES
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--users", type=int, default=3000, help="human workload's users")
     parser.add_argument("--rate", type=float, default=0.5, help="new users per second")
@@ -151,27 +157,48 @@ def main() -> None:
         "--mooncake", type=Path, default=MOONCAKE, help="a Mooncake conversation trace"
     )
     parser.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help="registered policies to compare (belady is always run: ratios are to it)",
+    )
+    parser.add_argument(
+        "--skip",
+        default="",
+        help="workloads to leave out, comma-separated: human, mooncake, agentic",
+    )
+    parser.add_argument(
         "--bound", action="store_true", help="also the hit-density instruments (_density.py)"
     )
     args = parser.parse_args()
     start = time.perf_counter()
+    POLICIES = tuple(dict.fromkeys([*args.policies.split(","), "belady"]))
+    skip = set(filter(None, args.skip.split(",")))
     learned: tuple[str, ...] = (LEARNED,) if args.bound else ()
-    human = measure_human(
-        args.users,
-        args.rate,
-        args.seed,
-        [float(g) for g in args.human_gb.split(",")],
-        (LEARNED, KNOWN) if args.bound else (),
+    human = (
+        []
+        if "human" in skip
+        else measure_human(
+            args.users,
+            args.rate,
+            args.seed,
+            [float(g) for g in args.human_gb.split(",")],
+            (LEARNED, KNOWN) if args.bound else (),
+        )
     )
-    human += measure_mooncake(
-        [float(g) for g in args.mooncake_gb.split(",")], args.mooncake, learned
-    )
-    agentic = measure_agentic(
-        args.agentic_users,
-        args.rate,
-        args.seed,
-        [float(g) for g in args.agentic_gb.split(",")],
-        learned,
+    if "mooncake" not in skip:
+        human += measure_mooncake(
+            [float(g) for g in args.mooncake_gb.split(",")], args.mooncake, learned
+        )
+    agentic = (
+        []
+        if "agentic" in skip
+        else measure_agentic(
+            args.agentic_users,
+            args.rate,
+            args.seed,
+            [float(g) for g in args.agentic_gb.split(",")],
+            learned,
+        )
     )
     print("host hit ratio (ratio to Belady's on the same turns and host size)")
     for line in render(human + agentic):
@@ -180,6 +207,8 @@ def main() -> None:
     print("wrong hints vs no hints, bidaw:")
     for (workload, gb), row in by.items():
         if workload.endswith("wrong hints"):
+            if "bidaw" not in row.hits:
+                continue
             base = by["agentic, no hints", gb].hits["bidaw"]
             print(f"  {gb:5.0f} GB  {row.hits['bidaw'] / base - 1:+.1%}")
     print(f"({time.perf_counter() - start:.0f} s)")

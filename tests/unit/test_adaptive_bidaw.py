@@ -99,6 +99,35 @@ def test_a_tool_call_back_soon_is_ranked_by_the_memory_time_it_holds() -> None:
     assert p.victims(1, 6000.0, channel) == ["person"]
 
 
+def test_density_ranking_weighs_the_seconds_a_conversation_holds_its_bytes() -> None:
+    """A large conversation whose tool returns within seconds holds its bytes for a tenth
+    of the time a person reading for minutes does. Conversations are ranked by hits per
+    byte per second of memory: the person's conversation goes first unless it is small
+    enough to hold fewer byte-seconds per hit."""
+    p = AdaptiveBidaw(capacity=40 * GB, refresh_every=64, duel_block=10**9, ranking="density")
+    learn(p, 6000, tool_signal=True)
+    answer, tool = p.bucket_of(40), p.bucket_of(40) + len(p.answer_edges) + 1
+    people, agents = p.observed_seconds(answer), p.observed_seconds(tool)
+    assert sorted(agents)[len(agents) // 2] * 10 < sorted(people)[len(people) // 2]
+    dense_tool, dense_people = p.density(tool), p.density(answer)
+    assert dense_tool is not None
+    assert dense_people is not None
+    assert dense_tool[0] > 10 * dense_people[0] > 0
+    size, small = 20 * GB, int(20 * GB * dense_people[0] / dense_tool[0] * 1.5)
+    channel = MetadataChannel([TierInfo(name="host", level=0, capacity=40 * GB)])
+    for name, m in (("agent", meta("agent", size, tool=True)), ("person", meta("person", small))):
+        channel.put(m)
+        p.on_access(name, m, 6000.0)
+        p.on_admit(name, m, 6000.0)
+    assert p.victims(1, 6000.0, channel) == ["person"]
+    # a person's conversation a sixth of that size holds fewer byte-seconds per hit
+    p.on_remove("person")
+    tiny = meta("person", small // 6)
+    channel.put(tiny)
+    p.on_admit("person", tiny, 6000.0)
+    assert p.victims(1, 6000.0, channel) == ["agent"]
+
+
 def test_a_hint_is_learned_by_its_class_and_a_late_hint_moves_the_session() -> None:
     p = AdaptiveBidaw(capacity=10 * GB)
     assert isinstance(p, Hinted)
@@ -189,3 +218,8 @@ def test_the_duel_counts_a_promoted_miss_as_a_miss() -> None:
     p.on_admit("a", meta("a", turns=2), 4.0)  # promoted for its load...
     p.on_access("a", meta("a", turns=2), 4.0)  # ...which is a miss
     assert p._duel == [2, 1, 2]
+
+
+def test_an_unknown_ranking_is_refused() -> None:
+    with pytest.raises(ValueError, match="ranking must be one of"):
+        AdaptiveBidaw(ranking="seconds")

@@ -7,13 +7,14 @@ import bisect
 import heapq
 import itertools
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence, Set
 
 import numpy as np
 import numpy.typing as npt
 
 from ..meta import KVMeta, MetadataView
+from ._hit_density import HORIZONS, best_density
 from .base import shielded, stored_share
 from .bidaw_eviction import DEFAULT_ANSWER_EDGES, BidawEviction, _Seen, _unimodal
 from .ghost import GhostCache
@@ -24,6 +25,7 @@ DEFAULT_HINT_EDGES: tuple[float, ...] = (2, 4, 8, 16, 32, 64, 128, 256, 512, 102
 """Upper edges (exclusive, seconds) of the classes of hinted gaps; one more class takes
 every longer hint."""
 
+_RANKINGS = ("potential", "density")
 _PRIORITY_SPAN = 4  # priorities are clamped to [-4, 4]: a factor of 16 either way
 _LEARNED, _RECENCY = "learned", "recency"
 _MAX_BACKOFF = 16  # a losing trial doubles the wait for the next, up to 16 duel_retry
@@ -40,26 +42,48 @@ class AdaptiveBidaw(BidawEviction):
     the call: after a tool call the conversation is back when the tool returns, seconds or
     minutes later whatever the answer's length, and a human's short answer and an agent's
     tool call of the same length land in one bucket whose distribution is neither. This
-    policy learns with the same machinery (distance samples, departures, the ghost cache's
-    Belady hit ratios, the potential given the distance already elapsed) over finer
-    buckets:
+    policy learns over finer buckets:
 
     - a turn that ended in a tool call (``meta.tool_call``) is learned apart from one that
       did not, per answer-length bucket (the tool-call buckets simply find no signal in
-      the length, and the elapsed distance separates a quick tool from a slow one: once a
-      quick tool would be back, the conversation's potential falls);
+      the length, and the elapsed time separates a quick tool from a slow one: once a
+      quick tool would be back, the conversation's density falls);
     - a turn whose caller hinted when the next one comes (``meta.next_turn``) is learned by
       the class of the hinted gap (``hint_edges``, seconds, doubling): the cache does not
-      take a hint at its word, it learns what the reuse distance *is* after a hint of that
-      size. Correct hints give each class a tight distribution (close to Belady's
-      foresight); wrong hints give every class the same broad one, and the policy ranks as
-      if there were no hint (the answer length of a hinted turn is not used: a caller that
+      take a hint at its word, it learns what the gap *is* after a hint of that size.
+      Correct hints give each class a tight distribution (close to Belady's foresight);
+      wrong hints give every class the same broad one, and the policy ranks as if there
+      were no hint (the answer length of a hinted turn is not used: a caller that
       hints runs tools, where it carries no signal);
     - a caller's ``meta.priority`` scales the score by ``2 ** priority`` (clamped to
       [-4, 4]): advice, weighed against the prediction.
 
     A hint given between accesses (:meth:`on_hint`) moves the session to the bucket of the
     new hint.
+
+    **How it ranks.** By default (``ranking="potential"``) a resident's score is the
+    paper policy's hit potential per byte, learned from reuse distances in bytes of
+    traffic; for a tool-call or hinted turn, times ``C`` over its expected occupancy
+    (``E[min(R, C)]``, the remaining distance ``R`` in bins from the same distribution).
+
+    **Hit density in time** (``ranking="density"``). It learns per bucket the gap in
+    *seconds* from an access that completed a turn to the session's next access (the last
+    ``samples`` gaps, all buckets together, sparse buckets drawing on the pooled ones with
+    ``prior_weight`` pseudo-samples), and the share of sessions that come back at all (a
+    session without an access for ``depart`` seconds counts as gone; decayed at the pace of
+    the sample window). A resident is ranked by its best *hit density*: over every horizon
+    it could still be kept (0.25 s to 2 h), the chance that its next turn comes within it,
+    given the seconds already elapsed since its latest access, over the seconds it is
+    expected to hold its bytes meanwhile (after LHD: Beckmann, Chen and Cidon, NSDI '18),
+    per byte of what removing it frees (``size_aware``); the lowest goes first. The density
+    depends only on (bucket, elapsed seconds), so it is tabulated per bucket at every
+    refresh (on 97 elapsed times up to ``2 * depart``, made unimodal), and residents are
+    ranked with the paper policy's grouped
+    :class:`~tieredkv.policies.ranking.ResidentRanking`: within a bucket the oldest access
+    has the longest elapsed time, so a bucket's lowest score is at one of its ends. Time
+    comes only from the calls' ``now``. Before the first gap is learned, the order is the
+    paper's. The reuse distances, departures and hit potential are still learned: they are
+    what :meth:`foresee` (predictive prefetch) reads.
 
     **Prefetch on a hint.** Predictive prefetch
     (:meth:`tieredkv.TieredKVCache.prefetch_predicted`) asks :meth:`foresee_at` how likely
@@ -71,9 +95,9 @@ class AdaptiveBidaw(BidawEviction):
     trust (four pseudo-hints kept). So a correctly hinting caller's conversation comes up
     from SSD or Redis just before its turn, first among the candidates; a caller whose
     hints are wrong soon gets nothing from them. Other sessions get the learned potential
-    (:meth:`foresee`). Pins are honoured as by every policy (never a victim while pinned). Where no
-    turn ends in a tool call and no caller hints, the buckets are the paper's and so are
-    the decisions.
+    (:meth:`foresee`). Pins are honoured as by every policy (never a victim while pinned).
+    Where no turn ends in a tool call and no caller hints, the buckets are the paper's and,
+    with ``ranking="potential"``, so are the decisions.
 
     **A duel with LRU.** Where nothing the policy conditions on predicts the gap, a learned
     order can lose to recency. The policy keeps a shadow LRU cache of the same capacity
@@ -94,6 +118,10 @@ class AdaptiveBidaw(BidawEviction):
     :param hint_lead: seconds before a hinted turn from which prefetch prefers the session
     :param hint_slack: seconds by which a turn may miss its hinted time and still count as
         on time (or a quarter of the hinted gap, if more)
+    :param depart: with ``ranking="density"``, seconds without an access after which a
+        session counts as gone (its user left); gaps are learned up to there
+    :param ranking: ``"potential"`` (hit potential in bytes of traffic) or ``"density"``
+        (hit density in seconds)
 
     The other parameters are :class:`~tieredkv.policies.BidawEviction`'s.
     """
@@ -121,7 +149,23 @@ class AdaptiveBidaw(BidawEviction):
         duel_retry: int = 4,
         hint_lead: float = 30.0,
         hint_slack: float = 5.0,
+        depart: float = 600.0,
+        ranking: str = "potential",
     ) -> None:
+        if ranking not in _RANKINGS:
+            raise ValueError(f"ranking must be one of {_RANKINGS} (got {ranking!r})")
+        self.ranking = ranking
+        if not 0 < depart < math.inf:
+            raise ValueError(f"depart must be a finite number of seconds > 0 (got {depart})")
+        self.depart = float(depart)
+        # gaps in seconds: (bucket, gap) samples, returns and departures per bucket
+        self._gaps: deque[tuple[int, float]] = deque(maxlen=samples)
+        self._clock: dict[str, float] = {}  # session -> its latest access (or admission)
+        # sessions within ``depart`` of their latest access, oldest first: (bucket, turns,
+        # that access completed a turn)
+        self._waiting: OrderedDict[str, tuple[int, int, bool]] = OrderedDict()
+        self._grid: list[float] = [0.0, *np.geomspace(0.25, 2 * depart, 96).tolist()]
+        self._density: list[list[float]] | None = None  # [bucket][elapsed grid point]
         if duel_block < 1 or duel_retry < 1 or not 0 <= duel_margin < 1:
             raise ValueError("duel_block and duel_retry must be >= 1, duel_margin in [0, 1)")
         if not (0 <= hint_lead < math.inf and 0 <= hint_slack < math.inf):
@@ -157,6 +201,9 @@ class AdaptiveBidaw(BidawEviction):
         self.hint_edges = hints
         self._answer_buckets = len(tuple(answer_edges)) + 1
         self._dense: list[list[float]] | None = None  # the tool and hint buckets' scores
+        buckets = self._bucket_count(self._answer_buckets)
+        self._t_returned = [0.0] * buckets
+        self._t_departed = [0.0] * buckets
         super().__init__(
             capacity,
             answer_edges=answer_edges,
@@ -178,6 +225,8 @@ class AdaptiveBidaw(BidawEviction):
         if due is not None:
             self._judge(abs(now - due[0]) <= due[1])
         self._expect(session, meta)
+        if self.ranking == "density":
+            self._learn_gap(session, meta, now)
         seen = self._seen.get(session)
         if seen is not None and seen.completing and not seen.overdue and self._capacity:
             # a hit: resident since before this access (a miss promoted just before its
@@ -195,6 +244,7 @@ class AdaptiveBidaw(BidawEviction):
         self._now = max(self._now, now)
         if session not in self._resident and session != self._just_accessed:
             self._fresh.add(session)  # came in without an access (a promotion)
+        self._clock.setdefault(session, now)
         super().on_admit(session, meta, now)
         self._recency[session] = None
         self._recency.move_to_end(session)
@@ -202,6 +252,8 @@ class AdaptiveBidaw(BidawEviction):
     def on_remove(self, session: str) -> None:
         self._recency.pop(session, None)
         self._fresh.discard(session)
+        if session not in self._waiting:
+            self._clock.pop(session, None)
         super().on_remove(session)
 
     def victims(
@@ -236,6 +288,9 @@ class AdaptiveBidaw(BidawEviction):
         rank = self._rank_key_of(bucket, meta)
         if bucket == seen.bucket and rank == seen.rank:
             return
+        waiting = self._waiting.get(session)
+        if waiting is not None:
+            self._waiting[session] = (bucket, waiting[1], waiting[2])
         seen.bucket = bucket
         seen.rank = rank
         size = self._resident.get(session)
@@ -272,6 +327,21 @@ class AdaptiveBidaw(BidawEviction):
         share of the stored bytes, :func:`~tieredkv.policies.base.stored_share`: a range
         shared by many conversations counts once in all, as in the tier)."""
         return list(self._shadow)
+
+    def density(self, bucket: int) -> list[float] | None:
+        """Hit density (hits per second of keeping a conversation, before its size) by
+        seconds elapsed since its latest access (at :meth:`density_grid`'s points) for one
+        bucket, as last refreshed; ``None`` before the first gap in seconds is learned."""
+        return None if self._density is None else list(self._density[bucket])
+
+    def density_grid(self) -> list[float]:
+        """The elapsed seconds the density tables are tabulated at (the first is 0)."""
+        return list(self._grid)
+
+    def observed_seconds(self, bucket: int) -> list[float]:
+        """Gaps (seconds) in the sample window observed after turns of ``bucket``, oldest
+        first."""
+        return [g for b, g in self._gaps if b == bucket]
 
     def kind_of(self, bucket: int) -> str:
         """What a bucket holds: ``"answer"``, ``"tool"`` or ``"hint"``."""
@@ -369,35 +439,96 @@ class AdaptiveBidaw(BidawEviction):
             return bucket
         return bucket + self._buckets * (priority + _PRIORITY_SPAN + 1)
 
+    # -- gaps in seconds, hit density --------------------------------------------------
+    def _learn_gap(self, session: str, meta: KVMeta, now: float) -> None:
+        """Take the gap (seconds) since ``session``'s previous access if that access
+        completed a turn, and count the users gone ``depart`` seconds without a turn."""
+        bucket = self._bucket(meta, now)
+        old = self._waiting.pop(session, None)
+        if old is not None and old[2]:
+            last = self._clock[session]
+            self._gaps.append((old[0], now - last))
+            self._t_returned[old[0]] += 1.0
+        completed = old is None or meta.turns > old[1]
+        self._clock[session] = now
+        waiting = self._waiting
+        waiting[session] = (bucket, meta.turns, completed)
+        clock, resident, horizon = self._clock, self._resident, now - self.depart
+        while waiting:
+            oldest = next(iter(waiting))
+            if clock[oldest] > horizon:
+                break
+            gone = waiting.popitem(last=False)[1]
+            self._t_departed[gone[0]] += 1.0
+            if oldest not in resident:
+                del clock[oldest]
+
     def _tabulated(
         self, potential: npt.NDArray[np.float64], mass: npt.NDArray[np.float64],
         never: npt.NDArray[np.float64], tail: npt.NDArray[np.float64],
     ) -> None:  # fmt: skip
-        """The tool and hint buckets' ranking tables: potential times ``C`` over the
-        expected occupancy (see the class docstring)."""
-        nb = self.bins_per_capacity
-        k_max = mass.shape[1]
-        idx = np.arange(k_max)
-        shift = idx[None, :] - idx[:, None]  # [k, j]: bins left from elapsed k to return j
-        held = np.where(shift >= 0, np.minimum(shift + 0.5, nb), 0.0)
-        occupancy = (mass @ held.T + never[:, None] * nb) / np.maximum(tail, 1e-12)
-        first = self._answer_buckets
-        dense = potential[first:] * nb / np.maximum(occupancy[first:], 0.5)
-        self._dense = [_unimodal(row) for row in dense.tolist()]
+        """With ``ranking="potential"``: the tool and hint buckets' ranking tables,
+        potential times ``C`` over the expected occupancy. With ``"density"``: every
+        bucket's hit density (hits per second of keeping a conversation) by the seconds
+        elapsed since its latest access, from the gaps learned in seconds."""
+        if self.ranking == "potential":
+            nb = self.bins_per_capacity
+            k_max = mass.shape[1]
+            idx = np.arange(k_max)
+            shift = idx[None, :] - idx[:, None]  # [k, j]: bins left from elapsed k to return j
+            held = np.where(shift >= 0, np.minimum(shift + 0.5, nb), 0.0)
+            occupancy = (mass @ held.T + never[:, None] * nb) / np.maximum(tail, 1e-12)
+            first = self._answer_buckets
+            dense = potential[first:] * nb / np.maximum(occupancy[first:], 0.5)
+            self._dense = [_unimodal(row) for row in dense.tolist()]
+            return
+        if not self._gaps:
+            return
+        pairs = np.array(self._gaps, dtype=np.float64)
+        labels = pairs[:, 0].astype(np.int64)
+        gaps = pairs[:, 1]
+        pooled = np.sort(gaps)
+        grid = np.asarray(self._grid)
+        ahead = grid[:, None] + HORIZONS[None, 1:]
+        returned = np.asarray(self._t_returned)
+        departed = np.asarray(self._t_departed)
+        decay = 0.5 ** (self.refresh_every / self.samples)
+        self._t_returned = [x * decay for x in self._t_returned]
+        self._t_departed = [x * decay for x in self._t_departed]
+        prior = self.prior_weight
+        p_prior = (returned.sum() + 1.0) / (returned.sum() + departed.sum() + 1.0)
+        pooled_now = (len(pooled) - np.searchsorted(pooled, grid, side="right")) / len(pooled)
+        pooled_ahead = (len(pooled) - np.searchsorted(pooled, ahead, side="right")) / len(pooled)
+        rows = []
+        for b in range(len(returned)):
+            mine = np.sort(gaps[labels == b])
+            total = len(mine) + prior
+            s_now = len(mine) - np.searchsorted(mine, grid, side="right") + prior * pooled_now
+            s_ahead = len(mine) - np.searchsorted(mine, ahead, side="right") + prior * pooled_ahead
+            q = (returned[b] + prior * p_prior) / (returned[b] + departed[b] + prior)
+            density = best_density(np.full(len(grid), q), s_now / total, s_ahead / total)
+            rows.append(_unimodal(density.tolist()))
+        self._density = rows
 
     def _score(self, session: str) -> float:
         seen = self._seen[session]
+        density = self._density
         dense = self._dense
         first = self._answer_buckets
-        if dense is None or seen.bucket < first or seen.overdue:
+        if density is None and (dense is None or seen.bucket < first or seen.overdue):
             score = self._potential(session, seen)
-        else:
+        elif density is None:
+            assert dense is not None
             elapsed = self._tracker.elapsed(session)
             assert elapsed is not None
             assert self._capacity is not None
             row = dense[seen.bucket - first]
             k = elapsed * self.bins_per_capacity // self._capacity
             score = row[k] if k < len(row) else 0.0
+        else:
+            grid = self._grid
+            k = bisect.bisect_right(grid, self._now - self._clock[session]) - 1
+            score = density[seen.bucket][min(max(k, 0), len(grid) - 1)]
         if self.size_aware:
             score /= max(self._resident[session], 1)
         rank = seen.rank
