@@ -130,6 +130,7 @@ class Commits(Leases):
     def _commit_local(self, key: SegmentKey, entry: Entry, mid: str) -> None:
         self._used -= self._reserved.pop(key)  # (counted again as committed)
         self._hold(key, entry, mid, key[0])
+        self._committed.add(key)
         self._attempts.pop(key, None)
 
     def _references(self, session: str, header: SegmentHeader) -> list[Ref]:

@@ -112,6 +112,8 @@ class Replica:
         self._origin: dict[SegmentKey, str] = {}
         """Per indexed segment, the id of the owner's manifest that committed it."""
         self._reserved: dict[SegmentKey, int] = {}
+        self._committed: set[SegmentKey] = set()
+        """Indexed segments this tier committed itself (not learned from a manifest read)."""
         self._known: dict[str, Manifest] = {}
         """Per conversation, the manifest as this tier last committed or read it."""
         self._writers: dict[str, Writer] = {}
@@ -183,6 +185,7 @@ class Replica:
                 self._drop_view(other, keep_writer=True)
                 self._stale.add(other)
             held = self._index.get(key)
+            self._committed.discard(key)
         if held is None:
             self._index[key] = entry
             self._origin[key] = mid
@@ -199,6 +202,7 @@ class Replica:
                 return
         self._holders.pop(key, None)
         self._origin.pop(key, None)
+        self._committed.discard(key)
         entry = self._index.pop(key, None)
         if entry is not None:
             self._used -= entry.length

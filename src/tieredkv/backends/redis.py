@@ -336,6 +336,7 @@ class RedisTier(Reads, Commits, SharedTier):
         self._markers.clear()
         self._holders.clear()
         self._origin.clear()
+        self._committed.clear()
         self._reserved.clear()
         self._writers.clear()
         self._known.clear()
@@ -355,11 +356,12 @@ class RedisTier(Reads, Commits, SharedTier):
     # -- space ---------------------------------------------------------------------------
     def reserve(self, key: SegmentKey, length: int) -> bool:
         self._check_open()
-        if key in self._reserved or key in self._markers:
+        if key in self._reserved or key in self._markers or key in self._committed:
             raise ValueError(f"tier {self.name!r} already holds or reserves segment {key[1]}")
         if key in self._index:
-            # a history this replica did not take in under the key (another replica's,
-            # listed by a fork it knows, or one it let go of): the server would refuse it
+            # a segment this replica read, not committed: of a history it did not take in
+            # under the key (another replica's, listed by a fork it knows, or one it let
+            # go of): the server would refuse it
             raise HistoryConflictError(
                 self.name,
                 key[0],
