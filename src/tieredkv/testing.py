@@ -70,15 +70,24 @@ class TierContractError(AssertionError):
 
 class Segment:
     """One serialized segment in an anonymous ``mmap`` (page-aligned, as the cache's buffers
-    are), plus its exact bytes to compare what a tier gives back."""
+    are), plus its exact bytes to compare what a tier gives back. ``base``: a fork's
+    first segment, listing the ``(owner, seq, tokens)`` it inherits."""
 
-    def __init__(self, session: str, seq: int, tokens: int, *, seed: int) -> None:
+    def __init__(
+        self,
+        session: str,
+        seq: int,
+        tokens: int,
+        *,
+        seed: int,
+        base: tuple[tuple[str, int, int], ...] = (),
+    ) -> None:
         gen = torch.Generator().manual_seed(seed)
         tensors = {
             name: torch.randint(-(2**15), 2**15, (tokens, 64), dtype=torch.int16, generator=gen)
             for name in ("k", "v")
         }
-        plan = plan_segment(session, seq, tensors, token_dim=0, answer_tokens=seq + 1)
+        plan = plan_segment(session, seq, tensors, token_dim=0, answer_tokens=seq + 1, base=base)
         self.key: SegmentKey = (session, seq)
         self.header: SegmentHeader = plan.header
         self.length = plan.length

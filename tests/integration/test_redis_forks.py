@@ -6,7 +6,6 @@ gone; a load of a fork is its committed history byte for byte, or a miss."""
 from __future__ import annotations
 
 import functools
-import mmap
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from tieredkv.errors import (
     StaleWriterError,
 )
 from tieredkv.fsck_redis import RedisReport, check_prefix
-from tieredkv.payload import plan_segment
+from tieredkv.testing import Segment
 
 __all__ = ["own_redis_server", "redis_server"]  # fixtures used below
 
@@ -33,38 +32,9 @@ CAPACITY = 64 << 20
 SMALL_VALUES = 64 << 10
 
 
-class Turn:
-    """One real segment (``base``: a fork's first turn, referencing those segments)."""
-
-    def __init__(
-        self,
-        session: str,
-        seq: int,
-        tokens: int,
-        seed: int,
-        base: tuple[tuple[str, int, int], ...] = (),
-    ) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        tensors = {
-            name: torch.randint(-(2**15), 2**15, (tokens, 64), dtype=torch.int16, generator=gen)
-            for name in ("k", "v")
-        }
-        plan = plan_segment(session, seq, tensors, token_dim=0, answer_tokens=1, base=base)
-        self.key: SegmentKey = (session, seq)
-        self.length = plan.length
-        self._mm = mmap.mmap(-1, plan.length)
-        self.view = memoryview(self._mm)
-        plan.write_into(self.view)
-        self.data = bytes(self.view)
-
-    def close(self) -> None:
-        self.view.release()
-        self._mm.close()
-
-
 @pytest.fixture
-def turns() -> Iterator[list[Turn]]:
-    made: list[Turn] = []
+def turns() -> Iterator[list[Segment]]:
+    made: list[Segment] = []
     yield made
     for t in made:
         t.close()
@@ -91,7 +61,7 @@ async def peer(redis_server: RedisServer, prefix: str) -> AsyncIterator[RedisTie
         yield t
 
 
-async def _store(tier: RedisTier, t: Turn) -> None:
+async def _store(tier: RedisTier, t: Segment) -> None:
     assert tier.reserve(t.key, t.length)
     try:
         await tier.write(t.key, t.view)
@@ -120,12 +90,12 @@ def _base(prefix: str, session: str) -> str:
 
 
 async def _parent_and_fork(
-    tier: RedisTier, turns: list[Turn], *, parent: str = "p", fork: str = "c"
-) -> tuple[Turn, Turn, Turn]:
+    tier: RedisTier, turns: list[Segment], *, parent: str = "p", fork: str = "c"
+) -> tuple[Segment, Segment, Segment]:
     """``parent``: two turns; ``fork``: a fork of its first turn and 100 tokens of its
     second, then its own turn (seq 2)."""
-    p0, p1 = Turn(parent, 0, 300, 1), Turn(parent, 1, 400, 2)
-    c2 = Turn(fork, 2, 200, 3, base=((parent, 0, 300), (parent, 1, 100)))
+    p0, p1 = Segment(parent, 0, 300, seed=1), Segment(parent, 1, 400, seed=2)
+    c2 = Segment(fork, 2, 200, seed=3, base=((parent, 0, 300), (parent, 1, 100)))
     turns += [p0, p1, c2]
     await _store(tier, p0)
     await _store(tier, p1)
@@ -134,7 +104,7 @@ async def _parent_and_fork(
 
 
 async def test_a_fork_references_its_parent_and_every_replica_reads_it(
-    tier: RedisTier, peer: RedisTier, redis_server: RedisServer, prefix: str, turns: list[Turn]
+    tier: RedisTier, peer: RedisTier, redis_server: RedisServer, prefix: str, turns: list[Segment]
 ) -> None:
     """The fork's manifest names the parent's segments (one copy of their bytes on the
     server, a reference set per segment naming the fork); another replica gets the whole
@@ -157,13 +127,13 @@ async def test_a_fork_references_its_parent_and_every_replica_reads_it(
 
 
 async def test_a_parent_dropped_on_another_replica_keeps_what_its_fork_lists(
-    tier: RedisTier, peer: RedisTier, redis_server: RedisServer, prefix: str, turns: list[Turn]
+    tier: RedisTier, peer: RedisTier, redis_server: RedisServer, prefix: str, turns: list[Segment]
 ) -> None:
     """The parent's writer drops it: its manifest goes, the segments the fork lists stay
     (retired) and the key cannot start a new history; the fork reads on, byte for byte.
     When the fork goes, the parent's last bytes go with it: nothing stays on the server."""
     p0, p1, c2 = await _parent_and_fork(tier, turns)
-    p2 = Turn("p", 2, 50, 4)
+    p2 = Segment("p", 2, 50, seed=4)
     turns.append(p2)
     await _store(tier, p2)  # (the parent goes on after the fork: turn 2 is its own)
     await peer.refresh("c", take=True)
@@ -173,7 +143,7 @@ async def test_a_parent_dropped_on_another_replica_keeps_what_its_fork_lists(
     assert f"{_base(prefix, 'p')}:m" not in keys
     assert not [k for k in keys if k.startswith(f"{_base(prefix, 'p')}:2:")]  # unreferenced
     assert await _read(peer, [p0.key, p1.key, c2.key]) == [p0.data, p1.data, c2.data]
-    new = Turn("p", 0, 300, 9)
+    new = Segment("p", 0, 300, seed=9)
     turns.append(new)
     third = _replica(redis_server, prefix, "C")  # (its open scans the fork)
     await third.open()
@@ -193,18 +163,18 @@ async def test_a_parent_dropped_on_another_replica_keeps_what_its_fork_lists(
 
 
 async def test_a_fork_commit_is_refused_without_trace_when_its_parent_range_is_gone(
-    tier: RedisTier, peer: RedisTier, redis_server: RedisServer, prefix: str, turns: list[Turn]
+    tier: RedisTier, peer: RedisTier, redis_server: RedisServer, prefix: str, turns: list[Segment]
 ) -> None:
     """A replica whose view of the parent is stale (the parent was dropped meanwhile) or
     whose referenced bytes the server lost cannot commit the fork: nothing of it stays."""
-    p0, p1 = Turn("p", 0, 300, 1), Turn("p", 1, 400, 2)
+    p0, p1 = Segment("p", 0, 300, seed=1), Segment("p", 1, 400, seed=2)
     turns += [p0, p1]
     await _store(tier, p0)
     await _store(tier, p1)
     await peer.refresh("p")  # the peer's view of p: then p is dropped
     assert await tier.discard("p")
     before = _keys(redis_server, prefix)
-    c2 = Turn("c", 2, 200, 3, base=(("p", 0, 300), ("p", 1, 100)))
+    c2 = Segment("c", 2, 200, seed=3, base=(("p", 0, 300), ("p", 1, 100)))
     turns.append(c2)
     with pytest.raises(HistoryConflictError, match="no longer in the shared tier"):
         await _store(peer, c2)
@@ -213,7 +183,7 @@ async def test_a_fork_commit_is_refused_without_trace_when_its_parent_range_is_g
     assert _keys(redis_server, prefix) - before <= {f"{_base(prefix, 'c')}:m"}
     assert await tier.lookup("c") == []
     # a referenced part evicted by the server: refused the same way
-    q0, q1 = Turn("q", 0, 300, 5), Turn("q", 1, 400, 6)
+    q0, q1 = Segment("q", 0, 300, seed=5), Segment("q", 1, 400, seed=6)
     turns += [q0, q1]
     await _store(tier, q0)
     await _store(tier, q1)
@@ -221,7 +191,7 @@ async def test_a_fork_commit_is_refused_without_trace_when_its_parent_range_is_g
         c.delete(
             next(k for k in _keys(redis_server, prefix) if k.startswith(f"{_base(prefix, 'q')}:1:"))
         )
-    d2 = Turn("d", 2, 200, 7, base=(("q", 0, 300), ("q", 1, 100)))
+    d2 = Segment("d", 2, 200, seed=7, base=(("q", 0, 300), ("q", 1, 100)))
     turns.append(d2)
     with pytest.raises(HistoryConflictError, match="no longer in the shared tier"):
         await _store(tier, d2)
@@ -230,16 +200,16 @@ async def test_a_fork_commit_is_refused_without_trace_when_its_parent_range_is_g
 
 
 async def test_a_fenced_replica_cannot_commit_a_fork(
-    tier: RedisTier, peer: RedisTier, redis_server: RedisServer, prefix: str, turns: list[Turn]
+    tier: RedisTier, peer: RedisTier, redis_server: RedisServer, prefix: str, turns: list[Segment]
 ) -> None:
     """A replica another one took the fork's key over from is refused by the server: no
     reference is recorded, the parent's drop then deletes all of it."""
-    p0 = Turn("p", 0, 300, 1)
+    p0 = Segment("p", 0, 300, seed=1)
     turns.append(p0)
     await _store(tier, p0)
     await tier.acquire("c")
     await peer.acquire("c", force=True)
-    c1 = Turn("c", 1, 100, 2, base=(("p", 0, 300),))
+    c1 = Segment("c", 1, 100, seed=2, base=(("p", 0, 300),))
     turns.append(c1)
     with pytest.raises(StaleWriterError):
         await _store(tier, c1)
@@ -249,7 +219,7 @@ async def test_a_fenced_replica_cannot_commit_a_fork(
 
 
 async def test_a_fork_whose_referenced_bytes_vanished_is_never_spliced(
-    tier: RedisTier, peer: RedisTier, redis_server: RedisServer, prefix: str, turns: list[Turn]
+    tier: RedisTier, peer: RedisTier, redis_server: RedisServer, prefix: str, turns: list[Segment]
 ) -> None:
     """A referenced part the server evicted: reading the fork fails (never other bytes),
     and every conversation listing that segment (the fork, its parent) is taken out."""
@@ -273,7 +243,7 @@ async def test_a_fork_whose_referenced_bytes_vanished_is_never_spliced(
 
 
 async def test_restart_empty_loses_the_fork_as_a_whole(
-    own_redis_server: RedisServer, turns: list[Turn]
+    own_redis_server: RedisServer, turns: list[Segment]
 ) -> None:
     """A server restarted empty: a replica that knew the fork finds it lost (a miss for
     the cache), never a part of it."""
@@ -288,7 +258,7 @@ async def test_restart_empty_loses_the_fork_as_a_whole(
 
 
 async def test_fsck_reports_a_dangling_reference_and_a_reclaimable_range(
-    tier: RedisTier, redis_server: RedisServer, prefix: str, turns: list[Turn]
+    tier: RedisTier, redis_server: RedisServer, prefix: str, turns: list[Segment]
 ) -> None:
     """A fork whose referenced bytes are gone is damage; a retired range whose only
     referrer's manifest vanished (evicted under maxmemory) is reclaimable."""
@@ -320,7 +290,7 @@ async def test_fsck_reports_a_dangling_reference_and_a_reclaimable_range(
 
 
 async def test_forks_with_a_secret(
-    redis_server: RedisServer, prefix: str, turns: list[Turn]
+    redis_server: RedisServer, prefix: str, turns: list[Segment]
 ) -> None:
     """With a secret, a fork's references are part of its manifest's MAC, and the parent's
     segments are checked with the parent's incarnation by every replica."""
