@@ -267,8 +267,9 @@ class UnauthenticatedWriterError(TieredKVError, PermissionError):
 class CommitDelayedError(TierIOError):
     """A shared tier cannot commit to a conversation yet: this replica took it over from one
     whose lease is still live (that replica may serve its copy until the lease ends, so
-    nothing may be committed before). Transient: the same write succeeds after
-    ``retry_in`` seconds.
+    nothing may be committed before), or, without a secret, the server has not known the
+    prefix unauthenticated for long enough (see ``RedisTier``'s ``secret``). Transient: the
+    same write is tried again after ``retry_in`` seconds.
 
     ``kept`` says whether the turn waits on this replica (a background commit: it is
     committed once that lease has ended) or was not stored at all (an append written
@@ -276,10 +277,19 @@ class CommitDelayedError(TierIOError):
     again after ``retry_in`` seconds).
     """
 
-    def __init__(self, tier: str, session: str, retry_in: float, *, kept: bool = True) -> None:
+    def __init__(
+        self,
+        tier: str,
+        session: str,
+        retry_in: float,
+        *,
+        kept: bool = True,
+        why: str = "it was taken over from a replica whose lease is still live",
+    ) -> None:
         self.session = session
         self.retry_in = retry_in
         self.kept = kept
+        self.why = why
         then = (
             "the turn is kept on this replica and committed once that lease has ended"
             if kept
@@ -290,7 +300,7 @@ class CommitDelayedError(TierIOError):
         super().__init__(
             tier,
             f"commit to session {_shown(session)!r} for another {retry_in:.1f} s",
-            f"it was taken over from a replica whose lease is still live; {then}",
+            f"{why}; {then}",
         )
 
 

@@ -301,6 +301,65 @@ async def test_a_replica_without_the_secret_opened_after_an_empty_restart_is_ref
             await other.load("new")
 
 
+async def test_after_an_empty_restart_a_replica_without_the_secret_waits_before_it_commits(
+    server: RedisServer,
+) -> None:
+    """A replica without ``secret=`` (1 s liveness, so 3 s of settling) on an unmarked
+    prefix commits at once. The server restarts empty, forgetting whether the prefix was
+    marked: the replica's next commit waits until the prefix has been unmarked for the
+    settling period (the replicas with the secret, if any, mark it again meanwhile), then
+    goes through, and is served."""
+    prefix = new_prefix()
+    async with replica(server.url, prefix, lease_ttl=1.0) as unkeyed:
+        await unkeyed.append("a", turn(0), answer_tokens=1)
+        with anyio.fail_after(2.5):
+            await unkeyed.flush()  # (the prefix was found unmarked on an old server)
+        server.restart(empty=True)
+        await unkeyed.append("b", turn(1), answer_tokens=1)
+        began = anyio.current_time()
+        with anyio.fail_after(30):
+            await unkeyed.flush()
+        assert anyio.current_time() - began >= 2.5
+    async with replica(server.url, prefix) as other:
+        assert tags(await other.load("b")) == [1]
+
+
+async def test_after_an_empty_restart_a_replica_without_the_secret_is_refused_once_marked(
+    server: RedisServer,
+) -> None:
+    """A replica without ``secret=`` (3 s of settling) runs on an unmarked prefix. The
+    server restarts empty, and the replica appends and flushes at once: its commit waits
+    out the settling period; a replica with the secret opens meanwhile (marking the prefix)
+    and writes; the unkeyed commit is then refused (a refused turn), so nothing without a
+    MAC lands under a prefix the keyed replicas serve."""
+    prefix, secret = new_prefix(), bytes(range(32))
+    refused: list[tuple[str, list[tuple[str, list[int]]]]] = []
+    async with replica(server.url, prefix, lease_ttl=1.0) as unkeyed:
+        server.restart(empty=True)
+        await unkeyed.append("new", turn(1), answer_tokens=1)
+
+        async def flush_unkeyed() -> None:
+            try:
+                with anyio.fail_after(30):
+                    await unkeyed.flush()
+            except TurnRefusedError as exc:
+                refused.append((str(exc), exc.refusals))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(flush_unkeyed)
+            await anyio.sleep(0.5)
+            async with replica(server.url, prefix, secret=secret) as keyed:
+                await keyed.append("chat", turn(0), answer_tokens=1)
+                await keyed.flush()
+    assert len(refused) == 1, "the commit without the secret went through"
+    assert "no secret" in refused[0][0]
+    assert refused[0][1] == [("new", [0])]
+    async with replica(server.url, prefix, secret=secret) as keyed:
+        assert tags(await keyed.load("chat")) == [0]
+        with pytest.raises(SessionNotFoundError):
+            await keyed.load("new")
+
+
 @pytest.mark.parametrize("holder", ["dead", "alive"])
 async def test_a_takeover_waits_for_a_live_holder_only(server: RedisServer, holder: str) -> None:
     """B (another process, a 30 s lease, 1 s liveness) writes t0 and flushes; A takes the

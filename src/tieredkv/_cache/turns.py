@@ -285,7 +285,9 @@ async def store(
             t += 1
         await core.io[t].write_new(key, plan, core.staging)
     except CommitDelayedError as exc:  # written straight to a shared tier: not kept here
-        raise CommitDelayedError(exc.tier, exc.session, exc.retry_in, kept=False) from exc
+        raise CommitDelayedError(
+            exc.tier, exc.session, exc.retry_in, kept=False, why=exc.why
+        ) from exc
     finally:
         core.tiers[t].release(key)
     return t

@@ -61,7 +61,7 @@ Client: TypeAlias = "aioredis.Redis | aioredis.RedisCluster"
 """The clients a tier works with (the modules beside this one import the client library
 only through this one, which says how to install it)."""
 
-_SCRIPTS = ("take", "acquire", "ensure", "commit", "drop", "reclaim", "release")
+_SCRIPTS = ("take", "acquire", "ensure", "commit", "drop", "reclaim", "release", "settle")
 
 
 def text(value: object) -> str:

@@ -213,13 +213,15 @@ class Commits(Leases):
             mac,
             self.owner,
             self._lease_ms,
-            # (without a secret, on one server: the prefix's mark, checked in the same step;
-            # a Cluster keeps it in another slot, and the heartbeat checks it instead)
-            self._marker if self._key is None and not isinstance(client, RedisCluster) else "",
+            # (on one server: the prefix's mark, checked (or put back) in the same step; a
+            # Cluster keeps it in another slot, and the heartbeat checks it instead)
+            "" if isinstance(client, RedisCluster) else self._marker,
             len(refs or ()),
             *[ref.qfield(self.prefix) for ref in refs or ()],
             *[encode_entry(ref) for ref in refs or ()],
             f"{self._base(session)}:t",
+            "" if self._key is None else self._mark,
+            self._settle_ms,
         ]
         commit = self._conn.scripts["commit"]
         try:
@@ -329,6 +331,15 @@ class Commits(Leases):
             if len(reply) > 3 and await self.reclaim(session, text(reply[3])):
                 retry_in = 0.0  # the replica it waited for is gone: commit at once
             raise CommitDelayedError(self.name, session, retry_in)
+        if code == -10:
+            raise CommitDelayedError(
+                self.name,
+                session,
+                max(0, to_int(reply[2])) / 1000,
+                why="this replica has no secret, and the server has not known the prefix "
+                "(unmarked) for a liveness period yet: it restarted empty, or the prefix is new; "
+                "replicas with the secret, if any, mark it again meanwhile",
+            )
         if code == -4:
             raise _Vanished
         if code in (-8, -9):

@@ -235,7 +235,7 @@ class Leases(Replica):
                 if self._key is None and not self._marked:
                     self._marked = bool(await client.exists(self._marker))
                 elif self._key is not None:  # (again: a server restarted empty forgot it)
-                    await client.set(self._marker, self._mark, nx=True)
+                    await self._put_mark(client)
         except (RedisError, OSError, TimeoutError):
             return False
         self._alive_until = max(self._alive_until, sent + self._liveness)

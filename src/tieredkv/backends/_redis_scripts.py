@@ -9,7 +9,7 @@ waiting for (see ``COMMIT``'s deadline). Fields another client wrote as garbage 
 
 from __future__ import annotations
 
-__all__ = ["ACQUIRE", "COMMIT", "DROP", "ENSURE", "RECLAIM", "RELEASE", "TAKE"]
+__all__ = ["ACQUIRE", "COMMIT", "DROP", "ENSURE", "RECLAIM", "RELEASE", "SETTLE", "TAKE"]
 
 _COMMON = """
 local function num(x) return tonumber(x) or 0 end
@@ -114,8 +114,18 @@ local f = redis.call('HMGET', KEYS[1], 'fence', 'id', 'v', 'n', 'nb', 'dmg', 'bn
 if f[1] ~= ARGV[2] then return refuse(-1, f[1], num(f[6])) end
 if f[4] == '0' and redis.call('EXISTS', ARGV[13 + 2 * bn]) == 1 then return refuse(-9) end
 if ARGV[8] == '' and redis.call('HEXISTS', KEYS[1], 'mac') == 1 then return refuse(-7) end
-if ARGV[8] == '' and ARGV[11] ~= '' and redis.call('EXISTS', ARGV[11]) == 1 then
-  return refuse(-7)
+if ARGV[11] ~= '' and ARGV[8] == '' then
+  if redis.call('EXISTS', ARGV[11]) == 1 then return refuse(-7) end
+  local since = redis.call('GET', ARGV[11] .. ':unmarked')
+  if not since then
+    since = fmt(now)
+    redis.call('SET', ARGV[11] .. ':unmarked', since)
+  end
+  local left = num(since) + num(ARGV[15 + 2 * bn]) - now
+  if left > 0 then return {-10, now, left} end
+elseif ARGV[11] ~= '' and ARGV[14 + 2 * bn] ~= '' then
+  redis.call('SET', ARGV[11], ARGV[14 + 2 * bn], 'NX')
+  redis.call('DEL', ARGV[11] .. ':unmarked')
 end
 local next_seq = seq
 if bn > 0 then
@@ -156,10 +166,21 @@ return {0, now, v}
 )
 """KEYS: manifest, parts...; ARGV: seq, token, entry, nonce:parts, manifest id and version
 the writer extends, deadline (server ms), the new manifest MAC (''), owner, lease ms, the
-prefix's authentication mark ('' for none: a writer with a secret, or on a Cluster), then
-``bn``, the number of segments a fork's first turn references ('0' for none), its ``bn``
-``q:<i>`` values, its ``bn`` ``r:<i>`` values, and the conversation's retired set (its
-keys' base and ``:t``).
+key of the prefix's authentication mark ('' on a Cluster, where it lies in another slot),
+then ``bn``, the number of segments a fork's first turn references ('0' for none), its
+``bn`` ``q:<i>`` values, its ``bn`` ``r:<i>`` values, the conversation's retired set (its
+keys' base and ``:t``), the mark (a writer with a secret; '' without one) and the settling
+period in ms (see below).
+
+The prefix's mark: a writer with a secret puts it back if it is gone (a server that
+restarted empty forgot it, or evicted it), and removes ``<mark key>:unmarked``. A writer
+without a secret is refused while the prefix is marked (-7), and, so that a server that
+forgot the mark cannot let it write before the replicas with the secret mark the prefix
+again (their heartbeat does, every third of their liveness), it commits only once the
+prefix has been seen unmarked for the settling period (``<mark key>:unmarked`` holds
+since when, server ms; a replica opening without a secret on a server up for that long
+sets it that far back): {-10, now, ms left} until then (its parts are kept, for the same
+commit later).
 
 A fork's first turn (``bn`` > 0, ``seq`` = ``bn``, an empty manifest) is committed with
 its references only if every part of every referenced segment is there and committed (no
@@ -177,7 +198,7 @@ commit behind the writer's back). Returns {0, now, v} (committed), {1, now, v} (
 segment was committed before: a retry), or a refusal: {-1, now, fence, dmg} (another
 writer; ``dmg`` 1: it then found the history damaged),
 {-2, now, id, v, n} (another history), {-3, now, ms, holder} (takeover delay, until the
-lease of ``holder`` would have ended), {-4, now} (no
+lease of ``holder`` would have ended), {-10, now, ms} (settling, above), {-4, now} (no
 manifest), {-5, now} (past the deadline), {-6, now, part} (a part is missing), {-7, now}
 (a writer without a MAC, ``ARGV[8]`` empty, extending an authenticated history, or
 writing under a prefix marked authenticated), -8 and -9 (above). Refusals
@@ -285,3 +306,23 @@ return {0, now}
 )
 """KEYS: manifest; ARGV: owner. Ends this replica's lease (its token stays the fence until
 another replica takes the conversation, which then needs no delay)."""
+
+SETTLE = (
+    _COMMON
+    + """
+if redis.call('EXISTS', ARGV[1]) == 1 then return {1, now} end
+local up = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)')) or 0
+local settle = tonumber(ARGV[2])
+if up * 1000 < settle then return {2, now, settle - up * 1000} end
+redis.call('SET', ARGV[1] .. ':unmarked', fmt(now - settle), 'NX')
+return {0, now}
+"""
+)
+"""KEYS: none (one server only); ARGV: the key of the prefix's authentication mark, the
+settling period (ms). For a writer without a secret, at open: {1, now} the prefix is
+marked; {2, now, ms}: the server has been up for less than the settling period (it may have
+restarted empty, forgetting the mark, which the replicas with the secret have not put back
+yet): ask again in ``ms``; {0, now}: unmarked on a server up that long, so unmarked that
+long (a mark is only ever lost with everything else, or evicted, when the replicas with the
+secret remove ``:unmarked`` as they mark again): ``<mark key>:unmarked`` says so (if it was
+not set already), and this replica's commits need not wait (see ``COMMIT``)."""

@@ -141,6 +141,21 @@ class Replica:
         ]
 
     @property
+    def _settle_ms(self) -> int:
+        """How long (ms) a prefix must have been seen unmarked before a tier without a
+        secret commits to it (see the ``COMMIT`` step): thrice its liveness, nine times the
+        interval at which replicas with the secret put the mark back (a server that
+        restarted empty forgot it), so that a replica slowed by a loaded machine still
+        does so first."""
+        return max(1, round(3 * self._liveness * 1000))
+
+    async def _put_mark(self, client: Client) -> None:
+        """Mark the prefix authenticated if it is not (a tier with a secret); where this
+        put the mark back, the prefix no longer counts as long unmarked (see ``SETTLE``)."""
+        if await client.set(self._marker, self._mark, nx=True) and not self._conn.cluster:
+            await client.delete(f"{self._marker}:unmarked")
+
+    @property
     def _marker(self) -> str:
         """The key that says the prefix is authenticated (see ``RedisTier``'s open)."""
         return f"{self.prefix}:auth"

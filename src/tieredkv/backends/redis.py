@@ -125,7 +125,11 @@ class RedisTier(Reads, Commits, SharedTier):
     :param owner: this replica's id in leases (default: a random one per tier)
     :param secret: authenticate every value and manifest with this secret (at least 16
         bytes, the same on every replica; keep it out of the server): a client of the
-        server without it can neither forge, alter nor shorten a history
+        server without it can neither forge, alter nor shorten a history; replicas
+        with one mark the prefix (``<prefix>:auth``), and a replica without one is
+        refused on a marked prefix, and commits only to a prefix unmarked for three
+        times ``liveness`` (after an empty restart of the server, its commits wait that
+        long: see the how-to on sharing KV through Redis)
     :param client_options: passed to the client's connection pool (``password``,
         ``username``, ``ssl_ca_certs``, ``ssl_certfile``, ...), with a URL only
 
@@ -240,7 +244,9 @@ class RedisTier(Reads, Commits, SharedTier):
         await self._conn.open()
         try:
             await self._check_secret()
-            if self._key is None and await self._wait_for_marks():
+            if self._key is None and not self._conn.cluster:
+                await self._wait_settled()
+            elif self._key is None and await self._wait_for_marks():
                 await self._check_secret()  # (marked again meanwhile: refused)
             await self.beat()
             self._stop_heart = stop = anyio.Event()
@@ -263,7 +269,7 @@ class RedisTier(Reads, Commits, SharedTier):
         mine = None if self._key is None else self._mark
         try:
             if mine is not None:
-                await client.set(marker, mine, nx=True)
+                await self._put_mark(client)
             found = await client.get(marker)
         except (RedisError, OSError) as exc:
             raise self._io_error("check the prefix's secret", exc) from exc
@@ -282,11 +288,11 @@ class RedisTier(Reads, Commits, SharedTier):
 
     async def _wait_for_marks(self) -> bool:
         """A server that restarted empty lost the prefix's mark; the replicas with the
-        secret put it back with their next heartbeat (every third of ``liveness``). On a
-        server up for less than ``liveness``, wait until it has been up that long (whether
-        it waited), so that a tier without the secret does not open on an authenticated
-        prefix in the moments after such a restart (its writes would be refused by every
-        other replica, as damaged).
+        secret put it back with their next heartbeat (every third of ``liveness``) or
+        commit. On a server up for less than the settling period (thrice ``liveness``),
+        wait until it has been up that long (whether it waited), so that a tier without
+        the secret does not open on an authenticated prefix in the moments after such a
+        restart (its writes would be refused by every other replica, as damaged).
 
         :raises TierIOError: the server cannot be reached
         """
@@ -296,10 +302,31 @@ class RedisTier(Reads, Commits, SharedTier):
         except (RedisError, OSError, TimeoutError) as exc:
             raise self._io_error("check the prefix's secret", exc) from exc
         up = info.get("uptime_in_seconds") if isinstance(info, dict) else None
-        if not isinstance(up, int | float) or up >= self._liveness:
+        settle = self._settle_ms / 1000
+        if not isinstance(up, int | float) or up >= settle:
             return False
-        await anyio.sleep(self._liveness - up)  # (up is rounded down: long enough)
+        await anyio.sleep(settle - up)  # (up is rounded down: long enough)
         return True
+
+    async def _wait_settled(self) -> None:
+        """Without a secret, on one server: wait until the prefix has been unmarked for the
+        settling period (thrice ``liveness``; the ``SETTLE`` step), so that this replica
+        neither opens on a prefix whose mark a server that restarted empty forgot a moment
+        ago nor has its first commits wait (see the ``COMMIT`` step).
+
+        :raises InvalidArgumentError: the prefix is marked (authenticated)
+        :raises TierIOError: the server cannot be reached
+        """
+        while True:
+            reply = await self._conn.call(
+                "settle", [], [self._marker, self._settle_ms], "check the prefix's secret"
+            )
+            if int(reply[0]) == 0:
+                return
+            if int(reply[0]) == 1:
+                await self._check_secret()  # (raises, unless the mark went meanwhile)
+                continue
+            await anyio.sleep(max(1, int(reply[2])) / 1000)
 
     async def _scan(self) -> list[SegmentHeader]:
         client = self._check_open()
