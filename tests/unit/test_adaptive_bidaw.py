@@ -81,7 +81,7 @@ def test_a_tool_call_back_soon_is_ranked_by_the_memory_time_it_holds() -> None:
     than a small one whose person reads for 3 C; but it holds its bytes for a tenth of the
     time. Tool calls are ranked by potential per byte times C over the expected time held,
     so the person's conversation goes first."""
-    p = AdaptiveBidaw(capacity=40 * GB, refresh_every=64, duel_block=10**9)
+    p = AdaptiveBidaw(capacity=40 * GB, refresh_every=64, duel_block=10**9, ranking="potential")
     learn(p, 6000, tool_signal=True)
     answer, tool = p.bucket_of(40), p.bucket_of(40) + len(p.answer_edges) + 1
     table_tool, table_people = p.table(tool), p.table(answer)

@@ -18,14 +18,20 @@ from ._hit_density import HORIZONS, best_density
 from .base import shielded, stored_share
 from .bidaw_eviction import DEFAULT_ANSWER_EDGES, BidawEviction, _Seen, _unimodal
 from .ghost import GhostCache
+from .ranking import RESCORE_BINS, ResidentRanking
 
-__all__ = ["DEFAULT_HINT_EDGES", "AdaptiveBidaw"]
+__all__ = ["DEFAULT_HINT_EDGES", "DEFAULT_TURN_EDGES", "AdaptiveBidaw"]
 
 DEFAULT_HINT_EDGES: tuple[float, ...] = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 """Upper edges (exclusive, seconds) of the classes of hinted gaps; one more class takes
 every longer hint."""
 
-_RANKINGS = ("potential", "density")
+DEFAULT_TURN_EDGES: tuple[int, ...] = (2, 4, 8, 16, 32)
+"""Upper edges (inclusive) of the classes of turns so far that the chance of a next turn
+is learned per (hit density); one more class takes every longer conversation."""
+
+_POTENTIAL, _DENSITY, _AUTO = "potential", "density", "auto"
+_RANKINGS = (_AUTO, _POTENTIAL, _DENSITY)
 _PRIORITY_SPAN = 4  # priorities are clamped to [-4, 4]: a factor of 16 either way
 _LEARNED, _RECENCY = "learned", "recency"
 _MAX_BACKOFF = 16  # a losing trial doubles the wait for the next, up to 16 duel_retry
@@ -134,6 +140,7 @@ class AdaptiveBidaw(BidawEviction):
         *,
         answer_edges: Sequence[int] = DEFAULT_ANSWER_EDGES,
         hint_edges: Sequence[float] = DEFAULT_HINT_EDGES,
+        turn_edges: Sequence[int] = DEFAULT_TURN_EDGES,
         promising: int = 7,
         span: float = 1.4,
         bins_per_capacity: int = 16,
@@ -150,11 +157,46 @@ class AdaptiveBidaw(BidawEviction):
         hint_lead: float = 30.0,
         hint_slack: float = 5.0,
         depart: float = 600.0,
-        ranking: str = "potential",
+        ranking: str = _AUTO,
+        rival_margin: float = 16.0,
+        rival_half_life: int = 512,
     ) -> None:
         if ranking not in _RANKINGS:
             raise ValueError(f"ranking must be one of {_RANKINGS} (got {ranking!r})")
+        if not (0 < rival_margin < math.inf and rival_half_life >= 1):
+            raise ValueError(
+                f"rival_margin must be a finite number > 0 and rival_half_life >= 1 "
+                f"(got {rival_margin}, {rival_half_life})"
+            )
         self.ranking = ranking
+        turn_classes = tuple(int(t) for t in turn_edges)
+        if any(b <= a for a, b in itertools.pairwise(turn_classes)) or (
+            turn_classes and turn_classes[0] < 1
+        ):
+            raise ValueError(
+                f"turn_edges must be >= 1 and increase strictly (got {turn_classes})"
+            )
+        # the hit potential does not use the turns: one class there
+        self.turn_edges = turn_classes if ranking != _POTENTIAL else ()
+        self._turn_classes = len(self.turn_edges) + 1
+        self.order = _DENSITY if ranking == _DENSITY else _POTENTIAL
+        """The ranking in use: ``"potential"`` or ``"density"`` (with ``ranking="auto"``,
+        whichever the duel of the two rankings last chose)."""
+        self.rival_margin = float(rival_margin)
+        self._rival_decay = 0.5 ** (1.0 / rival_half_life)
+        self._lead = 0.0  # decayed hits of the rival ranking's shadow over the tier's own
+        self.switches = 0
+        """How many times the duel of the rankings changed :attr:`order`."""
+        # the shadow of the ranking not in use (``ranking="auto"``): session -> bytes, and
+        # session -> (bucket, rank key, group, latest access)
+        self._rival = (
+            ResidentRanking(self._rival_score, size_aware=size_aware)
+            if ranking == _AUTO
+            else None
+        )
+        self._rival_size: dict[str, int] = {}
+        self._rival_seen: dict[str, tuple[int, int, int, float]] = {}
+        self._rival_bytes = 0
         if not 0 < depart < math.inf:
             raise ValueError(f"depart must be a finite number of seconds > 0 (got {depart})")
         self.depart = float(depart)
@@ -202,8 +244,8 @@ class AdaptiveBidaw(BidawEviction):
         self._answer_buckets = len(tuple(answer_edges)) + 1
         self._dense: list[list[float]] | None = None  # the tool and hint buckets' scores
         buckets = self._bucket_count(self._answer_buckets)
-        self._t_returned = [0.0] * buckets
-        self._t_departed = [0.0] * buckets
+        self._t_returned = [0.0] * (buckets * self._turn_classes)  # [bucket, turn class]
+        self._t_departed = [0.0] * (buckets * self._turn_classes)
         super().__init__(
             capacity,
             answer_edges=answer_edges,
@@ -225,20 +267,26 @@ class AdaptiveBidaw(BidawEviction):
         if due is not None:
             self._judge(abs(now - due[0]) <= due[1])
         self._expect(session, meta)
-        if self.ranking == "density":
+        if self.ranking != _POTENTIAL:
             self._learn_gap(session, meta, now)
         seen = self._seen.get(session)
-        if seen is not None and seen.completing and not seen.overdue and self._capacity:
+        if seen is not None and seen.completing and self._capacity:
             # a hit: resident since before this access (a miss promoted just before its
             # access is notified, as the live cache does, is still a miss)
             own = session in self._resident and session not in self._fresh
-            self._score_duel(own, session in self._shadow)
+            if not seen.overdue:
+                self._score_duel(own, session in self._shadow)
+            if self._rival is not None and self.mode == _LEARNED:
+                self._score_rivals(own, session in self._rival_size)
         self._fresh.discard(session)
         self._just_accessed = session
-        self._shadow_access(session, stored_share(meta))
+        weight = stored_share(meta)
+        self._shadow_access(session, weight)
         if session in self._recency:
             self._recency.move_to_end(session)
         super().on_access(session, meta, now)
+        if self._rival is not None:
+            self._rival_access(session, weight, now)
 
     def on_admit(self, session: str, meta: KVMeta, now: float) -> None:
         self._now = max(self._now, now)
@@ -297,6 +345,13 @@ class AdaptiveBidaw(BidawEviction):
         if size is not None:
             self._place(session, seen, size)
             self._flush()
+        rival = self._rival
+        entry = self._rival_seen.get(session)
+        if rival is not None and entry is not None:
+            size = self._rival_size[session]
+            group = rival.place(session, entry[2], rank, size)
+            self._rival_seen[session] = (bucket, rank, group, entry[3])
+            rival.flush()
 
     def foresee(self, session: str) -> float | None:
         """:meth:`foresee_at` at the latest time the policy was told of."""
@@ -328,11 +383,14 @@ class AdaptiveBidaw(BidawEviction):
         shared by many conversations counts once in all, as in the tier)."""
         return list(self._shadow)
 
-    def density(self, bucket: int) -> list[float] | None:
+    def density(self, bucket: int, turns: int = 1) -> list[float] | None:
         """Hit density (hits per second of keeping a conversation, before its size) by
         seconds elapsed since its latest access (at :meth:`density_grid`'s points) for one
-        bucket, as last refreshed; ``None`` before the first gap in seconds is learned."""
-        return None if self._density is None else list(self._density[bucket])
+        bucket and a conversation of ``turns`` turns so far, as last refreshed; ``None``
+        before the first gap in seconds is learned."""
+        if self._density is None:
+            return None
+        return list(self._density[bucket * self._turn_classes + self._turn_class(turns)])
 
     def density_grid(self) -> list[float]:
         """The elapsed seconds the density tables are tabulated at (the first is 0)."""
@@ -434,10 +492,14 @@ class AdaptiveBidaw(BidawEviction):
         return self._rank_key_of(seen.bucket, meta)
 
     def _rank_key_of(self, bucket: int, meta: KVMeta) -> int:
+        """Bucket, class of priority (0: none) and class of turns so far, in one key."""
         priority = max(-_PRIORITY_SPAN, min(_PRIORITY_SPAN, meta.priority))
-        if priority == 0:
-            return bucket
-        return bucket + self._buckets * (priority + _PRIORITY_SPAN + 1)
+        if priority != 0:
+            bucket += self._buckets * (priority + _PRIORITY_SPAN + 1)
+        return bucket * self._turn_classes + self._turn_class(meta.turns)
+
+    def _turn_class(self, turns: int) -> int:
+        return bisect.bisect_left(self.turn_edges, turns)
 
     # -- gaps in seconds, hit density --------------------------------------------------
     def _learn_gap(self, session: str, meta: KVMeta, now: float) -> None:
@@ -448,7 +510,7 @@ class AdaptiveBidaw(BidawEviction):
         if old is not None and old[2]:
             last = self._clock[session]
             self._gaps.append((old[0], now - last))
-            self._t_returned[old[0]] += 1.0
+            self._t_returned[old[0] * self._turn_classes + self._turn_class(old[1])] += 1.0
         completed = old is None or meta.turns > old[1]
         self._clock[session] = now
         waiting = self._waiting
@@ -459,7 +521,7 @@ class AdaptiveBidaw(BidawEviction):
             if clock[oldest] > horizon:
                 break
             gone = waiting.popitem(last=False)[1]
-            self._t_departed[gone[0]] += 1.0
+            self._t_departed[gone[0] * self._turn_classes + self._turn_class(gone[1])] += 1.0
             if oldest not in resident:
                 del clock[oldest]
 
@@ -471,7 +533,9 @@ class AdaptiveBidaw(BidawEviction):
         potential times ``C`` over the expected occupancy. With ``"density"``: every
         bucket's hit density (hits per second of keeping a conversation) by the seconds
         elapsed since its latest access, from the gaps learned in seconds."""
-        if self.ranking == "potential":
+        if self._rival is not None:
+            self._rival.rescore_all()
+        if self.ranking != _DENSITY:
             nb = self.bins_per_capacity
             k_max = mass.shape[1]
             idx = np.arange(k_max)
@@ -481,8 +545,7 @@ class AdaptiveBidaw(BidawEviction):
             first = self._answer_buckets
             dense = potential[first:] * nb / np.maximum(occupancy[first:], 0.5)
             self._dense = [_unimodal(row) for row in dense.tolist()]
-            return
-        if not self._gaps:
+        if self.ranking == _POTENTIAL or not self._gaps:
             return
         pairs = np.array(self._gaps, dtype=np.float64)
         labels = pairs[:, 0].astype(np.int64)
@@ -490,8 +553,10 @@ class AdaptiveBidaw(BidawEviction):
         pooled = np.sort(gaps)
         grid = np.asarray(self._grid)
         ahead = grid[:, None] + HORIZONS[None, 1:]
-        returned = np.asarray(self._t_returned)
-        departed = np.asarray(self._t_departed)
+        nc = self._turn_classes
+        by_class = np.asarray(self._t_returned).reshape(-1, nc)  # [bucket, turn class]
+        gone_by_class = np.asarray(self._t_departed).reshape(-1, nc)
+        returned, departed = by_class.sum(axis=1), gone_by_class.sum(axis=1)
         decay = 0.5 ** (self.refresh_every / self.samples)
         self._t_returned = [x * decay for x in self._t_returned]
         self._t_departed = [x * decay for x in self._t_departed]
@@ -499,40 +564,129 @@ class AdaptiveBidaw(BidawEviction):
         p_prior = (returned.sum() + 1.0) / (returned.sum() + departed.sum() + 1.0)
         pooled_now = (len(pooled) - np.searchsorted(pooled, grid, side="right")) / len(pooled)
         pooled_ahead = (len(pooled) - np.searchsorted(pooled, ahead, side="right")) / len(pooled)
+        # the chance of a next turn per bucket, and its change with the turns so far
+        # (pooled over buckets), added in log-odds
+        q_bucket = (returned + prior * p_prior) / (returned + departed + prior)
+        back, gone = by_class.sum(axis=0), gone_by_class.sum(axis=0)
+        q_class = (back + prior * p_prior) / (back + gone + prior)
+        odds = _logit(q_bucket)[:, None] + (_logit(q_class) - _logit(np.array(p_prior)))[None]
+        q_all = 1.0 / (1.0 + np.exp(-odds))  # [bucket, turn class]
+        n = len(grid)
         rows = []
         for b in range(len(returned)):
             mine = np.sort(gaps[labels == b])
             total = len(mine) + prior
             s_now = len(mine) - np.searchsorted(mine, grid, side="right") + prior * pooled_now
             s_ahead = len(mine) - np.searchsorted(mine, ahead, side="right") + prior * pooled_ahead
-            q = (returned[b] + prior * p_prior) / (returned[b] + departed[b] + prior)
-            density = best_density(np.full(len(grid), q), s_now / total, s_ahead / total)
-            rows.append(_unimodal(density.tolist()))
+            density = best_density(
+                np.repeat(q_all[b], n), np.tile(s_now / total, nc), np.tile(s_ahead / total, (nc, 1))
+            )
+            rows.extend(_unimodal(density[c * n : (c + 1) * n].tolist()) for c in range(nc))
         self._density = rows
 
     def _score(self, session: str) -> float:
         seen = self._seen[session]
+        return self._rated(
+            self.order,
+            session,
+            seen,
+            seen.bucket,
+            seen.rank,
+            self._clock.get(session, self._now),
+            self._resident[session],
+        )
+
+    def _rated(
+        self,
+        order: str,
+        session: str,
+        seen: _Seen | None,
+        bucket: int,
+        rank: int,
+        last: float,
+        size: int,
+    ) -> float:
+        """A resident's score under ``order`` (lowest evicted first): ``seen`` is what the
+        potential knows of it (``None``: forgotten, past the horizon), ``bucket`` and
+        ``rank`` its bucket and rank key, ``last`` its latest access, ``size`` its
+        bytes."""
         density = self._density
         dense = self._dense
         first = self._answer_buckets
-        if density is None and (dense is None or seen.bucket < first or seen.overdue):
+        nc = self._turn_classes
+        if order == _DENSITY and density is not None:
+            grid = self._grid
+            k = bisect.bisect_right(grid, self._now - last) - 1
+            score = density[bucket * nc + rank % nc][min(max(k, 0), len(grid) - 1)]
+        elif seen is None or seen.overdue:
+            score = 0.0
+        elif dense is None or seen.bucket < first:
             score = self._potential(session, seen)
-        elif density is None:
-            assert dense is not None
+        else:
             elapsed = self._tracker.elapsed(session)
             assert elapsed is not None
             assert self._capacity is not None
             row = dense[seen.bucket - first]
             k = elapsed * self.bins_per_capacity // self._capacity
             score = row[k] if k < len(row) else 0.0
-        else:
-            grid = self._grid
-            k = bisect.bisect_right(grid, self._now - self._clock[session]) - 1
-            score = density[seen.bucket][min(max(k, 0), len(grid) - 1)]
         if self.size_aware:
-            score /= max(self._resident[session], 1)
-        rank = seen.rank
+            score /= max(size, 1)
+        rank //= nc
         if rank < self._buckets:
             return score
         priority = rank // self._buckets - _PRIORITY_SPAN - 1
         return score * 2.0**priority
+
+    # -- the duel of the two rankings ----------------------------------------------------
+    def _rival_score(self, session: str) -> float:
+        bucket, rank, _, last = self._rival_seen[session]
+        order = _POTENTIAL if self.order == _DENSITY else _DENSITY
+        seen = self._seen.get(session)
+        return self._rated(order, session, seen, bucket, rank, last, self._rival_size[session])
+
+    def _rival_access(self, session: str, nbytes: int, now: float) -> None:
+        """``session`` was accessed: the newest in the shadow of the other ranking, which
+        then evicts, by that ranking, down to the capacity."""
+        rival = self._rival
+        assert rival is not None
+        seen = self._seen[session]
+        sizes = self._rival_size
+        entry = self._rival_seen.get(session)
+        self._rival_bytes += nbytes - sizes.get(session, 0)
+        sizes[session] = nbytes
+        group = rival.place(session, -1 if entry is None else entry[2], seen.rank, nbytes)
+        self._rival_seen[session] = (seen.bucket, seen.rank, group, now)
+        capacity = self._capacity
+        if capacity is None:
+            return
+        rival.rescore_some(nbytes, capacity * RESCORE_BINS / self.bins_per_capacity)
+        rival.flush()
+        excess = self._rival_bytes - capacity
+        if excess <= 0:
+            return
+        chosen, _ = rival.choose(excess, frozenset((session,)), sizes)
+        for victim in chosen:
+            self._rival_bytes -= sizes.pop(victim)
+            rival.unplace(victim, self._rival_seen.pop(victim)[2])
+        rival.flush()
+
+    def _score_rivals(self, own: bool, rival: bool) -> None:
+        """One returning access: a hit of the tier (its ranking) or of the other ranking's
+        shadow. The rival's decayed lead past ``rival_margin`` swaps the two rankings."""
+        lead = self._lead * self._rival_decay + (rival - own)
+        margin = self.rival_margin
+        if lead < margin:
+            self._lead = max(lead, -margin)
+            return
+        self._lead = 0.0
+        self.order = _POTENTIAL if self.order == _DENSITY else _DENSITY
+        self.switches += 1
+        self._ranking.rescore_all()
+        assert self._rival is not None
+        self._rival.rescore_all()
+
+
+def _logit(p: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    clipped = np.clip(p, 1e-6, 1 - 1e-6)
+    out: npt.NDArray[np.float64] = np.log(clipped / (1 - clipped))
+    return out
