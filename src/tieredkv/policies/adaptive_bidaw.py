@@ -20,15 +20,11 @@ from .bidaw_eviction import DEFAULT_ANSWER_EDGES, BidawEviction, _Seen, _unimoda
 from .ghost import GhostCache
 from .ranking import RESCORE_BINS, ResidentRanking
 
-__all__ = ["DEFAULT_HINT_EDGES", "DEFAULT_TURN_EDGES", "AdaptiveBidaw"]
+__all__ = ["DEFAULT_HINT_EDGES", "AdaptiveBidaw"]
 
 DEFAULT_HINT_EDGES: tuple[float, ...] = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 """Upper edges (exclusive, seconds) of the classes of hinted gaps; one more class takes
 every longer hint."""
-
-DEFAULT_TURN_EDGES: tuple[int, ...] = (2, 4, 8, 16, 32)
-"""Upper edges (inclusive) of the classes of turns so far that the chance of a next turn
-is learned per (hit density); one more class takes every longer conversation."""
 
 _POTENTIAL, _DENSITY, _AUTO = "potential", "density", "auto"
 _RANKINGS = (_AUTO, _POTENTIAL, _DENSITY)
@@ -140,7 +136,6 @@ class AdaptiveBidaw(BidawEviction):
         *,
         answer_edges: Sequence[int] = DEFAULT_ANSWER_EDGES,
         hint_edges: Sequence[float] = DEFAULT_HINT_EDGES,
-        turn_edges: Sequence[int] = DEFAULT_TURN_EDGES,
         promising: int = 7,
         span: float = 1.4,
         bins_per_capacity: int = 16,
@@ -169,16 +164,6 @@ class AdaptiveBidaw(BidawEviction):
                 f"(got {rival_margin}, {rival_half_life})"
             )
         self.ranking = ranking
-        turn_classes = tuple(int(t) for t in turn_edges)
-        if any(b <= a for a, b in itertools.pairwise(turn_classes)) or (
-            turn_classes and turn_classes[0] < 1
-        ):
-            raise ValueError(
-                f"turn_edges must be >= 1 and increase strictly (got {turn_classes})"
-            )
-        # the hit potential does not use the turns: one class there
-        self.turn_edges = turn_classes if ranking != _POTENTIAL else ()
-        self._turn_classes = len(self.turn_edges) + 1
         self.order = _DENSITY if ranking == _DENSITY else _POTENTIAL
         """The ranking in use: ``"potential"`` or ``"density"`` (with ``ranking="auto"``,
         whichever the duel of the two rankings last chose)."""
@@ -244,8 +229,8 @@ class AdaptiveBidaw(BidawEviction):
         self._answer_buckets = len(tuple(answer_edges)) + 1
         self._dense: list[list[float]] | None = None  # the tool and hint buckets' scores
         buckets = self._bucket_count(self._answer_buckets)
-        self._t_returned = [0.0] * (buckets * self._turn_classes)  # [bucket, turn class]
-        self._t_departed = [0.0] * (buckets * self._turn_classes)
+        self._t_returned = [0.0] * buckets
+        self._t_departed = [0.0] * buckets
         super().__init__(
             capacity,
             answer_edges=answer_edges,
@@ -383,14 +368,16 @@ class AdaptiveBidaw(BidawEviction):
         shared by many conversations counts once in all, as in the tier)."""
         return list(self._shadow)
 
-    def density(self, bucket: int, turns: int = 1) -> list[float] | None:
+    def rival_sessions(self) -> list[str]:
+        """With ``ranking="auto"``: the sessions the shadow of the ranking not in use
+        holds (each sized by its share of the stored bytes), in no particular order."""
+        return list(self._rival_size)
+
+    def density(self, bucket: int) -> list[float] | None:
         """Hit density (hits per second of keeping a conversation, before its size) by
         seconds elapsed since its latest access (at :meth:`density_grid`'s points) for one
-        bucket and a conversation of ``turns`` turns so far, as last refreshed; ``None``
-        before the first gap in seconds is learned."""
-        if self._density is None:
-            return None
-        return list(self._density[bucket * self._turn_classes + self._turn_class(turns)])
+        bucket, as last refreshed; ``None`` before the first gap in seconds is learned."""
+        return None if self._density is None else list(self._density[bucket])
 
     def density_grid(self) -> list[float]:
         """The elapsed seconds the density tables are tabulated at (the first is 0)."""
@@ -492,14 +479,10 @@ class AdaptiveBidaw(BidawEviction):
         return self._rank_key_of(seen.bucket, meta)
 
     def _rank_key_of(self, bucket: int, meta: KVMeta) -> int:
-        """Bucket, class of priority (0: none) and class of turns so far, in one key."""
         priority = max(-_PRIORITY_SPAN, min(_PRIORITY_SPAN, meta.priority))
-        if priority != 0:
-            bucket += self._buckets * (priority + _PRIORITY_SPAN + 1)
-        return bucket * self._turn_classes + self._turn_class(meta.turns)
-
-    def _turn_class(self, turns: int) -> int:
-        return bisect.bisect_left(self.turn_edges, turns)
+        if priority == 0:
+            return bucket
+        return bucket + self._buckets * (priority + _PRIORITY_SPAN + 1)
 
     # -- gaps in seconds, hit density --------------------------------------------------
     def _learn_gap(self, session: str, meta: KVMeta, now: float) -> None:
@@ -510,7 +493,7 @@ class AdaptiveBidaw(BidawEviction):
         if old is not None and old[2]:
             last = self._clock[session]
             self._gaps.append((old[0], now - last))
-            self._t_returned[old[0] * self._turn_classes + self._turn_class(old[1])] += 1.0
+            self._t_returned[old[0]] += 1.0
         completed = old is None or meta.turns > old[1]
         self._clock[session] = now
         waiting = self._waiting
@@ -521,7 +504,7 @@ class AdaptiveBidaw(BidawEviction):
             if clock[oldest] > horizon:
                 break
             gone = waiting.popitem(last=False)[1]
-            self._t_departed[gone[0] * self._turn_classes + self._turn_class(gone[1])] += 1.0
+            self._t_departed[gone[0]] += 1.0
             if oldest not in resident:
                 del clock[oldest]
 
@@ -553,10 +536,8 @@ class AdaptiveBidaw(BidawEviction):
         pooled = np.sort(gaps)
         grid = np.asarray(self._grid)
         ahead = grid[:, None] + HORIZONS[None, 1:]
-        nc = self._turn_classes
-        by_class = np.asarray(self._t_returned).reshape(-1, nc)  # [bucket, turn class]
-        gone_by_class = np.asarray(self._t_departed).reshape(-1, nc)
-        returned, departed = by_class.sum(axis=1), gone_by_class.sum(axis=1)
+        returned = np.asarray(self._t_returned)
+        departed = np.asarray(self._t_departed)
         decay = 0.5 ** (self.refresh_every / self.samples)
         self._t_returned = [x * decay for x in self._t_returned]
         self._t_departed = [x * decay for x in self._t_departed]
@@ -564,24 +545,15 @@ class AdaptiveBidaw(BidawEviction):
         p_prior = (returned.sum() + 1.0) / (returned.sum() + departed.sum() + 1.0)
         pooled_now = (len(pooled) - np.searchsorted(pooled, grid, side="right")) / len(pooled)
         pooled_ahead = (len(pooled) - np.searchsorted(pooled, ahead, side="right")) / len(pooled)
-        # the chance of a next turn per bucket, and its change with the turns so far
-        # (pooled over buckets), added in log-odds
-        q_bucket = (returned + prior * p_prior) / (returned + departed + prior)
-        back, gone = by_class.sum(axis=0), gone_by_class.sum(axis=0)
-        q_class = (back + prior * p_prior) / (back + gone + prior)
-        odds = _logit(q_bucket)[:, None] + (_logit(q_class) - _logit(np.array(p_prior)))[None]
-        q_all = 1.0 / (1.0 + np.exp(-odds))  # [bucket, turn class]
-        n = len(grid)
         rows = []
         for b in range(len(returned)):
             mine = np.sort(gaps[labels == b])
             total = len(mine) + prior
             s_now = len(mine) - np.searchsorted(mine, grid, side="right") + prior * pooled_now
             s_ahead = len(mine) - np.searchsorted(mine, ahead, side="right") + prior * pooled_ahead
-            density = best_density(
-                np.repeat(q_all[b], n), np.tile(s_now / total, nc), np.tile(s_ahead / total, (nc, 1))
-            )
-            rows.extend(_unimodal(density[c * n : (c + 1) * n].tolist()) for c in range(nc))
+            q = (returned[b] + prior * p_prior) / (returned[b] + departed[b] + prior)
+            density = best_density(np.full(len(grid), q), s_now / total, s_ahead / total)
+            rows.append(_unimodal(density.tolist()))
         self._density = rows
 
     def _score(self, session: str) -> float:
@@ -613,11 +585,10 @@ class AdaptiveBidaw(BidawEviction):
         density = self._density
         dense = self._dense
         first = self._answer_buckets
-        nc = self._turn_classes
         if order == _DENSITY and density is not None:
             grid = self._grid
             k = bisect.bisect_right(grid, self._now - last) - 1
-            score = density[bucket * nc + rank % nc][min(max(k, 0), len(grid) - 1)]
+            score = density[bucket][min(max(k, 0), len(grid) - 1)]
         elif seen is None or seen.overdue:
             score = 0.0
         elif dense is None or seen.bucket < first:
@@ -631,7 +602,6 @@ class AdaptiveBidaw(BidawEviction):
             score = row[k] if k < len(row) else 0.0
         if self.size_aware:
             score /= max(size, 1)
-        rank //= nc
         if rank < self._buckets:
             return score
         priority = rank // self._buckets - _PRIORITY_SPAN - 1
@@ -685,8 +655,3 @@ class AdaptiveBidaw(BidawEviction):
         assert self._rival is not None
         self._rival.rescore_all()
 
-
-def _logit(p: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
-    clipped = np.clip(p, 1e-6, 1 - 1e-6)
-    out: npt.NDArray[np.float64] = np.log(clipped / (1 - clipped))
-    return out
