@@ -63,10 +63,21 @@ class AdaptiveBidaw(BidawEviction):
     A hint given between accesses (:meth:`on_hint`) moves the session to the bucket of the
     new hint.
 
-    **How it ranks.** By default (``ranking="potential"``) a resident's score is the
-    paper policy's hit potential per byte, learned from reuse distances in bytes of
-    traffic; for a tool-call or hinted turn, times ``C`` over its expected occupancy
-    (``E[min(R, C)]``, the remaining distance ``R`` in bins from the same distribution).
+    **How it ranks.** Two rankings are learned side by side. The *hit potential*
+    (``ranking="potential"``) is the paper policy's hit potential per byte, learned from
+    reuse distances in bytes of traffic; for a tool-call or hinted turn, times ``C`` over
+    its expected occupancy (``E[min(R, C)]``, the remaining distance ``R`` in bins from the
+    same distribution). The *hit density in time* (``ranking="density"``, below) learns
+    the gaps in seconds. By default (``ranking="auto"``) they duel: the tier evicts by one
+    (:attr:`order`, the potential first) and a shadow cache of the same capacity (session
+    sizes, no data) evicts by the other, over the same accesses. At every returning
+    access, the shadow's hit counts +1 and the tier's -1 in a lead decayed with a half-life
+    of ``rival_half_life`` returning accesses (and bounded below by ``-rival_margin``);
+    when it reaches ``rival_margin`` the two swap (the shadow then evicts by the ranking
+    the tier left). Neither ranking wins everywhere: the density in time where a user's
+    gap is long against the traffic (people reading, slow tools), the potential where
+    most conversations never come back and nothing is gone for long enough in seconds to
+    count as gone (the Mooncake trace's head).
 
     **Hit density in time** (``ranking="density"``). It learns per bucket the gap in
     *seconds* from an access that completed a turn to the session's next access (the last
@@ -99,7 +110,8 @@ class AdaptiveBidaw(BidawEviction):
     hints are wrong soon gets nothing from them. Other sessions get the learned potential
     (:meth:`foresee`). Pins are honoured as by every policy (never a victim while pinned).
     Where no turn ends in a tool call and no caller hints, the buckets are the paper's and,
-    with ``ranking="potential"``, so are the decisions.
+    with ``ranking="potential"`` (or ``"auto"`` while the potential keeps the tier), so
+    are the decisions.
 
     **A duel with LRU.** Where nothing the policy conditions on predicts the gap, a learned
     order can lose to recency. The policy keeps a shadow LRU cache of the same capacity
@@ -109,7 +121,7 @@ class AdaptiveBidaw(BidawEviction):
     from there it tries its learned order again after ``duel_retry`` blocks, for one block,
     and keeps it unless recency wins that block; each lost trial doubles the wait before
     the next one (up to 16 times ``duel_retry``), a won one resets it. :attr:`mode` says
-    which order is in use.
+    which order is in use; the duel of the two rankings pauses while it is LRU's.
 
     :param hint_edges: upper edges of the hinted-gap classes, seconds, increasing
     :param samples: distance samples kept (all buckets together; more buckets than the
@@ -122,8 +134,11 @@ class AdaptiveBidaw(BidawEviction):
         on time (or a quarter of the hinted gap, if more)
     :param depart: with ``ranking="density"``, seconds without an access after which a
         session counts as gone (its user left); gaps are learned up to there
-    :param ranking: ``"potential"`` (hit potential in bytes of traffic) or ``"density"``
-        (hit density in seconds)
+    :param ranking: ``"auto"`` (the two below, dueling), ``"potential"`` (hit potential
+        in bytes of traffic) or ``"density"`` (hit density in seconds)
+    :param rival_margin: with ``"auto"``, the decayed lead in hits at which the shadow's
+        ranking takes the tier
+    :param rival_half_life: with ``"auto"``, returning accesses over which the lead halves
 
     The other parameters are :class:`~tieredkv.policies.BidawEviction`'s.
     """
