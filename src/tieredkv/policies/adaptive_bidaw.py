@@ -168,7 +168,7 @@ class AdaptiveBidaw(BidawEviction):
         hint_slack: float = 5.0,
         depart: float = 600.0,
         ranking: str = _AUTO,
-        rival_margin: float = 16.0,
+        rival_margin: float = 32.0,
         rival_half_life: int = 512,
     ) -> None:
         if ranking not in _RANKINGS:
@@ -190,9 +190,7 @@ class AdaptiveBidaw(BidawEviction):
         # the shadow of the ranking not in use (``ranking="auto"``): session -> bytes, and
         # session -> (bucket, rank key, group, latest access)
         self._rival = (
-            ResidentRanking(self._rival_score, size_aware=size_aware)
-            if ranking == _AUTO
-            else None
+            ResidentRanking(self._rival_score, size_aware=size_aware) if ranking == _AUTO else None
         )
         self._rival_size: dict[str, int] = {}
         self._rival_seen: dict[str, tuple[int, int, int, float]] = {}
@@ -669,4 +667,3 @@ class AdaptiveBidaw(BidawEviction):
         self._ranking.rescore_all()
         assert self._rival is not None
         self._rival.rescore_all()
-
