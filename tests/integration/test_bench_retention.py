@@ -29,14 +29,14 @@ def test_the_default_eviction_learns_the_gap_where_the_paper_cannot() -> None:
     for row in measure_mooncake([50.0, 100.0, 200.0]):  # the potential keeps the tier here
         assert row.hits["bidaw"] == row.hits["bidaw-paper"] > row.hits["bidaw-density"], row
     for (workload, gb), row in agentic.items():
-        # the paper's policy does not see tool calls: the default does better everywhere
-        assert row.hits["bidaw"] >= row.hits["bidaw-paper"] + 0.02, row
-        # and no worse than LRU by more than the duel's lag (at the largest host size)
-        assert row.hits["bidaw"] >= 0.93 * row.hits["lru"], row
-        assert row.ratio("bidaw") >= 0.70, row
+        # the paper's policy does not see tool calls, LRU no answer length: the default
+        # does better than both everywhere, and follows the density in time here
+        assert row.hits["bidaw"] >= max(row.hits["bidaw-paper"], row.hits["lru"]) + 0.02, row
+        assert row.hits["bidaw"] >= row.hits["bidaw-density"] - 0.012, row
+        assert row.ratio("bidaw") >= 0.84, row  # 0.86-0.94 here
         none = agentic["agentic, no hints", gb].hits["bidaw"]
         if workload.endswith("correct hints"):
-            assert row.hits["bidaw"] >= none + 0.02, row
-            assert row.ratio("bidaw") >= 0.78, row  # 0.79-0.83 here
+            assert row.hits["bidaw"] >= none + 0.015, row
+            assert row.ratio("bidaw") >= 0.89, row  # 0.91-0.94 here
         if workload.endswith("wrong hints"):  # wrong hints cost at most 5%
             assert row.hits["bidaw"] >= 0.95 * none, row

@@ -132,8 +132,8 @@ class AdaptiveBidaw(BidawEviction):
     :param hint_lead: seconds before a hinted turn from which prefetch prefers the session
     :param hint_slack: seconds by which a turn may miss its hinted time and still count as
         on time (or a quarter of the hinted gap, if more)
-    :param depart: with ``ranking="density"``, seconds without an access after which a
-        session counts as gone (its user left); gaps are learned up to there
+    :param depart: with ``ranking="density"`` or ``"auto"``, seconds without an access
+        after which a session counts as gone (its user left); gaps are learned up to there
     :param ranking: ``"auto"`` (the two below, dueling), ``"potential"`` (hit potential
         in bytes of traffic) or ``"density"`` (hit density in seconds)
     :param rival_margin: with ``"auto"``, the decayed lead in hits at which the shadow's
