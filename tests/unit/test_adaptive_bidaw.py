@@ -4,6 +4,7 @@ and the duel with LRU."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -81,7 +82,7 @@ def test_a_tool_call_back_soon_is_ranked_by_the_memory_time_it_holds() -> None:
     than a small one whose person reads for 3 C; but it holds its bytes for a tenth of the
     time. Tool calls are ranked by potential per byte times C over the expected time held,
     so the person's conversation goes first."""
-    p = AdaptiveBidaw(capacity=40 * GB, refresh_every=64, duel_block=10**9)
+    p = AdaptiveBidaw(capacity=40 * GB, refresh_every=64, duel_block=10**9, ranking="potential")
     learn(p, 6000, tool_signal=True)
     answer, tool = p.bucket_of(40), p.bucket_of(40) + len(p.answer_edges) + 1
     table_tool, table_people = p.table(tool), p.table(answer)
@@ -223,3 +224,48 @@ def test_the_duel_counts_a_promoted_miss_as_a_miss() -> None:
 def test_an_unknown_ranking_is_refused() -> None:
     with pytest.raises(ValueError, match="ranking must be one of"):
         AdaptiveBidaw(ranking="seconds")
+
+
+def test_the_rankings_duel_and_the_tier_follows_the_one_that_hits_more() -> None:
+    """By default the tier evicts by one ranking and a shadow of the same capacity by the
+    other; the shadow's decayed lead in hits past ``rival_margin`` swaps them."""
+    p = AdaptiveBidaw(capacity=3 * GB, rival_margin=2.5, rival_half_life=10**6)
+    assert (p.ranking, p.order, p.switches) == ("auto", "potential", 0)
+    for i, s in enumerate("abcd"):  # the shadow holds what fits, the newest included
+        p.on_access(s, meta(s), float(i))
+        assert set(p.rival_sessions()) == set("abcd"[: i + 1][-3:])
+    for _ in range(2):
+        p._score_rivals(False, True)
+    assert p.order == "potential"
+    p._score_rivals(True, True)  # both hit: no lead gained
+    p._score_rivals(False, True)  # a lead of 3 (2.5 and a little decay)
+    assert (p.order, p.switches) == ("density", 1)
+    for _ in range(10):  # the tier's own hits: the lead is bounded below by the margin
+        p._score_rivals(True, False)
+    for _ in range(4):
+        p._score_rivals(False, True)
+    assert p.order == "density"
+    for _ in range(2):  # from -2.5 to +3.5
+        p._score_rivals(False, True)
+    assert (p.order, p.switches) == ("potential", 2)
+    with pytest.raises(ValueError, match="rival_margin"):
+        AdaptiveBidaw(rival_margin=0)
+
+
+def test_on_the_mooncake_head_the_potential_keeps_the_tier() -> None:
+    """On the Mooncake trace's head the hit density in time never leads (no conversation
+    is gone for long enough to count as gone within it), so the default decides exactly
+    as the hit potential alone."""
+    from tieredkv.sim.replay import replay
+    from tieredkv.sim.workloads import read_mooncake
+
+    turns = read_mooncake(
+        Path(__file__).resolve().parents[1] / "data/mooncake/conversation_trace_head1500.jsonl"
+    )
+    warmup = len(turns) // 10
+    auto = AdaptiveBidaw()
+    hits = replay(turns, auto, host_bytes=100 * GB, warmup=warmup).hits
+    alone = replay(turns, AdaptiveBidaw(ranking="potential"), host_bytes=100 * GB, warmup=warmup)
+    density = replay(turns, AdaptiveBidaw(ranking="density"), host_bytes=100 * GB, warmup=warmup)
+    assert (auto.order, auto.switches) == ("potential", 0)
+    assert hits == alone.hits > density.hits

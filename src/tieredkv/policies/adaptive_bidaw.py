@@ -18,6 +18,7 @@ from ._hit_density import HORIZONS, best_density
 from .base import shielded, stored_share
 from .bidaw_eviction import DEFAULT_ANSWER_EDGES, BidawEviction, _Seen, _unimodal
 from .ghost import GhostCache
+from .ranking import RESCORE_BINS, ResidentRanking
 
 __all__ = ["DEFAULT_HINT_EDGES", "AdaptiveBidaw"]
 
@@ -25,7 +26,8 @@ DEFAULT_HINT_EDGES: tuple[float, ...] = (2, 4, 8, 16, 32, 64, 128, 256, 512, 102
 """Upper edges (exclusive, seconds) of the classes of hinted gaps; one more class takes
 every longer hint."""
 
-_RANKINGS = ("potential", "density")
+_POTENTIAL, _DENSITY, _AUTO = "potential", "density", "auto"
+_RANKINGS = (_AUTO, _POTENTIAL, _DENSITY)
 _PRIORITY_SPAN = 4  # priorities are clamped to [-4, 4]: a factor of 16 either way
 _LEARNED, _RECENCY = "learned", "recency"
 _MAX_BACKOFF = 16  # a losing trial doubles the wait for the next, up to 16 duel_retry
@@ -61,10 +63,21 @@ class AdaptiveBidaw(BidawEviction):
     A hint given between accesses (:meth:`on_hint`) moves the session to the bucket of the
     new hint.
 
-    **How it ranks.** By default (``ranking="potential"``) a resident's score is the
-    paper policy's hit potential per byte, learned from reuse distances in bytes of
-    traffic; for a tool-call or hinted turn, times ``C`` over its expected occupancy
-    (``E[min(R, C)]``, the remaining distance ``R`` in bins from the same distribution).
+    **How it ranks.** Two rankings are learned side by side. The *hit potential*
+    (``ranking="potential"``) is the paper policy's hit potential per byte, learned from
+    reuse distances in bytes of traffic; for a tool-call or hinted turn, times ``C`` over
+    its expected occupancy (``E[min(R, C)]``, the remaining distance ``R`` in bins from the
+    same distribution). The *hit density in time* (``ranking="density"``, below) learns
+    the gaps in seconds. By default (``ranking="auto"``) they duel: the tier evicts by one
+    (:attr:`order`, the potential first) and a shadow cache of the same capacity (session
+    sizes, no data) evicts by the other, over the same accesses. At every returning
+    access, the shadow's hit counts +1 and the tier's -1 in a lead decayed with a half-life
+    of ``rival_half_life`` returning accesses (and bounded below by ``-rival_margin``);
+    when it reaches ``rival_margin`` the two swap (the shadow then evicts by the ranking
+    the tier left). Neither ranking wins everywhere: the density in time where a user's
+    gap is long against the traffic (people reading, slow tools), the potential where
+    most conversations never come back and nothing is gone for long enough in seconds to
+    count as gone (the Mooncake trace's head).
 
     **Hit density in time** (``ranking="density"``). It learns per bucket the gap in
     *seconds* from an access that completed a turn to the session's next access (the last
@@ -97,7 +110,8 @@ class AdaptiveBidaw(BidawEviction):
     hints are wrong soon gets nothing from them. Other sessions get the learned potential
     (:meth:`foresee`). Pins are honoured as by every policy (never a victim while pinned).
     Where no turn ends in a tool call and no caller hints, the buckets are the paper's and,
-    with ``ranking="potential"``, so are the decisions.
+    with ``ranking="potential"`` (or ``"auto"`` while the potential keeps the tier), so
+    are the decisions.
 
     **A duel with LRU.** Where nothing the policy conditions on predicts the gap, a learned
     order can lose to recency. The policy keeps a shadow LRU cache of the same capacity
@@ -107,7 +121,7 @@ class AdaptiveBidaw(BidawEviction):
     from there it tries its learned order again after ``duel_retry`` blocks, for one block,
     and keeps it unless recency wins that block; each lost trial doubles the wait before
     the next one (up to 16 times ``duel_retry``), a won one resets it. :attr:`mode` says
-    which order is in use.
+    which order is in use; the duel of the two rankings pauses while it is LRU's.
 
     :param hint_edges: upper edges of the hinted-gap classes, seconds, increasing
     :param samples: distance samples kept (all buckets together; more buckets than the
@@ -118,10 +132,13 @@ class AdaptiveBidaw(BidawEviction):
     :param hint_lead: seconds before a hinted turn from which prefetch prefers the session
     :param hint_slack: seconds by which a turn may miss its hinted time and still count as
         on time (or a quarter of the hinted gap, if more)
-    :param depart: with ``ranking="density"``, seconds without an access after which a
-        session counts as gone (its user left); gaps are learned up to there
-    :param ranking: ``"potential"`` (hit potential in bytes of traffic) or ``"density"``
-        (hit density in seconds)
+    :param depart: with ``ranking="density"`` or ``"auto"``, seconds without an access
+        after which a session counts as gone (its user left); gaps are learned up to there
+    :param ranking: ``"auto"`` (the two below, dueling), ``"potential"`` (hit potential
+        in bytes of traffic) or ``"density"`` (hit density in seconds)
+    :param rival_margin: with ``"auto"``, the decayed lead in hits at which the shadow's
+        ranking takes the tier
+    :param rival_half_life: with ``"auto"``, returning accesses over which the lead halves
 
     The other parameters are :class:`~tieredkv.policies.BidawEviction`'s.
     """
@@ -150,11 +167,34 @@ class AdaptiveBidaw(BidawEviction):
         hint_lead: float = 30.0,
         hint_slack: float = 5.0,
         depart: float = 600.0,
-        ranking: str = "potential",
+        ranking: str = _AUTO,
+        rival_margin: float = 32.0,
+        rival_half_life: int = 512,
     ) -> None:
         if ranking not in _RANKINGS:
             raise ValueError(f"ranking must be one of {_RANKINGS} (got {ranking!r})")
+        if not (0 < rival_margin < math.inf and rival_half_life >= 1):
+            raise ValueError(
+                f"rival_margin must be a finite number > 0 and rival_half_life >= 1 "
+                f"(got {rival_margin}, {rival_half_life})"
+            )
         self.ranking = ranking
+        self.order = _DENSITY if ranking == _DENSITY else _POTENTIAL
+        """The ranking in use: ``"potential"`` or ``"density"`` (with ``ranking="auto"``,
+        whichever the duel of the two rankings last chose)."""
+        self.rival_margin = float(rival_margin)
+        self._rival_decay = 0.5 ** (1.0 / rival_half_life)
+        self._lead = 0.0  # decayed hits of the rival ranking's shadow over the tier's own
+        self.switches = 0
+        """How many times the duel of the rankings changed :attr:`order`."""
+        # the shadow of the ranking not in use (``ranking="auto"``): session -> bytes, and
+        # session -> (bucket, rank key, group, latest access)
+        self._rival = (
+            ResidentRanking(self._rival_score, size_aware=size_aware) if ranking == _AUTO else None
+        )
+        self._rival_size: dict[str, int] = {}
+        self._rival_seen: dict[str, tuple[int, int, int, float]] = {}
+        self._rival_bytes = 0
         if not 0 < depart < math.inf:
             raise ValueError(f"depart must be a finite number of seconds > 0 (got {depart})")
         self.depart = float(depart)
@@ -225,20 +265,26 @@ class AdaptiveBidaw(BidawEviction):
         if due is not None:
             self._judge(abs(now - due[0]) <= due[1])
         self._expect(session, meta)
-        if self.ranking == "density":
+        if self.ranking != _POTENTIAL:
             self._learn_gap(session, meta, now)
         seen = self._seen.get(session)
-        if seen is not None and seen.completing and not seen.overdue and self._capacity:
+        if seen is not None and seen.completing and self._capacity:
             # a hit: resident since before this access (a miss promoted just before its
             # access is notified, as the live cache does, is still a miss)
             own = session in self._resident and session not in self._fresh
-            self._score_duel(own, session in self._shadow)
+            if not seen.overdue:
+                self._score_duel(own, session in self._shadow)
+            if self._rival is not None and self.mode == _LEARNED:
+                self._score_rivals(own, session in self._rival_size)
         self._fresh.discard(session)
         self._just_accessed = session
-        self._shadow_access(session, stored_share(meta))
+        weight = stored_share(meta)
+        self._shadow_access(session, weight)
         if session in self._recency:
             self._recency.move_to_end(session)
         super().on_access(session, meta, now)
+        if self._rival is not None:
+            self._rival_access(session, weight, now)
 
     def on_admit(self, session: str, meta: KVMeta, now: float) -> None:
         self._now = max(self._now, now)
@@ -297,6 +343,13 @@ class AdaptiveBidaw(BidawEviction):
         if size is not None:
             self._place(session, seen, size)
             self._flush()
+        rival = self._rival
+        entry = self._rival_seen.get(session)
+        if rival is not None and entry is not None:
+            size = self._rival_size[session]
+            group = rival.place(session, entry[2], rank, size)
+            self._rival_seen[session] = (bucket, rank, group, entry[3])
+            rival.flush()
 
     def foresee(self, session: str) -> float | None:
         """:meth:`foresee_at` at the latest time the policy was told of."""
@@ -327,6 +380,11 @@ class AdaptiveBidaw(BidawEviction):
         share of the stored bytes, :func:`~tieredkv.policies.base.stored_share`: a range
         shared by many conversations counts once in all, as in the tier)."""
         return list(self._shadow)
+
+    def rival_sessions(self) -> list[str]:
+        """With ``ranking="auto"``: the sessions the shadow of the ranking not in use
+        holds (each sized by its share of the stored bytes), in no particular order."""
+        return list(self._rival_size)
 
     def density(self, bucket: int) -> list[float] | None:
         """Hit density (hits per second of keeping a conversation, before its size) by
@@ -471,7 +529,9 @@ class AdaptiveBidaw(BidawEviction):
         potential times ``C`` over the expected occupancy. With ``"density"``: every
         bucket's hit density (hits per second of keeping a conversation) by the seconds
         elapsed since its latest access, from the gaps learned in seconds."""
-        if self.ranking == "potential":
+        if self._rival is not None:
+            self._rival.rescore_all()
+        if self.ranking != _DENSITY:
             nb = self.bins_per_capacity
             k_max = mass.shape[1]
             idx = np.arange(k_max)
@@ -481,8 +541,7 @@ class AdaptiveBidaw(BidawEviction):
             first = self._answer_buckets
             dense = potential[first:] * nb / np.maximum(occupancy[first:], 0.5)
             self._dense = [_unimodal(row) for row in dense.tolist()]
-            return
-        if not self._gaps:
+        if self.ranking == _POTENTIAL or not self._gaps:
             return
         pairs = np.array(self._gaps, dtype=np.float64)
         labels = pairs[:, 0].astype(np.int64)
@@ -512,27 +571,99 @@ class AdaptiveBidaw(BidawEviction):
 
     def _score(self, session: str) -> float:
         seen = self._seen[session]
+        return self._rated(
+            self.order,
+            session,
+            seen,
+            seen.bucket,
+            seen.rank,
+            self._clock.get(session, self._now),
+            self._resident[session],
+        )
+
+    def _rated(
+        self,
+        order: str,
+        session: str,
+        seen: _Seen | None,
+        bucket: int,
+        rank: int,
+        last: float,
+        size: int,
+    ) -> float:
+        """A resident's score under ``order`` (lowest evicted first): ``seen`` is what the
+        potential knows of it (``None``: forgotten, past the horizon), ``bucket`` and
+        ``rank`` its bucket and rank key, ``last`` its latest access, ``size`` its
+        bytes."""
         density = self._density
         dense = self._dense
         first = self._answer_buckets
-        if density is None and (dense is None or seen.bucket < first or seen.overdue):
+        if order == _DENSITY and density is not None:
+            grid = self._grid
+            k = bisect.bisect_right(grid, self._now - last) - 1
+            score = density[bucket][min(max(k, 0), len(grid) - 1)]
+        elif seen is None or seen.overdue:
+            score = 0.0
+        elif dense is None or seen.bucket < first:
             score = self._potential(session, seen)
-        elif density is None:
-            assert dense is not None
+        else:
             elapsed = self._tracker.elapsed(session)
             assert elapsed is not None
             assert self._capacity is not None
             row = dense[seen.bucket - first]
             k = elapsed * self.bins_per_capacity // self._capacity
             score = row[k] if k < len(row) else 0.0
-        else:
-            grid = self._grid
-            k = bisect.bisect_right(grid, self._now - self._clock[session]) - 1
-            score = density[seen.bucket][min(max(k, 0), len(grid) - 1)]
         if self.size_aware:
-            score /= max(self._resident[session], 1)
-        rank = seen.rank
+            score /= max(size, 1)
         if rank < self._buckets:
             return score
         priority = rank // self._buckets - _PRIORITY_SPAN - 1
         return score * 2.0**priority
+
+    # -- the duel of the two rankings ----------------------------------------------------
+    def _rival_score(self, session: str) -> float:
+        bucket, rank, _, last = self._rival_seen[session]
+        order = _POTENTIAL if self.order == _DENSITY else _DENSITY
+        seen = self._seen.get(session)
+        return self._rated(order, session, seen, bucket, rank, last, self._rival_size[session])
+
+    def _rival_access(self, session: str, nbytes: int, now: float) -> None:
+        """``session`` was accessed: the newest in the shadow of the other ranking, which
+        then evicts, by that ranking, down to the capacity."""
+        rival = self._rival
+        assert rival is not None
+        seen = self._seen[session]
+        sizes = self._rival_size
+        entry = self._rival_seen.get(session)
+        self._rival_bytes += nbytes - sizes.get(session, 0)
+        sizes[session] = nbytes
+        group = rival.place(session, -1 if entry is None else entry[2], seen.rank, nbytes)
+        self._rival_seen[session] = (seen.bucket, seen.rank, group, now)
+        capacity = self._capacity
+        if capacity is None:
+            return
+        rival.rescore_some(nbytes, capacity * RESCORE_BINS / self.bins_per_capacity)
+        rival.flush()
+        excess = self._rival_bytes - capacity
+        if excess <= 0:
+            return
+        chosen, _ = rival.choose(excess, frozenset((session,)), sizes)
+        for victim in chosen:
+            self._rival_bytes -= sizes.pop(victim)
+            rival.unplace(victim, self._rival_seen.pop(victim)[2])
+        rival.flush()
+
+    def _score_rivals(self, own: bool, rival: bool) -> None:
+        """One returning access: a hit of the tier (its ranking) or of the other ranking's
+        shadow. The rival's decayed lead past ``rival_margin`` swaps the two rankings."""
+        lead = self._lead * self._rival_decay + (rival - own)
+        margin = self.rival_margin
+        if lead < margin:
+            self._lead = max(lead, -margin)
+            return
+        self._lead = 0.0
+        self.order = _POTENTIAL if self.order == _DENSITY else _DENSITY
+        self.switches += 1
+        self._ranking.rescore_all()
+        assert self._rival is not None
+        self._rival.rescore_all()
