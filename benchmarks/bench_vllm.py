@@ -375,7 +375,8 @@ def rows_for(shape: str, skip: set[str]) -> list[str]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's options (``build_parser().parse_args([])``: its defaults)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 2-layer model, a few turns")
     parser.add_argument(
@@ -430,7 +431,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--hit-users", type=int, default=16, help="users of the pressure workload (2-layer model)"
     )
-    parser.add_argument("--hit-turns", type=int, default=5, help="turns per pressure user")
+    parser.add_argument(
+        "--hit-turns",
+        type=int,
+        default=10,
+        help="turns per pressure user (Bidaw learns its reuse distances from the returning "
+        "turns: with 16 users of 5 turns, 58 of them, what it learns is noise)",
+    )
     parser.add_argument(
         "--hit-fraction", type=float, default=0.25, help="host tier / histories, pressure"
     )
@@ -465,6 +472,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--keep", action="store_true", help="keep the work directory (logs, LMCache metrics)"
     )
+    return parser
+
+
+def pressure_budget(args: argparse.Namespace) -> tuple[argparse.Namespace, Workload, int]:
+    """The pressure workload's options (the 2-layer model, vLLM's pool of
+    ``--hit-pool-conversations``), its turns and the host memory of its rows."""
+    wargs = argparse.Namespace(**vars(args))
+    vars(wargs).update(QUICK_MODEL)
+    wargs.pool_conversations = args.hit_pool_conversations
+    wl = Workload(wargs, users=args.hit_users, turns=args.hit_turns, shape="pressure")
+    host = args.host_bytes or max(1 << 20, int(histories_bytes(wl, wargs) * args.hit_fraction))
+    return wargs, wl, host
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
         args.users, args.turns, args.context, args.hit_users, args.hit_turns = 3, 3, 96, 6, 3
@@ -509,16 +532,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.keep:
             print(f"work directory (kept): {work}", flush=True)
         for shape in shapes:
-            wargs = argparse.Namespace(**vars(args))
             if shape == "pressure":
-                vars(wargs).update(QUICK_MODEL)
-                wargs.pool_conversations = args.hit_pool_conversations
-                wl = Workload(wargs, users=args.hit_users, turns=args.hit_turns, shape=shape)
-                fraction = args.hit_fraction
+                wargs, wl, host = pressure_budget(args)
             else:
+                wargs = argparse.Namespace(**vars(args))
                 wl = Workload(wargs, shape=shape)
-                fraction = args.host_fraction
-            host = args.host_bytes or max(1 << 20, int(histories_bytes(wl, wargs) * fraction))
+                host = args.host_bytes or max(
+                    1 << 20, int(histories_bytes(wl, wargs) * args.host_fraction)
+                )
             rows = rows_for(shape, skip)
             print(f"\n== workload {shape} ==", flush=True)
             if peer is not None and alone is None and not args.no_alone:
