@@ -55,7 +55,11 @@ Rows (each its own engine, same turns, greedy; answers must all equal the recomp
   request that continues part of a stored conversation as its fork (the connector's
   ``forks``, on by default); ``--sync-load-bytes`` sets the connector's ``sync_load_bytes``;
 * ``tieredkv bidaw (no forks)`` (system and documents): the same with ``forks`` off, every
-  conversation stored whole.
+  conversation stored whole;
+* ``tieredkv bidaw (exclusive)`` (chat): the same with the connector's ``mode`` exclusive:
+  a turn is written to the SSD tier only when host memory evicts it, not in the background
+  after every turn (what is in host memory at shutdown is gone); its bytes stored are
+  those written into host memory.
 
 Columns: returning-turn TTFT mean and P99 (seconds, vLLM's own first-token latency),
 throughput (turns per second of the run), host hit ratio (what each cache was asked for that
@@ -281,10 +285,11 @@ def metric(text: str, name: str) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
-def ssd_written(text: str) -> float:
-    """Bytes written into the SSD tier (``nan``: none exported)."""
+def ssd_written(text: str, kind: str = "ssd") -> float:
+    """Bytes written into the SSD tier (``kind="memory"``: the host tier; ``nan``: none
+    exported)."""
     values = re.findall(
-        r'^tieredkv_tier_written_bytes_total\{kind="ssd",[^}]*\} ([0-9.e+]+)$', text, re.M
+        rf'^tieredkv_tier_written_bytes_total\{{kind="{kind}",[^}}]*\}} ([0-9.e+]+)$', text, re.M
     )
     return sum(float(v) for v in values) if values else float("nan")
 
@@ -336,19 +341,24 @@ ROWS = (
     "tieredkv lru",
     "tieredkv bidaw",
     "tieredkv bidaw (no forks)",
+    "tieredkv bidaw (exclusive)",
 )
-#: tieredkv's rows: eviction policy, and whether a request continuing part of a stored
-#: conversation is stored as its fork (the connector's ``forks``)
+#: tieredkv's rows: eviction policy, whether a request continuing part of a stored
+#: conversation is stored as its fork (the connector's ``forks``), and the connector's
+#: ``mode`` (inclusive: every turn also written to the SSD tier in the background;
+#: exclusive: written there only when host memory evicts it)
 TIEREDKV_ROWS = {
-    "tieredkv lru": ("lru", True),
-    "tieredkv bidaw": ("bidaw", True),
-    "tieredkv bidaw (no forks)": ("bidaw", False),
+    "tieredkv lru": ("lru", True, "inclusive"),
+    "tieredkv bidaw": ("bidaw", True, "inclusive"),
+    "tieredkv bidaw (no forks)": ("bidaw", False, "inclusive"),
+    "tieredkv bidaw (exclusive)": ("bidaw", True, "exclusive"),
 }
 #: rows that run only where conversations share a prefix (forks on and off differ only there)
 SHARED_ONLY = {"tieredkv bidaw (no forks)"}
 #: rows that run only on the chat workload: on the CPU backend both offloading specs stop
-#: at start, the same way whatever the workload
-CHAT_ONLY = {"vllm offloading", "vllm tiering-fs"}
+#: at start, the same way whatever the workload; exclusive mode is measured where
+#: returning turns are served from host memory beside the first turns' writes
+CHAT_ONLY = {"vllm offloading", "vllm tiering-fs", "tieredkv bidaw (exclusive)"}
 
 #: per workload: (what, comparison, target) for tieredkv bidaw's ratios
 TARGETS: dict[str, list[tuple[str, str, float]]] = {
@@ -673,7 +683,7 @@ def run_one(
         note += f", {l1:.0f} in L1 ({stats.host_hit:.2f} of those found)"
         return Row(result, host_hit=asked, host_hit_found=stats.host_hit, stored=stored, note=note)
     if name in TIEREDKV_ROWS:
-        policy, forks = TIEREDKV_ROWS[name]
+        policy, forks, mode = TIEREDKV_ROWS[name]
         for attempt in range(3):
             # the port is free when picked, but the engine may take it for a socket of its
             # own before the worker's metrics server binds it: then pick another
@@ -686,6 +696,7 @@ def run_one(
                 "scheduler": "bidaw",
                 "metrics_port": port,
                 "forks": forks,
+                "mode": mode,
             }
             if args.sync_load_bytes:
                 extra["sync_load_bytes"] = args.sync_load_bytes
@@ -705,6 +716,8 @@ def run_one(
         # every turn is written to the SSD tier once (inclusive mode); the host tier's
         # written bytes also count promotions back into it
         stored = ssd_written(text)
+        if mode == "exclusive":  # written below host memory only when evicted from it
+            stored = ssd_written(text, "memory")  # promotions back into it count too
         note = (
             f"{loads:.0f} loads, {metric(text, 'hits_total'):.0f} from host memory; "
             f"{metric(text, 'promotions_total'):.0f} promotions, "
