@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -43,13 +43,16 @@ def bench() -> Iterator[ModuleType]:
         del sys.modules["bench_vllm_pressure"]
 
 
-def host_hits(bench: ModuleType, policy: str, ssd: Path) -> tuple[int, int]:
-    """The benchmark's default pressure workload through a worker with ``policy``: each
+def host_hits(
+    bench: ModuleType, policy: str, ssd: Path, argv: Sequence[str] = ()
+) -> tuple[int, int]:
+    """The benchmark's pressure workload (its defaults, or ``argv``'s options, e.g.
+    ``["--hit-turns", "5"]``) through a worker with ``policy``: each
     conversation's first turn and each returning turn in the benchmark's order; a returning
     turn loads its stored history (every complete block) and then stores its new complete
     blocks, as the connector does when vLLM's pool holds none of it. Returns the cache's
     host hits and loads (the benchmark's ``tieredkv_hits_total`` and ``loads_total``)."""
-    args = bench.build_parser().parse_args([])
+    args = bench.build_parser().parse_args(list(argv))
     wargs, wl, host = bench.pressure_budget(args)
     bs = bench.BS
     heads = wargs.kv_heads
