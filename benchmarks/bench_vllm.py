@@ -285,9 +285,9 @@ def metric(text: str, name: str) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
-def ssd_written(text: str, kind: str = "ssd") -> float:
-    """Bytes written into the SSD tier (``kind="memory"``: the host tier; ``nan``: none
-    exported)."""
+def tier_written(text: str, kind: str = "ssd") -> float:
+    """Bytes written into the tier of ``kind`` (``"ssd"``, or ``"memory"``: the host tier;
+    ``nan``: none exported)."""
     values = re.findall(
         rf'^tieredkv_tier_written_bytes_total\{{kind="{kind}",[^}}]*\}} ([0-9.e+]+)$', text, re.M
     )
@@ -715,9 +715,9 @@ def run_one(
         hit = metric(text, "hits_total") / loads if loads > 0 else float("nan")
         # every turn is written to the SSD tier once (inclusive mode); the host tier's
         # written bytes also count promotions back into it
-        stored = ssd_written(text)
+        stored = tier_written(text)
         if mode == "exclusive":  # written below host memory only when evicted from it
-            stored = ssd_written(text, "memory")  # promotions back into it count too
+            stored = tier_written(text, "memory")  # promotions back into it count too
         note = (
             f"{loads:.0f} loads, {metric(text, 'hits_total'):.0f} from host memory; "
             f"{metric(text, 'promotions_total'):.0f} promotions, "

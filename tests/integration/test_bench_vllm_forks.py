@@ -44,9 +44,9 @@ def test_bench_vllm_forks_off_row_runs_and_stores_the_shared_prompt_again(
         spec.loader.exec_module(bench)
         keep = {"vllm recompute", "tieredkv bidaw", "tieredkv bidaw (no forks)"}
         skip = ",".join(r for r in bench.ROWS if r not in keep)
-        # vLLM's pool holds one conversation (the longest takes 9 blocks): the cache serves
+        # vLLM's pool holds one conversation: the cache serves the others' returning turns
         argv = ["--quick", "--workloads", "system", "--dir", str(tmp_path), "--skip", skip]
-        argv += ["--pool-blocks", "10"]
+        argv += ["--pool-conversations", "1"]
         assert bench.main(argv) == 0  # 1: an answer differs
     finally:
         del sys.modules["bench_vllm"]
