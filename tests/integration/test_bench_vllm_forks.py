@@ -1,8 +1,9 @@
 """The vLLM benchmark's forks-off row runs end to end on the quick system-prompt workload:
 with ``forks`` on, tieredkv stores the shared prompt once and each conversation's own
-blocks; with it off, every conversation whole. Both rows answer as recompute does, both
-serve what vLLM's pool of one conversation no longer holds, and the benchmark prints the
-bytes stored with forks over without, below 1.
+blocks; with it off, every conversation whole. Both rows answer as recompute does and the
+benchmark prints the bytes stored with forks over without, below 1 (at this size vLLM's
+pool keeps what the returning turns need, so neither row loads: serving forks is
+``test_vllm_forks.py``'s).
 
 Three vLLM engines start one after another: about three to four minutes on two cores."""
 
@@ -44,7 +45,7 @@ def test_bench_vllm_forks_off_row_runs_and_stores_the_shared_prompt_again(
         spec.loader.exec_module(bench)
         keep = {"vllm recompute", "tieredkv bidaw", "tieredkv bidaw (no forks)"}
         skip = ",".join(r for r in bench.ROWS if r not in keep)
-        # vLLM's pool holds one conversation: the cache serves the others' returning turns
+        # vLLM's pool holds one conversation (the smallest that serves the longest)
         argv = ["--quick", "--workloads", "system", "--dir", str(tmp_path), "--skip", skip]
         argv += ["--pool-conversations", "1"]
         assert bench.main(argv) == 0  # 1: an answer differs
@@ -53,11 +54,9 @@ def test_bench_vllm_forks_off_row_runs_and_stores_the_shared_prompt_again(
     out = capsys.readouterr().out
     assert "answers: every row equals recompute" in out, out
     # columns: TTFT mean, P99, turns/s, host hit, stored MiB, CPU-s/turn, cached, ...
-    pool_only = float(_row(out, "vllm recompute")[6])
     forks, whole = _row(out, "tieredkv bidaw"), _row(out, "tieredkv bidaw (no forks)")
     for cols in (forks, whole):
         assert cols[-1] == "equal", out
-        assert float(cols[6]) > pool_only, f"served nothing beyond vLLM's pool:\n{out}"
     m = re.search(r"tieredkv bidaw, forks on / off: bytes stored ([0-9.]+)x", out)
     assert m is not None, out
     assert float(m.group(1)) < 1.0, out  # the shared prompt stored once, not per conversation
