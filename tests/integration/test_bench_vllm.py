@@ -2,8 +2,9 @@
 turns), every row answers as recompute does, and it prints each ratio with its target.
 
 Eight vLLM engines start one after another (two of them stop at start on the CPU backend):
-about six to eight minutes on two cores. The LMCache rows need the peer's environment,
-which the project's does not hold: ``test_bench_vllm_lmcache.py`` runs them."""
+about six to ten minutes on two cores (9.7 at a load of 5-8). The LMCache rows need the
+peer's environment, which the project's does not hold: ``test_bench_vllm_lmcache.py`` runs
+them."""
 
 from __future__ import annotations
 
