@@ -55,7 +55,11 @@ Rows (each its own engine, same turns, greedy; answers must all equal the recomp
   request that continues part of a stored conversation as its fork (the connector's
   ``forks``, on by default); ``--sync-load-bytes`` sets the connector's ``sync_load_bytes``;
 * ``tieredkv bidaw (no forks)`` (system and documents): the same with ``forks`` off, every
-  conversation stored whole.
+  conversation stored whole;
+* ``tieredkv bidaw (exclusive)`` (chat): the same with the connector's ``mode`` exclusive:
+  a turn is written to the SSD tier only when host memory evicts it, not in the background
+  after every turn (what is in host memory at shutdown is gone); its bytes stored are
+  those written into host memory.
 
 Columns: returning-turn TTFT mean and P99 (seconds, vLLM's own first-token latency),
 throughput (turns per second of the run), host hit ratio (what each cache was asked for that
@@ -281,10 +285,11 @@ def metric(text: str, name: str) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
-def ssd_written(text: str) -> float:
-    """Bytes written into the SSD tier (``nan``: none exported)."""
+def tier_written(text: str, kind: str = "ssd") -> float:
+    """Bytes written into the tier of ``kind`` (``"ssd"``, or ``"memory"``: the host tier;
+    ``nan``: none exported)."""
     values = re.findall(
-        r'^tieredkv_tier_written_bytes_total\{kind="ssd",[^}]*\} ([0-9.e+]+)$', text, re.M
+        rf'^tieredkv_tier_written_bytes_total\{{kind="{kind}",[^}}]*\}} ([0-9.e+]+)$', text, re.M
     )
     return sum(float(v) for v in values) if values else float("nan")
 
@@ -336,19 +341,24 @@ ROWS = (
     "tieredkv lru",
     "tieredkv bidaw",
     "tieredkv bidaw (no forks)",
+    "tieredkv bidaw (exclusive)",
 )
-#: tieredkv's rows: eviction policy, and whether a request continuing part of a stored
-#: conversation is stored as its fork (the connector's ``forks``)
+#: tieredkv's rows: eviction policy, whether a request continuing part of a stored
+#: conversation is stored as its fork (the connector's ``forks``), and the connector's
+#: ``mode`` (inclusive: every turn also written to the SSD tier in the background;
+#: exclusive: written there only when host memory evicts it)
 TIEREDKV_ROWS = {
-    "tieredkv lru": ("lru", True),
-    "tieredkv bidaw": ("bidaw", True),
-    "tieredkv bidaw (no forks)": ("bidaw", False),
+    "tieredkv lru": ("lru", True, "inclusive"),
+    "tieredkv bidaw": ("bidaw", True, "inclusive"),
+    "tieredkv bidaw (no forks)": ("bidaw", False, "inclusive"),
+    "tieredkv bidaw (exclusive)": ("bidaw", True, "exclusive"),
 }
 #: rows that run only where conversations share a prefix (forks on and off differ only there)
 SHARED_ONLY = {"tieredkv bidaw (no forks)"}
 #: rows that run only on the chat workload: on the CPU backend both offloading specs stop
-#: at start, the same way whatever the workload
-CHAT_ONLY = {"vllm offloading", "vllm tiering-fs"}
+#: at start, the same way whatever the workload; exclusive mode is measured where
+#: returning turns are served from host memory beside the first turns' writes
+CHAT_ONLY = {"vllm offloading", "vllm tiering-fs", "tieredkv bidaw (exclusive)"}
 
 #: per workload: (what, comparison, target) for tieredkv bidaw's ratios
 TARGETS: dict[str, list[tuple[str, str, float]]] = {
@@ -375,7 +385,8 @@ def rows_for(shape: str, skip: set[str]) -> list[str]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's options (``build_parser().parse_args([])``: its defaults)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 2-layer model, a few turns")
     parser.add_argument(
@@ -430,7 +441,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--hit-users", type=int, default=16, help="users of the pressure workload (2-layer model)"
     )
-    parser.add_argument("--hit-turns", type=int, default=5, help="turns per pressure user")
+    parser.add_argument(
+        "--hit-turns",
+        type=int,
+        default=10,
+        help="turns per pressure user (Bidaw learns its reuse distances from the returning "
+        "turns: with 16 users of 5 turns, 58 of them, what it learns is noise)",
+    )
     parser.add_argument(
         "--hit-fraction", type=float, default=0.25, help="host tier / histories, pressure"
     )
@@ -465,6 +482,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--keep", action="store_true", help="keep the work directory (logs, LMCache metrics)"
     )
+    return parser
+
+
+def pressure_budget(args: argparse.Namespace) -> tuple[argparse.Namespace, Workload, int]:
+    """The pressure workload's options (the 2-layer model, vLLM's pool of
+    ``--hit-pool-conversations``), its turns and the host memory of its rows."""
+    wargs = argparse.Namespace(**vars(args))
+    vars(wargs).update(QUICK_MODEL)
+    wargs.pool_conversations = args.hit_pool_conversations
+    wl = Workload(wargs, users=args.hit_users, turns=args.hit_turns, shape="pressure")
+    host = args.host_bytes or max(1 << 20, int(histories_bytes(wl, wargs) * args.hit_fraction))
+    return wargs, wl, host
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
         args.users, args.turns, args.context, args.hit_users, args.hit_turns = 3, 3, 96, 6, 3
@@ -509,16 +542,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.keep:
             print(f"work directory (kept): {work}", flush=True)
         for shape in shapes:
-            wargs = argparse.Namespace(**vars(args))
             if shape == "pressure":
-                vars(wargs).update(QUICK_MODEL)
-                wargs.pool_conversations = args.hit_pool_conversations
-                wl = Workload(wargs, users=args.hit_users, turns=args.hit_turns, shape=shape)
-                fraction = args.hit_fraction
+                wargs, wl, host = pressure_budget(args)
             else:
+                wargs = argparse.Namespace(**vars(args))
                 wl = Workload(wargs, shape=shape)
-                fraction = args.host_fraction
-            host = args.host_bytes or max(1 << 20, int(histories_bytes(wl, wargs) * fraction))
+                host = args.host_bytes or max(
+                    1 << 20, int(histories_bytes(wl, wargs) * args.host_fraction)
+                )
             rows = rows_for(shape, skip)
             print(f"\n== workload {shape} ==", flush=True)
             if peer is not None and alone is None and not args.no_alone:
@@ -652,7 +683,7 @@ def run_one(
         note += f", {l1:.0f} in L1 ({stats.host_hit:.2f} of those found)"
         return Row(result, host_hit=asked, host_hit_found=stats.host_hit, stored=stored, note=note)
     if name in TIEREDKV_ROWS:
-        policy, forks = TIEREDKV_ROWS[name]
+        policy, forks, mode = TIEREDKV_ROWS[name]
         for attempt in range(3):
             # the port is free when picked, but the engine may take it for a socket of its
             # own before the worker's metrics server binds it: then pick another
@@ -665,6 +696,7 @@ def run_one(
                 "scheduler": "bidaw",
                 "metrics_port": port,
                 "forks": forks,
+                "mode": mode,
             }
             if args.sync_load_bytes:
                 extra["sync_load_bytes"] = args.sync_load_bytes
@@ -683,7 +715,9 @@ def run_one(
         hit = metric(text, "hits_total") / loads if loads > 0 else float("nan")
         # every turn is written to the SSD tier once (inclusive mode); the host tier's
         # written bytes also count promotions back into it
-        stored = ssd_written(text)
+        stored = tier_written(text)
+        if mode == "exclusive":  # written below host memory only when evicted from it
+            stored = tier_written(text, "memory")  # promotions back into it count too
         note = (
             f"{loads:.0f} loads, {metric(text, 'hits_total'):.0f} from host memory; "
             f"{metric(text, 'promotions_total'):.0f} promotions, "

@@ -148,10 +148,14 @@ def test_forks_on_and_off_run_where_conversations_share_a_prefix(bench: ModuleTy
         rows = bench.rows_for(shape, set())
         assert rows[-2:] == ["tieredkv bidaw", plain]
         assert "tieredkv lru" not in rows
+    exclusive = "tieredkv bidaw (exclusive)"
     for shape in ("chat", "pressure"):
         rows = bench.rows_for(shape, set())
         assert plain not in rows
-        assert rows[-2:] == ["tieredkv lru", "tieredkv bidaw"]
+        assert rows[rows.index("tieredkv lru") :][:2] == ["tieredkv lru", "tieredkv bidaw"]
+    assert bench.rows_for("chat", set())[-1] == exclusive  # only where the chat is served
+    assert all(exclusive not in bench.rows_for(s, set()) for s in bench.SHAPES if s != "chat")
     assert "vllm example" not in bench.rows_for("pressure", set())
     assert plain not in bench.rows_for("system", {plain})
-    assert bench.TIEREDKV_ROWS[plain] == ("bidaw", False)
+    assert bench.TIEREDKV_ROWS[plain] == ("bidaw", False, "inclusive")
+    assert bench.TIEREDKV_ROWS[exclusive] == ("bidaw", True, "exclusive")
