@@ -21,7 +21,12 @@ import torch
 from tests.redis_server import RedisServer, new_prefix, redis_server
 from tieredkv import HostMemoryTier, TieredKVCache
 from tieredkv.backends.redis import RedisTier
-from tieredkv.errors import SchemaMismatchError, SessionNotFoundError, StaleWriterError
+from tieredkv.errors import (
+    CommitDelayedError,
+    SchemaMismatchError,
+    SessionNotFoundError,
+    StaleWriterError,
+)
 
 __all__ = ["redis_server"]  # the fixture, used below
 
@@ -115,6 +120,79 @@ async def test_stale_replica_is_refused_and_nothing_is_corrupted(
     await a.append("chat", turn(2), answer_tokens=7)  # A took it back by loading it
     await a.flush()
     assert same_bytes(await b.load("chat"), history(3))
+
+
+def _scripts_run(server: RedisServer) -> int:
+    """How many Lua steps (``EVALSHA``) the server has run."""
+    with server.client() as c:
+        stats = c.info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+def _redis_only(server: RedisServer, prefix: str, lease: float = 60) -> TieredKVCache:
+    """A replica whose only tier is the shared one (its heartbeats run no Lua step)."""
+    shared = RedisTier(
+        server.url, 64 * MiB, prefix=prefix, value_size=64 << 10, lease_ttl=lease, liveness=0.3
+    )
+    return TieredKVCache([shared])
+
+
+async def test_an_append_into_the_shared_tier_alone_checks_its_writer_in_its_commit(
+    redis_server: RedisServer,
+) -> None:
+    """With the shared tier as the cache's only tier, each append's segment can only be
+    committed there, and the commit checks the writer (and renews its lease) in the same
+    Lua step: after the first append, which takes the lease, an append runs one Lua step
+    on the server (it ran two, a writer check and the commit, each a round trip). Every
+    turn comes back byte for byte."""
+    prefix = new_prefix()
+    async with _redis_only(redis_server, prefix) as a:
+        await a.append("chat", turn(0), answer_tokens=1)  # takes the lease, then commits
+        for i in range(1, 4):
+            before = _scripts_run(redis_server)
+            await a.append("chat", turn(i), answer_tokens=i + 1)
+            assert _scripts_run(redis_server) - before == 1
+        assert same_bytes(await a.load("chat"), history(4))
+
+
+async def test_a_stale_replica_appending_into_the_shared_tier_alone_is_refused(
+    redis_server: RedisServer,
+) -> None:
+    """The same as with a host tier in front: A writes turn 0 straight into the shared
+    tier; B loads the conversation (taking it over); A's append of turn 1 is refused by
+    its commit (StaleWriterError) and stores nothing; B's turn 1 stands (committed once
+    A's lease has ended), and A can go on once it has loaded B's history."""
+    prefix = new_prefix()
+    lease = 0.3
+    async with (
+        _redis_only(redis_server, prefix, lease) as a,
+        _redis_only(redis_server, prefix, lease) as b,
+    ):
+        await a.append("chat", turn(0), answer_tokens=5)
+        assert same_bytes(await b.load("chat"), history(1))
+        with pytest.raises(StaleWriterError, match="another replica took it over"):
+            await a.append("chat", turn(1), answer_tokens=6)
+        meta = a.channel.get("chat")
+        assert meta is not None
+        assert meta.turns == 1
+        with redis_server.client() as c:  # the refused commit left no value behind
+            keys = [k.partition(b"}:")[2] for k in c.scan_iter(f"{prefix}:{{*")]
+        assert sorted(k.split(b":")[0] for k in keys if k not in (b"m", b"t")) == [b"0"], keys
+        await _append_when_free(b, 1, lease)
+        assert same_bytes(await a.load("chat"), history(2))
+        await _append_when_free(a, 2, lease)  # A took it back by loading it
+        assert same_bytes(await b.load("chat"), history(3))
+
+
+async def _append_when_free(r: TieredKVCache, i: int, lease: float) -> None:
+    """Append turn ``i`` to "chat" once the lease of the replica it was taken from ends."""
+    for _ in range(50):
+        try:
+            await r.append("chat", turn(i), answer_tokens=i + 5)
+            return
+        except CommitDelayedError as exc:
+            await anyio.sleep(min(exc.retry_in, lease) + 0.05)
+    raise AssertionError("the previous writer's lease never ended")
 
 
 async def test_discover_answers_for_other_replicas(replica: Replica) -> None:

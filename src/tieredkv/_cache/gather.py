@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -253,14 +252,6 @@ class Staging:
     def __init__(self, keep_bytes: int = 256 << 20) -> None:
         self._free: list[mmap.mmap] = []
         self._keep = keep_bytes
-        self._hash_pool: ThreadPoolExecutor | None = None
-
-    def hash_pool(self) -> ThreadPoolExecutor:
-        """The thread that checksums segments being filled (one: parts hash in order), so
-        a segment's copy and checksum run side by side."""
-        if self._hash_pool is None:
-            self._hash_pool = ThreadPoolExecutor(1, thread_name_prefix="tieredkv-fill-hash")
-        return self._hash_pool
 
     @contextlib.contextmanager
     def buffer(self, length: int) -> Iterator[memoryview]:
@@ -287,10 +278,7 @@ class Staging:
                     close_mapping(self._free.pop(0), "staging buffer")
 
     def close(self) -> None:
-        """Unmap every idle buffer and stop the hashing thread."""
-        if self._hash_pool is not None:
-            self._hash_pool.shutdown(wait=True)
-            self._hash_pool = None
+        """Unmap every idle buffer."""
         while self._free:
             close_mapping(self._free.pop(), "staging buffer")
 

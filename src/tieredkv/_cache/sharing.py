@@ -78,9 +78,13 @@ async def locked_stored(core: Core, key: str, *, load: bool) -> AsyncIterator[Se
         yield s
 
 
-async def check_writer(core: Core, session: str) -> None:
+async def check_writer(core: Core, session: str, *, commits: int | None = None) -> None:
     """Make sure this replica may append to ``session`` in every shared tier (called with
     the session's lock held).
+
+    ``commits``: the level of a shared tier that the append writes its segment into
+    itself, and nowhere else: that tier's commit checks the writer (and renews its lease)
+    in the same step as the write, so it is not asked separately (a round trip less).
 
     While a shared tier cannot be reached, a replica whose lease there is live appends on
     (its turns are committed once the tier is back).
@@ -98,7 +102,9 @@ async def check_writer(core: Core, session: str) -> None:
         _, cancel = await settle(functools.partial(_drop_refused, core, s))
         if cancel is not None:
             raise cancel
-    for _, tier in shared_tiers(core):
+    for t, tier in shared_tiers(core):
+        if t == commits:
+            continue
         try:
             await tier.ensure_writer(session)
         except TierIOError:

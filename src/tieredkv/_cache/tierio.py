@@ -144,16 +144,16 @@ class TierIO:
 
     async def _write_filled(self, key: SegmentKey, plan: SegmentPlan, staging: Staging) -> None:
         """Each part of the staging buffer is written while the next part is serialized
-        (copy and checksum overlap the device's write)."""
+        (the copy overlaps the device's write). Each part is hashed right after it is
+        copied, in the same thread, while its bytes are still in the CPU's cache: hashing
+        in a thread of its own cost more than it saved (16 appends of 8 MiB into an open
+        cache, 10 alternating rounds on the shared 2 cores: 320 against 299 ms and 101
+        against 88 ms of CPU, medians)."""
         assert self._filled is not None
         assert self.span is not None
         with staging.buffer(plan.length) as view:
             cuts = fill_cuts(plan.header, self.span)
-            writer = PartWriter(plan, view, cuts, staging.hash_pool())
-            try:
-                await self._filled(key, view, cuts, writer)
-            finally:
-                writer.wait()  # nothing may still read the buffer once it is reused
+            await self._filled(key, view, cuts, PartWriter(plan, view, cuts))
 
     async def _write_staged(self, key: SegmentKey, plan: SegmentPlan, staging: Staging) -> None:
         with staging.buffer(plan.length) as view:

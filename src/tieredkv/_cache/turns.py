@@ -87,7 +87,7 @@ async def append(
                         core, pumps, s, parent, tensors, answer_tokens, dim, codec
                     )
                 if core.sharing:  # one writer per conversation across replicas
-                    await check_writer(core, session)
+                    await check_writer(core, session, commits=_commits_into(core, s))
                 return await _append_locked(core, pumps, s, tensors, answer_tokens, dim, codec)
         finally:
             core.discard_unused(s)  # a first append that failed or was cancelled
@@ -129,6 +129,14 @@ async def _fork_locked(
         return await _append_locked(
             core, pumps, s, tensors, answer_tokens, dim, codec, (p, inherited)
         )
+
+
+def _commits_into(core: Core, s: Session) -> int | None:
+    """The level of the shared tier that ``s``'s next segment is written into and committed
+    in, if it can go nowhere else: the tier its store starts at (its history's, or the
+    first), when that is a shared tier and the last one (no tier below to fall back to)."""
+    t = 0 if s.primary is None else s.primary
+    return t if t == len(core.tiers) - 1 and core.io[t].shared is not None else None
 
 
 def fork_point(p: Session, tokens: int | None) -> list[tuple[Seg, int]]:

@@ -187,12 +187,16 @@ class Commits(Leases):
                 head=head,
             )
         self._attempts[key] = Attempt(entry, known.id, header)
-        # the values: the first ones carry the (authenticated) head in place of data's
-        cover = -(-len(entry.head) // vs)
-        first = bytearray(data[: cover * vs])
-        first[: len(entry.head)] = entry.head
-        views = [memoryview(first)[at : at + vs] for at in range(0, len(first), vs)]
-        views += [data[at : at + vs] for at in range(cover * vs, length, vs)]
+        # the values: the first ones carry the (authenticated) head in place of data's (a
+        # copy of them); where the head is data's own (no secret), views of data
+        if data[: len(entry.head)] == entry.head:
+            views = [data[at : at + vs] for at in range(0, length, vs)]
+        else:
+            cover = -(-len(entry.head) // vs)
+            first = bytearray(data[: cover * vs])
+            first[: len(entry.head)] = entry.head
+            views = [memoryview(first)[at : at + vs] for at in range(0, len(first), vs)]
+            views += [data[at : at + vs] for at in range(cover * vs, length, vs)]
         parts = self._parts(key, entry)
         base = known.base if refs is None else refs
         mac = (
