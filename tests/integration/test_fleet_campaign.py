@@ -111,14 +111,20 @@ class Campaigns:
         self.root = root
         self.procs: dict[tuple[str, bool], subprocess.Popen[bytes]] = {}
 
+    def _work(self, key: tuple[str, bool]) -> Path:
+        layout, secret = key
+        return self.root / f"{layout}-{'secret' if secret else 'plain'}"
+
     def _start(self, key: tuple[str, bool]) -> None:
         layout, secret = key
-        work = self.root / f"{layout}-{'secret' if secret else 'plain'}"
+        work = self._work(key)
         work.mkdir()
         with (work / "report.txt").open("wb") as out:
             self.procs[key] = subprocess.Popen(
                 [
                     sys.executable,
+                    "-W",  # warnings are errors, as they were inside the test's process
+                    "error",
                     str(SCRIPT),
                     *slow_argv(layout, secret),
                     "--keep",
@@ -141,9 +147,7 @@ class Campaigns:
                 self._start(k)
         proc = self.procs[key]
         status = proc.wait()
-        layout, secret = key
-        work = self.root / f"{layout}-{'secret' if secret else 'plain'}"
-        return status, (work / "report.txt").read_text()
+        return status, (self._work(key) / "report.txt").read_text()
 
     def close(self) -> None:
         for proc in self.procs.values():
