@@ -162,7 +162,7 @@ def campaigns(
 ) -> Iterator[Campaigns]:
     require_redis_server()
     keys = [
-        (item.callspec.params["layout"], item.callspec.params["secret"])
+        (str(item.callspec.params["layout"]), bool(item.callspec.params["secret"]))
         for item in request.session.items
         if isinstance(item, pytest.Function)
         and item.originalname == "test_fleet_campaign_finds_nothing"
