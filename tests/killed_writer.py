@@ -12,13 +12,16 @@ from typing import IO
 REPO = Path(__file__).resolve().parents[1]
 
 
-def start_writer(writer: Path, args: list[str], err: IO[bytes]) -> subprocess.Popen[bytes]:
+def start_writer(
+    writer: Path, args: list[str], err: IO[bytes], *, stdin: bool = False
+) -> subprocess.Popen[bytes]:
     """Run ``writer`` with ``args`` in a fresh interpreter, its stdout piped, its stderr
-    to ``err``. The repository (for ``tests``) goes ahead of any path the caller set
-    (``tieredkv`` may be importable only through it, e.g. PYTHONPATH=src without an
-    install)."""
+    to ``err`` (and its stdin piped, with ``stdin``). The repository (for ``tests``) goes
+    ahead of any path the caller set (``tieredkv`` may be importable only through it, e.g.
+    PYTHONPATH=src without an install)."""
     return subprocess.Popen(
         [sys.executable, str(writer), *args],
+        stdin=subprocess.PIPE if stdin else None,
         stdout=subprocess.PIPE,
         stderr=err,
         cwd=REPO,

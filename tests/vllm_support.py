@@ -31,6 +31,7 @@ import msgspec
 
 __all__ = [
     "CONNECTORS",
+    "IN_PROCESS",
     "Result",
     "Spec",
     "Turn",
@@ -135,6 +136,15 @@ class Result(msgspec.Struct, kw_only=True):
     start_seconds: float
     run_seconds: float
     returning_cpu_seconds: float = 0.0
+
+
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+"""``run_engine``'s ``env`` for a reference run (no connector: vLLM alone): vLLM's engine
+core and its worker run in the runner's own process instead of two more it spawns, each
+importing torch and vLLM again, which is most of an engine's start (about a third of the
+time, measured on the CPU backend). The connector's runs keep vLLM's processes (its
+scheduler side in the engine core, its worker in a worker process): their split is part of
+what those tests check."""
 
 
 def free_port() -> int:
@@ -533,4 +543,4 @@ def wait_healthy(server: subprocess.Popen[bytes], port: int, log_path: Path) -> 
                 return
         except OSError:
             assert time.monotonic() < deadline, "vllm serve did not come up"
-            time.sleep(1)
+            time.sleep(0.25)

@@ -1,6 +1,8 @@
 """The child process of test_crash_recovery: appends deterministic segments until killed.
 
-Run as ``python crash_writer.py DIR MODE SEED``. It opens a cache on ``DIR`` (``ssd``: SSD
+Run as ``python crash_writer.py DIR MODE SEED [--wait]`` (``--wait``: once its imports are
+done, it waits for a line on stdin before it touches ``DIR``, so that a test can start it
+while it still checks what the previous writer left). It opens a cache on ``DIR`` (``ssd``: SSD
 only, so an append is durable when it returns; ``inclusive``: host memory + SSD with
 write-through), continues every session from the turns it recovered, and appends forever,
 printing ``acked <session> <seq>`` (flushed) after each append returns. The segment for
@@ -63,4 +65,6 @@ async def run(directory: Path, mode: str, seed: int) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[4:] == ["--wait"]:
+        sys.stdin.readline()
     anyio.run(run, Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]))

@@ -13,6 +13,7 @@ import os
 import random
 import select
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -28,39 +29,47 @@ SCALE = int(os.environ.get("TIEREDKV_CAMPAIGN_SCALE", "1"))
 """Multiplies the kill rounds (the long campaign: see tests/integration/test_fault_campaign.py)."""
 
 
-def run_and_kill(directory: Path, mode: str, seed: int, log: Path) -> dict[int, int]:
-    """Start the writer, SIGKILL it at a random point; the highest acked seq per session."""
+def start(directory: Path, mode: str, seed: int, log: Path) -> subprocess.Popen[bytes]:
+    """Start a writer that waits (its imports done) until :func:`run_and_kill` lets it go."""
+    with log.open("ab") as err:
+        return start_writer(WRITER, [str(directory), mode, str(seed), "--wait"], err, stdin=True)
+
+
+def run_and_kill(proc: subprocess.Popen[bytes], seed: int, log: Path) -> dict[int, int]:
+    """Let the writer ``proc`` (:func:`start`) go, SIGKILL it at a random point; the highest
+    acked seq per session."""
     rng = random.Random(seed)
     kill_after = rng.randint(2, 10)
     acked: dict[int, int] = {}
     last_ack = interval = 0.0
-    with log.open("ab") as err:
-        proc = start_writer(WRITER, [str(directory), mode, str(seed)], err)
-        assert proc.stdout is not None
-        try:
-            deadline = time.monotonic() + 60
-            count = 0
-            while count < kill_after:
-                ready, _, _ = select.select([proc.stdout], [], [], deadline - time.monotonic())
-                line = proc.stdout.readline().decode() if ready else ""
-                if not line:
-                    pytest.fail(f"writer exited or stalled: {log.read_text()[-2000:]}")
-                words = line.split()
-                if words[0] == "acked":
-                    acked[int(words[1])] = int(words[2])
-                    count += 1
-                    now = time.monotonic()
-                    interval, last_ack = now - last_ack, now
-            # somewhere within the next append (one append takes about `interval`)
-            time.sleep(rng.uniform(0, interval))
-        finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            # acks the writer printed while we slept count too (a torn last line does not)
-            for words in complete_lines(proc.stdout.read()):
-                if len(words) == 3 and words[0] == "acked":
-                    acked[int(words[1])] = int(words[2])
-            proc.stdout.close()
+    assert proc.stdin is not None
+    assert proc.stdout is not None
+    try:
+        proc.stdin.write(b"go\n")
+        proc.stdin.close()
+        deadline = time.monotonic() + 60
+        count = 0
+        while count < kill_after:
+            ready, _, _ = select.select([proc.stdout], [], [], deadline - time.monotonic())
+            line = proc.stdout.readline().decode() if ready else ""
+            if not line:
+                pytest.fail(f"writer exited or stalled: {log.read_text()[-2000:]}")
+            words = line.split()
+            if words[0] == "acked":
+                acked[int(words[1])] = int(words[2])
+                count += 1
+                now = time.monotonic()
+                interval, last_ack = now - last_ack, now
+        # somewhere within the next append (one append takes about `interval`)
+        time.sleep(rng.uniform(0, interval))
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        # acks the writer printed while we slept count too (a torn last line does not)
+        for words in complete_lines(proc.stdout.read()):
+            if len(words) == 3 and words[0] == "acked":
+                acked[int(words[1])] = int(words[2])
+        proc.stdout.close()
     assert proc.returncode == -signal.SIGKILL
     return acked
 
@@ -106,14 +115,25 @@ def test_sigkill_at_random_points_serves_only_exact_data(
     log = tmp_path / "writer.log"
     previous: dict[str, int] = {}
     total_acks = 0
-    for r in range(rounds * SCALE):
-        acked = run_and_kill(directory, mode, seed=1000 * r + len(mode), log=log)
-        total_acks += len(acked)
-        turns = anyio.run(check_recovered, directory, mode, acked)
-        for session, n in previous.items():  # what was recovered once stays
-            if mode == "ssd":
-                assert turns.get(session, 0) >= n
-        previous = turns
+    seeds = [1000 * r + len(mode) for r in range(rounds * SCALE)]
+    # each round's writer starts (imports torch and tieredkv) while the round before it
+    # is checked; it touches the directory only once its round lets it go
+    writer = start(directory, mode, seeds[0], log)
+    try:
+        for r, seed in enumerate(seeds):
+            acked = run_and_kill(writer, seed, log=log)
+            if r + 1 < len(seeds):
+                writer = start(directory, mode, seeds[r + 1], log)
+            total_acks += len(acked)
+            turns = anyio.run(check_recovered, directory, mode, acked)
+            for session, n in previous.items():  # what was recovered once stays
+                if mode == "ssd":
+                    assert turns.get(session, 0) >= n
+            previous = turns
+    finally:
+        if writer.poll() is None:  # (a round that failed: the next one's writer waits)
+            writer.kill()
+            writer.communicate()  # reaps it and closes its pipes
     assert total_acks >= rounds
     print(f"\nkill rounds ({mode}): {rounds * SCALE}, acknowledged appends: {total_acks}")
     assert sum(previous.values()) > 0

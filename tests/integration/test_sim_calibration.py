@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 
+import msgspec
 import pytest
 
 from tieredkv.sim.analysis import live_kv
@@ -23,12 +24,13 @@ from tieredkv.sim.calibration import (
 )
 from tieredkv.sim.config import steady_state
 from tieredkv.sim.engine import SimConfig, SimResult
-from tieredkv.sim.sweep import Job, run_job
+from tieredkv.sim.sweep import Job, run_job, run_jobs
 from tieredkv.sim.synthetic import describe
 from tieredkv.sim.systems import ABLATIONS, get_system
 from tieredkv.sim.workloads import WorkloadSpec
 
-pytestmark = pytest.mark.slow  # about 95 s in all on one core: CI runs them
+# about 95 s in all on one core, run on every core: CI runs them
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 SLO = 5.0
 WORKLOAD = WorkloadSpec()  # synthetic, 40 minutes, seed 0
@@ -45,26 +47,87 @@ def config(bw: float) -> SimConfig:
     return steady_state(SimConfig(ssd_gbps=bw), WORKLOAD)
 
 
-class Runs:
-    """Simulations on demand, each run once per session (so that no single test pays
-    for all of them)."""
+def synthetic(name: str, bw: float, rate: float) -> Job:
+    """A system (or an ablation step) on the synthetic workload at ``bw`` GB/s."""
+    step = {s.name: s for s in ABLATIONS}
+    system = step[name] if name in step else get_system(name)
+    return Job(workload=WORKLOAD, rate=rate, system=system, config=config(bw))
 
-    def __init__(self) -> None:
-        self._done: dict[tuple[str, float, float], SimResult] = {}
+
+def trace_shaped_job(name: str, rate: float, *, host_gb: float = 200.0) -> Job:
+    return Job(
+        workload=TRACE_SHAPED,
+        rate=rate,
+        system=get_system(name),
+        config=steady_state(SimConfig(host_gb=host_gb), TRACE_SHAPED),
+    )
+
+
+SHAPED = ("vllm", "cachedattention", "flashgen", "bidaw", "ideal")
+JOBS: dict[str, list[Job]] = {
+    "test_supported_rate_within_the_band_of_the_paper": [
+        synthetic(name, bw, round(PAPER_RATES[name, bw] * f, 2))
+        for name, bw in PAPER_RATES
+        for f in BAND
+    ],
+    "test_rankings_go_the_papers_way": [
+        *(synthetic(name, bw, fg_high(bw)) for bw in (1.5, 5.0) for name in ("flashgen", "bidaw")),
+        synthetic("flashgen", 5.0, fg_high(1.5)),
+    ],
+    "test_latency_ratio_has_the_papers_magnitude": [
+        synthetic(name, 1.5, PAPER_RATES["flashgen", 1.5]) for name in ("flashgen", "bidaw")
+    ],
+    "test_ablation_steps_each_lower_the_latency": [
+        synthetic(s.name, 1.5, ABLATION_RATE) for s in ABLATIONS
+    ],
+    "test_bidaws_tail_stays_within_twice_the_ideals": [
+        synthetic(name, 1.5, 30.0) for name in ("bidaw", "ideal")
+    ],
+    "test_on_the_trace_shaped_workload_the_ranking_is_the_papers": [
+        trace_shaped_job(name, TRACE_SHAPED_RATE) for name in SHAPED
+    ],
+    "test_past_the_host_cliff_flashgen_collapses_for_want_of_host_memory": [
+        trace_shaped_job("bidaw", 15.0),
+        trace_shaped_job("flashgen", 15.0),
+        trace_shaped_job("flashgen", 15.0, host_gb=400.0),
+        trace_shaped_job("ideal", 15.0),
+    ],
+}
+"""The simulations each test reads (a test that reads one not listed here runs it then)."""
+
+
+def key(job: Job) -> bytes:
+    """A job's identity (a system's parameters are a dict: a job is not hashable)."""
+    return msgspec.json.encode(job)
+
+
+class Runs:
+    """Every simulation the module's selected tests read, each run once, all of them at
+    the module's start on every core (:func:`tieredkv.sim.sweep.run_jobs`: the results
+    do not depend on the number of processes)."""
+
+    def __init__(self, jobs: list[Job]) -> None:
+        todo = list({key(job): job for job in jobs}.values())
+        self._done = {key(job): r for job, r in zip(todo, run_jobs(todo), strict=True)}
+
+    def job(self, job: Job) -> SimResult:
+        if key(job) not in self._done:
+            self._done[key(job)] = run_job(job)
+        return self._done[key(job)]
 
     def __getitem__(self, key: tuple[str, float, float]) -> SimResult:
-        if key not in self._done:
-            name, bw, rate = key
-            step = {s.name: s for s in ABLATIONS}
-            system = step[name] if name in step else get_system(name)
-            job = Job(workload=WORKLOAD, rate=rate, system=system, config=config(bw))
-            self._done[key] = run_job(job)
-        return self._done[key]
+        return self.job(synthetic(*key))
 
 
 @pytest.fixture(scope="module")
-def runs() -> Runs:
-    return Runs()
+def runs(request: pytest.FixtureRequest) -> Runs:
+    module = request.module.__name__
+    names = {
+        item.originalname
+        for item in request.session.items
+        if isinstance(item, pytest.Function) and item.module.__name__ == module
+    }
+    return Runs([job for name in sorted(names) for job in JOBS.get(name, [])])
 
 
 @pytest.mark.parametrize(("name", "bw"), list(PAPER_RATES), ids=lambda v: str(v))
@@ -121,22 +184,13 @@ def test_bidaws_tail_stays_within_twice_the_ideals(runs: Runs) -> None:
 
 
 # -- the real trace's shape, in its steady state -----------------------------------------
-def trace_shaped(name: str, rate: float, *, host_gb: float = 200.0) -> SimResult:
-    job = Job(
-        workload=TRACE_SHAPED,
-        rate=rate,
-        system=get_system(name),
-        config=steady_state(SimConfig(host_gb=host_gb), TRACE_SHAPED),
-    )
-    return run_job(job)
+def trace_shaped(runs: Runs, name: str, rate: float, *, host_gb: float = 200.0) -> SimResult:
+    return runs.job(trace_shaped_job(name, rate, host_gb=host_gb))
 
 
 @pytest.fixture(scope="module")
-def shaped() -> dict[str, SimResult]:
-    return {
-        name: trace_shaped(name, TRACE_SHAPED_RATE)
-        for name in ("vllm", "cachedattention", "flashgen", "bidaw", "ideal")
-    }
+def shaped(runs: Runs) -> dict[str, SimResult]:
+    return {name: trace_shaped(runs, name, TRACE_SHAPED_RATE) for name in SHAPED}
 
 
 def test_the_trace_shaped_workload_has_the_industrial_traces_shape() -> None:
@@ -170,7 +224,7 @@ def test_on_the_trace_shaped_workload_the_ranking_is_the_papers(
     assert shaped["bidaw"].host_hit_ratio > shaped["flashgen"].host_hit_ratio
 
 
-def test_past_the_host_cliff_flashgen_collapses_for_want_of_host_memory() -> None:
+def test_past_the_host_cliff_flashgen_collapses_for_want_of_host_memory(runs: Runs) -> None:
     """At 15 users/min the ideal still meets the SLO (about 1.8 s), but the live K/V
     (about 270 GB) outgrows the 200 GB host memory: FlashGen's LRU loses the returning
     conversations, every miss stalls its GPU behind an on-demand SSD load, and the queue
@@ -178,10 +232,10 @@ def test_past_the_host_cliff_flashgen_collapses_for_want_of_host_memory() -> Non
     back again: its host hit ratio (counted where the history is read) falls under 0.1 and
     its latency runs away. That is its design, not the model's: give it the 400 GB that
     hold the live K/V, and it is back within 4x of Bidaw."""
-    bidaw = trace_shaped("bidaw", 15.0)
-    collapsed = trace_shaped("flashgen", 15.0)
-    roomy = trace_shaped("flashgen", 15.0, host_gb=400.0)
-    assert trace_shaped("ideal", 15.0).latency_mean <= SLO
+    bidaw = trace_shaped(runs, "bidaw", 15.0)
+    collapsed = trace_shaped(runs, "flashgen", 15.0)
+    roomy = trace_shaped(runs, "flashgen", 15.0, host_gb=400.0)
+    assert trace_shaped(runs, "ideal", 15.0).latency_mean <= SLO
     assert collapsed.host_hit_ratio < 0.1
     assert collapsed.latency_mean > 20 * bidaw.latency_mean
     assert roomy.latency_mean <= 4 * bidaw.latency_mean

@@ -5,7 +5,9 @@ prefix cache off, so a history can only come back through the connector. Four en
 runs, each in a process of its own (``tests/vllm_support.py``), share the module:
 
 * ``recompute``: vLLM alone, prefix cache off (every turn prefills its whole history);
-* ``prefix``: vLLM alone, its own prefix cache on;
+  with no connector, its engine core and worker run in the runner's process
+  (``IN_PROCESS``: it starts faster);
+* ``prefix``: vLLM alone, its own prefix cache on (in the runner's process too);
 * ``bidaw``: the connector with Bidaw eviction and a host tier too small for every
   history, over an SSD directory: histories move between host memory and the SSD, and
   load back synchronously (host hits) and asynchronously (from the SSD);
@@ -29,6 +31,7 @@ from typing import Any
 import pytest
 
 from tests.vllm_support import (
+    IN_PROCESS,
     Result,
     Spec,
     answers,
@@ -82,7 +85,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def recompute(work: Path) -> Result:
     firsts, queries = workload()
     spec = Spec(model=str(work / "model"), conversations=firsts, queries=queries)
-    return run_engine(spec, work / "recompute")
+    return run_engine(spec, work / "recompute", env=IN_PROCESS)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +94,7 @@ def prefix(work: Path) -> Result:
     spec = Spec(
         model=str(work / "model"), conversations=firsts, queries=queries, prefix_caching=True
     )
-    return run_engine(spec, work / "prefix")
+    return run_engine(spec, work / "prefix", env=IN_PROCESS)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm_support import Result, Spec, answers, require_vllm, run_engine, tiny_model
+from tests.vllm_support import (
+    IN_PROCESS,
+    Result,
+    Spec,
+    answers,
+    require_vllm,
+    run_engine,
+    tiny_model,
+)
 
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]  # engine starts: `pytest -m slow`
 require_vllm()
@@ -65,7 +73,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def recompute(work: Path) -> Result:
-    return run_engine(spec(work / "model", None, {}), work / "recompute")
+    return run_engine(spec(work / "model", None, {}), work / "recompute", env=IN_PROCESS)
 
 
 @pytest.fixture(scope="module")
