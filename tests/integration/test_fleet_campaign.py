@@ -21,12 +21,11 @@ script itself::
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.benchmark_scripts import benchmark_script
 from tests.redis_server import require_redis_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,18 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def run_campaign(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     """Run the campaign with ``argv``; its report, checked for a clean result."""
     require_redis_server()
-    spec = importlib.util.spec_from_file_location(
-        "fleet_campaign", ROOT / "benchmarks" / "fleet_campaign.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    campaign = importlib.util.module_from_spec(spec)
-    sys.modules["fleet_campaign"] = campaign
-    try:
-        spec.loader.exec_module(campaign)
+    with benchmark_script("fleet_campaign") as campaign:
         status = campaign.main([*argv, "--keep", str(tmp_path / "run")])
-    finally:
-        del sys.modules["fleet_campaign"]
     out = capsys.readouterr().out
     with capsys.disabled():
         print("\n" + out)

@@ -6,7 +6,6 @@ get wrong are refused with what to fix."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,23 +13,15 @@ from types import ModuleType
 
 import pytest
 
+from tests.benchmark_scripts import benchmark_script
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location(
-        "bench_vllm_shapes", ROOT / "benchmarks" / "bench_vllm.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_vllm_shapes"] = module  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
+    with benchmark_script("bench_vllm", "bench_vllm_shapes") as module:
         yield module
-    finally:
-        del sys.modules["bench_vllm_shapes"]
 
 
 def _args() -> argparse.Namespace:
