@@ -97,3 +97,17 @@ def ssd_dir(tmp_path: Path) -> Path:
 
 def pytest_report_header() -> str:
     return f"tieredkv tests on Python {sys.version.split()[0]}"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the Redis servers the collected tests take ahead of them (a tier without a
+    secret opens only on a server up for its settling period)."""
+    from tests.redis_server import start_spares
+
+    start_spares(session.items)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from tests.redis_server import stop_spares
+
+    stop_spares()

@@ -7,6 +7,11 @@ saying how to install it; with ``CI=true`` in the environment a missing server f
 
 Test modules import the fixtures they use from here (``from tests.redis_server import
 redis_server``); :data:`current` is the session's server once the fixture has started it.
+
+A :class:`~tieredkv.backends.redis.RedisTier` without a secret opens only on a server up
+for its settling period (thrice ``liveness``: 9 s by default), so the fixtures hand out
+servers started ahead of the tests that take them (:func:`start_spares`, called once the
+session's tests are collected), already up that long where the tests took long enough.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -33,6 +39,8 @@ __all__ = [
     "own_redis_server",
     "redis_server",
     "require_redis_server",
+    "start_spares",
+    "stop_spares",
 ]
 
 INSTALL_HINT = "install it with: apt-get install -y redis-server (or your OS's package)"
@@ -189,12 +197,16 @@ current: RedisServer | None = None
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
-    """One server for the whole test session (tests keep apart by key prefix)."""
+    """One server for the whole test session (tests keep apart by key prefix): one per
+    test module that imports this fixture, in fact (pytest keeps a fixture per module
+    that defines it)."""
     global current
     require_redis_server()
     with tempfile.TemporaryDirectory(prefix="tieredkv-redis-") as d:
-        server = RedisServer(Path(d))
-        server.start()
+        server = _spares.take(False) if _spares is not None else None
+        if server is None:
+            server = RedisServer(Path(d))
+            server.start()
         current = server
         try:
             yield server
@@ -217,12 +229,88 @@ def own_aof_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 def _own(directory: Path, *, persistent: bool) -> Iterator[RedisServer]:
-    server = RedisServer(directory, persistent=persistent)
-    server.start()
+    server = _spares.take(persistent) if _spares is not None else None
+    if server is None:
+        server = RedisServer(directory, persistent=persistent)
+        server.start()
     try:
         yield server
     finally:
         server.stop()
+
+
+SPARES = 6
+"""How many servers of a kind run ahead of the tests that take them: a test takes the
+oldest, started six server-taking tests before (about the settling period, at a second or
+two a test)."""
+
+
+class _Spares:
+    """Servers started before the tests that take them, per kind (persistent or not), no
+    more than the session's remaining tests of that kind take, stopped at its end."""
+
+    def __init__(self, wanted: dict[bool, int]) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix="tieredkv-redis-"))
+        self.wanted = dict(wanted)  # servers still to be taken, per kind
+        self.ready: dict[bool, deque[RedisServer]] = {kind: deque() for kind in wanted}
+        for kind in wanted:
+            self._fill(kind)
+
+    def _fill(self, persistent: bool) -> None:
+        ready = self.ready[persistent]
+        while len(ready) < min(SPARES, self.wanted[persistent]):
+            server = RedisServer(self.directory, persistent=persistent)
+            server.start()
+            ready.append(server)
+
+    def take(self, persistent: bool) -> RedisServer | None:
+        """The oldest spare of the kind (and another started behind it), or None if the
+        collected tests did not ask for one (a new server, then)."""
+        ready = self.ready.get(persistent)
+        if not ready:
+            return None
+        server = ready.popleft()
+        self.wanted[persistent] -= 1
+        self._fill(persistent)
+        return server
+
+    def stop(self) -> None:
+        for ready in self.ready.values():
+            while ready:
+                ready.popleft().stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+_spares: _Spares | None = None
+
+
+def start_spares(items: Iterable[pytest.Item]) -> None:
+    """Start the spare servers the collected ``items`` will take (through the fixtures
+    here), if ``redis-server`` is installed (without it they skip or fail as before)."""
+    global _spares
+    if _spares is not None or shutil.which("redis-server") is None:
+        return
+    names: list[set[str]] = []
+    sessions: set[object] = set()  # the modules that import the session fixture: one server each
+    for item in items:
+        names.append(set(getattr(item, "fixturenames", ())))
+        module = getattr(item, "module", None)
+        if getattr(module, "redis_server", None) is redis_server:
+            sessions.add(module)
+    wanted = {
+        False: sum("own_redis_server" in n for n in names) + len(sessions),
+        True: sum("own_aof_server" in n for n in names),
+    }
+    if any(wanted.values()):
+        _spares = _Spares(wanted)
+
+
+def stop_spares() -> None:
+    """Stop the spare servers no test took."""
+    global _spares
+    if _spares is not None:
+        _spares.stop()
+        _spares = None
 
 
 def new_prefix() -> str:

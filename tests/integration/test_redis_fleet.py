@@ -61,6 +61,11 @@ def tier(url: str, prefix: str, **options: Any) -> RedisTier:
     return RedisTier(url, 512 * MiB, prefix=prefix, **options)
 
 
+FRESH = 1.0
+"""``liveness`` of a replica opened on a server just (re)started, in tests that do not depend
+on it: it opens once the server has been up 3 s (thrice this), not 6 (thrice the lease)."""
+
+
 def replica(
     url: str,
     prefix: str,
@@ -242,7 +247,7 @@ async def test_case04_no_replica_serves_its_older_copy_once_the_server_lost_the_
             await a.load("chat")
         assert a.stats().unproven == 1
         assert not b.contains("chat")
-    async with replica(server.url, prefix) as fresh:
+    async with replica(server.url, prefix, liveness=FRESH) as fresh:
         with pytest.raises(SessionNotFoundError):
             await fresh.load("chat")
 
@@ -409,10 +414,10 @@ async def test_case08_a_server_lost_during_a_multi_batch_read_is_a_tier_error(
     for delay in (0.002, 0.01, 0.03):
         if server.proc is None:
             server.start()
-            async with replica(server.url, prefix) as a:
+            async with replica(server.url, prefix, liveness=FRESH) as a:
                 await append(a, "chat", 0, 1, 2, 3, tokens=32 * 1024)
                 await a.flush()
-        async with tier(server.url, prefix, timeout=0.5, read_batch=2) as t:
+        async with tier(server.url, prefix, timeout=0.5, read_batch=2, liveness=FRESH) as t:
             keys = [("chat", seq) for seq in range(4)]
             bufs = [bytearray(t.length(key)) for key in keys]
             cut = threading.Timer(delay, server.kill if fault == "kill" else server.pause)

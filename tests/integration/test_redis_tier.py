@@ -31,6 +31,9 @@ __all__ = ["own_redis_server", "redis_server"]  # fixtures used below
 
 CAPACITY = 64 << 20
 SMALL_VALUES = 64 << 10  # a 2 MiB segment is 32 values
+FRESH = 1.0
+"""``liveness`` of a tier opened on a server just started or restarted, in tests that do not
+depend on it: it opens once the server has been up 3 s (thrice this), not 9."""
 
 
 @pytest.fixture
@@ -133,10 +136,10 @@ async def test_password_passes_through(tmp_path_factory: pytest.TempPathFactory)
     server.start()
     try:
         url = f"redis://:s3cret@127.0.0.1:{server.port}/0"
-        async with RedisTier(url, CAPACITY, prefix=new_prefix()) as t:
+        async with RedisTier(url, CAPACITY, prefix=new_prefix(), liveness=FRESH) as t:
             assert t.stats().notes[0].startswith(f"server redis://:***@127.0.0.1:{server.port}")
         with pytest.raises(TierIOError, match="connect to") as info:
-            await RedisTier(url.replace("s3cret", "wrong"), CAPACITY).open()
+            await RedisTier(url.replace("s3cret", "wrong"), CAPACITY, liveness=FRESH).open()
         assert "wrong" not in str(info.value)
     finally:
         server.stop()
@@ -204,7 +207,7 @@ async def test_server_restarting_empty_loses_sessions(
         assert not t.contains(s.key)
         assert t.missing == 1
         assert await t.lookup(s.key[0]) == []
-    async with RedisTier(own_redis_server.url, CAPACITY, prefix=prefix) as t:
+    async with RedisTier(own_redis_server.url, CAPACITY, prefix=prefix, liveness=FRESH) as t:
         assert await t.open() == []
         assert t.used == 0
 
@@ -245,7 +248,7 @@ async def test_server_dying_mid_write_is_a_tier_error_and_shows_nothing(
         t.release(s.key)
         assert t.used == 0
     own_redis_server.start()
-    async with RedisTier(own_redis_server.url, CAPACITY, prefix=prefix) as t:
+    async with RedisTier(own_redis_server.url, CAPACITY, prefix=prefix, liveness=FRESH) as t:
         assert await t.lookup(s.key[0]) == []
     assert _keys(own_redis_server, prefix) == []
 
@@ -265,7 +268,7 @@ async def test_server_eviction_never_serves_a_partial_segment(
     try:
         segs = [seg(session=f"user-{i}", seq=0, tokens=2000, seed=i) for i in range(40)]
         async with RedisTier(
-            server.url, CAPACITY, prefix=new_prefix(), value_size=SMALL_VALUES
+            server.url, CAPACITY, prefix=new_prefix(), value_size=SMALL_VALUES, liveness=FRESH
         ) as t:
             written = []
             for s in segs:
