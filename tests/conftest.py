@@ -104,7 +104,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     secret opens only on a server up for its settling period)."""
     from tests.redis_server import start_spares
 
-    start_spares(session.items)
+    if not session.config.option.collectonly:
+        start_spares(session.items)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
