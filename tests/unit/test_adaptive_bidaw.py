@@ -298,11 +298,11 @@ def read_and_type(p: AdaptiveBidaw, until: float) -> None:
 def test_the_reading_time_is_learned_per_token_and_each_session_is_shifted_by_its_own() -> None:
     """Within one answer bucket (113 to 159 tokens) the gap is 1 s per token plus 5-10 s.
     The policy learns the rate, and ranks each session by the delay elapsed past its own
-    reading time: a 113-token reader 125 s after its turn is late (its user would have
-    been back by 123 s), a 159-token one 95 s after its turn is still reading (back in
-    69-74 s), so the late one goes first; 25 s earlier it was the other way round. By the
+    reading time: a 113-token reader 135 s after its turn is late (its user would have
+    been back by 123 s), a 159-token one 105 s after its turn is still reading (back in
+    59-64 s), so the late one goes first; 35 s earlier it was the other way round. By the
     bucket's distribution of gaps (118 to 169 s) the late one would still be due and the
-    reader, 95 s in, the least likely."""
+    reader, 105 s in, the least likely."""
     p = AdaptiveBidaw(capacity=40 * GB, refresh_every=64, duel_block=10**9, ranking="density")
     read_and_type(p, 3000.0)
     assert p.read_rate == pytest.approx(1.0, abs=0.02)
@@ -315,5 +315,5 @@ def test_the_reading_time_is_learned_per_token_and_each_session_is_shifted_by_it
     # at 3,100 s the short one's reader is 13-18 s from the next turn, the long one's 89 s
     assert p.victims(1, 3100.0, channel) == ["long"]
     for i in range(8):  # traffic meanwhile: residents are rescored as it flows
-        p.on_access(f"new{i}", meta(f"new{i}", last=3125.0), 3125.0)
-    assert p.victims(1, 3125.0, channel) == ["short"]
+        p.on_access(f"new{i}", meta(f"new{i}", last=3135.0), 3135.0)
+    assert p.victims(1, 3135.0, channel) == ["short"]

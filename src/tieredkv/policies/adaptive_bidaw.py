@@ -9,6 +9,7 @@ import itertools
 import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence, Set
+from statistics import NormalDist
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +34,8 @@ _LEARNED, _RECENCY = "learned", "recency"
 _MAX_BACKOFF = 16  # a losing trial doubles the wait for the next, up to 16 duel_retry
 _DELAY_POINTS = 400  # points of the delay grid on either side of 0
 _TRUST_PRIOR = 4.0  # pseudo-hints kept on time: a caller's hints are trusted until shown wrong
+_SMOOTH = np.exp(0.15 * np.array([NormalDist().inv_cdf((i + 0.5) / 8) for i in range(8)]))
+"""Factors a delay sample is spread by: a lognormal kernel of shape 0.15, 8 quantiles."""
 
 
 class AdaptiveBidaw(BidawEviction):
@@ -613,12 +616,23 @@ class AdaptiveBidaw(BidawEviction):
         """Fit ``gap = read_rate * answer + delay`` to the answer buckets' samples (least
         squares, the rate at least 0; it sets :attr:`read_rate`) and return the hit
         density by the delay elapsed (on the delay grid), for a chance ``q`` of a next
-        turn."""
+        turn. The delays' distribution is smoothed: each positive delay stands for
+        :data:`_SMOOTH` delays spread around it by a lognormal kernel (the tail beyond
+        the largest sample is then not empty)."""
         spread = answers - answers.mean()
         var = float(spread @ spread)
         rate = max(0.0, float(spread @ (gaps - gaps.mean())) / var) if var > 0 else 0.0
         self.read_rate = rate
-        delays = np.sort(gaps - rate * answers)
+        delays = gaps - rate * answers
+        pos = delays > 0
+        delays = np.sort(
+            np.concatenate(
+                [
+                    (delays[pos, None] * _SMOOTH[None, :]).ravel(),
+                    np.repeat(delays[~pos], len(_SMOOTH)),
+                ]
+            )
+        )
         n = len(delays)
         grid = np.asarray(self._delay_grid)
         ahead = grid[:, None] + HORIZONS[None, 1:]
