@@ -88,18 +88,25 @@ class AdaptiveBidaw(BidawEviction):
     ``samples`` gaps, all buckets together, sparse buckets drawing on the pooled ones with
     ``prior_weight`` pseudo-samples), and the share of sessions that come back at all (a
     session without an access for ``depart`` seconds counts as gone; decayed at the pace of
-    the sample window). A resident is ranked by its best *hit density*: over every horizon
-    it could still be kept (0.25 s to 2 h), the chance that its next turn comes within it,
-    given the seconds already elapsed since its latest access, over the seconds it is
-    expected to hold its bytes meanwhile (after LHD: Beckmann, Chen and Cidon, NSDI '18),
-    per byte of what removing it frees (``size_aware``); the lowest goes first. The density
-    depends only on (bucket, elapsed seconds), so it is tabulated per bucket at every
-    refresh (on 97 elapsed times up to ``2 * depart``, made unimodal), and residents are
-    ranked with the paper policy's grouped
-    :class:`~tieredkv.policies.ranking.ResidentRanking`: within a bucket the oldest access
-    has the longest elapsed time, so a bucket's lowest score is at one of its ends. Time
-    comes only from the calls' ``now``. Before the first gap is learned, the order is the
-    paper's. The reuse distances, departures and hit potential are still learned: they are
+    the sample window). A person's gap (a turn of an answer bucket) is learned as reading
+    time plus a delay: :attr:`read_rate` seconds per token of the previous answer (the
+    least-squares slope of the answer buckets' gaps over their answers' lengths) and one
+    distribution of the delay past it, pooled over the answer buckets (smoothed by a
+    lognormal kernel), with one chance of coming back; each session is then placed on it by
+    its own reading time, not by its bucket's spread of gaps. A resident is ranked by its
+    best *hit density*: over every horizon it could still be kept (0.25 s to 2 h), the
+    chance that its next turn comes within it, given the seconds already elapsed since its
+    latest access, over the seconds it is expected to hold its bytes meanwhile (after LHD:
+    Beckmann, Chen and Cidon, NSDI '18), per byte of what removing it frees
+    (``size_aware``); the lowest goes first. The density depends only on (bucket, elapsed
+    seconds), for a person on the delay elapsed past the reading time, so it is tabulated
+    at every refresh (on 97 elapsed times up to ``2 * depart``, a person's on 799 delays
+    from ``-2 * depart`` to ``2 * depart``; made unimodal), and residents are ranked with
+    the paper policy's grouped :class:`~tieredkv.policies.ranking.ResidentRanking`: within
+    a bucket the oldest access has the longest elapsed time, so a bucket's lowest score is
+    at one of its ends (for persons up to the spread of reading times within the bucket,
+    as it is up to the spread of sizes within a size class). Time comes only from the
+    calls' ``now``. Before the first gap is learned, the order is the paper's. The reuse distances, departures and hit potential are still learned: they are
     what :meth:`foresee` (predictive prefetch) reads.
 
     **Prefetch on a hint.** Predictive prefetch
