@@ -9,7 +9,6 @@ import itertools
 import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence, Set
-from statistics import NormalDist
 
 import numpy as np
 import numpy.typing as npt
@@ -34,8 +33,6 @@ _LEARNED, _RECENCY = "learned", "recency"
 _MAX_BACKOFF = 16  # a losing trial doubles the wait for the next, up to 16 duel_retry
 _DELAY_POINTS = 400  # points of the delay grid on either side of 0
 _TRUST_PRIOR = 4.0  # pseudo-hints kept on time: a caller's hints are trusted until shown wrong
-_SMOOTH = np.exp(0.15 * np.array([NormalDist().inv_cdf((i + 0.5) / 8) for i in range(8)]))
-"""Factors a delay sample is spread by: a lognormal kernel of shape 0.15, 8 quantiles."""
 
 
 class AdaptiveBidaw(BidawEviction):
@@ -91,9 +88,9 @@ class AdaptiveBidaw(BidawEviction):
     the sample window). A person's gap (a turn of an answer bucket) is learned as reading
     time plus a delay: :attr:`read_rate` seconds per token of the previous answer (the
     least-squares slope of the answer buckets' gaps over their answers' lengths) and one
-    distribution of the delay past it, pooled over the answer buckets (smoothed by a
-    lognormal kernel), with one chance of coming back; each session is then placed on it by
-    its own reading time, not by its bucket's spread of gaps. A resident is ranked by its
+    distribution of the delay past it, pooled over the answer buckets, with one chance of
+    coming back; each session is then placed on it by its own reading time, not by its
+    bucket's spread of gaps. A resident is ranked by its
     best *hit density*: over every horizon it could still be kept (0.25 s to 2 h), the
     chance that its next turn comes within it, given the seconds already elapsed since its
     latest access, over the seconds it is expected to hold its bytes meanwhile (after LHD:
@@ -106,8 +103,9 @@ class AdaptiveBidaw(BidawEviction):
     a bucket the oldest access has the longest elapsed time, so a bucket's lowest score is
     at one of its ends (for persons up to the spread of reading times within the bucket,
     as it is up to the spread of sizes within a size class). Time comes only from the
-    calls' ``now``. Before the first gap is learned, the order is the paper's. The reuse distances, departures and hit potential are still learned: they are
-    what :meth:`foresee` (predictive prefetch) reads.
+    calls' ``now``. Before the first gap is learned, the order is the paper's. The reuse
+    distances, departures and hit potential are still learned: they are what
+    :meth:`foresee` (predictive prefetch) reads.
 
     **Prefetch on a hint.** Predictive prefetch
     (:meth:`tieredkv.TieredKVCache.prefetch_predicted`) asks :meth:`foresee_at` how likely
@@ -623,23 +621,12 @@ class AdaptiveBidaw(BidawEviction):
         """Fit ``gap = read_rate * answer + delay`` to the answer buckets' samples (least
         squares, the rate at least 0; it sets :attr:`read_rate`) and return the hit
         density by the delay elapsed (on the delay grid), for a chance ``q`` of a next
-        turn. The delays' distribution is smoothed: each positive delay stands for
-        :data:`_SMOOTH` delays spread around it by a lognormal kernel (the tail beyond
-        the largest sample is then not empty)."""
+        turn."""
         spread = answers - answers.mean()
         var = float(spread @ spread)
         rate = max(0.0, float(spread @ (gaps - gaps.mean())) / var) if var > 0 else 0.0
         self.read_rate = rate
-        delays = gaps - rate * answers
-        pos = delays > 0
-        delays = np.sort(
-            np.concatenate(
-                [
-                    (delays[pos, None] * _SMOOTH[None, :]).ravel(),
-                    np.repeat(delays[~pos], len(_SMOOTH)),
-                ]
-            )
-        )
+        delays = np.sort(gaps - rate * answers)
         n = len(delays)
         grid = np.asarray(self._delay_grid)
         ahead = grid[:, None] + HORIZONS[None, 1:]
