@@ -664,13 +664,13 @@ class AdaptiveBidaw(BidawEviction):
         dense = self._dense
         first = self._answer_buckets
         if order == _DENSITY and density is not None:
-            elapsed = self._now - last
+            waited = self._now - last  # for a person, past the reading time
             if bucket < first and self._reading:
                 grid = self._delay_grid
-                elapsed -= self.read_rate * self._answer.get(session, 0)
+                waited -= self.read_rate * self._answer.get(session, 0)
             else:
                 grid = self._grid
-            k = bisect.bisect_right(grid, elapsed) - 1
+            k = bisect.bisect_right(grid, waited) - 1
             score = density[bucket][min(max(k, 0), len(grid) - 1)]
         elif seen is None or seen.overdue:
             score = 0.0
