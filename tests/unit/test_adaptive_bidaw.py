@@ -110,11 +110,16 @@ def test_density_ranking_weighs_the_seconds_a_conversation_holds_its_bytes() -> 
     answer, tool = p.bucket_of(40), p.bucket_of(40) + len(p.answer_edges) + 1
     people, agents = p.observed_seconds(answer), p.observed_seconds(tool)
     assert sorted(agents)[len(agents) // 2] * 10 < sorted(people)[len(people) // 2]
-    dense_tool, dense_people = p.density(tool), p.density(answer)
-    assert dense_tool is not None
-    assert dense_people is not None
-    assert dense_tool[0] > 10 * dense_people[0] > 0
-    size, small = 20 * GB, int(20 * GB * dense_people[0] / dense_tool[0] * 1.5)
+    tables = p.density(tool), p.density(answer)
+    assert tables[0] is not None
+    assert tables[1] is not None
+    # just accessed: the density at 0 s elapsed (every answer is 40 tokens, so no reading
+    # rate can be fitted and the delay past it is the elapsed time)
+    assert p.read_rate == 0.0
+    dense_tool = tables[0][p.density_grid(tool).index(0.0)]
+    dense_people = tables[1][p.density_grid(answer).index(0.0)]
+    assert dense_tool > 10 * dense_people > 0
+    size, small = 20 * GB, int(20 * GB * dense_people / dense_tool * 1.5)
     channel = MetadataChannel([TierInfo(name="host", level=0, capacity=40 * GB)])
     for name, m in (("agent", meta("agent", size, tool=True)), ("person", meta("person", small))):
         channel.put(m)
@@ -269,3 +274,46 @@ def test_on_the_mooncake_head_the_potential_keeps_the_tier() -> None:
     density = replay(turns, AdaptiveBidaw(ranking="density"), host_bytes=100 * GB, warmup=warmup)
     assert (auto.order, auto.switches) == ("potential", 0)
     assert hits == alone.hits > density.hits
+
+
+def read_and_type(p: AdaptiveBidaw, until: float) -> None:
+    """People who read 1 s per token of the previous answer (113 to 159 tokens, one
+    answer bucket) and then type for 5 to 10 s, and always come back."""
+    rng = random.Random(3)
+    users = [f"u{i}" for i in range(200)]
+    answers = {u: rng.randint(113, 159) for u in users}
+    due = {u: rng.uniform(0, 150) for u in users}
+    turns = dict.fromkeys(users, 0)
+    while True:
+        u = min(due, key=due.__getitem__)
+        now = due[u]
+        if now > until:
+            return
+        turns[u] += 1
+        answers[u] = rng.randint(113, 159)
+        p.on_access(u, meta(u, answer=answers[u], turns=turns[u], last=now), now)
+        due[u] = now + answers[u] + rng.uniform(5, 10)
+
+
+def test_the_reading_time_is_learned_per_token_and_each_session_is_shifted_by_its_own() -> None:
+    """Within one answer bucket (113 to 159 tokens) the gap is 1 s per token plus 5-10 s.
+    The policy learns the rate, and ranks each session by the delay elapsed past its own
+    reading time: a 113-token reader 135 s after its turn is late (its user would have
+    been back by 123 s), a 159-token one 105 s after its turn is still reading (back in
+    59-64 s), so the late one goes first; 35 s earlier it was the other way round. By the
+    bucket's distribution of gaps (118 to 169 s) the late one would still be due and the
+    reader, 105 s in, the least likely."""
+    p = AdaptiveBidaw(capacity=40 * GB, refresh_every=64, duel_block=10**9, ranking="density")
+    read_and_type(p, 3000.0)
+    assert p.read_rate == pytest.approx(1.0, abs=0.02)
+    channel = MetadataChannel([TierInfo(name="host", level=0, capacity=40 * GB)])
+    for name, answer, at in (("short", 113, 3000.0), ("long", 159, 3030.0)):
+        m = meta(name, answer=answer, turns=3, last=at)
+        channel.put(m)
+        p.on_access(name, m, at)
+        p.on_admit(name, m, at)
+    # at 3,100 s the short one's reader is 13-18 s from the next turn, the long one's 89 s
+    assert p.victims(1, 3100.0, channel) == ["long"]
+    for i in range(8):  # traffic meanwhile: residents are rescored as it flows
+        p.on_access(f"new{i}", meta(f"new{i}", last=3135.0), 3135.0)
+    assert p.victims(1, 3135.0, channel) == ["short"]

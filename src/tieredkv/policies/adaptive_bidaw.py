@@ -31,6 +31,7 @@ _RANKINGS = (_AUTO, _POTENTIAL, _DENSITY)
 _PRIORITY_SPAN = 4  # priorities are clamped to [-4, 4]: a factor of 16 either way
 _LEARNED, _RECENCY = "learned", "recency"
 _MAX_BACKOFF = 16  # a losing trial doubles the wait for the next, up to 16 duel_retry
+_DELAY_POINTS = 400  # points of the delay grid on either side of 0
 _TRUST_PRIOR = 4.0  # pseudo-hints kept on time: a caller's hints are trusted until shown wrong
 
 
@@ -84,19 +85,27 @@ class AdaptiveBidaw(BidawEviction):
     ``samples`` gaps, all buckets together, sparse buckets drawing on the pooled ones with
     ``prior_weight`` pseudo-samples), and the share of sessions that come back at all (a
     session without an access for ``depart`` seconds counts as gone; decayed at the pace of
-    the sample window). A resident is ranked by its best *hit density*: over every horizon
-    it could still be kept (0.25 s to 2 h), the chance that its next turn comes within it,
-    given the seconds already elapsed since its latest access, over the seconds it is
-    expected to hold its bytes meanwhile (after LHD: Beckmann, Chen and Cidon, NSDI '18),
-    per byte of what removing it frees (``size_aware``); the lowest goes first. The density
-    depends only on (bucket, elapsed seconds), so it is tabulated per bucket at every
-    refresh (on 97 elapsed times up to ``2 * depart``, made unimodal), and residents are
-    ranked with the paper policy's grouped
-    :class:`~tieredkv.policies.ranking.ResidentRanking`: within a bucket the oldest access
-    has the longest elapsed time, so a bucket's lowest score is at one of its ends. Time
-    comes only from the calls' ``now``. Before the first gap is learned, the order is the
-    paper's. The reuse distances, departures and hit potential are still learned: they are
-    what :meth:`foresee` (predictive prefetch) reads.
+    the sample window). A person's gap (a turn of an answer bucket) is learned as reading
+    time plus a delay: :attr:`read_rate` seconds per token of the previous answer (the
+    least-squares slope of the answer buckets' gaps over their answers' lengths) and one
+    distribution of the delay past it, pooled over the answer buckets, with one chance of
+    coming back; each session is then placed on it by its own reading time, not by its
+    bucket's spread of gaps. A resident is ranked by its
+    best *hit density*: over every horizon it could still be kept (0.25 s to 2 h), the
+    chance that its next turn comes within it, given the seconds already elapsed since its
+    latest access, over the seconds it is expected to hold its bytes meanwhile (after LHD:
+    Beckmann, Chen and Cidon, NSDI '18), per byte of what removing it frees
+    (``size_aware``); the lowest goes first. The density depends only on (bucket, elapsed
+    seconds), for a person on the delay elapsed past the reading time, so it is tabulated
+    at every refresh (on 97 elapsed times up to ``2 * depart``, a person's on 799 delays
+    from ``-2 * depart`` to ``2 * depart``; made unimodal), and residents are ranked with
+    the paper policy's grouped :class:`~tieredkv.policies.ranking.ResidentRanking`: within
+    a bucket the oldest access has the longest elapsed time, so a bucket's lowest score is
+    at one of its ends (for persons up to the spread of reading times within the bucket,
+    as it is up to the spread of sizes within a size class). Time comes only from the
+    calls' ``now``. Before the first gap is learned, the order is the paper's. The reuse
+    distances, departures and hit potential are still learned: they are what
+    :meth:`foresee` (predictive prefetch) reads.
 
     **Prefetch on a hint.** Predictive prefetch
     (:meth:`tieredkv.TieredKVCache.prefetch_predicted`) asks :meth:`foresee_at` how likely
@@ -199,13 +208,25 @@ class AdaptiveBidaw(BidawEviction):
             raise ValueError(f"depart must be a finite number of seconds > 0 (got {depart})")
         self.depart = float(depart)
         # gaps in seconds: (bucket, gap) samples, returns and departures per bucket
-        self._gaps: deque[tuple[int, float]] = deque(maxlen=samples)
+        # (bucket, previous answer's tokens, gap) samples, returns and departures per bucket
+        self._gaps: deque[tuple[int, int, float]] = deque(maxlen=samples)
         self._clock: dict[str, float] = {}  # session -> its latest access (or admission)
+        # session -> the answer tokens its reading time is learned from (answer buckets)
+        self._answer: dict[str, int] = {}
         # sessions within ``depart`` of their latest access, oldest first: (bucket, turns,
-        # that access completed a turn)
-        self._waiting: OrderedDict[str, tuple[int, int, bool]] = OrderedDict()
+        # that access completed a turn, answer tokens)
+        self._waiting: OrderedDict[str, tuple[int, int, bool, int]] = OrderedDict()
         self._grid: list[float] = [0.0, *np.geomspace(0.25, 2 * depart, 96).tolist()]
+        # the answer buckets' table is by the delay elapsed past the reading time, which is
+        # negative while the user is still reading (finer: every session is shifted by its
+        # own reading time, so the table is read between the buckets' coarse steps)
+        ahead = np.geomspace(0.05, 2 * depart, _DELAY_POINTS)
+        self._delay_grid: list[float] = [*(-ahead[::-1][:-1]), 0.0, *ahead.tolist()]
+        self.read_rate = 0.0
+        """Seconds of reading per token of the previous answer, learned online (the slope
+        of the gap over the answer's length, at least 0)."""
         self._density: list[list[float]] | None = None  # [bucket][elapsed grid point]
+        self._reading = False  # the answer buckets' tables are on the delay grid
         if duel_block < 1 or duel_retry < 1 or not 0 <= duel_margin < 1:
             raise ValueError("duel_block and duel_retry must be >= 1, duel_margin in [0, 1)")
         if not (0 <= hint_lead < math.inf and 0 <= hint_slack < math.inf):
@@ -300,6 +321,7 @@ class AdaptiveBidaw(BidawEviction):
         self._fresh.discard(session)
         if session not in self._waiting:
             self._clock.pop(session, None)
+            self._answer.pop(session, None)
         super().on_remove(session)
 
     def victims(
@@ -336,7 +358,7 @@ class AdaptiveBidaw(BidawEviction):
             return
         waiting = self._waiting.get(session)
         if waiting is not None:
-            self._waiting[session] = (bucket, waiting[1], waiting[2])
+            self._waiting[session] = (bucket, *waiting[1:])
         seen.bucket = bucket
         seen.rank = rank
         size = self._resident.get(session)
@@ -387,19 +409,24 @@ class AdaptiveBidaw(BidawEviction):
         return list(self._rival_size)
 
     def density(self, bucket: int) -> list[float] | None:
-        """Hit density (hits per second of keeping a conversation, before its size) by
-        seconds elapsed since its latest access (at :meth:`density_grid`'s points) for one
-        bucket, as last refreshed; ``None`` before the first gap in seconds is learned."""
+        """Hit density (hits per second of keeping a conversation, before its size) for one
+        bucket at :meth:`density_grid`'s points, as last refreshed; ``None`` before the
+        first gap in seconds is learned."""
         return None if self._density is None else list(self._density[bucket])
 
-    def density_grid(self) -> list[float]:
-        """The elapsed seconds the density tables are tabulated at (the first is 0)."""
+    def density_grid(self, bucket: int) -> list[float]:
+        """The points ``bucket``'s density table is tabulated at: for an answer bucket
+        (once a reading rate is fitted), the seconds elapsed past the session's reading
+        time (:attr:`read_rate` times its previous answer's tokens; negative while its
+        user still reads); for any other, the seconds elapsed since its latest access."""
+        if bucket < self._answer_buckets and self._reading:
+            return list(self._delay_grid)
         return list(self._grid)
 
     def observed_seconds(self, bucket: int) -> list[float]:
         """Gaps (seconds) in the sample window observed after turns of ``bucket``, oldest
         first."""
-        return [g for b, g in self._gaps if b == bucket]
+        return [g for b, _, g in self._gaps if b == bucket]
 
     def kind_of(self, bucket: int) -> str:
         """What a bucket holds: ``"answer"``, ``"tool"`` or ``"hint"``."""
@@ -505,12 +532,14 @@ class AdaptiveBidaw(BidawEviction):
         old = self._waiting.pop(session, None)
         if old is not None and old[2]:
             last = self._clock[session]
-            self._gaps.append((old[0], now - last))
+            self._gaps.append((old[0], old[3], now - last))
             self._t_returned[old[0]] += 1.0
         completed = old is None or meta.turns > old[1]
         self._clock[session] = now
+        answer = meta.prev_answer_tokens if bucket < self._answer_buckets else 0
+        self._answer[session] = answer
         waiting = self._waiting
-        waiting[session] = (bucket, meta.turns, completed)
+        waiting[session] = (bucket, meta.turns, completed, answer)
         clock, resident, horizon = self._clock, self._resident, now - self.depart
         while waiting:
             oldest = next(iter(waiting))
@@ -520,6 +549,7 @@ class AdaptiveBidaw(BidawEviction):
             self._t_departed[gone[0]] += 1.0
             if oldest not in resident:
                 del clock[oldest]
+                self._answer.pop(oldest, None)
 
     def _tabulated(
         self, potential: npt.NDArray[np.float64], mass: npt.NDArray[np.float64],
@@ -545,7 +575,8 @@ class AdaptiveBidaw(BidawEviction):
             return
         pairs = np.array(self._gaps, dtype=np.float64)
         labels = pairs[:, 0].astype(np.int64)
-        gaps = pairs[:, 1]
+        answers = pairs[:, 1]
+        gaps = pairs[:, 2]
         pooled = np.sort(gaps)
         grid = np.asarray(self._grid)
         ahead = grid[:, None] + HORIZONS[None, 1:]
@@ -556,18 +587,52 @@ class AdaptiveBidaw(BidawEviction):
         self._t_departed = [x * decay for x in self._t_departed]
         prior = self.prior_weight
         p_prior = (returned.sum() + 1.0) / (returned.sum() + departed.sum() + 1.0)
+        readers = self._answer_buckets
+        read = labels < readers
+        reader: list[float] | None = None
+        if read.sum() >= 2:
+            # one chance of a next turn for every reader: the answer's length does not
+            # tell whether a user comes back, and one pooled chance has all the samples
+            back, gone = returned[:readers].sum(), departed[:readers].sum()
+            q_read = (back + prior * p_prior) / (back + gone + prior)
+            reader = _unimodal(self._delays(answers[read], gaps[read], q_read).tolist())
         pooled_now = (len(pooled) - np.searchsorted(pooled, grid, side="right")) / len(pooled)
         pooled_ahead = (len(pooled) - np.searchsorted(pooled, ahead, side="right")) / len(pooled)
         rows = []
         for b in range(len(returned)):
+            q = (returned[b] + prior * p_prior) / (returned[b] + departed[b] + prior)
+            if b < readers and reader is not None:
+                # gap = reading time + a delay: one pooled delay distribution, each
+                # session shifted by its own reading time when it is scored
+                rows.append(reader)
+                continue
             mine = np.sort(gaps[labels == b])
             total = len(mine) + prior
             s_now = len(mine) - np.searchsorted(mine, grid, side="right") + prior * pooled_now
             s_ahead = len(mine) - np.searchsorted(mine, ahead, side="right") + prior * pooled_ahead
-            q = (returned[b] + prior * p_prior) / (returned[b] + departed[b] + prior)
             density = best_density(np.full(len(grid), q), s_now / total, s_ahead / total)
             rows.append(_unimodal(density.tolist()))
         self._density = rows
+        self._reading = reader is not None
+
+    def _delays(
+        self, answers: npt.NDArray[np.float64], gaps: npt.NDArray[np.float64], q: float
+    ) -> npt.NDArray[np.float64]:
+        """Fit ``gap = read_rate * answer + delay`` to the answer buckets' samples (least
+        squares, the rate at least 0; it sets :attr:`read_rate`) and return the hit
+        density by the delay elapsed (on the delay grid), for a chance ``q`` of a next
+        turn."""
+        spread = answers - answers.mean()
+        var = float(spread @ spread)
+        rate = max(0.0, float(spread @ (gaps - gaps.mean())) / var) if var > 0 else 0.0
+        self.read_rate = rate
+        delays = np.sort(gaps - rate * answers)
+        n = len(delays)
+        grid = np.asarray(self._delay_grid)
+        ahead = grid[:, None] + HORIZONS[None, 1:]
+        s_now = (n - np.searchsorted(delays, grid, side="right")) / n
+        s_ahead = (n - np.searchsorted(delays, ahead, side="right")) / n
+        return best_density(np.full(len(grid), q), s_now, s_ahead)
 
     def _score(self, session: str) -> float:
         seen = self._seen[session]
@@ -599,8 +664,13 @@ class AdaptiveBidaw(BidawEviction):
         dense = self._dense
         first = self._answer_buckets
         if order == _DENSITY and density is not None:
-            grid = self._grid
-            k = bisect.bisect_right(grid, self._now - last) - 1
+            waited = self._now - last  # for a person, past the reading time
+            if bucket < first and self._reading:
+                grid = self._delay_grid
+                waited -= self.read_rate * self._answer.get(session, 0)
+            else:
+                grid = self._grid
+            k = bisect.bisect_right(grid, waited) - 1
             score = density[bucket][min(max(k, 0), len(grid) - 1)]
         elif seen is None or seen.overdue:
             score = 0.0
