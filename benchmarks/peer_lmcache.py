@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -72,12 +73,25 @@ def is_ready(env: Path) -> bool:
 def create(env: Path, *, log: Any = sys.stderr) -> Path:
     """Create (or complete) the peer environment at ``env``; its Python.
 
+    One process at a time creates it: another that calls this meanwhile (CI starts the
+    creation in the background while the default tests run, and the LMCache test asks for
+    the environment later) waits for the first, on a lock file beside ``env``, and finds
+    it ready.
+
     :raises RuntimeError: if an install step failed (pip's output's tail is in the message)
     """
     env = env.expanduser()
+    env.parent.mkdir(parents=True, exist_ok=True)
+    with open(env.parent / f"{env.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if is_ready(env):
+            return python_of(env)
+        return _install(env, log)
+
+
+def _install(env: Path, log: Any) -> Path:
     steps: list[list[str]] = []
     if not python_of(env).exists():
-        env.parent.mkdir(parents=True, exist_ok=True)
         steps.append([sys.executable, "-m", "venv", str(env)])
     pip = [str(python_of(env)), "-m", "pip"]
     steps.append([*pip, "install", "-q", *PINS])

@@ -35,8 +35,9 @@ PEER_ENV = Path(os.environ.get("TIEREDKV_LMCACHE_ENV", str(peer_lmcache.DEFAULT_
 def require_peer() -> None:
     """Skip without the peer's environment (checked when the test runs, not when it is
     collected: the check imports lmcache and vLLM in the peer's interpreter); with
-    ``CI=true``, create it instead."""
-    if not peer_lmcache.is_ready(PEER_ENV) and os.environ.get("CI") == "true":
+    ``CI=true``, create it instead, or wait for the creation ``.ci/run`` started in the
+    background to finish."""
+    if os.environ.get("CI") == "true":
         peer_lmcache.create(PEER_ENV)  # CI runs the peer, never skips it (5-10 min)
     if not peer_lmcache.is_ready(PEER_ENV):
         pytest.skip(
