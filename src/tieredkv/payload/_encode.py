@@ -3,9 +3,10 @@ then written into a buffer whole or part by part (:class:`PartWriter`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections.abc import Hashable, Mapping
 from concurrent.futures import Executor, Future
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -202,6 +203,58 @@ def _to_tensor(name: str, value: Any) -> torch.Tensor:
     return tensor
 
 
+class _Layout(NamedTuple):
+    """What :func:`plan_segment` found for one set of tensors: everything but the turn's own
+    fields (session, seq, times, forks), which each plan encodes anew."""
+
+    specs: tuple[TensorSpec, ...]
+    token_dim: int
+    tokens: int
+    schema: Schema
+
+
+class _Layouts:
+    """The layouts of the last few tensor sets planned, by :func:`_layout_key`: in serving,
+    every turn of a model has the same tensors (names, dtypes, shapes but the token count,
+    and, for a fixed turn length, that too), so a turn's plan checks and lays out only what
+    it has not seen. Bounded; shared by every thread (reads take no lock)."""
+
+    MAX = 16
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._layouts: dict[Hashable, _Layout] = {}
+
+    def get(self, key: Hashable) -> _Layout | None:
+        return self._layouts.get(key)
+
+    def put(self, key: Hashable, layout: _Layout) -> None:
+        with self._lock:
+            while len(self._layouts) >= self.MAX:
+                del self._layouts[next(iter(self._layouts))]  # the oldest
+            self._layouts[key] = layout
+
+    def clear(self) -> None:
+        with self._lock:
+            self._layouts.clear()
+
+
+_layouts = _Layouts()
+
+
+def _layout_key(tensors: Mapping[str, Any], token_dim: int, codec: str) -> Hashable | None:
+    """What a segment's layout depends on, and what made its tensors valid: per tensor (in
+    order) its name, dtype, shape, strides and device, with the token dimension and codec;
+    ``None`` where it cannot be told this cheaply (numpy arrays, tensor subclasses, sparse
+    tensors: always planned in full)."""
+    key: list[Hashable] = [token_dim, codec]
+    for name, value in tensors.items():
+        if type(value) is not torch.Tensor or value.layout is not torch.strided:
+            return None
+        key.append((name, value.dtype, value.shape, value.stride(), value.device))
+    return tuple(key)
+
+
 def plan_segment(
     session: str,
     seq: int,
@@ -215,6 +268,9 @@ def plan_segment(
     parent: str = "",
 ) -> SegmentPlan:
     """Validate one turn's tensors and lay out its segment.
+
+    A set of tensors like the last few planned (the same names in the same order, dtypes,
+    shapes, strides and devices, token dimension and codec) reuses their checks and layout.
 
     :param tensors: named torch tensors or numpy arrays, all with the same size along
         ``token_dim`` (negative counts from the end, per tensor)
@@ -239,6 +295,45 @@ def plan_segment(
         raise InvalidArgumentError(f"token_dim must be an int, not {token_dim!r}")
     if not isinstance(codec, str) or not codec:
         raise InvalidArgumentError(f"codec must be a non-empty string, not {codec!r}")
+    key_bytes = len(session.encode("utf-8"))
+    if key_bytes > MAX_SESSION_KEY_BYTES:
+        raise InvalidArgumentError(
+            f"session key is {key_bytes:,} bytes of UTF-8; keep it under {MAX_SESSION_KEY_BYTES:,}"
+        )
+    key = _layout_key(tensors, token_dim, codec)
+    layout = None if key is None else _layouts.get(key)
+    if layout is None:
+        values, specs, dim, tokens = _lay_out(tensors, token_dim)
+    else:  # (the same checks passed for tensors like these: what _to_tensor does to them)
+        values = tuple(t.detach() if t.requires_grad else t for t in tensors.values())
+        specs, dim, tokens = layout.specs, layout.token_dim, layout.tokens
+    header = SegmentHeader(
+        session=session,
+        seq=seq,
+        tokens=tokens,
+        token_dim=dim,
+        answer_tokens=answer_tokens,
+        codec=codec,
+        tensors=specs,
+        body_offset=0,
+        body_len=specs[-1].offset + specs[-1].nbytes,
+        created=created,
+        base=base,
+        parent=parent,
+    )
+    header, header_bytes = _encode_laid_out(header)
+    if layout is None:
+        layout = _Layout(specs, dim, tokens, header_schema(header))
+        if key is not None:
+            _layouts.put(key, layout)
+    return SegmentPlan(header, header_bytes, layout.schema, values)
+
+
+def _lay_out(
+    tensors: Mapping[str, Any], token_dim: int
+) -> tuple[tuple[torch.Tensor, ...], tuple[TensorSpec, ...], int, int]:
+    """Check ``tensors`` (see :func:`plan_segment`) and lay them out in a segment's body:
+    the tensors, their specs, the token dimension (non-negative) and the token count."""
     names: list[str] = []
     values: list[torch.Tensor] = []
     for name, value in tensors.items():
@@ -285,28 +380,7 @@ def plan_segment(
             )
         )
         offset = align_up(offset + nbytes, _TENSOR_ALIGN)
-    body_len = specs[-1].offset + specs[-1].nbytes
-    key_bytes = len(session.encode("utf-8"))
-    if key_bytes > MAX_SESSION_KEY_BYTES:
-        raise InvalidArgumentError(
-            f"session key is {key_bytes:,} bytes of UTF-8; keep it under {MAX_SESSION_KEY_BYTES:,}"
-        )
-    header = SegmentHeader(
-        session=session,
-        seq=seq,
-        tokens=tokens,
-        token_dim=dims[0],
-        answer_tokens=answer_tokens,
-        codec=codec,
-        tensors=tuple(specs),
-        body_offset=0,
-        body_len=body_len,
-        created=created,
-        base=base,
-        parent=parent,
-    )
-    header, header_bytes = _encode_laid_out(header)
-    return SegmentPlan(header, header_bytes, header_schema(header), tuple(values))
+    return tuple(values), tuple(specs), dims[0], tokens
 
 
 def plan_retirement(session: str) -> SegmentPlan:
