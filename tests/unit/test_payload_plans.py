@@ -1,8 +1,8 @@
-"""plan_segment reuses the checks and layout of tensors like the last few it planned (the
-common case in serving: every turn of a model has the same tensors), and never a layout
-that does not fit: a turn whose tensors differ in any name, order, dtype, shape, stride,
-device, token dimension or codec is planned, written and refused exactly as with nothing
-remembered."""
+"""plan_segment reuses the checks, schema and layout of tensors like the last few it
+planned (the common case in serving: every turn of a model has the same tensors but for
+their token count), and never a layout that does not fit: a turn whose tensors differ in
+any name, order, dtype, shape, token count, stride, device, token dimension or codec is
+planned, written and refused exactly as with nothing remembered."""
 
 from __future__ import annotations
 
@@ -70,6 +70,19 @@ def test_a_turn_like_the_last_reuses_its_layout_and_writes_the_same_bytes() -> N
         assert torch.equal(got[name], tensor)
 
 
+def test_a_turn_of_another_length_is_laid_out_anew_from_the_remembered_checks() -> None:
+    first = _plan(_turn(tokens=6, seed=1))
+    longer = _plan(_turn(tokens=40, seed=2), "s", 1)
+    assert longer.schema is first.schema  # remembered (a new one before)
+    assert [s.shape[0] for s in longer.header.tensors] == [40, 40, 40]
+    remembered = _written(longer)
+    _layouts.clear()
+    fresh = _plan(_turn(tokens=40, seed=2), "s", 1)
+    assert (longer.header_bytes, remembered) == (fresh.header_bytes, _written(fresh))
+    got = segment_tensors(memoryview(remembered), verify_segment(memoryview(remembered), "t"))
+    assert all(torch.equal(got[n], v) for n, v in _turn(tokens=40, seed=2).items())
+
+
 def _strided(t: dict[str, Any]) -> dict[str, Any]:
     # the same shape, but every tensor a non-contiguous view (other strides)
     return {n: v.transpose(0, 1).contiguous().transpose(0, 1) for n, v in t.items()}
@@ -100,6 +113,8 @@ VARIANTS: dict[str, tuple[Callable[[dict[str, Any]], dict[str, Any]], dict[str, 
     "a tensor that requires grad": (_grad, {}),
     "a numpy array": (lambda t: {**t, "v": t["v"].numpy()}, {}),
     "a token count mismatch": (lambda t: {**t, "v": t["v"][:5]}, {}),
+    "no tokens": (lambda t: {n: v[:0] for n, v in t.items()}, {}),
+    "token_dim out of range": (lambda t: t, {"token_dim": 3}),
     "another codec": (lambda t: t, {"codec": "kv-fp8"}),
     "token_dim counted from the end": (lambda t: t, {"token_dim": -2}),
     "token_dim as a bool": (lambda t: t, {"token_dim": False}),
@@ -121,7 +136,7 @@ def test_a_differing_turn_is_planned_as_with_nothing_remembered(variant: str) ->
     assert warm == cold
     if variant in ("a tensor on the meta device", "a sparse tensor", "token_dim as a bool"):
         assert warm[0] in ("InvalidTypeError", "InvalidArgumentError")
-    if variant == "a token count mismatch":
+    if variant in ("a token count mismatch", "no tokens", "token_dim out of range"):
         assert warm[0] == "InvalidArgumentError"
 
 
