@@ -163,3 +163,13 @@ def test_the_memory_is_bounded_and_keeps_the_latest() -> None:
             "s", 0, {"k": np.zeros((2, 1), dtype=np.float32)}, token_dim=0, answer_tokens=1
         ).schema
     )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_same_tensors_on_a_cuda_device_are_planned_as_with_nothing_remembered() -> None:
+    _plan(_turn())  # remembered on the CPU
+    make = lambda: _plan({n: v.cuda() for n, v in _turn().items()})  # noqa: E731
+    warm = _outcome(make)
+    _layouts.clear()
+    assert warm == _outcome(make)
+    assert warm[0] == "plan"
