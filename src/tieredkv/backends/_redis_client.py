@@ -269,7 +269,10 @@ async def pipelined(client: aioredis.Redis, commands: Sequence[Sequence[Any]]) -
     no later command follows a half-written one.
     """
     pool = client.connection_pool
-    conn = await pool.get_connection()  # type: ignore[no-untyped-call]
+    try:
+        conn = await pool.get_connection()  # type: ignore[no-untyped-call]
+    except TypeError:  # redis < 5.3 names the command (later ones warn when it is named)
+        conn = await pool.get_connection("PIPELINE")  # type: ignore[no-untyped-call]
 
     async def attempt() -> list[Any]:
         writer = None
