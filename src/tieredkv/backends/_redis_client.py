@@ -32,7 +32,7 @@ try:
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialBackoff
     from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import NoScriptError, RedisError
+    from redis.exceptions import NoScriptError, RedisError, ResponseError
 except ImportError as _exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "RedisTier needs the redis client (the redis extra: pip install -e '.[redis]' in a "
@@ -50,6 +50,7 @@ __all__ = [
     "RedisError",
     "driver_options",
     "fields",
+    "pipelined",
     "redacted",
     "refused_as_damaged",
     "text",
@@ -251,6 +252,69 @@ class Connection:
             return fields(await self.check_open().hgetall(name))
         except (RedisError, OSError) as exc:
             raise self.io_error("look up a conversation", exc) from exc
+
+
+async def pipelined(client: aioredis.Redis, commands: Sequence[Sequence[Any]]) -> list[Any]:
+    """Send ``commands`` in one go on one of ``client``'s pooled connections and read their
+    replies (an error reply as its exception): what redis-py's pipeline does, retries on a
+    connection error included, but without its copies of large arguments.
+
+    The pipeline hands the packed commands to the stream writer's ``writelines``, and on
+    Python 3.11 asyncio's socket transport joins them into one ``bytes``, slices off what
+    the first ``send`` took and buffers the rest: every value copied three times. Here each
+    piece (a value stays the memoryview it was given) goes through the writer's ``write``,
+    whose slice of a memoryview is a view and which buffers only what the socket does not
+    take at once (``benchmarks/_redis_transport.py``). A connection a send or read did not
+    finish (an error, a cancellation) is disconnected before it goes back to the pool, so
+    no later command follows a half-written one.
+    """
+    pool = client.connection_pool
+    try:
+        conn = await pool.get_connection()  # type: ignore[no-untyped-call]
+    except TypeError:  # redis < 5.3 names the command (later ones warn when it is named)
+        conn = await pool.get_connection("PIPELINE")  # type: ignore[no-untyped-call]
+
+    async def attempt() -> list[Any]:
+        writer = None
+        try:
+            if not conn.is_connected:
+                await conn.connect()
+            await conn.check_health()
+            packed = conn.pack_commands(commands)
+            writer = getattr(conn, "_writer", None)  # (private: redis-py's own otherwise)
+            if writer is None:
+                await conn.send_packed_command(packed, check_health=False)
+            else:
+                try:
+                    for piece in packed:
+                        writer.write(piece)
+                    await writer.drain()
+                except OSError as exc:  # (what send_packed_command raises: retried)
+                    raise RedisConnectionError(f"Error while writing to socket. {exc}") from exc
+            replies: list[Any] = []
+            for _ in commands:
+                try:
+                    replies.append(await conn.read_response())
+                except ResponseError as exc:  # an error reply, read whole
+                    replies.append(exc)
+            return replies
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                if writer is not None:  # what it still buffers is half a command: dropped
+                    writer.transport.abort()
+                await conn.disconnect(nowait=True)
+            raise
+
+    async def failed(error: Exception) -> None:
+        with anyio.CancelScope(shield=True):
+            await conn.disconnect()
+
+    try:
+        replies: list[Any] = await conn.retry.call_with_retry(attempt, failed)
+        return replies
+    finally:
+        with anyio.CancelScope(shield=True):
+            await pool.release(conn)
 
 
 @functools.cache

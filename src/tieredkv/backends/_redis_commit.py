@@ -31,6 +31,7 @@ from ._redis_client import (
     NoScriptError,
     RedisCluster,
     RedisError,
+    pipelined,
     refused_as_damaged,
     text,
     to_int,
@@ -234,12 +235,19 @@ class Commits(Leases):
                 # them and which checks that they all arrived
                 # (a Cluster client refuses scripts in pipelines: two round trips there)
                 cluster = isinstance(client, RedisCluster)
-                async with client.pipeline(transaction=False) as pipe:
-                    for part, view in zip(parts, views, strict=True):
-                        pipe.set(part, view, px=self._part_ms, nx=True)
-                    if not cluster:
-                        pipe.evalsha(commit.sha, len(keys), *keys, *args)
-                    results = await pipe.execute(raise_on_error=False)
+                if isinstance(client, RedisCluster):
+                    async with client.pipeline(transaction=False) as pipe:
+                        for part, view in zip(parts, views, strict=True):
+                            pipe.set(part, view, px=self._part_ms, nx=True)
+                        results = await pipe.execute(raise_on_error=False)
+                else:  # (the values without the transport's copies: see pipelined)
+                    ms = self._part_ms
+                    sets = [
+                        ("SET", part, view, "PX", ms, "NX")
+                        for part, view in zip(parts, views, strict=True)
+                    ]
+                    evalsha = ("EVALSHA", commit.sha, len(keys), *keys, *args)
+                    results = await pipelined(client, [*sets, evalsha])
                 for failed in results[: len(parts)]:  # a value refused (out of memory)
                     if isinstance(failed, Exception):
                         raise failed  # (the commit step found it missing: nothing committed)

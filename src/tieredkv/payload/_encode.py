@@ -3,9 +3,10 @@ then written into a buffer whole or part by part (:class:`PartWriter`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections.abc import Hashable, Mapping
 from concurrent.futures import Executor, Future
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -202,6 +203,100 @@ def _to_tensor(name: str, value: Any) -> torch.Tensor:
     return tensor
 
 
+class _Layout(NamedTuple):
+    """What :func:`plan_segment` found for one set of tensors: their specs at ``tokens``
+    tokens, the token dimension (non-negative) and the schema. A turn's own fields (session,
+    seq, times, forks) are encoded anew for each plan."""
+
+    specs: tuple[TensorSpec, ...]
+    token_dim: int
+    tokens: int
+    schema: Schema
+
+
+class _Layouts:
+    """The layouts of the last few tensor sets planned, by :func:`_layout_key`. In serving,
+    every turn of a model has the same tensors but for their token count, so a turn's plan
+    checks only what differs (the token counts) and, for another token count, lays out the
+    same specs at new sizes. Bounded; shared by every thread (reads take no lock)."""
+
+    MAX = 16
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._layouts: dict[Hashable, _Layout] = {}
+
+    def get(self, key: Hashable) -> _Layout | None:
+        return self._layouts.get(key)
+
+    def put(self, key: Hashable, layout: _Layout) -> None:
+        with self._lock:
+            self._layouts.pop(key, None)  # (the newest last)
+            while len(self._layouts) >= self.MAX:
+                del self._layouts[next(iter(self._layouts))]  # the oldest
+            self._layouts[key] = layout
+
+    def clear(self) -> None:
+        with self._lock:
+            self._layouts.clear()
+
+
+_layouts = _Layouts()
+
+
+def _layout_key(tensors: Mapping[str, Any], token_dim: int, codec: str) -> Hashable | None:
+    """What a segment's layout and its tensors' checks depend on, but for the token count:
+    per tensor (in order) its name, dtype, shape without the token dimension and device,
+    with the token dimension and codec. ``None`` where that cannot be told this cheaply
+    (numpy arrays, tensor subclasses, sparse tensors, a token dimension out of range):
+    those are planned in full. A tensor's strides are not part of it: the layout does not
+    depend on them, and each write copies a tensor by what its strides are then."""
+    key: list[Hashable] = [token_dim, codec]
+    for name, value in tensors.items():
+        if type(value) is not torch.Tensor or value.layout is not torch.strided:
+            return None
+        shape = value.shape
+        if not -len(shape) <= token_dim < len(shape):
+            return None
+        dim = token_dim % len(shape)
+        key.append((name, value.dtype, shape[:dim], shape[dim + 1 :], value.device))
+    return tuple(key)
+
+
+def _remembered(
+    layout: _Layout, values: tuple[torch.Tensor, ...]
+) -> tuple[tuple[TensorSpec, ...], int] | None:
+    """``layout``'s specs for ``values`` (tensors matching its key) and their token count;
+    ``None`` where their token counts differ or are 0 (the full checks say so)."""
+    dim = layout.token_dim
+    tokens = int(values[0].shape[dim])
+    if not tokens or any(t.shape[dim] != tokens for t in values):
+        return None
+    if tokens == layout.tokens:
+        return layout.specs, tokens
+    was = layout.tokens
+    return _specs(
+        [s.name for s in layout.specs],
+        [s.dtype for s in layout.specs],
+        [tuple(t.shape) for t in values],
+        [s.nbytes // was * tokens for s in layout.specs],  # (nbytes: tokens x bytes per token)
+    ), tokens
+
+
+def _specs(
+    names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]], sizes: list[int]
+) -> tuple[TensorSpec, ...]:
+    """The specs of tensors laid out one after another in a segment's body."""
+    specs: list[TensorSpec] = []
+    offset = 0
+    for name, dtype, shape, nbytes in zip(names, dtypes, shapes, sizes, strict=True):
+        if nbytes >= LAND_MIN:  # see LAND_ALIGN (the body offset is aligned as well)
+            offset = align_up(offset, LAND_ALIGN)
+        specs.append(TensorSpec(name, dtype, shape, offset, nbytes))
+        offset = align_up(offset + nbytes, _TENSOR_ALIGN)
+    return tuple(specs)
+
+
 def plan_segment(
     session: str,
     seq: int,
@@ -215,6 +310,10 @@ def plan_segment(
     parent: str = "",
 ) -> SegmentPlan:
     """Validate one turn's tensors and lay out its segment.
+
+    A set of tensors like one of the last few planned (the same names in the same order,
+    dtypes, shapes but for the token count, and devices; the same token dimension and
+    codec) reuses their checks and schema, and their layout at the new token count.
 
     :param tensors: named torch tensors or numpy arrays, all with the same size along
         ``token_dim`` (negative counts from the end, per tensor)
@@ -239,6 +338,50 @@ def plan_segment(
         raise InvalidArgumentError(f"token_dim must be an int, not {token_dim!r}")
     if not isinstance(codec, str) or not codec:
         raise InvalidArgumentError(f"codec must be a non-empty string, not {codec!r}")
+    key_bytes = len(session.encode("utf-8"))
+    if key_bytes > MAX_SESSION_KEY_BYTES:
+        raise InvalidArgumentError(
+            f"session key is {key_bytes:,} bytes of UTF-8; keep it under {MAX_SESSION_KEY_BYTES:,}"
+        )
+    key = _layout_key(tensors, token_dim, codec)
+    layout = None if key is None else _layouts.get(key)
+    laid = None
+    if layout is not None:  # (tensors like these passed _to_tensor: what it does to them)
+        values = tuple(t.detach() if t.requires_grad else t for t in tensors.values())
+        laid = _remembered(layout, values)
+    if laid is None:
+        values, specs, dim, tokens = _lay_out(tensors, token_dim)
+    else:
+        assert layout is not None
+        (specs, tokens), dim = laid, layout.token_dim
+    header = SegmentHeader(
+        session=session,
+        seq=seq,
+        tokens=tokens,
+        token_dim=dim,
+        answer_tokens=answer_tokens,
+        codec=codec,
+        tensors=specs,
+        body_offset=0,
+        body_len=specs[-1].offset + specs[-1].nbytes,
+        created=created,
+        base=base,
+        parent=parent,
+    )
+    header, header_bytes = _encode_laid_out(header)
+    if layout is None or layout.tokens != tokens:
+        schema = header_schema(header) if layout is None else layout.schema
+        layout = _Layout(specs, dim, tokens, schema)
+        if key is not None:
+            _layouts.put(key, layout)
+    return SegmentPlan(header, header_bytes, layout.schema, values)
+
+
+def _lay_out(
+    tensors: Mapping[str, Any], token_dim: int
+) -> tuple[tuple[torch.Tensor, ...], tuple[TensorSpec, ...], int, int]:
+    """Check ``tensors`` (see :func:`plan_segment`) and lay them out in a segment's body:
+    the tensors, their specs, the token dimension (non-negative) and the token count."""
     names: list[str] = []
     values: list[torch.Tensor] = []
     for name, value in tensors.items():
@@ -273,40 +416,13 @@ def plan_segment(
             f"token_dim {token_dim} points at different dimensions {sorted(set(dims))} in "
             f"tensors of different rank; use a non-negative token_dim"
         )
-    specs: list[TensorSpec] = []
-    offset = 0
-    for name, tensor in zip(names, values, strict=True):
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes >= LAND_MIN:  # see LAND_ALIGN (the body offset is aligned as well)
-            offset = align_up(offset, LAND_ALIGN)
-        specs.append(
-            TensorSpec(
-                name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes
-            )
-        )
-        offset = align_up(offset + nbytes, _TENSOR_ALIGN)
-    body_len = specs[-1].offset + specs[-1].nbytes
-    key_bytes = len(session.encode("utf-8"))
-    if key_bytes > MAX_SESSION_KEY_BYTES:
-        raise InvalidArgumentError(
-            f"session key is {key_bytes:,} bytes of UTF-8; keep it under {MAX_SESSION_KEY_BYTES:,}"
-        )
-    header = SegmentHeader(
-        session=session,
-        seq=seq,
-        tokens=tokens,
-        token_dim=dims[0],
-        answer_tokens=answer_tokens,
-        codec=codec,
-        tensors=tuple(specs),
-        body_offset=0,
-        body_len=body_len,
-        created=created,
-        base=base,
-        parent=parent,
+    specs = _specs(
+        names,
+        [str(t.dtype).removeprefix("torch.") for t in values],
+        [tuple(t.shape) for t in values],
+        [t.numel() * t.element_size() for t in values],
     )
-    header, header_bytes = _encode_laid_out(header)
-    return SegmentPlan(header, header_bytes, header_schema(header), tuple(values))
+    return tuple(values), specs, dims[0], tokens
 
 
 def plan_retirement(session: str) -> SegmentPlan:
