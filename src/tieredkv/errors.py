@@ -103,14 +103,24 @@ class TierIOError(TieredKVError, OSError):
     """A tier failed to read, write or delete (disk full, I/O error, permissions).
 
     ``hint``, when given, follows the reason in the message: what to do about it.
+    ``maybe_committed`` is true when the failed write may have been made all the same (a
+    shared tier's commit whose reply was lost, and which the server could not be asked
+    about since): the turn may be in the conversation's history, as a load tells.
     """
 
     def __init__(
-        self, tier: str, action: str, cause: OSError | str, *, hint: str | None = None
+        self,
+        tier: str,
+        action: str,
+        cause: OSError | str,
+        *,
+        hint: str | None = None,
+        maybe_committed: bool = False,
     ) -> None:
         self.tier = tier
         self.action = action
         self.hint = hint
+        self.maybe_committed = maybe_committed
         errno = cause.errno if isinstance(cause, OSError) else None
         reason = cause.strerror or str(cause) if isinstance(cause, OSError) else cause
         advice = f"; {hint}" if hint else ""

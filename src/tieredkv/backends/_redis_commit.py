@@ -45,8 +45,8 @@ from .shared import plain_header as plain
 __all__ = ["Commits"]
 
 _RESOLVE_TIMEOUT = 2.0
-"""At most this long (and at most ``timeout``) to learn whether a commit whose reply was lost
-was made."""
+"""At most this long (each try at most ``timeout``) to learn whether a commit whose reply was
+lost was made."""
 
 
 class _Vanished(Exception):
@@ -70,8 +70,9 @@ class Commits(Leases):
         :raises UnauthenticatedWriterError: this tier has no secret, and the prefix (or the
             conversation) is authenticated
         :raises TierIOError: the server failed or went away; nothing is visible unless the
-            commit ran before the write's deadline and its reply was lost (the tier then
-            learns it from the manifest, and the same write later succeeds at once)
+            commit ran before the write's deadline and its reply was lost, and the server
+            could not be asked since (``maybe_committed`` is then true; the tier learns the
+            outcome from the manifest, and the same write later succeeds at once)
         """
         self._check_open()
         length = self._reserved.get(key)
@@ -257,7 +258,19 @@ class Commits(Leases):
                 elif isinstance(reply, Exception):
                     raise reply
         except (RedisError, OSError) as exc:
-            if not await self._resolve(key, entry):
+            made = await self._resolve(key, entry)
+            if made is None:  # (the server may have run it before the deadline)
+                error = self._io_error(f"write segment {seq} ({length:,} bytes)", exc)
+                raise TierIOError(
+                    self.name,
+                    error.action,
+                    f"{error.reason}, and the server could not be asked since whether the "
+                    f"commit was made",
+                    hint="it may have been made all the same: load the conversation to learn "
+                    "whether the turn is in its history",
+                    maybe_committed=True,
+                ) from exc
+            if not made:
                 raise self._io_error(f"write segment {seq} ({length:,} bytes)", exc) from exc
             reply = [1, 0, -1]  # committed after all: its reply was lost
         finally:
@@ -267,20 +280,24 @@ class Commits(Leases):
         self._conn.clock(reply[1])
         await self._after_commit(key, entry, known, writer, reply, start, refs)
 
-    async def _resolve(self, key: SegmentKey, entry: Entry) -> bool:
-        """Whether a commit whose reply did not come was made (``False`` also when that
-        cannot be learned now: the attempt stays recorded, and a retry or a refresh
-        settles it)."""
-        client = self._conn.client
-        if client is None:
-            return False
-        with (
-            contextlib.suppress(RedisError, OSError),
-            anyio.fail_after(min(_RESOLVE_TIMEOUT, self._timeout)),
-        ):
-            got = await client.hget(self._manifest(key[0]), f"k:{key[1]}")
-            return text(got) == entry.kfield if got is not None else False
-        return False
+    async def _resolve(self, key: SegmentKey, entry: Entry) -> bool | None:
+        """Whether a commit whose reply did not come was made, asking the server until it
+        answers, for up to :data:`_RESOLVE_TIMEOUT` seconds (the write's deadline has
+        passed: a commit not made by now never will be); ``None`` when it did not answer
+        (the attempt stays recorded, and a retry or a refresh settles it)."""
+        end = time.monotonic() + _RESOLVE_TIMEOUT
+        while True:
+            client = self._conn.client
+            if client is None:
+                return None
+            left = end - time.monotonic()
+            with contextlib.suppress(RedisError, OSError):  # (TimeoutError too)
+                with anyio.fail_after(min(left, self._timeout)):
+                    got = await client.hget(self._manifest(key[0]), f"k:{key[1]}")
+                return text(got) == entry.kfield if got is not None else False
+            if end - time.monotonic() < 0.05:
+                return None
+            await anyio.sleep(0.05)  # (the server restarting: ask again)
 
     async def _after_commit(
         self,

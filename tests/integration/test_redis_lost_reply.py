@@ -1,0 +1,183 @@
+"""A Redis commit whose reply is lost: the server ran it, the writer never heard back.
+
+A relay between the tier and a real redis-server passes the tier's commands on but, while
+it drops, not the server's replies (a connection that died after the server ran what it
+was sent). The write then either learns from the server that the commit was made (and
+succeeds), or, when the server cannot be asked, raises a ``TierIOError`` that says the
+commit may have been made: never one that claims nothing was stored while another
+replica already reads the turn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import anyio
+import anyio.abc
+
+from tests.redis_server import RedisServer, new_prefix, redis_server
+from tests.segments import Segment, SegmentFactory, read_back, store
+from tieredkv.backends.redis import RedisTier
+from tieredkv.backends.shared import plain_header
+from tieredkv.errors import TierIOError
+from tieredkv.payload import parse_header
+
+__all__ = ["redis_server"]  # fixtures used below
+
+CAPACITY = 64 << 20
+TIMEOUT = 0.5
+SECRET = b"the fleet's secret, 32 bytes ..."
+
+
+_BROKEN = (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream, OSError)
+
+
+class ReplyDropper:
+    """A TCP relay to ``port`` on 127.0.0.1. Once :attr:`armed` and a client sends a Lua
+    step (``EVALSHA``: the commit), the server's replies are read and thrown away, on every
+    connection, until :meth:`heal` (the connections stay open: a client waits for its
+    replies until its timeout); :meth:`heal` then closes the connections that lost a
+    reply (their replies would no longer match their commands)."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.armed = False
+        self.dropping = False
+        self.port = 0
+        self._tainted: set[anyio.abc.SocketStream] = set()
+
+    async def heal(self) -> None:
+        self.armed = self.dropping = False
+        tainted, self._tainted = self._tainted, set()
+        for stream in tainted:
+            await stream.aclose()
+
+    async def _relay(self, client: anyio.abc.SocketStream) -> None:
+        server = await anyio.connect_tcp("127.0.0.1", self.target)
+        async with client, server, anyio.create_task_group() as tg:
+
+            async def up() -> None:
+                with contextlib.suppress(*_BROKEN):
+                    async for chunk in client:
+                        if self.armed and b"EVALSHA" in chunk.upper():
+                            self.dropping = True
+                        await server.send(chunk)
+                tg.cancel_scope.cancel()
+
+            async def down() -> None:
+                with contextlib.suppress(*_BROKEN):
+                    async for chunk in server:
+                        if self.dropping:
+                            self._tainted.add(client)
+                        else:
+                            await client.send(chunk)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(up)
+            tg.start_soon(down)
+
+
+@contextlib.asynccontextmanager
+async def relaying(port: int) -> AsyncIterator[ReplyDropper]:
+    """A :class:`ReplyDropper` to ``port``, serving until the block ends."""
+    relay = ReplyDropper(port)
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    relay.port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, relay._relay)
+        try:
+            yield relay
+        finally:
+            tg.cancel_scope.cancel()
+
+
+def _body(data: bytes) -> bytes:
+    """A segment's tensor bytes (the head differs as each replica authenticated it)."""
+    header, _ = parse_header(data, "a segment")
+    return bytes(data[header.body_offset : header.body_offset + header.body_len])
+
+
+def _tier(port: int, prefix: str, name: str) -> RedisTier:
+    return RedisTier(
+        f"redis://127.0.0.1:{port}/0",
+        CAPACITY,
+        prefix=prefix,
+        timeout=TIMEOUT,
+        name=name,
+        secret=SECRET,  # (so that no settling period delays the first commit)
+    )
+
+
+async def _write_with_replies_lost(
+    relay: ReplyDropper, writer: RedisTier, seg: SegmentFactory, s: Segment, heal: float
+) -> TierIOError | None:
+    """Write ``s`` while the relay drops every reply from its commit on, healing it
+    ``heal`` seconds after the write began; the write's error, if it raised one."""
+    warm = seg(session="warm", tokens=8, seed=9)  # (the server loads the commit's script)
+    await store(writer, warm)
+    key, data = s.key, s.view
+    await writer.ensure_writer(key[0])  # (the lease first: the lost reply is the commit's)
+    assert writer.reserve(key, len(data))
+    relay.armed = True
+    error: TierIOError | None = None
+    async with anyio.create_task_group() as tg:
+
+        async def heal_later() -> None:
+            await anyio.sleep(heal)
+            await relay.heal()
+
+        tg.start_soon(heal_later)
+        try:
+            await writer.write(key, data)
+        except TierIOError as exc:
+            error = exc
+    return error
+
+
+async def test_a_commit_whose_reply_is_lost_is_learned_once_the_server_answers(
+    redis_server: RedisServer, seg: SegmentFactory
+) -> None:
+    """The reply lost, the server answering again before the write gives up asking: the
+    write returns (the commit was made), and another replica reads the segment."""
+    s = seg(tokens=64, seed=3)
+    prefix = new_prefix()
+    async with (
+        relaying(redis_server.port) as relay,
+        _tier(relay.port, prefix, "A") as a,
+        _tier(redis_server.port, prefix, "B") as b,
+    ):
+        error = await _write_with_replies_lost(relay, a, seg, s, heal=TIMEOUT + 1.0)
+        assert error is None, str(error)
+        assert a.contains(s.key)
+        assert [plain_header(h) for h in await b.lookup("s")] == [plain_header(s.header)]
+        assert _body(await read_back(b, s)) == _body(s.data)
+
+
+async def test_a_commit_whose_reply_is_lost_is_never_reported_as_not_made(
+    redis_server: RedisServer, seg: SegmentFactory
+) -> None:
+    """The reply lost and the server not answering until the write gives up: the write
+    raises a TierIOError saying the commit may have been made (it was: another replica
+    reads it), not one that claims nothing was stored."""
+    s = seg(tokens=64, seed=4)
+    prefix = new_prefix()
+    async with (
+        relaying(redis_server.port) as relay,
+        _tier(relay.port, prefix, "A") as a,
+        _tier(redis_server.port, prefix, "B") as b,
+    ):
+        error = await _write_with_replies_lost(relay, a, seg, s, heal=TIMEOUT + 4.0)
+        assert error is not None
+        assert error.maybe_committed
+        assert "could not write segment 0" in str(error)
+        assert "may have been made" in str(error)
+        assert not a.contains(s.key)
+        a.release(s.key)
+        # it was made: another replica reads it
+        assert [plain_header(h) for h in await b.lookup("s")] == [plain_header(s.header)]
+        assert _body(await read_back(b, s)) == _body(s.data)
+        # the writer learns it from the manifest, and the same write then succeeds at once
+        assert a.reserve(s.key, s.length)
+        await a.write(s.key, s.view)
+        assert a.contains(s.key)
