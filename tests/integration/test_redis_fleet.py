@@ -475,7 +475,7 @@ async def test_case09b_a_turn_whose_key_a_fork_keeps_is_refused_with_a_clear_err
     prefix = new_prefix()
     async with (
         replica(server.url, prefix, lease_ttl=1.0) as c,
-        ReplicaProcess(server.url, prefix, lease_ttl=4.0) as b,
+        ReplicaProcess(server.url, prefix, lease_ttl=6.0) as b,
         replica(server.url, prefix, lease_ttl=1.0) as a,
     ):
         await append(c, "X", 0)
