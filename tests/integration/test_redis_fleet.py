@@ -29,6 +29,7 @@ from tests.redis_server import RedisServer, new_prefix, own_aof_server, own_redi
 from tieredkv import HostMemoryTier, TieredKVCache, cli
 from tieredkv.backends.redis import RedisTier, conversation_tag
 from tieredkv.errors import (
+    InvalidArgumentError,
     SessionNotFoundError,
     StaleWriterError,
     TieredKVError,
@@ -459,6 +460,50 @@ async def test_case09_making_room_never_fails_because_of_another_conversations_l
         with pytest.raises(TurnRefusedError, match=r"session 'X' turn\(s\) 1 "):
             await a.flush()
         assert tags(await a.load("X"), big) == [0]
+
+
+async def test_case09b_a_turn_whose_key_a_fork_keeps_is_refused_with_a_clear_error(
+    server: RedisServer,
+) -> None:
+    """Case 9b. A takes X over from C (C's lease is live, so A's commits wait), appends x1
+    and forks F from X's whole history [x0, x1]; B, another process, takes X over with a
+    longer lease, so the server refuses x1 and F, which lists it. A loads X again: B's [x0],
+    shorter than what F lists. A's next turn of X would be turn 1, whose key F still holds
+    here: the append is refused with InvalidArgumentError (not a bare ValueError from the
+    host tier), storing nothing. Once F is dropped, the turn is stored and every replica
+    loads [x0, x2]."""
+    prefix = new_prefix()
+    async with (
+        replica(server.url, prefix, lease_ttl=1.0) as c,
+        ReplicaProcess(server.url, prefix, lease_ttl=6.0) as b,
+        replica(server.url, prefix, lease_ttl=1.0) as a,
+    ):
+        await append(c, "X", 0)
+        await c.flush()
+        assert tags(await a.load("X")) == [0]  # A takes X over: commits wait for C's lease
+        await append(a, "X", 1)
+        await a.append("F", turn(5), answer_tokens=1, parent="X")
+        assert (await b.load("X"))["turns"] == [0]  # B takes X over from A
+        refused: dict[str, list[int]] = {}
+        with anyio.fail_after(30):  # (flush waits for C's lease, then hears B holds X)
+            while "X" not in refused or "F" not in refused:
+                try:
+                    await a.flush()
+                except TurnRefusedError as exc:
+                    refused.update(exc.refusals)
+                else:
+                    await anyio.sleep(0.1)
+        assert refused == {"X": [1], "F": [1, 2]}
+        assert tags(await a.load("X")) == [0]
+        with pytest.raises(InvalidArgumentError, match="forks still list its history"):
+            await append(a, "X", 2)
+        assert tags(await a.load("X")) == [0]
+        await a.drop("F")
+        await append(a, "X", 2)
+        await a.flush()
+        assert tags(await a.load("X")) == [0, 2]
+    async with replica(server.url, prefix) as fresh:
+        assert tags(await fresh.load("X")) == [0, 2]
 
 
 async def test_case10_garbage_in_the_manifest_is_a_typed_error_or_a_counted_miss(

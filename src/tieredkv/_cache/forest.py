@@ -29,14 +29,25 @@ from .state import Core, Retired, Seg, Session, claim, unclaim
 __all__ = ["check_not_retired", "copying", "deleted", "retire"]
 
 
-def check_not_retired(core: Core, key: str) -> None:
-    """Refuse to store a new conversation under a retired key."""
-    if key in core.retired:
+def check_not_retired(core: Core, key: str, seq: int = 0) -> None:
+    """Refuse to store turn ``seq`` of a conversation under a retired key whose forks still
+    list a segment under that turn's key (any turn of a new conversation: ``seq`` 0). A
+    history that left this replica (refused, lost, or dropped) may have been loaded again
+    shorter than what its forks list: its next turn's key is still theirs."""
+    r = core.retired.get(key)
+    if r is None or (seq and all(seg.key != (key, seq) for seg in r.segs)):
+        return
+    if not seq:
         raise InvalidArgumentError(
             f"conversation {key!r} left while forks still list its history, which stays "
             f"stored under its key for them; store the new conversation under another key "
             f"(or drop those forks first)"
         )
+    raise InvalidArgumentError(
+        f"turn {seq} of conversation {key!r} is taken: a history of it that left this "
+        f"replica while forks still list its history stays stored under its key for them; "
+        f"drop those forks first (or store the conversation under another key)"
+    )
 
 
 async def retire(core: Core, s: Session) -> None:

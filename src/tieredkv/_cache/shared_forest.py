@@ -64,8 +64,10 @@ def list_shared(core: Core, s: Session, t: int, headers: list[SegmentHeader]) ->
         s.parent = (headers[base - 1].session, sum(takes))
         _retire_unlisted(core, segs[:base])
     r = core.retired.get(s.key)
-    if r is not None and not r.markers and all(seg in segs for seg in r.segs):
-        del core.retired[s.key]  # (one _retire_unlisted recorded: it is this history)
+    if r is not None:  # what it lists again is this history's, no longer only its forks'
+        r.segs = [seg for seg in r.segs if seg not in segs]
+        if not r.segs and not r.markers:
+            del core.retired[s.key]
     for u in sharers:
         core.reshared(u)
     return len(headers)

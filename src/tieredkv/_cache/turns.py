@@ -229,8 +229,7 @@ def plan_turn(
     first turn: after the segments it inherits, which it names in its header)."""
     if s.primary is None and s.segs:  # lost or damaged earlier: start afresh
         unlist(core, s)
-    if not s.segs:
-        check_not_retired(core, s.key)
+    check_not_retired(core, s.key, len(s.segs))
     base = () if fork is None else tuple((g.key[0], g.key[1], n) for g, n in fork[1])
     # the parent, named where a restart could not tell it from the turns listed
     parent = "" if fork is None or fork[0].key == base[-1][0] else fork[0].key
