@@ -14,12 +14,21 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["HORIZONS", "best_density"]
+__all__ = ["HORIZONS", "beyond", "best_density"]
 
 Floats = npt.NDArray[np.float64]
 
 HORIZONS: Floats = np.r_[0.0, np.geomspace(0.25, 7200.0, 64)]
 """Horizons (seconds) over which the best density is taken; the first is 0."""
+
+
+def beyond(sorted_gaps: Floats, points: Floats) -> npt.NDArray[np.int64]:
+    """How many of ``sorted_gaps`` (ascending) exceed each of ``points`` (any shape): the
+    unnormalized survival of the gap there."""
+    above: npt.NDArray[np.int64] = len(sorted_gaps) - np.searchsorted(
+        sorted_gaps, points, side="right"
+    )
+    return above
 
 
 def best_density(q: Floats, s_now: Floats, s_ahead: Floats) -> Floats:

@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..meta import KVMeta, MetadataView
-from ._hit_density import HORIZONS, best_density
+from ._hit_density import HORIZONS, best_density, beyond
 from .base import shielded, stored_share
 from .bidaw_eviction import DEFAULT_ANSWER_EDGES, BidawEviction, _Seen, _unimodal
 from .ghost import GhostCache
@@ -214,8 +214,8 @@ class AdaptiveBidaw(BidawEviction):
         # session -> the answer tokens its reading time is learned from (answer buckets)
         self._answer: dict[str, int] = {}
         # sessions within ``depart`` of their latest access, oldest first: (bucket, turns,
-        # that access completed a turn, answer tokens)
-        self._waiting: OrderedDict[str, tuple[int, int, bool, int]] = OrderedDict()
+        # that access completed a turn)
+        self._waiting: OrderedDict[str, tuple[int, int, bool]] = OrderedDict()
         self._grid: list[float] = [0.0, *np.geomspace(0.25, 2 * depart, 96).tolist()]
         # the answer buckets' table is by the delay elapsed past the reading time, which is
         # negative while the user is still reading (finer: every session is shifted by its
@@ -358,7 +358,7 @@ class AdaptiveBidaw(BidawEviction):
             return
         waiting = self._waiting.get(session)
         if waiting is not None:
-            self._waiting[session] = (bucket, *waiting[1:])
+            self._waiting[session] = (bucket, waiting[1], waiting[2])
         seen.bucket = bucket
         seen.rank = rank
         size = self._resident.get(session)
@@ -532,14 +532,13 @@ class AdaptiveBidaw(BidawEviction):
         old = self._waiting.pop(session, None)
         if old is not None and old[2]:
             last = self._clock[session]
-            self._gaps.append((old[0], old[3], now - last))
+            self._gaps.append((old[0], self._answer[session], now - last))
             self._t_returned[old[0]] += 1.0
         completed = old is None or meta.turns > old[1]
         self._clock[session] = now
-        answer = meta.prev_answer_tokens if bucket < self._answer_buckets else 0
-        self._answer[session] = answer
+        self._answer[session] = meta.prev_answer_tokens if bucket < self._answer_buckets else 0
         waiting = self._waiting
-        waiting[session] = (bucket, meta.turns, completed, answer)
+        waiting[session] = (bucket, meta.turns, completed)
         clock, resident, horizon = self._clock, self._resident, now - self.depart
         while waiting:
             oldest = next(iter(waiting))
@@ -596,20 +595,20 @@ class AdaptiveBidaw(BidawEviction):
             back, gone = returned[:readers].sum(), departed[:readers].sum()
             q_read = (back + prior * p_prior) / (back + gone + prior)
             reader = _unimodal(self._delays(answers[read], gaps[read], q_read).tolist())
-        pooled_now = (len(pooled) - np.searchsorted(pooled, grid, side="right")) / len(pooled)
-        pooled_ahead = (len(pooled) - np.searchsorted(pooled, ahead, side="right")) / len(pooled)
+        pooled_now = beyond(pooled, grid) / len(pooled)
+        pooled_ahead = beyond(pooled, ahead) / len(pooled)
         rows = []
         for b in range(len(returned)):
-            q = (returned[b] + prior * p_prior) / (returned[b] + departed[b] + prior)
             if b < readers and reader is not None:
                 # gap = reading time + a delay: one pooled delay distribution, each
                 # session shifted by its own reading time when it is scored
                 rows.append(reader)
                 continue
+            q = (returned[b] + prior * p_prior) / (returned[b] + departed[b] + prior)
             mine = np.sort(gaps[labels == b])
             total = len(mine) + prior
-            s_now = len(mine) - np.searchsorted(mine, grid, side="right") + prior * pooled_now
-            s_ahead = len(mine) - np.searchsorted(mine, ahead, side="right") + prior * pooled_ahead
+            s_now = beyond(mine, grid) + prior * pooled_now
+            s_ahead = beyond(mine, ahead) + prior * pooled_ahead
             density = best_density(np.full(len(grid), q), s_now / total, s_ahead / total)
             rows.append(_unimodal(density.tolist()))
         self._density = rows
@@ -630,8 +629,8 @@ class AdaptiveBidaw(BidawEviction):
         n = len(delays)
         grid = np.asarray(self._delay_grid)
         ahead = grid[:, None] + HORIZONS[None, 1:]
-        s_now = (n - np.searchsorted(delays, grid, side="right")) / n
-        s_ahead = (n - np.searchsorted(delays, ahead, side="right")) / n
+        s_now = beyond(delays, grid) / n
+        s_ahead = beyond(delays, ahead) / n
         return best_density(np.full(len(grid), q), s_now, s_ahead)
 
     def _score(self, session: str) -> float:
