@@ -6,8 +6,9 @@ would serve the next command)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
 import pytest
@@ -66,21 +67,46 @@ async def test_replies_in_order_with_error_replies_as_exceptions(
     assert await client.get("a") == value[: 6 * MiB]
 
 
+async def _cut_short(kind: str, send: Callable[[], Awaitable[object]]) -> None:
+    """Run ``send`` and cut it short after 1 s the ``kind`` way: an anyio scope, or
+    asyncio's own ``timeout``, ``wait_for`` or ``task.cancel()``; fails if it finished."""
+    if kind == "anyio":
+        with anyio.move_on_after(1.0) as scope:
+            await send()
+        assert scope.cancelled_caught
+    elif kind == "asyncio.timeout":
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(1.0):
+                await send()
+    elif kind == "wait_for":
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(send(), 1.0)
+    else:
+        task = asyncio.get_running_loop().create_task(send())
+        await asyncio.sleep(1.0)
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+@pytest.mark.parametrize("kind", ["anyio", "asyncio.timeout", "wait_for", "task.cancel"])
 async def test_a_cancelled_send_leaves_no_half_written_connection(
-    client: aioredis.Redis, own_redis_server: RedisServer
+    client: aioredis.Redis, own_redis_server: RedisServer, kind: str
 ) -> None:
     """The server is paused, so the send of 96 MiB stalls once the socket's buffers are
-    full and is cancelled there; the connection goes back to the pool closed, and the
-    next commands on the pool (the same connection, reconnected) get their own replies."""
+    full and is cancelled there (by an anyio scope or by asyncio's own cancellations); the
+    connection goes back to the pool closed, and the next commands on the pool (the same
+    connection, reconnected) get their own replies."""
     big = memoryview(os.urandom(96 * MiB))
     await client.set("before", b"1")
     own_redis_server.pause()
     try:
-        with anyio.move_on_after(1.0) as scope:
-            await pipelined(client, [("SET", "big", big), ("SET", "after", b"2")])
+        await _cut_short(
+            kind, lambda: pipelined(client, [("SET", "big", big), ("SET", "after", b"2")])
+        )
     finally:
         own_redis_server.resume()
-    assert scope.cancelled_caught
     with anyio.fail_after(20):
         assert await pipelined(client, [("GET", "before"), ("EXISTS", "big", "after")]) == [
             b"1",
