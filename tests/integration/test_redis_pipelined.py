@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 import anyio
 import pytest
@@ -67,7 +68,7 @@ async def test_replies_in_order_with_error_replies_as_exceptions(
     assert await client.get("a") == value[: 6 * MiB]
 
 
-async def _cut_short(kind: str, send: Callable[[], Awaitable[object]]) -> None:
+async def _cut_short(kind: str, send: Callable[[], Coroutine[Any, Any, object]]) -> None:
     """Run ``send`` and cut it short after 1 s the ``kind`` way: an anyio scope, or
     asyncio's own ``timeout``, ``wait_for`` or ``task.cancel()``; fails if it finished."""
     if kind == "anyio":
@@ -82,7 +83,7 @@ async def _cut_short(kind: str, send: Callable[[], Awaitable[object]]) -> None:
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(send(), 1.0)
     else:
-        task = asyncio.get_running_loop().create_task(send())
+        task: asyncio.Task[object] = asyncio.get_running_loop().create_task(send())
         await asyncio.sleep(1.0)
         assert not task.done()
         task.cancel()
