@@ -15,7 +15,9 @@ from typing import Any
 
 import pytest
 
-pytest_plugins = ["tests.segments"]  # the ``seg`` fixture: real segments for tier tests
+# the ``seg`` fixture: real segments for tier tests; ``bench_vllm_quick``: the quick vLLM
+# benchmark's run, shared by two tests
+pytest_plugins = ["tests.segments", "tests.bench_vllm_quick"]
 
 _BLOCKING = (
     "open",
