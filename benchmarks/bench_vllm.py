@@ -463,7 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--kv-space-gib", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dir", type=Path, default=None, help="work directory (SSD tier)")
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="work directory (SSD tier; created if missing)"
+    )
     parser.add_argument(
         "--skip", default="", help="rows to leave out, comma-separated (e.g. 'vllm example')"
     )
@@ -512,6 +514,10 @@ def main(argv: list[str] | None = None) -> int:
     for w in shapes:
         if w not in SHAPES:
             parser.error(f"unknown workload {w!r}; use some of {', '.join(SHAPES)}")
+    if args.dir is not None:
+        if args.dir.exists() and not args.dir.is_dir():
+            parser.error(f"--dir {args.dir} is not a directory; name a directory (or a new one)")
+        args.dir.mkdir(parents=True, exist_ok=True)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     for name in skip - set(ROWS):
         parser.error(f"unknown row {name!r} in --skip; rows: {', '.join(ROWS)}")
