@@ -6,6 +6,8 @@ redis-py frames the joined value."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -52,7 +54,7 @@ def test_pieces_join_into_the_serialized_segment_and_view_the_tensors(
     assert pieces is not None
     joined = b"".join(pieces)
     assert joined == _serialized(plan)
-    verify_segment(joined, "pieces")
+    verify_segment(memoryview(joined), "pieces")
     # every tensor is one piece: a view of the tensor's own memory
     at = {_address(p): len(p) for p in pieces if len(p)}
     for t in tensors.values():
@@ -72,7 +74,7 @@ def test_pieces_hash_the_bytes_as_they_are_when_asked() -> None:
     assert joined[len(pieces[0]) :] == now[len(pieces[0]) :]
     assert joined[: len(pieces[0])] != now[: len(pieces[0])]  # (its hash: of before)
     with pytest.raises(CorruptSegmentError, match="body checksum mismatch"):
-        verify_segment(joined, "changed")
+        verify_segment(memoryview(joined), "changed")
 
 
 @pytest.mark.parametrize("kind", ["strided", "transposed", "negative view"])
@@ -113,7 +115,7 @@ def test_a_joined_value_is_framed_as_redis_py_frames_its_bytes() -> None:
         ("SET", "k:1", large, "PX", 300_000, "NX"),
         ("EVALSHA", "abc", 1, "m", 7, b"\x00\xff"),
     ]
-    plain = [
+    plain: list[tuple[Any, ...]] = [
         ("SET", "k:0", joined, "PX", 300_000, "NX"),
         ("SET", "k:1", large, "PX", 300_000, "NX"),
         ("EVALSHA", "abc", 1, "m", 7, b"\x00\xff"),

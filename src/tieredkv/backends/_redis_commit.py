@@ -126,10 +126,10 @@ class Commits(Leases):
             raise ValueError(f"reserved {length} bytes, asked to write {given}")
         session, seq = key
         await self.check_unmarked(session, ask=False)
-        first = pieces[0]
-        hlen = PREFIX.unpack_from(first, 0)[1] if len(first) >= PREFIX.size else 0
-        head_len = min(len(first), PREFIX.size + hlen)
-        header, _ = parse_header(first[:head_len], f"segment {seq} to write")
+        lead = pieces[0]
+        hlen = PREFIX.unpack_from(lead, 0)[1] if len(lead) >= PREFIX.size else 0
+        head_len = min(len(lead), PREFIX.size + hlen)
+        header, _ = parse_header(lead[:head_len], f"segment {seq} to write")
         if (header.session, header.seq) != key or header.length != length:
             raise ValueError(f"the bytes to write are not segment {seq} of this session")
         if is_retirement(header):
