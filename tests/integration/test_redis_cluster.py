@@ -17,10 +17,13 @@ import anyio
 import pytest
 import redis
 import redis.asyncio as aioredis
+import torch
 
 from tests.redis_server import RedisServer, require_redis_server
 from tests.segments import SegmentFactory, read_back, store
+from tieredkv import TieredKVCache
 from tieredkv.backends.redis import RedisTier, conversation_tag, driver_options
+from tieredkv.payload import plan_segment
 
 
 @pytest.fixture
@@ -93,3 +96,46 @@ async def test_conversations_spread_over_nodes_each_in_one_slot(
                 homes[session].add(i)
     assert all(len(nodes) == 1 for nodes in homes.values()), homes
     assert len(set.union(*homes.values())) > 1
+
+
+@pytest.mark.slow  # starts a three-node cluster: CI runs it
+async def test_a_cluster_tier_joins_pieces_and_a_cache_appends_through_it(
+    cluster: list[RedisServer],
+) -> None:
+    """A Cluster client keeps redis-py's pipeline, which takes each value whole: the tier
+    does not take a segment as pieces (``writes_pieces`` is false), ``write_pieces`` joins
+    them and stores exactly the serialized segment, and a cache appends through the staged
+    copy and loads its turns byte for byte."""
+    gen = torch.Generator().manual_seed(9)
+    turns = [
+        {
+            n: torch.randint(0, 255, (40 * (i + 1), 4096), dtype=torch.uint8, generator=gen)
+            for n in ("k", "v")
+        }
+        for i in range(2)
+    ]
+    plan = plan_segment("pieces", 0, turns[0], token_dim=0, answer_tokens=1)
+    serialized = bytearray(plan.length)
+    plan.write_into(memoryview(serialized))
+    options = await anyio.to_thread.run_sync(driver_options)
+    client = aioredis.RedisCluster(host="127.0.0.1", port=cluster[0].port, **options)
+    try:
+        async with RedisTier(client, 64 << 20, prefix="p", value_size=64 << 10) as tier:
+            assert not tier.writes_pieces
+            pieces = plan.pieces()
+            assert pieces is not None
+            assert len(pieces) > 1
+            assert tier.reserve(("pieces", 0), plan.length)
+            await tier.write_pieces(("pieces", 0), pieces)
+            out = bytearray(plan.length)
+            await tier.read([("pieces", 0)], [memoryview(out)])
+            assert out == serialized
+        shared = RedisTier(client, 64 << 20, prefix="q", value_size=64 << 10)
+        async with TieredKVCache([shared]) as cache:
+            for i, t in enumerate(turns):
+                await cache.append("chat", t, answer_tokens=i + 1)
+            got = await cache.load("chat")
+        for n in ("k", "v"):
+            assert torch.equal(got[n], torch.cat([t[n] for t in turns]))
+    finally:
+        await client.aclose()

@@ -26,6 +26,10 @@ layer-wise    copied out of the slots,    read span group by group    read whole
               group by group              of all segments             copied group by group
 ============  ==========================  ==========================  ======================
 
+A plain tier that takes a segment as pieces (the Redis tier, on one server and without a
+secret) gets its header and views of the tensors' own bytes instead of a staging buffer:
+the cache hashes the body over them and copies nothing.
+
 A copy between tiers reads straight into an addressable destination's slots (the whole
 history in one read), writes from an addressable source's slots, and otherwise goes
 through a scratch buffer, segment by segment.
@@ -76,6 +80,18 @@ class _SetsAside(Protocol):
     """A tier that names the segments its open set aside as damaged (the SSD tier)."""
 
     def set_aside(self, session: str) -> tuple[int, ...]: ...
+
+
+@runtime_checkable
+class _WritesPieces(Protocol):
+    """A tier that writes a segment from its pieces (the Redis tier: see
+    :meth:`~tieredkv.payload.SegmentPlan.pieces`) without joining them, where
+    ``writes_pieces``."""
+
+    @property
+    def writes_pieces(self) -> bool: ...
+
+    async def write_pieces(self, key: SegmentKey, pieces: Sequence[memoryview]) -> None: ...
 
 
 class TierIO:
@@ -134,6 +150,8 @@ class TierIO:
             self.write_new, self.restore = self._write_filled, self._restore_streamed
         else:
             self.write_new, self.restore = self._write_staged, self._restore_staged
+            if isinstance(tier, _WritesPieces) and tier.writes_pieces:
+                self.write_new = functools.partial(self._write_pieces, tier.write_pieces)
 
     # -- writing a new segment ------------------------------------------------------------
     async def _write_in_place(self, key: SegmentKey, plan: SegmentPlan, staging: Staging) -> None:
@@ -159,6 +177,30 @@ class TierIO:
         with staging.buffer(plan.length) as view:
             await run(plan.write_into, view, big=plan.length > INLINE_COPY)
             await self.tier.write(key, view)
+
+    async def _write_pieces(
+        self,
+        write: Callable[[SegmentKey, Sequence[memoryview]], Awaitable[None]],
+        key: SegmentKey,
+        plan: SegmentPlan,
+        staging: Staging,
+    ) -> None:
+        """The segment's header and the tensors' own bytes handed to the tier as they are:
+        no copy into a staging buffer, only the body hash over them (in a worker thread
+        when large). Tensors that are not contiguous on the CPU are serialized as for any
+        other tier."""
+        if plan.length > INLINE_COPY:
+            pieces = await anyio.to_thread.run_sync(plan.pieces)
+        else:
+            pieces = plan.pieces()
+        if pieces is None:
+            await self._write_staged(key, plan, staging)
+            return
+        try:
+            await write(key, pieces)  # (plan holds the tensors the pieces view meanwhile)
+        finally:
+            for piece in pieces:
+                piece.release()
 
     # -- restoring a history into tensors ----------------------------------------------------
     async def _restore_in_place(

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Client",
     "Connection",
+    "Joined",
     "NoScriptError",
     "RedisCluster",
     "RedisError",
@@ -254,6 +255,67 @@ class Connection:
             raise self.io_error("look up a conversation", exc) from exc
 
 
+class Joined:
+    """One argument of a command sent as the concatenation of ``pieces`` (buffers), without
+    joining them: a segment's value made of its header and its tensors' own bytes.
+    :func:`pipelined` sends it; redis-py's own commands do not take it."""
+
+    __slots__ = ("nbytes", "pieces")
+
+    def __init__(self, pieces: Sequence[memoryview | bytes]) -> None:
+        self.pieces = pieces
+        self.nbytes = sum(len(p) for p in pieces)
+
+
+_SMALL = 16 << 10
+"""Pieces of a :class:`Joined` at most this long are copied into the command's framing
+(one send for many small pieces) rather than sent on their own."""
+
+
+def _pack(conn: Any, command: Sequence[Any]) -> list[bytes | memoryview]:
+    """``command`` in the Redis protocol: redis-py's own packing, or, for a command with a
+    :class:`Joined` argument, the same framing with that argument's pieces sent as they
+    are (every other argument encoded by the connection's encoder, as redis-py does)."""
+    if not any(isinstance(arg, Joined) for arg in command):
+        packed: list[bytes | memoryview] = conn.pack_command(*command)
+        return packed
+    out: list[bytes | memoryview] = []
+    buff = b"*%d\r\n" % len(command)
+    for arg in command:
+        pieces = arg.pieces if isinstance(arg, Joined) else None
+        if pieces is None:
+            arg = conn.encoder.encode(arg)
+            pieces = (arg,)
+        buff += b"$%d\r\n" % sum(len(p) for p in pieces)
+        for piece in pieces:
+            if len(piece) <= _SMALL:
+                buff += piece
+            else:
+                out += (buff, piece)
+                buff = b""
+        buff += b"\r\n"
+    out.append(buff)
+    return out
+
+
+def _packed(conn: Any, commands: Sequence[Sequence[Any]]) -> list[bytes | memoryview]:
+    """``commands`` packed (:func:`_pack`), small framing chunks of consecutive commands
+    joined (as redis-py's ``pack_commands`` joins them)."""
+    packed: list[bytes | memoryview] = []
+    for command in commands:
+        for chunk in _pack(conn, command):
+            last = packed[-1] if packed else None
+            if (
+                isinstance(chunk, bytes)
+                and isinstance(last, bytes)
+                and len(last) + len(chunk) <= 4 * _SMALL
+            ):
+                packed[-1] = last + chunk
+            else:
+                packed.append(chunk)
+    return packed
+
+
 async def pipelined(client: aioredis.Redis, commands: Sequence[Sequence[Any]]) -> list[Any]:
     """Send ``commands`` in one go on one of ``client``'s pooled connections and read their
     replies (an error reply as its exception): what redis-py's pipeline does, retries on a
@@ -266,7 +328,8 @@ async def pipelined(client: aioredis.Redis, commands: Sequence[Sequence[Any]]) -
     whose slice of a memoryview is a view and which buffers only what the socket does not
     take at once (``benchmarks/_redis_transport.py``). A connection a send or read did not
     finish (an error, a cancellation) is disconnected before it goes back to the pool, so
-    no later command follows a half-written one.
+    no later command follows a half-written one. An argument may be a :class:`Joined`:
+    its pieces go out one after another as one value.
     """
     pool = client.connection_pool
     try:
@@ -280,7 +343,7 @@ async def pipelined(client: aioredis.Redis, commands: Sequence[Sequence[Any]]) -
             if not conn.is_connected:
                 await conn.connect()
             await conn.check_health()
-            packed = conn.pack_commands(commands)
+            packed = _packed(conn, commands)
             writer = getattr(conn, "_writer", None)  # (private: redis-py's own otherwise)
             if writer is None:
                 await conn.send_packed_command(packed, check_health=False)

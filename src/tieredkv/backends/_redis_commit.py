@@ -28,6 +28,7 @@ from ..errors import (
 )
 from ..payload import PREFIX, SegmentHeader, authenticated_head, is_retirement, parse_header
 from ._redis_client import (
+    Joined,
     NoScriptError,
     RedisCluster,
     RedisError,
@@ -42,11 +43,29 @@ from .base import SegmentKey
 from .redis_manifest import Damaged, Entry, Manifest, Ref, encode_entry, parse, sign
 from .shared import plain_header as plain
 
-__all__ = ["Commits"]
+__all__ = ["Commits", "cut"]
 
 _RESOLVE_TIMEOUT = 2.0
 """At most this long (each try at most ``timeout``) to learn whether a commit whose reply was
 lost was made."""
+
+
+def cut(pieces: Sequence[memoryview], size: int) -> list[list[memoryview]]:
+    """The bytes of ``pieces`` joined, cut into values of ``size`` bytes (the last one
+    shorter), each as the views of the pieces it spans, in order; no byte is copied."""
+    values: list[list[memoryview]] = [[]]
+    room = size
+    for piece in pieces:
+        at = 0
+        while at < len(piece):
+            if not room:
+                values.append([])
+                room = size
+            take = min(room, len(piece) - at)
+            values[-1].append(piece[at : at + take])
+            at += take
+            room -= take
+    return values if values[0] else []
 
 
 class _Vanished(Exception):
@@ -55,6 +74,25 @@ class _Vanished(Exception):
 
 class Commits(Leases):
     """:meth:`write` for a Redis tier (with the leases it takes on the way)."""
+
+    @property
+    def writes_pieces(self) -> bool:
+        """Whether :meth:`write_pieces` sends a segment's pieces without joining them (on
+        one server, without a secret; otherwise it joins them and writes the bytes)."""
+        return self._key is None and not self._conn.cluster
+
+    async def write_pieces(self, key: SegmentKey, pieces: Sequence[memoryview]) -> None:
+        """:meth:`write` of the segment whose bytes are ``pieces`` joined, the first holding
+        at least its prefix and header (:meth:`tieredkv.payload.SegmentPlan.pieces`): each
+        value goes out as the pieces it spans, with no copy of them where
+        :attr:`writes_pieces` (the caller keeps them unchanged until this returns). Raises
+        what :meth:`write` raises."""
+        if not pieces:
+            raise ValueError(f"segment {key[1]}: no bytes to write")
+        if not self.writes_pieces and len(pieces) > 1:  # (a MAC over the whole body)
+            await self.write(key, memoryview(await anyio.to_thread.run_sync(b"".join, pieces)))
+            return
+        await self._write(key, pieces)
 
     async def write(self, key: SegmentKey, data: memoryview) -> None:
         """Write a segment's parts, then commit it as the conversation's next segment (one
@@ -74,17 +112,24 @@ class Commits(Leases):
             could not be asked since (``maybe_committed`` is then true; the tier learns the
             outcome from the manifest, and the same write later succeeds at once)
         """
+        await self._write(key, [data])
+
+    async def _write(self, key: SegmentKey, pieces: Sequence[memoryview]) -> None:
+        """:meth:`write` of the segment whose bytes are ``pieces`` joined (the first holds
+        its prefix and header)."""
         self._check_open()
         length = self._reserved.get(key)
         if length is None:
             raise ValueError(f"segment {key[1]} has no reservation in tier {self.name!r}")
-        if len(data) != length:
-            raise ValueError(f"reserved {length} bytes, asked to write {len(data)}")
+        given = sum(len(p) for p in pieces)
+        if given != length:
+            raise ValueError(f"reserved {length} bytes, asked to write {given}")
         session, seq = key
         await self.check_unmarked(session, ask=False)
-        hlen = PREFIX.unpack_from(data, 0)[1] if len(data) >= PREFIX.size else 0
-        head_len = min(len(data), PREFIX.size + hlen)
-        header, _ = parse_header(data[:head_len], f"segment {seq} to write")
+        lead = pieces[0]
+        hlen = PREFIX.unpack_from(lead, 0)[1] if len(lead) >= PREFIX.size else 0
+        head_len = min(len(lead), PREFIX.size + hlen)
+        header, _ = parse_header(lead[:head_len], f"segment {seq} to write")
         if (header.session, header.seq) != key or header.length != length:
             raise ValueError(f"the bytes to write are not segment {seq} of this session")
         if is_retirement(header):
@@ -122,7 +167,7 @@ class Commits(Leases):
                 )
             refs = self._references(session, header) if header.base else None
             try:
-                await self._commit(key, data, header, head_len, known, refs)
+                await self._commit(key, pieces, header, head_len, known, refs)
                 return
             except _Vanished:
                 if attempt or known.n:
@@ -159,23 +204,27 @@ class Commits(Leases):
     async def _commit(
         self,
         key: SegmentKey,
-        data: memoryview,
+        pieces: Sequence[memoryview],
         header: SegmentHeader,
         head_len: int,
         known: Manifest,
         refs: list[Ref] | None = None,
     ) -> None:
-        """Commit segment ``key`` (``refs``: a fork's first, with its references)."""
+        """Commit segment ``key``, whose bytes are ``pieces`` joined (one piece, or several
+        without a secret: see :meth:`write_pieces`; ``refs``: a fork's first, with its
+        references)."""
         client = self._check_open()
         session, seq = key
         writer = self._writers[session]
-        length = len(data)
+        length = sum(len(p) for p in pieces)
+        data = pieces[0]
         vs = self.value_size
         prior = self._attempts.get(key)
         if prior is not None and prior.mid == known.id and plain(prior.header) == plain(header):
             entry = prior.entry  # the same segment again: the same parts (a retry)
         else:
             if self._key is not None:
+                assert len(pieces) == 1  # (see write_pieces)
                 head = await anyio.to_thread.run_sync(
                     authenticated_head, data, self._key, bytes.fromhex(known.id)
                 )
@@ -190,15 +239,17 @@ class Commits(Leases):
             )
         self._attempts[key] = Attempt(entry, known.id, header)
         # the values: the first ones carry the (authenticated) head in place of data's (a
-        # copy of them); where the head is data's own (no secret), views of data
+        # copy of them); where the head is data's own (no secret), views of the pieces
+        values: list[list[memoryview]]
         if data[: len(entry.head)] == entry.head:
-            views = [data[at : at + vs] for at in range(0, length, vs)]
+            values = cut(pieces, vs)
         else:
             cover = -(-len(entry.head) // vs)
             first = bytearray(data[: cover * vs])
             first[: len(entry.head)] = entry.head
-            views = [memoryview(first)[at : at + vs] for at in range(0, len(first), vs)]
-            views += [data[at : at + vs] for at in range(cover * vs, length, vs)]
+            values = [[memoryview(first)[at : at + vs]] for at in range(0, len(first), vs)]
+            values += [[data[at : at + vs]] for at in range(cover * vs, length, vs)]
+        views = [view for value in values for view in value]
         parts = self._parts(key, entry)
         base = known.base if refs is None else refs
         mac = (
@@ -238,14 +289,22 @@ class Commits(Leases):
                 cluster = isinstance(client, RedisCluster)
                 if isinstance(client, RedisCluster):
                     async with client.pipeline(transaction=False) as pipe:
-                        for part, view in zip(parts, views, strict=True):
-                            pipe.set(part, view, px=self._part_ms, nx=True)
+                        for part, value in zip(parts, values, strict=True):
+                            one = value[0] if len(value) == 1 else b"".join(value)
+                            pipe.set(part, one, px=self._part_ms, nx=True)
                         results = await pipe.execute(raise_on_error=False)
                 else:  # (the values without the transport's copies: see pipelined)
                     ms = self._part_ms
                     sets = [
-                        ("SET", part, view, "PX", ms, "NX")
-                        for part, view in zip(parts, views, strict=True)
+                        (
+                            "SET",
+                            part,
+                            value[0] if len(value) == 1 else Joined(value),
+                            "PX",
+                            ms,
+                            "NX",
+                        )
+                        for part, value in zip(parts, values, strict=True)
                     ]
                     evalsha = ("EVALSHA", commit.sha, len(keys), *keys, *args)
                     results = await pipelined(client, [*sets, evalsha])

@@ -3,6 +3,7 @@ then written into a buffer whole or part by part (:class:`PartWriter`)."""
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Hashable, Mapping
 from concurrent.futures import Executor, Future
@@ -14,7 +15,7 @@ import torch
 import xxhash
 
 from .._checks import check_cuts, check_int
-from .._copy import copy_bytes, copy_tensor
+from .._copy import copy_bytes, copy_tensor, plain_cpu
 from ..errors import InvalidArgumentError, InvalidTypeError
 from ._format import (
     _DTYPES,
@@ -103,6 +104,51 @@ class SegmentPlan:
     def finish(self, buf: memoryview, body_hash: int) -> None:
         """Write the prefix (magic, header length, CRC, ``body_hash``) once the body is in."""
         _pack_prefix(buf, self.header_bytes, body_hash)
+
+    def pieces(self) -> list[memoryview] | None:
+        """The segment's bytes as consecutive pieces, without copying a tensor: its prefix
+        and header (a new buffer), then the tensors' own bytes (views of their memory) and
+        the zero padding between them, in order; they join into exactly the bytes
+        :meth:`write_into` writes. ``None`` where a tensor is not a contiguous CPU tensor
+        whose bytes are its values (serialize it with :meth:`write_into` instead).
+
+        The body hash in the prefix is computed over the pieces, here: hashes every byte,
+        so run it in a worker thread. The views are valid while this plan holds its tensors
+        (keep the plan until the pieces are written). A tensor the caller changes after
+        this returns is stored as it is then, which its hash no longer matches: a read
+        refuses the segment rather than serving a mix.
+        """
+        h = self.header
+        start = PREFIX.size + len(self.header_bytes)
+        body: list[memoryview] = []
+        cursor = start
+        for spec, tensor in zip(h.tensors, self.tensors, strict=True):
+            at = h.body_offset + spec.offset
+            if at > cursor:
+                body.append(_zeros(at - cursor))
+            if spec.nbytes:
+                if not (plain_cpu(tensor) and tensor.nbytes == spec.nbytes):
+                    return None
+                raw = (ctypes.c_char * spec.nbytes).from_address(tensor.data_ptr())
+                body.append(memoryview(raw).cast("B"))
+            cursor = at + spec.nbytes
+        if self.length > cursor:
+            body.append(_zeros(self.length - cursor))
+        hasher = xxhash.xxh3_64()
+        for piece in body:
+            hasher.update(piece)
+        head = bytearray(start)
+        head[PREFIX.size :] = self.header_bytes
+        _pack_prefix(head, self.header_bytes, hasher.intdigest())
+        return [memoryview(head), *body]
+
+
+_ZEROS = memoryview(bytes(1 << 16))
+
+
+def _zeros(n: int) -> memoryview:
+    """``n`` zero bytes (read-only: never written into)."""
+    return _ZEROS[:n] if n <= len(_ZEROS) else memoryview(bytes(n))
 
 
 class PartWriter:

@@ -1,0 +1,194 @@
+"""A cache's append over a RedisTier sends the segment's header and the caller's tensors'
+own bytes (``SegmentPlan.pieces``) instead of a serialized copy, against a real
+redis-server: the server holds exactly the segment ``write_into`` would have serialized,
+a tensor changed after its hash was taken is refused on read (never served as a mix), a
+tensor that is not its own bytes is serialized as before, and an append cancelled mid-send
+leaves a whole history and a usable connection."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+from tests.redis_server import RedisServer, new_prefix, own_redis_server, redis_server
+from tieredkv import TieredKVCache
+from tieredkv.backends.base import SegmentKey
+from tieredkv.backends.redis import RedisTier
+from tieredkv.errors import CorruptSegmentError
+from tieredkv.payload import parse_header, plan_segment, verify_segment
+
+__all__ = ["own_redis_server", "redis_server"]  # fixtures used below
+
+MiB = 1 << 20
+
+
+class _Seen(RedisTier):
+    """A RedisTier that notes the address and length of every piece it is handed."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.seen: list[dict[int, int]] = []
+
+    async def write_pieces(self, key: SegmentKey, pieces: Sequence[memoryview]) -> None:
+        self.seen.append(
+            {int(np.frombuffer(p, dtype=np.uint8).ctypes.data): len(p) for p in pieces if len(p)}
+        )
+        await super().write_pieces(key, pieces)
+
+
+def _turn(seed: int, tokens: int = 64) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        f"l{i}.{w}": torch.randint(
+            -(2**15), 2**15, (tokens, 8, 128), dtype=torch.int16, generator=gen
+        )
+        for i in range(4)
+        for w in "kv"
+    }
+
+
+async def _stored(tier: RedisTier, key: SegmentKey) -> bytes:
+    buf = bytearray(tier.length(key))
+    await tier.read([key], [memoryview(buf)])
+    return bytes(buf)
+
+
+async def test_an_append_sends_the_tensors_own_bytes_and_stores_the_serialized_segment(
+    redis_server: RedisServer,
+) -> None:
+    tier = _Seen(redis_server.url, 256 * MiB, prefix=new_prefix(), value_size=64 << 10)
+    turns = [_turn(1), _turn(2, tokens=3)]
+    async with TieredKVCache([tier]) as cache:
+        for t in turns:
+            await cache.append("chat", t, answer_tokens=1)
+        assert len(tier.seen) == 2
+        for seen, t in zip(tier.seen, turns, strict=True):
+            for x in t.values():  # each tensor went out from its own memory
+                assert seen.get(x.data_ptr()) == x.nbytes
+        for seq, t in enumerate(turns):
+            data = await _stored(tier, ("chat", seq))
+            header = verify_segment(memoryview(data), "stored")
+            plan = plan_segment(
+                "chat", seq, t, token_dim=0, answer_tokens=1, created=header.created
+            )
+            serialized = bytearray(plan.length)
+            plan.write_into(memoryview(serialized))
+            assert data == bytes(serialized)
+        out = await cache.load("chat")
+    for name in turns[0]:
+        assert torch.equal(out[name], torch.cat([t[name] for t in turns]))
+
+
+async def test_a_tensor_changed_after_its_hash_is_refused_on_read(
+    redis_server: RedisServer,
+) -> None:
+    """The pieces are hashed, then the caller changes a tensor before they are sent: the
+    server holds the changed bytes under the old hash, and a read refuses them."""
+    tensors = _turn(3)
+    plan = plan_segment("s", 0, tensors, token_dim=0, answer_tokens=1)
+    async with RedisTier(redis_server.url, 64 * MiB, prefix=new_prefix()) as tier:
+        pieces = plan.pieces()
+        assert pieces is not None
+        tensors["l2.v"][5, 1, 7] += 1
+        assert tier.reserve(("s", 0), plan.length)
+        await tier.write_pieces(("s", 0), pieces)
+        with pytest.raises(CorruptSegmentError, match="checksum"):
+            await _stored(tier, ("s", 0))
+
+
+async def test_tensors_that_are_not_their_bytes_are_serialized_as_before(
+    redis_server: RedisServer,
+) -> None:
+    tier = _Seen(redis_server.url, 64 * MiB, prefix=new_prefix())
+    base = _turn(4, tokens=128)
+    strided = {n: t[::2] for n, t in base.items()}  # (64 tokens, every other one)
+    async with TieredKVCache([tier]) as cache:
+        await cache.append("chat", strided, answer_tokens=1)
+        assert tier.seen == []
+        out = await cache.load("chat")
+    for name, t in strided.items():
+        assert torch.equal(out[name], t)
+
+
+async def test_with_a_secret_the_pieces_are_joined_and_authenticated(
+    redis_server: RedisServer,
+) -> None:
+    tensors = _turn(5)
+    plan = plan_segment("s", 0, tensors, token_dim=0, answer_tokens=1)
+    serialized = bytearray(plan.length)
+    plan.write_into(memoryview(serialized))
+    secret = b"0123456789abcdef0123"
+    async with RedisTier(redis_server.url, 64 * MiB, prefix=new_prefix(), secret=secret) as tier:
+        assert not tier.writes_pieces
+        pieces = plan.pieces()
+        assert pieces is not None
+        assert tier.reserve(("s", 0), plan.length)
+        await tier.write_pieces(("s", 0), pieces)
+        data = await _stored(tier, ("s", 0))
+    h = parse_header(data, "stored")[0]
+    assert h.authenticated
+    assert data[h.body_offset :] == bytes(serialized)[h.body_offset :]
+
+
+@pytest.mark.parametrize("kind", ["anyio", "task.cancel"])
+async def test_an_append_cancelled_mid_send_leaves_a_whole_history(
+    own_redis_server: RedisServer, kind: str
+) -> None:
+    """The server is paused while a 32 MiB turn's pieces are sent, and the append is
+    cancelled there; the server runs again a second later. The cache never abandons a
+    write under way (no piece is sent after the append returns): the write finishes,
+    then a ``task.cancel()`` rolls it back in the cache and reaches the caller, while an
+    anyio scope, which the write is shielded from, sees the append complete. The history
+    loaded is the first turn alone or both turns whole, never a part of the second, and
+    the same connection pool then serves the turn appended (again) and loads it exactly."""
+    big = _turn(6, tokens=2048)  # 8 x 4 MiB
+    first = _turn(7)
+    tier = RedisTier(
+        own_redis_server.url, 512 * MiB, prefix=new_prefix(), liveness=1.0, max_connections=1
+    )
+    async with TieredKVCache([tier]) as cache:
+        await cache.append("chat", first, answer_tokens=1)
+        own_redis_server.pause()
+
+        async def resume() -> None:
+            await anyio.sleep(2.0)
+            own_redis_server.resume()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(resume)
+                if kind == "anyio":
+                    with anyio.move_on_after(1.0):
+                        await cache.append("chat", big, answer_tokens=1)
+                else:
+                    task = asyncio.get_running_loop().create_task(
+                        cache.append("chat", big, answer_tokens=1)
+                    )
+                    await asyncio.sleep(1.0)
+                    assert not task.done()
+                    task.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await task
+        finally:
+            own_redis_server.resume()
+        with anyio.fail_after(60):
+            out = await cache.load("chat")
+            whole = all(torch.equal(out[n], torch.cat([first[n], t])) for n, t in big.items())
+            if kind == "anyio":
+                assert (cache.stats().cancelled, whole) == (0, True)
+            else:
+                # rolled back in this cache; the shared tier may hold the commit the write
+                # made before the cancellation was acted on (then the history has the turn
+                # whole): never a part of it
+                assert cache.stats().cancelled == 1
+                assert whole or all(torch.equal(out[n], t) for n, t in first.items())
+                if not whole:
+                    await cache.append("chat", big, answer_tokens=1)
+                    out = await cache.load("chat")
+    for name, t in big.items():
+        assert torch.equal(out[name], torch.cat([first[name], t]))
