@@ -176,16 +176,20 @@ async def _append_locked(
     plan = plan_turn(core, s, tensors, answer_tokens, dim, codec, fork)
     start, parent = (None, "") if fork is None else (fork[0].primary, fork[0].key)
     t, cancel = await settle(lambda: store(core, s, plan, start, parent))
-    if cancel is not None:  # roll back: the segment never happened
+    if cancel is not None and core.io[t].shared is None:  # roll back: it never happened
         await settle(lambda: delete_or_orphan(core, t, (s.key, plan.header.seq)))
         core.stats.cancelled += 1
         raise cancel
-    # the point of no return: from here on, nothing awaits
+    # the point of no return: from here on, nothing awaits. A turn committed to a shared
+    # tier cannot be taken back (other replicas may serve it already): the append
+    # completes, and a cancellation that arrived meanwhile is raised after it
     if fork is not None:
         inherit(core, s, fork[0], fork[1])
     meta = commit_append(core, s, plan, t, answer_tokens, began)
     if core.mode == "inclusive":
         pumps.start(s)
+    if cancel is not None:
+        raise cancel
     return meta
 
 
