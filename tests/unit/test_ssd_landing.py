@@ -55,6 +55,21 @@ def turns(n: int, *, dim: int = 0, rows: int = 128) -> list[dict[str, torch.Tens
 LANDS = 4
 """Turns whose history is large enough for its spans to land (see :func:`turns`)."""
 
+WHOLE = 8 << 20
+"""The default span size: every segment of :func:`landing_turns` is one span."""
+
+
+def landing_turns(n: int) -> list[dict[str, torch.Tensor]]:
+    """:func:`turns` without the small tensor, whose output (not page-aligned) would keep a
+    segment read in one span from landing."""
+    return [{k: v for k, v in part.items() if k != "small"} for part in turns(n)]
+
+
+def landing(whole: bool) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """Turns whose history lands, and the span size: segments of several spans (of which
+    the small tensor's is copied), or, ``whole``, of one span each."""
+    return (landing_turns(LANDS), WHOLE) if whole else (turns(LANDS), SPAN)
+
 
 def joined(parts: list[dict[str, torch.Tensor]], dim: int = 0) -> dict[str, torch.Tensor]:
     return {name: torch.cat([p[name] for p in parts], dim=dim) for name in parts[0]}
@@ -218,34 +233,37 @@ async def test_an_io_error_in_a_landed_read_is_a_tier_error(
         assert same(await cache.load("s"), joined(parts))
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["spans", "whole"])
 @pytest.mark.parametrize("how", CANCELS)
 async def test_a_landed_load_survives_cancellation(
-    tmp_path: Path, counting: type[Counting], how: str
+    tmp_path: Path, counting: type[Counting], how: str, whole: bool
 ) -> None:
     """A load whose spans land in its outputs, cancelled at several points by each kind of
     cancellation: afterwards the cache, tier, channel and files agree, and the history
-    loads back exactly (no read still writes into memory the next load is given)."""
-    parts = turns(4)
+    loads back exactly (no read still writes into memory the next load is given). With
+    ``whole``, every segment is one span, read, verified and closed in one reader job."""
+    parts, chunk = landing(whole)
     want = joined(parts)
-    async with TieredKVCache([SSDTier(tmp_path, CAPACITY, chunk_size=SPAN)]) as cache:
+    async with TieredKVCache([SSDTier(tmp_path, CAPACITY, chunk_size=chunk)]) as cache:
         for i, part in enumerate(parts):
             await cache.append("s", part, answer_tokens=i)
         for delay in (0.0, 0.0005, 0.002, 0.01):
             await cancellable(how, delay, lambda: cache.load("s"))
             assert problems(cache) == []
             assert same(await cache.load("s"), want)
-    assert counting.consumed < counting.landed_asked
+    assert counting.consumed == 0 if whole else counting.consumed < counting.landed_asked
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["spans", "whole"])
 async def test_an_io_error_at_each_os_call_of_a_landed_load_loses_nothing(
-    tmp_path: Path, counting: type[Counting]
+    tmp_path: Path, counting: type[Counting], whole: bool
 ) -> None:
     """Fail each os call of a landed load in turn: the load raises (a miss or an I/O error)
     or returns the exact history, the cache stays consistent, and whatever is still stored
-    loads back exactly."""
-    parts = turns(LANDS)
+    loads back exactly. With ``whole``, every segment is one span (one ``preadv`` each)."""
+    parts, chunk = landing(whole)
     want = joined(parts)
-    async with TieredKVCache([SSDTier(tmp_path, CAPACITY, chunk_size=SPAN)]) as cache:
+    async with TieredKVCache([SSDTier(tmp_path, CAPACITY, chunk_size=chunk)]) as cache:
         for i, part in enumerate(parts):
             await cache.append("s", part, answer_tokens=i)
         with FaultInjector() as faults:
@@ -253,8 +271,12 @@ async def test_an_io_error_at_each_os_call_of_a_landed_load_loses_nothing(
                 before = dict(faults.calls)
                 await cache.load("s")
             calls = {site: n - before.get(site, 0) for site, n in faults.calls.items()}
-        assert counting.consumed < counting.landed_asked
-        assert calls.get("preadv", 0) >= 3, calls
+        if whole:
+            assert counting.consumed == 0
+            assert calls.get("preadv", 0) == LANDS, calls
+        else:
+            assert counting.consumed < counting.landed_asked
+            assert calls.get("preadv", 0) >= 3, calls
         for site, count in calls.items():
             for nth in range(1, count + 1):
                 if "s" not in cache:  # lost to a damaged read: store it again
@@ -274,15 +296,6 @@ async def test_an_io_error_at_each_os_call_of_a_landed_load_loses_nothing(
 
 
 # -- segments read whole: one span each, read and verified in one reader job ---------------
-
-WHOLE = 8 << 20
-"""The default span size: every segment of :func:`landing_turns` is one span."""
-
-
-def landing_turns(n: int) -> list[dict[str, torch.Tensor]]:
-    """:func:`turns` without the small tensor, whose output (not page-aligned) would keep a
-    segment read in one span from landing."""
-    return [{k: v for k, v in part.items() if k != "small"} for part in turns(n)]
 
 
 def whole_spans(parts: list[dict[str, torch.Tensor]]) -> list[int]:
@@ -358,56 +371,3 @@ async def test_a_truncated_whole_segment_is_a_miss(
         assert problems(cache) == []
     assert counting.consumed == 0
     assert list((tmp_path / "quarantine").iterdir())
-
-
-@pytest.mark.parametrize("how", CANCELS)
-async def test_a_whole_landed_load_survives_cancellation(
-    tmp_path: Path, counting: type[Counting], how: str
-) -> None:
-    """As :func:`test_a_landed_load_survives_cancellation`, with every segment read whole
-    in one reader job (its read, checksum and close all in that thread)."""
-    parts = landing_turns(LANDS)
-    want = joined(parts)
-    async with TieredKVCache([SSDTier(tmp_path, CAPACITY)]) as cache:
-        for i, part in enumerate(parts):
-            await cache.append("s", part, answer_tokens=i)
-        for delay in (0.0, 0.0005, 0.002, 0.01):
-            await cancellable(how, delay, lambda: cache.load("s"))
-            assert problems(cache) == []
-            assert same(await cache.load("s"), want)
-    assert counting.consumed == 0
-
-
-async def test_an_io_error_at_each_os_call_of_a_whole_landed_load_loses_nothing(
-    tmp_path: Path, counting: type[Counting]
-) -> None:
-    """As :func:`test_an_io_error_at_each_os_call_of_a_landed_load_loses_nothing`, with
-    every segment read whole in one reader job."""
-    parts = landing_turns(LANDS)
-    want = joined(parts)
-    async with TieredKVCache([SSDTier(tmp_path, CAPACITY)]) as cache:
-        for i, part in enumerate(parts):
-            await cache.append("s", part, answer_tokens=i)
-        with FaultInjector() as faults:
-            with faults.paused():
-                before = dict(faults.calls)
-                await cache.load("s")
-            calls = {site: n - before.get(site, 0) for site, n in faults.calls.items()}
-        assert calls.get("preadv", 0) == LANDS, calls
-        for site, count in calls.items():
-            for nth in range(1, count + 1):
-                if "s" not in cache:  # lost to a damaged read: store it again
-                    for i, part in enumerate(parts):
-                        await cache.append("s", part, answer_tokens=i)
-                with FaultInjector() as faults:
-                    faults.fail_nth(site, faults.calls[site] + nth, errno.EIO)
-                    try:
-                        got = await cache.load("s")
-                    except (TierIOError, SessionNotFoundError):
-                        pass
-                    else:
-                        assert same(got, want)
-                assert problems(cache) == [], (site, nth)
-                if "s" in cache:
-                    assert same(await cache.load("s"), want)
-    assert counting.consumed == 0

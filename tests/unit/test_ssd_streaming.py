@@ -181,6 +181,16 @@ async def test_bad_spans_are_refused_before_any_io(ssd_dir: Path, seg: SegmentFa
         assert tier.stats().reads == 0
 
 
+async def store_and_damage(tier: SSDTier, ssd_dir: Path, segs: Sequence[Any], victim: int) -> None:
+    """Store ``segs``, then flip a bit in the middle of segment ``victim``'s file."""
+    for s in segs:
+        await store(tier, s)
+    path = ssd_dir / "segments" / segment_file_name(segs[victim].key)
+    data = bytearray(path.read_bytes())
+    data[segs[victim].length // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
 async def test_damage_stops_the_stream_and_is_quarantined(
     ssd_dir: Path, seg: SegmentFactory
 ) -> None:
@@ -189,12 +199,7 @@ async def test_damage_stops_the_stream_and_is_quarantined(
     reached the consumer first, and the third stays in service."""
     segs = [seg(seq=i, tokens=2000, seed=10 + i) for i in range(3)]
     async with SSDTier(ssd_dir, CAPACITY, chunk_size=ALIGN) as tier:
-        for s in segs:
-            await store(tier, s)
-        path = ssd_dir / "segments" / segment_file_name(segs[1].key)
-        data = bytearray(path.read_bytes())
-        data[segs[1].length // 2] ^= 0x01
-        path.write_bytes(bytes(data))
+        await store_and_damage(tier, ssd_dir, segs, 1)
         plans = [span_plan(s.header, tier.span_bytes)[0] for s in segs]
         got: list[list[bytes]] = [[] for _ in segs]
         with pytest.raises(CorruptSegmentError, match="checksum"):
@@ -241,12 +246,7 @@ async def test_damage_in_a_segment_streamed_whole_never_reaches_the_consumer(
     others."""
     segs = [seg(seq=i, tokens=2000, seed=40 + i) for i in range(3)]
     async with SSDTier(ssd_dir, CAPACITY, secret=secret) as tier:
-        for s in segs:
-            await store(tier, s)
-        path = ssd_dir / "segments" / segment_file_name(segs[1].key)
-        data = bytearray(path.read_bytes())
-        data[segs[1].length // 2] ^= 0x01
-        path.write_bytes(bytes(data))
+        await store_and_damage(tier, ssd_dir, segs, 1)
         got: list[list[bytes]] = [[] for _ in segs]
         with pytest.raises(CorruptSegmentError, match="checksum"):
             await read_spans(
@@ -275,7 +275,7 @@ async def test_a_truncated_segment_streamed_whole_is_damage(
         path.write_bytes(path.read_bytes()[:-ALIGN])
         got: list[bytes] = []
         with pytest.raises(CorruptSegmentError, match="truncated"):
-            await read_spans(tier, [(s.key, [(0, s.length)])], lambda i, k, v: got.append(v))
+            await read_spans(tier, [(s.key, [(0, s.length)])], lambda i, k, v: got.append(bytes(v)))
         assert got == []
         assert not tier.contains(s.key)
         assert tier.stats().corrupt == 1

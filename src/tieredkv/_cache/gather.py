@@ -192,13 +192,13 @@ class Scatter:
 
     def _output(self, name: str) -> tuple[int, torch.dtype, tuple[int, ...], int] | None:
         """Output ``name`` as its address, dtype, shape and bytes per row along dimension 0,
-        looked up once per load rather than once per segment; ``None`` where it is missing
-        or not a contiguous CPU tensor that plain byte moves can fill."""
+        looked up once per load rather than once per segment; ``None`` where it is missing,
+        has no dimension, or is not a contiguous CPU tensor that plain byte moves can fill."""
         if name in self._facts:
             return self._facts[name]
         out = self._out.get(name)
         facts = None
-        if out is not None and plain_cpu(out):
+        if out is not None and out.dim() and plain_cpu(out):
             row = out[0].nbytes if out.shape[0] else 0
             facts = (out.data_ptr(), out.dtype, tuple(out.shape), row)
         self._facts[name] = facts

@@ -2,7 +2,9 @@
 
 Whole histories stream to a consumer (in a third thread) span by span as they arrive: up
 to eight reads are in flight across segment boundaries, each segment's checksum (and MAC)
-is computed in the hasher thread as its spans arrive, and the spans are read into a small
+is computed in the hasher thread as its spans arrive, or, for a segment streamed in one
+span (a turn of up to a span's size), by the reader thread right after its one read, before
+the span is consumed; and the spans are read into a small
 pool of reused buffers (or straight into the caller's buffers), so a history
 of any size needs a few chunks of memory, not a segment-sized buffer. A layer-wise restore
 reads every segment's first span, then every segment's second, and so on.
@@ -123,7 +125,7 @@ class SpanStream:
 
     def _give_back(self, buf: mmap.mmap) -> None:
         with self._lock:
-            chunk = self._reader.chunk
+            chunk = self._reader.chunk  # (a load's last span may run up to chunk / 8 over)
             if chunk <= len(buf) <= chunk + chunk // 8 and len(self._spare) < _SPARE_BUFFERS:
                 self._spare.append(buf)
                 return
