@@ -16,7 +16,7 @@ from tests.cancellation import CANCELS, cancellable
 from tests.faults import FaultInjector
 from tests.invariants import problems
 from tieredkv import SSDTier, TieredKVCache
-from tieredkv._cache.gather import Scatter
+from tieredkv._cache.gather import Scatter, span_plan
 from tieredkv._cache.outputs import POOLED_MIN_BYTES
 from tieredkv.backends.base import LandingConsumer
 from tieredkv.backends.ssd import segment_file_name
@@ -54,6 +54,21 @@ def turns(n: int, *, dim: int = 0, rows: int = 128) -> list[dict[str, torch.Tens
 
 LANDS = 4
 """Turns whose history is large enough for its spans to land (see :func:`turns`)."""
+
+WHOLE = 8 << 20
+"""The default span size: every segment of :func:`landing_turns` is one span."""
+
+
+def landing_turns(n: int) -> list[dict[str, torch.Tensor]]:
+    """:func:`turns` without the small tensor, whose output (not page-aligned) would keep a
+    segment read in one span from landing."""
+    return [{k: v for k, v in part.items() if k != "small"} for part in turns(n)]
+
+
+def landing(whole: bool) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """Turns whose history lands, and the span size: segments of several spans (of which
+    the small tensor's is copied), or, ``whole``, of one span each."""
+    return (landing_turns(LANDS), WHOLE) if whole else (turns(LANDS), SPAN)
 
 
 def joined(parts: list[dict[str, torch.Tensor]], dim: int = 0) -> dict[str, torch.Tensor]:
@@ -218,34 +233,37 @@ async def test_an_io_error_in_a_landed_read_is_a_tier_error(
         assert same(await cache.load("s"), joined(parts))
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["spans", "whole"])
 @pytest.mark.parametrize("how", CANCELS)
 async def test_a_landed_load_survives_cancellation(
-    tmp_path: Path, counting: type[Counting], how: str
+    tmp_path: Path, counting: type[Counting], how: str, whole: bool
 ) -> None:
     """A load whose spans land in its outputs, cancelled at several points by each kind of
     cancellation: afterwards the cache, tier, channel and files agree, and the history
-    loads back exactly (no read still writes into memory the next load is given)."""
-    parts = turns(4)
+    loads back exactly (no read still writes into memory the next load is given). With
+    ``whole``, every segment is one span, read, verified and closed in one reader job."""
+    parts, chunk = landing(whole)
     want = joined(parts)
-    async with TieredKVCache([SSDTier(tmp_path, CAPACITY, chunk_size=SPAN)]) as cache:
+    async with TieredKVCache([SSDTier(tmp_path, CAPACITY, chunk_size=chunk)]) as cache:
         for i, part in enumerate(parts):
             await cache.append("s", part, answer_tokens=i)
         for delay in (0.0, 0.0005, 0.002, 0.01):
             await cancellable(how, delay, lambda: cache.load("s"))
             assert problems(cache) == []
             assert same(await cache.load("s"), want)
-    assert counting.consumed < counting.landed_asked
+    assert counting.consumed == 0 if whole else counting.consumed < counting.landed_asked
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["spans", "whole"])
 async def test_an_io_error_at_each_os_call_of_a_landed_load_loses_nothing(
-    tmp_path: Path, counting: type[Counting]
+    tmp_path: Path, counting: type[Counting], whole: bool
 ) -> None:
     """Fail each os call of a landed load in turn: the load raises (a miss or an I/O error)
     or returns the exact history, the cache stays consistent, and whatever is still stored
-    loads back exactly."""
-    parts = turns(LANDS)
+    loads back exactly. With ``whole``, every segment is one span (one ``preadv`` each)."""
+    parts, chunk = landing(whole)
     want = joined(parts)
-    async with TieredKVCache([SSDTier(tmp_path, CAPACITY, chunk_size=SPAN)]) as cache:
+    async with TieredKVCache([SSDTier(tmp_path, CAPACITY, chunk_size=chunk)]) as cache:
         for i, part in enumerate(parts):
             await cache.append("s", part, answer_tokens=i)
         with FaultInjector() as faults:
@@ -253,8 +271,12 @@ async def test_an_io_error_at_each_os_call_of_a_landed_load_loses_nothing(
                 before = dict(faults.calls)
                 await cache.load("s")
             calls = {site: n - before.get(site, 0) for site, n in faults.calls.items()}
-        assert counting.consumed < counting.landed_asked
-        assert calls.get("preadv", 0) >= 3, calls
+        if whole:
+            assert counting.consumed == 0
+            assert calls.get("preadv", 0) == LANDS, calls
+        else:
+            assert counting.consumed < counting.landed_asked
+            assert calls.get("preadv", 0) >= 3, calls
         for site, count in calls.items():
             for nth in range(1, count + 1):
                 if "s" not in cache:  # lost to a damaged read: store it again
@@ -271,3 +293,81 @@ async def test_an_io_error_at_each_os_call_of_a_landed_load_loses_nothing(
                 assert problems(cache) == [], (site, nth)
                 if "s" in cache:
                     assert same(await cache.load("s"), want)
+
+
+# -- segments read whole: one span each, read and verified in one reader job ---------------
+
+
+def whole_spans(parts: list[dict[str, torch.Tensor]]) -> list[int]:
+    """How many spans each segment of ``parts`` is streamed in at :data:`WHOLE`."""
+    headers = [
+        plan_segment("s", i, p, token_dim=0, answer_tokens=i).header for i, p in enumerate(parts)
+    ]
+    return [len(span_plan(h, WHOLE)[0]) for h in headers]
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+async def test_whole_segments_land_with_exact_bytes(
+    tmp_path: Path, counting: type[Counting], secret: bytes | None
+) -> None:
+    """Each segment one span: read straight into the outputs with one ``preadv`` and
+    verified right after it, none consumed."""
+    parts = landing_turns(LANDS)
+    assert whole_spans(parts) == [1] * LANDS
+    async with TieredKVCache([SSDTier(tmp_path, CAPACITY, secret=secret)]) as cache:
+        for i, part in enumerate(parts):
+            await cache.append("s", part, answer_tokens=i)
+        assert same(await cache.load("s"), joined(parts))
+    assert counting.landed_asked == LANDS
+    assert counting.consumed == 0
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+@pytest.mark.parametrize("where", ["header", "tensor", "padding"])
+async def test_damage_in_a_whole_landed_segment_is_caught(
+    tmp_path: Path, counting: type[Counting], secret: bytes | None, where: str
+) -> None:
+    """A flipped byte in the header, in a tensor that landed in the outputs, or in the
+    padding at the end of the second segment (read whole, in one span): the load is a
+    counted miss (the damaged history is never returned) and the file is quarantined."""
+    parts = landing_turns(LANDS)
+    async with TieredKVCache([SSDTier(tmp_path, CAPACITY, secret=secret)]) as cache:
+        for i, part in enumerate(parts):
+            await cache.append("s", part, answer_tokens=i)
+        header = plan_segment("s", 1, parts[1], token_dim=0, answer_tokens=1).header
+        spec = header.tensors[2]
+        path = tmp_path / "segments" / segment_file_name(("s", 1))
+        at = {
+            "header": header.body_offset // 2,
+            "tensor": header.body_offset + spec.offset + spec.nbytes // 2,
+            "padding": path.stat().st_size - 1,
+        }[where]
+        flip(path, at)
+        misses = cache.stats().misses
+        with pytest.raises(SessionNotFoundError):
+            await cache.load("s")
+        assert cache.stats().misses == misses + 1
+        assert "s" not in cache
+        assert problems(cache) == []
+    assert counting.landed_asked >= 1
+    assert counting.consumed == 0
+    assert list((tmp_path / "quarantine").iterdir())
+
+
+async def test_a_truncated_whole_segment_is_a_miss(
+    tmp_path: Path, counting: type[Counting]
+) -> None:
+    """The second segment's file cut a page short: the one ``preadv`` of its span comes
+    back short, and the load is a counted miss, the file quarantined."""
+    parts = landing_turns(LANDS)
+    async with TieredKVCache([SSDTier(tmp_path, CAPACITY)]) as cache:
+        for i, part in enumerate(parts):
+            await cache.append("s", part, answer_tokens=i)
+        path = tmp_path / "segments" / segment_file_name(("s", 1))
+        os.truncate(path, path.stat().st_size - 4096)
+        with pytest.raises(SessionNotFoundError):
+            await cache.load("s")
+        assert cache.stats().misses == 1
+        assert problems(cache) == []
+    assert counting.consumed == 0
+    assert list((tmp_path / "quarantine").iterdir())

@@ -121,6 +121,24 @@ def test_span_plan_covers_the_segment_with_whole_tensors(span: int) -> None:
             )
 
 
+@pytest.mark.parametrize("span", [ALIGN, 64 << 10, 1 << 20, 8 << 20])
+def test_a_small_last_span_joins_the_one_before(span: int) -> None:
+    """A turn of 64 tensors of 128 KiB (8 MiB) and its header is one span at the default
+    span size of 8 MiB, not 8 MiB and a lone tensor; at any span size a last span of its
+    own holds at least ``span // 8`` bytes the one before does not."""
+    turn = {f"t{i}": torch.full((64, 1024), i, dtype=torch.float16) for i in range(64)}
+    header = plan_segment("s", 0, turn, token_dim=0, answer_tokens=1).header
+    assert header.length > 8 << 20
+    spans, groups = span_plan(header, span)
+    assert [spec.name for g in groups for spec in g] == list(turn)
+    assert spans[-1][1] == header.length
+    if span == 8 << 20:
+        assert spans == [(0, header.length)]
+    else:
+        assert len(spans) > 1
+        assert header.length - spans[-2][1] >= span // 8
+
+
 async def test_read_spans_delivers_every_span_in_order(ssd_dir: Path, seg: SegmentFactory) -> None:
     """Several segments streamed in one call: spans arrive in order, and put together they
     are each segment's exact bytes; the read counters count each segment once."""
@@ -163,6 +181,16 @@ async def test_bad_spans_are_refused_before_any_io(ssd_dir: Path, seg: SegmentFa
         assert tier.stats().reads == 0
 
 
+async def store_and_damage(tier: SSDTier, ssd_dir: Path, segs: Sequence[Any], victim: int) -> None:
+    """Store ``segs``, then flip a bit in the middle of segment ``victim``'s file."""
+    for s in segs:
+        await store(tier, s)
+    path = ssd_dir / "segments" / segment_file_name(segs[victim].key)
+    data = bytearray(path.read_bytes())
+    data[segs[victim].length // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
 async def test_damage_stops_the_stream_and_is_quarantined(
     ssd_dir: Path, seg: SegmentFactory
 ) -> None:
@@ -171,12 +199,7 @@ async def test_damage_stops_the_stream_and_is_quarantined(
     reached the consumer first, and the third stays in service."""
     segs = [seg(seq=i, tokens=2000, seed=10 + i) for i in range(3)]
     async with SSDTier(ssd_dir, CAPACITY, chunk_size=ALIGN) as tier:
-        for s in segs:
-            await store(tier, s)
-        path = ssd_dir / "segments" / segment_file_name(segs[1].key)
-        data = bytearray(path.read_bytes())
-        data[segs[1].length // 2] ^= 0x01
-        path.write_bytes(bytes(data))
+        await store_and_damage(tier, ssd_dir, segs, 1)
         plans = [span_plan(s.header, tier.span_bytes)[0] for s in segs]
         got: list[list[bytes]] = [[] for _ in segs]
         with pytest.raises(CorruptSegmentError, match="checksum"):
@@ -211,6 +234,51 @@ async def test_io_error_mid_stream_is_tier_io_error(ssd_dir: Path, seg: SegmentF
         await read_spans(tier, items, lambda i, k, v: got[i].append(bytes(v)))
         for s, (_, p), g in zip(segs, items, got, strict=True):
             assert reassemble(s.length, list(p), g) == s.data
+
+
+@pytest.mark.parametrize("secret", [None, b"0123456789abcdef-streamed"])
+async def test_damage_in_a_segment_streamed_whole_never_reaches_the_consumer(
+    ssd_dir: Path, seg: SegmentFactory, secret: bytes | None
+) -> None:
+    """Segments of one span each are read and verified in one reader job before their span
+    is consumed: a flipped byte in the second of three is a CorruptSegmentError, the file
+    is quarantined, and the consumer got the first segment whole and nothing of the
+    others."""
+    segs = [seg(seq=i, tokens=2000, seed=40 + i) for i in range(3)]
+    async with SSDTier(ssd_dir, CAPACITY, secret=secret) as tier:
+        await store_and_damage(tier, ssd_dir, segs, 1)
+        got: list[list[bytes]] = [[] for _ in segs]
+        with pytest.raises(CorruptSegmentError, match="checksum"):
+            await read_spans(
+                tier,
+                [(s.key, [(0, s.length)]) for s in segs],
+                lambda i, k, v: got[i].append(bytes(v)),
+            )
+        stored = [await read_back(tier, segs[0]), await read_back(tier, segs[2])]
+        assert got == [[stored[0]], [], []]
+        if secret is None:
+            assert stored == [segs[0].data, segs[2].data]
+        assert not tier.contains(segs[1].key)
+        assert tier.stats().corrupt == 1
+
+
+async def test_a_truncated_segment_streamed_whole_is_damage(
+    ssd_dir: Path, seg: SegmentFactory
+) -> None:
+    """A segment of one span whose file lost its last page: its one read comes back short,
+    which is damage (CorruptSegmentError naming the truncation, quarantined), and nothing
+    of it is consumed."""
+    s = seg(tokens=2000, seed=5)
+    async with SSDTier(ssd_dir, CAPACITY) as tier:
+        await store(tier, s)
+        path = ssd_dir / "segments" / segment_file_name(s.key)
+        path.write_bytes(path.read_bytes()[:-ALIGN])
+        got: list[bytes] = []
+        with pytest.raises(CorruptSegmentError, match="truncated"):
+            await read_spans(tier, [(s.key, [(0, s.length)])], lambda i, k, v: got.append(bytes(v)))
+        assert got == []
+        assert not tier.contains(s.key)
+        assert tier.stats().corrupt == 1
 
 
 async def test_a_failing_consumer_propagates_and_the_tier_stays_usable(

@@ -116,6 +116,7 @@ class Scatter:
             self._offsets.append(offset)
             offset += take
         self._plans: dict[tuple[int, int], tuple[list[tuple[int, int, int]], int] | None] = {}
+        self._facts: dict[str, tuple[int, torch.dtype, tuple[int, ...], int] | None] = {}
 
     def __call__(self, item: int, k: int, view: memoryview) -> None:
         plan = self._moves(item, k)
@@ -166,29 +167,42 @@ class Scatter:
         for spec in self._groups[item][k]:
             if not spec.nbytes:
                 continue
-            out = self._out.get(spec.name)
+            out = self._output(spec.name)
             if (
                 out is None
-                or not plain_cpu(out)
-                or out.dtype != dtype_of(spec.dtype)
-                or out.dim() != len(spec.shape)
-                or tuple(out.shape[1:]) != tuple(spec.shape[1:])
+                or out[1] != dtype_of(spec.dtype)
+                or len(out[2]) != len(spec.shape)
+                or out[2][1:] != tuple(spec.shape[1:])
                 or spec.shape[0] != header.tokens
-                or offset + take > out.shape[0]
+                or offset + take > out[2][0]
             ):
                 break
-            row = out[0].nbytes if out.shape[0] else 0
+            row = out[3]
             if spec.nbytes != row * header.tokens:
                 break
             rel = header.body_offset + spec.offset - start
             if rel < 0:
                 break
-            moves.append((out.data_ptr() + offset * row, rel, row * take))
+            moves.append((out[0] + offset * row, rel, row * take))
             need = max(need, rel + row * take)
         else:
             plan = (moves, need)
         self._plans[key] = plan
         return plan
+
+    def _output(self, name: str) -> tuple[int, torch.dtype, tuple[int, ...], int] | None:
+        """Output ``name`` as its address, dtype, shape and bytes per row along dimension 0,
+        looked up once per load rather than once per segment; ``None`` where it is missing,
+        has no dimension, or is not a contiguous CPU tensor that plain byte moves can fill."""
+        if name in self._facts:
+            return self._facts[name]
+        out = self._out.get(name)
+        facts = None
+        if out is not None and out.dim() and plain_cpu(out):
+            row = out[0].nbytes if out.shape[0] else 0
+            facts = (out.data_ptr(), out.dtype, tuple(out.shape), row)
+        self._facts[name] = facts
+        return facts
 
 
 _RAMP = (1 << 20, 2 << 20, 4 << 20)
@@ -219,7 +233,10 @@ def span_plan(
 
     Returns the spans (4 KiB-aligned starts, consecutive ones overlapping by at most the
     page two tensors share; the first from 0, the last to the segment's end) and each span's
-    tensors. A tensor larger than ``span`` gets a span of its own.
+    tensors. A tensor larger than ``span`` gets a span of its own. A last span that would
+    hold less than ``span // 8`` bytes of its own joins the one before it: a turn of
+    exactly ``span`` bytes of tensors (plus its header) is one read, not a full one and a
+    small one.
     """
     spans: list[tuple[int, int]] = []
     groups: list[list[TensorSpec]] = [[]]
@@ -234,7 +251,15 @@ def span_plan(
         groups[-1].append(spec)
         end = max(end, hi)
     spans.append((start, header.length))
+    if len(spans) > 1 and header.length - spans[-2][1] < span // _TAIL:
+        spans[-2:] = [(spans[-2][0], header.length)]
+        groups[-2:] = [groups[-2] + groups[-1]]
     return spans, groups
+
+
+_TAIL = 8
+"""A last span of under ``span // _TAIL`` bytes of its own joins the one before it
+(:func:`span_plan`)."""
 
 
 class Staging:

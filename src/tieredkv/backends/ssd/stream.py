@@ -2,7 +2,9 @@
 
 Whole histories stream to a consumer (in a third thread) span by span as they arrive: up
 to eight reads are in flight across segment boundaries, each segment's checksum (and MAC)
-is computed in the hasher thread as its spans arrive, and the spans are read into a small
+is computed in the hasher thread as its spans arrive, or, for a segment streamed in one
+span (a turn of up to a span's size), by the reader thread right after its one read, before
+the span is consumed; and the spans are read into a small
 pool of reused buffers (or straight into the caller's buffers), so a history
 of any size needs a few chunks of memory, not a segment-sized buffer. A layer-wise restore
 reads every segment's first span, then every segment's second, and so on.
@@ -123,7 +125,8 @@ class SpanStream:
 
     def _give_back(self, buf: mmap.mmap) -> None:
         with self._lock:
-            if len(buf) == self._reader.chunk and len(self._spare) < _SPARE_BUFFERS:
+            chunk = self._reader.chunk  # (a load's last span may run up to chunk / 8 over)
+            if chunk <= len(buf) <= chunk + chunk // 8 and len(self._spare) < _SPARE_BUFFERS:
                 self._spare.append(buf)
                 return
         with contextlib.suppress(BufferError):
@@ -183,17 +186,22 @@ class SpanStream:
                         if lands is not None:
                             pieces = self._landing(lands, i, k, start, end, buf)
                     landed = pieces is not None
-                    if pieces is not None:  # straight into the consumer's memory
-                        read = readers.submit(preadv_full, fds[i], pieces, start)
-                    else:
+                    if pieces is None:
                         if buf is not None:
                             view = memoryview(buf)[: end - start]
                         else:
                             assert into is not None
                             view = into[i][start:end]
                         pieces = [view]
-                        # pread_full releases the view it is given: give it its own
-                        read = readers.submit(pread_full, fds[i], view[:], start)
+                    if len(spans) == 1:  # the whole segment: read and verified in one job
+                        rel = segment_file_name(key)
+                        length = self._index.lengths[key]
+                        read = readers.submit(self._read_whole, fds[i], pieces, key, rel, length)
+                        fds.pop(i)  # the job closes it
+                    elif landed:  # straight into the consumer's memory
+                        read = readers.submit(preadv_full, fds[i], pieces, start)
+                    else:  # pread_full releases the view it is given: give it its own
+                        read = readers.submit(pread_full, fds[i], pieces[0][:], start)
                     inflight.append((i, k, buf, pieces, landed, read))
                     issued += 1
                 if not inflight:
@@ -208,6 +216,19 @@ class SpanStream:
                 except OSError as exc:
                     why = (f"read segment {key[1]}", exc.errno or 0, exc.strerror or str(exc))
                     return verified, (i, why)
+                except CorruptSegmentError as exc:  # (a segment read whole, in one job)
+                    if buf is not None:
+                        free.append(buf)
+                    return verified, (i, (exc.detail, None, ""))
+                if len(spans) == 1:  # read and verified already
+                    if consume is not None and not landed:
+                        copying = copier.submit(consume, i, k, pieces[0])
+                        busy.append((buf, [copying]))
+                        copying.result()  # an exception from consume propagates
+                    else:
+                        busy.append((buf, []))
+                    verified.append(i)
+                    continue
                 # ``view`` is not released here: the copier thread may still be using it
                 # (its buffer is reused only once it is done, and unmapped at close)
                 try:
@@ -280,6 +301,25 @@ class SpanStream:
             at = offset + length
         return pieces if at == end - start else None
 
+    def _read_whole(
+        self, fd: int, pieces: list[memoryview], key: SegmentKey, rel: str, length: int
+    ) -> int:
+        """Read a segment whole (``pieces``, consecutive, cover it from byte 0) with one
+        ``preadv`` and verify it, all in this (reader) thread, right after the read: the
+        checksum of a segment streamed in one span costs no hand-off to the hasher thread
+        and back. Closes ``fd``. Raises :class:`CorruptSegmentError` for a short file or a
+        wrong header, checksum or MAC; returns the bytes read."""
+        try:
+            n = preadv_full(fd, pieces, 0)
+        finally:
+            self._reader.close_segment(fd)
+        if n < length:
+            raise CorruptSegmentError(rel, f"file ends at {n} of {length} bytes (truncated)")
+        seg = self._begin_segment_read(pieces[0], key, rel, length)
+        seg.hash_here(pieces, 0, length)
+        seg.check()
+        return n
+
     def _begin_segment_read(
         self, first: memoryview, key: SegmentKey, rel: str, length: int
     ) -> _SegmentRead:
@@ -322,6 +362,16 @@ class _SegmentRead:
         in ``pool``."""
         if end <= self.hashed:
             return []
+        parts = self._unhashed(pieces, start, end)
+        futures = [pool.submit(_update, self.xxh, parts)]
+        if self.mac is not None:
+            futures.append(pool.submit(_update, self.mac[0], parts))
+        self.futures.extend(futures)
+        return futures
+
+    def _unhashed(self, pieces: list[memoryview], start: int, end: int) -> list[memoryview]:
+        """The views of ``pieces`` (span ``[start, end)``) past what was hashed so far; from
+        now on, hashed up to ``end``."""
         parts: list[memoryview] = []
         at = start
         for piece in pieces:
@@ -329,12 +379,16 @@ class _SegmentRead:
             if hi > lo:
                 parts.append(piece[lo - at : hi - at])
             at = hi
-        self.hashed = end
-        futures = [pool.submit(_update, self.xxh, parts)]
+        self.hashed = max(self.hashed, end)
+        return parts
+
+    def hash_here(self, pieces: list[memoryview], start: int, end: int) -> None:
+        """Hash the part of span ``[start, end)`` (``pieces``, consecutive) not hashed yet,
+        in this thread."""
+        parts = self._unhashed(pieces, start, end)
+        _update(self.xxh, parts)
         if self.mac is not None:
-            futures.append(pool.submit(_update, self.mac[0], parts))
-        self.futures.extend(futures)
-        return futures
+            _update(self.mac[0], parts)
 
     def finish(self) -> None:
         """Check the digests once every span was fed (``CorruptSegmentError`` if wrong)."""
@@ -342,6 +396,10 @@ class _SegmentRead:
             f.result()
         for f in self.copies:
             f.result()  # an exception from consume propagates
+        self.check()
+
+    def check(self) -> None:
+        """Check the digests of what was hashed (``CorruptSegmentError`` if wrong)."""
         if self.xxh.intdigest() != self.expected:
             raise CorruptSegmentError(self.rel, "body checksum mismatch")
         if self.mac is not None:

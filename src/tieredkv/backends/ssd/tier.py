@@ -250,7 +250,9 @@ class SSDTier(Tier):
         Otherwise the segments stream span by span (the spans may overlap by less than a
         page; the first must hold the whole header): up to eight reads in flight across
         segment boundaries, in ``order``, each segment's checksum (and MAC) computed in the
-        hasher thread as its spans arrive, ``consume`` called in a third thread while later
+        hasher thread as its spans arrive (a segment of one span: read, verified and closed
+        by one reader thread, and consumed only once verified), ``consume`` called in a
+        third thread while later
         spans are read (or, for a :class:`~tieredkv.backends.base.LandingConsumer` whose
         places suit this tier's reads, each span read straight into them and not
         consumed); without ``into`` the spans are read into a small pool of reused
