@@ -192,3 +192,46 @@ def test_defragment_keeps_every_byte(
             await assert_intact(tier, live, sizes)
 
     anyio.run(run)
+
+
+@pytest.mark.parametrize("kind", ["memory", "mmap"])
+async def test_defragment_slides_segments_when_no_gap_holds_one(
+    kind: str, tmp_path: object
+) -> None:
+    """Segments of 2 pages with 1-page gaps between them (as whole conversations leave a
+    host tier of conversations of about the same size): no segment fits in any gap, so
+    none can be moved out of a window, but sliding the one between two gaps down joins
+    them; before, the call returned None and the cache evicted a conversation with enough
+    bytes free. The slide overlaps its own old place; every segment keeps its bytes."""
+    tier: ArenaTier
+    if kind == "memory":
+        tier = HostMemoryTier(8 * G, prefault=False)
+    else:
+        tier = MmapTier(str(tmp_path) + "/arena", 8 * G)
+    sizes = [2 * G, G, 2 * G, G, 2 * G]  # pages 0-1, 2, 3-4, 5, 6-7
+    async with tier:
+        keys = await fill(tier, sizes)
+        await tier.delete(keys[1])
+        await tier.delete(keys[3])  # free: pages 2 and 5
+        live = [keys[0], keys[2], keys[4]]
+        assert not tier.reserve(("t", 0), 2 * G)
+        assert tier.defragment(2 * G, lambda key: True) == 2 * G  # segment 2 to pages 2-3
+        assert tier._alloc.free_blocks() == [(4 * G, 2 * G)]
+        assert tier.reserve(("t", 0), 2 * G)
+        await assert_intact(tier, live, sizes)
+        stats = tier.stats()
+        assert (stats.relocations, stats.relocated_bytes) == (1, 2 * G)
+
+
+async def test_defragment_slides_only_past_movable_segments() -> None:
+    """The same layout with the middle segment unmovable: no run of movable blocks holds 2
+    free pages, so nothing moves."""
+    sizes = [2 * G, G, 2 * G, G, 2 * G]
+    async with HostMemoryTier(8 * G, prefault=False) as tier:
+        keys = await fill(tier, sizes)
+        await tier.delete(keys[1])
+        await tier.delete(keys[3])
+        where = {k: tier._slots[k].offset for k in (keys[0], keys[2], keys[4])}
+        assert tier.defragment(2 * G, lambda key: key != keys[2]) is None
+        assert {k: tier._slots[k].offset for k in where} == where
+        assert tier.stats().relocations == 0
