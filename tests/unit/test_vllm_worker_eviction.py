@@ -5,9 +5,9 @@ In inclusive mode every stored turn is also copied to the SSD tier in the backgr
 a conversation being copied is busy: the cache never evicts it. A load that promotes a
 history, or a save that grows host memory, made room at once, so when the policy's choice
 was still being copied another conversation went instead: which one depended on the disk's
-speed, not on the policy (inside vLLM, with turns stored while the next request ran, Bidaw
-kept 30-39 of the pressure workload's 130 returning conversations in host memory from one
-run to the next on the same turns). The worker now lets those copies finish first.
+speed, not on the policy (the vLLM benchmark's pressure turns, driven through the worker with
+the SSD tier's writes fsynced, kept 30 and 39 of 130 returning conversations in host memory
+with Bidaw in two runs). The worker now lets those copies finish first.
 """
 
 from __future__ import annotations
