@@ -339,7 +339,7 @@ class WorkerStore:
     async def _fetch(self, op: LoadOp) -> dict[str, torch.Tensor] | None:
         """The stored history if it is there, whole, and the request's; ``None`` else."""
         began = time.monotonic()
-        if self.cache.where(op.session) != HOST:  # a promotion: it makes room
+        if self.cache.where(op.session) not in (HOST, None):  # a promotion: it makes room
             await self._settle()
         try:
             history = await self.cache.load(op.session)
@@ -361,14 +361,18 @@ class WorkerStore:
         return history
 
     async def _settle(self) -> None:
-        """Wait (:data:`COPY_WAIT` seconds at most) for the background copies of stored
-        turns into the lower tiers to finish, before an operation that may evict from host
-        memory: a conversation still being copied down is busy and cannot be evicted, so
-        the eviction would otherwise pass over the policy's choice for another
-        conversation, one that depends on how fast the disk wrote, not on the policy (a
-        copy that finished leaves the victim's eviction a mere drop of its host copy)."""
+        """Before an operation that puts bytes into host memory (and may evict from it to
+        make room): wait (:data:`COPY_WAIT` seconds at most) for the background copies into
+        the lower tiers that are under way now to finish. A conversation still being copied
+        down is busy and cannot be evicted, so the eviction would otherwise pass over the
+        policy's choice for another conversation, one that depends on how fast the disk
+        wrote, not on the policy (a copy that finished leaves the victim's eviction a mere
+        drop of its host copy). Copies that start meanwhile are not waited for, so a steady
+        stream of saves does not hold a load up."""
+        copying = [s for s in self.cache._core.sessions.values() if s.inflight]
         with anyio.move_on_after(COPY_WAIT):
-            await self.cache._pumps.flush()  # the local copies only: nothing is retried
+            for s in copying:
+                await s.wait_quiet()
 
     def _forget(self, session: str) -> None:
         with self._lock:
