@@ -124,35 +124,6 @@ class ArenaAllocator:
         self._free_sizes[offset] = size
 
 
-def _gaps_window(
-    blocks: Sequence[tuple[int, int, SegmentKey | None, bool]], need: int
-) -> tuple[int, int] | None:
-    """The run of adjacent movable blocks (``blocks``: ``(offset, size, key, movable)`` in
-    address order, ``key`` ``None`` for a free block) whose free blocks add up to ``need``
-    bytes or more with the fewest bytes of segments among them, as ``(first, last)``;
-    ``None`` if no run has that much free."""
-    best: tuple[int, int, int] | None = None  # (cost, first, last)
-    first = free = cost = 0
-    for last, (_, size, key, may) in enumerate(blocks):
-        if not may:
-            first, free, cost = last + 1, 0, 0
-            continue
-        if key is None:
-            free += size
-        else:
-            cost += size
-        while free >= need:
-            if best is None or cost < best[0]:
-                best = (cost, first, last)
-            _, dropped, owner, _ = blocks[first]
-            if owner is None:
-                free -= dropped
-            else:
-                cost -= dropped
-            first += 1
-    return None if best is None else (best[1], best[2])
-
-
 class _Slot:
     __slots__ = ("committed", "length", "offset")
 
@@ -278,11 +249,7 @@ class ArenaTier(AddressableTier):
         Free space splits into gaps as segments come and go; a reservation can then fail
         with enough bytes free in all. This finds the window of the arena that is cheapest
         to clear (fewest bytes of segments to move, none of them unmovable) and moves the
-        segments in it into free space elsewhere. Where no gap elsewhere holds them (gaps
-        smaller than every segment: segments of about one size coming and going), it
-        slides instead the segments of the cheapest run of adjacent blocks whose gaps add
-        up to ``length`` down over those gaps, which then make one free block at the run's
-        end. Only committed segments whose key
+        segments in it into free space elsewhere. Only committed segments whose key
         ``movable`` accepts move: the caller promises that nobody holds a :meth:`view` of
         them (the cache passes the segments of sessions no operation is using). The moves
         are synchronous, so nothing can take a view meanwhile.
@@ -329,38 +296,7 @@ class ArenaTier(AddressableTier):
                 self._counters["relocations"] += 1
                 self._counters["relocated_bytes"] += moved
                 return moved
-        window = _gaps_window(blocks, need)
-        if window is None:
-            return None
-        moved = self._slide(buf, blocks[window[0] : window[1] + 1])
-        self._counters["relocations"] += 1
-        self._counters["relocated_bytes"] += moved
-        return moved
-
-    def _slide(
-        self, buf: memoryview, window: list[tuple[int, int, SegmentKey | None, bool]]
-    ) -> int:
-        """Move the segments in ``window`` (adjacent movable blocks) down to its start, in
-        address order, so that its free bytes end up as one block at its end; the bytes
-        moved."""
-        alloc = self._alloc
-        arena = np.frombuffer(buf, dtype=np.uint8)
-        cursor = window[0][0]
-        moved = 0
-        for offset, size, key, _ in window:
-            if key is None:
-                continue
-            if offset > cursor:  # [cursor, offset) is free: the segment slides down into it
-                slot = self._slots[key]
-                np.copyto(
-                    arena[cursor : cursor + slot.length], arena[offset : offset + slot.length]
-                )
-                alloc.free(offset, size)
-                alloc.take(cursor, size)
-                slot.offset = cursor
-                moved += size
-            cursor += size
-        return moved
+        return None
 
     def _clear(
         self, buf: memoryview, window: list[tuple[int, int, SegmentKey | None, bool]]
