@@ -73,9 +73,10 @@ REDIS = "redis"
 TOKENS = "tokens"
 """Name of the stored tensor that holds a turn's token ids."""
 COPY_WAIT = 1.0
-"""Seconds, at most, that a load from below host memory or a save waits for the
-background copies into the lower tiers (inclusive mode's write-through) to finish before it
-makes room in host memory (see :meth:`WorkerStore._settle`)."""
+"""Seconds, at most, that an asynchronous load from below host memory (a promotion) or a
+save waits for the background copies into the lower tiers (inclusive mode's write-through)
+under way to finish before it makes room in host memory (see :meth:`WorkerStore._settle`);
+a load within the step (layer by layer, during the forward pass) does not wait."""
 
 
 def make_tiers(config: ConnectorConfig, rank: int) -> list[Tier]:
