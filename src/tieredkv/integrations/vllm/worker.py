@@ -72,6 +72,11 @@ REDIS = "redis"
 """Name of the Redis tier."""
 TOKENS = "tokens"
 """Name of the stored tensor that holds a turn's token ids."""
+COPY_WAIT = 1.0
+"""Seconds, at most, that an asynchronous load from below host memory (a promotion) or a
+save waits for the background copies into the lower tiers (inclusive mode's write-through)
+under way to finish before it makes room in host memory (see :meth:`WorkerStore._settle`);
+a load within the step (layer by layer, during the forward pass) does not wait."""
 
 
 def make_tiers(config: ConnectorConfig, rank: int) -> list[Tier]:
@@ -335,6 +340,8 @@ class WorkerStore:
     async def _fetch(self, op: LoadOp) -> dict[str, torch.Tensor] | None:
         """The stored history if it is there, whole, and the request's; ``None`` else."""
         began = time.monotonic()
+        if self.cache.where(op.session) not in (HOST, None):  # a promotion: it makes room
+            await self._settle()
         try:
             history = await self.cache.load(op.session)
         except SessionNotFoundError:  # dropped, lost or found damaged: recompute
@@ -353,6 +360,20 @@ class WorkerStore:
             return None
         self._count("load_seconds", time.monotonic() - began)
         return history
+
+    async def _settle(self) -> None:
+        """Before an operation that puts bytes into host memory (and may evict from it to
+        make room): wait (:data:`COPY_WAIT` seconds at most) for the background copies into
+        the lower tiers that are under way now to finish. A conversation still being copied
+        down is busy and cannot be evicted, so the eviction would otherwise pass over the
+        policy's choice for another conversation, one that depends on how fast the disk
+        wrote, not on the policy (a copy that finished leaves the victim's eviction a mere
+        drop of its host copy). Copies that start meanwhile are not waited for, so a steady
+        stream of saves does not hold a load up."""
+        copying = [s for s in self.cache._core.sessions.values() if s.inflight]
+        with anyio.move_on_after(COPY_WAIT):
+            for s in copying:
+                await s.wait_quiet()
 
     def _forget(self, session: str) -> None:
         with self._lock:
@@ -571,6 +592,7 @@ class WorkerStore:
     async def _append(self, op: SaveOp, tensors: dict[str, torch.Tensor]) -> KVMeta | None:
         """Append the turn if the conversation holds exactly what it continues; the
         conversation's metadata after it, or ``None`` if it was not stored."""
+        await self._settle()  # the turn goes into host memory: it may make room there
         meta = self.cache.channel.get(op.session)
         have = 0 if meta is None or meta.tier is None else meta.tokens
         first = 0 if op.parent is not None else op.start  # blocks the session holds
