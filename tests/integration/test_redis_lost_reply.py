@@ -109,17 +109,36 @@ def _tier(port: int, prefix: str, name: str) -> RedisTier:
     )
 
 
+async def arm(relay: ReplyDropper, writer: RedisTier, seg: SegmentFactory, s: Segment) -> None:
+    """Make ``writer`` ready to write ``s`` (the commit's script loaded, the lease taken,
+    ``s`` reserved), then arm the relay, so that the replies lost are the commit's."""
+    await store(writer, seg(session="warm", tokens=8, seed=9))  # (the script loaded)
+    await writer.ensure_writer(s.key[0])
+    assert writer.reserve(s.key, s.length)
+    relay.armed = True
+
+
+async def check_made_and_learned(a: RedisTier, b: RedisTier, s: Segment) -> None:
+    """After a write of ``s`` by ``a`` that raised (or was cut short) with its commit
+    made: ``a`` does not count it, another replica ``b`` reads it, and ``a`` learns it
+    from the manifest, so the same write then succeeds at once."""
+    assert not a.contains(s.key)
+    a.release(s.key)
+    assert [plain_header(h) for h in await b.lookup("s")] == [plain_header(s.header)]
+    assert _body(await read_back(b, s)) == _body(s.data)
+    with anyio.fail_after(10):
+        assert a.reserve(s.key, s.length)
+        await a.write(s.key, s.view)
+    assert a.contains(s.key)
+
+
 async def _write_with_replies_lost(
     relay: ReplyDropper, writer: RedisTier, seg: SegmentFactory, s: Segment, heal: float
 ) -> TierIOError | None:
     """Write ``s`` while the relay drops every reply from its commit on, healing it
     ``heal`` seconds after the write began; the write's error, if it raised one."""
-    warm = seg(session="warm", tokens=8, seed=9)  # (the server loads the commit's script)
-    await store(writer, warm)
+    await arm(relay, writer, seg, s)
     key, data = s.key, s.view
-    await writer.ensure_writer(key[0])  # (the lease first: the lost reply is the commit's)
-    assert writer.reserve(key, len(data))
-    relay.armed = True
     error: TierIOError | None = None
     async with anyio.create_task_group() as tg:
 
@@ -172,12 +191,4 @@ async def test_a_commit_whose_reply_is_lost_is_never_reported_as_not_made(
         assert error.maybe_committed
         assert "could not write segment 0" in str(error)
         assert "may have been made" in str(error)
-        assert not a.contains(s.key)
-        a.release(s.key)
-        # it was made: another replica reads it
-        assert [plain_header(h) for h in await b.lookup("s")] == [plain_header(s.header)]
-        assert _body(await read_back(b, s)) == _body(s.data)
-        # the writer learns it from the manifest, and the same write then succeeds at once
-        assert a.reserve(s.key, s.length)
-        await a.write(s.key, s.view)
-        assert a.contains(s.key)
+        await check_made_and_learned(a, b, s)  # (it was made)

@@ -13,14 +13,20 @@ from __future__ import annotations
 
 import time
 
-import anyio
 import pytest
 
-from tests.integration.test_redis_lost_reply import SECRET, TIMEOUT, _body, _tier, relaying
+from tests.integration.test_redis_lost_reply import (
+    SECRET,
+    TIMEOUT,
+    _body,
+    _tier,
+    arm,
+    check_made_and_learned,
+    relaying,
+)
 from tests.integration.test_redis_pipelined import _cut_short
 from tests.redis_server import RedisServer, new_prefix, redis_server
-from tests.segments import SegmentFactory, read_back, store
-from tieredkv.backends.shared import plain_header
+from tests.segments import SegmentFactory, read_back
 
 __all__ = ["SECRET", "redis_server"]  # fixtures used below
 
@@ -36,23 +42,11 @@ async def test_a_write_cancelled_while_it_asks_whether_its_commit_was_made(
         _tier(relay.port, prefix, "A") as a,
         _tier(redis_server.port, prefix, "B") as b,
     ):
-        await store(a, seg(session="warm", tokens=8, seed=9))  # (the commit's script loaded)
-        await a.ensure_writer(s.key[0])  # (the lease first: the lost reply is the commit's)
-        assert a.reserve(s.key, s.length)
-        relay.armed = True
+        await arm(relay, a, seg, s)
         began = time.monotonic()
         # cut short 1 s in: past the write's 0.5 s deadline, inside its 2 s of asking
         await _cut_short(kind, lambda: a.write(s.key, s.view))
         assert time.monotonic() - began < 1.0 + TIMEOUT + 0.5, "the cancellation waited"
         await relay.heal()
-        assert not a.contains(s.key)
-        a.release(s.key)
-        # the commit was made: another replica reads it
-        assert [plain_header(h) for h in await b.lookup("s")] == [plain_header(s.header)]
-        assert _body(await read_back(b, s)) == _body(s.data)
-        # the writer learns it from the manifest, and the same write then succeeds at once
-        with anyio.fail_after(10):
-            assert a.reserve(s.key, s.length)
-            await a.write(s.key, s.view)
-        assert a.contains(s.key)
+        await check_made_and_learned(a, b, s)  # (it was made)
         assert _body(await read_back(a, s)) == _body(s.data)
