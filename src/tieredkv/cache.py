@@ -199,6 +199,20 @@ class TieredKVCache:
         self._check_open()
         await self._pumps.flush_checked()
 
+    async def wait_copies(self) -> None:
+        """Wait until the background write-throughs under way now have finished. Copies that
+        start meanwhile are not waited for, so a steady stream of appends cannot hold it up;
+        failures are not reported here (:meth:`flush` reports them). A conversation being
+        copied is busy, and eviction passes over it: an engine about to put bytes into host
+        memory waits here first (bounded by its own scope, e.g. ``anyio.move_on_after``), so
+        that what goes is the eviction policy's choice, not whatever the disk had finished
+        writing.
+
+        :raises ClosedError: the cache is closed
+        """
+        self._check_open()
+        await self._pumps.settle()
+
     def _check_open(self) -> None:
         if not self._open:
             raise ClosedError("TieredKVCache")

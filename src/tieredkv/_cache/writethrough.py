@@ -72,6 +72,8 @@ class WriteThrough:
         self._tasks: set[asyncio.Task[None]] = set()
         self._pending = 0
         self._idle: anyio.Event | None = None
+        self._pumping: set[Session] = set()
+        """Sessions a pump is copying now (see :meth:`settle`)."""
         self._failed: set[str] = set()
         """Sessions whose copy into a local tier an I/O error stopped (tried again at close)."""
         self._local: set[str] = set()
@@ -120,6 +122,7 @@ class WriteThrough:
         # from different tasks (e.g. a framework's startup and shutdown hooks).
         s.inflight += 1
         s.quiet = anyio.Event()
+        self._pumping.add(s)
         self._core.busy[s.key] += 1
         self._pending += 1
         if self._pending == 1:
@@ -159,8 +162,15 @@ class WriteThrough:
             if s is not None:
                 self.resume(s, local=key in failed)
 
+    async def settle(self) -> None:
+        """Wait until the sessions being copied now are quiet: pumps that start meanwhile
+        are not waited for (unlike :meth:`flush`, a steady stream of appends cannot hold
+        this up), and no failure is reported (the pumps count and log their own)."""
+        for s in list(self._pumping):
+            await s.wait_quiet()
+
     async def flush(self) -> None:
-        """Wait until every pump started so far has finished."""
+        """Wait until no pump is running (those started meanwhile included)."""
         while self._pending and self._idle is not None:
             await self._idle.wait()
 
@@ -232,8 +242,10 @@ class WriteThrough:
             self._local.discard(s.key)
             s.inflight -= 1
             core.unbusy(s.key)
-            if not s.inflight and s.quiet is not None:
-                s.quiet.set()
+            if not s.inflight:
+                self._pumping.discard(s)
+                if s.quiet is not None:
+                    s.quiet.set()
             self._pending -= 1
             if self._pending == 0 and self._idle is not None:
                 self._idle.set()

@@ -369,11 +369,9 @@ class WorkerStore:
         policy's choice for another conversation, one that depends on how fast the disk
         wrote, not on the policy (a copy that finished leaves the victim's eviction a mere
         drop of its host copy). Copies that start meanwhile are not waited for, so a steady
-        stream of saves does not hold a load up."""
-        copying = [s for s in self.cache._core.sessions.values() if s.inflight]
+        stream of saves does not hold a load up (:meth:`TieredKVCache.wait_copies`)."""
         with anyio.move_on_after(COPY_WAIT):
-            for s in copying:
-                await s.wait_quiet()
+            await self.cache.wait_copies()
 
     def _forget(self, session: str) -> None:
         with self._lock:
