@@ -101,6 +101,38 @@ def pytest_report_header() -> str:
     return f"tieredkv tests on Python {sys.version.split()[0]}"
 
 
+SHARED_RUNS = {
+    "tests/integration/test_bench_vllm_lmcache.py": "tests/integration/test_bench_vllm.py"
+}
+"""Test files whose tests take a session-scoped fixture's run with another file's (here the
+quick vLLM benchmark's, :mod:`tests.bench_vllm_quick`): pytest-xdist runs them in the
+other's process, so the run happens once."""
+
+
+def _xdist_unit(nodeid: str) -> str:
+    """The work unit of a test under pytest-xdist: its file (or the one it shares a run
+    with), so that a module-scoped fixture (a vLLM engine's run, a Redis server) starts
+    once, in one process, as without xdist."""
+    path = nodeid.split("::", 1)[0]
+    return SHARED_RUNS.get(path, path)
+
+
+@pytest.hookimpl(optionalhook=True)  # (pytest-xdist's hook: without it, never called)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist's scheduler for ``-n``: its ``loadscope`` one (each worker takes a
+    whole work unit at a time, the units with the most tests first), the units by
+    :func:`_xdist_unit`. (``--dist loadgroup`` with ``xdist_group`` marks would say the
+    same, but pytest-xdist 3.8 marks a test's group in its node id in a way pytest 9.2
+    ignores, so every test is then a unit of its own.)"""
+    from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+    class ByFile(LoadScopeScheduling):  # type: ignore[misc]  # (an untyped base)
+        def _split_scope(self, nodeid: str) -> str:
+            return _xdist_unit(nodeid)
+
+    return ByFile(config, log)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the Redis servers the collected tests take ahead of them (a tier without a
     secret opens only on a server up for its settling period)."""
