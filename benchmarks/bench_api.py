@@ -61,7 +61,7 @@ apart. So the peer is run both ways here (``safetensors`` with torch's default t
 Needs the ``bench`` extra (``safetensors``)::
 
     .venv/bin/python benchmarks/bench_api.py [--dir DIR] [--sizes 8:16,64:8] [--tensors 64]
-        [--rounds 5] [--depth 4] [--quick]
+        [--rounds 5] [--depth 8] [--quick]
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ import torch
 
 from _measure import Took, cold, measured
 from tieredkv import SSDTier, TieredKVCache
+from tieredkv.backends.ssd.reader import READ_DEPTH
 
 MB = 1 << 20
 ALIGN = 4096
@@ -213,8 +214,19 @@ def raw_write(root: Path, bufs: list[mmap.mmap]) -> None:
     fsync_path(root, os.O_RDONLY | os.O_DIRECTORY)
 
 
-def raw_read(root: Path, bufs: list[mmap.mmap], depth: int) -> None:
-    """Read every turn file into ``bufs`` with ``depth`` reads of 8 MiB in flight."""
+def raw_readers(depth: int) -> concurrent.futures.ThreadPoolExecutor:
+    """``depth`` reader threads, started before the clock (as an open cache's readers are)."""
+    pool = concurrent.futures.ThreadPoolExecutor(depth)
+    for f in [pool.submit(time.sleep, 0.01) for _ in range(depth)]:
+        f.result()
+    return pool
+
+
+def raw_read(
+    root: Path, bufs: list[mmap.mmap], pool: concurrent.futures.ThreadPoolExecutor
+) -> None:
+    """Read every turn file into ``bufs`` with 8 MiB reads, as many in flight as ``pool``
+    has threads."""
     jobs = [
         (root / f"turn{i}.raw", buf, off, min(8 * MB, len(buf) - off))
         for i, buf in enumerate(bufs)
@@ -230,8 +242,7 @@ def raw_read(root: Path, bufs: list[mmap.mmap], depth: int) -> None:
         finally:
             os.close(fd)
 
-    with concurrent.futures.ThreadPoolExecutor(depth) as pool:
-        list(pool.map(read, jobs))
+    list(pool.map(read, jobs))
 
 
 # -- safetensors ------------------------------------------------------------------------
@@ -280,8 +291,8 @@ def child(system: str, op: str, root: Path, turns: list[Turn], depth: int, drop:
             bufs = [aligned_buffer(len(b)) for b in blobs]
             for b in bufs:
                 b.write(b"\0" * len(b))  # prefaulted, as load_into's outputs are
-            with measured() as res["load"]:
-                raw_read(root, bufs, depth)
+            with raw_readers(depth) as pool, measured() as res["load"]:
+                raw_read(root, bufs, pool)
             res["ok"] = all(b[:] == g[:] for b, g in zip(blobs, bufs, strict=True))
         elif system == "new cache" and op == "read_into":
             out = {k: torch.zeros_like(v) for k, v in want.items()}
@@ -450,7 +461,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="8:16,64:8", help="MIB:TURNS pairs (turn size)")
     parser.add_argument("--tensors", type=int, default=64, help="tensors per turn")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--depth", type=int, default=4, help="raw reads in flight")
+    parser.add_argument(
+        "--depth",
+        type=int,
+        default=READ_DEPTH,
+        help=f"raw reads in flight (default {READ_DEPTH}: as many as tieredkv's SSD tier keeps)",
+    )
     parser.add_argument("--no-drop", dest="drop", action="store_false", help="no drop_caches")
     parser.add_argument(
         "--quick", action="store_true", help="1 round of 2 turns of 1 MiB, no pauses (tests)"

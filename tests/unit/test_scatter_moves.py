@@ -82,6 +82,46 @@ def test_outputs_longer_than_the_history_keep_their_tail() -> None:
         assert torch.equal(out[name][t.shape[0] :], torch.full_like(out[name][t.shape[0] :], 3))
 
 
+@pytest.mark.parametrize("span", [None, ALIGN])
+def test_turns_laid_out_alike_are_planned_once_per_load_and_land_in_their_places(
+    span: int | None,
+) -> None:
+    """Turns of the same tensors and token count share their specs (``plan_segment``
+    remembers layouts): a load cuts them into spans once and makes one template of moves
+    per span, which each segment shifts to its own place along the outputs; the last
+    turn, cut at a fork point (``takes``), gets its own. Every byte lands where it
+    belongs."""
+    g = torch.Generator().manual_seed(7)
+    parts = [
+        {
+            "k": torch.randn(6, 4, 128, generator=g).half(),
+            "v": torch.randint(-9, 9, (6, 1100), generator=g, dtype=torch.int8),
+        }
+        for _ in range(4)
+    ]
+    headers, bufs = segments(parts, 0)
+    assert all(h.tensors is headers[0].tensors for h in headers)
+    takes = [6, 6, 6, 2]
+    want = {
+        name: torch.cat([p[name][:take] for p, take in zip(parts, takes, strict=True)])
+        for name in parts[0]
+    }
+    out = {
+        name: torch.full((t.shape[0] + 3, *t.shape[1:]), 5).to(t.dtype) for name, t in want.items()
+    }
+    scatter = Scatter(headers, out, 0, span, takes=takes)
+    assert all(s is scatter.spans[0] for s in scatter.spans)
+    scatter_all(scatter, bufs)
+    for name, t in want.items():
+        assert torch.equal(out[name][: t.shape[0]], t), name
+        assert torch.equal(out[name][t.shape[0] :], torch.full_like(out[name][t.shape[0] :], 5))
+    spans = len(scatter.spans[0])
+    assert span is None or spans > 1
+    assert len(scatter._templates) == 2 * spans  # (6 tokens taken, 2 taken) x spans
+    assert all(plan is not None for plan in scatter._plans.values())
+    assert len(scatter._plans) == 4 * spans
+
+
 def test_non_contiguous_outputs_and_other_token_dims_copy_tensor_by_tensor() -> None:
     parts = turns(3, 1)
     headers, bufs = segments(parts, 1)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import sys
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import torch
@@ -108,14 +109,24 @@ class Scatter:
         self.spans: list[list[tuple[int, int]]] = []
         self._groups: list[list[list[TensorSpec]]] = []
         self._offsets: list[int] = []
+        # segments laid out alike (a turn planned like the one before it shares its specs:
+        # ``plan_segment`` remembers layouts) are cut alike: planned once per load, by the
+        # identity of their specs (``headers`` keeps them alive, so no id is reused)
+        cuts: dict[tuple[int, int, int], tuple[list[tuple[int, int]], list[list[TensorSpec]]]]
+        cuts = {}
         offset = 0
         for header, take in zip(headers, self._takes, strict=True):
-            spans, groups = span_plan(header, header.length if span is None else span)
-            self.spans.append(spans)
-            self._groups.append(groups)
+            same = (id(header.tensors), header.body_offset, header.length)
+            planned = cuts.get(same)
+            if planned is None:
+                planned = span_plan(header, header.length if span is None else span)
+                cuts[same] = planned
+            self.spans.append(planned[0])
+            self._groups.append(planned[1])
             self._offsets.append(offset)
             offset += take
         self._plans: dict[tuple[int, int], tuple[list[tuple[int, int, int]], int] | None] = {}
+        self._templates: dict[tuple[int, int, int, int, int, int], _Template | None] = {}
         self._facts: dict[str, tuple[int, torch.dtype, tuple[int, ...], int] | None] = {}
 
     def __call__(self, item: int, k: int, view: memoryview) -> None:
@@ -151,19 +162,38 @@ class Scatter:
         one contiguous block of a contiguous CPU output along its first dimension (a ctypes
         ``memmove`` each: no tensor or view made per tensor per span, which cost about
         15 us apiece); ``None`` where any does not, and :meth:`__call__` copies tensor by
-        tensor."""
+        tensor. Segments laid out alike share a template (:meth:`_template`): each adds
+        only its own place along the outputs."""
         if self._dim != 0:
             return None
         key = (item, k)
         if key in self._plans:
             return self._plans[key]
-        header = self._headers[item]
-        start = self.spans[item][k][0]
-        offset = self._offsets[item]
-        take = self._takes[item]
-        moves: list[tuple[int, int, int]] = []
-        need = 0
         plan: tuple[list[tuple[int, int, int]], int] | None = None
+        offset, take = self._offsets[item], self._takes[item]
+        template = self._template(item, k)
+        if template is not None and offset + take <= template.rows:
+            moves = [(at + offset * row, rel, row * take) for at, row, rel in template.places]
+            plan = (moves, template.need)
+        self._plans[key] = plan
+        return plan
+
+    def _template(self, item: int, k: int) -> _Template | None:
+        """What span ``k`` of segment ``item`` moves, but for where along the outputs the
+        segment goes: per tensor its output's address and bytes per row and its offset in
+        the span; ``None`` where some tensor cannot land as one block. Made once per
+        layout (the identity of the header's specs, its body offset, length and token
+        count), the token count taken and the span."""
+        header = self._headers[item]
+        take = self._takes[item]
+        key = (id(header.tensors), header.body_offset, header.length, header.tokens, take, k)
+        if key in self._templates:
+            return self._templates[key]
+        start = self.spans[item][k][0]
+        places: list[tuple[int, int, int]] = []
+        need = 0
+        rows = sys.maxsize
+        template: _Template | None = None
         for spec in self._groups[item][k]:
             if not spec.nbytes:
                 continue
@@ -174,7 +204,6 @@ class Scatter:
                 or len(out[2]) != len(spec.shape)
                 or out[2][1:] != tuple(spec.shape[1:])
                 or spec.shape[0] != header.tokens
-                or offset + take > out[2][0]
             ):
                 break
             row = out[3]
@@ -183,12 +212,13 @@ class Scatter:
             rel = header.body_offset + spec.offset - start
             if rel < 0:
                 break
-            moves.append((out[0] + offset * row, rel, row * take))
+            places.append((out[0], row, rel))
             need = max(need, rel + row * take)
+            rows = min(rows, out[2][0])
         else:
-            plan = (moves, need)
-        self._plans[key] = plan
-        return plan
+            template = _Template(places, need, rows)
+        self._templates[key] = template
+        return template
 
     def _output(self, name: str) -> tuple[int, torch.dtype, tuple[int, ...], int] | None:
         """Output ``name`` as its address, dtype, shape and bytes per row along dimension 0,
@@ -203,6 +233,17 @@ class Scatter:
             facts = (out.data_ptr(), out.dtype, tuple(out.shape), row)
         self._facts[name] = facts
         return facts
+
+
+class _Template(NamedTuple):
+    """A span's moves for every segment laid out alike (:meth:`Scatter._template`)."""
+
+    places: list[tuple[int, int, int]]
+    """Per tensor: its output's address, the output's bytes per row, the offset in the span."""
+    need: int
+    """The span length the moves need."""
+    rows: int
+    """The fewest rows of the outputs (a segment's rows must end within it)."""
 
 
 _RAMP = (1 << 20, 2 << 20, 4 << 20)
