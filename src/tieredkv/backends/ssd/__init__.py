@@ -50,9 +50,11 @@ only CRCs and hashes. MACs cost a BLAKE2b pass over every segment written and re
 calling worker thread: about 12 times xxh3's cost (0.28 against 3.3 GB/s on one core of
 a busy 2-core machine, 64 MiB hashed, best of 5).
 
-Writes are atomic: the bytes go to a temporary file, are ``fsync``-ed, and the file is
-renamed into place (then the directory is ``fsync``-ed). A process killed at any moment
-therefore leaves each segment either whole or absent. Data is read and written with
+Writes are atomic: the bytes go to a temporary file, which is renamed into place once
+every byte is written; the file and its directory are ``fsync``-ed before the write
+counts (with O_DIRECT after the rename, buffered before it: see
+:mod:`~tieredkv.backends.ssd.writer`). A process killed at any moment therefore leaves
+each segment either whole or absent. Data is read and written with
 ``O_DIRECT`` and 4 KiB-aligned buffers, so the page cache cannot turn the "SSD" into a
 second memory tier; where the filesystem refuses ``O_DIRECT`` (tmpfs, some overlay
 filesystems) the tier falls back to buffered I/O, drops the pages it touched with

@@ -1,12 +1,24 @@
 """Writing segments into an SSD tier, atomically and durably.
 
-The bytes go to a temporary file in ``tmp/``, are ``fsync``-ed, and the file is renamed
-into place (then the directory is ``fsync``-ed). A process killed at any moment therefore
-leaves each segment either whole or absent. With a secret, each segment is written with a
-keyed BLAKE2b MAC of its header and of its body and with its session's incarnation, in a
-header block of its own (the caller's buffer is never written to). A filled write
-(:meth:`SegmentWriter.write` with ``filled``) writes a segment part by part while its
-caller is still serializing the next part, the first part (with the header) last.
+The bytes go to a temporary file in ``tmp/``; the file is renamed into place and
+``fsync``-ed, its directory is ``fsync``-ed, and only then is the write committed. A
+process killed at any moment therefore leaves each segment either whole or absent: the
+rename comes after the last write has returned.
+
+With O_DIRECT the rename comes before the file's ``fsync`` (the bytes are on the device
+once the writes return), which makes one journal commit per write where the order
+``fsync``, rename, directory ``fsync`` made two: on a journaling filesystem (ext4, XFS)
+the file's ``fsync`` commits the rename together with the file's own metadata, and the
+directory's ``fsync`` then has nothing left to commit (it flushes the device's cache).
+The directory's ``fsync`` stays: it is what makes the name durable on any filesystem.
+Buffered writes (where O_DIRECT is refused) keep the file's ``fsync`` before the rename:
+their bytes may still be in the page cache when the writes return.
+
+With a secret, each segment is written with a keyed BLAKE2b MAC of its header and of its
+body and with its session's incarnation, in a header block of its own (the caller's
+buffer is never written to). A filled write (:meth:`SegmentWriter.write` with ``filled``)
+writes a segment part by part while its caller is still serializing the next part, the
+first part (with the header) last.
 """
 
 from __future__ import annotations
@@ -117,6 +129,10 @@ class SegmentWriter:
                     pwrite_full(fd, part, at)
                     at += len(part)
                 tag = bytes(parts[0][: PREFIX.size])  # complete only now, when filled
+                if direct:  # the bytes are on the device: renamed before the fsyncs
+                    sub = self._dir.subdir(xx, create=True)
+                    os.replace(tmp, name, src_dir_fd=tmp_dir, dst_dir_fd=sub)
+                    renamed = True
                 if self._fsync:
                     os.fsync(fd)
                 if not direct:
@@ -124,29 +140,22 @@ class SegmentWriter:
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
-            sub = self._dir.subdir(xx, create=True)
-            os.replace(tmp, name, src_dir_fd=tmp_dir, dst_dir_fd=sub)
-            renamed = True
+            if sub is None:
+                sub = self._dir.subdir(xx, create=True)
+                os.replace(tmp, name, src_dir_fd=tmp_dir, dst_dir_fd=sub)
+                renamed = True
             if self._fsync:
                 os.fsync(sub)
         except OSError as exc:
-            unlink_quietly(tmp, tmp_dir)
-            if renamed and sub is not None:  # not durable, so not committed: a restart
-                try:  # must not find it either
-                    os.unlink(name, dir_fd=sub)
-                except FileNotFoundError:
-                    pass
-                except OSError:
-                    with self._lock:  # retried at close, unless written again first
-                        self.doomed.add(key)
+            self._take_back(key, tmp, name, sub if renamed else None)
             raise TierIOError(
                 self._dir.tier,
                 f"write segment {key[1]} ({len(data):,} bytes)",
                 exc,
                 hint=full_hint(exc, self._dir.path, self._capacity),
             ) from exc
-        except BaseException:  # the caller's fill failed: nothing was renamed
-            unlink_quietly(tmp, tmp_dir)
+        except BaseException:  # the caller's fill failed (before the rename)
+            self._take_back(key, tmp, name, sub if renamed else None)
             raise
         finally:
             if head is not None:
@@ -157,6 +166,21 @@ class SegmentWriter:
                 data.release()
                 bounce.close()
         return tag
+
+    def _take_back(self, key: SegmentKey, tmp: str, name: str, sub: int | None) -> None:
+        """Remove what a failed write left: its temporary file, and (``sub``: it was renamed
+        into that directory) its segment file, which is not durable, so not committed: a
+        restart must not find it either (if it cannot be removed now, it is at close)."""
+        unlink_quietly(tmp, self._dir.fd("tmp"))
+        if sub is None:
+            return
+        try:
+            os.unlink(name, dir_fd=sub)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            with self._lock:  # retried at close, unless written again first
+                self.doomed.add(key)
 
     def _write_while_filling(
         self, fd: int, data: memoryview, cuts: list[int], fill: Callable[[int], None]
