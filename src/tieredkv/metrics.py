@@ -27,8 +27,9 @@ What is exported (every name starts with ``tieredkv_``):
   ``tier_written_bytes_total``, ``tier_reads_total``, ``tier_writes_total``,
   ``tier_corrupt_total``;
 * per tier (label ``tier``), from the channel's events since the collector was attached:
-  ``tier_hits_total`` (loads that found the history in this tier) and
-  ``tier_misses_total`` (loads that had to go below it); tier 0's hits are the cache's
+  ``tier_hits_total`` (loads that found the history in this tier), ``tier_hit_tokens_total``
+  (the tokens of those histories) and ``tier_misses_total`` (loads that had to go below
+  it); tier 0's hits are the cache's
   ``hits``, and the hits of the lower tiers add up to its ``misses`` minus the loads that
   found the history damaged;
 * latency histograms in seconds (label ``tier``), from the same events, on the cache's
@@ -53,7 +54,7 @@ from typing import Self
 import anyio
 
 from .cache import TieredKVCache
-from .meta import Event, Loaded, Promoted, Stored
+from .meta import Event, KVMeta, Loaded, Promoted, Stored
 from .policies.scheduling import Scheduler
 
 try:
@@ -115,11 +116,23 @@ _TIER_COUNTERS = (
 class _EventMetrics:
     """What only the events tell: per-tier hits and misses, and the latency histograms."""
 
-    def __init__(self, tiers: Sequence[str], buckets: Sequence[float]) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[str],
+        buckets: Sequence[float],
+        meta: Callable[[str], KVMeta | None] = lambda session: None,
+    ) -> None:
         self.tiers = list(tiers)
+        self._meta = meta  # a session's metadata now (its tokens, when a load is counted)
         self.hits = Counter(
             "tieredkv_tier_hits",
             "Loads that found the history in this tier.",
+            ["tier"],
+            registry=None,
+        )
+        self.hit_tokens = Counter(
+            "tieredkv_tier_hit_tokens",
+            "Tokens of the histories loads found in this tier.",
             ["tier"],
             registry=None,
         )
@@ -137,7 +150,14 @@ class _EventMetrics:
             "promote", "Seconds a promotion took, by the tier it came from.", buckets
         )
         for name in self.tiers:  # every series exists from the start, at zero
-            for metric in (self.hits, self.misses, self.load, self.append, self.promote):
+            for metric in (
+                self.hits,
+                self.hit_tokens,
+                self.misses,
+                self.load,
+                self.append,
+                self.promote,
+            ):
                 metric.labels(name)
         self._promoted_from: dict[str, str] = {}  # session -> tier of its latest promotion
 
@@ -156,6 +176,9 @@ class _EventMetrics:
             if found in self.tiers:
                 level = self.tiers.index(found)
                 self.hits.labels(found).inc()
+                meta = self._meta(event.session)
+                if meta is not None:
+                    self.hit_tokens.labels(found).inc(meta.tokens)
                 for above in self.tiers[:level]:
                     self.misses.labels(above).inc()
         elif isinstance(event, Stored):
@@ -164,7 +187,14 @@ class _EventMetrics:
             self._promoted_from.pop(event.session, None)
 
     def collect(self) -> Iterator[Metric]:
-        for metric in (self.hits, self.misses, self.load, self.append, self.promote):
+        for metric in (
+            self.hits,
+            self.hit_tokens,
+            self.misses,
+            self.load,
+            self.append,
+            self.promote,
+        ):
             yield from metric.collect()
 
 
@@ -207,7 +237,7 @@ class CacheCollector:
         The event-based series start again from zero (Prometheus sees a counter reset);
         a benchmark that opens one cache per configuration attaches each in turn.
         """
-        events = _EventMetrics([t.name for t in cache.tiers], self._buckets)
+        events = _EventMetrics([t.name for t in cache.tiers], self._buckets, cache.channel.get)
         with self._lock:
             self._detach_locked()
             self._cache, self._scheduler, self._events = cache, scheduler, events

@@ -317,3 +317,41 @@ def test_the_reading_time_is_learned_per_token_and_each_session_is_shifted_by_it
     for i in range(8):  # traffic meanwhile: residents are rescored as it flows
         p.on_access(f"new{i}", meta(f"new{i}", last=3135.0), 3135.0)
     assert p.victims(1, 3135.0, channel) == ["short"]
+
+
+def reading(p: AdaptiveBidaw, rounds: int) -> None:
+    """Users who read: the traffic before a user's next turn is half a GB per token of
+    its previous answer, 10 tokens (5 GB) or 60 (30 GB), every session 1 GB."""
+    rng = random.Random(3)
+    answers = {f"u{i}": 10 if i % 2 else 60 for i in range(40)}
+    due = {u: rng.uniform(0, 30) for u in answers}
+    turns = dict.fromkeys(answers, 0)
+    traffic = 0.0
+    for t in range(rounds):
+        u = min(due, key=due.__getitem__)
+        traffic = max(traffic, due[u]) + 1
+        turns[u] += 1
+        p.on_access(u, meta(u, answer=answers[u], turns=turns[u]), float(t))
+        due[u] = traffic + 0.5 * answers[u] * rng.uniform(0.8, 1.2)
+
+
+def test_a_bucket_without_samples_of_its_own_is_placed_by_its_answers_length() -> None:
+    """Distances seen after answers of 10 and 60 tokens only: with the read prior, a bucket
+    of shorter answers (5 tokens) starts with a higher potential than the pooled prior
+    gives every bucket, one of longer answers (200 tokens) with a lower one."""
+    tables: dict[bool, tuple[float, float]] = {}
+    for read_prior in (True, False):
+        p = AdaptiveBidaw(capacity=16 * GB, refresh_every=64, read_prior=read_prior)
+        reading(p, 400)
+        assert not p.observed(p.bucket_of(5))
+        assert not p.observed(p.bucket_of(200))
+        assert p.observed(p.bucket_of(10))
+        assert p.observed(p.bucket_of(60))
+        shorter, longer = p.table(p.bucket_of(5)), p.table(p.bucket_of(200))
+        assert shorter is not None
+        assert longer is not None
+        tables[read_prior] = (shorter[0], longer[0])
+    (short, long), (pooled_short, pooled_long) = tables[True], tables[False]
+    assert pooled_short == pytest.approx(pooled_long)  # without: the same prior for both
+    assert short > pooled_short + 0.1
+    assert long < pooled_long - 0.2

@@ -148,6 +148,9 @@ class AdaptiveBidaw(BidawEviction):
     :param rival_margin: with ``"auto"``, the decayed lead in hits at which the shadow's
         ranking takes the tier
     :param rival_half_life: with ``"auto"``, returning accesses over which the lead halves
+    :param read_prior: an answer bucket's prior (its ``prior_weight`` pseudo-samples) is
+        the answer buckets' reuse distances moved to its answer's length (a longer answer,
+        a longer read: :meth:`_prior`), not their pooled distribution as is
 
     The other parameters are :class:`~tieredkv.policies.BidawEviction`'s.
     """
@@ -179,6 +182,7 @@ class AdaptiveBidaw(BidawEviction):
         ranking: str = _AUTO,
         rival_margin: float = 32.0,
         rival_half_life: int = 512,
+        read_prior: bool = True,
     ) -> None:
         if ranking not in _RANKINGS:
             raise ValueError(f"ranking must be one of {_RANKINGS} (got {ranking!r})")
@@ -261,6 +265,10 @@ class AdaptiveBidaw(BidawEviction):
             raise ValueError(f"hint_edges must be positive and increase strictly (got {hints})")
         self.hint_edges = hints
         self._answer_buckets = len(tuple(answer_edges)) + 1
+        self.read_prior = read_prior
+        # per answer bucket: the previous answers' tokens seen there, summed, and how many
+        self._answer_tokens = [0.0] * self._answer_buckets
+        self._answer_seen = [0] * self._answer_buckets
         self._dense: list[list[float]] | None = None  # the tool and hint buckets' scores
         buckets = self._bucket_count(self._answer_buckets)
         self._t_returned = [0.0] * buckets
@@ -299,6 +307,10 @@ class AdaptiveBidaw(BidawEviction):
                 self._score_rivals(own, session in self._rival_size)
         self._fresh.discard(session)
         self._just_accessed = session
+        bucket = self._bucket(meta, now)
+        if bucket < self._answer_buckets:
+            self._answer_tokens[bucket] += meta.prev_answer_tokens
+            self._answer_seen[bucket] += 1
         weight = stored_share(meta)
         self._shadow_access(session, weight)
         if session in self._recency:
@@ -550,6 +562,56 @@ class AdaptiveBidaw(BidawEviction):
                 del clock[oldest]
                 self._answer.pop(oldest, None)
 
+    def typical_answer(self, bucket: int) -> float:
+        """The previous answer's tokens typical of answer bucket ``bucket``: the mean of
+        those seen there, else the middle of its edges (the last bucket: 1.5 times its
+        lower edge)."""
+        seen = self._answer_seen[bucket]
+        if seen:
+            return self._answer_tokens[bucket] / seen
+        edges = (0, *self.answer_edges)
+        if bucket + 1 < len(edges):
+            return (edges[bucket] + edges[bucket + 1]) / 2
+        return 1.5 * edges[-1]
+
+    def _prior(
+        self, samples: npt.NDArray[np.float64], pooled: npt.NDArray[np.float64]
+    ) -> npt.NDArray[np.float64]:
+        """With ``read_prior``, an answer bucket's pseudo-samples are the answer buckets'
+        distances, each moved by the reading its answer calls for: a distance is fitted
+        as ``read * answer + rest`` (least squares over the answer buckets' samples, each
+        at its bucket's :meth:`typical_answer`; ``read`` at least 0), and bucket ``b``'s
+        prior is the distribution of ``read * typical_answer(b) + rest`` over the samples
+        (where the distances do not grow with the answer, ``read`` is 0 and every answer
+        bucket's prior is the pooled distribution, as the paper's).
+        A bucket with few samples of its own is then placed by its answer's length from
+        the first samples of any bucket on (the paper's premise: a longer answer, a longer
+        read before the next turn), where the pooled prior gives every bucket the same
+        distribution; its own samples replace the prior as they come. The other buckets
+        (tool calls, hints) keep the pooled prior."""
+        readers = self._answer_buckets
+        labels = samples[:, 0].astype(np.int64)
+        read = labels < readers
+        if not self.read_prior or read.sum() < 2:
+            return pooled
+        typical = np.array([self.typical_answer(b) for b in range(readers)])
+        answers = typical[labels[read]]
+        distances = samples[read, 1]
+        rate = _rising_slope(answers, distances)
+        if rate == 0.0:
+            return pooled
+        capacity = self._capacity
+        assert capacity is not None
+        nb = self.bins_per_capacity
+        k_max = len(pooled)
+        rest = distances - rate * answers
+        prior = np.tile(pooled, (self._buckets, 1))
+        for b in range(readers):
+            moved = np.maximum(rest + rate * typical[b], 0.0)
+            bins = np.minimum(moved * nb // capacity, k_max - 1).astype(np.int64)
+            prior[b] = np.bincount(bins, minlength=k_max) / len(bins)
+        return prior
+
     def _tabulated(
         self, potential: npt.NDArray[np.float64], mass: npt.NDArray[np.float64],
         never: npt.NDArray[np.float64], tail: npt.NDArray[np.float64],
@@ -621,9 +683,7 @@ class AdaptiveBidaw(BidawEviction):
         squares, the rate at least 0; it sets :attr:`read_rate`) and return the hit
         density by the delay elapsed (on the delay grid), for a chance ``q`` of a next
         turn."""
-        spread = answers - answers.mean()
-        var = float(spread @ spread)
-        rate = max(0.0, float(spread @ (gaps - gaps.mean())) / var) if var > 0 else 0.0
+        rate = _rising_slope(answers, gaps)
         self.read_rate = rate
         delays = np.sort(gaps - rate * answers)
         n = len(delays)
@@ -736,3 +796,10 @@ class AdaptiveBidaw(BidawEviction):
         self._ranking.rescore_all()
         assert self._rival is not None
         self._rival.rescore_all()
+
+
+def _rising_slope(x: npt.NDArray[np.float64], y: npt.NDArray[np.float64]) -> float:
+    """The least-squares slope of ``y`` over ``x``, at least 0."""
+    dx = x - x.mean()
+    var = float(dx @ dx)
+    return max(0.0, float(dx @ (y - y.mean())) / var) if var > 0 else 0.0

@@ -371,7 +371,7 @@ class BidawEviction:
         counts = np.bincount(cells, minlength=self._buckets * k_max).reshape(self._buckets, k_max)
         total = counts.sum()
         pooled = counts.sum(axis=0) / total
-        smoothed = counts + self.prior_weight * pooled
+        smoothed = counts + self.prior_weight * self._prior(pairs, pooled)
         returned = np.asarray(self._returned)
         departed = np.asarray(self._departed)
         # Forget old returns and departures at the pace the sample window turns over.
@@ -403,6 +403,15 @@ class BidawEviction:
         self._tables = [_unimodal(row) for row in tables.tolist()]
         self._tabulated(tables, mass, never, tail)
         self._ranking.rescore_all()
+
+    def _prior(
+        self, samples: npt.NDArray[np.float64], pooled: npt.NDArray[np.float64]
+    ) -> npt.NDArray[np.float64]:
+        """The distribution a bucket's ``prior_weight`` pseudo-samples are drawn from, by
+        distance bin: ``pooled`` (every bucket's samples together, one row for all) here; a
+        subclass may give each bucket a row of its own (``(buckets, bins)``). ``samples``:
+        the window's ``(bucket, distance)`` pairs."""
+        return pooled
 
     def _tabulated(
         self, potential: npt.NDArray[np.float64], mass: npt.NDArray[np.float64],
