@@ -149,15 +149,16 @@ class _EventMetrics:
         self.promote = self._histogram(
             "promote", "Seconds a promotion took, by the tier it came from.", buckets
         )
+        self._metrics: tuple[Counter | Histogram, ...] = (
+            self.hits,
+            self.hit_tokens,
+            self.misses,
+            self.load,
+            self.append,
+            self.promote,
+        )
         for name in self.tiers:  # every series exists from the start, at zero
-            for metric in (
-                self.hits,
-                self.hit_tokens,
-                self.misses,
-                self.load,
-                self.append,
-                self.promote,
-            ):
+            for metric in self._metrics:
                 metric.labels(name)
         self._promoted_from: dict[str, str] = {}  # session -> tier of its latest promotion
 
@@ -187,14 +188,7 @@ class _EventMetrics:
             self._promoted_from.pop(event.session, None)
 
     def collect(self) -> Iterator[Metric]:
-        for metric in (
-            self.hits,
-            self.hit_tokens,
-            self.misses,
-            self.load,
-            self.append,
-            self.promote,
-        ):
+        for metric in self._metrics:
             yield from metric.collect()
 
 

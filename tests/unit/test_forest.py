@@ -6,19 +6,24 @@ import asyncio
 import shutil
 from pathlib import Path
 
+import anyio
+import anyio.lowlevel
 import msgspec
 import pytest
 import torch
 
 from tieredkv import (
     BidawEviction,
+    CapacityError,
     HostMemoryTier,
+    KVMeta,
     MmapTier,
     SchemaMismatchError,
     SessionNotFoundError,
     SSDTier,
     TieredKVCache,
 )
+from tieredkv._cache import turns
 from tieredkv.backends.base import Tier
 from tieredkv.backends.ssd import segment_file_name
 from tieredkv.fsck import check_directory, repair_directory
@@ -503,6 +508,11 @@ async def test_cancelled_load_of_a_fork_leaves_it_where_it_was_or_promoted(
             await c.drop(f"z{delay}")
 
 
+def two_conversations_in_host_memory(ssd_dir: Path) -> TieredKVCache:
+    """A host tier with room for two conversations of 64 tokens (not three), over SSD."""
+    return TieredKVCache([HostMemoryTier(160 * KIB), SSDTier(ssd_dir, 8 << 20)], mode="exclusive")
+
+
 async def test_a_forks_first_turn_waits_for_a_busy_victim_in_its_parents_tier(
     ssd_dir: Path,
 ) -> None:
@@ -511,9 +521,7 @@ async def test_a_forks_first_turn_waits_for_a_busy_victim_in_its_parents_tier(
     fork waits for it instead of being refused for capacity, then is stored, and every
     history is exact."""
     prompt, mine, theirs = kv(64, 1), kv(64, 2), kv(64, 3)
-    async with TieredKVCache(
-        [HostMemoryTier(160 * KIB), SSDTier(ssd_dir, 8 << 20)], mode="exclusive"
-    ) as c:
+    async with two_conversations_in_host_memory(ssd_dir) as c:
         await c.append("system", prompt, answer_tokens=0)
         await c.append("v", theirs, answer_tokens=1)
         assert c.where("v") == "host"
@@ -528,4 +536,74 @@ async def test_a_forks_first_turn_waits_for_a_busy_victim_in_its_parents_tier(
         assert (c.where("u"), c.where("v")) == ("host", "ssd")
         same(await c.load("u"), cat(prompt, mine))
         same(await c.load("v"), theirs)
+        await check(c)
+
+
+async def test_two_forks_each_waiting_for_the_others_parent_do_not_wait_for_nothing(
+    ssd_dir: Path,
+) -> None:
+    """Host memory holds two conversations; a fork of each starts at once. Each fork's
+    first turn needs room in host memory, and the only victim is the other fork's parent,
+    held by that fork: each would wait for the other. The later one gives up at once
+    (a CapacityError), and the earlier one gets the room when it does: no wait of
+    :data:`~tieredkv._cache.turns.BUSY_WAIT` seconds (before: both waited 10 s, then both
+    were refused; under load, the two waits woke each other without end)."""
+    p1, p2, mine, theirs = kv(64, 1), kv(64, 2), kv(64, 3), kv(64, 4)
+    async with two_conversations_in_host_memory(ssd_dir) as c:
+        await c.append("p1", p1, answer_tokens=0)
+        await c.append("p2", p2, answer_tokens=0)
+        assert (c.where("p1"), c.where("p2")) == ("host", "host")
+        with anyio.fail_after(3):
+            first, second = await asyncio.gather(
+                c.append("c1", mine, answer_tokens=1, parent="p1"),
+                c.append("c2", theirs, answer_tokens=1, parent="p2"),
+                return_exceptions=True,
+            )
+        assert isinstance(first, KVMeta)
+        assert isinstance(second, CapacityError), second
+        assert "c2" not in c.channel
+        assert (c.where("c1"), c.where("p1"), c.where("p2")) == ("host", "host", "ssd")
+        same(await c.load("c1"), cat(p1, mine))
+        same(await c.load("p2"), p2)
+        # the refused fork can be made again once there is room
+        await c.append("c2", theirs, answer_tokens=1, parent="p2")
+        same(await c.load("c2"), cat(p2, theirs))
+        await check(c)
+
+
+async def test_a_forks_wait_for_a_busy_victim_ends_at_its_deadline_whatever_wakes_it(
+    ssd_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the only victim stays busy past the fork's deadline, the fork is refused at
+    the deadline, though other conversations keep going busy and idle meanwhile (each of
+    those wakes the waiting fork, which must not take them for the end of its wait)."""
+    monkeypatch.setattr(turns, "BUSY_WAIT", 0.5)
+    prompt, mine, theirs, other = kv(64, 1), kv(64, 2), kv(64, 3), kv(8, 4)
+    async with two_conversations_in_host_memory(ssd_dir) as c:
+        await c.append("system", prompt, answer_tokens=0)
+        await c.append("v", theirs, answer_tokens=1)
+        await c.append("w", other, answer_tokens=1)
+        await c.flush()
+        assert c.where("v") == "host"
+        stop = anyio.Event()
+
+        async def churn() -> None:  # "w" goes busy and idle again, all the time
+            while not stop.is_set():
+                same(await c.load("w"), other)
+                await anyio.lowlevel.checkpoint()
+
+        out = {n: torch.empty(64, 4, 64, dtype=torch.float16) for n in ("k", "v")}
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(churn)
+            async with c.load_layerwise("v", out, [["k"], ["v"]]) as load:
+                began = anyio.current_time()
+                with pytest.raises(CapacityError, match="fork's first turn"):
+                    with anyio.fail_after(5):
+                        await c.append("u", mine, answer_tokens=1, parent="system")
+                waited = anyio.current_time() - began
+                await load.finished()
+            stop.set()
+        assert 0.4 <= waited < 2.0, waited
+        same(out, theirs)
+        assert "u" not in c.channel
         await check(c)

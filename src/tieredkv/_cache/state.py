@@ -379,6 +379,8 @@ class Core:
         self.busy: Counter[str] = Counter()
         self._unbusied: anyio.Event | None = None
         """Set when a conversation stops being busy (see :meth:`wait_unbusy`)."""
+        self.waiting_for_room: Counter[str] = Counter()
+        """Conversations held by an operation waiting for a busy victim to be idle."""
         self.stats = CacheStats()
         self.protected: Callable[[], AbstractSet[str]] = frozenset
         self.orphans: set[tuple[int, SegmentKey]] = set()

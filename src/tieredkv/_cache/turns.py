@@ -277,11 +277,8 @@ async def store(
     deadline = anyio.current_time() + BUSY_WAIT
     try:
         while not await reserve(core, t, key, plan.length, {s.key}):
-            if start is not None and _busy_in(core, t, {s.key, parent}):
-                with anyio.move_on_after(deadline - anyio.current_time()) as waited:
-                    await core.wait_unbusy()
-                if not waited.cancelled_caught:
-                    continue
+            if start is not None and await _wait_for_victims(core, t, {s.key, parent}, deadline):
+                continue
             if start is not None:
                 tier = core.tiers[t]
                 what = f"the fork's first turn (stored in its parent's tier, {tier.name!r})"
@@ -304,12 +301,38 @@ async def store(
     return t
 
 
-def _busy_in(core: Core, t: int, held: set[str]) -> bool:
-    """Whether a conversation other than ``held`` is busy with a copy in tier ``t`` (a
-    victim once it is idle again)."""
-    return any(
-        (u := core.sessions.get(k)) is not None and u.holds(t) for k in core.busy.keys() - held
-    )
+async def _wait_for_victims(core: Core, t: int, held: set[str], deadline: float) -> bool:
+    """Wait until a conversation busy now with a copy in tier ``t`` (a victim once idle
+    again), other than ``held``, is idle; ``False`` at once if there is none, or by
+    ``deadline``.
+
+    Conversations held by another operation waiting here too are not waited for: each
+    would wait for the other (two forks, each holding its parent, each parent the only
+    victim left for the other), so the later one gives up and the earlier one gets the
+    room when it does. Only the conversations busy now count: one another operation makes
+    busy and idle again meanwhile (a victim it tried) does not end the wait, so two waiting
+    operations never wake each other in turn without end; and the deadline is checked
+    here, not left to a cancellation that a wakeup arriving first would pre-empt.
+    """
+    waiting = core.waiting_for_room
+    blockers = {
+        k
+        for k in core.busy.keys() - held - waiting.keys()
+        if (u := core.sessions.get(k)) is not None and u.holds(t)
+    }
+    if not blockers or anyio.current_time() >= deadline:
+        return False
+    waiting.update(held)
+    try:
+        with anyio.move_on_after(deadline - anyio.current_time()):
+            while blockers <= core.busy.keys():
+                await core.wait_unbusy()
+    finally:
+        waiting.subtract(held)
+        for k in held:
+            if waiting[k] <= 0:
+                del waiting[k]
+    return anyio.current_time() < deadline
 
 
 async def restore(core: Core, s: Session, out: dict[str, torch.Tensor]) -> None:
