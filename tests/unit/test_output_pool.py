@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import threading
 import time
 from pathlib import Path
 
@@ -213,3 +214,28 @@ async def test_concurrent_loads_and_drops_from_other_threads_stay_exact(tmp_path
             dropped, kept[:] = list(kept), []
             await anyio.to_thread.run_sync(dropped.clear)  # last references go there
         assert cache.stats().outputs_reused > 0
+
+
+def test_an_output_freed_inside_the_pools_own_critical_section_does_not_deadlock() -> None:
+    """The cyclic collector frees garbage at whatever allocation triggers it, one the pool
+    makes while it holds its lock included (``close`` lists its idle mappings there): an
+    output freed then gives its memory back from the thread that holds the lock, which
+    must not wait for itself (before: that thread hung for good)."""
+    pool = OutputPool(64 << 20)
+    out: torch.Tensor | None = pool.empty((POOLED_MIN_BYTES,), torch.uint8)
+    done = threading.Event()
+
+    def drop_inside() -> None:
+        nonlocal out
+        with pool._lock:
+            out = None  # the last reference: its memory goes back here, lock held
+        done.set()
+
+    worker = threading.Thread(target=drop_inside, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert done.is_set(), "giving memory back inside the pool's lock deadlocked"
+    assert pool.idle_bytes == POOLED_MIN_BYTES  # and it was kept for reuse
+    again = pool.empty((POOLED_MIN_BYTES,), torch.uint8)
+    assert pool.reused == 1
+    assert again.numel() == POOLED_MIN_BYTES

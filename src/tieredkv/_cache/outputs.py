@@ -46,7 +46,9 @@ class OutputPool:
         self._keep = keep_bytes
         self._free: defaultdict[int, list[mmap.mmap]] = defaultdict(list)
         self._idle = 0
-        self._lock = threading.Lock()
+        # re-entrant: the cyclic collector may free an output (and so call _give_back) in
+        # the middle of the pool's own critical section, in the thread that holds it
+        self._lock = threading.RLock()
         self._closed = False
         self.reused = 0
         """Outputs served from memory a dropped output left (for tests and metrics)."""
