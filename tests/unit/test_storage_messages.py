@@ -87,3 +87,22 @@ async def test_a_view_kept_past_close_is_explained(
     )
     assert bytes(kept) == s.data  # still valid memory, freed when released
     kept.release()
+
+
+async def test_a_failed_ssd_write_does_not_blame_the_application_for_a_view(
+    ssd_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An append whose SSD write fails: the error on its way out holds views of the staging
+    buffer the turn was copied into (its traceback's frames), so that buffer is not reused;
+    that is no view the application holds, and no warning says it is. The error says what
+    failed, and the next append is stored."""
+    tensors = {"k": torch.arange(1 << 20, dtype=torch.float32).reshape(256, 4096)}
+    async with TieredKVCache([SSDTier(ssd_dir, 64 << 20)]) as cache:
+        with FaultInjector() as faults:
+            faults.fail_nth("pwrite", faults.calls["pwrite"] + 1)
+            with pytest.raises(TierIOError):
+                await cache.append("s", tensors, answer_tokens=1)
+        assert "s" not in cache.channel
+        await cache.append("s", tensors, answer_tokens=1)
+        assert torch.equal((await cache.load("s"))["k"], tensors["k"])
+    assert not [m for m in caplog.messages if "still holds a view" in m], caplog.messages

@@ -335,7 +335,10 @@ class Staging:
             try:
                 view.release()
             except BufferError:  # a view still alive: let it free the mapping
-                close_mapping(buf, "staging buffer")
+                if sys.exc_info()[1] is None:
+                    close_mapping(buf, "staging buffer")
+                # else the failure on its way out holds it (views in its traceback's
+                # frames): the mapping goes with that error, not one for the application
             else:
                 self._free.append(buf)
                 # the newest buffer stays even if larger than the cap alone: a cache of
