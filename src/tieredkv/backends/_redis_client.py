@@ -17,8 +17,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import anyio
 
@@ -392,8 +392,10 @@ def driver_options() -> dict[str, Any]:
     try:
         from redis.driver_info import DriverInfo  # redis >= 8
     except ImportError:
-        from redis.utils import get_lib_version
+        from redis import utils as redis_utils
 
-        version: str = get_lib_version()  # type: ignore[no-untyped-call]
+        # typed in some redis-py releases, not in others: one cast serves both
+        get_lib_version = cast(Callable[[], str], redis_utils.get_lib_version)
+        version = get_lib_version()
         return {"lib_name": f"redis-py(tieredkv_v{__version__})", "lib_version": version}
     return {"driver_info": DriverInfo().add_upstream_driver("tieredkv", __version__)}
