@@ -347,9 +347,11 @@ class Staging:
                     close_mapping(self._free.pop(0), "staging buffer")
 
     def close(self) -> None:
-        """Unmap every idle buffer."""
+        """Unmap every idle buffer (collecting garbage first where a view of one is still
+        alive: a failed write's traceback holds views of its buffer in a reference cycle,
+        as for a tier's memory)."""
         while self._free:
-            close_mapping(self._free.pop(), "staging buffer")
+            close_mapping(self._free.pop(), "staging buffer", collect=True)
 
 
 @contextlib.contextmanager
