@@ -8,6 +8,7 @@ returns, with nothing awaited in between: that is the operation's point of no re
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -322,16 +323,14 @@ async def _wait_for_victims(core: Core, t: int, held: set[str], deadline: float)
     }
     if not blockers or anyio.current_time() >= deadline:
         return False
-    waiting.update(held)
+    mine = Counter(held)
+    waiting += mine
     try:
         with anyio.move_on_after(deadline - anyio.current_time()):
             while blockers <= core.busy.keys():
                 await core.wait_unbusy()
     finally:
-        waiting.subtract(held)
-        for k in held:
-            if waiting[k] <= 0:
-                del waiting[k]
+        waiting -= mine  # (in place; keys whose count reaches 0 go)
     return anyio.current_time() < deadline
 
 

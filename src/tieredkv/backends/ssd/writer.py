@@ -100,10 +100,9 @@ class SegmentWriter:
         xx, name = file_parts(key)
         tmp_dir = self._dir.fd("tmp")
         tmp = f"{name}.{uuid.uuid4().hex}.tmp"
-        sub: int | None = None
+        sub: int | None = None  # the directory the file was renamed into (once it was)
         bounce: mmap.mmap | None = None
         head: mmap.mmap | None = None
-        renamed = False
         try:
             if direct and not aligned(data):
                 bounce = anonymous(len(data))
@@ -130,9 +129,7 @@ class SegmentWriter:
                     at += len(part)
                 tag = bytes(parts[0][: PREFIX.size])  # complete only now, when filled
                 if direct:  # the bytes are on the device: renamed before the fsyncs
-                    sub = self._dir.subdir(xx, create=True)
-                    os.replace(tmp, name, src_dir_fd=tmp_dir, dst_dir_fd=sub)
-                    renamed = True
+                    sub = self._place(xx, tmp, name)
                 if self._fsync:
                     os.fsync(fd)
                 if not direct:
@@ -141,13 +138,11 @@ class SegmentWriter:
             finally:
                 os.close(fd)
             if sub is None:
-                sub = self._dir.subdir(xx, create=True)
-                os.replace(tmp, name, src_dir_fd=tmp_dir, dst_dir_fd=sub)
-                renamed = True
+                sub = self._place(xx, tmp, name)
             if self._fsync:
                 os.fsync(sub)
         except OSError as exc:
-            self._take_back(key, tmp, name, sub if renamed else None)
+            self._take_back(key, tmp, name, sub)
             raise TierIOError(
                 self._dir.tier,
                 f"write segment {key[1]} ({len(data):,} bytes)",
@@ -155,7 +150,7 @@ class SegmentWriter:
                 hint=full_hint(exc, self._dir.path, self._capacity),
             ) from exc
         except BaseException:  # the caller's fill failed (before the rename)
-            self._take_back(key, tmp, name, sub if renamed else None)
+            self._take_back(key, tmp, name, sub)
             raise
         finally:
             if head is not None:
@@ -166,6 +161,13 @@ class SegmentWriter:
                 data.release()
                 bounce.close()
         return tag
+
+    def _place(self, xx: str, tmp: str, name: str) -> int:
+        """Rename the temporary file ``tmp`` into place as ``name``; return the directory
+        it went into."""
+        sub = self._dir.subdir(xx, create=True)
+        os.replace(tmp, name, src_dir_fd=self._dir.fd("tmp"), dst_dir_fd=sub)
+        return sub
 
     def _take_back(self, key: SegmentKey, tmp: str, name: str, sub: int | None) -> None:
         """Remove what a failed write left: its temporary file, and (``sub``: it was renamed
