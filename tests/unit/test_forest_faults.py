@@ -351,3 +351,93 @@ async def test_a_parent_evicted_from_its_last_tier_is_lost_or_kept_as_a_restart_
         if live["b"]:
             same(await c.load("b"), cat(a0, b0))
         same(await c.load("c"), c0)
+
+
+class _HostWatchingDeletes(HostMemoryTier):
+    """Host memory whose deletes, once ``armed``, signal ``deleting`` and take a moment
+    (so that a test can cancel the operation that deletes)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.armed = False
+        self.deleting = asyncio.Event()
+
+    async def delete(self, key: SegmentKey) -> None:
+        if self.armed:
+            self.deleting.set()
+            await asyncio.sleep(0.05)
+        await super().delete(key)
+
+
+async def _parent_whole_above_its_primary(c: TieredKVCache) -> None:
+    """``a`` served from SSD with a whole copy in host memory too, that its fork ``b`` kept
+    there when ``a`` moved down (``b`` then moved down as well); ``y`` in host memory."""
+    await c.append("a", A_ROOT, answer_tokens=1)
+    await c.append("b", B0, answer_tokens=1, parent="a")
+    await c.flush()  # both written through to SSD
+    c.hint("b", RetentionHint(pin=True, ttl=60))
+    await c.append("x", kv(20, 9), answer_tokens=1)  # a moves down; b keeps a's turn
+    assert [c.where(k) for k in "abx"] == ["ssd", "host", "ssd"]
+    c.hint("a", RetentionHint(pin=True, ttl=60))
+    c.hint("b", RetentionHint(pin=False))
+    await c.append("y", kv(20, 8), answer_tokens=1)  # b moves down; a's turn stays
+    assert [c.where(k) for k in "aby"] == ["ssd", "ssd", "host"]
+    await c.flush()
+    assert sorted(c.channel["a"].copies) == ["host", "ssd"]  # whole in both
+    assert problems(c) == []
+
+
+A_ROOT, A_NEXT = kv(8, 1), kv(4, 2)
+
+
+async def test_a_turn_stored_below_a_copy_that_forks_kept_complete_leaves_no_partial_copy(
+    tmp_path: Path,
+) -> None:
+    """A parent moved down to SSD while its fork kept its turn in host memory; the fork
+    then left host memory too, and the turn stayed there as the parent's own complete copy
+    (inclusive mode keeps copies above the primary). The parent's next turn goes to SSD,
+    its primary: the host copy would no longer be complete, and no policy would track it,
+    so it leaves host memory. Before, its turns stayed there (a partial copy at rest: host
+    memory that nothing would ever free; the fault campaign's cancellation storm found it
+    in about 1 run of 60 under load)."""
+    tiers = [HostMemoryTier(40 * KIB), SSDTier(tmp_path / "ssd", CAPACITY, fsync=False)]
+    async with TieredKVCache(
+        tiers, mode="inclusive", eviction="lru", max_pinned_bytes=40 * KIB
+    ) as c:
+        await _parent_whole_above_its_primary(c)
+        await c.append("a", A_NEXT, answer_tokens=1)  # stored in SSD, a's primary
+        await c.flush()
+        assert list(c.channel["a"].copies) == ["ssd"]
+        assert problems(c) == []
+        assert c.stats().tiers[0].used == 24 * KIB, "only y stays in host memory"
+        same(await c.load("a"), cat(A_ROOT, A_NEXT))
+        same(await c.load("b"), cat(A_ROOT, B0))
+        assert problems(c) == []
+
+
+async def test_a_cancelled_turn_below_a_copy_kept_above_leaves_the_channel_agreeing(
+    tmp_path: Path,
+) -> None:
+    """The same, the append cancelled while the host copy it made outdated was being
+    removed: the turn is not stored, the host copy is gone, and the channel says so (it
+    must not list a host copy that the index no longer has)."""
+    host = _HostWatchingDeletes(40 * KIB)
+    tiers = [host, SSDTier(tmp_path / "ssd", CAPACITY, fsync=False)]
+    async with TieredKVCache(
+        tiers, mode="inclusive", eviction="lru", max_pinned_bytes=40 * KIB
+    ) as c:
+        await _parent_whole_above_its_primary(c)
+        host.armed = True
+        task = asyncio.create_task(c.append("a", A_NEXT, answer_tokens=1))
+        with anyio.fail_after(10):  # (the copy in host memory is removed, or this fails)
+            await host.deleting.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        host.armed = False
+        await c.flush()
+        assert c.channel["a"].turns == 1
+        assert list(c.channel["a"].copies) == ["ssd"]
+        assert problems(c) == []
+        same(await c.load("a"), A_ROOT)
+        assert problems(c) == []

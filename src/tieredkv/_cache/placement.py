@@ -249,9 +249,7 @@ async def end_filling(core: Core, s: Session, t: int) -> None:
         return
     gone = []
     for seg in list(reversed(s.segs)):
-        if t in seg.tiers and not any(
-            u.primary == t or t in u.filling or u.complete(t) for u in seg.users
-        ):
+        if t in seg.tiers and not any(u.keeps(t, copies=True) for u in seg.users):
             gone.append(seg)
             await _take_out(core, seg, t)
     if gone and core.retired:

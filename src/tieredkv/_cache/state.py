@@ -177,6 +177,7 @@ class Session:
         "inflight",
         "key",
         "lock",
+        "outdated",
         "parent",
         "primary",
         "quiet",
@@ -203,6 +204,9 @@ class Session:
         self.filling: dict[int, list[Seg]] = {}
         """Tiers a copy of the whole history is being made into, with the segments this
         conversation claimed there (see :func:`begin_fill`)."""
+        self.outdated: set[int] = set()
+        """Tiers whose copy of the history the turn being appended leaves behind (a copy
+        above the tier the turn goes to): this conversation keeps nothing there now."""
 
     def __hash__(self) -> int:
         return id(self)
@@ -214,9 +218,12 @@ class Session:
 
     def keeps(self, t: int, copies: bool) -> bool:
         """Whether this conversation keeps its segments' copies in tier ``t``: it serves
-        from ``t``, is copying its history there, or (``copies``) holds a complete copy."""
+        from ``t``, is copying its history there, or (``copies``) holds a complete copy
+        that the turn it is appending does not leave behind."""
         return not self.dropped and (
-            self.primary == t or t in self.filling or (copies and self.complete(t))
+            self.primary == t
+            or t in self.filling
+            or (copies and t not in self.outdated and self.complete(t))
         )
 
     def nbytes(self) -> int:

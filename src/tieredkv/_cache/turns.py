@@ -36,6 +36,7 @@ from .placement import (
     drop_damaged,
     promote,
     purge_orphans,
+    remove_copy,
     reserve,
     unlist,
 )
@@ -176,11 +177,14 @@ async def _append_locked(
     began = core.clock()
     plan = plan_turn(core, s, tensors, answer_tokens, dim, codec, fork)
     start, parent = (None, "") if fork is None else (fork[0].primary, fork[0].key)
-    t, cancel = await settle(lambda: store(core, s, plan, start, parent))
-    if cancel is not None and core.io[t].shared is None:  # roll back: it never happened
-        await settle(lambda: delete_or_orphan(core, t, (s.key, plan.header.seq)))
-        core.stats.cancelled += 1
-        raise cancel
+    try:
+        t, cancel = await settle(lambda: store(core, s, plan, start, parent))
+        if cancel is not None and core.io[t].shared is None:  # roll back: it never happened
+            await settle(lambda: delete_or_orphan(core, t, (s.key, plan.header.seq)))
+            core.stats.cancelled += 1
+            raise cancel
+    finally:
+        s.outdated.clear()  # (from the commit below on, the index says it)
     # the point of no return: from here on, nothing awaits. A turn committed to a shared
     # tier cannot be taken back (other replicas may serve it already): the append
     # completes, and a cancellation that arrived meanwhile is raised after it
@@ -299,7 +303,34 @@ async def store(
         ) from exc
     finally:
         core.tiers[t].release(key)
+    outdated = _outdated(core, s, t)
+    s.outdated.update(outdated)  # until the turn is committed or rolled back
+    for u in outdated:
+        await remove_copy(core, s, u)
+    if outdated:
+        core.publish(s)  # (its copies, whether or not the turn is committed now)
     return t
+
+
+def _outdated(core: Core, s: Session, t: int) -> list[int]:
+    """The local tiers whose complete copy of ``s`` its next turn, stored in tier ``t``, will
+    leave incomplete for good: a copy above ``t`` (in inclusive mode, one its forks kept
+    whole there when ``s`` moved down), or one below that no background copy extends (only
+    the tier right below ``t`` is written through). Left there, it would be a partial copy
+    that no policy tracks and nothing frees; its segments that another conversation needs
+    there stay (:func:`~tieredkv._cache.placement.remove_copy`).
+
+    Removed before the turn is committed, so the append has nothing left to await after
+    its point of no return (a cancellation arriving then would read as not stored); from
+    then until the commit (or the roll-back), ``s`` keeps nothing in those tiers for
+    another conversation leaving them to keep (:attr:`Session.outdated`). If the append is
+    rolled back, only that copy is gone: loads are served from ``t``."""
+    follows = t + 1 if core.mode == "inclusive" else None
+    return [
+        u
+        for u in range(len(core.tiers))
+        if u not in (t, follows) and core.io[u].shared is None and s.complete(u)
+    ]
 
 
 async def _wait_for_victims(core: Core, t: int, held: set[str], deadline: float) -> bool:
