@@ -385,10 +385,10 @@ def connector_states(log_path: Path, wait: float) -> tuple[dict[str, Any], dict[
     (``TieredKVConnector.scheduler_state`` and ``worker_state``), from a log written
     under :func:`connector_logging`: each side's line at shutdown, waiting up to ``wait``
     seconds for both. The scheduler side's falls back to its last ``drained`` line (vLLM
-    may kill the engine core before its scheduler side shuts down: ``vllm serve`` gives
-    it 5 s); that line is its final state when its ``finished`` count covers every
-    request, as nothing changes what it holds for requests without a request. An empty
-    dict for a side that logged neither."""
+    may kill the engine core before its scheduler side shuts down: ``vllm serve`` does at
+    once without ``--shutdown-timeout``); that line is its final state when its
+    ``finished`` count covers every request, as nothing changes what it holds for
+    requests without a request. An empty dict for a side that logged neither."""
     markers = {
         "shutdown": "tieredkv scheduler side at shutdown: ",
         "drained": "tieredkv scheduler side drained: ",

@@ -70,6 +70,12 @@ def test_streams_closed_early_leave_the_server_serving(tmp_path: Path) -> None:
         log,
         block_size=BS,
         max_model_len=2048,
+        # vLLM's default, 0, kills the engine's processes right after asking them to stop
+        # (its process manager's wait for them ends at once): the worker then logs its
+        # state at shutdown only if it wins that race (CI, 4 Dec, twice: "worker: logged
+        # nothing at shutdown"). With a timeout the engine drains (no request is left by
+        # then) and closes the connector before it exits
+        extra=["--shutdown-timeout", "120"],
         env={
             "VLLM_LOGGING_CONFIG_PATH": str(connector_logging(connector_log)),
             # a grace for the engine's processes to shut down cleanly and log their
@@ -146,13 +152,13 @@ def test_streams_closed_early_leave_the_server_serving(tmp_path: Path) -> None:
         # nothing leaks: after an idle moment, the server shuts down and the connector's
         # two sides hold nothing for any request
         time.sleep(2.0)
-        # the API server alone: it stops the engine with one SIGTERM and waits for it
-        # (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS). A SIGINT to the whole group also reached
-        # the engine directly, and the engine's handler is reset to the default while it
-        # shuts down, so the SIGTERM that followed killed it part-way, now and then before
-        # the worker had logged its state (CI, 4 Dec: "worker: logged nothing at shutdown")
+        # the API server alone: it stops the engine with one SIGTERM and waits for it up to
+        # --shutdown-timeout (a SIGINT to the whole group would also reach the engine
+        # directly, whose handler vLLM resets to the default while it shuts down)
+        began = time.monotonic()
         server.send_signal(signal.SIGINT)
         server.wait(timeout=300)
+        print({"shutdown_s": round(time.monotonic() - began, 1)})
         side, worker = connector_states(connector_log, 30.0)
         assert leaks(side, worker) == {}, (side, worker, log_path.read_text()[-4000:])
         # the state covers every request the engine saw (at most those sent)
