@@ -10,6 +10,7 @@ import pytest
 
 from tieredkv.meta import KVMeta, MetadataChannel, TierInfo
 from tieredkv.policies import AdaptiveBidaw, BidawEviction, Hinted
+from tieredkv.sim.trace import Turns
 
 GB = 10**9
 
@@ -355,3 +356,90 @@ def test_a_bucket_without_samples_of_its_own_is_placed_by_its_answers_length() -
     assert pooled_short == pytest.approx(pooled_long)  # without: the same prior for both
     assert short > pooled_short + 0.1
     assert long < pooled_long - 0.2
+
+
+def arrive_and_mostly_leave(p: AdaptiveBidaw, until: float) -> None:
+    """A new user every second; three in four ask once and never come back, the others
+    ask six times, 20 to 40 s apart (the Mooncake conversation trace's shape: a
+    conversation that has come back is likelier to come back again). Every answer is 40
+    tokens, so the answer's length says nothing."""
+    rng = random.Random(5)
+    due: dict[str, tuple[float, int, int]] = {}  # user -> (next turn, turns so far, of)
+    now, n = 0.0, 0
+    while now < until:
+        now += 1.0
+        user = f"u{n}"
+        n += 1
+        due[user] = (now, 0, 1 if rng.random() < 0.75 else 6)
+        for u, (at, turns, of) in sorted(due.items(), key=lambda kv: kv[1][0]):
+            if at > now:
+                break
+            p.on_access(u, meta(u, turns=turns + 1, last=at), at)
+            if turns + 1 == of:
+                del due[u]
+            else:
+                due[u] = (at + rng.uniform(20, 40), turns + 1, of)
+
+
+def test_the_chance_of_coming_back_is_learned_by_the_turns_so_far() -> None:
+    """Answers of one length, one gap distribution: what separates a user who comes back
+    from one who leaves is how many turns the conversation already has. With turn classes
+    (the default) a first turn is worth less than a third turn, so it goes first, although
+    it is a second nearer its likely return; pooled over turns (``turn_edges=()``) the two
+    are alike but for that second, and the third-turn conversation goes."""
+    chosen = {}
+    for edges in ((), (1, 2, 3, 5, 8)):
+        p = AdaptiveBidaw(
+            capacity=40 * GB, refresh_every=64, duel_block=10**9, ranking="density",
+            turn_edges=edges,
+        )  # fmt: skip
+        arrive_and_mostly_leave(p, 3000.0)
+        if edges:
+            classes = [p.turn_class(t) for t in (1, 2, 3, 4, 5, 6, 8, 9, 100)]
+            assert classes == [0, 1, 2, 3, 3, 4, 4, 5, 5]
+        channel = MetadataChannel([TierInfo(name="host", level=0, capacity=40 * GB)])
+        for name, turns, at in (("first", 1, 3000.0), ("third", 3, 3001.0)):
+            m = meta(name, turns=turns, last=at)
+            channel.put(m)
+            p.on_access(name, m, at)
+            p.on_admit(name, m, at)
+        chosen[edges] = p.victims(1, 3011.0, channel)
+    assert chosen == {(): ["third"], (1, 2, 3, 5, 8): ["first"]}
+    with pytest.raises(ValueError, match="turn_edges"):
+        AdaptiveBidaw(turn_edges=(2, 2))
+    with pytest.raises(ValueError, match="turn_edges"):
+        AdaptiveBidaw(turn_edges=(0, 3))
+
+
+def leavers(until: int) -> Turns:
+    """:func:`arrive_and_mostly_leave`'s users as a turn stream: histories of 2,000
+    tokens (every conversation the same size), a new user every second."""
+    rng = random.Random(5)
+    user, time, query, answer, index = [], [], [], [], []
+    for n in range(until):
+        at = float(n)
+        for r in range(1 if rng.random() < 0.75 else 6):
+            user.append(n)
+            time.append(at)
+            query.append(2000)
+            answer.append(40)
+            index.append(r)
+            at += rng.uniform(20, 40)
+    return Turns(user, time, query, answer, index)
+
+
+def test_returns_the_potential_has_forgotten_still_count_in_the_duel_of_the_rankings() -> None:
+    """Users come back 20-40 s after a turn, past the potential's horizon in bytes of
+    traffic (four host capacities), so the potential forgets every one of them and keeps
+    almost nothing that comes back. The duel of the two rankings counts those returns too
+    (the density in time holds them: it learns in seconds, and which turns come back), so
+    the tier goes to the density."""
+    from tieredkv.sim.replay import replay
+
+    turns = leavers(3000)
+    warmup = len(turns) // 10
+    auto = AdaptiveBidaw()
+    hits = replay(turns, auto, host_bytes=20 * GB, warmup=warmup).hits
+    potential = replay(turns, AdaptiveBidaw(ranking="potential"), host_bytes=20 * GB, warmup=warmup)
+    assert (auto.order, auto.switches) == ("density", 1)
+    assert hits > 5 * potential.hits

@@ -20,11 +20,15 @@ from .bidaw_eviction import DEFAULT_ANSWER_EDGES, BidawEviction, _Seen, _unimoda
 from .ghost import GhostCache
 from .ranking import RESCORE_BINS, ResidentRanking
 
-__all__ = ["DEFAULT_HINT_EDGES", "AdaptiveBidaw"]
+__all__ = ["DEFAULT_HINT_EDGES", "DEFAULT_TURN_EDGES", "AdaptiveBidaw"]
 
 DEFAULT_HINT_EDGES: tuple[float, ...] = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 """Upper edges (exclusive, seconds) of the classes of hinted gaps; one more class takes
 every longer hint."""
+
+DEFAULT_TURN_EDGES: tuple[int, ...] = (1, 3)
+"""Upper edges (inclusive, turns stored) of the classes of a person's conversation by its
+turns so far: 1, 2-3, and one more class for longer ones."""
 
 _POTENTIAL, _DENSITY, _AUTO = "potential", "density", "auto"
 _RANKINGS = (_AUTO, _POTENTIAL, _DENSITY)
@@ -73,7 +77,8 @@ class AdaptiveBidaw(BidawEviction):
     (:attr:`order`, the potential first) and a shadow cache of the same capacity (session
     sizes, no data) evicts by the other, over the same accesses. At every returning
     access, the shadow's hit counts +1 and the tier's -1 in a lead decayed with a half-life
-    of ``rival_half_life`` returning accesses (and bounded below by ``-rival_margin``);
+    of ``rival_half_life`` returning accesses (every return after a completed turn that
+    either ranking still tracks; and bounded below by ``-rival_margin``);
     when it reaches ``rival_margin`` the two swap (the shadow then evicts by the ranking
     the tier left). Neither ranking wins everywhere: the density in time where a user's
     gap is long against the traffic (people reading, slow tools), the potential where
@@ -88,8 +93,9 @@ class AdaptiveBidaw(BidawEviction):
     the sample window). A person's gap (a turn of an answer bucket) is learned as reading
     time plus a delay: :attr:`read_rate` seconds per token of the previous answer (the
     least-squares slope of the answer buckets' gaps over their answers' lengths) and one
-    distribution of the delay past it, pooled over the answer buckets, with one chance of
-    coming back; each session is then placed on it by its own reading time, not by its
+    distribution of the delay past it, pooled over the answer buckets, with a chance of
+    coming back per class of turns so far (``turn_edges``; residents are grouped by it
+    too); each session is then placed on it by its own reading time, not by its
     bucket's spread of gaps. A resident is ranked by its
     best *hit density*: over every horizon it could still be kept (0.25 s to 2 h), the
     chance that its next turn comes within it, given the seconds already elapsed since its
@@ -133,6 +139,11 @@ class AdaptiveBidaw(BidawEviction):
     which order is in use; the duel of the two rankings pauses while it is LRU's.
 
     :param hint_edges: upper edges of the hinted-gap classes, seconds, increasing
+    :param turn_edges: with ``ranking="density"`` or ``"auto"``: upper edges (inclusive)
+        of the classes of turns so far (``meta.turns``) by which a person's chance of
+        coming back is learned (a conversation that has come back is likelier to come
+        back again: on the Mooncake conversation trace 25% of first turns have a next
+        one, 50% of third ones); ``()`` pools every turn
     :param samples: distance samples kept (all buckets together; more buckets than the
         paper's, so more samples by default)
     :param duel_block: returning accesses per comparison with the shadow LRU
@@ -163,6 +174,7 @@ class AdaptiveBidaw(BidawEviction):
         *,
         answer_edges: Sequence[int] = DEFAULT_ANSWER_EDGES,
         hint_edges: Sequence[float] = DEFAULT_HINT_EDGES,
+        turn_edges: Sequence[int] = DEFAULT_TURN_EDGES,
         promising: int = 7,
         span: float = 1.4,
         bins_per_capacity: int = 16,
@@ -260,6 +272,19 @@ class AdaptiveBidaw(BidawEviction):
         self._retry = duel_retry  # blocks in LRU order before the next trial
         self._fresh: set[str] = set()  # admitted without an access since their latest one
         self._just_accessed: str | None = None
+        turn_classes = tuple(int(t) for t in turn_edges)
+        if any(b <= a for a, b in itertools.pairwise(turn_classes)) or (
+            turn_classes and turn_classes[0] < 1
+        ):
+            raise ValueError(
+                f"turn_edges must be turn counts >= 1 that increase strictly (got {turn_classes})"
+            )
+        self.turn_edges = turn_classes
+        self._turn_classes = len(turn_classes) + 1
+        # a person's turns (the answer buckets) per class of turns so far: came back, gone
+        self._r_returned = [0.0] * self._turn_classes
+        self._r_departed = [0.0] * self._turn_classes
+        self._reader_rows: list[list[float]] = []  # [turn class][delay grid point]
         hints = tuple(float(h) for h in hint_edges)
         if any(b <= a for a, b in itertools.pairwise(hints)) or (hints and hints[0] <= 0):
             raise ValueError(f"hint_edges must be positive and increase strictly (got {hints})")
@@ -294,14 +319,15 @@ class AdaptiveBidaw(BidawEviction):
         if due is not None:
             self._judge(abs(now - due[0]) <= due[1])
         self._expect(session, meta)
-        if self.ranking != _POTENTIAL:
-            self._learn_gap(session, meta, now)
+        came_back = self._learn_gap(session, meta, now) if self.ranking != _POTENTIAL else False
         seen = self._seen.get(session)
-        if seen is not None and seen.completing and self._capacity:
+        # a return after a completed turn: as the potential tracks it, or (forgotten by
+        # the potential past its horizon in bytes of traffic) within ``depart`` seconds
+        if (seen.completing if seen is not None else came_back) and self._capacity:
             # a hit: resident since before this access (a miss promoted just before its
             # access is notified, as the live cache does, is still a miss)
             own = session in self._resident and session not in self._fresh
-            if not seen.overdue:
+            if seen is not None and not seen.overdue:
                 self._score_duel(own, session in self._shadow)
             if self._rival is not None and self.mode == _LEARNED:
                 self._score_rivals(own, session in self._rival_size)
@@ -531,21 +557,30 @@ class AdaptiveBidaw(BidawEviction):
         return self._rank_key_of(seen.bucket, meta)
 
     def _rank_key_of(self, bucket: int, meta: KVMeta) -> int:
+        """``bucket``, and above it a person's class of turns so far (its chance of coming
+        back, :meth:`turn_class`) and the caller's priority: residents are grouped by it."""
         priority = max(-_PRIORITY_SPAN, min(_PRIORITY_SPAN, meta.priority))
-        if priority == 0:
-            return bucket
-        return bucket + self._buckets * (priority + _PRIORITY_SPAN + 1)
+        turns = self.turn_class(meta.turns) if bucket < self._answer_buckets else 0
+        level = 0 if priority == 0 else priority + _PRIORITY_SPAN + 1
+        return bucket + self._buckets * (turns + self._turn_classes * level)
+
+    def turn_class(self, turns: int) -> int:
+        """The class of a conversation with ``turns`` turns stored (:attr:`turn_edges`)."""
+        return bisect.bisect_left(self.turn_edges, turns)
 
     # -- gaps in seconds, hit density --------------------------------------------------
-    def _learn_gap(self, session: str, meta: KVMeta, now: float) -> None:
+    def _learn_gap(self, session: str, meta: KVMeta, now: float) -> bool:
         """Take the gap (seconds) since ``session``'s previous access if that access
-        completed a turn, and count the users gone ``depart`` seconds without a turn."""
+        completed a turn, and count the users gone ``depart`` seconds without a turn;
+        whether this access is such a return."""
         bucket = self._bucket(meta, now)
         old = self._waiting.pop(session, None)
         if old is not None and old[2]:
             last = self._clock[session]
             self._gaps.append((old[0], self._answer[session], now - last))
             self._t_returned[old[0]] += 1.0
+            if old[0] < self._answer_buckets:
+                self._r_returned[self.turn_class(old[1])] += 1.0
         completed = old is None or meta.turns > old[1]
         self._clock[session] = now
         self._answer[session] = meta.prev_answer_tokens if bucket < self._answer_buckets else 0
@@ -558,9 +593,12 @@ class AdaptiveBidaw(BidawEviction):
                 break
             gone = waiting.popitem(last=False)[1]
             self._t_departed[gone[0]] += 1.0
+            if gone[0] < self._answer_buckets:
+                self._r_departed[self.turn_class(gone[1])] += 1.0
             if oldest not in resident:
                 del clock[oldest]
                 self._answer.pop(oldest, None)
+        return old is not None and old[2]
 
     def typical_answer(self, bucket: int) -> float:
         """The previous answer's tokens typical of answer bucket ``bucket``: the mean of
@@ -646,17 +684,26 @@ class AdaptiveBidaw(BidawEviction):
         decay = 0.5 ** (self.refresh_every / self.samples)
         self._t_returned = [x * decay for x in self._t_returned]
         self._t_departed = [x * decay for x in self._t_departed]
+        r_back = np.asarray(self._r_returned)
+        r_gone = np.asarray(self._r_departed)
+        self._r_returned = [x * decay for x in self._r_returned]
+        self._r_departed = [x * decay for x in self._r_departed]
         prior = self.prior_weight
         p_prior = (returned.sum() + 1.0) / (returned.sum() + departed.sum() + 1.0)
         readers = self._answer_buckets
         read = labels < readers
         reader: list[float] | None = None
         if read.sum() >= 2:
-            # one chance of a next turn for every reader: the answer's length does not
-            # tell whether a user comes back, and one pooled chance has all the samples
+            # one chance of a next turn for every reader's answer length (the answer's
+            # length does not tell whether a user comes back), learned per class of turns
+            # so far (a conversation that has come back is likelier to come back again),
+            # each drawing on the pooled chance with ``prior_weight`` pseudo-samples
             back, gone = returned[:readers].sum(), departed[:readers].sum()
             q_read = (back + prior * p_prior) / (back + gone + prior)
-            reader = _unimodal(self._delays(answers[read], gaps[read], q_read).tolist())
+            q_turns = (r_back + prior * q_read) / (r_back + r_gone + prior)
+            tables = self._delays(answers[read], gaps[read], np.r_[q_read, q_turns])
+            reader = _unimodal(tables[0].tolist())
+            self._reader_rows = [_unimodal(row.tolist()) for row in tables[1:]]
         pooled_now = beyond(pooled, grid) / len(pooled)
         pooled_ahead = beyond(pooled, ahead) / len(pooled)
         rows = []
@@ -677,12 +724,15 @@ class AdaptiveBidaw(BidawEviction):
         self._reading = reader is not None
 
     def _delays(
-        self, answers: npt.NDArray[np.float64], gaps: npt.NDArray[np.float64], q: float
+        self,
+        answers: npt.NDArray[np.float64],
+        gaps: npt.NDArray[np.float64],
+        chances: npt.NDArray[np.float64],
     ) -> npt.NDArray[np.float64]:
         """Fit ``gap = read_rate * answer + delay`` to the answer buckets' samples (least
-        squares, the rate at least 0; it sets :attr:`read_rate`) and return the hit
-        density by the delay elapsed (on the delay grid), for a chance ``q`` of a next
-        turn."""
+        squares, the rate at least 0; it sets :attr:`read_rate`) and return, for each
+        chance of a next turn in ``chances``, the hit density by the delay elapsed (on the
+        delay grid): one row per chance."""
         rate = _rising_slope(answers, gaps)
         self.read_rate = rate
         delays = np.sort(gaps - rate * answers)
@@ -691,7 +741,7 @@ class AdaptiveBidaw(BidawEviction):
         ahead = grid[:, None] + HORIZONS[None, 1:]
         s_now = beyond(delays, grid) / n
         s_ahead = beyond(delays, ahead) / n
-        return best_density(np.full(len(grid), q), s_now, s_ahead)
+        return np.stack([best_density(np.full(len(grid), q), s_now, s_ahead) for q in chances])
 
     def _score(self, session: str) -> float:
         seen = self._seen[session]
@@ -727,10 +777,12 @@ class AdaptiveBidaw(BidawEviction):
             if bucket < first and self._reading:
                 grid = self._delay_grid
                 waited -= self.read_rate * self._answer.get(session, 0)
+                row = self._reader_rows[rank // self._buckets % self._turn_classes]
             else:
                 grid = self._grid
+                row = density[bucket]
             k = bisect.bisect_right(grid, waited) - 1
-            score = density[bucket][min(max(k, 0), len(grid) - 1)]
+            score = row[min(max(k, 0), len(grid) - 1)]
         elif seen is None or seen.overdue:
             score = 0.0
         elif dense is None or seen.bucket < first:
@@ -744,10 +796,10 @@ class AdaptiveBidaw(BidawEviction):
             score = row[k] if k < len(row) else 0.0
         if self.size_aware:
             score /= max(size, 1)
-        if rank < self._buckets:
+        level = rank // self._buckets // self._turn_classes
+        if level == 0:
             return score
-        priority = rank // self._buckets - _PRIORITY_SPAN - 1
-        return score * 2.0**priority
+        return score * 2.0 ** (level - _PRIORITY_SPAN - 1)
 
     # -- the duel of the two rankings ----------------------------------------------------
     def _rival_score(self, session: str) -> float:
