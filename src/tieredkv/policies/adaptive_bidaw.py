@@ -192,7 +192,7 @@ class AdaptiveBidaw(BidawEviction):
         hint_slack: float = 5.0,
         depart: float = 600.0,
         ranking: str = _AUTO,
-        rival_margin: float = 32.0,
+        rival_margin: float = 16.0,
         rival_half_life: int = 512,
         read_prior: bool = True,
     ) -> None:
