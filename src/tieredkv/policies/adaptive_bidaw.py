@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import itertools
 import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence, Set
@@ -16,7 +15,7 @@ import numpy.typing as npt
 from ..meta import KVMeta, MetadataView
 from ._hit_density import HORIZONS, best_density, beyond
 from .base import shielded, stored_share
-from .bidaw_eviction import DEFAULT_ANSWER_EDGES, BidawEviction, _Seen, _unimodal
+from .bidaw_eviction import DEFAULT_ANSWER_EDGES, BidawEviction, _rises, _Seen, _unimodal
 from .ghost import GhostCache
 from .ranking import RESCORE_BINS, ResidentRanking
 
@@ -273,9 +272,7 @@ class AdaptiveBidaw(BidawEviction):
         self._fresh: set[str] = set()  # admitted without an access since their latest one
         self._just_accessed: str | None = None
         turn_classes = tuple(int(t) for t in turn_edges)
-        if any(b <= a for a, b in itertools.pairwise(turn_classes)) or (
-            turn_classes and turn_classes[0] < 1
-        ):
+        if not _rises(turn_classes) or (turn_classes and turn_classes[0] < 1):
             raise ValueError(
                 f"turn_edges must be turn counts >= 1 that increase strictly (got {turn_classes})"
             )
@@ -286,7 +283,7 @@ class AdaptiveBidaw(BidawEviction):
         self._r_departed = [0.0] * self._turn_classes
         self._reader_rows: list[list[float]] = []  # [turn class][delay grid point]
         hints = tuple(float(h) for h in hint_edges)
-        if any(b <= a for a, b in itertools.pairwise(hints)) or (hints and hints[0] <= 0):
+        if not _rises(hints) or (hints and hints[0] <= 0):
             raise ValueError(f"hint_edges must be positive and increase strictly (got {hints})")
         self.hint_edges = hints
         self._answer_buckets = len(tuple(answer_edges)) + 1
@@ -772,12 +769,13 @@ class AdaptiveBidaw(BidawEviction):
         density = self._density
         dense = self._dense
         first = self._answer_buckets
+        level, turns = divmod(rank // self._buckets, self._turn_classes)  # _rank_key_of's
         if order == _DENSITY and density is not None:
             waited = self._now - last  # for a person, past the reading time
             if bucket < first and self._reading:
                 grid = self._delay_grid
                 waited -= self.read_rate * self._answer.get(session, 0)
-                row = self._reader_rows[rank // self._buckets % self._turn_classes]
+                row = self._reader_rows[turns]
             else:
                 grid = self._grid
                 row = density[bucket]
@@ -796,7 +794,6 @@ class AdaptiveBidaw(BidawEviction):
             score = row[k] if k < len(row) else 0.0
         if self.size_aware:
             score /= max(size, 1)
-        level = rank // self._buckets // self._turn_classes
         if level == 0:
             return score
         return score * 2.0 ** (level - _PRIORITY_SPAN - 1)

@@ -126,7 +126,7 @@ class BidawEviction:
         ghost: GhostCache | None = None,
     ) -> None:
         edges = tuple(answer_edges)
-        if any(b <= a for a, b in itertools.pairwise(edges)):
+        if not _rises(edges):
             raise ValueError(f"answer_edges must increase strictly (got {edges})")
         if capacity is not None and capacity <= 0:
             raise ValueError(f"capacity must be a positive number of bytes (got {capacity})")
@@ -422,6 +422,11 @@ class BidawEviction:
         bucket ``b``'s next reuse distance falls in bin ``j``; ``never[b]``: that it never
         comes; ``tail[b, k]``: that it comes in bin ``k`` or later, or never. A subclass
         may derive more from them."""
+
+
+def _rises(edges: Sequence[float]) -> bool:
+    """Whether ``edges`` increase strictly (bucket edges must)."""
+    return not any(b <= a for a, b in itertools.pairwise(edges))
 
 
 def _unimodal(row: list[float]) -> list[float]:
