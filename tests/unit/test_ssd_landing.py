@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +21,9 @@ from tieredkv import SSDTier, TieredKVCache
 from tieredkv._cache.gather import Scatter, span_plan
 from tieredkv._cache.outputs import POOLED_MIN_BYTES
 from tieredkv.backends.base import LandingConsumer
-from tieredkv.backends.ssd import segment_file_name
+from tieredkv.backends.ssd import segment_file_name, stream
+from tieredkv.backends.ssd.layout import preadv_full
+from tieredkv.backends.ssd.reader import READ_DEPTH, VERIFYING
 from tieredkv.errors import SessionNotFoundError, TierIOError
 from tieredkv.payload import LAND_ALIGN, LAND_MIN, plan_segment
 
@@ -371,3 +375,51 @@ async def test_a_truncated_whole_segment_is_a_miss(
         assert problems(cache) == []
     assert counting.consumed == 0
     assert list((tmp_path / "quarantine").iterdir())
+
+
+async def test_verifying_whole_segments_does_not_hold_back_reads(
+    tmp_path: Path, counting: type[Counting], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A segment read whole frees its read's slot as soon as the read returns: while the
+    first segments' checksums are still being computed (held here until every read was
+    issued), the stream goes on issuing reads, up to ``READ_DEPTH + VERIFYING`` jobs, but
+    never more than ``READ_DEPTH`` reads at once; the history comes back exact."""
+    n = READ_DEPTH + VERIFYING // 2  # more segments than reads in flight
+    parts = landing_turns(n)
+    assert whole_spans(parts) == [1] * n
+    lock = threading.Lock()
+    reads = {"issued": 0, "now": 0, "most": 0}
+    all_issued = threading.Event()
+    real_preadv = preadv_full
+    real_hash = stream._SegmentRead.hash_here
+
+    def preadv(fd: int, views: list[memoryview], offset: int) -> int:
+        with lock:
+            reads["issued"] += 1
+            reads["now"] += 1
+            reads["most"] = max(reads["most"], reads["now"])
+            if reads["issued"] == n:
+                all_issued.set()
+        try:
+            return real_preadv(fd, views, offset)
+        finally:
+            with lock:
+                reads["now"] -= 1
+
+    waited: list[bool] = []
+
+    def slow_hash(self: Any, pieces: list[memoryview], start: int, end: int) -> None:
+        waited.append(all_issued.wait(10.0))
+        real_hash(self, pieces, start, end)
+
+    async with TieredKVCache([SSDTier(tmp_path, CAPACITY)]) as cache:
+        for i, part in enumerate(parts):
+            await cache.append("s", part, answer_tokens=i)
+        monkeypatch.setattr(stream, "preadv_full", preadv)
+        monkeypatch.setattr(stream._SegmentRead, "hash_here", slow_hash)
+        assert same(await cache.load("s"), joined(parts))
+        assert problems(cache) == []
+    assert reads["issued"] == n
+    assert waited == [True] * n  # every read was issued while the first hashes waited
+    assert 1 <= reads["most"] <= READ_DEPTH
+    assert counting.consumed == 0

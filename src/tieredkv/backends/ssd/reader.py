@@ -38,7 +38,7 @@ from .dirs import TierDirectory
 from .index import SegmentIndex
 from .layout import file_parts, pread_full, segment_file_name
 
-__all__ = ["READ_DEPTH", "Failure", "SegmentReader", "Workers", "check_header"]
+__all__ = ["READ_DEPTH", "VERIFYING", "Failure", "SegmentReader", "Workers", "check_header"]
 
 READ_DEPTH = 8
 """Chunk (or span) reads in flight at once. With 4, an open cache's load of 8 turns of
@@ -46,6 +46,15 @@ READ_DEPTH = 8
 5 reps each: ``/tmp`` probe); with 8, at 0.90-1.0x: a stream issues its next read only when
 the oldest one is in and handled, so it keeps fewer in flight than a pool of readers that
 never wait for each other."""
+
+VERIFYING = 8
+"""Segments read whole, beyond the :data:`READ_DEPTH` reads in flight, that a span stream
+lets its reader threads verify while it issues further reads. A one-span segment's job reads the
+file and then hashes it in the same thread; the stream takes the read's slot back as soon
+as the read returns, not when the hash is done. When the device returned a wave of eight
+8 MiB reads at once, their eight hashes on two cores held the next wave back by 3-7 ms
+(timelines of ``preadv`` calls in a load of 16 x 8 MiB, beside raw O_DIRECT reads whose
+next read is issued at once: ``docs/explanation/api-performance.md``)."""
 
 Failure = tuple[str, int | None, str]
 """A failed read: what was being done, the errno (``None``: the file is damaged), the reason."""
@@ -55,7 +64,7 @@ class Workers:
     """The threads an open SSD tier reads, hashes and copies with (besides anyio's).
 
     :param tier: the tier's name, in the threads' names
-    :param max_threads: the tier's thread limit (``READ_DEPTH`` readers each)
+    :param max_threads: the tier's thread limit (``READ_DEPTH + VERIFYING`` readers each)
     """
 
     def __init__(self, tier: str, max_threads: int) -> None:
@@ -69,7 +78,8 @@ class Workers:
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix=f"tieredkv-{self._tier}-hash")
         self._copier = ThreadPoolExecutor(1, thread_name_prefix=f"tieredkv-{self._tier}-copy")
         self._readers = ThreadPoolExecutor(
-            self._max_threads * READ_DEPTH, thread_name_prefix=f"tieredkv-{self._tier}-read"
+            self._max_threads * (READ_DEPTH + VERIFYING),
+            thread_name_prefix=f"tieredkv-{self._tier}-read",
         )
 
     def stop(self) -> None:

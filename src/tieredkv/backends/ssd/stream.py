@@ -28,7 +28,7 @@ import ctypes
 import mmap
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -49,16 +49,12 @@ from .._buffers import aligned, anonymous, close_mapping
 from ..base import Consumer, LandingConsumer, SegmentKey, Spans
 from .index import SegmentIndex
 from .layout import pread_full, preadv_full, segment_file_name
-from .reader import READ_DEPTH, Failure, SegmentReader, Workers, check_header
+from .reader import READ_DEPTH, VERIFYING, Failure, SegmentReader, Workers, check_header
 
 __all__ = ["SpanStream", "check_stream"]
 
 Items = Sequence[tuple[SegmentKey, Spans]]
 """Segments and their spans."""
-
-_RING = READ_DEPTH + 2
-"""Span buffers one stream cycles through: the reads in flight, one being hashed and copied
-out, one spare."""
 
 _IOV_MAX = 1024
 """The most views one ``preadv`` takes (Linux's ``IOV_MAX``)."""
@@ -147,8 +143,14 @@ class SpanStream:
         reader = self._reader
         lands = consume if into is None and isinstance(consume, LandingConsumer) else None
         size = max(items[i][1][k][1] - items[i][1][k][0] for i, k in jobs)
-        ring = [] if into is not None else [self._span_buffer(size) for _ in range(_RING)]
-        free = list(ring)
+        # a span read into a ring buffer keeps it until consumed: only jobs whose bytes go
+        # to the caller's memory may outnumber the reads in flight
+        limit = READ_DEPTH if into is None and lands is None else READ_DEPTH + VERIFYING
+        # the jobs in flight, one span being hashed and copied out, one spare; taken from
+        # the tier's spare buffers (or mapped) as the stream first needs each
+        ring_size = 0 if into is not None else limit + 2
+        ring: list[mmap.mmap] = []
+        free: list[mmap.mmap] = []
         # (item, span, buffer or None, the span's pieces, landed, read): the pieces are
         # one view of the span (in ``into`` or a ring buffer) or, for a span read straight
         # into its consumer's memory, the views it lands in and the gaps between them (in
@@ -162,9 +164,13 @@ class SpanStream:
         reading: dict[int, _SegmentRead] = {}
         verified: list[int] = []
         issued = 0
+        flight = _Flight()
         try:
             while True:
-                while issued < len(jobs) and len(inflight) < READ_DEPTH:
+                while issued < len(jobs) and len(inflight) < limit and flight.room():
+                    if into is None and not free and len(ring) < ring_size:
+                        ring.append(self._span_buffer(size))
+                        free.append(ring[-1])
                     while into is None and not free:  # the oldest span's buffer, once done
                         done_buf, futures = busy.popleft()
                         for f in futures:
@@ -193,19 +199,33 @@ class SpanStream:
                             assert into is not None
                             view = into[i][start:end]
                         pieces = [view]
-                    if len(spans) == 1:  # the whole segment: read and verified in one job
-                        rel = segment_file_name(key)
-                        length = self._index.lengths[key]
-                        read = readers.submit(self._read_whole, fds[i], pieces, key, rel, length)
-                        fds.pop(i)  # the job closes it
-                    elif landed:  # straight into the consumer's memory
-                        read = readers.submit(preadv_full, fds[i], pieces, start)
-                    else:  # pread_full releases the view it is given: give it its own
-                        read = readers.submit(pread_full, fds[i], pieces[0][:], start)
+                    flight.begin()
+                    try:
+                        if len(spans) == 1:  # the whole segment: read and verified in one job
+                            rel = segment_file_name(key)
+                            length = self._index.lengths[key]
+                            read = readers.submit(
+                                self._read_whole, fds[i], pieces, key, rel, length, flight.end
+                            )
+                            fds.pop(i)  # the job closes it
+                            read.add_done_callback(flight.job_done)
+                        else:
+                            if landed:  # straight into the consumer's memory
+                                read = readers.submit(preadv_full, fds[i], pieces, start)
+                            else:  # pread_full releases the view it is given: its own one
+                                read = readers.submit(pread_full, fds[i], pieces[0][:], start)
+                            read.add_done_callback(flight.read_done)
+                    except BaseException:  # not submitted (the pool is shut down)
+                        flight.end()
+                        raise
                     inflight.append((i, k, buf, pieces, landed, read))
                     issued += 1
                 if not inflight:
                     return verified, None
+                # with more to issue, wait for the oldest job or a read slot, whichever first
+                more = issued < len(jobs) and len(inflight) < limit
+                if more and not flight.wait(inflight[0][-1]):
+                    continue
                 i, k, buf, pieces, landed, future = inflight.popleft()
                 key, spans = items[i]
                 start, end = spans[k]
@@ -302,16 +322,24 @@ class SpanStream:
         return pieces if at == end - start else None
 
     def _read_whole(
-        self, fd: int, pieces: list[memoryview], key: SegmentKey, rel: str, length: int
+        self,
+        fd: int,
+        pieces: list[memoryview],
+        key: SegmentKey,
+        rel: str,
+        length: int,
+        read_done: Callable[[], None],
     ) -> int:
         """Read a segment whole (``pieces``, consecutive, cover it from byte 0) with one
         ``preadv`` and verify it, all in this (reader) thread, right after the read: the
         checksum of a segment streamed in one span costs no hand-off to the hasher thread
-        and back. Closes ``fd``. Raises :class:`CorruptSegmentError` for a short file or a
+        and back. Calls ``read_done`` once the read has returned (or failed), before the
+        hash. Closes ``fd``. Raises :class:`CorruptSegmentError` for a short file or a
         wrong header, checksum or MAC; returns the bytes read."""
         try:
             n = preadv_full(fd, pieces, 0)
         finally:
+            read_done()
             self._reader.close_segment(fd)
         if n < length:
             raise CorruptSegmentError(rel, f"file ends at {n} of {length} bytes (truncated)")
@@ -332,6 +360,47 @@ class SpanStream:
             check_header_mac(header, secret, rel)
             mac = (body_mac_hasher(secret), header)
         return _SegmentRead(rel, hashed_from(first), expected, mac)
+
+
+class _Flight:
+    """The reads one stream has in flight, counted apart from its jobs: a job that reads a
+    segment whole frees its read's slot as soon as its read returns, and goes on to verify
+    the segment; any other job frees it when it finishes."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._reads = 0
+
+    def room(self) -> bool:
+        """Whether another read may be issued."""
+        with self._cond:
+            return self._reads < READ_DEPTH
+
+    def begin(self) -> None:
+        """A read is about to be issued."""
+        with self._cond:
+            self._reads += 1
+
+    def end(self) -> None:
+        """A read returned (or failed, or was never issued): its slot is free."""
+        with self._cond:
+            self._reads -= 1
+            self._cond.notify_all()
+
+    def job_done(self, future: Future[int]) -> None:
+        """A job that frees its slot itself (:meth:`end`) finished."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def read_done(self, future: Future[int]) -> None:
+        """A job that is only a read finished."""
+        self.end()
+
+    def wait(self, oldest: Future[int]) -> bool:
+        """Wait until ``oldest`` is done (``True``) or a read slot is free (``False``)."""
+        with self._cond:
+            self._cond.wait_for(lambda: oldest.done() or self._reads < READ_DEPTH)
+            return oldest.done()
 
 
 def _update(hasher: Any, parts: list[memoryview]) -> None:
