@@ -23,13 +23,18 @@ With ``--bound``, two instruments too (``benchmarks/_density.py``): ``learned-de
 (hit density in time, gaps learned online) on every workload, and ``known-distribution``
 (hit density under the synthetic generator's exact model) on the synthetic human one: what
 an online policy reaches there.
+``--bidaw-kwargs '{"samples": 4096}'`` passes keyword arguments to the ``bidaw`` row's
+:class:`~tieredkv.policies.AdaptiveBidaw` (to try a setting against the default in the
+same run, name it beside a default row: ``--policies bidaw,bidaw-density``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -53,6 +58,10 @@ POLICIES = ("lru", "bidaw-paper", "bidaw", DENSITY, "belady")
 LEARNED, KNOWN = "learned-density", "known-distribution"
 
 
+BIDAW_KWARGS: dict[str, Any] = {}
+"""``--bidaw-kwargs``: the ``bidaw`` row's constructor arguments."""
+
+
 def build(name: str, workload: SyntheticWorkload | None = None) -> Eviction:
     """A registered policy, or one of the ``--bound`` instruments."""
     if name == LEARNED:
@@ -62,7 +71,7 @@ def build(name: str, workload: SyntheticWorkload | None = None) -> Eviction:
         return KnownDistribution(workload)
     if name == DENSITY:
         return AdaptiveBidaw(ranking="density")
-    return make_eviction(name)
+    return make_eviction(name, **(BIDAW_KWARGS if name == "bidaw" else {}))
 
 
 HINTS = {"no hints": (0.0, 0.0), "correct hints": (1.0, 0.0), "wrong hints": (1.0, 1.0)}
@@ -169,7 +178,23 @@ def main() -> None:
     parser.add_argument(
         "--bound", action="store_true", help="also the hit-density instruments (_density.py)"
     )
+    parser.add_argument(
+        "--bidaw-kwargs",
+        default="{}",
+        help='keyword arguments (JSON) for the bidaw row\'s AdaptiveBidaw, e.g. {"samples": 4096}',
+    )
     args = parser.parse_args()
+    try:
+        kwargs = json.loads(args.bidaw_kwargs)
+        if not isinstance(kwargs, dict):
+            raise TypeError("not a JSON object")
+        BIDAW_KWARGS.update(kwargs)
+        build("bidaw")
+    except (ValueError, TypeError) as exc:
+        parser.error(
+            f"--bidaw-kwargs must be a JSON object of AdaptiveBidaw's keyword arguments "
+            f"(got {args.bidaw_kwargs!r}: {exc})"
+        )
     start = time.perf_counter()
     POLICIES = tuple(dict.fromkeys([*args.policies.split(","), "belady"]))
     skip = set(filter(None, args.skip.split(",")))

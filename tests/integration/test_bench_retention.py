@@ -15,7 +15,33 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_retention  # noqa: E402
 from bench_retention import measure_agentic, measure_human, measure_mooncake  # noqa: E402
+from tieredkv.policies import LRU, AdaptiveBidaw  # noqa: E402
+
+
+def test_bidaw_kwargs_reach_the_bidaw_row_alone_and_bad_ones_say_what_to_fix(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--bidaw-kwargs`` sets the ``bidaw`` row's AdaptiveBidaw (no other row's policy);
+    an argument AdaptiveBidaw does not take, or JSON that is not an object, stops the run
+    at once with a message naming it."""
+    monkeypatch.setattr(bench_retention, "BIDAW_KWARGS", {"rival_margin": 8.0})
+    bidaw = bench_retention.build("bidaw")
+    assert isinstance(bidaw, AdaptiveBidaw)
+    assert bidaw.rival_margin == 8.0
+    assert isinstance(bench_retention.build("lru"), LRU)
+    density = bench_retention.build("bidaw-density")
+    assert isinstance(density, AdaptiveBidaw)
+    assert density.rival_margin == AdaptiveBidaw().rival_margin
+    for bad, says in (('{"sample": 1}', "'sample'"), ("[1]", "not a JSON object")):
+        monkeypatch.setattr(bench_retention, "BIDAW_KWARGS", {})
+        monkeypatch.setattr(sys, "argv", ["bench_retention.py", "--bidaw-kwargs", bad])
+        with pytest.raises(SystemExit):
+            bench_retention.main()
+        err = capsys.readouterr().err
+        assert "--bidaw-kwargs must be a JSON object" in err, err
+        assert says in err, err
 
 
 @pytest.mark.timeout(900)
