@@ -579,9 +579,13 @@ async def test_an_io_error_at_each_call_of_a_site(tmp_path: Path, site: str, for
             assert not campaign.unexpected, (n, campaign.unexpected[:5])
             await settle_and_check(cache, campaign)
         await reopen_and_check(directory, "exclusive", campaign)
-        if n > calls:  # the script makes fewer calls of this site than n
+        # the script makes fewer calls of this site than n (the tasks share one random
+        # stream, so which operations run depends on how they interleave: under a loaded
+        # machine a seed's run of the forest script once made no call of os.unlink at all,
+        # and the next seed is tried rather than none)
+        if calls and n > calls:
             break
-    assert injected >= 1, f"the script never calls os.{site}"
+    assert injected >= 1, f"the script never calls os.{site} (in {runs} runs)"
     print(f"\nos.{site}: {runs} runs, {operations} operations, {injected} faults injected")
 
 
