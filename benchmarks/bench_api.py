@@ -200,6 +200,20 @@ def turn_blobs(turns: list[Turn]) -> list[mmap.mmap]:
     return out
 
 
+def raw_outputs(blobs: list[mmap.mmap]) -> list[mmap.mmap]:
+    """Aligned buffers the raw reader reads ``blobs``' files into, prefaulted (as
+    ``load_into``'s outputs are)."""
+    bufs = [aligned_buffer(len(b)) for b in blobs]
+    for b in bufs:
+        b.write(b"\0" * len(b))
+    return bufs
+
+
+def raw_read_back(blobs: list[mmap.mmap], bufs: list[mmap.mmap]) -> bool:
+    """Whether the raw reader read back exactly the bytes written."""
+    return all(b[:] == g[:] for b, g in zip(blobs, bufs, strict=True))
+
+
 def raw_write(root: Path, bufs: list[mmap.mmap]) -> None:
     """Each turn's prepared aligned bytes written with one O_DIRECT ``pwrite`` and
     ``fsync``-ed (no serialization, no copy: a ceiling, not a competitor)."""
@@ -288,12 +302,10 @@ def child(system: str, op: str, root: Path, turns: list[Turn], depth: int, drop:
         res["cold"] = cold(root, drop)
         if system == "raw":
             blobs = turn_blobs(turns)
-            bufs = [aligned_buffer(len(b)) for b in blobs]
-            for b in bufs:
-                b.write(b"\0" * len(b))  # prefaulted, as load_into's outputs are
+            bufs = raw_outputs(blobs)
             with raw_readers(depth) as pool, measured() as res["load"]:
                 raw_read(root, bufs, pool)
-            res["ok"] = all(b[:] == g[:] for b, g in zip(blobs, bufs, strict=True))
+            res["ok"] = raw_read_back(blobs, bufs)
         elif system == "new cache" and op == "read_into":
             out = {k: torch.zeros_like(v) for k, v in want.items()}
             res["load_into"] = anyio.run(fresh_load_into, root, out)

@@ -48,9 +48,7 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, list[float]]:
     turns = api.make_turns(args.turns, args.tensors, args.mib)
     want = api.history(turns)
     blobs = api.turn_blobs(turns)
-    bufs = [api.aligned_buffer(len(b)) for b in blobs]
-    for b in bufs:
-        b.write(b"\0" * len(b))  # prefaulted
+    bufs = api.raw_outputs(blobs)
     default = reader.VERIFYING
     took: dict[str, list[float]] = {m: [] for m in MODES}
     (root / "cache").mkdir()
@@ -68,7 +66,7 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, list[float]]:
                         t0 = time.perf_counter()
                         api.raw_read(root / "raw", bufs, pool)
                         took[mode].append(time.perf_counter() - t0)
-                        if not all(b[:] == g[:] for b, g in zip(blobs, bufs, strict=True)):
+                        if not api.raw_read_back(blobs, bufs):
                             raise AssertionError("raw read back other bytes")
                         continue
                     setattr(stream, "VERIFYING", 0 if mode == "held" else default)  # noqa: B010
