@@ -43,6 +43,12 @@ once, and each rep makes its files cold and reads them five ways, in a rotating 
   compared byte for byte. This is the device's time for the load's own memory layout,
   without the cache's work.
 
+It also prints how scattered the physical pages under the load's outputs, the kept
+outputs and the raw reader's buffers are (contiguous runs per 2 MiB, from
+``/proc/self/pagemap``; root only): on this VM a read into scattered pages is split into
+more requests (the virtual disk takes at most 254 segments a request), and the load's
+time followed that count.
+
 Every read then meets the same blocks of the virtual disk, so what is left between the
 load and raw is the cache's own work: planning and outputs, verification, handing each
 segment over. (Raw reads of files written at different times differ by more than that
@@ -56,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import math
 import mmap
 import os
 import statistics
@@ -65,6 +72,7 @@ import time
 from pathlib import Path
 
 import anyio
+import numpy as np
 import torch
 
 import bench_api as api
@@ -210,7 +218,9 @@ async def run_same_files(args: argparse.Namespace, root: Path) -> dict[str, list
     """``--same-files``: the cache's files, written once, read five ways (see the doc)."""
     turns = api.make_turns(args.turns, args.tensors, args.mib)
     want = api.history(turns)
-    took: dict[str, list[float]] = {m: [] for m in SAME_FILES_MODES}
+    took: dict[str, list[float]] = {
+        m: [] for m in (*SAME_FILES_MODES, RUNS_LOAD, RUNS_PLACES, RUNS_RAW)
+    }
     hash_here, check = stream._SegmentRead.hash_here, stream._SegmentRead.check
     with api.raw_readers(args.depth) as pool:
         async with api.new_cache(root) as cache:
@@ -263,8 +273,43 @@ async def run_same_files(args: argparse.Namespace, root: Path) -> dict[str, list
                         stream._SegmentRead.check = check  # type: ignore[method-assign]
                     if not api.same(got, want):
                         raise AssertionError("the cache loaded other bytes")
+                    if mode == "overlapped":
+                        took[RUNS_LOAD].append(physical_runs(regions(got)))
                     del got
+            took[RUNS_PLACES].append(physical_runs(regions(places)))
+            took[RUNS_RAW].append(physical_runs([(address(memoryview(b)), len(b)) for b in bufs]))
     return took
+
+
+RUNS_LOAD = "runs: load's outputs"
+RUNS_PLACES = "runs: the kept outputs"
+RUNS_RAW = "runs: raw's buffers"
+
+
+def regions(tensors: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
+    """Each tensor's memory, as (address, bytes)."""
+    return [(t.data_ptr(), t.nbytes) for t in tensors.values()]
+
+
+def physical_runs(regions: list[tuple[int, int]]) -> float:
+    """How scattered the physical pages under ``regions`` (address, bytes) are: physically
+    contiguous runs per 2 MiB, on average (1: contiguous; 512: no two pages adjacent),
+    from ``/proc/self/pagemap``; ``nan`` where it shows no page frames (not root)."""
+    page = mmap.PAGESIZE
+    counts = []
+    fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+    try:
+        for at, nbytes in regions:
+            first, n = at // page, -(-nbytes // page)
+            entries = np.frombuffer(os.pread(fd, 8 * n, 8 * first), dtype=np.uint64)
+            frames = (entries & np.uint64((1 << 55) - 1)).astype(np.int64)
+            if not frames.any():
+                return math.nan
+            runs = 1 + int(np.count_nonzero(np.diff(frames) != 1))
+            counts.append(runs * (2 << 20) / (n * page))
+    finally:
+        os.close(fd)
+    return statistics.mean(counts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--same-files",
         action="store_true",
-        help="read the cache's files, written once, three ways (see the doc)",
+        help="read the cache's files, written once, five ways (see the doc)",
     )
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
@@ -294,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         ms = statistics.median(took[mode]) * 1e3
         print(f"{mode:12} {ms:10.1f} {nbytes / ms / 1e6:6.2f}")
+    for key in (RUNS_LOAD, RUNS_PLACES, RUNS_RAW) if args.same_files else ():
+        runs = statistics.median(took[key])
+        shown = "n/a (page frames are shown to root only)" if math.isnan(runs) else f"{runs:.0f}"
+        print(f"physically contiguous {key[6:]}, runs per 2 MiB (median): {shown}")
 
     def paired(a: str, b: str) -> tuple[float, int]:
         ratios = [x / y for x, y in zip(took[a], took[b], strict=True)]
