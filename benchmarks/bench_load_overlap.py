@@ -130,20 +130,14 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, list[float]]:
 def raw_read_files(
     files: list[Path], bufs: list[mmap.mmap], pool: concurrent.futures.ThreadPoolExecutor
 ) -> None:
-    """Each whole file into its buffer with one O_DIRECT ``preadv``, as many in flight as
-    ``pool`` has threads."""
-
-    def read(job: tuple[Path, mmap.mmap]) -> None:
-        path, buf = job
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        try:
-            with memoryview(buf) as view:
-                if os.preadv(fd, [view], 0) != len(buf):
-                    raise AssertionError(f"{path.name}: short read")
-        finally:
-            os.close(fd)
-
-    list(pool.map(read, zip(files, bufs, strict=True)))
+    """Each whole file into its buffer with one O_DIRECT ``preadv`` (:func:`read_into`), as
+    many in flight as ``pool`` has threads."""
+    views = [memoryview(buf) for buf in bufs]
+    try:
+        list(pool.map(read_into, zip(files, [[v] for v in views], strict=True)))
+    finally:
+        for v in views:
+            v.release()
 
 
 def segment_files(root: Path, turns: int) -> tuple[list[Path], list[bytes]]:
@@ -188,19 +182,20 @@ async def load_places(
         places = await cache.load("user")
     finally:
         setattr(stream, "preadv_full", real)  # noqa: B010
-    ranges = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in places.values()]
+    outputs = regions(places)
     pieces: list[list[memoryview]] = []
+    landed = 0
     for f in files:
         views = []
         for v in recorded.pop(str(f)):
-            if address_in(v, ranges):
+            if address_in(v, outputs):
                 views.append(v)
+                landed += len(v)
             else:
                 views.append(memoryview(api.aligned_buffer(len(v)))[: len(v)])
                 v.release()
         pieces.append(views)
-    landed = sum(len(v) for views in pieces for v in views if address_in(v, ranges))
-    if landed != sum(t.nbytes for t in places.values()):
+    if landed != sum(n for _, n in outputs):
         raise SystemExit(
             "--same-files: the load did not read straight into its outputs (outputs under "
             "1 MiB come from torch.empty, not aligned for O_DIRECT); use larger turns"
@@ -208,10 +203,10 @@ async def load_places(
     return places, pieces
 
 
-def address_in(view: memoryview, ranges: list[tuple[int, int]]) -> bool:
-    """Whether ``view`` lies within one of the address ``ranges``."""
+def address_in(view: memoryview, regions: list[tuple[int, int]]) -> bool:
+    """Whether ``view`` lies within one of ``regions`` (address, bytes)."""
     at = address(view)
-    return any(lo <= at and at + len(view) <= hi for lo, hi in ranges)
+    return any(lo <= at and at + len(view) <= lo + n for lo, n in regions)
 
 
 async def run_same_files(args: argparse.Namespace, root: Path) -> dict[str, list[float]]:
@@ -236,23 +231,17 @@ async def run_same_files(args: argparse.Namespace, root: Path) -> dict[str, list
                 k = rep % len(SAME_FILES_MODES)
                 for mode in SAME_FILES_MODES[k:] + SAME_FILES_MODES[:k]:
                     cold(root, True)
-                    if mode == "raw places":
+                    if mode in ("raw places", "into places"):
                         for t in places.values():
                             t.zero_()
                         t0 = time.perf_counter()
-                        list(pool.map(read_into, zip(files, pieces, strict=True)))
+                        if mode == "raw places":
+                            list(pool.map(read_into, zip(files, pieces, strict=True)))
+                        else:
+                            await cache.load_into("user", places)
                         took[mode].append(time.perf_counter() - t0)
                         if not api.same(places, places_want):
-                            raise AssertionError("raw read other bytes into the load's places")
-                        continue
-                    if mode == "into places":
-                        for t in places.values():
-                            t.zero_()
-                        t0 = time.perf_counter()
-                        await cache.load_into("user", places)
-                        took[mode].append(time.perf_counter() - t0)
-                        if not api.same(places, places_want):
-                            raise AssertionError("load_into read other bytes")
+                            raise AssertionError(f"{mode}: other bytes in the kept outputs")
                         continue
                     if mode == "raw":
                         t0 = time.perf_counter()
