@@ -20,6 +20,7 @@ from tests.invariants import problems
 from tieredkv import SSDTier, TieredKVCache
 from tieredkv._cache.gather import Scatter, span_plan
 from tieredkv._cache.outputs import POOLED_MIN_BYTES
+from tieredkv.backends import _buffers
 from tieredkv.backends.base import LandingConsumer
 from tieredkv.backends.ssd import segment_file_name, stream
 from tieredkv.backends.ssd.layout import preadv_full
@@ -423,3 +424,55 @@ async def test_verifying_whole_segments_does_not_hold_back_reads(
     assert waited == [True] * n  # every read was issued while the first hashes waited
     assert 1 <= reads["most"] <= READ_DEPTH
     assert counting.consumed == 0
+
+
+def unaligned_like(want: dict[str, torch.Tensor], off: int = 64) -> dict[str, torch.Tensor]:
+    """Zeroed tensors shaped like ``want`` whose memory starts ``off`` bytes past a 512-byte
+    boundary, as ``torch.empty``'s large tensors do (64 bytes into a page): no O_DIRECT
+    read lands in them, whatever the allocator does."""
+    out = {}
+    for name, t in want.items():
+        if not t.nbytes:
+            out[name] = torch.empty_like(t)
+            continue
+        raw = torch.zeros(t.nbytes + 1024, dtype=torch.uint8)
+        skip = (off - raw.data_ptr()) % 512
+        out[name] = raw[skip : skip + t.nbytes].view(t.dtype).view(t.shape)
+        assert out[name].data_ptr() % 512 == off
+    return out
+
+
+async def test_load_into_unaligned_tensors_reuses_its_span_buffers(
+    tmp_path: Path, counting: type[Counting], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outputs no read can land in (a caller's ``torch.empty`` tensors) make every span a
+    copied one, held in a span buffer until copied out: the stream then keeps no more of
+    them than the tier keeps for the next stream, so a second ``load_into`` of a history
+    of more segments than that maps no new buffer (it used to map six here, each faulted
+    in whole by its read); the bytes are exact every time."""
+    n = READ_DEPTH + VERIFYING + 4  # more segments than the tier keeps buffers
+    parts = landing_turns(n)
+    assert whole_spans(parts) == [1] * n
+    want = joined(parts)
+    mapped: list[int] = []
+    real = _buffers.anonymous
+
+    def counted(size: int, **kwargs: Any) -> Any:
+        mapped.append(size)
+        return real(size, **kwargs)
+
+    monkeypatch.setattr(stream, "anonymous", counted)
+    async with TieredKVCache([SSDTier(tmp_path, CAPACITY)]) as cache:
+        for i, part in enumerate(parts):
+            await cache.append("s", part, answer_tokens=i)
+        news = []
+        for _ in range(3):
+            out = unaligned_like(want)
+            before = len(mapped)
+            assert await cache.load_into("s", out) == want["l0"].shape[0]
+            assert same(out, want)
+            news.append(len(mapped) - before)
+        assert problems(cache) == []
+    assert news[0] > 0
+    assert news[1:] == [0, 0]
+    assert counting.consumed == 3 * n  # every span copied, none landed

@@ -144,8 +144,17 @@ class SpanStream:
         lands = consume if into is None and isinstance(consume, LandingConsumer) else None
         size = max(items[i][1][k][1] - items[i][1][k][0] for i, k in jobs)
         # a span read into a ring buffer keeps it until consumed: only jobs whose bytes go
-        # to the caller's memory may outnumber the reads in flight
-        limit = READ_DEPTH if into is None and lands is None else READ_DEPTH + VERIFYING
+        # to the caller's memory may outnumber the reads in flight. Outputs the reads
+        # cannot land in (``torch.empty``'s memory starts 64 bytes into a page) make every
+        # span a copied one: more jobs than reads would then hold a whole buffer each, more
+        # than the tier keeps for the next stream, and every load_into would fault new ones
+        places = (
+            {}
+            if lands is None
+            else {j: self._places(lands, *j, *items[j[0]][1][j[1]]) for j in jobs}
+        )
+        copies = lands is None or any(p is None for p in places.values())
+        limit = READ_DEPTH if into is None and copies else READ_DEPTH + VERIFYING
         # the jobs in flight, one span being hashed and copied out, one spare; taken from
         # the tier's spare buffers (or mapped) as the stream first needs each
         ring_size = 0 if into is not None else limit + 2
@@ -189,8 +198,9 @@ class SpanStream:
                     pieces = None
                     if into is None:
                         buf = free.pop()
-                        if lands is not None:
-                            pieces = self._landing(lands, i, k, start, end, buf)
+                        moves = places.get((i, k))
+                        if moves is not None:
+                            pieces = self._landing(moves, buf)
                     landed = pieces is not None
                     if pieces is None:
                         if buf is not None:
@@ -291,26 +301,16 @@ class SpanStream:
             for buf in ring:
                 self._give_back(buf)
 
-    def _landing(
-        self, consume: LandingConsumer, i: int, k: int, start: int, end: int, buf: mmap.mmap
-    ) -> list[memoryview] | None:
-        """Span ``k`` of item ``i`` (``[start, end)`` of its file) as the pieces one
-        ``preadv`` reads it into: each tensor straight into its place in the consumer's
-        memory, the bytes between them (the header, padding) into ``buf``; ``None`` where
-        the consumer has no place for it or a place is not aligned as this tier's reads
-        need (:attr:`TierDirectory.io_align`: with O_DIRECT, a multiple of the device's
-        logical block in address, length and file offset), and the span is read into
-        ``buf`` and consumed instead."""
-        moves = consume.landing(i, k)
-        if not moves or 2 * len(moves) + 1 > _IOV_MAX:
-            return None
-        align = self._reader.io_align
+    @staticmethod
+    def _landing(moves: list[tuple[int, int, int]], buf: mmap.mmap) -> list[memoryview] | None:
+        """A span as the pieces one ``preadv`` reads it into, from its moves
+        (:meth:`_places`): each tensor straight into its place in the consumer's memory,
+        the bytes between them (the header, padding) into ``buf``; ``None`` where the gaps
+        do not fit in ``buf``, and the span is read into ``buf`` and consumed instead."""
         scratch = memoryview(buf)
         pieces: list[memoryview] = []
         at = used = 0  # bytes of the span placed; bytes of ``buf`` used for gaps
-        for address, offset, length in [*moves, (0, end - start, 0)]:
-            if offset < at or (start + offset) % align or address % align or length % align:
-                return None
+        for address, offset, length in moves:
             if offset > at:  # a gap: into the buffer
                 if used + offset - at > len(buf):
                     return None
@@ -319,7 +319,29 @@ class SpanStream:
             if length:
                 pieces.append(memoryview((ctypes.c_ubyte * length).from_address(address)))
             at = offset + length
-        return pieces if at == end - start else None
+        return pieces
+
+    def _places(
+        self, consume: LandingConsumer, i: int, k: int, start: int, end: int
+    ) -> list[tuple[int, int, int]] | None:
+        """The consumer's moves of span ``k`` of item ``i`` (``[start, end)`` of its file),
+        closed by an empty move at the span's end, where one ``preadv`` can land them
+        (:meth:`_landing`); ``None`` where the consumer has no place for it or a place is
+        not aligned as this tier's reads need (:attr:`TierDirectory.io_align`: with
+        O_DIRECT, a multiple of the device's logical block in address, length and file
+        offset), and the span is read into a buffer and consumed instead. Asked once per
+        span, before the stream's first read."""
+        moves = consume.landing(i, k)
+        if not moves or 2 * len(moves) + 1 > _IOV_MAX:
+            return None
+        align = self._reader.io_align
+        closed = [*moves, (0, end - start, 0)]
+        at = 0
+        for address, offset, length in closed:
+            if offset < at or (start + offset) % align or address % align or length % align:
+                return None
+            at = offset + length
+        return closed
 
     def _read_whole(
         self,
