@@ -128,7 +128,7 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, list[float]]:
 
 
 def raw_read_files(
-    files: list[Path], bufs: list[mmap.mmap], pool: concurrent.futures.ThreadPoolExecutor
+    files: list[Path], bufs: list[memoryview], pool: concurrent.futures.ThreadPoolExecutor
 ) -> None:
     """Each whole file into its buffer with one O_DIRECT ``preadv`` (:func:`read_into`), as
     many in flight as ``pool`` has threads."""
@@ -222,9 +222,9 @@ async def run_same_files(args: argparse.Namespace, root: Path) -> dict[str, list
             await api.append_turns(cache, "user", turns)
             await cache.load("user")  # its buffers and outputs exist, as in bench_api
             files, expect = segment_files(root, args.turns)
-            bufs = [api.aligned_buffer(len(b)) for b in expect]
-            for buf in bufs:  # prefaulted, as the cache's reused outputs are
-                buf.write(b"\0" * len(buf))
+            # prefaulted and on huge pages where the kernel can, as the cache's reused
+            # outputs are once it has collapsed them
+            bufs = [api.huge_buffer(len(b)) for b in expect]
             places, pieces = await load_places(cache, files)
             places_want = {k: v.clone() for k, v in places.items()}
             for rep in range(args.reps):

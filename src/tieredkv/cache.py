@@ -91,6 +91,11 @@ class TieredKVCache:
         when the caller drops them, kept (up to this much while idle) for later loads to
         reuse: it is already faulted in, so those loads skip a page fault per 4 KiB of
         output (about 75 ms per 512 MiB on a 2-core VM). 0 turns reuse off
+    :param output_huge_pages: while that memory is idle, collapse it into transparent huge
+        pages in a background thread (``madvise(MADV_COLLAPSE)``, Linux 6.1; nothing
+        elsewhere), so that the loads that reuse it read into physically contiguous memory
+        (a load of 134 MB from an SSD tier: 51-64 ms against 92-95 ms on a 2-core VM).
+        No load waits for it; ``False`` keeps 4 KiB pages
     :param close_timeout: seconds :meth:`aclose` may spend finishing background copies and
         writing conversations that only volatile tiers hold down to a persistent tier (a
         write under way at the deadline finishes; ``math.inf`` for no bound, 0 to write
@@ -115,6 +120,7 @@ class TieredKVCache:
         clock: Callable[[], float] = time.monotonic,
         channel: MetadataChannel | None = None,
         output_reuse_bytes: int = 1 << 30,
+        output_huge_pages: bool = True,
         close_timeout: float = 60.0,
         max_pinned_bytes: int | None = None,
     ) -> None:
@@ -126,6 +132,10 @@ class TieredKVCache:
         )
         """The bound on the bytes of pinned conversations."""
         check_int("output_reuse_bytes", output_reuse_bytes, minimum=0)
+        if not isinstance(output_huge_pages, bool):
+            raise InvalidTypeError(
+                f"output_huge_pages must be a bool, not {type(output_huge_pages).__name__}"
+            )
         self._close_timeout = check_timeout("close_timeout", close_timeout)
         if mode not in ("exclusive", "inclusive"):
             raise InvalidArgumentError(f"mode must be 'exclusive' or 'inclusive', not {mode!r}")
@@ -134,7 +144,16 @@ class TieredKVCache:
         policies = policies_per_tier(eviction, len(io))
         self.channel = channel if channel is not None else MetadataChannel()
         """The metadata channel: per-session :class:`~tieredkv.meta.KVMeta` and events."""
-        self._core = Core(io, copies, policies, self.channel, mode, clock, output_reuse_bytes)
+        self._core = Core(
+            io,
+            copies,
+            policies,
+            self.channel,
+            mode,
+            clock,
+            output_reuse_bytes,
+            output_huge_pages=output_huge_pages,
+        )
         self._pumps = WriteThrough(self._core)
         self._token_dim = token_dim
         self._open = False
@@ -282,6 +301,8 @@ class TieredKVCache:
             core.stats,
             outputs_reused=core.outputs.reused,
             output_idle_bytes=core.outputs.idle_bytes,
+            outputs_collapsed=core.outputs.collapsed,
+            output_collapse_failures=core.outputs.collapse_failures,
             tiers=tuple(tier.stats() for tier in core.tiers),
         )
 

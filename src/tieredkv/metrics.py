@@ -19,7 +19,9 @@ What is exported (every name starts with ``tieredkv_``):
   ``errors_total``, ``cancelled_total``, ``truncated_total`` (sessions the open brought back
   shorter than stored), ``written_down_total`` and ``unsaved_total`` (what a close wrote down
   from volatile tiers, and could not), ``refused_total``, ``unproven_total``,
-  ``outputs_reused_total``, and the gauges ``sessions`` (sessions the metadata channel knows),
+  ``outputs_reused_total``, ``outputs_collapsed_total`` and
+  ``output_collapse_failures_total`` (huge pages idle output memory became, and refusals),
+  and the gauges ``sessions`` (sessions the metadata channel knows),
   ``orphans`` (segments whose cleanup failed, awaiting deletion) and ``output_idle_bytes``
   (memory of dropped outputs kept for later loads);
 * per tier (labels ``tier`` and ``kind``), from each tier's stats: ``tier_used_bytes``,
@@ -98,6 +100,8 @@ _CACHE_COUNTERS = (
     ("refused", "Acknowledged turns a shared tier refused (another replica took over first)."),
     ("unproven", "Loads missed: the current history could not be proven (shared tier away)."),
     ("outputs_reused", "Tensors load() returned in memory a dropped output left."),
+    ("outputs_collapsed", "Huge pages idle output memory was collapsed into (background)."),
+    ("output_collapse_failures", "Collapses of idle output memory the kernel refused for now."),
 )
 _TIER_GAUGES = (
     ("used", "tier_used_bytes", "Bytes held by the tier, reservations included."),

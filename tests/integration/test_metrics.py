@@ -90,7 +90,8 @@ async def test_scraped_metrics_match_cache_stats(tmp_path: Path) -> None:
     for field in ("loads", "hits", "misses", "appends", "prefetches", "promotions",
                   "demotions", "evictions", "lost", "drops", "corrupt", "write_through",
                   "errors", "cancelled", "truncated", "written_down", "unsaved", "refused",
-                  "unproven", "outputs_reused"):  # fmt: skip
+                  "unproven", "outputs_reused", "outputs_collapsed",
+                  "output_collapse_failures"):  # fmt: skip
         assert _one(samples, f"tieredkv_{field}_total") == getattr(stats, field), field
     assert _one(samples, "tieredkv_orphans") == stats.orphans
     assert _one(samples, "tieredkv_sessions") == 4

@@ -6,10 +6,13 @@ the staging buffers of appends are reused even when one is larger than their cap
 from __future__ import annotations
 
 import ctypes
+import errno
 import gc
+import mmap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -17,7 +20,8 @@ import torch
 
 from tieredkv import HostMemoryTier, SSDTier, TieredKVCache
 from tieredkv._cache.gather import Staging
-from tieredkv._cache.outputs import POOLED_MIN_BYTES, OutputPool
+from tieredkv._cache.outputs import MADV_COLLAPSE, POOLED_MIN_BYTES, OutputPool, huge_page_size
+from tieredkv.backends._buffers import address
 from tieredkv.errors import InvalidArgumentError, InvalidTypeError
 
 TOKENS = 512  # 512 x 1024 fp16 = 1 MiB per tensor per turn: pooled
@@ -239,3 +243,252 @@ def test_an_output_freed_inside_the_pools_own_critical_section_does_not_deadlock
     again = pool.empty((POOLED_MIN_BYTES,), torch.uint8)
     assert pool.reused == 1
     assert again.numel() == POOLED_MIN_BYTES
+
+
+# -- huge pages: idle memory collapsed in the background ----------------------------------
+
+
+def collapse_works() -> bool:
+    """Whether this kernel collapses private anonymous memory into huge pages (Linux 6.1's
+    ``MADV_COLLAPSE``, transparent huge pages not ``never``), asked directly."""
+    huge = huge_page_size()
+    if not huge:
+        return False
+    mm = mmap.mmap(-1, 2 * huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        off = -address(memoryview(mm)) % huge
+        mm[off : off + huge] = b"\1" * huge
+        mm.madvise(MADV_COLLAPSE, off, huge)
+    except OSError:
+        return False
+    finally:
+        mm.close()
+    return True
+
+
+def huge_bytes_under(t: torch.Tensor) -> int:
+    """Bytes of huge pages in the mapping that holds ``t`` (``AnonHugePages`` of its
+    entry in ``/proc/self/smaps``)."""
+    at = t.data_ptr()
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if lo <= at < hi:
+                for field in lines[i + 1 :]:
+                    if field.startswith("AnonHugePages:"):
+                        return int(field.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {at:#x}")
+
+
+async def collapsed_reaches(pool: OutputPool, n: int, seconds: float = 30) -> int:
+    deadline = time.monotonic() + seconds
+    for _ in range(1_000_000):  # a polled condition: the pool's thread collapses
+        if pool.collapsed >= n or time.monotonic() >= deadline:
+            break
+        await anyio.sleep(0.01)
+    return pool.collapsed
+
+
+def big_turn(seed: int, mib: int = 4) -> dict[str, torch.Tensor]:
+    """Two fp16 tensors of ``mib`` MiB each: each spans whole huge pages."""
+    g = torch.Generator().manual_seed(seed)
+    rows = mib * 512
+    return {n: torch.randn(rows, 1024, generator=g).half() for n in ("k", "v")}
+
+
+async def test_idle_outputs_become_huge_pages_and_later_loads_stay_exact(
+    tmp_path: Path,
+) -> None:
+    """A dropped output's memory is collapsed into huge pages in the background, where the
+    kernel can (else the pool stops asking, and nothing else changes); the loads that reuse
+    it return exact bytes, in memory on huge pages."""
+    a, b = big_turn(1), big_turn(2)
+    async with TieredKVCache([SSDTier(tmp_path, 64 << 20)]) as cache:
+        await cache.append("a", a, answer_tokens=1)
+        await cache.append("b", b, answer_tokens=1)
+        pool = cache._core.outputs
+        first = await cache.load("a")
+        assert_exact(first, a)
+        where = {n: t.data_ptr() for n, t in first.items()}
+        assert all(at % huge_page_size() == 0 for at in where.values()) or not pool.collapsing
+        del first
+        assert await idle_reaches(pool, 8 << 20) == 8 << 20
+        if collapse_works():
+            ranges = 2 * (4 << 20) // huge_page_size()
+            assert await collapsed_reaches(pool, ranges) == ranges
+            assert pool.collapse_failures == 0
+        else:
+            await collapsed_reaches(pool, 1, seconds=2)
+            assert not pool.collapsing
+            assert pool.collapsed == 0
+        for name, want in (("b", b), ("a", a), ("b", b)):
+            got = await cache.load(name)
+            assert_exact(got, want)
+            assert {t.data_ptr() for t in got.values()} == set(where.values())  # same memory
+            huge = collapse_works()
+            assert all(huge_bytes_under(t) >= (t.nbytes if huge else 0) for t in got.values())
+            del got
+            assert await idle_reaches(pool, 8 << 20) == 8 << 20
+        stats = cache.stats()
+        assert stats.outputs_collapsed == pool.collapsed
+        assert stats.output_collapse_failures == 0
+
+
+async def test_output_huge_pages_false_keeps_4k_pages(tmp_path: Path) -> None:
+    a = big_turn(1)
+    async with TieredKVCache([SSDTier(tmp_path, 64 << 20)], output_huge_pages=False) as cache:
+        await cache.append("a", a, answer_tokens=1)
+        pool = cache._core.outputs
+        assert not pool.collapsing
+        for _ in range(2):
+            got = await cache.load("a")
+            assert_exact(got, a)
+            del got
+            assert await idle_reaches(pool, 8 << 20) == 8 << 20
+        await anyio.sleep(0.2)
+        assert pool.collapsed == 0
+        assert pool._worker is None
+        assert cache.stats().outputs_reused == 2
+
+
+def test_a_bad_output_huge_pages_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(InvalidTypeError, match="output_huge_pages"):
+        TieredKVCache([SSDTier(tmp_path, 64 << 20)], output_huge_pages=1)  # type: ignore[arg-type]
+
+
+def failing_madvise(err: int, calls: list[int]) -> Any:
+    def madvise(at: int, length: int, advice: int) -> int:
+        calls.append(at)
+        ctypes.set_errno(err)
+        return -1
+
+    return madvise
+
+
+def pool_with_idle(n: int, huge: int) -> tuple[OutputPool, list[int]]:
+    """A collapsing pool whose ``madvise`` is replaced by the caller, and ``n`` outputs of
+    two huge pages each dropped into it."""
+    pool = OutputPool(64 << 20)
+    pool._huge = huge
+    outs = [pool.empty((2 * huge,), torch.uint8) for _ in range(n)]
+    for t in outs:
+        t.fill_(7)
+    return pool, [t.data_ptr() for t in outs]
+
+
+def wait_for(cond: Any, seconds: float = 10) -> bool:
+    deadline = time.monotonic() + seconds
+    for _ in range(1_000_000):  # a polled condition: the pool's thread
+        if cond() or time.monotonic() >= deadline:
+            break
+        time.sleep(0.005)
+    return bool(cond())
+
+
+@pytest.mark.parametrize("err", [errno.EINVAL, errno.ENOSYS, errno.EPERM])
+def test_a_kernel_that_cannot_collapse_turns_it_off(err: int) -> None:
+    huge = 2 << 20
+    calls: list[int] = []
+    pool = OutputPool(64 << 20)
+    pool._huge = huge
+    pool._madvise = failing_madvise(err, calls)
+    outs = [pool.empty((2 * huge,), torch.uint8) for _ in range(2)]
+    outs.clear()
+    gc.collect()
+    assert wait_for(lambda: not pool.collapsing)
+    assert wait_for(lambda: pool._worker is None)
+    assert len(calls) == 1  # asked once, then never again
+    assert pool.collapse_failures == 0
+    again = pool.empty((2 * huge,), torch.uint8)  # reuse goes on
+    assert pool.reused == 1
+    del again
+    gc.collect()
+    assert len(calls) == 1
+    pool.close()
+
+
+def test_a_refused_collapse_is_counted_and_tried_again_up_to_three_times() -> None:
+    huge = 2 << 20
+    calls: list[int] = []
+    pool = OutputPool(64 << 20)
+    pool._huge = huge
+    pool._madvise = failing_madvise(errno.EAGAIN, calls)
+    for round_ in range(1, 6):
+        t = pool.empty((2 * huge,), torch.uint8)
+        assert t.data_ptr() % huge == 0
+        del t
+        gc.collect()
+        tries = min(round_, 3)
+        assert wait_for(lambda tries=tries: pool.collapse_failures >= tries)
+        assert wait_for(lambda: pool._worker is None)
+        # one refusal per try (the block's other range is not asked: no huge page now)
+        assert pool.collapse_failures == tries
+    assert pool.collapsing  # a transient refusal does not turn it off
+    assert pool.collapsed == 0
+    pool.close()
+
+
+def test_memory_handed_out_again_is_not_collapsed_until_dropped_again() -> None:
+    """The thread collapses a block only while it is idle: one a new output took meanwhile
+    is left alone (and queued again when that output is dropped)."""
+    huge = 2 << 20
+    pool = OutputPool(64 << 20)
+    pool._huge = huge
+    started, release = threading.Event(), threading.Event()
+    seen: list[int] = []
+
+    def madvise(at: int, length: int, advice: int) -> int:
+        seen.append(at)
+        started.set()
+        release.wait(10)
+        return 0
+
+    pool._madvise = madvise
+    a = pool.empty((2 * huge,), torch.uint8)
+    b = pool.empty((2 * huge,), torch.uint8)
+    first = a.data_ptr()
+    del a
+    gc.collect()
+    del b
+    gc.collect()
+    assert started.wait(10)  # collapsing a's first range (or b's)
+    taken = pool.empty((2 * huge,), torch.uint8)  # the other one, or this one: idle no more
+    taken.fill_(3)
+    release.set()
+    assert wait_for(lambda: pool._worker is None)
+    # the block handed out again had at most the range in progress collapsed
+    at = taken.data_ptr()
+    assert sum(lo in (at, at + huge) for lo in seen) <= 1
+    assert bool((taken == 3).all())
+    assert first in (at, *seen)
+    pool.close()
+
+
+def test_close_during_collapsing_unmaps_idle_memory_and_ends_the_thread() -> None:
+    huge = 2 << 20
+    pool = OutputPool(64 << 20)
+    pool._huge = huge
+    started, release = threading.Event(), threading.Event()
+
+    def madvise(at: int, length: int, advice: int) -> int:
+        started.set()
+        release.wait(0.2)
+        return 0
+
+    pool._madvise = madvise
+    outs = [pool.empty((2 * huge,), torch.uint8) for _ in range(4)]
+    blocks = list(outs)
+    outs.clear()
+    del blocks
+    gc.collect()
+    assert started.wait(10)
+    worker = pool._worker
+    assert worker is not None
+    held = [b for bs in pool._free.values() for b in bs]
+    pool.close()
+    assert not worker.is_alive()
+    assert all(b.mm.closed for b in held)
+    assert pool.idle_bytes == 0
+    assert pool.collapsed <= 8

@@ -93,6 +93,11 @@ class CacheStats(msgspec.Struct, kw_only=True):
         earlier, dropped output left (already faulted in)
     :param output_idle_bytes: memory of dropped outputs kept for later loads now (at most
         ``output_reuse_bytes``)
+    :param outputs_collapsed: huge pages (2 MiB each on x86-64) that dropped outputs' idle
+        memory was collapsed into, in the background (``output_huge_pages``)
+    :param output_collapse_failures: collapses of idle memory the kernel refused for the
+        time being (no free huge page; the memory stays on 4 KiB pages, nothing else
+        changes)
     :param tiers: each tier's own counters, including bytes read and written
     """
 
@@ -119,6 +124,8 @@ class CacheStats(msgspec.Struct, kw_only=True):
     unproven: int = 0
     outputs_reused: int = 0
     output_idle_bytes: int = 0
+    outputs_collapsed: int = 0
+    output_collapse_failures: int = 0
     tiers: tuple[TierStats, ...] = ()
 
     @property
@@ -368,6 +375,8 @@ class Core:
         mode: str,
         clock: Callable[[], float],
         output_reuse_bytes: int = 0,
+        *,
+        output_huge_pages: bool = False,
     ) -> None:
         self.io = list(io)
         """Each tier's I/O, bound once (:mod:`tieredkv._cache.tierio`)."""
@@ -400,7 +409,7 @@ class Core:
         self.restart_copy: Callable[[Session], None] = lambda s: None
         """Restart ``s``'s background copy to the next tier (set by the write-through)."""
         self.staging = Staging()
-        self.outputs = OutputPool(output_reuse_bytes)
+        self.outputs = OutputPool(output_reuse_bytes, huge_pages=output_huge_pages)
 
     def discard_unused(self, s: Session) -> None:
         """Drop ``s`` from the index if it holds nothing, is unknown to the channel and
