@@ -180,8 +180,7 @@ class OutputPool:
         owner = (ctypes.c_ubyte * size).from_buffer(block.mm, block.offset)
         done = weakref.finalize(owner, self._give_back, block)
         done.atexit = False  # at exit, a live tensor may still use it
-        flat = torch.frombuffer(owner, dtype=torch.uint8, count=nbytes)
-        return flat.view(dtype).view(shape)
+        return torch.frombuffer(owner, dtype=dtype, count=nbytes // dtype.itemsize).view(shape)
 
     def _new_block(self, size: int) -> _Block:
         """New memory for an output of ``size`` bytes: where the pool collapses and the

@@ -147,14 +147,9 @@ class SpanStream:
         # to the caller's memory may outnumber the reads in flight. Outputs the reads
         # cannot land in (``torch.empty``'s memory starts 64 bytes into a page) make every
         # span a copied one: more jobs than reads would then hold a whole buffer each, more
-        # than the tier keeps for the next stream, and every load_into would fault new ones
-        places = (
-            {}
-            if lands is None
-            else {j: self._places(lands, *j, *items[j[0]][1][j[1]]) for j in jobs}
-        )
-        copies = lands is None or any(p is None for p in places.values())
-        limit = READ_DEPTH if into is None and copies else READ_DEPTH + VERIFYING
+        # than the tier keeps for the next stream, and every load_into would fault new
+        # ones; so the first span that is copied brings the limit down to the reads
+        limit = READ_DEPTH if into is None and lands is None else READ_DEPTH + VERIFYING
         # the jobs in flight, one span being hashed and copied out, one spare; taken from
         # the tier's spare buffers (or mapped) as the stream first needs each
         ring_size = 0 if into is not None else limit + 2
@@ -198,9 +193,12 @@ class SpanStream:
                     pieces = None
                     if into is None:
                         buf = free.pop()
-                        moves = places.get((i, k))
+                        moves = None if lands is None else self._places(lands, i, k, start, end)
                         if moves is not None:
                             pieces = self._landing(moves, buf)
+                        elif limit > READ_DEPTH:  # a copied span (see ``limit``)
+                            limit = READ_DEPTH
+                            ring_size = limit + 2
                     landed = pieces is not None
                     if pieces is None:
                         if buf is not None:
@@ -329,8 +327,7 @@ class SpanStream:
         (:meth:`_landing`); ``None`` where the consumer has no place for it or a place is
         not aligned as this tier's reads need (:attr:`TierDirectory.io_align`: with
         O_DIRECT, a multiple of the device's logical block in address, length and file
-        offset), and the span is read into a buffer and consumed instead. Asked once per
-        span, before the stream's first read."""
+        offset), and the span is read into a buffer and consumed instead."""
         moves = consume.landing(i, k)
         if not moves or 2 * len(moves) + 1 > _IOV_MAX:
             return None
