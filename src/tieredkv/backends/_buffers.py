@@ -15,7 +15,9 @@ most processes but 70-384 ms in one or two of five: this VM's balloon device rep
 blocks to the host (free page reporting, ``page_reporting_order`` 9), so a huge page the
 host has taken back faults on the host too. A new cache's first load of 134 MB into
 outputs on huge pages took 609-610 ms against 250-290 ms on 4 KiB pages, most of it in
-``clear_page_erms``. So no mapping here asks for huge pages.
+``clear_page_erms``. So no mapping here asks for huge pages when it is made; the output
+pool (:mod:`tieredkv._cache.outputs`) collapses its idle memory into huge pages in a
+background thread instead, off every load's path.
 """
 
 from __future__ import annotations
