@@ -85,8 +85,8 @@ import torch
 
 from _measure import Took, cold, measured
 from tieredkv import SSDTier, TieredKVCache
-from tieredkv._cache.outputs import MADV_COLLAPSE, huge_page_size
 from tieredkv.backends._buffers import address
+from tieredkv.backends._hugepages import MADV_COLLAPSE, huge_page_size
 from tieredkv.backends.ssd.reader import READ_DEPTH
 
 MB = 1 << 20

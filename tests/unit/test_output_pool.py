@@ -20,8 +20,9 @@ import torch
 
 from tieredkv import HostMemoryTier, SSDTier, TieredKVCache
 from tieredkv._cache.gather import Staging
-from tieredkv._cache.outputs import MADV_COLLAPSE, POOLED_MIN_BYTES, OutputPool, huge_page_size
+from tieredkv._cache.outputs import POOLED_MIN_BYTES, OutputPool
 from tieredkv.backends._buffers import address
+from tieredkv.backends._hugepages import MADV_COLLAPSE, huge_page_size
 from tieredkv.errors import InvalidArgumentError, InvalidTypeError
 
 TOKENS = 512  # 512 x 1024 fp16 = 1 MiB per tensor per turn: pooled
@@ -349,7 +350,7 @@ async def test_output_huge_pages_false_keeps_4k_pages(tmp_path: Path) -> None:
             assert await idle_reaches(pool, 8 << 20) == 8 << 20
         await anyio.sleep(0.2)
         assert pool.collapsed == 0
-        assert pool._worker is None
+        assert pool._collapser._worker is None
         assert cache.stats().outputs_reused == 2
 
 
@@ -371,7 +372,7 @@ def pool_with_idle(n: int, huge: int) -> tuple[OutputPool, list[int]]:
     """A collapsing pool whose ``madvise`` is replaced by the caller, and ``n`` outputs of
     two huge pages each dropped into it."""
     pool = OutputPool(64 << 20)
-    pool._huge = huge
+    pool._collapser.huge = huge
     outs = [pool.empty((2 * huge,), torch.uint8) for _ in range(n)]
     for t in outs:
         t.fill_(7)
@@ -392,13 +393,13 @@ def test_a_kernel_that_cannot_collapse_turns_it_off(err: int) -> None:
     huge = 2 << 20
     calls: list[int] = []
     pool = OutputPool(64 << 20)
-    pool._huge = huge
-    pool._madvise = failing_madvise(err, calls)
+    pool._collapser.huge = huge
+    pool._collapser._madvise = failing_madvise(err, calls)
     outs = [pool.empty((2 * huge,), torch.uint8) for _ in range(2)]
     outs.clear()
     gc.collect()
     assert wait_for(lambda: not pool.collapsing)
-    assert wait_for(lambda: pool._worker is None)
+    assert wait_for(lambda: pool._collapser._worker is None)
     assert len(calls) == 1  # asked once, then never again
     assert pool.collapse_failures == 0
     again = pool.empty((2 * huge,), torch.uint8)  # reuse goes on
@@ -413,8 +414,8 @@ def test_a_refused_collapse_is_counted_and_tried_again_up_to_three_times() -> No
     huge = 2 << 20
     calls: list[int] = []
     pool = OutputPool(64 << 20)
-    pool._huge = huge
-    pool._madvise = failing_madvise(errno.EAGAIN, calls)
+    pool._collapser.huge = huge
+    pool._collapser._madvise = failing_madvise(errno.EAGAIN, calls)
     for round_ in range(1, 6):
         t = pool.empty((2 * huge,), torch.uint8)
         assert t.data_ptr() % huge == 0
@@ -422,7 +423,7 @@ def test_a_refused_collapse_is_counted_and_tried_again_up_to_three_times() -> No
         gc.collect()
         tries = min(round_, 3)
         assert wait_for(lambda tries=tries: pool.collapse_failures >= tries)
-        assert wait_for(lambda: pool._worker is None)
+        assert wait_for(lambda: pool._collapser._worker is None)
         # one refusal per try (the block's other range is not asked: no huge page now)
         assert pool.collapse_failures == tries
     assert pool.collapsing  # a transient refusal does not turn it off
@@ -435,7 +436,7 @@ def test_memory_handed_out_again_is_not_collapsed_until_dropped_again() -> None:
     is left alone (and queued again when that output is dropped)."""
     huge = 2 << 20
     pool = OutputPool(64 << 20)
-    pool._huge = huge
+    pool._collapser.huge = huge
     started, release = threading.Event(), threading.Event()
     seen: list[int] = []
 
@@ -445,7 +446,7 @@ def test_memory_handed_out_again_is_not_collapsed_until_dropped_again() -> None:
         release.wait(10)
         return 0
 
-    pool._madvise = madvise
+    pool._collapser._madvise = madvise
     a = pool.empty((2 * huge,), torch.uint8)
     b = pool.empty((2 * huge,), torch.uint8)
     first = a.data_ptr()
@@ -457,7 +458,7 @@ def test_memory_handed_out_again_is_not_collapsed_until_dropped_again() -> None:
     taken = pool.empty((2 * huge,), torch.uint8)  # the other one, or this one: idle no more
     taken.fill_(3)
     release.set()
-    assert wait_for(lambda: pool._worker is None)
+    assert wait_for(lambda: pool._collapser._worker is None)
     # the block handed out again had at most the range in progress collapsed
     at = taken.data_ptr()
     assert sum(lo in (at, at + huge) for lo in seen) <= 1
@@ -469,7 +470,7 @@ def test_memory_handed_out_again_is_not_collapsed_until_dropped_again() -> None:
 def test_close_during_collapsing_unmaps_idle_memory_and_ends_the_thread() -> None:
     huge = 2 << 20
     pool = OutputPool(64 << 20)
-    pool._huge = huge
+    pool._collapser.huge = huge
     started, release = threading.Event(), threading.Event()
 
     def madvise(at: int, length: int, advice: int) -> int:
@@ -477,14 +478,14 @@ def test_close_during_collapsing_unmaps_idle_memory_and_ends_the_thread() -> Non
         release.wait(0.2)
         return 0
 
-    pool._madvise = madvise
+    pool._collapser._madvise = madvise
     outs = [pool.empty((2 * huge,), torch.uint8) for _ in range(4)]
     blocks = list(outs)
     outs.clear()
     del blocks
     gc.collect()
     assert started.wait(10)
-    worker = pool._worker
+    worker = pool._collapser._worker
     assert worker is not None
     held = [b for bs in pool._free.values() for b in bs]
     pool.close()

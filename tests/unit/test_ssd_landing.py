@@ -8,9 +8,11 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -476,3 +478,47 @@ async def test_load_into_unaligned_tensors_reuses_its_span_buffers(
     assert news[0] > 0
     assert news[1:] == [0, 0]
     assert counting.consumed == 3 * n  # every span copied, none landed
+
+
+def collapses_here() -> bool:
+    """Whether this kernel collapses memory into huge pages (asked directly)."""
+    from tests.unit.test_output_pool import collapse_works
+
+    return collapse_works()
+
+
+async def settled(collapser: Any, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    for _ in range(1_000_000):  # a polled condition: the collapser's thread
+        if collapser._worker is None or time.monotonic() >= deadline:
+            break
+        await anyio.sleep(0.01)
+
+
+async def test_span_buffers_a_copied_span_filled_become_huge_pages(tmp_path: Path) -> None:
+    """A span buffer that a copied span filled is collapsed into huge pages once the stream
+    gives it back (where the kernel can), and the next load_into reads into it exactly;
+    buffers of spans that landed (touched only for their header) are left alone."""
+    n = READ_DEPTH
+    # 5 MiB segments: the part of a buffer a copied span fills holds a whole huge page
+    parts = [{k: v for k, v in p.items() if k != "small"} for p in turns(n, rows=640)]
+    want = joined(parts)
+    async with TieredKVCache([SSDTier(tmp_path, CAPACITY)]) as cache:
+        for i, part in enumerate(parts):
+            await cache.append("s", part, answer_tokens=i)
+        collapser = cache._core.tiers[0]._stream._collapser  # type: ignore[attr-defined]
+        for _ in range(2):
+            assert same(await cache.load("s"), want)  # lands: nothing to collapse
+        await settled(collapser)
+        assert collapser.collapsed == 0
+        for _ in range(3):
+            out = unaligned_like(want)
+            await cache.load_into("s", out)
+            assert same(out, want)
+            await settled(collapser)
+        if collapses_here():
+            assert collapser.collapsed >= n  # at least one huge page per buffer filled
+            assert collapser.failures == 0
+        else:
+            assert not collapser.active
+        assert problems(cache) == []

@@ -28,89 +28,28 @@ contiguous memory. The kernel keeps the bytes as they are while it collapses (me
 load already reads into is collapsed or left as it is, never changed). A kernel without it
 (or with transparent huge pages ``never``) turns it off for the pool; a range it cannot
 collapse now (no free 2 MiB block) is tried again the next time the memory is dropped, up
-to three times.
+to three times (:mod:`tieredkv.backends._hugepages`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import errno
-import logging
 import math
 import mmap
-import sys
 import threading
 import weakref
-from collections import defaultdict, deque
-from collections.abc import Callable
-from pathlib import Path
-from typing import cast
+from collections import defaultdict
 
 import torch
 
 from ..backends._buffers import address, anonymous
+from ..backends._hugepages import Collapser, Idle
 
-__all__ = ["MADV_COLLAPSE", "OutputPool", "POOLED_MIN_BYTES", "huge_page_size"]
-
-_log = logging.getLogger(__name__)
+__all__ = ["POOLED_MIN_BYTES", "OutputPool"]
 
 POOLED_MIN_BYTES = 1 << 20
 """Outputs smaller than this come from ``torch.empty`` (the allocator's own reuse covers
 them)."""
-
-MADV_COLLAPSE = 25
-"""``madvise(MADV_COLLAPSE)`` (Linux 6.1): make a range huge pages now, in the caller."""
-
-_COLLAPSE_TRIES = 3
-"""Times a block's collapse is tried before it stays on 4 KiB pages."""
-
-_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP})
-"""``madvise`` errors that mean this kernel or its settings will never collapse."""
-
-
-def huge_page_size() -> int:
-    """The size of a transparent huge page (``hpage_pmd_size``), or 0 where the system has
-    none (not Linux, or no transparent huge pages)."""
-    if not sys.platform.startswith("linux"):
-        return 0
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size").read_text()
-        size = int(text.strip())
-    except (OSError, ValueError):
-        return 0
-    return size if size > mmap.PAGESIZE and size % mmap.PAGESIZE == 0 else 0
-
-
-def _madvise() -> Callable[[int, int, int], int] | None:
-    """libc's ``madvise`` (called through ctypes, which lets go of the GIL meanwhile: a
-    collapse takes milliseconds), or ``None``."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return cast("Callable[[int, int, int], int]", fn)
-
-
-class _Block:
-    """One output's memory: a private mapping and where in it the output starts (on a
-    huge-page boundary where the pool collapses)."""
-
-    __slots__ = ("at", "huge", "idle", "mm", "offset", "queued", "size", "tries")
-
-    def __init__(self, mm: mmap.mmap, offset: int, size: int) -> None:
-        self.mm = mm
-        self.offset = offset
-        self.size = size
-        self.at = address(memoryview(mm)) + offset
-        """The address of the output's first byte."""
-        self.huge = False
-        """Whether its huge-page ranges were all collapsed."""
-        self.idle = False
-        """Whether it is in the pool (not handed out)."""
-        self.queued = False
-        self.tries = 0
 
 
 class OutputPool:
@@ -127,27 +66,15 @@ class OutputPool:
 
     def __init__(self, keep_bytes: int, *, huge_pages: bool = True) -> None:
         self._keep = keep_bytes
-        self._free: defaultdict[int, list[_Block]] = defaultdict(list)
+        self._free: defaultdict[int, list[Idle]] = defaultdict(list)
         self._idle = 0
         # re-entrant: the cyclic collector may free an output (and so call _give_back) in
         # the middle of the pool's own critical section, in the thread that holds it
         self._lock = threading.RLock()
         self._closed = False
-        self._huge = huge_page_size() if huge_pages and keep_bytes > 0 else 0
-        self._madvise = _madvise() if self._huge else None
-        if self._madvise is None:
-            self._huge = 0
-        self._queue: deque[_Block] = deque()
-        self._worker: threading.Thread | None = None
-        # held around each collapse call and by close() around unmapping, so that no
-        # mapping is unmapped while the kernel collapses part of it
-        self._unmapping = threading.Lock()
+        self._collapser = Collapser(huge_pages and keep_bytes > 0)
         self.reused = 0
         """Outputs served from memory a dropped output left (for tests and metrics)."""
-        self.collapsed = 0
-        """Huge-page ranges (``huge_page_size()`` bytes each) collapsed so far."""
-        self.collapse_failures = 0
-        """Collapses the kernel refused for now (no free huge page, memory in use)."""
 
     @property
     def idle_bytes(self) -> int:
@@ -158,7 +85,17 @@ class OutputPool:
     def collapsing(self) -> bool:
         """Whether idle memory is collapsed into huge pages (the kernel can, and it was
         asked for)."""
-        return self._huge > 0
+        return self._collapser.active
+
+    @property
+    def collapsed(self) -> int:
+        """Huge pages idle memory was collapsed into so far."""
+        return self._collapser.collapsed
+
+    @property
+    def collapse_failures(self) -> int:
+        """Collapses the kernel refused for now (no free huge page)."""
+        return self._collapser.failures
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized contiguous CPU tensor, on reused memory where there is some."""
@@ -182,18 +119,17 @@ class OutputPool:
         done.atexit = False  # at exit, a live tensor may still use it
         return torch.frombuffer(owner, dtype=dtype, count=nbytes // dtype.itemsize).view(shape)
 
-    def _new_block(self, size: int) -> _Block:
+    def _new_block(self, size: int) -> Idle:
         """New memory for an output of ``size`` bytes: where the pool collapses and the
         output spans a huge page, mapped a huge page larger and used from a huge-page
         boundary (the pages before and after it are never touched, so never backed)."""
-        huge = self._huge
-        if not huge or size < huge:
-            return _Block(anonymous(size), 0, size)
+        if not self._collapser.aligned(size):
+            return Idle(anonymous(size))
+        huge = self._collapser.huge
         mm = anonymous(size + huge)
-        base = address(memoryview(mm))
-        return _Block(mm, -base % huge, size)
+        return Idle(mm, -address(memoryview(mm)) % huge, size)
 
-    def _give_back(self, block: _Block) -> None:
+    def _give_back(self, block: Idle) -> None:
         # called while the dying array still holds its export of the mapping (weakref
         # callbacks run first): memory not kept is unmapped when that export and the
         # mapping go, not here
@@ -203,94 +139,25 @@ class OutputPool:
                 block.idle = True
                 self._free[size].append(block)
                 self._idle += size
-                if (
-                    self._huge
-                    and not block.huge
-                    and not block.queued
-                    and block.tries < _COLLAPSE_TRIES
-                    and size >= self._huge
-                ):
-                    block.queued = True
-                    self._queue.append(block)
-                    self._start_worker()
-
-    def _start_worker(self) -> None:
-        """Start the collapsing thread if it is not running (the lock held)."""
-        if self._worker is None or not self._worker.is_alive():
-            self._worker = threading.Thread(
-                target=self._collapse_loop, name="tieredkv-output-collapse", daemon=True
-            )
-            self._worker.start()
-
-    def _collapse_loop(self) -> None:
-        """Collapse queued idle blocks until none is left or the pool closes (the pool's
-        thread: it ends when it runs out of work, and the next dropped block starts
-        another)."""
-        while True:
-            with self._lock:
-                if self._closed or not self._queue:
-                    self._worker = None
-                    return
-                block = self._queue.popleft()
-                block.queued = False
-            try:
-                self._collapse(block)
-            except Exception:  # a bug here must not end collapsing silently
-                _log.exception("output pool: collapsing idle memory into huge pages failed")
-                with self._lock:
-                    self._huge = 0
-                    self._queue.clear()
-                    self._worker = None
-                return
-
-    def _collapse(self, block: _Block) -> None:
-        """Collapse ``block``'s huge-page ranges while it stays idle in the open pool."""
-        huge, madvise = self._huge, self._madvise
-        assert madvise is not None
-        block.tries += 1
-        first = block.at + -block.at % huge
-        for at in range(first, block.at + block.size - huge + 1, huge):
-            with self._unmapping:
-                with self._lock:
-                    if self._closed or not block.idle or block.mm.closed or not self._huge:
-                        return  # handed out again (queued again when dropped) or closing
-                if madvise(at, huge, MADV_COLLAPSE) == 0:
-                    self.collapsed += 1
-                    continue
-                err = ctypes.get_errno()
-            if err in _UNSUPPORTED:
-                _log.info(
-                    "output pool: this kernel does not collapse memory into huge pages "
-                    "(madvise(MADV_COLLAPSE): %s); loads read into 4 KiB pages",
-                    errno.errorcode.get(err, err),
-                )
-                with self._lock:
-                    self._huge = 0
-                    self._queue.clear()
-                return
-            self.collapse_failures += 1  # no free huge page now: the rest would fail too
-            return
-        block.huge = True
+                self._collapser.submit(block)
 
     def open(self) -> None:
         """Keep dropped outputs' memory again (after :meth:`close`)."""
         with self._lock:
             self._closed = False
+        self._collapser.open()
 
     def close(self) -> None:
         """Unmap the idle memory; memory still in use is unmapped when it is dropped. Ends
-        the collapsing thread (after the range it collapses now)."""
+        the collapsing thread (after the huge page it collapses now)."""
         with self._lock:
             self._closed = True
             free = [b for blocks in self._free.values() for b in blocks]
             for b in free:
                 b.idle = False
             self._free.clear()
-            self._queue.clear()
             self._idle = 0
-            worker = self._worker
-        with self._unmapping:
+        self._collapser.close()
+        with self._collapser.unmapping:
             for b in free:
                 b.mm.close()
-        if worker is not None and worker is not threading.current_thread():
-            worker.join(5.0)

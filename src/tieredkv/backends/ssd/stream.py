@@ -46,6 +46,7 @@ from ...payload import (
     parse_header,
 )
 from .._buffers import aligned, anonymous, close_mapping
+from .._hugepages import Collapser, Idle
 from ..base import Consumer, LandingConsumer, SegmentKey, Spans
 from .index import SegmentIndex
 from .layout import pread_full, preadv_full, segment_file_name
@@ -100,31 +101,65 @@ class SpanStream:
         self._spare: list[mmap.mmap] = []
         """``chunk_size`` buffers kept for later streams (faulted in by their first)."""
         self._lock = threading.Lock()
+        self._idle: dict[int, Idle] = {}
+        """Each kept buffer (by ``id``), as the collapser sees it."""
+        self._collapser = Collapser()
+        """Collapses kept buffers a copied span filled into huge pages (a span that lands
+        leaves its buffer untouched but for a page: collapsing it would only add memory)."""
 
     def close(self, tier: str) -> None:
         """Unmap the buffers kept for later streams (the tier closes)."""
-        while self._spare:
-            close_mapping(self._spare.pop(), f"tier {tier!r}'s span buffer", collect=True)
+        self._collapser.close()
+        with self._collapser.unmapping:
+            while self._spare:
+                buf = self._spare.pop()
+                self._idle.pop(id(buf), None)
+                close_mapping(buf, f"tier {tier!r}'s span buffer", collect=True)
+        self._collapser.open()  # (a tier may be opened again)
 
-    def _span_buffer(self, size: int) -> mmap.mmap:
-        """A buffer of at least ``size`` bytes from the pool, or a new one, not prefaulted: its
+    def _span_buffer(self, size: int, copied: bool) -> mmap.mmap:
+        """A buffer of at least ``size`` bytes from the pool (for a span read into it and
+        ``copied`` out, or one that lands), or a new one, not prefaulted: its
         pages fault in during its first read, in a reader thread, rather than all of them
         before the stream's first read. A new tier's first stream used to populate six chunks
         up front, 48 MiB at the default chunk size, though a load of 16 spans uses fewer:
         without that, a new cache's first load of 134 MB took 6,000 fewer page faults and
         157-179 ms of CPU instead of 180-188 ms, its wall time unchanged."""
         with self._lock:
-            for i, buf in enumerate(self._spare):
-                if len(buf) >= size:
-                    return self._spare.pop(i)
+            fits = [i for i, buf in enumerate(self._spare) if len(buf) >= size]
+            if fits:
+                # a copied span takes the buffer most faulted in, a landed one the least
+                # (it touches a page of it): each kind of stream keeps its own buffers
+                def faulted(i: int) -> int:
+                    idle = self._idle.get(id(self._spare[i]))
+                    return 0 if idle is None else idle.size
+
+                i = max(fits, key=faulted) if copied else min(fits, key=faulted)
+                buf = self._spare.pop(i)
+                idle = self._idle.get(id(buf))
+                if idle is not None:
+                    idle.idle = False
+                return buf
         return anonymous(max(size, self._reader.chunk))
 
-    def _give_back(self, buf: mmap.mmap) -> None:
+    def _give_back(self, buf: mmap.mmap, filled: int) -> None:
+        """Keep ``buf`` for a later stream, or unmap it. A kept buffer's first ``filled``
+        bytes (what copied spans were read into) are collapsed into huge pages in the
+        background, so that later copied spans read into contiguous memory; the rest of it
+        is never touched, and not collapsed (that would back it with memory)."""
         with self._lock:
             chunk = self._reader.chunk  # (a load's last span may run up to chunk / 8 over)
             if chunk <= len(buf) <= chunk + chunk // 8 and len(self._spare) < _SPARE_BUFFERS:
                 self._spare.append(buf)
+                idle = self._idle.get(id(buf))
+                if idle is None:
+                    idle = self._idle[id(buf)] = Idle(buf, 0, 0)
+                if filled > idle.size:  # more of it is faulted in now: collapse that too
+                    idle.size, idle.huge, idle.tries = filled, False, 0
+                idle.idle = True
+                self._collapser.submit(idle)
                 return
+            self._idle.pop(id(buf), None)
         with contextlib.suppress(BufferError):
             buf.close()
 
@@ -155,6 +190,7 @@ class SpanStream:
         ring_size = 0 if into is not None else limit + 2
         ring: list[mmap.mmap] = []
         free: list[mmap.mmap] = []
+        filled: dict[int, int] = {}  # by ``id``: the most of a ring buffer copied spans filled
         # (item, span, buffer or None, the span's pieces, landed, read): the pieces are
         # one view of the span (in ``into`` or a ring buffer) or, for a span read straight
         # into its consumer's memory, the views it lands in and the gaps between them (in
@@ -173,7 +209,8 @@ class SpanStream:
             while True:
                 while issued < len(jobs) and len(inflight) < limit and flight.room():
                     if into is None and not free and len(ring) < ring_size:
-                        ring.append(self._span_buffer(size))
+                        copied = lands is None or limit == READ_DEPTH
+                        ring.append(self._span_buffer(size, copied))
                         free.append(ring[-1])
                     while into is None and not free:  # the oldest span's buffer, once done
                         done_buf, futures = busy.popleft()
@@ -202,6 +239,7 @@ class SpanStream:
                     landed = pieces is not None
                     if pieces is None:
                         if buf is not None:
+                            filled[id(buf)] = max(filled.get(id(buf), 0), end - start)
                             view = memoryview(buf)[: end - start]
                         else:
                             assert into is not None
@@ -297,7 +335,7 @@ class SpanStream:
             for fd in fds.values():
                 reader.close_segment(fd)
             for buf in ring:
-                self._give_back(buf)
+                self._give_back(buf, filled.get(id(buf), 0))
 
     @staticmethod
     def _landing(moves: list[tuple[int, int, int]], buf: mmap.mmap) -> list[memoryview] | None:
