@@ -8,7 +8,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import gc
-import mmap
 import threading
 import time
 from pathlib import Path
@@ -18,11 +17,11 @@ import anyio
 import pytest
 import torch
 
+from tests.hugepages import collapse_works
 from tieredkv import HostMemoryTier, SSDTier, TieredKVCache
 from tieredkv._cache.gather import Staging
 from tieredkv._cache.outputs import POOLED_MIN_BYTES, OutputPool
-from tieredkv.backends._buffers import address
-from tieredkv.backends._hugepages import MADV_COLLAPSE, huge_page_size
+from tieredkv.backends._hugepages import huge_page_size
 from tieredkv.errors import InvalidArgumentError, InvalidTypeError
 
 TOKENS = 512  # 512 x 1024 fp16 = 1 MiB per tensor per turn: pooled
@@ -247,24 +246,6 @@ def test_an_output_freed_inside_the_pools_own_critical_section_does_not_deadlock
 
 
 # -- huge pages: idle memory collapsed in the background ----------------------------------
-
-
-def collapse_works() -> bool:
-    """Whether this kernel collapses private anonymous memory into huge pages (Linux 6.1's
-    ``MADV_COLLAPSE``, transparent huge pages not ``never``), asked directly."""
-    huge = huge_page_size()
-    if not huge:
-        return False
-    mm = mmap.mmap(-1, 2 * huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        off = -address(memoryview(mm)) % huge
-        mm[off : off + huge] = b"\1" * huge
-        mm.madvise(MADV_COLLAPSE, off, huge)
-    except OSError:
-        return False
-    finally:
-        mm.close()
-    return True
 
 
 def huge_bytes_under(t: torch.Tensor) -> int:

@@ -18,6 +18,7 @@ import torch
 
 from tests.cancellation import CANCELS, cancellable
 from tests.faults import FaultInjector
+from tests.hugepages import collapse_works
 from tests.invariants import problems
 from tieredkv import SSDTier, TieredKVCache
 from tieredkv._cache.gather import Scatter, span_plan
@@ -480,13 +481,6 @@ async def test_load_into_unaligned_tensors_reuses_its_span_buffers(
     assert counting.consumed == 3 * n  # every span copied, none landed
 
 
-def collapses_here() -> bool:
-    """Whether this kernel collapses memory into huge pages (asked directly)."""
-    from tests.unit.test_output_pool import collapse_works
-
-    return collapse_works()
-
-
 async def settled(collapser: Any, seconds: float = 30) -> None:
     deadline = time.monotonic() + seconds
     for _ in range(1_000_000):  # a polled condition: the collapser's thread
@@ -516,7 +510,7 @@ async def test_span_buffers_a_copied_span_filled_become_huge_pages(tmp_path: Pat
             await cache.load_into("s", out)
             assert same(out, want)
             await settled(collapser)
-        if collapses_here():
+        if collapse_works():
             assert collapser.collapsed >= n  # at least one huge page per buffer filled
             assert collapser.failures == 0
         else:
