@@ -85,8 +85,7 @@ import torch
 
 from _measure import Took, cold, measured
 from tieredkv import SSDTier, TieredKVCache
-from tieredkv.backends._buffers import address
-from tieredkv.backends._hugepages import MADV_COLLAPSE, huge_page_size
+from tieredkv.backends._hugepages import MADV_COLLAPSE, huge_aligned, huge_page_size
 from tieredkv.backends.ssd.reader import READ_DEPTH
 
 MB = 1 << 20
@@ -232,8 +231,7 @@ def huge_buffer(n: int) -> memoryview:
     page-aligned, prefaulted 4 KiB pages."""
     n = -(-n // ALIGN) * ALIGN
     huge = huge_page_size()
-    mm = mmap.mmap(-1, n + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    off = -address(memoryview(mm)) % huge if huge else 0
+    mm, off = huge_aligned(n, huge)
     view = memoryview(mm)[off : off + n]
     view[:] = bytes(n)
     if huge and n >= huge:

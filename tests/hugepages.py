@@ -4,10 +4,8 @@ output pool's and the SSD tier's background collapse (:mod:`tieredkv.backends._h
 from __future__ import annotations
 
 import functools
-import mmap
 
-from tieredkv.backends._buffers import address
-from tieredkv.backends._hugepages import MADV_COLLAPSE, huge_page_size
+from tieredkv.backends._hugepages import MADV_COLLAPSE, huge_aligned, huge_page_size
 
 
 @functools.cache
@@ -17,9 +15,8 @@ def collapse_works() -> bool:
     huge = huge_page_size()
     if not huge:
         return False
-    mm = mmap.mmap(-1, 2 * huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mm, off = huge_aligned(huge, huge)
     try:
-        off = -address(memoryview(mm)) % huge
         mm[off : off + huge] = b"\1" * huge
         mm.madvise(MADV_COLLAPSE, off, huge)
     except OSError:

@@ -349,17 +349,6 @@ def failing_madvise(err: int, calls: list[int]) -> Any:
     return madvise
 
 
-def pool_with_idle(n: int, huge: int) -> tuple[OutputPool, list[int]]:
-    """A collapsing pool whose ``madvise`` is replaced by the caller, and ``n`` outputs of
-    two huge pages each dropped into it."""
-    pool = OutputPool(64 << 20)
-    pool._collapser.huge = huge
-    outs = [pool.empty((2 * huge,), torch.uint8) for _ in range(n)]
-    for t in outs:
-        t.fill_(7)
-    return pool, [t.data_ptr() for t in outs]
-
-
 def wait_for(cond: Any, seconds: float = 10) -> bool:
     deadline = time.monotonic() + seconds
     for _ in range(1_000_000):  # a polled condition: the pool's thread
@@ -461,9 +450,7 @@ def test_close_during_collapsing_unmaps_idle_memory_and_ends_the_thread() -> Non
 
     pool._collapser._madvise = madvise
     outs = [pool.empty((2 * huge,), torch.uint8) for _ in range(4)]
-    blocks = list(outs)
     outs.clear()
-    del blocks
     gc.collect()
     assert started.wait(10)
     worker = pool._collapser._worker

@@ -42,8 +42,7 @@ from collections import defaultdict
 
 import torch
 
-from ..backends._buffers import address, anonymous
-from ..backends._hugepages import Collapser, Idle
+from ..backends._hugepages import Collapser, Idle, huge_aligned
 
 __all__ = ["POOLED_MIN_BYTES", "OutputPool"]
 
@@ -123,11 +122,9 @@ class OutputPool:
         """New memory for an output of ``size`` bytes: where the pool collapses and the
         output spans a huge page, mapped a huge page larger and used from a huge-page
         boundary (the pages before and after it are never touched, so never backed)."""
-        if not self._collapser.aligned(size):
-            return Idle(anonymous(size))
-        huge = self._collapser.huge
-        mm = anonymous(size + huge)
-        return Idle(mm, -address(memoryview(mm)) % huge, size)
+        huge = self._collapser.huge if self._collapser.aligned(size) else 0
+        mm, offset = huge_aligned(size, huge)
+        return Idle(mm, offset, size)
 
     def _give_back(self, block: Idle) -> None:
         # called while the dying array still holds its export of the mapping (weakref

@@ -28,9 +28,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
-from ._buffers import address
+from ._buffers import address, anonymous
 
-__all__ = ["MADV_COLLAPSE", "TRIES", "Collapser", "Idle", "huge_page_size"]
+__all__ = ["MADV_COLLAPSE", "TRIES", "Collapser", "Idle", "huge_aligned", "huge_page_size"]
 
 _log = logging.getLogger(__name__)
 
@@ -54,6 +54,17 @@ def huge_page_size() -> int:
     except (OSError, ValueError):
         return 0
     return size if size > mmap.PAGESIZE and size % mmap.PAGESIZE == 0 else 0
+
+
+def huge_aligned(size: int, huge: int) -> tuple[mmap.mmap, int]:
+    """A private anonymous mapping that holds ``size`` bytes from a ``huge``-byte boundary,
+    and the offset of that boundary in it (mapped ``huge`` bytes larger: the pages before
+    and after are never touched, so never backed); with ``huge`` 0, ``size`` bytes from
+    offset 0."""
+    if not huge:
+        return anonymous(size), 0
+    mm = anonymous(size + huge)
+    return mm, -address(memoryview(mm)) % huge
 
 
 def _madvise() -> Callable[[int, int, int], int] | None:
