@@ -6,6 +6,7 @@ another token dimension) is read and copied as before."""
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import threading
 import time
@@ -516,3 +517,68 @@ async def test_span_buffers_a_copied_span_filled_become_huge_pages(tmp_path: Pat
         else:
             assert not collapser.active
         assert problems(cache) == []
+
+
+def copied_turns() -> list[dict[str, torch.Tensor]]:
+    """More whole segments than reads in flight, of 5 MiB each: a ``load_into`` of them into
+    unaligned outputs copies every span, lowers the stream's limit, reuses its buffers and
+    has them collapsed into huge pages in the background meanwhile."""
+    return [{k: v for k, v in p.items() if k != "small"} for p in turns(READ_DEPTH + 2, rows=640)]
+
+
+@pytest.mark.parametrize("how", CANCELS)
+async def test_a_copied_load_into_survives_cancellation(tmp_path: Path, how: str) -> None:
+    """``load_into`` unaligned outputs (every span read into a span buffer and copied),
+    cancelled at several points by each kind of cancellation, while the tier collapses the
+    buffers earlier calls filled: afterwards the cache, tier, channel and files agree, and
+    the history loads back exactly into fresh outputs."""
+    parts = copied_turns()
+    want = joined(parts)
+    async with TieredKVCache([SSDTier(tmp_path, CAPACITY)]) as cache:
+        for i, part in enumerate(parts):
+            await cache.append("s", part, answer_tokens=i)
+        for delay in (0.0, 0.0005, 0.002, 0.01, 0.03):
+            out = unaligned_like(want)
+            await cancellable(how, delay, functools.partial(cache.load_into, "s", out))
+            assert problems(cache) == []
+            again = unaligned_like(want)
+            await cache.load_into("s", again)
+            assert same(again, want)
+
+
+async def test_an_io_error_at_each_os_call_of_a_copied_load_into_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    """Fail each os call of a ``load_into`` whose spans are all copied, in turn: it raises
+    (a miss or an I/O error) or fills the outputs exactly, the cache stays consistent, and
+    whatever is still stored loads back exactly."""
+    parts = copied_turns()
+    want = joined(parts)
+    async with TieredKVCache([SSDTier(tmp_path, CAPACITY)]) as cache:
+        for i, part in enumerate(parts):
+            await cache.append("s", part, answer_tokens=i)
+        with FaultInjector() as faults:
+            with faults.paused():
+                before = dict(faults.calls)
+                await cache.load_into("s", unaligned_like(want))
+            calls = {site: n - before.get(site, 0) for site, n in faults.calls.items()}
+        assert calls.get("preadv", 0) + calls.get("pread", 0) >= len(parts), calls
+        for site, count in calls.items():
+            for nth in range(1, count + 1):
+                if "s" not in cache:  # lost to a damaged read: store it again
+                    for i, part in enumerate(parts):
+                        await cache.append("s", part, answer_tokens=i)
+                out = unaligned_like(want)
+                with FaultInjector() as faults:
+                    faults.fail_nth(site, faults.calls[site] + nth, errno.EIO)
+                    try:
+                        await cache.load_into("s", out)
+                    except (TierIOError, SessionNotFoundError):
+                        pass
+                    else:
+                        assert same(out, want)
+                assert problems(cache) == [], (site, nth)
+                if "s" in cache:
+                    again = unaligned_like(want)
+                    await cache.load_into("s", again)
+                    assert same(again, want)
