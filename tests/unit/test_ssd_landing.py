@@ -10,6 +10,7 @@ import functools
 import os
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -271,7 +272,6 @@ async def test_an_io_error_at_each_os_call_of_a_landed_load_loses_nothing(
     or returns the exact history, the cache stays consistent, and whatever is still stored
     loads back exactly. With ``whole``, every segment is one span (one ``preadv`` each)."""
     parts, chunk = landing(whole)
-    want = joined(parts)
     async with TieredKVCache([SSDTier(tmp_path, CAPACITY, chunk_size=chunk)]) as cache:
         for i, part in enumerate(parts):
             await cache.append("s", part, answer_tokens=i)
@@ -286,22 +286,36 @@ async def test_an_io_error_at_each_os_call_of_a_landed_load_loses_nothing(
         else:
             assert counting.consumed < counting.landed_asked
             assert calls.get("preadv", 0) >= 3, calls
-        for site, count in calls.items():
-            for nth in range(1, count + 1):
-                if "s" not in cache:  # lost to a damaged read: store it again
-                    for i, part in enumerate(parts):
-                        await cache.append("s", part, answer_tokens=i)
-                with FaultInjector() as faults:
-                    faults.fail_nth(site, faults.calls[site] + nth, errno.EIO)
-                    try:
-                        got = await cache.load("s")
-                    except (TierIOError, SessionNotFoundError):
-                        pass
-                    else:
-                        assert same(got, want)
-                assert problems(cache) == [], (site, nth)
-                if "s" in cache:
-                    assert same(await cache.load("s"), want)
+        await fail_each_call(cache, parts, calls, lambda: cache.load("s"))
+
+
+async def fail_each_call(
+    cache: TieredKVCache,
+    parts: list[dict[str, torch.Tensor]],
+    calls: dict[str, int],
+    read: Callable[[], Awaitable[dict[str, torch.Tensor]]],
+) -> None:
+    """Fail each of the os ``calls`` one read of session ``s`` (``parts``) made, in turn,
+    with EIO: ``read`` raises (a miss or an I/O error) or returns the exact history, the
+    cache stays consistent, and whatever is still stored reads back exactly (a history lost
+    to a damaged read is stored again before the next call fails)."""
+    want = joined(parts)
+    for site, count in calls.items():
+        for nth in range(1, count + 1):
+            if "s" not in cache:
+                for i, part in enumerate(parts):
+                    await cache.append("s", part, answer_tokens=i)
+            with FaultInjector() as faults:
+                faults.fail_nth(site, faults.calls[site] + nth, errno.EIO)
+                try:
+                    got = await read()
+                except (TierIOError, SessionNotFoundError):
+                    pass
+                else:
+                    assert same(got, want)
+            assert problems(cache) == [], (site, nth)
+            if "s" in cache:
+                assert same(await read(), want)
 
 
 # -- segments read whole: one span each, read and verified in one reader job ---------------
@@ -563,22 +577,10 @@ async def test_an_io_error_at_each_os_call_of_a_copied_load_into_loses_nothing(
                 await cache.load_into("s", unaligned_like(want))
             calls = {site: n - before.get(site, 0) for site, n in faults.calls.items()}
         assert calls.get("preadv", 0) + calls.get("pread", 0) >= len(parts), calls
-        for site, count in calls.items():
-            for nth in range(1, count + 1):
-                if "s" not in cache:  # lost to a damaged read: store it again
-                    for i, part in enumerate(parts):
-                        await cache.append("s", part, answer_tokens=i)
-                out = unaligned_like(want)
-                with FaultInjector() as faults:
-                    faults.fail_nth(site, faults.calls[site] + nth, errno.EIO)
-                    try:
-                        await cache.load_into("s", out)
-                    except (TierIOError, SessionNotFoundError):
-                        pass
-                    else:
-                        assert same(out, want)
-                assert problems(cache) == [], (site, nth)
-                if "s" in cache:
-                    again = unaligned_like(want)
-                    await cache.load_into("s", again)
-                    assert same(again, want)
+
+        async def read() -> dict[str, torch.Tensor]:
+            out = unaligned_like(want)
+            await cache.load_into("s", out)
+            return out
+
+        await fail_each_call(cache, parts, calls, read)
