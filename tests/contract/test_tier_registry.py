@@ -261,8 +261,8 @@ BAD: dict[str, tuple[Any, str]] = {
     "unknown key": (
         {**SSD, "fsyncc": True},
         "tier config of kind 'ssd': unknown key(s) ['fsyncc']; it takes ['capacity', "
-        "'chunk_size', 'direct_io', 'directory', 'fsync', 'max_threads', 'name', 'secret', "
-        "'secret_file']",
+        "'chunk_size', 'direct_io', 'directory', 'fsync', 'huge_pages', 'max_threads', "
+        "'name', 'secret', 'secret_file']",
     ),
     "missing key": (
         {"kind": "ssd", "capacity": 1 << 30},

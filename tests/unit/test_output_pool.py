@@ -8,6 +8,8 @@ from __future__ import annotations
 import ctypes
 import errno
 import gc
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -461,3 +463,76 @@ def test_close_during_collapsing_unmaps_idle_memory_and_ends_the_thread() -> Non
     assert all(b.mm.closed for b in held)
     assert pool.idle_bytes == 0
     assert pool.collapsed <= 8
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_a_collapse_holds_the_locks_drops_reuses_and_closes() -> None:
+    """A fork copies the collapser's locks as held by its thread mid-collapse (and the
+    pool's, by whichever thread held it): the child, which has no such thread, still drops,
+    reuses and closes the memory it inherited, with nothing deadlocked."""
+    huge = 2 << 20
+    pool = OutputPool(64 << 20)
+    pool._collapser.huge = huge
+    parent = os.getpid()
+    started, release = threading.Event(), threading.Event()
+
+    def madvise(at: int, length: int, advice: int) -> int:
+        if os.getpid() == parent:  # the parent's collapse: held until released
+            started.set()
+            release.wait(10)
+        return 0
+
+    pool._collapser._madvise = madvise
+    kept = pool.empty((2 * huge,), torch.uint8)
+    kept.fill_(7)
+    outs = [pool.empty((2 * huge,), torch.uint8) for _ in range(2)]
+    outs.clear()
+    gc.collect()
+    assert started.wait(10)  # the parent's thread holds ``unmapping`` now
+    holding, let_go = threading.Event(), threading.Event()
+
+    def hold() -> None:  # and another thread holds the pool's
+        with pool._lock:
+            holding.set()
+            let_go.wait(30)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert holding.wait(10)
+    pid = os.fork()
+    if pid == 0:  # the child: exits 0 once all of it worked (numpy, not torch: a forked
+        code = 1  # child may not use torch's own threads)
+        try:
+            assert bool((kept.numpy() == 7).all())
+            del kept
+            gc.collect()
+            again = pool.empty((2 * huge,), torch.uint8)  # the memory it inherited, reused
+            again.numpy()[:] = 9
+            assert bool((again.numpy() == 9).all())
+            assert pool.reused >= 1
+            del again
+            gc.collect()
+            pool.close()
+            code = 0
+        finally:
+            os._exit(code)
+    try:
+        deadline = time.monotonic() + 30
+        status = None
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.01)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child deadlocked on a lock a parent's thread held")
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        release.set()
+        let_go.set()
+    holder.join(10)
+    assert wait_for(lambda: pool._collapser._worker is None)
+    assert bool((kept == 7).all())
+    pool.close()

@@ -27,10 +27,11 @@ from tieredkv._cache.gather import Scatter, span_plan
 from tieredkv._cache.outputs import POOLED_MIN_BYTES
 from tieredkv.backends import _buffers
 from tieredkv.backends.base import LandingConsumer
+from tieredkv.backends.registry import tier_from_config
 from tieredkv.backends.ssd import segment_file_name, stream
 from tieredkv.backends.ssd.layout import preadv_full
 from tieredkv.backends.ssd.reader import READ_DEPTH, VERIFYING
-from tieredkv.errors import SessionNotFoundError, TierIOError
+from tieredkv.errors import InvalidTypeError, SessionNotFoundError, TierIOError
 from tieredkv.payload import LAND_ALIGN, LAND_MIN, plan_segment
 
 CAPACITY = 256 << 20
@@ -531,6 +532,34 @@ async def test_span_buffers_a_copied_span_filled_become_huge_pages(tmp_path: Pat
         else:
             assert not collapser.active
         assert problems(cache) == []
+
+
+async def test_span_buffers_stay_on_small_pages_with_huge_pages_false(tmp_path: Path) -> None:
+    """``SSDTier(huge_pages=False)`` (or ``"huge_pages": false`` in a configuration) keeps
+    its span buffers on 4 KiB pages: copied spans read exactly, nothing is collapsed."""
+    parts = [{k: v for k, v in p.items() if k != "small"} for p in turns(READ_DEPTH, rows=640)]
+    want = joined(parts)
+    tier = tier_from_config(
+        {"kind": "ssd", "directory": str(tmp_path), "capacity": CAPACITY, "huge_pages": False}
+    )
+    async with TieredKVCache([tier]) as cache:
+        for i, part in enumerate(parts):
+            await cache.append("s", part, answer_tokens=i)
+        collapser = tier._stream._collapser  # type: ignore[attr-defined]
+        assert not collapser.active
+        for _ in range(3):
+            out = unaligned_like(want)
+            await cache.load_into("s", out)
+            assert same(out, want)
+        assert collapser._worker is None
+        assert collapser.collapsed == 0
+        assert problems(cache) == []
+
+
+def test_a_bad_huge_pages_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(InvalidTypeError, match="huge_pages must be a bool, not int"):
+        SSDTier(tmp_path, CAPACITY, huge_pages=1)  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []  # nothing made
 
 
 def copied_turns() -> list[dict[str, torch.Tensor]]:

@@ -42,7 +42,7 @@ from collections import defaultdict
 
 import torch
 
-from ..backends._hugepages import Collapser, Idle, huge_aligned
+from ..backends._hugepages import Collapser, Idle, huge_aligned, reset_in_forked_child
 
 __all__ = ["POOLED_MIN_BYTES", "OutputPool"]
 
@@ -74,6 +74,12 @@ class OutputPool:
         self._collapser = Collapser(huge_pages and keep_bytes > 0)
         self.reused = 0
         """Outputs served from memory a dropped output left (for tests and metrics)."""
+        reset_in_forked_child(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child, a new lock: a parent's thread may have held this one at the
+        fork (the child still drops, reuses and closes the memory it inherited)."""
+        self._lock = threading.RLock()
 
     @property
     def idle_bytes(self) -> int:

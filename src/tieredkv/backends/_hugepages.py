@@ -12,7 +12,9 @@ ctypes so that the GIL is released meanwhile, and only while the buffer stays id
 kernel keeps the bytes as they are while it collapses (memory a new read already uses is
 collapsed or left alone, never changed). A kernel that cannot (older, or transparent huge
 pages ``never``) turns the collapser off; a huge page it cannot give now is counted and
-tried again the next time the buffer is idle, up to :data:`TRIES` times.
+tried again the next time the buffer is idle, up to :data:`TRIES` times. A child this
+process forks gives each collapser and owner new locks (:func:`reset_in_forked_child`): a
+collapse in progress holds two, for a thread the child does not have.
 """
 
 from __future__ import annotations
@@ -21,16 +23,26 @@ import ctypes
 import errno
 import logging
 import mmap
+import os
 import sys
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import Protocol, cast
 
 from ._buffers import address, anonymous
 
-__all__ = ["MADV_COLLAPSE", "TRIES", "Collapser", "Idle", "huge_aligned", "huge_page_size"]
+__all__ = [
+    "MADV_COLLAPSE",
+    "TRIES",
+    "Collapser",
+    "Idle",
+    "huge_aligned",
+    "huge_page_size",
+    "reset_in_forked_child",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -42,6 +54,29 @@ TRIES = 3
 
 _UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP})
 """``madvise`` errors that mean this kernel or its settings will never collapse."""
+
+
+class _Forkable(Protocol):
+    def _after_fork(self) -> None: ...
+
+
+_forkable: weakref.WeakSet[_Forkable] = weakref.WeakSet()
+
+
+def reset_in_forked_child(owner: _Forkable) -> None:
+    """Call ``owner._after_fork()`` in a child this process forks, before the child runs
+    anything else: a fork copies locks as they are, held by threads the child does not
+    have (a collapse in progress holds two), so an owner gives itself new ones there."""
+    _forkable.add(owner)
+
+
+def _after_fork_in_child() -> None:
+    for owner in list(_forkable):
+        owner._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def huge_page_size() -> int:
@@ -126,6 +161,18 @@ class Collapser:
         """Huge pages made so far."""
         self.failures = 0
         """Collapses the kernel refused for now (no free huge page)."""
+        reset_in_forked_child(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: new locks (a parent's thread may have held them at the fork)
+        and no thread or queue (the child has no collapsing thread; what was queued is
+        queued again when its owner next drops it)."""
+        self._lock = threading.Lock()
+        self.unmapping = threading.Lock()
+        self._worker = None
+        for idle in self._queue:
+            idle.queued = False
+        self._queue.clear()
 
     @property
     def active(self) -> bool:

@@ -96,6 +96,7 @@ class SSDConfig(TierConfig, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     chunk_size: int = 8 << 20
     secret: bytes | None = None
     secret_file: str | None = None
+    huge_pages: bool = True
 
 
 class MmapConfig(TierConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):

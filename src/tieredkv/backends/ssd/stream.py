@@ -46,7 +46,7 @@ from ...payload import (
     parse_header,
 )
 from .._buffers import aligned, anonymous, close_mapping
-from .._hugepages import Collapser, Idle
+from .._hugepages import Collapser, Idle, reset_in_forked_child
 from ..base import Consumer, LandingConsumer, SegmentKey, Spans
 from .index import SegmentIndex
 from .layout import pread_full, preadv_full, segment_file_name
@@ -92,9 +92,16 @@ class SpanStream:
     :param reader: opens and closes the tier's segment files
     :param index: the tier's index
     :param workers: the tier's threads
+    :param huge_pages: collapse kept span buffers into huge pages (where the kernel can)
     """
 
-    def __init__(self, reader: SegmentReader, index: SegmentIndex, workers: Workers) -> None:
+    def __init__(
+        self,
+        reader: SegmentReader,
+        index: SegmentIndex,
+        workers: Workers,
+        huge_pages: bool = True,
+    ) -> None:
         self._reader = reader
         self._index = index
         self._workers = workers
@@ -103,9 +110,14 @@ class SpanStream:
         self._lock = threading.Lock()
         self._idle: dict[int, Idle] = {}
         """Each kept buffer (by ``id``), as the collapser sees it."""
-        self._collapser = Collapser()
+        self._collapser = Collapser(huge_pages)
         """Collapses kept buffers a copied span filled into huge pages (a span that lands
         leaves its buffer untouched but for a page: collapsing it would only add memory)."""
+        reset_in_forked_child(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child, a new lock (a parent's stream may have held this one)."""
+        self._lock = threading.Lock()
 
     def close(self, tier: str) -> None:
         """Unmap the buffers kept for later streams (the tier closes)."""

@@ -11,7 +11,13 @@ from typing import NoReturn
 import anyio
 
 from ..._checks import check_cuts, check_int
-from ...errors import ClosedError, CorruptSegmentError, InvalidArgumentError, TierIOError
+from ...errors import (
+    ClosedError,
+    CorruptSegmentError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    TierIOError,
+)
 from ...payload import ALIGN, SegmentHeader, derive_key
 from .._arguments import check_tier_arguments
 from ..base import Consumer, SegmentKey, Spans, Tier, TierStats, check_read
@@ -42,6 +48,12 @@ class SSDTier(Tier):
         ahead by reader threads while the hasher thread hashes the chunks already read
     :param secret: authenticate segments with this secret (at least 16 bytes; keep it out
         of the directory): see :mod:`tieredkv.backends.ssd` for what that catches and what not
+    :param huge_pages: collapse the span buffers the tier keeps into transparent huge pages
+        in a background thread, up to what spans read into them and copied out filled
+        (``madvise(MADV_COLLAPSE)``, Linux 6.1; nothing elsewhere), so that later such reads
+        go to physically contiguous memory; ``False`` keeps 4 KiB pages. Loads that land
+        straight in their outputs do not use it (see ``output_huge_pages`` of
+        :class:`~tieredkv.TieredKVCache` for theirs)
     """
 
     kind = "ssd"
@@ -57,8 +69,13 @@ class SSDTier(Tier):
         max_threads: int = 4,
         chunk_size: int = 8 << 20,
         secret: bytes | None = None,
+        huge_pages: bool = True,
     ) -> None:
         check_tier_arguments(name, capacity, max_threads)
+        if not isinstance(huge_pages, bool):
+            raise InvalidTypeError(
+                f"tier {name!r}: huge_pages must be a bool, not {type(huge_pages).__name__}"
+            )
         key = None if secret is None else derive_key(secret)
         check_int(f"tier {name!r}: chunk_size", chunk_size, minimum=ALIGN)
         if chunk_size % ALIGN:
@@ -73,7 +90,7 @@ class SSDTier(Tier):
         self._recovery = Recovery(self._dir, self._index, key)
         self._workers = Workers(name, max_threads)
         self._reader = SegmentReader(self._dir, self._index, self._workers, key, chunk_size)
-        self._stream = SpanStream(self._reader, self._index, self._workers)
+        self._stream = SpanStream(self._reader, self._index, self._workers, huge_pages)
         self._writer = SegmentWriter(self._dir, self._workers, key, fsync=fsync, capacity=capacity)
         self._limiter: anyio.CapacityLimiter | None = None
         self._notes: list[str] = []
