@@ -1,8 +1,8 @@
 """Host bytes and host hit ratios with and without sharing, in the simulator.
 
 Run: ``.venv/bin/python benchmarks/bench_forest_sim.py [--mooncake PATH] [--gb 8,16]
-[--mooncake-gb 64,256] [--policies lru,bidaw]``. Two workloads whose conversations share
-history (:mod:`tieredkv.sim.forest`):
+[--mooncake-gb 64,256] [--policies lru,bidaw] [--seed 0] [--bidaw-kwargs JSON]``. Two
+workloads whose conversations share history (:mod:`tieredkv.sim.forest`):
 
 - 200 synthetic conversations sharing a 2,048-token system prompt, 5% of turns forking
   (an edited message or a regenerated answer);
@@ -26,13 +26,24 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from typing import Any
 
-from tieredkv.policies import make_eviction
+import msgspec
+
+from _bidaw_kwargs import add_bidaw_kwargs, parse_bidaw_kwargs
+from tieredkv.policies import Eviction, make_eviction
 from tieredkv.sim.forest import Forest, SharedPromptWorkload, read_mooncake_forest, replay_forest
 
 BPT = 128 * 1024
 GIB = 1 << 30
 MOONCAKE = "/work/shared/traces/mooncake_fast25/conversation_trace.jsonl"
+BIDAW_KWARGS: dict[str, Any] = {}
+"""Keyword arguments for the ``bidaw`` rows' :class:`~tieredkv.policies.AdaptiveBidaw`."""
+
+
+def build(name: str) -> Eviction:
+    """A registered policy; the ``bidaw`` rows with :data:`BIDAW_KWARGS`."""
+    return make_eviction(name, **(BIDAW_KWARGS if name == "bidaw" else {}))
 
 
 def report(name: str, forest: Forest, sizes: list[float], policies: list[str]) -> None:
@@ -59,9 +70,9 @@ def report(name: str, forest: Forest, sizes: list[float], policies: list[str]) -
         for policy in policies:
             t = time.perf_counter()
             host = int(gb * GIB)
-            off = replay_forest(forest, make_eviction(policy), host_bytes=host, sharing=False,
+            off = replay_forest(forest, build(policy), host_bytes=host, sharing=False,
                                 bytes_per_token=BPT)  # fmt: skip
-            on = replay_forest(forest, make_eviction(policy), host_bytes=host, sharing=True,
+            on = replay_forest(forest, build(policy), host_bytes=host, sharing=True,
                                bytes_per_token=BPT)  # fmt: skip
             assert on.replay.accesses == off.replay.accesses
             print(
@@ -79,11 +90,15 @@ def main() -> None:
     parser.add_argument("--mooncake", default=MOONCAKE, help="conversation_trace.jsonl")
     parser.add_argument("--mooncake-gb", default="64,256", help="host sizes for Mooncake, GiB")
     parser.add_argument("--policies", default="lru,bidaw")
+    parser.add_argument("--seed", type=int, default=0, help="the shared-prompt workload's seed")
+    add_bidaw_kwargs(parser)
     args = parser.parse_args()
+    BIDAW_KWARGS.update(parse_bidaw_kwargs(parser, args.bidaw_kwargs))
     policies = args.policies.split(",")
+    base = msgspec.structs.replace(SharedPromptWorkload().base, seed=args.seed)
     report(
         "shared prompt (200 conversations, 2,048-token prompt, 5% of turns fork)",
-        SharedPromptWorkload().generate(),
+        SharedPromptWorkload(base=base).generate(),
         [float(g) for g in args.gb.split(",")],
         policies,
     )

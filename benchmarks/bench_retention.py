@@ -31,13 +31,13 @@ same run, name it beside a default row: ``--policies bidaw,bidaw-density``).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from _bidaw_kwargs import add_bidaw_kwargs, parse_bidaw_kwargs
 from _density import KnownDistribution, LearnedDensity
 from tieredkv.policies import AdaptiveBidaw, Eviction, make_eviction
 from tieredkv.sim.agentic import AgenticWorkload, replay_agentic
@@ -178,23 +178,9 @@ def main() -> None:
     parser.add_argument(
         "--bound", action="store_true", help="also the hit-density instruments (_density.py)"
     )
-    parser.add_argument(
-        "--bidaw-kwargs",
-        default="{}",
-        help='keyword arguments (JSON) for the bidaw row\'s AdaptiveBidaw, e.g. {"samples": 4096}',
-    )
+    add_bidaw_kwargs(parser)
     args = parser.parse_args()
-    try:
-        kwargs = json.loads(args.bidaw_kwargs)
-        if not isinstance(kwargs, dict):
-            raise TypeError("not a JSON object")
-        BIDAW_KWARGS.update(kwargs)
-        build("bidaw")
-    except (ValueError, TypeError) as exc:
-        parser.error(
-            f"--bidaw-kwargs must be a JSON object of AdaptiveBidaw's keyword arguments "
-            f"(got {args.bidaw_kwargs!r}: {exc})"
-        )
+    BIDAW_KWARGS.update(parse_bidaw_kwargs(parser, args.bidaw_kwargs))
     start = time.perf_counter()
     POLICIES = tuple(dict.fromkeys([*args.policies.split(","), "belady"]))
     skip = set(filter(None, args.skip.split(",")))

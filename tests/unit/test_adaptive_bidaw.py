@@ -10,6 +10,7 @@ import pytest
 
 from tieredkv.meta import KVMeta, MetadataChannel, TierInfo
 from tieredkv.policies import AdaptiveBidaw, BidawEviction, Hinted
+from tieredkv.policies.adaptive_bidaw import SMOOTH_FROM
 from tieredkv.sim.trace import Turns
 
 GB = 10**9
@@ -318,6 +319,42 @@ def test_the_reading_time_is_learned_per_token_and_each_session_is_shifted_by_it
     for i in range(8):  # traffic meanwhile: residents are rescored as it flows
         p.on_access(f"new{i}", meta(f"new{i}", last=3135.0), 3135.0)
     assert p.victims(1, 3135.0, channel) == ["short"]
+
+
+def test_a_persons_delays_are_smoothed_once_the_window_holds_enough_of_them() -> None:
+    """With fewer than SMOOTH_FROM gaps of persons' turns the table is the empirical one
+    (as with ``smooth_delays=False``); past it, the smoothed one, which has no staircase:
+    its density changes smoothly from one delay to the next."""
+
+    def fed(until: float, smooth: bool) -> AdaptiveBidaw:
+        p = AdaptiveBidaw(
+            capacity=40 * GB,
+            refresh_every=64,
+            duel_block=10**9,
+            ranking="density",
+            smooth_delays=smooth,
+        )
+        read_and_type(p, until)
+        return p
+
+    assert AdaptiveBidaw().smooth_delays  # the default
+    bucket = AdaptiveBidaw().bucket_of(130)
+    few, few_plain = fed(800.0, True), fed(800.0, False)
+    assert 64 <= len(few._gaps) < SMOOTH_FROM
+    assert few.density(bucket) == few_plain.density(bucket)
+    many, many_plain = fed(3000.0, True), fed(3000.0, False)
+    assert len(many._gaps) >= SMOOTH_FROM
+    rough, fine = many_plain.density(bucket), many.density(bucket)
+    assert rough is not None
+    assert fine is not None
+    # a delay of 5-10 s: the empirical table steps at each sample, the smoothed one does not
+    grid = many.density_grid(bucket)
+    span = [k for k, x in enumerate(grid) if 4.0 <= x <= 11.0]
+
+    def jumps(row: list[float]) -> float:
+        return max(abs(row[k + 1] - row[k]) for k in span[:-1])
+
+    assert jumps(fine) < 0.5 * jumps(rough)
 
 
 def reading(p: AdaptiveBidaw, rounds: int) -> None:

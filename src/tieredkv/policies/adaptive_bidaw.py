@@ -13,13 +13,13 @@ import numpy as np
 import numpy.typing as npt
 
 from ..meta import KVMeta, MetadataView
-from ._hit_density import HORIZONS, best_density, beyond
+from ._hit_density import HORIZONS, best_density, beyond, smoothed_survival
 from .base import shielded, stored_share
 from .bidaw_eviction import DEFAULT_ANSWER_EDGES, BidawEviction, _rises, _Seen, _unimodal
 from .ghost import GhostCache
 from .ranking import RESCORE_BINS, ResidentRanking
 
-__all__ = ["DEFAULT_HINT_EDGES", "DEFAULT_TURN_EDGES", "AdaptiveBidaw"]
+__all__ = ["DEFAULT_HINT_EDGES", "DEFAULT_TURN_EDGES", "SMOOTH_FROM", "AdaptiveBidaw"]
 
 DEFAULT_HINT_EDGES: tuple[float, ...] = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 """Upper edges (exclusive, seconds) of the classes of hinted gaps; one more class takes
@@ -35,6 +35,11 @@ _PRIORITY_SPAN = 4  # priorities are clamped to [-4, 4]: a factor of 16 either w
 _LEARNED, _RECENCY = "learned", "recency"
 _MAX_BACKOFF = 16  # a losing trial doubles the wait for the next, up to 16 duel_retry
 _DELAY_POINTS = 400  # points of the delay grid on either side of 0
+SMOOTH_FROM = 1024
+"""Gaps of persons' turns the window holds before their delays are smoothed: with fewer,
+the smoothed table measured 0.5-2.4 points below the empirical one on the forest
+simulator's shared prompt (200 users, seeds 0-2), and with this gate within 0.4 either
+way (``docs/explanation/bidaw-eviction.md``, "A smoothed delay distribution")."""
 _TRUST_PRIOR = 4.0  # pseudo-hints kept on time: a caller's hints are trusted until shown wrong
 
 
@@ -161,6 +166,12 @@ class AdaptiveBidaw(BidawEviction):
     :param read_prior: an answer bucket's prior (its ``prior_weight`` pseudo-samples) is
         the answer buckets' reuse distances moved to its answer's length (a longer answer,
         a longer read: :meth:`_prior`), not their pooled distribution as is
+    :param smooth_delays: with the density ranking, once the window holds
+        :data:`SMOOTH_FROM` gaps of persons' turns, smooth the distribution of their delay
+        past the reading time by a kernel in log scale before tabulating it
+        (:func:`~tieredkv.policies._hit_density.smoothed_survival`; ``False``: the
+        empirical distribution, as before 5 December 2026). See
+        ``docs/explanation/bidaw-eviction.md``, "A smoothed delay distribution"
 
     The other parameters are :class:`~tieredkv.policies.BidawEviction`'s.
     """
@@ -194,6 +205,7 @@ class AdaptiveBidaw(BidawEviction):
         rival_margin: float = 16.0,
         rival_half_life: int = 512,
         read_prior: bool = True,
+        smooth_delays: bool = True,
     ) -> None:
         if ranking not in _RANKINGS:
             raise ValueError(f"ranking must be one of {_RANKINGS} (got {ranking!r})")
@@ -288,6 +300,7 @@ class AdaptiveBidaw(BidawEviction):
         self.hint_edges = hints
         self._answer_buckets = len(tuple(answer_edges)) + 1
         self.read_prior = read_prior
+        self.smooth_delays = bool(smooth_delays)
         # per answer bucket: the previous answers' tokens seen there, summed, and how many
         self._answer_tokens = [0.0] * self._answer_buckets
         self._answer_seen = [0] * self._answer_buckets
@@ -729,15 +742,18 @@ class AdaptiveBidaw(BidawEviction):
         """Fit ``gap = read_rate * answer + delay`` to the answer buckets' samples (least
         squares, the rate at least 0; it sets :attr:`read_rate`) and return, for each
         chance of a next turn in ``chances``, the hit density by the delay elapsed (on the
-        delay grid): one row per chance."""
+        delay grid): one row per chance. With :attr:`smooth_delays` and at least
+        :data:`SMOOTH_FROM` samples, the delays' survival is smoothed in log scale
+        (:func:`~tieredkv.policies._hit_density.smoothed_survival`)."""
         rate = _rising_slope(answers, gaps)
         self.read_rate = rate
         delays = np.sort(gaps - rate * answers)
-        n = len(delays)
         grid = np.asarray(self._delay_grid)
         ahead = grid[:, None] + HORIZONS[None, 1:]
-        s_now = beyond(delays, grid) / n
-        s_ahead = beyond(delays, ahead) / n
+        if self.smooth_delays and len(delays) >= SMOOTH_FROM:
+            s_now, s_ahead = smoothed_survival(delays, grid), smoothed_survival(delays, ahead)
+        else:
+            s_now, s_ahead = beyond(delays, grid) / len(delays), beyond(delays, ahead) / len(delays)
         return np.stack([best_density(np.full(len(grid), q), s_now, s_ahead) for q in chances])
 
     def _score(self, session: str) -> float:
