@@ -1,7 +1,8 @@
-"""Two measuring instruments for ``bench_retention.py --bound``: eviction by hit density in
-time, one knowing the synthetic workload's generator, one learning the gaps online.
+"""Measuring instruments for ``bench_retention.py --bound``: eviction by hit density in
+time, one knowing the synthetic workload's generator, one a trace's statistics, one
+learning the gaps online.
 
-Both rank a resident conversation by its best *hit density*: over every horizon ``h`` it
+Each ranks a resident conversation by its best *hit density*: over every horizon ``h`` it
 could still be kept, the chance that its next turn comes within ``h`` over the seconds it
 is expected to hold its bytes meanwhile (``E[min(R, h)]``, ``R`` the time left until its
 next turn, never for a user who has left), divided by its bytes; the lowest goes first
@@ -13,6 +14,12 @@ next turn, never for a user who has left), divided by its bytes; the lowest goes
   is lognormal. It sees what any online policy sees (the previous answer's length, the
   turns so far, the time since the latest access), never a future turn's time: what an
   online policy could reach on that workload with the exact model.
+- :class:`TraceStatistics` knows a replayed trace's statistics, taken over the whole
+  trace in hindsight: the chance that a conversation with ``k`` turns so far has another,
+  and the distribution of the gap between two turns (smoothed in log scale). It sees what
+  any online policy sees (the turns so far, the time since the latest access), never a
+  conversation's own future: on a trace like Mooncake's, whose answer lengths carry no
+  signal, what an online ranking could reach with the best estimate of those statistics.
 - :class:`LearnedDensity` learns, online, the distribution of the gap in seconds per
   previous-answer-length bucket (Bidaw's buckets; tool-call turns apart) and the share of
   users who leave (no turn within ``depart`` seconds), and ranks by the same rule. A turn
@@ -35,12 +42,13 @@ import numpy as np
 import numpy.typing as npt
 
 from tieredkv.meta import KVMeta, MetadataView
-from tieredkv.policies._hit_density import HORIZONS, best_density
+from tieredkv.policies._hit_density import HORIZONS, best_density, smoothed_survival
 from tieredkv.policies.base import shielded
 from tieredkv.policies.bidaw_eviction import DEFAULT_ANSWER_EDGES
 from tieredkv.sim.synthetic import SyntheticWorkload
+from tieredkv.sim.trace import Turns
 
-__all__ = ["KnownDistribution", "LearnedDensity"]
+__all__ = ["KnownDistribution", "LearnedDensity", "TraceStatistics"]
 
 Floats = npt.NDArray[np.float64]
 
@@ -150,6 +158,50 @@ class KnownDistribution(_Ranked):
         s_ahead = self._survival(typing[:, None] + HORIZONS[None, 1:])
         sizes = np.array([self._sizes[s] for s in sessions], dtype=np.float64)
         scores: Floats = best_density(q, s_now, s_ahead) / sizes
+        return scores
+
+
+class TraceStatistics(_Ranked):
+    """Hit density under the statistics of a whole trace (see the module docstring).
+
+    :param turns: the trace that is replayed
+    """
+
+    name = "trace-statistics"
+
+    def __init__(self, turns: Turns) -> None:
+        super().__init__()
+        order = np.lexsort((turns.time, turns.user))
+        user, time = turns.user[order], turns.time[order]
+        same = user[1:] == user[:-1]
+        self._gaps: Floats = (time[1:] - time[:-1])[same]
+        # conversations by their number of turns: P(a turn k + 1 | k turns), index k
+        lengths = np.bincount(np.unique(turns.user, return_counts=True)[1])
+        at_least = np.cumsum(lengths[::-1])[::-1].astype(np.float64)  # with >= k turns
+        more = np.zeros(len(at_least) + 1)
+        more[: len(at_least) - 1] = at_least[1:] / np.maximum(at_least[:-1], 1.0)
+        self.more: Floats = more
+        """Per turns so far ``k``, the share of conversations with ``k`` turns that have
+        another (0 past the longest)."""
+        self._seen: dict[str, tuple[float, int]] = {}  # latest access, turns so far
+
+    def on_access(self, session: str, meta: KVMeta, now: float) -> None:
+        self._seen[session] = (now, meta.turns)
+        if session in self._sizes:
+            self.on_admit(session, meta, now)
+
+    def on_remove(self, session: str) -> None:
+        super().on_remove(session)
+        self._seen.pop(session, None)
+
+    def scores(self, sessions: list[str], now: float) -> Floats:
+        seen = [self._seen.get(s, (now, 1)) for s in sessions]
+        elapsed = now - np.array([r[0] for r in seen])
+        turns = np.minimum(np.array([r[1] for r in seen]), len(self.more) - 1)
+        s_now = smoothed_survival(self._gaps, elapsed)
+        s_ahead = smoothed_survival(self._gaps, elapsed[:, None] + HORIZONS[None, 1:])
+        sizes = np.array([self._sizes[s] for s in sessions], dtype=np.float64)
+        scores: Floats = best_density(self.more[turns], s_now, s_ahead) / sizes
         return scores
 
 

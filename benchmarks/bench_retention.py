@@ -19,10 +19,11 @@ Policies: ``lru``, ``bidaw-paper`` (the paper's eviction), ``bidaw`` (the defaul
 learns the gap per answer length, tool call and hint class, and duels LRU),
 ``bidaw-density`` (the default's ``ranking="density"``: gaps learned in seconds, ranked by
 best-horizon hit density) and ``belady``.
-With ``--bound``, two instruments too (``benchmarks/_density.py``): ``learned-density``
-(hit density in time, gaps learned online) on every workload, and ``known-distribution``
-(hit density under the synthetic generator's exact model) on the synthetic human one: what
-an online policy reaches there.
+With ``--bound``, instruments too (``benchmarks/_density.py``): ``learned-density``
+(hit density in time, gaps learned online) on every workload, ``known-distribution``
+(hit density under the synthetic generator's exact model) on the synthetic human one, and
+``trace-statistics`` (hit density under the whole trace's statistics, in hindsight) on
+the Mooncake one: what an online policy reaches there.
 ``--bidaw-kwargs '{"samples": 4096}'`` passes keyword arguments to the ``bidaw`` row's
 :class:`~tieredkv.policies.AdaptiveBidaw` (to try a setting against the default in the
 same run, name it beside a default row: ``--policies bidaw,bidaw-density``).
@@ -38,7 +39,7 @@ from typing import Any
 import msgspec
 
 from _bidaw_kwargs import add_bidaw_kwargs, parse_bidaw_kwargs
-from _density import KnownDistribution, LearnedDensity
+from _density import KnownDistribution, LearnedDensity, TraceStatistics
 from tieredkv.policies import AdaptiveBidaw, Eviction, make_eviction
 from tieredkv.sim.agentic import AgenticWorkload, replay_agentic
 from tieredkv.sim.replay import replay
@@ -55,7 +56,7 @@ MOONCAKE = (
 
 DENSITY = "bidaw-density"
 POLICIES = ("lru", "bidaw-paper", "bidaw", DENSITY, "belady")
-LEARNED, KNOWN = "learned-density", "known-distribution"
+LEARNED, KNOWN, TRACE = "learned-density", "known-distribution", "trace-statistics"
 
 
 BIDAW_KWARGS: dict[str, Any] = {}
@@ -115,7 +116,10 @@ def measure_mooncake(
     for gb in gbs:
         hits = {
             name: replay(
-                turns, build(name), host_bytes=int(gb * 1e9), warmup=len(turns) // 10
+                turns,
+                TraceStatistics(turns) if name == TRACE else build(name),
+                host_bytes=int(gb * 1e9),
+                warmup=len(turns) // 10,
             ).hit_ratio
             for name in POLICIES + extra
         }
@@ -198,7 +202,9 @@ def main() -> None:
     )
     if "mooncake" not in skip:
         human += measure_mooncake(
-            [float(g) for g in args.mooncake_gb.split(",")], args.mooncake, learned
+            [float(g) for g in args.mooncake_gb.split(",")],
+            args.mooncake,
+            (*learned, TRACE) if args.bound else (),
         )
     agentic = (
         []

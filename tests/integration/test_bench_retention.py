@@ -16,8 +16,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_retention  # noqa: E402
+from _density import TraceStatistics  # noqa: E402
 from bench_retention import measure_agentic, measure_human, measure_mooncake  # noqa: E402
+from tieredkv.meta import KVMeta, MetadataChannel, TierInfo  # noqa: E402
 from tieredkv.policies import LRU, AdaptiveBidaw  # noqa: E402
+from tieredkv.sim.trace import Turns  # noqa: E402
 
 
 def test_bidaw_kwargs_reach_the_bidaw_row_alone_and_bad_ones_say_what_to_fix(
@@ -42,6 +45,33 @@ def test_bidaw_kwargs_reach_the_bidaw_row_alone_and_bad_ones_say_what_to_fix(
         err = capsys.readouterr().err
         assert "--bidaw-kwargs must be a JSON object" in err, err
         assert says in err, err
+
+
+def test_trace_statistics_ranks_by_the_chance_of_a_next_turn_after_so_many() -> None:
+    """The ``trace-statistics`` instrument (``--bound`` on Mooncake) knows, from the whole
+    trace, the share of conversations with k turns that have another: one conversation of
+    three turns, two of one. Of three residents alike but for their turns so far, the one
+    with three (no conversation has a fourth) goes first, then the one with one (1 in 3
+    come back), and the one with two (all of them come back) stays."""
+    turns = Turns(
+        user=[0, 1, 0, 2, 0],
+        time=[0.0, 1.0, 10.0, 2.0, 30.0],
+        query=[1] * 5,
+        answer=[1] * 5,
+        round_index=[0, 0, 1, 0, 2],
+    )
+    stats = TraceStatistics(turns)
+    assert stats.more[1] == pytest.approx(1 / 3)
+    assert stats.more[2] == 1.0
+    assert stats.more[3] == 0.0
+    channel = MetadataChannel([TierInfo(name="host", level=0, capacity=300)])
+    for name, k in (("one", 1), ("two", 2), ("three", 3)):
+        m = KVMeta(session=name, tier="host", nbytes=100, turns=k, last_access=50.0)
+        channel.put(m)
+        stats.on_access(name, m, 50.0)
+        stats.on_admit(name, m, 50.0)
+    assert stats.victims(100, 55.0, channel) == ["three"]
+    assert stats.victims(200, 55.0, channel) == ["three", "one"]
 
 
 @pytest.mark.timeout(900)
