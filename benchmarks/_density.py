@@ -42,7 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tieredkv.meta import KVMeta, MetadataView
-from tieredkv.policies._hit_density import HORIZONS, best_density, smoothed_survival
+from tieredkv.policies._hit_density import HORIZONS, best_density, beyond, smoothed_survival
 from tieredkv.policies.base import shielded
 from tieredkv.policies.bidaw_eviction import DEFAULT_ANSWER_EDGES
 from tieredkv.sim.synthetic import SyntheticWorkload
@@ -174,7 +174,8 @@ class TraceStatistics(_Ranked):
         order = np.lexsort((turns.time, turns.user))
         user, time = turns.user[order], turns.time[order]
         same = user[1:] == user[:-1]
-        self._gaps: Floats = (time[1:] - time[:-1])[same]
+        self._survival = smoothed_survival((time[1:] - time[:-1])[same])
+        """The survival of the gap between two turns, fitted once."""
         # conversations by their number of turns: P(a turn k + 1 | k turns), index k
         lengths = np.bincount(np.unique(turns.user, return_counts=True)[1])
         at_least = np.cumsum(lengths[::-1])[::-1].astype(np.float64)  # with >= k turns
@@ -198,8 +199,8 @@ class TraceStatistics(_Ranked):
         seen = [self._seen.get(s, (now, 1)) for s in sessions]
         elapsed = now - np.array([r[0] for r in seen])
         turns = np.minimum(np.array([r[1] for r in seen]), len(self.more) - 1)
-        s_now = smoothed_survival(self._gaps, elapsed)
-        s_ahead = smoothed_survival(self._gaps, elapsed[:, None] + HORIZONS[None, 1:])
+        s_now = self._survival(elapsed)
+        s_ahead = self._survival(elapsed[:, None] + HORIZONS[None, 1:])
         sizes = np.array([self._sizes[s] for s in sessions], dtype=np.float64)
         scores: Floats = best_density(self.more[turns], s_now, s_ahead) / sizes
         return scores
@@ -302,11 +303,6 @@ class LearnedDensity(_Ranked):
         grid = self._elapsed_grid
         ahead = grid[:, None] + HORIZONS[None, 1:]
 
-        def survival(sorted_gaps: Floats, x: Floats) -> Floats:
-            right = np.searchsorted(sorted_gaps, x, side="right")
-            above: Floats = (len(sorted_gaps) - right).astype(np.float64)
-            return above
-
         returned, departed = self._returned, self._departed
         p_prior = (returned.sum() + 1.0) / (returned.sum() + departed.sum() + 1.0)
         rows = []
@@ -316,7 +312,7 @@ class LearnedDensity(_Ranked):
 
             def s(x: Floats, mine: Floats = mine, total: float = total) -> Floats:
                 mixed: Floats = (
-                    survival(mine, x) + self._prior * survival(pooled, x) / len(pooled)
+                    beyond(mine, x) + self._prior * beyond(pooled, x) / len(pooled)
                 ) / total
                 return mixed
 

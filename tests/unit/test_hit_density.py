@@ -39,7 +39,8 @@ def test_the_hit_density_from_it_is_closer_to_the_true_one_than_from_the_stairca
     for seed in range(5):
         values = np.random.default_rng(seed).lognormal(math.log(28.0), 0.75, 2048)
         steps = best_density(q, empirical(values, grid), empirical(values, ahead))
-        smooth = best_density(q, smoothed_survival(values, grid), smoothed_survival(values, ahead))
+        survival = smoothed_survival(values)
+        smooth = best_density(q, survival(grid), survival(ahead))
         off_steps = np.mean(np.abs(steps - true) / true)
         off_smooth = np.mean(np.abs(smooth - true) / true)
         assert off_smooth < 0.5 * off_steps, (seed, off_smooth, off_steps)
@@ -51,21 +52,21 @@ def test_values_at_or_below_zero_are_counted_as_they_are() -> None:
     rng = np.random.default_rng(1)
     values = np.concatenate([rng.uniform(-30.0, 0.0, 300), rng.lognormal(3.0, 0.8, 1700)])
     below = np.linspace(-40.0, 0.0, 81)
-    assert np.array_equal(smoothed_survival(values, below), empirical(values, below))
+    assert np.array_equal(smoothed_survival(values)(below), empirical(values, below))
     x = np.linspace(-40.0, 2000.0, 4001)
-    s = smoothed_survival(values, x)
+    s = smoothed_survival(values)(x)
     assert np.all(np.diff(s) <= 1e-12)
     assert s[0] == 1.0
     assert s[-1] == 0.0
-    assert np.array_equal(smoothed_survival(values, x.reshape(1, -1))[0], s)  # any shape
+    assert np.array_equal(smoothed_survival(values)(x.reshape(1, -1))[0], s)  # any shape
 
 
 def test_the_same_gap_over_and_over_is_not_smoothed() -> None:
     values = np.full(2000, 12.5)
     x = np.array([-1.0, 0.0, 12.0, 12.5, 13.0, 1e4])
-    assert np.array_equal(smoothed_survival(values, x), empirical(values, x))
+    assert np.array_equal(smoothed_survival(values)(x), empirical(values, x))
     one = np.array([3.0])
-    assert np.array_equal(smoothed_survival(one, x), empirical(one, x))
+    assert np.array_equal(smoothed_survival(one)(x), empirical(one, x))
 
 
 def test_sharp_modes_keep_a_narrow_kernel() -> None:
@@ -75,7 +76,7 @@ def test_sharp_modes_keep_a_narrow_kernel() -> None:
     rng = np.random.default_rng(2)
     values = np.concatenate([rng.lognormal(math.log(10.0), 0.02, 1000),
                              rng.lognormal(math.log(100.0), 0.02, 1000)])  # fmt: skip
-    s = smoothed_survival(values, np.array([5.0, 13.0, 30.0, 75.0, 130.0]))
+    s = smoothed_survival(values)(np.array([5.0, 13.0, 30.0, 75.0, 130.0]))
     assert s[0] > 1 - 1e-9
     assert abs(s[1] - 0.5) < 0.01
     assert abs(s[2] - 0.5) < 0.01

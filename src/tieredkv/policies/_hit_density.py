@@ -11,6 +11,8 @@ Chen and Cidon, NSDI '18); per byte, it ranks conversations for eviction.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import numpy.typing as npt
 
@@ -42,9 +44,11 @@ _NARROWEST = 1e-6
 smooths with; below it the values are taken as they are."""
 
 
-def smoothed_survival(values: Floats, points: Floats) -> Floats:
-    """The share of ``values`` above each of ``points`` (any shape), its positive values
-    smoothed by a Gaussian kernel in log scale, the others counted as they are.
+def smoothed_survival(values: Floats) -> Callable[[Floats], Floats]:
+    """The survival of ``values``, as a function giving the share of them above each of
+    its points (any shape): their positive values smoothed by a Gaussian kernel in log
+    scale, the others counted as they are. The smoothing is fitted once, here; the
+    function only looks it up.
 
     The empirical survival of a few thousand gaps is a staircase, ragged in its tail, and
     the best density over horizons picks up every step. A kernel estimate in log scale
@@ -53,24 +57,24 @@ def smoothed_survival(values: Floats, points: Floats) -> Floats:
     density from all the others) among :data:`_WIDTHS` fractions of the normal-reference
     width, Silverman's rule ``0.9 min(sd, IQR / 1.34) n^(-1/5)``: that rule alone blurs
     gaps that come in sharp modes (a workload whose turns come at a few set intervals).
-    It is made on a histogram of :data:`_SMOOTH_BINS` bins, so it costs O(samples + bins +
-    points)."""
+    It is made on a histogram of :data:`_SMOOTH_BINS` bins, so the fit costs O(samples +
+    bins) and each look-up O(points)."""
     n = len(values)
     ordered = np.sort(values)
 
     def empirical(at: Floats) -> Floats:
-        share: Floats = (n - np.searchsorted(ordered, at, side="right")) / max(n, 1)
+        share: Floats = beyond(ordered, at) / max(n, 1)
         return share
 
     logs = np.log(ordered[ordered > 0])
     if len(logs) < 2:
-        return empirical(points)
+        return empirical
     quartiles = np.percentile(logs, [75, 25])
     spread = float(logs.std())
     iqr = float(quartiles[0] - quartiles[1]) / 1.34
     widest = 0.9 * (min(spread, iqr) if iqr > 0 else spread) * len(logs) ** -0.2
     if widest < _NARROWEST:  # (the same gap over and over: nothing to smooth)
-        return empirical(points)
+        return empirical
     edges = np.linspace(logs.min() - 4 * widest, logs.max() + 4 * widest, _SMOOTH_BINS + 1)
     counts = np.histogram(logs, edges)[0].astype(np.float64)
     step = edges[1] - edges[0]
@@ -88,10 +92,15 @@ def smoothed_survival(values: Floats, points: Floats) -> Floats:
             best = (fit, smoothed)
     assert best is not None
     above = np.cumsum(best[1][::-1])[::-1]  # counts in each bin and every later one
-    survival: Floats = np.empty(np.shape(points))
-    up = points > 0
-    survival[up] = np.interp(np.log(points[up]), edges[:-1], above, left=above[0], right=0.0) / n
-    survival[~up] = empirical(points[~up])
+    starts = edges[:-1]
+
+    def survival(points: Floats) -> Floats:
+        out: Floats = np.empty(np.shape(points))
+        up = points > 0
+        out[up] = np.interp(np.log(points[up]), starts, above, left=above[0], right=0.0) / n
+        out[~up] = empirical(points[~up])
+        return out
+
     return survival
 
 

@@ -751,7 +751,8 @@ class AdaptiveBidaw(BidawEviction):
         grid = np.asarray(self._delay_grid)
         ahead = grid[:, None] + HORIZONS[None, 1:]
         if self.smooth_delays and len(delays) >= SMOOTH_FROM:
-            s_now, s_ahead = smoothed_survival(delays, grid), smoothed_survival(delays, ahead)
+            survival = smoothed_survival(delays)
+            s_now, s_ahead = survival(grid), survival(ahead)
         else:
             s_now, s_ahead = beyond(delays, grid) / len(delays), beyond(delays, ahead) / len(delays)
         return np.stack([best_density(np.full(len(grid), q), s_now, s_ahead) for q in chances])
