@@ -367,7 +367,7 @@ def test_a_kernel_that_cannot_collapse_turns_it_off(err: int) -> None:
     pool = OutputPool(64 << 20)
     pool._collapser.huge = huge
     pool._collapser._madvise = failing_madvise(err, calls)
-    outs = [pool.empty((2 * huge,), torch.uint8) for _ in range(2)]
+    outs = [pool.empty((2 * huge,), torch.uint8).fill_(1) for _ in range(2)]
     outs.clear()
     gc.collect()
     assert wait_for(lambda: not pool.collapsing)
@@ -382,6 +382,58 @@ def test_a_kernel_that_cannot_collapse_turns_it_off(err: int) -> None:
     pool.close()
 
 
+def test_memory_never_written_is_left_alone_and_collapsing_stays_on() -> None:
+    """Outputs dropped before anything was written into them (a load that failed or was
+    cancelled before its bytes landed) have no page in memory: the kernel refuses to
+    collapse such a range with ``EINVAL``, the error an older kernel gives for the advice
+    itself. Before 5 December 2026 that turned collapsing off for good; now such a range is
+    not asked for, and the memory is collapsed once a later output has written it."""
+    if not collapse_works():
+        pytest.skip("this kernel does not collapse memory into huge pages (MADV_COLLAPSE)")
+    huge = huge_page_size()
+    pool = OutputPool(64 << 20)
+    outs = [pool.empty((2 * huge,), torch.uint8) for _ in range(2)]  # never written
+    outs.clear()
+    gc.collect()
+    assert wait_for(lambda: pool._collapser._worker is None)
+    assert pool.collapsing
+    assert (pool.collapsed, pool.collapse_failures) == (0, 0)
+    again = [pool.empty((2 * huge,), torch.uint8) for _ in range(2)]
+    assert pool.reused == 2
+    again[0].fill_(1)
+    again[1].fill_(2)
+    again.clear()
+    gc.collect()
+    assert wait_for(lambda: pool.collapsed == 4)
+    assert pool.collapsing
+    back = [pool.empty((2 * huge,), torch.uint8) for _ in range(2)]  # the same bytes
+    assert sorted(int(t[0]) for t in back) == [1, 2]
+    assert all(bool((t == t[0]).all()) for t in back)
+    pool.close()
+
+
+def test_a_buffer_queued_as_collapsing_is_turned_off_is_left_alone() -> None:
+    """A buffer queued by a drop that raced with collapsing being turned off (a kernel that
+    refused the advice) is skipped, not collapsed with a huge page size of 0: that raised
+    ``ZeroDivisionError`` in the collapsing thread before 5 December 2026."""
+    huge = 2 << 20
+    calls: list[int] = []
+    pool = OutputPool(64 << 20)
+    collapser = pool._collapser
+    collapser.huge = huge
+    collapser._madvise = failing_madvise(errno.EINVAL, calls)
+    t = pool.empty((2 * huge,), torch.uint8).fill_(1)
+    del t
+    gc.collect()
+    assert wait_for(lambda: not pool.collapsing)
+    assert wait_for(lambda: collapser._worker is None)
+    (idle,) = [b for bs in pool._free.values() for b in bs]
+    collapser._collapse(idle)  # what the thread does with a buffer queued meanwhile
+    assert len(calls) == 1
+    assert not idle.huge
+    pool.close()
+
+
 def test_a_refused_collapse_is_counted_and_tried_again_up_to_three_times() -> None:
     huge = 2 << 20
     calls: list[int] = []
@@ -389,7 +441,7 @@ def test_a_refused_collapse_is_counted_and_tried_again_up_to_three_times() -> No
     pool._collapser.huge = huge
     pool._collapser._madvise = failing_madvise(errno.EAGAIN, calls)
     for round_ in range(1, 6):
-        t = pool.empty((2 * huge,), torch.uint8)
+        t = pool.empty((2 * huge,), torch.uint8).fill_(1)
         assert t.data_ptr() % huge == 0
         del t
         gc.collect()
@@ -419,8 +471,8 @@ def test_memory_handed_out_again_is_not_collapsed_until_dropped_again() -> None:
         return 0
 
     pool._collapser._madvise = madvise
-    a = pool.empty((2 * huge,), torch.uint8)
-    b = pool.empty((2 * huge,), torch.uint8)
+    a = pool.empty((2 * huge,), torch.uint8).fill_(1)
+    b = pool.empty((2 * huge,), torch.uint8).fill_(2)
     first = a.data_ptr()
     del a
     gc.collect()
@@ -451,7 +503,7 @@ def test_close_during_collapsing_unmaps_idle_memory_and_ends_the_thread() -> Non
         return 0
 
     pool._collapser._madvise = madvise
-    outs = [pool.empty((2 * huge,), torch.uint8) for _ in range(4)]
+    outs = [pool.empty((2 * huge,), torch.uint8).fill_(1) for _ in range(4)]
     outs.clear()
     gc.collect()
     assert started.wait(10)
@@ -485,7 +537,7 @@ def test_a_child_forked_while_a_collapse_holds_the_locks_drops_reuses_and_closes
     pool._collapser._madvise = madvise
     kept = pool.empty((2 * huge,), torch.uint8)
     kept.fill_(7)
-    outs = [pool.empty((2 * huge,), torch.uint8) for _ in range(2)]
+    outs = [pool.empty((2 * huge,), torch.uint8).fill_(1) for _ in range(2)]
     outs.clear()
     gc.collect()
     assert started.wait(10)  # the parent's thread holds ``unmapping`` now

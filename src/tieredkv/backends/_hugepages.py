@@ -12,9 +12,12 @@ ctypes so that the GIL is released meanwhile, and only while the buffer stays id
 kernel keeps the bytes as they are while it collapses (memory a new read already uses is
 collapsed or left alone, never changed). A kernel that cannot (older, or transparent huge
 pages ``never``) turns the collapser off; a huge page it cannot give now is counted and
-tried again the next time the buffer is idle, up to :data:`TRIES` times. A child this
-process forks gives each collapser and owner new locks (:func:`reset_in_forked_child`): a
-collapse in progress holds two, for a thread the child does not have.
+tried again the next time the buffer is idle, up to :data:`TRIES` times. A range with no
+page in memory yet (a buffer never written) is not asked for: the kernel refuses it with
+the ``EINVAL`` an older kernel gives for the advice itself (``mincore`` tells them
+apart). A child this process forks gives each collapser and owner new locks
+(:func:`reset_in_forked_child`): a collapse in progress holds two, for a thread the child
+does not have.
 """
 
 from __future__ import annotations
@@ -112,6 +115,32 @@ def _madvise() -> Callable[[int, int, int], int] | None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
     return cast("Callable[[int, int, int], int]", fn)
+
+
+def _mincore() -> Callable[[int, int, ctypes.Array[ctypes.c_ubyte]], int] | None:
+    """libc's ``mincore`` (which pages of a range are in memory), or ``None``."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    fn.restype = ctypes.c_int
+    return cast("Callable[[int, int, ctypes.Array[ctypes.c_ubyte]], int]", fn)
+
+
+_MINCORE = _mincore()
+
+
+def _in_memory(at: int, length: int) -> bool:
+    """Whether any page of the page-aligned range ``[at, at + length)`` of this process's
+    memory is in memory (``True`` where that cannot be told: the collapse is then asked
+    for, as before)."""
+    if _MINCORE is None:
+        return True
+    pages = (ctypes.c_ubyte * -(-length // mmap.PAGESIZE))()
+    if _MINCORE(at, length, pages) != 0:
+        return True
+    return any(b & 1 for b in bytes(pages))
 
 
 class Idle:
@@ -222,14 +251,25 @@ class Collapser:
                 return
 
     def _collapse(self, idle: Idle) -> None:
-        """Collapse ``idle``'s whole huge pages while it stays idle."""
+        """Collapse ``idle``'s whole huge pages while it stays idle. A huge page's range
+        with no page in memory (a buffer never written, such as the outputs of a load that
+        failed or was cancelled before its bytes landed) is left as it is: there is nothing
+        to collapse, and the kernel refuses such a range with ``EINVAL``, the error an older
+        kernel gives for the advice itself, which would turn collapsing off for good."""
         huge, madvise = self.huge, self._madvise
-        assert madvise is not None
-        idle.tries += 1
+        if not huge or madvise is None:  # turned off while ``idle`` was being queued
+            return
+        skipped = tried = False
         for at in range(idle.at + -idle.at % huge, idle.at + idle.size - huge + 1, huge):
             with self.unmapping:
                 if self._closed or not self.huge or not idle.idle or idle.mm.closed:
                     return  # in use again (submitted again when idle) or closing
+                if not _in_memory(at, huge):
+                    skipped = True
+                    continue
+                if not tried:
+                    tried = True
+                    idle.tries += 1
                 if madvise(at, huge, MADV_COLLAPSE) == 0:
                     self.collapsed += 1
                     continue
@@ -246,7 +286,7 @@ class Collapser:
                 return
             self.failures += 1  # no free huge page now: the rest would fail too
             return
-        idle.huge = True
+        idle.huge = not skipped  # (a range written later is collapsed when next idle)
 
     def open(self) -> None:
         """Collapse again (after :meth:`close`)."""
