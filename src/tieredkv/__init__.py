@@ -27,6 +27,7 @@ _EXPORTS = {
     "CapacityError": ".errors",
     "ClosedError": ".errors",
     "CorruptSegmentError": ".errors",
+    "ForkedError": ".errors",
     "InvalidArgumentError": ".errors",
     "InvalidTypeError": ".errors",
     "SchemaMismatchError": ".errors",
@@ -109,6 +110,7 @@ if TYPE_CHECKING:
     from .errors import ClosedError as ClosedError
     from .errors import CommitDelayedError as CommitDelayedError
     from .errors import CorruptSegmentError as CorruptSegmentError
+    from .errors import ForkedError as ForkedError
     from .errors import HistoryConflictError as HistoryConflictError
     from .errors import InvalidArgumentError as InvalidArgumentError
     from .errors import InvalidTypeError as InvalidTypeError

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -54,6 +55,7 @@ from ._cache.tierio import resolve
 from ._cache.turns import append, load
 from ._cache.writethrough import WriteThrough
 from ._checks import check_int
+from ._fork import check_process
 from .backends.base import Tier
 from .errors import (
     ClosedError,
@@ -157,6 +159,8 @@ class TieredKVCache:
         self._pumps = WriteThrough(self._core)
         self._token_dim = token_dim
         self._open = False
+        self._opened_in: int | None = None
+        """The process that opened the cache (a child it forks cannot use it)."""
         self._truncated: dict[str, Truncation] = {}
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -173,11 +177,16 @@ class TieredKVCache:
         await self.aclose()
 
     async def open(self) -> None:
-        """Open every tier and rebuild the index from what persistent tiers kept."""
+        """Open every tier and rebuild the index from what persistent tiers kept.
+
+        :raises ForkedError: the cache was opened in the process this one was forked from
+        """
         if self._open:
+            check_process("this TieredKVCache", self._opened_in)
             return
         self._truncated, cancel = await open_tiers(self._core)
         self._open = True
+        self._opened_in = os.getpid()
         if cancel is not None:
             raise cancel
 
@@ -195,10 +204,17 @@ class TieredKVCache:
         Cancelling it (any kind) does not interrupt it: the close completes, then the
         cancellation is raised. Operations started after it began raise
         :class:`~tieredkv.errors.ClosedError`.
+
+        In a child forked from the process that opened the cache, it closes only the
+        child's copy: nothing is written, deleted or released (the parent goes on using
+        the cache).
         """
         if not self._open:
             return
         self._open = False
+        if self._opened_in != os.getpid():
+            _log.debug("closed a copy of a cache opened in process %s", self._opened_in)
+            return
         _, cancel = await settle(lambda: close(self._core, self._pumps, self._close_timeout))
         if cancel is not None:
             raise cancel
@@ -235,6 +251,7 @@ class TieredKVCache:
     def _check_open(self) -> None:
         if not self._open:
             raise ClosedError("TieredKVCache")
+        check_process("this TieredKVCache", self._opened_in)
 
     def set_protected(self, sessions: Callable[[], AbstractSet[str]] | None) -> None:
         """Never evict the sessions ``sessions()`` returns (asked at each eviction).

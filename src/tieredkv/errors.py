@@ -10,11 +10,14 @@ say what to do about the problem.
 
 from __future__ import annotations
 
+import os
+
 __all__ = [
     "CapacityError",
     "ClosedError",
     "CommitDelayedError",
     "CorruptSegmentError",
+    "ForkedError",
     "HistoryConflictError",
     "InvalidArgumentError",
     "InvalidTypeError",
@@ -150,6 +153,21 @@ class ClosedError(TieredKVError, RuntimeError):
 
     def __init__(self, what: str) -> None:
         super().__init__(f"{what} is not open: use it inside 'async with' (or call open() first)")
+
+
+class ForkedError(TieredKVError, RuntimeError):
+    """The cache or tier was opened in another process, which forked this one: a child has
+    none of its threads and must not write into what the parent goes on using."""
+
+    def __init__(self, what: str, opened_in: int) -> None:
+        self.opened_in = opened_in
+        super().__init__(
+            f"{what} was opened in process {opened_in}, and this process ({os.getpid()}) is "
+            f"a child forked from it, which cannot use it (its worker threads, connections "
+            f"and shared memory are the parent's): open a cache of its own in the child (on "
+            f"its own SSD directory), or start workers with the 'spawn' or 'forkserver' "
+            f"method, or fork before opening"
+        )
 
 
 class UnknownPolicyError(TieredKVError, KeyError):

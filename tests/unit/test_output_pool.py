@@ -9,7 +9,6 @@ import ctypes
 import errno
 import gc
 import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import anyio
 import pytest
 import torch
 
+from tests.forked import wait_child
 from tests.hugepages import collapse_works
 from tieredkv import HostMemoryTier, SSDTier, TieredKVCache
 from tieredkv._cache.gather import Staging
@@ -569,18 +569,8 @@ def test_a_child_forked_while_a_collapse_holds_the_locks_drops_reuses_and_closes
         finally:
             os._exit(code)
     try:
-        deadline = time.monotonic() + 30
-        status = None
-        while time.monotonic() < deadline:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            time.sleep(0.01)
-        else:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child deadlocked on a lock a parent's thread held")
-        assert os.waitstatus_to_exitcode(status) == 0
+        why = "the forked child deadlocked on a lock a parent's thread held"
+        assert wait_child(pid, why) == 0
     finally:
         release.set()
         let_go.set()

@@ -42,7 +42,8 @@ from collections import defaultdict
 
 import torch
 
-from ..backends._hugepages import Collapser, Idle, huge_aligned, reset_in_forked_child
+from .._fork import reset_in_forked_child
+from ..backends._hugepages import Collapser, Idle, huge_aligned
 
 __all__ = ["POOLED_MIN_BYTES", "OutputPool"]
 

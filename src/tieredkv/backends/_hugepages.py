@@ -26,15 +26,14 @@ import ctypes
 import errno
 import logging
 import mmap
-import os
 import sys
 import threading
-import weakref
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol, cast
+from typing import cast
 
+from .._fork import reset_in_forked_child
 from ._buffers import address, anonymous
 
 __all__ = [
@@ -44,7 +43,6 @@ __all__ = [
     "Idle",
     "huge_aligned",
     "huge_page_size",
-    "reset_in_forked_child",
 ]
 
 _log = logging.getLogger(__name__)
@@ -57,29 +55,6 @@ TRIES = 3
 
 _UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP})
 """``madvise`` errors that mean this kernel or its settings will never collapse."""
-
-
-class _Forkable(Protocol):
-    def _after_fork(self) -> None: ...
-
-
-_forkable: weakref.WeakSet[_Forkable] = weakref.WeakSet()
-
-
-def reset_in_forked_child(owner: _Forkable) -> None:
-    """Call ``owner._after_fork()`` in a child this process forks, before the child runs
-    anything else: a fork copies locks as they are, held by threads the child does not
-    have (a collapse in progress holds two), so an owner gives itself new ones there."""
-    _forkable.add(owner)
-
-
-def _after_fork_in_child() -> None:
-    for owner in list(_forkable):
-        owner._after_fork()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def huge_page_size() -> int:

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import anyio
 
+from .._fork import check_process
 from .._urls import redacted
 from .._version import __version__
 from ..errors import ClosedError, TierIOError
@@ -130,6 +132,8 @@ class Connection:
         self._max_connections = max_connections
         self.client: Client | None = None
         """Set once :meth:`open` has connected, ``None`` again once closed."""
+        self.opened_in: int | None = None
+        """The process that connected (a child it forks must not use its connections)."""
         self.scripts: dict[str, AsyncScript] = {}
         self.skew = 0.0
         """Server clock minus this process's monotonic clock, ms: a lower bound."""
@@ -186,6 +190,7 @@ class Connection:
             name: client.register_script(getattr(lua, name.upper())) for name in _SCRIPTS
         }
         self.client = client
+        self.opened_in = os.getpid()
 
     async def close(self, manifests: Sequence[str], owner: str) -> None:
         """Release ``owner``'s leases of the conversations whose manifests are named (at
@@ -194,6 +199,8 @@ class Connection:
         if client is None:
             return
         self.client = None
+        if self.opened_in != os.getpid():  # a forked child's copy: the parent's connections
+            return  # and leases (nothing sent, nothing closed)
         with anyio.CancelScope(shield=True):
             with contextlib.suppress(RedisError, OSError), anyio.fail_after(self.timeout):
                 for m in manifests:
@@ -204,6 +211,7 @@ class Connection:
     def check_open(self) -> Client:
         if self.client is None:
             raise ClosedError(f"tier {self.name!r}")
+        check_process(f"tier {self.name!r}", self.opened_in)
         return self.client
 
     def io_error(self, action: str, exc: BaseException) -> TierIOError:
@@ -237,6 +245,7 @@ class Connection:
 
         :raises TierIOError: the server failed or went away (``action`` says what failed)
         """
+        check_process(f"tier {self.name!r}", self.opened_in)
         try:
             reply = await self.scripts[script](keys=keys, args=args)
         except (RedisError, OSError) as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ import anyio
 import numpy as np
 import torch
 
+from .._fork import check_process
 from ..errors import ClosedError
 from ..payload import ALIGN, SegmentHeader, align_up
 from ._arguments import check_tier_arguments
@@ -152,6 +154,8 @@ class ArenaTier(AddressableTier):
         self._buf: memoryview | None = None
         self._max_threads = max_threads
         self._limiter: anyio.CapacityLimiter | None = None
+        self._opened_in: int | None = None
+        """The process that opened the tier (a child it forks cannot use it)."""
         self._committed = 0
         self._counters: dict[str, int] = {
             "bytes_read": 0,
@@ -189,10 +193,16 @@ class ArenaTier(AddressableTier):
         if self._buf is None:
             self._limiter = anyio.CapacityLimiter(self._max_threads)
             self._buf = await anyio.to_thread.run_sync(self._acquire_buffer, limiter=self._limiter)
+            self._opened_in = os.getpid()
+        else:
+            check_process(f"tier {self.name!r}", self._opened_in)
         return []
 
     async def aclose(self) -> None:
         if self._buf is None:
+            return
+        if self._opened_in != os.getpid():  # a forked child's copy: the parent's memory
+            self._buf = None  # (a shared map, and its file, stay the parent's)
             return
         self._slots.clear()
         self._alloc = ArenaAllocator(self._capacity)
@@ -215,6 +225,7 @@ class ArenaTier(AddressableTier):
     def _arena(self) -> memoryview:
         if self._buf is None:
             raise ClosedError(f"tier {self.name!r}")
+        check_process(f"tier {self.name!r}", self._opened_in)
         return self._buf
 
     # -- space ---------------------------------------------------------------------------

@@ -69,11 +69,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
 from typing import Any
 
 import anyio
 
+from .._fork import check_process
 from ..errors import HistoryConflictError, InvalidArgumentError
 from ..payload import ALIGN, SegmentHeader, derive_key
 from ._redis_client import Client, Connection, RedisError, driver_options, text
@@ -240,6 +242,7 @@ class RedisTier(Reads, Commits, SharedTier):
     # -- lifecycle -----------------------------------------------------------------------
     async def open(self) -> list[SegmentHeader]:
         if self._conn.client is not None:
+            check_process(f"tier {self.name!r}", self._conn.opened_in)
             return []
         await self._conn.open()
         try:
@@ -352,6 +355,8 @@ class RedisTier(Reads, Commits, SharedTier):
         if self._conn.client is None:
             return
         manifests = [self._manifest(session) for session in self._writers]
+        if self._conn.opened_in != os.getpid():  # a forked child's copy: its heartbeat
+            self._heart = None  # task and leases are the parent's
         if self._heart is not None:
             assert self._stop_heart is not None
             self._stop_heart.set()  # (it ends after the heartbeat under way, if any)

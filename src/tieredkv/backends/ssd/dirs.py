@@ -152,6 +152,18 @@ class TierDirectory:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
+    def forget_in_child(self) -> None:
+        """In a child this process forked: close the child's copies of the descriptors, the
+        lock's among them (the lock stays the parent's while it keeps its own), taking no
+        lock (a parent's thread may have held one at the fork)."""
+        self._lock = threading.Lock()
+        fds = [*self._fds.values(), *([] if self._lock_fd is None else [self._lock_fd])]
+        self._fds.clear()
+        self._lock_fd = None
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
     # -- files ---------------------------------------------------------------------------
     def subdir(self, xx: str, *, create: bool) -> int:
         """The descriptor of ``segments/xx``, opened without following a symlink."""

@@ -34,6 +34,7 @@ from typing import Any
 
 import xxhash
 
+from ..._fork import reset_in_forked_child
 from ...errors import CorruptSegmentError
 from ...payload import (
     ALIGN,
@@ -46,7 +47,7 @@ from ...payload import (
     parse_header,
 )
 from .._buffers import aligned, anonymous, close_mapping
-from .._hugepages import Collapser, Idle, reset_in_forked_child
+from .._hugepages import Collapser, Idle
 from ..base import Consumer, LandingConsumer, SegmentKey, Spans
 from .index import SegmentIndex
 from .layout import pread_full, preadv_full, segment_file_name

@@ -11,6 +11,7 @@ from typing import NoReturn
 import anyio
 
 from ..._checks import check_cuts, check_int
+from ..._fork import check_process, reset_in_forked_child
 from ...errors import (
     ClosedError,
     CorruptSegmentError,
@@ -93,6 +94,8 @@ class SSDTier(Tier):
         self._stream = SpanStream(self._reader, self._index, self._workers, huge_pages)
         self._writer = SegmentWriter(self._dir, self._workers, key, fsync=fsync, capacity=capacity)
         self._limiter: anyio.CapacityLimiter | None = None
+        self._opened_in: int | None = None
+        """The process that opened the tier (a child it forks cannot use it)."""
         self._notes: list[str] = []
         self._counters: dict[str, int] = {
             "bytes_read": 0,
@@ -133,17 +136,28 @@ class SSDTier(Tier):
     def _check_open(self) -> anyio.CapacityLimiter:
         if self._limiter is None:
             raise ClosedError(f"tier {self.name!r}")
+        check_process(f"tier {self.name!r}", self._opened_in)
         return self._limiter
 
     # -- lifecycle -----------------------------------------------------------------------
     async def open(self) -> list[SegmentHeader]:
         if self._limiter is not None:
+            check_process(f"tier {self.name!r}", self._opened_in)
             return []
         limiter = anyio.CapacityLimiter(self._max_threads)
         headers = await anyio.to_thread.run_sync(self._open_sync, limiter=limiter)
         self._workers.start()
         self._limiter = limiter
+        self._opened_in = os.getpid()
+        reset_in_forked_child(self)
         return headers
+
+    def _after_fork(self) -> None:
+        """In a child forked while the tier was open: close the child's copies of its
+        directory's descriptors, so that a long-lived child does not keep the directory
+        locked after the parent closed the tier (the tier is unusable in the child)."""
+        if self._limiter is not None and self._opened_in != os.getpid():
+            self._dir.forget_in_child()
 
     def _open_sync(self) -> list[SegmentHeader]:
         self._recovery.forget()
@@ -179,6 +193,8 @@ class SSDTier(Tier):
         if self._limiter is None:
             return
         self._limiter = None
+        if self._opened_in != os.getpid():  # a forked child's copy: the parent's files
+            return
         self._workers.stop()
         self._stream.close(self.name)
         if self._writer.doomed:
