@@ -8,6 +8,7 @@ conversation.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
 import anyio
@@ -464,3 +465,70 @@ async def test_write_after_the_server_forgot_its_scripts(
     await store(tier, b)
     assert await read_back(tier, b) == b.data
     assert [h.seq for h in await tier.lookup("s")] == [0, 1]
+
+
+async def test_a_heartbeat_that_fails_is_logged_once_and_its_return_too(
+    own_redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No background failure is silent: the heartbeat's first failure is a warning that says
+    what it costs (a stalled server: SIGSTOP), the failures after it are not logged again,
+    and the heartbeat's return is logged once."""
+    caplog.set_level(logging.INFO, logger="tieredkv.redis")
+    liveness = 0.6  # a heartbeat every 0.2 s, each bounded by 0.3 s (the timeout)
+    async with RedisTier(
+        own_redis_server.url, CAPACITY, prefix=new_prefix(), liveness=liveness, timeout=0.3
+    ) as t:
+        caplog.clear()
+
+        def said(text: str) -> list[logging.LogRecord]:
+            return [r for r in caplog.records if text in r.getMessage()]
+
+        own_redis_server.pause()
+        try:
+            for _ in range(100):  # polled: the heartbeat runs in its own task
+                if said("failed"):
+                    break
+                await anyio.sleep(0.05)
+            await anyio.sleep(4 * liveness / 3)  # several more heartbeats fail meanwhile
+        finally:
+            own_redis_server.resume()
+        (failed,) = said("failed")
+        assert failed.levelno == logging.WARNING
+        assert f"{t.name}: heartbeat to {t.url} failed (" in failed.getMessage()
+        assert "counts their loads as misses until the server answers again" in (
+            failed.getMessage()
+        )
+        for _ in range(100):
+            if said("answered again"):
+                break
+            await anyio.sleep(0.05)
+        (back,) = said("answered again")
+        assert back.levelno == logging.INFO
+        assert await t.beat()
+
+
+async def test_a_heartbeat_task_that_dies_of_a_bug_is_logged_at_once(
+    own_redis_server: RedisServer,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A heartbeat task ended by an exception (a bug, not a failed heartbeat) is an error in
+    the log when it ends, not a "Task exception was never retrieved" whenever the task is
+    collected: without heartbeats, the replica's liveness runs out."""
+    caplog.set_level(logging.INFO, logger="tieredkv.redis")
+    async with RedisTier(
+        own_redis_server.url, CAPACITY, prefix=new_prefix(), liveness=0.3, timeout=0.3
+    ) as t:
+
+        async def broken() -> bool:
+            raise TypeError("a bug in the heartbeat")
+
+        monkeypatch.setattr(t, "beat", broken)
+        for _ in range(100):  # polled: the next heartbeat is at most 0.1 s away
+            if any(r.levelno == logging.ERROR for r in caplog.records):
+                break
+            await anyio.sleep(0.05)
+        (stopped,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert f"{t.name}: the heartbeat stopped" in stopped.getMessage()
+        assert stopped.exc_info is not None
+        assert isinstance(stopped.exc_info[1], TypeError)

@@ -236,9 +236,25 @@ class Leases(Replica):
                     self._marked = bool(await client.exists(self._marker))
                 elif self._key is not None:  # (again: a server restarted empty forgot it)
                     await self._put_mark(client)
-        except (RedisError, OSError, TimeoutError):
+        except (RedisError, OSError, TimeoutError) as exc:
+            if self._beating:
+                self._beating = False
+                left = max(0.0, self._alive_until - time.monotonic())
+                _log.warning(
+                    "%s: heartbeat to %s failed (%s: %s); this replica serves its own copies "
+                    "of the conversations it writes for %.1f s more, then counts their loads "
+                    "as misses until the server answers again",
+                    self.name,
+                    self.url,
+                    type(exc).__name__,
+                    exc,
+                    left,
+                )
             return False
         self._alive_until = max(self._alive_until, sent + self._liveness)
+        if not self._beating:
+            self._beating = True
+            _log.info("%s: heartbeat to %s answered again", self.name, self.url)
         return True
 
     async def beat_forever(self, stop: anyio.Event) -> None:

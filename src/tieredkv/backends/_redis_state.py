@@ -96,6 +96,8 @@ class Replica:
         self._alive_until = 0.0
         """Until when (this process's monotonic clock) the server may still hold this
         replica's liveness key, by its last heartbeat that came back."""
+        self._beating = True
+        """Whether the last heartbeat came back (a change either way is logged)."""
         self._part_ms = round(part_ttl * 1000)
         self._batch = read_batch
         self._recover = recover

@@ -254,10 +254,23 @@ class RedisTier(Reads, Commits, SharedTier):
             await self.beat()
             self._stop_heart = stop = anyio.Event()
             self._heart = asyncio.get_running_loop().create_task(self.beat_forever(stop))
+            self._heart.add_done_callback(self._heart_ended)
             return await self._scan() if self._recover else []
         except BaseException:
             await self.aclose()
             raise
+
+    def _heart_ended(self, task: asyncio.Task[None]) -> None:
+        """Log a heartbeat task that ended with an exception (a bug: a failed heartbeat is
+        not one), at once rather than when the task is collected: without heartbeats this
+        replica's liveness runs out, and loads of what it writes count as misses."""
+        if not task.cancelled() and task.exception() is not None:
+            _log.error(
+                "%s: the heartbeat stopped; loads of the conversations this replica writes "
+                "will count as misses once its liveness runs out (reopen the tier)",
+                self.name,
+                exc_info=task.exception(),
+            )
 
     async def _check_secret(self) -> None:
         """With a secret, mark the prefix authenticated (``<prefix>:auth``, a value derived
