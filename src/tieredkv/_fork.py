@@ -6,8 +6,9 @@ cache or tier opened before the fork is, in the child, a copy whose worker threa
 own (a child's command would interleave with the parent's on one socket; a child's write
 into a ``MAP_SHARED`` tier would land in the parent's memory), and whose files the parent
 goes on writing. So in the child every operation on such an object raises
-:class:`~tieredkv.errors.ForkedError`, and closing it releases only the child's copy
-(nothing is written, deleted or released on the parent's behalf). An SSD tier's directory
+:class:`~tieredkv.errors.ForkedError` (opening it again too), and closing it releases only
+the child's copy (nothing is written, deleted or released on the parent's behalf). What the
+parent closed before the fork is not the parent's any more: the child may open it. An SSD tier's directory
 descriptors, its lock among them, are closed in the child as it starts: a long-lived child
 would otherwise keep the directory locked after the parent closed it or exited.
 

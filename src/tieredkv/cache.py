@@ -179,10 +179,11 @@ class TieredKVCache:
     async def open(self) -> None:
         """Open every tier and rebuild the index from what persistent tiers kept.
 
-        :raises ForkedError: the cache was opened in the process this one was forked from
+        :raises ForkedError: the cache was open in the process this one was forked from
+            when it forked (build a new one here)
         """
+        check_process("this TieredKVCache", self._opened_in)
         if self._open:
-            check_process("this TieredKVCache", self._opened_in)
             return
         self._truncated, cancel = await open_tiers(self._core)
         self._open = True
@@ -205,17 +206,18 @@ class TieredKVCache:
         cancellation is raised. Operations started after it began raise
         :class:`~tieredkv.errors.ClosedError`.
 
-        In a child forked from the process that opened the cache, it closes only the
+        In a child forked from the process that had the cache open, it closes only the
         child's copy: nothing is written, deleted or released (the parent goes on using
-        the cache).
+        the cache), and the copy cannot be opened again there.
         """
         if not self._open:
             return
         self._open = False
-        if self._opened_in != os.getpid():
+        if self._opened_in != os.getpid():  # (and it stays refused here: ForkedError)
             _log.debug("closed a copy of a cache opened in process %s", self._opened_in)
             return
         _, cancel = await settle(lambda: close(self._core, self._pumps, self._close_timeout))
+        self._opened_in = None  # closed: a child forked from now on may open it
         if cancel is not None:
             raise cancel
 

@@ -97,6 +97,11 @@ def refusals(cache: TieredKVCache) -> str:
                 lines.append(f"{name}: ForkedError opened_in={exc.opened_in} {exc}")
         await cache.aclose()
         lines.append("aclose: returned")
+        try:  # the child's copy stays the parent's: it cannot be opened again here either
+            await cache.open()
+            lines.append("reopen: not refused")
+        except ForkedError as exc:
+            lines.append(f"reopen: ForkedError opened_in={exc.opened_in} {exc}")
         return "\n".join(lines)
 
     return anyio.run(calls)
@@ -111,12 +116,13 @@ def check_refusals(out: str) -> None:
         "flush",
         "open",
         "aclose",
+        "reopen",
     ], out
-    for line in lines[:-1]:
+    for line in lines[:5] + lines[6:]:
         assert f"ForkedError opened_in={os.getpid()} " in line, line
         assert "open a cache of its own in the child" in line
         assert "'spawn' or 'forkserver'" in line
-    assert lines[-1] == "aclose: returned"
+    assert lines[5] == "aclose: returned"
 
 
 async def test_a_forked_child_is_refused_and_the_parents_ssd_cache_is_untouched(
@@ -231,3 +237,23 @@ async def test_a_forked_child_does_not_use_or_release_the_parents_redis_tier(
         assert exact(await cache.load("a"), want)
     async with TieredKVCache([RedisTier(redis_server.url, 64 << 20, prefix=prefix)]) as other:
         assert exact(await other.load("a"), want)
+
+
+async def test_a_cache_closed_before_the_fork_opens_in_the_child(tmp_path: Path) -> None:
+    """What the parent closed before forking is not the parent's any more: the child opens
+    it as any process would (and finds what the parent stored)."""
+    a = kv(8)
+    cache = TieredKVCache([HostMemoryTier(8 << 20), SSDTier(tmp_path, 64 << 20)])
+    async with cache:
+        await cache.append("a", a, answer_tokens=1)
+
+    def child() -> str:
+        async def go() -> str:
+            async with cache:
+                return f"{cache.contains('a')} {cache.where('a')}"
+
+        return anyio.run(go)
+
+    assert in_child(child) == "True ssd"  # (written down to the SSD tier at the close)
+    async with cache:  # and the parent, again
+        assert exact(await cache.load("a"), a)

@@ -200,13 +200,14 @@ class Connection:
             return
         self.client = None
         if self.opened_in != os.getpid():  # a forked child's copy: the parent's connections
-            return  # and leases (nothing sent, nothing closed)
+            return  # and leases (nothing sent, nothing closed; it cannot be opened again)
         with anyio.CancelScope(shield=True):
             with contextlib.suppress(RedisError, OSError), anyio.fail_after(self.timeout):
                 for m in manifests:
                     await self.scripts["release"](keys=[m], args=[owner])
             if isinstance(self._server, str):
                 await client.aclose()
+        self.opened_in = None  # closed: a child forked from now on may open it
 
     def check_open(self) -> Client:
         if self.client is None:

@@ -190,20 +190,19 @@ class ArenaTier(AddressableTier):
         return False
 
     async def open(self) -> list[SegmentHeader]:
+        check_process(f"tier {self.name!r}", self._opened_in)
         if self._buf is None:
             self._limiter = anyio.CapacityLimiter(self._max_threads)
             self._buf = await anyio.to_thread.run_sync(self._acquire_buffer, limiter=self._limiter)
             self._opened_in = os.getpid()
-        else:
-            check_process(f"tier {self.name!r}", self._opened_in)
         return []
 
     async def aclose(self) -> None:
         if self._buf is None:
             return
         if self._opened_in != os.getpid():  # a forked child's copy: the parent's memory
-            self._buf = None  # (a shared map, and its file, stay the parent's)
-            return
+            self._buf = None  # (a shared map, and its file, stay the parent's; the copy
+            return  # cannot be opened again here, its slots being the parent's)
         self._slots.clear()
         self._alloc = ArenaAllocator(self._capacity)
         self._committed = 0
@@ -214,6 +213,7 @@ class ArenaTier(AddressableTier):
         with contextlib.suppress(BufferError):
             buf.release()
         await anyio.to_thread.run_sync(self._release_buffer)
+        self._opened_in = None  # closed: a child forked from now on may open it
 
     async def __aenter__(self) -> ArenaTier:
         await self.open()

@@ -241,8 +241,8 @@ class RedisTier(Reads, Commits, SharedTier):
 
     # -- lifecycle -----------------------------------------------------------------------
     async def open(self) -> list[SegmentHeader]:
+        check_process(f"tier {self.name!r}", self._conn.opened_in)
         if self._conn.client is not None:
-            check_process(f"tier {self.name!r}", self._conn.opened_in)
             return []
         await self._conn.open()
         try:

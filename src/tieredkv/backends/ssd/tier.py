@@ -141,8 +141,8 @@ class SSDTier(Tier):
 
     # -- lifecycle -----------------------------------------------------------------------
     async def open(self) -> list[SegmentHeader]:
+        check_process(f"tier {self.name!r}", self._opened_in)
         if self._limiter is not None:
-            check_process(f"tier {self.name!r}", self._opened_in)
             return []
         limiter = anyio.CapacityLimiter(self._max_threads)
         headers = await anyio.to_thread.run_sync(self._open_sync, limiter=limiter)
@@ -202,6 +202,7 @@ class SSDTier(Tier):
                 await anyio.to_thread.run_sync(self._writer.remove_doomed)
         self._dir.close()
         self._index.clear()
+        self._opened_in = None  # closed: a child forked from now on may open it
 
     async def __aenter__(self) -> SSDTier:
         await self.open()
