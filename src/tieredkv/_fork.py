@@ -8,9 +8,10 @@ into a ``MAP_SHARED`` tier would land in the parent's memory), and whose files t
 goes on writing. So in the child every operation on such an object raises
 :class:`~tieredkv.errors.ForkedError` (opening it again too), and closing it releases only
 the child's copy (nothing is written, deleted or released on the parent's behalf). What the
-parent closed before the fork is not the parent's any more: the child may open it. An SSD tier's directory
-descriptors, its lock among them, are closed in the child as it starts: a long-lived child
-would otherwise keep the directory locked after the parent closed it or exited.
+parent closed before the fork is not the parent's any more: the child may open it. An SSD
+tier's directory descriptors, its lock among them, are closed in the child as it starts: a
+long-lived child would otherwise keep the directory locked after the parent closed it or
+exited.
 
 Owners also use :func:`reset_in_forked_child` for their locks: a fork copies a lock as it
 is, held by a thread the child does not have.

@@ -141,6 +141,14 @@ class TieredKVCache:
         self._close_timeout = check_timeout("close_timeout", close_timeout)
         if mode not in ("exclusive", "inclusive"):
             raise InvalidArgumentError(f"mode must be 'exclusive' or 'inclusive', not {mode!r}")
+        shared = [x.tier.name for x in io[1:] if x.shared is not None]
+        if mode == "exclusive" and shared:
+            _log.info(
+                "shared tier(s) %s below local ones in exclusive mode: a turn reaches them "
+                "only when the tiers above evict it (other replicas cannot load it before, "
+                "and flush() does not wait for it); mode='inclusive' commits every turn",
+                ", ".join(map(repr, shared)),
+            )
         if isinstance(token_dim, bool) or not isinstance(token_dim, int):
             raise InvalidTypeError(f"token_dim must be an int, not {type(token_dim).__name__}")
         policies = policies_per_tier(eviction, len(io))
@@ -224,9 +232,11 @@ class TieredKVCache:
     async def flush(self) -> None:
         """Wait until every background write-through started so far has finished.
 
-        With a shared tier (local-first: an append returns once its turn is in this
-        replica's tiers), ``flush()`` returning means every turn appended before it is
-        committed there, for every replica to load.
+        With a shared tier in inclusive mode (local-first: an append returns once its turn
+        is in this replica's tiers), ``flush()`` returning means every turn appended before
+        it is committed there, for every replica to load. In exclusive mode a turn reaches
+        a shared tier below a local one only when the local tiers evict it, and ``flush()``
+        does not wait for that.
 
         :raises TurnRefusedError: turns the shared tier refused for good (another replica
             took the conversation over, or its history changed, first); reported once

@@ -18,6 +18,7 @@ from redis.crc import key_slot
 
 from tests.redis_server import RedisServer, new_prefix, own_redis_server, redis_server
 from tests.segments import SegmentFactory, read_back, store
+from tieredkv import HostMemoryTier, TieredKVCache
 from tieredkv.backends.redis import RedisTier, conversation_tag, driver_options
 from tieredkv.errors import (
     CommitDelayedError,
@@ -532,3 +533,22 @@ async def test_a_heartbeat_task_that_dies_of_a_bug_is_logged_at_once(
         assert f"{t.name}: the heartbeat stopped" in stopped.getMessage()
         assert stopped.exc_info is not None
         assert isinstance(stopped.exc_info[1], TypeError)
+
+
+def test_a_shared_tier_in_exclusive_mode_is_said_to_get_turns_only_when_evicted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """In exclusive mode a turn reaches a shared tier below host memory only when host
+    memory evicts it (flush() does not wait for it): the cache says so when built, and says
+    nothing in inclusive mode, the one for sharing."""
+    caplog.set_level(logging.INFO, logger="tieredkv.cache")
+    url = "redis://127.0.0.1:1/0"  # (built, not opened: nothing connects)
+    TieredKVCache([HostMemoryTier(8 << 20), RedisTier(url, CAPACITY, name="fleet")])
+    (said,) = [r for r in caplog.records if "exclusive mode" in r.getMessage()]
+    assert "shared tier(s) 'fleet' below local ones in exclusive mode" in said.getMessage()
+    assert "mode='inclusive' commits every turn" in said.getMessage()
+    caplog.clear()
+    TieredKVCache(
+        [HostMemoryTier(8 << 20), RedisTier(url, CAPACITY, name="fleet")], mode="inclusive"
+    )
+    assert not [r for r in caplog.records if "exclusive mode" in r.getMessage()]
