@@ -27,7 +27,9 @@ What is exported (every name starts with ``tieredkv_``):
 * per tier (labels ``tier`` and ``kind``), from each tier's stats: ``tier_used_bytes``,
   ``tier_capacity_bytes``, ``tier_segments``, ``tier_read_bytes_total``,
   ``tier_written_bytes_total``, ``tier_reads_total``, ``tier_writes_total``,
-  ``tier_corrupt_total``;
+  ``tier_corrupt_total``, and for a tier with a server (Redis) ``tier_reachable`` (1 while
+  its last heartbeat came back: alert on 0, the replica then serves only what it may prove
+  current);
 * per tier (label ``tier``), from the channel's events since the collector was attached:
   ``tier_hits_total`` (loads that found the history in this tier), ``tier_hit_tokens_total``
   (the tokens of those histories) and ``tier_misses_total`` (loads that had to go below
@@ -285,6 +287,16 @@ class CacheCollector:
             for t in stats.tiers:
                 counter.add_metric([t.name, t.kind], getattr(t, field))
             yield counter
+        served = [t for t in stats.tiers if t.reachable is not None]
+        if served:
+            gauge = GaugeMetricFamily(
+                "tieredkv_tier_reachable",
+                "1 while the tier's last heartbeat to its server came back, else 0.",
+                labels=labels,
+            )
+            for t in served:
+                gauge.add_metric([t.name, t.kind], 1.0 if t.reachable else 0.0)
+            yield gauge
         yield from events.collect()
         if scheduler is not None:
             yield GaugeMetricFamily(

@@ -22,7 +22,8 @@ pytest.importorskip("prometheus_client")
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from tieredkv import HostMemoryTier, SSDTier, TieredKVCache
+from tests.redis_server import RedisServer, new_prefix, own_redis_server
+from tieredkv import HostMemoryTier, RedisTier, SSDTier, TieredKVCache
 from tieredkv.backends.ssd import segment_file_name
 from tieredkv.metrics import LATENCY_BUCKETS, CacheCollector, MetricsServer, serve
 from tieredkv.policies import FCFS, BidawScheduler
@@ -32,6 +33,9 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "how-to" / "grafana-d
 SEGMENT = 8 * 2 * 64 * 100 * 2  # bytes of one turn's tensor below (fp16)
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+REACHABLE = "tieredkv_tier_reachable"
+
+__all__ = ["own_redis_server"]  # a fixture used below
 
 
 def _turn(seed: int) -> dict[str, torch.Tensor]:
@@ -287,3 +291,35 @@ async def test_the_grafana_dashboard_queries_only_exported_metrics(tmp_path: Pat
         exported = {name for name, _ in await _scrape(s)}
     assert len(used) >= 20
     assert used - exported == set()
+
+
+async def test_a_shared_tier_out_of_reach_is_a_zero_on_its_reachable_gauge(
+    own_redis_server: RedisServer,
+) -> None:
+    """``tieredkv_tier_reachable`` is 1 while a Redis tier's heartbeat comes back and 0 once
+    one has failed (the server stalled: SIGSTOP), then 1 again; tiers without a server do
+    not have it."""
+    shared = RedisTier(
+        own_redis_server.url, 64 << 20, prefix=new_prefix(), liveness=0.6, timeout=0.3
+    )
+    labels = {"tier": shared.name, "kind": shared.kind}
+
+    async def reachable(server: MetricsServer, want: float) -> bool:
+        for _ in range(100):  # polled: the heartbeat runs in its own task
+            if _one(await _scrape(server), REACHABLE, **labels) == want:
+                return True
+            await anyio.sleep(0.05)
+        return False
+
+    tiers = [HostMemoryTier(8 << 20), shared]
+    async with TieredKVCache(tiers, mode="inclusive") as cache, serve(cache, 0) as server:
+        samples = await _scrape(server)
+        gauged = [dict(found)["tier"] for name, found in samples if name == REACHABLE]
+        assert gauged == [shared.name]  # (not the host tier: it has no server)
+        assert await reachable(server, 1.0)
+        own_redis_server.pause()
+        try:
+            assert await reachable(server, 0.0)
+        finally:
+            own_redis_server.resume()
+        assert await reachable(server, 1.0)

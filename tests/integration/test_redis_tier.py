@@ -495,6 +495,7 @@ async def test_a_heartbeat_that_fails_is_logged_once_and_its_return_too(
             own_redis_server.resume()
         (failed,) = said("failed")
         assert failed.levelno == logging.WARNING
+        assert t.stats().reachable is False or said("answered again")  # (back meanwhile?)
         assert f"{t.name}: heartbeat to {t.url} failed (" in failed.getMessage()
         assert "counts their loads as misses until the server answers again" in (
             failed.getMessage()
@@ -506,6 +507,8 @@ async def test_a_heartbeat_that_fails_is_logged_once_and_its_return_too(
         (back,) = said("answered again")
         assert back.levelno == logging.INFO
         assert await t.beat()
+        assert t.stats().reachable is True
+    assert t.stats().reachable is False  # closed
 
 
 async def test_a_heartbeat_task_that_dies_of_a_bug_is_logged_at_once(

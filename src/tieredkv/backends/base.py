@@ -99,6 +99,8 @@ class TierStats(msgspec.Struct, kw_only=True):
     :param corrupt: segments found damaged and taken out of service
     :param relocations: times free space was defragmented by moving segments aside
     :param relocated_bytes: bytes of segments moved to defragment free space
+    :param reachable: whether the tier's last contact with its server succeeded (a shared
+        tier's heartbeat); ``None``: the tier has no server
     :param notes: anything a user should know (fallbacks taken, ...)
     """
 
@@ -116,6 +118,7 @@ class TierStats(msgspec.Struct, kw_only=True):
     corrupt: int = 0
     relocations: int = 0
     relocated_bytes: int = 0
+    reachable: bool | None = None
     notes: tuple[str, ...] = ()
 
 

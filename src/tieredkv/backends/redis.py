@@ -455,6 +455,7 @@ class RedisTier(Reads, Commits, SharedTier):
             reads=c.reads,
             writes=c.writes,
             corrupt=c.corrupt,
+            reachable=self._conn.client is not None and self._beating,
             notes=(
                 f"server {self.url}, prefix {self.prefix!r}, values of {self.value_size:,} bytes"
                 + (", authenticated" if self._key is not None else ""),
