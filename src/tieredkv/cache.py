@@ -33,7 +33,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from types import TracebackType
@@ -71,6 +73,38 @@ from .policies.base import Eviction, Hinted
 __all__ = ["CacheStats", "LayerwiseLoad", "RestoreFailedError", "TieredKVCache", "Truncation"]
 
 _log = logging.getLogger(__name__)
+
+_tiers_lock = threading.Lock()
+_open_tiers: dict[int, weakref.ref[TieredKVCache]] = {}
+"""The tiers of the open caches (by ``id``: a tier need not be hashable), each with its
+cache: a tier object belongs to one open cache at a time."""
+
+
+def _claim_tiers(cache: TieredKVCache, tiers: Sequence[Tier]) -> None:
+    """Record ``tiers`` as ``cache``'s (it is opening), or raise
+    :class:`~tieredkv.errors.InvalidArgumentError` if another open cache has one of them."""
+    with _tiers_lock:
+        for tier in tiers:
+            owner = _open_tiers.get(id(tier))
+            other = owner() if owner is not None else None
+            if other is not None and other is not cache and other._open:
+                raise InvalidArgumentError(
+                    f"tier {tier.name!r} belongs to another open TieredKVCache: a tier "
+                    f"object serves one cache at a time (its index is that cache's); give "
+                    f"each cache tiers of its own (an SSD directory of its own; to share "
+                    f"conversations between caches, a RedisTier on the same prefix in each)"
+                )
+        for tier in tiers:
+            _open_tiers[id(tier)] = weakref.ref(cache)
+
+
+def _release_tiers(cache: TieredKVCache, tiers: Sequence[Tier]) -> None:
+    """Forget ``tiers`` as ``cache``'s (it closed, or failed to open)."""
+    with _tiers_lock:
+        for tier in tiers:
+            owner = _open_tiers.get(id(tier))
+            if owner is not None and owner() in (cache, None):
+                del _open_tiers[id(tier)]
 
 
 class TieredKVCache:
@@ -187,13 +221,20 @@ class TieredKVCache:
     async def open(self) -> None:
         """Open every tier and rebuild the index from what persistent tiers kept.
 
+        :raises InvalidArgumentError: one of the tiers belongs to another open cache
         :raises ForkedError: the cache was open in the process this one was forked from
             when it forked (build a new one here)
         """
         check_process("this TieredKVCache", self._opened_in)
         if self._open:
             return
-        self._truncated, cancel = await open_tiers(self._core)
+        tiers = self._core.tiers
+        _claim_tiers(self, tiers)
+        try:
+            self._truncated, cancel = await open_tiers(self._core)
+        except BaseException:
+            _release_tiers(self, tiers)
+            raise
         self._open = True
         self._opened_in = os.getpid()
         if cancel is not None:
@@ -226,6 +267,7 @@ class TieredKVCache:
             return
         _, cancel = await settle(lambda: close(self._core, self._pumps, self._close_timeout))
         self._opened_in = None  # closed: a child forked from now on may open it
+        _release_tiers(self, self._core.tiers)
         if cancel is not None:
             raise cancel
 

@@ -17,6 +17,7 @@ from tieredkv import (
     CapacityError,
     ClosedError,
     HostMemoryTier,
+    InvalidArgumentError,
     MmapTier,
     SchemaMismatchError,
     SessionNotFoundError,
@@ -435,3 +436,31 @@ async def test_mmap_tier_as_capacity_layer(tmp_path: Path) -> None:
         assert_same(await c.load("s0"), kv(8, 0))
         assert (tmp_path / "cap.mmap").stat().st_size == 1 << 20
     assert not (tmp_path / "cap.mmap").exists()
+
+
+@pytest.mark.parametrize("kind", ["ssd", "host"])
+async def test_a_tier_object_serves_one_open_cache_at_a_time(ssd_dir: Path, kind: str) -> None:
+    """A second cache opened over a tier object another open cache has is refused, naming
+    the tier and what to do, before anything is opened or written; the first cache is
+    untouched, and once it has closed the second opens (and finds what the first kept).
+    Before 5 December 2026 the second opened with an empty index over the first's tier:
+    its appends collided with the first's segments (a ValueError naming segment 0), and
+    its close would have closed the first's tier."""
+    a = kv(8, 1)
+    shared = SSDTier(ssd_dir, 4 << 20) if kind == "ssd" else HostMemoryTier(64 * KIB)
+    first = TieredKVCache([shared])
+    second = TieredKVCache([shared])
+    async with first:
+        await first.append("s", a, answer_tokens=1)
+        with pytest.raises(InvalidArgumentError, match=f"tier '{shared.name}' belongs to"):
+            await second.open()
+        with pytest.raises(ClosedError):
+            await second.load("s")
+        assert_same(await first.load("s"), a)
+        await first.append("s", kv(8, 2), answer_tokens=1)
+        assert_same(await first.load("s"), joined([a, kv(8, 2)]))
+    async with second:  # the first closed: the tier is free
+        if kind == "ssd":  # (what a closed host tier held is gone; the SSD keeps it)
+            assert_same(await second.load("s"), joined([a, kv(8, 2)]))
+        await second.append("t", a, answer_tokens=1)
+        assert_same(await second.load("t"), a)
