@@ -536,7 +536,8 @@ class TieredKVCache:
         cancelled, the leading positions may hold part of the history.
 
         :raises SessionNotFoundError: as for :meth:`load`
-        :raises ValueError: if ``out`` does not fit the history (nothing is moved)
+        :raises ValueError: if ``out`` does not fit the history, or two of its tensors
+            overlap in memory (nothing is moved)
         """
         return await self._load(session, check_into(out))
 

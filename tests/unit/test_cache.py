@@ -464,3 +464,24 @@ async def test_a_tier_object_serves_one_open_cache_at_a_time(ssd_dir: Path, kind
             assert_same(await second.load("s"), joined([a, kv(8, 2)]))
         await second.append("t", a, answer_tokens=1)
         assert_same(await second.load("t"), a)
+
+
+async def test_load_into_refuses_outputs_that_overlap_in_memory(cache: TieredKVCache) -> None:
+    """The same tensor under two names, or overlapping slices of one buffer, would have one
+    tensor's history overwrite the other's: refused before anything is moved, naming both.
+    Outputs that share a buffer without overlapping (K and V interleaved, slices side by
+    side) are served exactly. Before 5 December 2026 the overlapping ones were accepted."""
+    a = kv(8, 1)
+    await cache.append("s", a, answer_tokens=1)
+    buf = torch.full((20, 4, 64), 7.0, dtype=torch.float16)
+    for out in ({"k": buf, "v": buf}, {"k": buf[:10], "v": buf[5:15]}):
+        with pytest.raises(InvalidArgumentError, match=r"out\['k'\] and out\['v'\] overlap"):
+            await cache.load_into("s", out)
+        assert bool((buf == 7).all())  # nothing moved
+    side = {"k": buf[:8], "v": buf[8:16]}  # side by side: apart
+    assert await cache.load_into("s", side) == 8
+    assert_same(side, a)
+    both = torch.zeros(8, 2, 4, 64, dtype=torch.float16)  # interleaved: not contiguous
+    inter = {"k": both[:, 0], "v": both[:, 1]}
+    assert await cache.load_into("s", inter) == 8
+    assert_same({n: t.contiguous() for n, t in inter.items()}, a)

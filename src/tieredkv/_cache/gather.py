@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import mmap
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -29,6 +30,7 @@ __all__ = [
     "Scatter",
     "Staging",
     "Target",
+    "check_apart",
     "check_into",
     "fill_cuts",
     "fresh",
@@ -75,9 +77,34 @@ def check_into(out: Mapping[str, torch.Tensor]) -> Target:
                     f"{tuple(tokens if d == -1 else d for d in shape)} or more positions "
                     f"along dim {dim}"
                 )
+        check_apart(out, schema.token_dim, tokens)
         return dict(out)
 
     return check
+
+
+def check_apart(out: Mapping[str, torch.Tensor], dim: int, tokens: int) -> None:
+    """Refuse outputs whose places for the history overlap in memory (the same tensor under
+    two names, or overlapping slices of one buffer): each tensor's bytes would overwrite
+    another's (``InvalidArgumentError``, before anything is moved). Checked exactly for
+    contiguous tensors, whose leading ``tokens`` positions along ``dim`` lie within one
+    byte range; others (such as K and V interleaved in one buffer) are left as they are."""
+    spans: list[tuple[int, int, str, torch.device]] = []
+    for name, t in out.items():
+        if not t.is_contiguous() or not t.numel() or not tokens:
+            continue
+        extent = [tokens if i == dim % t.dim() else n for i, n in enumerate(t.shape)]
+        last = sum((n - 1) * st for n, st in zip(extent, t.stride(), strict=True))
+        start = t.data_ptr()
+        spans.append((start, start + (last + 1) * t.element_size(), name, t.device))
+    spans.sort(key=lambda x: (str(x[3]), x[0]))
+    # sorted by start: if any two overlap, so do two consecutive ones
+    for (_, hi, a, dev), (lo2, _, b, dev2) in itertools.pairwise(spans):
+        if dev == dev2 and lo2 < hi:
+            raise InvalidArgumentError(
+                f"out[{a!r}] and out[{b!r}] overlap in memory: each would overwrite the "
+                f"other's history; pass separate tensors (or non-overlapping slices)"
+            )
 
 
 class Scatter:
