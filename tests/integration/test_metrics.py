@@ -282,14 +282,21 @@ def test_demo_serves_its_metrics_until_ctrl_c() -> None:
         urllib.request.urlopen(url, timeout=5)
 
 
-async def test_the_grafana_dashboard_queries_only_exported_metrics(tmp_path: Path) -> None:
+async def test_the_grafana_dashboard_queries_only_exported_metrics(
+    tmp_path: Path, own_redis_server: RedisServer
+) -> None:
+    """Every metric name a panel queries is in a real scrape of a cache with each kind of
+    tier the dashboard shows: host memory, an SSD and a shared (Redis) tier, whose
+    ``tier_reachable`` gauge only a tier with a server has."""
     dashboard = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     used = {name for expr in exprs for name in re.findall(r"\btieredkv_\w+", expr)}
-    tiers = [HostMemoryTier(2 * SEGMENT), SSDTier(tmp_path / "ssd", 64 << 20)]
+    shared = RedisTier(own_redis_server.url, 64 << 20, prefix=new_prefix())
+    tiers = [HostMemoryTier(2 * SEGMENT), SSDTier(tmp_path / "ssd", 64 << 20), shared]
     async with TieredKVCache(tiers) as cache, serve(cache, 0, scheduler=BidawScheduler()) as s:
         exported = {name for name, _ in await _scrape(s)}
     assert len(used) >= 20
+    assert REACHABLE in used
     assert used - exported == set()
 
 
