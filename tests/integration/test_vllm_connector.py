@@ -225,7 +225,8 @@ def test_vllm_serve_with_the_connector_over_http(work: Path, recompute: Result) 
     """``vllm serve --kv-transfer-config`` with the connector, driven by the OpenAI client
     for a three-turn conversation (token-id prompts): answers equal recompute's, the
     returning turns report cached tokens, and vLLM's /metrics has the connector's
-    counters."""
+    counters. The server limits clients' retention hints (``client_hints``,
+    ``max_pin_ttl``), and the response says what applied."""
     import signal
     import subprocess
     import time
@@ -242,6 +243,9 @@ def test_vllm_serve_with_the_connector_over_http(work: Path, recompute: Result) 
             "host_bytes": 8 << 20,
             "ssd_path": str(work / "serve-kv"),
             "metrics_port": (worker_port := free_port()),
+            # the operator's limits on clients' hints: no priorities, pins of 10 minutes
+            "client_hints": ["next_turn_in", "pin", "tool_call"],
+            "max_pin_ttl": 600,
         },
     }
     model = str(work / "model")
@@ -265,7 +269,7 @@ def test_vllm_serve_with_the_connector_over_http(work: Path, recompute: Result) 
             if r >= 0:
                 prompt += queries[r][0]
             body: dict[str, Any] = {"return_token_ids": True}
-            if r == -1:  # retention hints, one of them bad: the request is served anyway
+            if r == -1:  # retention hints, one this server does not take: served anyway
                 body["kv_transfer_params"] = {"tieredkv_pin": True, "tieredkv_priority": "hi"}
             response = client.completions.create(
                 model=model,
@@ -280,12 +284,13 @@ def test_vllm_serve_with_the_connector_over_http(work: Path, recompute: Result) 
             assert answer == ref[(0, r)], r
             assert response.model_extra is not None
             echo = response.model_extra.get("kv_transfer_params")
-            if r == -1:  # the response says what was read and what was ignored
+            if r == -1:  # the response says what applies and what was ignored
                 assert echo == {
-                    "tieredkv_hint": {"pin": True},
+                    "tieredkv_hint": {"pin": True, "ttl": 600.0},
                     "tieredkv_ignored": [
-                        "kv_transfer_params key 'tieredkv_priority' takes an integer (0 "
-                        "neutral, higher kept longer), not 'hi' (ignored)"
+                        "kv_transfer_params key 'tieredkv_priority' is not taken from "
+                        "clients on this server (its operator allows tieredkv_next_turn_in, "
+                        "tieredkv_pin, tieredkv_tool_call) (ignored)"
                     ],
                 }, echo
             else:

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tieredkv.errors import InvalidArgumentError
 from tieredkv.integrations.vllm.config import parse_config
-from tieredkv.integrations.vllm.hints import HINT_KEYS, parse_hint, read_hint
+from tieredkv.integrations.vllm.hints import CLIENT_HINTS, HINT_KEYS, parse_hint, read_hint
 from tieredkv.integrations.vllm.keys import fingerprint
 from tieredkv.integrations.vllm.scheduler import SchedulerSide
 from tieredkv.integrations.vllm.worker import WorkerStore
@@ -116,6 +118,94 @@ def test_read_hint_logs_each_ignored_key_with_the_request(
     )
 
 
+def test_a_server_takes_only_the_hints_its_operator_allows() -> None:
+    """``client_hints`` leaves pins (and their ttl) out: each such key is ignored with a
+    line saying the server does not take it, and the rest of the hint applies."""
+    allowed = ("next_turn_in", "tool_call")
+    hint, problems = parse_hint(
+        {
+            "tieredkv_pin": True,
+            "tieredkv_ttl": 60,
+            "tieredkv_priority": 9,
+            "tieredkv_next_turn_in": 5,
+        },
+        allowed=allowed,
+    )
+    assert hint == RetentionHint(next_turn_in=5.0)
+    assert problems == [
+        f"kv_transfer_params key {key!r} is not taken from clients on this server (its "
+        f"operator allows tieredkv_next_turn_in, tieredkv_tool_call) (ignored)"
+        for key in ("tieredkv_pin", "tieredkv_ttl", "tieredkv_priority")
+    ]
+    # a release is a pin key too; with none allowed, every key is ignored
+    assert parse_hint({"tieredkv_pin": False}, allowed=()) == (
+        None,
+        [
+            "kv_transfer_params key 'tieredkv_pin' is not taken from clients on this server "
+            "(its operator allows none) (ignored)"
+        ],
+    )
+    assert parse_hint({"tieredkv_pin": True}, allowed=CLIENT_HINTS) == (
+        RetentionHint(pin=True),
+        [],
+    )
+
+
+@pytest.mark.parametrize(
+    ("params", "want"),
+    [
+        ({"tieredkv_pin": True}, RetentionHint(pin=True, ttl=600.0)),  # no ttl: the cap
+        ({"tieredkv_pin": True, "tieredkv_ttl": 3600}, RetentionHint(pin=True, ttl=600.0)),
+        ({"tieredkv_pin": True, "tieredkv_ttl": 30}, RetentionHint(pin=True, ttl=30.0)),
+        ({"tieredkv_pin": False}, RetentionHint(pin=False)),  # a release has no lifetime
+        ({"tieredkv_priority": 1}, RetentionHint(priority=1)),
+    ],
+)
+def test_a_clients_pin_lasts_at_most_max_pin_ttl(
+    params: dict[str, Any], want: RetentionHint
+) -> None:
+    assert parse_hint(params, max_ttl=600.0) == (want, [])
+    hint, echo = read_hint(params, "r", max_ttl=600.0)
+    assert hint == want
+    assert echo is not None
+    # the response says the ttl that applies
+    assert echo["tieredkv_hint"].get("ttl") == want.ttl
+
+
+def test_the_operators_retention_keys_are_checked() -> None:
+    cfg = parse_config({})
+    assert (cfg.client_hints, cfg.max_pin_ttl, cfg.max_pinned_bytes) == (
+        CLIENT_HINTS,
+        None,
+        None,
+    )
+    cfg = parse_config(
+        {"client_hints": ["next_turn_in"], "max_pin_ttl": 600, "max_pinned_bytes": 0}
+    )
+    assert (cfg.client_hints, cfg.max_pin_ttl, cfg.max_pinned_bytes) == (
+        ("next_turn_in",),
+        600.0,
+        0,
+    )
+    assert parse_config({"client_hints": []}).client_hints == ()
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"client_hints": "pin"}, "must be a list of hint names"),
+        ({"client_hints": [1]}, "must be a list of hint names"),
+        ({"client_hints": ["ttl"]}, "'ttl' goes with 'pin'"),
+        ({"client_hints": ["pinned"]}, "'pinned', which is not a retention hint"),
+        ({"client_hints": ["pin", "pin"]}, "names a hint twice"),
+        ({"max_pin_ttl": 0}, "'max_pin_ttl'] must be a finite number of seconds > 0"),
+        ({"max_pin_ttl": math.inf}, "finite number"),
+        ({"max_pin_ttl": True}, "finite number"),
+        ({"max_pin_ttl": "600"}, "finite number"),
+        ({"max_pinned_bytes": -1}, "'max_pinned_bytes'] must be an integer >= 0"),
+        ({"max_pinned_bytes": 1.5}, "'max_pinned_bytes'] must be an integer >= 0"),
+    ]
+    for extra, says in bad:
+        with pytest.raises(InvalidArgumentError, match=re.escape(says)):
+            parse_config(extra)
+
+
 def _worker(tmp_path: Path, **extra: object) -> WorkerStore:
     cfg = parse_config({"ssd_path": str(tmp_path), "host_bytes": 1 << 20, **extra})
     store = WorkerStore(cfg, FP, BS)
@@ -176,8 +266,8 @@ def test_a_pin_past_the_bound_is_refused_and_the_turn_and_the_rest_kept(
     bound still has its turn stored and the rest of its hint applied, and the refusal is
     logged with what to do."""
     side = SchedulerSide(parse_config({"ssd_path": str(tmp_path)}), FP, BS)
-    store = _worker(tmp_path)
-    store.cache.max_pinned_bytes = 1  # nothing fits under it
+    store = _worker(tmp_path, max_pinned_bytes=1)  # the operator's bound: nothing fits
+    assert store.cache.max_pinned_bytes == 1
     try:
         hint = RetentionHint(pin=True, ttl=60.0, priority=-1)
         assert side.finished("r1", list(range(1, 14)), [1, 2, 3, 4], 12, 1, hint=hint)

@@ -9,6 +9,7 @@ back in other blocks, after a restart, and that a damaged segment is refused.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,22 @@ def test_config_defaults_and_values() -> None:
 def test_bad_config_names_the_key(extra: dict[str, object], named: str) -> None:
     with pytest.raises(InvalidArgumentError, match=named):
         parse_config(extra)
+
+
+def test_every_key_has_a_row_in_the_how_tos_table() -> None:
+    """docs/how-to/serve-with-vllm.md, section 4, lists each key the connector takes."""
+    how_to = Path(__file__).resolve().parents[2] / "docs" / "how-to" / "serve-with-vllm.md"
+    text = how_to.read_text()
+    section = text[text.index("## 4. The keys of `kv_connector_extra_config`") :]
+    section = section[: section.index("\n## ", 1)]
+    rows = {
+        key
+        for line in section.splitlines()
+        if line.startswith("| `")
+        for key in re.findall(r"`(\w+)`", line.split("|")[1])
+    }
+    assert set(ConnectorConfig.__struct_fields__) - rows == set()
+    assert rows - set(ConnectorConfig.__struct_fields__) == set()
 
 
 # -- keys and index -----------------------------------------------------------------------

@@ -9,6 +9,7 @@ and what to write instead; nothing is stored before that.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -16,6 +17,7 @@ import msgspec
 
 from ...errors import InvalidArgumentError, UnknownPolicyError
 from ...policies.registry import eviction_names, make_eviction, make_scheduler, scheduler_names
+from .hints import CLIENT_HINTS
 
 __all__ = ["ConnectorConfig", "parse_config"]
 
@@ -56,6 +58,17 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
         *fork* of it: only its own blocks are stored, the shared ones stay stored once
         (default on; off: it is stored whole, as a conversation of its own). With
         ``redis_url`` the fork is shared with the other replicas like any conversation
+    :param client_hints: the retention hints this server takes from a request's
+        ``kv_transfer_params`` (default: all, ``["next_turn_in", "pin", "priority",
+        "tool_call"]``; a pin's ``ttl`` goes with ``"pin"``); a key for another is ignored
+        with a warning and a line in the response. On a server shared by tenants who
+        should not hold each other's memory, leave ``"pin"`` (and ``"priority"``) out
+    :param max_pin_ttl: the longest a client's pin lasts, seconds; a pin with no ttl or a
+        longer one gets this one (``None``, the default: as long as the client asks, up
+        to a release)
+    :param max_pinned_bytes: the bound on each worker's pinned bytes (``None``, the
+        default: half its host tier); a pin past it is refused with a warning, the turn
+        kept
     """
 
     host_bytes: int = 1 << 30
@@ -74,6 +87,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     codec: str = "kv"
     model_id: str | None = None
     forks: bool = True
+    client_hints: tuple[str, ...] = CLIENT_HINTS
+    max_pin_ttl: float | None = None
+    max_pinned_bytes: int | None = None
 
 
 _KEYS = tuple(ConnectorConfig.__struct_fields__)
@@ -136,6 +152,7 @@ def parse_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
             "computes K/V inside its attention kernels, so the activation codec cannot "
             "rebuild them there (see docs/how-to/serve-with-vllm.md)"
         )
+    _check_retention(extra)
     for key, names, make in (
         ("eviction", eviction_names, make_eviction),
         ("scheduler", scheduler_names, make_scheduler),
@@ -155,3 +172,47 @@ def parse_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
                 f"use one of {names()}"
             ) from None
     return msgspec.convert(extra, ConnectorConfig)
+
+
+def _check_retention(extra: Mapping[str, Any]) -> None:
+    """Check ``client_hints``, ``max_pin_ttl`` and ``max_pinned_bytes``."""
+    if "client_hints" in extra:
+        names = extra["client_hints"]
+        if (
+            isinstance(names, (str, bytes))
+            or not isinstance(names, (list, tuple))
+            or any(not isinstance(n, str) for n in names)
+        ):
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config['client_hints'] must be a list of hint names "
+                f"(some of {list(CLIENT_HINTS)}), not {names!r}"
+            )
+        for name in names:
+            if name == "ttl":
+                raise InvalidArgumentError(
+                    "kv_connector_extra_config['client_hints']: 'ttl' goes with 'pin' (a "
+                    "pin's lifetime); list 'pin' to take both, and cap the lifetime with "
+                    "max_pin_ttl"
+                )
+            if name not in CLIENT_HINTS:
+                raise InvalidArgumentError(
+                    f"kv_connector_extra_config['client_hints'] has {name!r}, which is not a "
+                    f"retention hint; use some of {list(CLIENT_HINTS)}"
+                )
+        if len(set(names)) != len(names):
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config['client_hints'] names a hint twice: {names!r}"
+            )
+    ttl = extra.get("max_pin_ttl")
+    if ttl is not None and (
+        isinstance(ttl, bool)
+        or not isinstance(ttl, (int, float))
+        or not math.isfinite(ttl)
+        or ttl <= 0
+    ):
+        raise InvalidArgumentError(
+            f"kv_connector_extra_config['max_pin_ttl'] must be a finite number of seconds "
+            f"> 0, or null (no cap), not {ttl!r}"
+        )
+    if extra.get("max_pinned_bytes") is not None:
+        _positive_int("max_pinned_bytes", extra["max_pinned_bytes"], 0)

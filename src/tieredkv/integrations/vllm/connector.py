@@ -461,7 +461,12 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._keys.pop(request.request_id, None)
         hint, echo = None, None
         if request.kv_transfer_params:
-            hint, echo = read_hint(request.kv_transfer_params, request.request_id)
+            hint, echo = read_hint(
+                request.kv_transfer_params,
+                request.request_id,
+                allowed=self.config.client_hints,
+                max_ttl=self.config.max_pin_ttl,
+            )
         delay = self._scheduler.finished(
             request.request_id,
             request.all_token_ids if keys is not None else (),

@@ -10,21 +10,26 @@ stores nothing new, to the stored conversation its prompt continues whole).
 
 A bad value never fails the request: the key is ignored, with a warning that names it and
 says what it takes, and the request is served with the rest of its hint. The response's
-``kv_transfer_params`` tell the client what was read (``tieredkv_hint``) and what was
+``kv_transfer_params`` tell the client what applies (``tieredkv_hint``) and what was
 ignored (``tieredkv_ignored``). Keys of other connectors (any not starting with
 ``tieredkv_``) are left alone.
+
+The server's operator decides what clients may ask for (the connector's
+``client_hints`` and ``max_pin_ttl``): a hint a server does not take from clients is
+ignored the same way, and a pin lasts at most ``max_pin_ttl`` seconds, whatever its
+``tieredkv_ttl`` (the ``tieredkv_hint`` echoed shows the ``ttl`` that applies).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from ...meta import RetentionHint
 
-__all__ = ["HINT_KEYS", "PREFIX", "parse_hint", "read_hint"]
+__all__ = ["CLIENT_HINTS", "HINT_KEYS", "PREFIX", "parse_hint", "read_hint"]
 
 _log = logging.getLogger(__name__)
 
@@ -72,9 +77,23 @@ and its check: ``tieredkv_next_turn_in`` (seconds until the next turn is expecte
 ended in a tool call)."""
 
 
-def parse_hint(params: Mapping[str, Any] | None) -> tuple[RetentionHint | None, list[str]]:
+CLIENT_HINTS = ("next_turn_in", "pin", "priority", "tool_call")
+"""The hints a server may take from clients (the connector's ``client_hints`` lists those
+it does; all by default): a pin's ``tieredkv_ttl`` goes with ``pin``."""
+
+
+def parse_hint(
+    params: Mapping[str, Any] | None,
+    *,
+    allowed: Collection[str] = CLIENT_HINTS,
+    max_ttl: float | None = None,
+) -> tuple[RetentionHint | None, list[str]]:
     """The retention hint in a request's ``kv_transfer_params``, and what was wrong with it.
 
+    :param allowed: the hints this server takes from clients (names in
+        :data:`CLIENT_HINTS`); a key for another is ignored, with a line saying so
+    :param max_ttl: the longest a client's pin lasts, seconds (``None``: as long as the
+        client asks); a pin with no ``tieredkv_ttl`` or a longer one gets this one
     :returns: the hint (``None`` if the request gives none that is valid) and one line per
         key that was ignored, naming it and saying what it takes
     """
@@ -95,6 +114,13 @@ def parse_hint(params: Mapping[str, Any] | None) -> tuple[RetentionHint | None, 
             )
             continue
         field, check = known
+        if ("pin" if field == "ttl" else field) not in allowed:
+            problems.append(
+                f"kv_transfer_params key {key!r} is not taken from clients on this server "
+                f"(its operator allows {', '.join(PREFIX + f for f in allowed) or 'none'}) "
+                f"(ignored)"
+            )
+            continue
         if value is None:
             continue
         try:
@@ -107,22 +133,28 @@ def parse_hint(params: Mapping[str, Any] | None) -> tuple[RetentionHint | None, 
             "kv_transfer_params key 'tieredkv_ttl' is the lifetime of a pin: give it with "
             "'tieredkv_pin': true (ignored)"
         )
+    if max_ttl is not None and fields.get("pin") is True:
+        fields["ttl"] = min(fields.get("ttl", math.inf), max_ttl)
     if not fields:
         return None, problems
     return RetentionHint(**fields), problems
 
 
 def read_hint(
-    params: Mapping[str, Any] | None, req_id: str
+    params: Mapping[str, Any] | None,
+    req_id: str,
+    *,
+    allowed: Collection[str] = CLIENT_HINTS,
+    max_ttl: float | None = None,
 ) -> tuple[RetentionHint | None, dict[str, Any] | None]:
     """:func:`parse_hint`, with a warning per ignored key naming the request.
 
     :returns: the hint, and what to tell the client in the response's
         ``kv_transfer_params`` (``None`` if the request gave no ``tieredkv_`` key):
-        ``tieredkv_hint``, the hint's fields as read, and ``tieredkv_ignored``, a line per
-        key ignored
+        ``tieredkv_hint``, the hint's fields as they apply (a pin's ``ttl`` capped at
+        ``max_ttl``), and ``tieredkv_ignored``, a line per key ignored
     """
-    hint, problems = parse_hint(params)
+    hint, problems = parse_hint(params, allowed=allowed, max_ttl=max_ttl)
     for problem in problems:
         _log.warning("tieredkv: request %s: %s", req_id, problem)
     if hint is None and not problems:

@@ -154,6 +154,7 @@ class WorkerStore:
             eviction=config.eviction,
             mode=config.mode,
             token_dim=1,
+            max_pinned_bytes=config.max_pinned_bytes,
         )
         self.layers: dict[str, torch.Tensor] = {}
         self._split = 1  # kernel blocks per vLLM block
