@@ -243,9 +243,11 @@ def test_vllm_serve_with_the_connector_over_http(work: Path, recompute: Result) 
             "host_bytes": 8 << 20,
             "ssd_path": str(work / "serve-kv"),
             "metrics_port": (worker_port := free_port()),
-            # the operator's limits on clients' hints: no priorities, pins of 10 minutes
+            # the operator's limits on clients' hints: no priorities, pins of 10 minutes,
+            # and no pinned bytes for any one tenant (so this request's pin is refused)
             "client_hints": ["next_turn_in", "pin", "tool_call"],
             "max_pin_ttl": 600,
+            "max_pinned_bytes_per_tenant": 0,
         },
     }
     model = str(work / "model")
@@ -268,7 +270,7 @@ def test_vllm_serve_with_the_connector_over_http(work: Path, recompute: Result) 
         for r in range(-1, 2):  # three turns
             if r >= 0:
                 prompt += queries[r][0]
-            body: dict[str, Any] = {"return_token_ids": True}
+            body: dict[str, Any] = {"return_token_ids": True, "cache_salt": "tenant-a"}
             if r == -1:  # retention hints, one this server does not take: served anyway
                 body["kv_transfer_params"] = {"tieredkv_pin": True, "tieredkv_priority": "hi"}
             response = client.completions.create(
@@ -333,6 +335,9 @@ def test_vllm_serve_with_the_connector_over_http(work: Path, recompute: Result) 
         assert value(text, cached_by_source, by_source("host")) == loaded
         assert value(text, cached_by_source, by_source("disk")) == 0
         assert value(text, "vllm:tieredkv_saved_tokens_total") > 0
+        # the first turn's pin, past its tenant's bound of 0 bytes, was refused in the
+        # worker (the turn stored, as the returning turns' loads show)
+        assert value(text, "vllm:tieredkv_pins_refused_total") == 1
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGINT)

@@ -16,7 +16,13 @@ import torch
 
 from tieredkv.errors import InvalidArgumentError
 from tieredkv.integrations.vllm.config import parse_config
-from tieredkv.integrations.vllm.hints import CLIENT_HINTS, HINT_KEYS, parse_hint, read_hint
+from tieredkv.integrations.vllm.hints import (
+    CLIENT_HINTS,
+    HINT_KEYS,
+    parse_hint,
+    read_hint,
+    tenant_of,
+)
 from tieredkv.integrations.vllm.keys import fingerprint
 from tieredkv.integrations.vllm.scheduler import SchedulerSide
 from tieredkv.integrations.vllm.worker import WorkerStore
@@ -179,6 +185,8 @@ def test_the_operators_retention_keys_are_checked() -> None:
         None,
         None,
     )
+    assert cfg.max_pinned_bytes_per_tenant is None
+    assert parse_config({"max_pinned_bytes_per_tenant": 0}).max_pinned_bytes_per_tenant == 0
     cfg = parse_config(
         {"client_hints": ["next_turn_in"], "max_pin_ttl": 600, "max_pinned_bytes": 0}
     )
@@ -200,6 +208,10 @@ def test_the_operators_retention_keys_are_checked() -> None:
         ({"max_pin_ttl": "600"}, "finite number"),
         ({"max_pinned_bytes": -1}, "'max_pinned_bytes'] must be an integer >= 0"),
         ({"max_pinned_bytes": 1.5}, "'max_pinned_bytes'] must be an integer >= 0"),
+        (
+            {"max_pinned_bytes_per_tenant": -1},
+            "'max_pinned_bytes_per_tenant'] must be an integer >= 0",
+        ),
     ]
     for extra, says in bad:
         with pytest.raises(InvalidArgumentError, match=re.escape(says)):
@@ -245,7 +257,7 @@ def test_a_hint_rides_with_the_save_to_the_stored_conversation(tmp_path: Path) -
         release = RetentionHint(pin=False)
         assert not side.finished("r2", turn, [5, 6, 7, 8], 12, 1, hint=release)
         plan = side.plan()
-        assert (plan.saves, plan.hints) == ([], [("r2", save.session, release)])
+        assert (plan.saves, plan.hints) == ([], [("r2", save.session, release, "")])
         store.hint("r2", save.session, release)
         assert store.cache.channel[save.session].pinned_until is None
         side.update(store.report([], []), set())
@@ -278,8 +290,92 @@ def test_a_pin_past_the_bound_is_refused_and_the_turn_and_the_rest_kept(
         assert [ok for _, ok in store.finished_saves()] == [True]
         meta = store.cache.channel[save.session]
         assert (meta.tokens, meta.pinned_until, meta.priority) == (12, None, -1)
+        assert store.counters["pins_refused"] == 1
         [record] = caplog.records
         assert "request r1: pin refused, the rest applied" in record.getMessage()
         assert "max_pinned_bytes" in record.getMessage()
+    finally:
+        store.close()
+
+
+def test_a_tenant_is_its_cache_salt_as_a_digest() -> None:
+    assert tenant_of(None) == tenant_of("") == ""
+    a, b = tenant_of("tenant-a"), tenant_of("tenant-b")
+    assert a != b
+    assert a == tenant_of("tenant-a")
+    assert "tenant-a" not in a  # logs carry the digest, never the salt
+    assert tenant_of("\ud800") != ""  # a lone surrogate from JSON does not fail a request
+
+
+def test_each_tenant_pins_within_its_own_bound(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With ``max_pinned_bytes_per_tenant``, a request's pin counts against its tenant (its
+    ``cache_salt``): a pin past the tenant's bound is refused with a warning, the turn and
+    the rest of the hint kept; another tenant pins within its own; a release makes room;
+    and a pinned conversation that grows past its tenant's bound loses its pin."""
+    cfg = parse_config({"ssd_path": str(tmp_path)})
+    side = SchedulerSide(cfg, FP, BS)
+    probe = _worker(tmp_path / "probe")
+    try:  # one 12-token conversation's bytes, to size the bound: one fits, two do not
+        assert side.finished("p", list(range(1, 14)), [1, 2, 3, 4], 12, 1)
+        [save] = side.plan().saves
+        probe.save(save)
+        probe.wait_idle()
+        one = probe.cache.channel[save.session].nbytes
+    finally:
+        probe.close()
+    side = SchedulerSide(cfg, FP, BS)
+    store = _worker(tmp_path / "kv", max_pinned_bytes_per_tenant=one + one // 2)
+    a, b = tenant_of("salt-a"), tenant_of("salt-b")
+    pin = RetentionHint(pin=True, priority=2)
+
+    def stored(req: str, first: int, tenant: str, hint: RetentionHint | None) -> str:
+        tokens = list(range(first, first + 13))
+        assert side.finished(req, tokens, [1, 2, 3, 4], 12, 1, hint=hint, tenant=tenant)
+        [save] = side.plan().saves
+        assert save.tenant == tenant
+        store.save(save)
+        store.wait_idle()
+        saves = store.finished_saves()
+        assert [ok for _, ok in saves] == [True]
+        side.update(store.report([], saves), set())  # the scheduler side's index learns it
+        return save.session
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="tieredkv.integrations.vllm.worker"):
+            a1 = stored("a1", 100, a, pin)
+            a2 = stored("a2", 200, a, pin)  # tenant a's second pin: past its bound
+            b1 = stored("b1", 300, b, pin)  # tenant b's own bound
+        channel = store.cache.channel
+        assert channel[a1].pinned_until == math.inf
+        assert (channel[a2].pinned_until, channel[a2].priority) == (None, 2)  # the rest kept
+        assert channel[b1].pinned_until == math.inf
+        [record] = caplog.records
+        assert "request a2: pin refused, the rest applied" in record.getMessage()
+        assert "max_pinned_bytes_per_tenant" in record.getMessage()
+        assert "salt-a" not in record.getMessage()
+        assert store.counters["pins_refused"] == 1
+        # a release makes room: the same pin now holds (a hint of a stored conversation)
+        store.hint("r-a1", a1, RetentionHint(pin=False), a)
+        store.hint("r-a2", a2, RetentionHint(pin=True), a)
+        assert channel[a1].pinned_until is None
+        assert channel[a2].pinned_until == math.inf
+        # a2 grows (its next turn, stored without a hint) past tenant a's bound: unpinned
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tieredkv.integrations.vllm.worker"):
+            tokens = [*range(200, 213), *range(500, 520)]
+            assert side.finished("a2-next", tokens, list(range(1, 10)), 32, 1, tenant=a)
+            [save] = side.plan().saves
+            assert save.session == a2
+            store.save(save)
+            store.wait_idle()
+            saves = store.finished_saves()
+            assert [ok for _, ok in saves] == [True]
+        assert channel[a2].nbytes > one + one // 2
+        assert channel[a2].pinned_until is None
+        [record] = caplog.records
+        assert "its pin is released" in record.getMessage()
+        assert channel[b1].pinned_until == math.inf  # another tenant's pin stays
     finally:
         store.close()

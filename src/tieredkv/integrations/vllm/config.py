@@ -69,6 +69,11 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     :param max_pinned_bytes: the bound on each worker's pinned bytes (``None``, the
         default: half its host tier); a pin past it is refused with a warning, the turn
         kept
+    :param max_pinned_bytes_per_tenant: the bound on the pinned bytes of one tenant's
+        conversations in each worker, within ``max_pinned_bytes`` (a tenant: the requests
+        of one ``cache_salt``, those without one being one more); a pin past it is refused
+        with a warning, the turn kept, and a pinned conversation that grows past it loses
+        its pin (``None``, the default: no bound per tenant)
     """
 
     host_bytes: int = 1 << 30
@@ -90,6 +95,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     client_hints: tuple[str, ...] = CLIENT_HINTS
     max_pin_ttl: float | None = None
     max_pinned_bytes: int | None = None
+    max_pinned_bytes_per_tenant: int | None = None
 
 
 _KEYS = tuple(ConnectorConfig.__struct_fields__)
@@ -175,7 +181,7 @@ def parse_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
 
 
 def _check_retention(extra: Mapping[str, Any]) -> None:
-    """Check ``client_hints``, ``max_pin_ttl`` and ``max_pinned_bytes``."""
+    """Check ``client_hints``, ``max_pin_ttl`` and the bounds on pinned bytes."""
     if "client_hints" in extra:
         names = extra["client_hints"]
         if (
@@ -214,5 +220,6 @@ def _check_retention(extra: Mapping[str, Any]) -> None:
             f"kv_connector_extra_config['max_pin_ttl'] must be a finite number of seconds "
             f"> 0, or null (no cap), not {ttl!r}"
         )
-    if extra.get("max_pinned_bytes") is not None:
-        _positive_int("max_pinned_bytes", extra["max_pinned_bytes"], 0)
+    for key in ("max_pinned_bytes", "max_pinned_bytes_per_tenant"):
+        if extra.get(key) is not None:
+            _positive_int(key, extra[key], 0)

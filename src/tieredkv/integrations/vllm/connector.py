@@ -33,7 +33,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ...errors import InvalidArgumentError
 from .config import ConnectorConfig, parse_config
 from .events import KVEvents
-from .hints import read_hint
+from .hints import read_hint, tenant_of
 from .keys import (
     PLAIN,
     FilesDigests,
@@ -79,6 +79,7 @@ STAT_KEYS = (
     "saved_bytes",
     "save_errors",
     "forks",
+    "pins_refused",
 )
 
 
@@ -108,7 +109,8 @@ class TieredKVConnectorStats(KVConnectorStats):
     """The workers' counters over an interval: loads (host hits and lower-tier hits),
     load errors, tokens loaded and saved, layers a load filled while vLLM waited for them
     (layer by layer, within the forward pass), bytes saved, seconds spent loading, turns
-    stored as forks of another conversation (their shared blocks not stored again)."""
+    stored as forks of another conversation (their shared blocks not stored again), pins
+    that requests asked for and a bound on pinned bytes refused."""
 
     def reset(self) -> None:
         self.data = {}
@@ -475,6 +477,7 @@ class TieredKVConnector(KVConnectorBase_V1):
             request.num_output_tokens,
             keys or PLAIN,
             hint,
+            tenant_of(request.cache_salt),
         )
         if self._events is not None and delay:
             self._announce(request)
@@ -542,8 +545,8 @@ class TieredKVConnector(KVConnectorBase_V1):
                 _log.exception("copying %s's blocks out failed; the turn is not stored", op.req_id)
                 self._sending.add(op.req_id)
                 self._unsaved.append((op, False))  # reported: the scheduler side stops waiting
-        for req_id, session, hint in meta.plan.hints:
-            self._store.hint(req_id, session, hint)
+        for req_id, session, hint, tenant in meta.plan.hints:
+            self._store.hint(req_id, session, hint, tenant)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._store is not None

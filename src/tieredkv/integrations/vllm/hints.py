@@ -27,9 +27,11 @@ import math
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+import xxhash
+
 from ...meta import RetentionHint
 
-__all__ = ["CLIENT_HINTS", "HINT_KEYS", "PREFIX", "parse_hint", "read_hint"]
+__all__ = ["CLIENT_HINTS", "HINT_KEYS", "PREFIX", "parse_hint", "read_hint", "tenant_of"]
 
 _log = logging.getLogger(__name__)
 
@@ -167,3 +169,13 @@ def read_hint(
     if problems:
         echo["tieredkv_ignored"] = problems
     return hint, echo
+
+
+def tenant_of(cache_salt: str | None) -> str:
+    """A request's tenant for the per-tenant bound on pinned bytes
+    (``max_pinned_bytes_per_tenant``): its ``cache_salt`` (vLLM's per-tenant isolation of
+    prefix caches) as a digest, so that logs never carry the salt itself; ``""`` for the
+    requests without one, which are one tenant."""
+    if not cache_salt:
+        return ""
+    return xxhash.xxh3_64_hexdigest(cache_salt.encode("utf-8", "surrogatepass"))

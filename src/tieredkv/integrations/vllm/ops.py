@@ -59,6 +59,8 @@ class SaveOp:
         continues: the turn is the first of a new conversation (``session``), a fork of
         ``parent`` that stores blocks ``start .. end-1`` only (``None``: ``session``
         itself stores the first ``start`` blocks)
+    :param tenant: the request's tenant (:func:`~tieredkv.integrations.vllm.hints.tenant_of`
+        its ``cache_salt``): a pin the hint asks for counts against that tenant's bound
     """
 
     req_id: str
@@ -71,6 +73,7 @@ class SaveOp:
     keys: RequestKeys = PLAIN
     hint: RetentionHint | None = None
     parent: str | None = None
+    tenant: str = ""
 
 
 @dataclass
@@ -82,14 +85,15 @@ class StepPlan:
         each worker reports them finished receiving once, so that vLLM frees their blocks
     :param idle: vLLM scheduled no tokens this step (it only waits, for loads or saves):
         the worker may then wait a little for one of them rather than return at once
-    :param hints: ``(req_id, session, hint)``: retention hints of finished requests that
-        stored nothing new, for the stored conversation each one's prompt continues whole
+    :param hints: ``(req_id, session, hint, tenant)``: retention hints of finished
+        requests that stored nothing new, for the stored conversation each one's prompt
+        continues whole, with the request's tenant (as :attr:`SaveOp.tenant`)
     """
 
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
-    hints: list[tuple[str, str, RetentionHint]] = field(default_factory=list)
+    hints: list[tuple[str, str, RetentionHint, str]] = field(default_factory=list)
     idle: bool = False
 
 

@@ -292,6 +292,7 @@ class SchedulerSide:
         answer_tokens: int,
         keys: RequestKeys = PLAIN,
         hint: RetentionHint | None = None,
+        tenant: str = "",
     ) -> bool:
         """vLLM is done with the request (finished, or aborted, in any phase): with KV for
         its first ``computed`` tokens in ``block_ids`` if it was computing.
@@ -309,7 +310,8 @@ class SchedulerSide:
 
         ``hint`` (the request's retention hint) goes with the save, for the conversation
         the turn is stored in; a computing request that stores nothing new (its turn is
-        stored already) hints the stored conversation its prompt continues whole.
+        stored already) hints the stored conversation its prompt continues whole; either
+        way with the request's ``tenant`` (:attr:`~.ops.SaveOp.tenant`).
         """
         self.finished_requests += 1
         r = self._reqs.pop(req_id, None)
@@ -319,20 +321,25 @@ class SchedulerSide:
         if r is not None and r.phase is not Phase.MATCHED:
             self._withdraw(req_id, r)
             return False
-        if self._plan_save(req_id, tokens, block_ids, computed, answer_tokens, keys, hint):
+        if self._plan_save(req_id, tokens, block_ids, computed, answer_tokens, keys, hint, tenant):
             return True
         if hint is not None:
-            self._hint_stored(req_id, tokens, keys, hint)
+            self._hint_stored(req_id, tokens, keys, hint, tenant)
         return False
 
     def _hint_stored(
-        self, req_id: str, tokens: Sequence[int], keys: RequestKeys, hint: RetentionHint
+        self,
+        req_id: str,
+        tokens: Sequence[int],
+        keys: RequestKeys,
+        hint: RetentionHint,
+        tenant: str,
     ) -> None:
         """A request that stored nothing new hints the conversation it continues whole."""
         hashes = self.index.hashes(tokens[: max(0, len(tokens) - 1)], keys)
         session, blocks = self.index.match(hashes)
         if session is not None and blocks == self.index.blocks(session):
-            self._planned.hints.append((req_id, session, hint))
+            self._planned.hints.append((req_id, session, hint, tenant))
         else:
             _log.info(
                 "tieredkv: request %s's retention hint is not applied: it stored no turn of "
@@ -379,6 +386,7 @@ class SchedulerSide:
         answer_tokens: int,
         keys: RequestKeys,
         hint: RetentionHint | None,
+        tenant: str,
     ) -> bool:
         end = min(computed, len(tokens) - 1, len(block_ids) * self.block_size) // self.block_size
         if end <= 0:
@@ -417,6 +425,7 @@ class SchedulerSide:
                 keys=keys.prefix(end),
                 hint=hint,
                 parent=parent,
+                tenant=tenant,
             )
         )
         self._pending_saves[req_id] = (session, hashes)

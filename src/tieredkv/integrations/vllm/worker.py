@@ -171,6 +171,10 @@ class WorkerStore:
         self._staging = _Staging()
         self._server: Any = None
         self.counters: dict[str, float] = {}
+        self._tenant_pins: dict[str, str] = {}
+        """The conversations a request pinned, each with the request's tenant (kept with a
+        per-tenant bound on pinned bytes only; entries whose pin ended are dropped as
+        they are met)."""
 
     # -- lifecycle ---------------------------------------------------------------------
     def open(self, layers: Mapping[str, torch.Tensor]) -> None:
@@ -616,7 +620,9 @@ class WorkerStore:
         self._count("saved_tokens", tensors[TOKENS].shape[1])
         self._count("saved_bytes", sum(t.numel() * t.element_size() for t in tensors.values()))
         if op.hint is not None:
-            stored = self._hint(op.req_id, op.session, op.hint) or stored
+            stored = self._hint(op.req_id, op.session, op.hint, op.tenant) or stored
+        elif op.session in self._tenant_pins:
+            stored = self._keep_tenant_bounded(op.session) or stored
         return stored
 
     async def _fork(
@@ -649,22 +655,93 @@ class WorkerStore:
         self._count("forks")
         return meta, own
 
-    def _hint(self, req_id: str, session: str, hint: RetentionHint) -> KVMeta | None:
+    def _hint(
+        self, req_id: str, session: str, hint: RetentionHint, tenant: str = ""
+    ) -> KVMeta | None:
         """Apply a request's retention hint to a stored conversation (on the cache's loop);
-        its metadata after, ``None`` if the cache no longer holds it."""
+        its metadata after, ``None`` if the cache no longer holds it. With a per-tenant
+        bound, a pin that would take ``tenant``'s pinned bytes past it is refused (logged)
+        and the rest of the hint applied."""
+        bound = self.config.max_pinned_bytes_per_tenant
+        meta: KVMeta | None = self.cache.channel.get(session)
+        if bound is not None and hint.pin and meta is not None:
+            pinned = self._tenant_pinned(tenant, but=session)
+            if pinned + meta.nbytes > bound:
+                _log.warning(
+                    "request %s: pin refused, the rest applied: pinning %s (%d bytes) would "
+                    "pin %d bytes of tenant %s's, past max_pinned_bytes_per_tenant (%d): "
+                    "the tenant should release a pin or give its pins a ttl, or raise the "
+                    "bound",
+                    req_id,
+                    session,
+                    meta.nbytes,
+                    pinned + meta.nbytes,
+                    tenant or "(no cache_salt)",
+                    bound,
+                )
+                self._count("pins_refused")
+                hint = msgspec.structs.replace(hint, pin=None, ttl=None)
         try:
-            meta, _ = apply_turn_hint(self.cache, session, hint, what=f"request {req_id}")
+            meta, refused = apply_turn_hint(self.cache, session, hint, what=f"request {req_id}")
         except SessionNotFoundError:
             _log.info("request %s's retention hint not applied: %s is gone", req_id, session)
             return None
+        if refused is not None:  # past max_pinned_bytes
+            self._count("pins_refused")
+        if bound is not None:
+            if hint.pin and meta.pinned_until is not None:
+                self._tenant_pins[session] = tenant
+            elif meta.pinned_until is None:
+                self._tenant_pins.pop(session, None)
         with self._lock:  # the scheduler side's mirror hears of it with the next report
             self._touched[session] = None
         return meta
 
-    def hint(self, req_id: str, session: str, hint: RetentionHint) -> None:
-        """Apply a finished request's retention hint to a stored conversation now."""
+    def _tenant_pinned(self, tenant: str, but: str | None = None) -> int:
+        """The bytes of ``tenant``'s conversations pinned now (``but`` one), from the
+        cache's metadata; entries whose pin ended (expired, released, or the conversation
+        gone) are dropped here. The cache runs on ``time.monotonic``, as pins do."""
+        now = time.monotonic()
+        channel = self.cache.channel
+        total = 0
+        for session, owner in list(self._tenant_pins.items()):
+            meta = channel.get(session)
+            until = None if meta is None else meta.pinned_until
+            if until is None or until <= now:
+                del self._tenant_pins[session]
+            elif owner == tenant and session != but:
+                assert meta is not None
+                total += meta.nbytes
+        return total
+
+    def _keep_tenant_bounded(self, session: str) -> KVMeta | None:
+        """A conversation a request pinned that grew past its tenant's bound (a later turn
+        stored without a hint) loses its pin (logged)."""
+        bound = self.config.max_pinned_bytes_per_tenant
+        tenant = self._tenant_pins.get(session)
+        if bound is None or tenant is None:
+            return None
+        pinned = self._tenant_pinned(tenant)
+        if session not in self._tenant_pins or pinned <= bound:
+            return None
+        _log.warning(
+            "conversation %s grew: tenant %s's pinned bytes (%d) passed "
+            "max_pinned_bytes_per_tenant (%d), so its pin is released",
+            session,
+            tenant or "(no cache_salt)",
+            pinned,
+            bound,
+        )
+        del self._tenant_pins[session]
+        with self._lock:
+            self._touched[session] = None
+        return self.cache.hint(session, RetentionHint(pin=False))
+
+    def hint(self, req_id: str, session: str, hint: RetentionHint, tenant: str = "") -> None:
+        """Apply a finished request's retention hint to a stored conversation now (a
+        request of ``tenant``: see :attr:`~.ops.SaveOp.tenant`)."""
         assert self._portal is not None
-        self._portal.call(self._hint, req_id, session, hint)
+        self._portal.call(self._hint, req_id, session, hint, tenant)
 
     def finished_saves(self) -> list[tuple[SaveOp, bool]]:
         """Saves whose append finished since the last call, with their outcome."""
