@@ -24,6 +24,7 @@ from tieredkv.integrations.vllm.hints import (
     tenant_of,
 )
 from tieredkv.integrations.vllm.keys import fingerprint
+from tieredkv.integrations.vllm.ops import SaveOp
 from tieredkv.integrations.vllm.scheduler import SchedulerSide
 from tieredkv.integrations.vllm.worker import WorkerStore
 from tieredkv.meta import RetentionHint
@@ -227,6 +228,15 @@ def _worker(tmp_path: Path, **extra: object) -> WorkerStore:
     return store
 
 
+def _stored(store: WorkerStore, save: SaveOp) -> list[tuple[SaveOp, bool]]:
+    """Have ``store`` store ``save``; the finished saves it reports (that one, stored)."""
+    store.save(save)
+    store.wait_idle()
+    saves = store.finished_saves()
+    assert [(done.req_id, ok) for done, ok in saves] == [(save.req_id, True)]
+    return saves
+
+
 def test_a_hint_rides_with_the_save_to_the_stored_conversation(tmp_path: Path) -> None:
     """The scheduler side plans the request's hint with its save; the worker stores the
     turn and applies it: the conversation's metadata carries the pin, the priority and
@@ -240,10 +250,7 @@ def test_a_hint_rides_with_the_save_to_the_stored_conversation(tmp_path: Path) -
         assert side.finished("r1", turn, [1, 2, 3, 4], 12, 1, hint=hint)
         [save] = side.plan().saves
         assert save.hint == hint
-        store.save(save)
-        store.wait_idle()
-        saves = store.finished_saves()
-        assert [ok for _, ok in saves] == [True]
+        saves = _stored(store, save)
         meta = store.cache.channel[save.session]
         assert (meta.pinned_until, meta.priority) == (math.inf, 3)
         assert meta.next_turn is not None
@@ -320,8 +327,7 @@ def test_each_tenant_pins_within_its_own_bound(
     try:  # one 12-token conversation's bytes, to size the bound: one fits, two do not
         assert side.finished("p", list(range(1, 14)), [1, 2, 3, 4], 12, 1)
         [save] = side.plan().saves
-        probe.save(save)
-        probe.wait_idle()
+        _stored(probe, save)
         one = probe.cache.channel[save.session].nbytes
     finally:
         probe.close()
@@ -335,10 +341,7 @@ def test_each_tenant_pins_within_its_own_bound(
         assert side.finished(req, tokens, [1, 2, 3, 4], 12, 1, hint=hint, tenant=tenant)
         [save] = side.plan().saves
         assert save.tenant == tenant
-        store.save(save)
-        store.wait_idle()
-        saves = store.finished_saves()
-        assert [ok for _, ok in saves] == [True]
+        saves = _stored(store, save)
         side.update(store.report([], saves), set())  # the scheduler side's index learns it
         return save.session
 
@@ -368,10 +371,7 @@ def test_each_tenant_pins_within_its_own_bound(
             assert side.finished("a2-next", tokens, list(range(1, 10)), 32, 1, tenant=a)
             [save] = side.plan().saves
             assert save.session == a2
-            store.save(save)
-            store.wait_idle()
-            saves = store.finished_saves()
-            assert [ok for _, ok in saves] == [True]
+            _stored(store, save)
         assert channel[a2].nbytes > one + one // 2
         assert channel[a2].pinned_until is None
         [record] = caplog.records
