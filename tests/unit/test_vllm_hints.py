@@ -377,5 +377,13 @@ def test_each_tenant_pins_within_its_own_bound(
         [record] = caplog.records
         assert "its pin is released" in record.getMessage()
         assert channel[b1].pinned_until == math.inf  # another tenant's pin stays
+        # b1 grows with a turn whose hint is advice only: unpinned, the advice applied
+        tokens = [*range(300, 313), *range(600, 620)]
+        hint = RetentionHint(priority=5)
+        assert side.finished("b1-next", tokens, list(range(1, 10)), 32, 1, hint=hint, tenant=b)
+        [save] = side.plan().saves
+        assert save.session == b1
+        _stored(store, save)
+        assert (channel[b1].pinned_until, channel[b1].priority) == (None, 5)
     finally:
         store.close()

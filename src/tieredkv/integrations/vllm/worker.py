@@ -621,7 +621,7 @@ class WorkerStore:
         self._count("saved_bytes", sum(t.numel() * t.element_size() for t in tensors.values()))
         if op.hint is not None:
             stored = self._hint(op.req_id, op.session, op.hint, op.tenant) or stored
-        elif op.session in self._tenant_pins:
+        if op.session in self._tenant_pins:  # it grew: its tenant may be past its bound
             stored = self._keep_tenant_bounded(op.session) or stored
         return stored
 
@@ -715,8 +715,8 @@ class WorkerStore:
         return total
 
     def _keep_tenant_bounded(self, session: str) -> KVMeta | None:
-        """A conversation a request pinned that grew past its tenant's bound (a later turn
-        stored without a hint) loses its pin (logged)."""
+        """A conversation a request pinned whose later turn took its tenant past the bound
+        loses its pin (logged)."""
         bound = self.config.max_pinned_bytes_per_tenant
         tenant = self._tenant_pins.get(session)
         if bound is None or tenant is None:
