@@ -535,6 +535,50 @@ async def test_a_refused_reservation_keeps_the_pending_removal(
         assert await read_back(tier, other) == other.data
 
 
+@pytest.mark.parametrize(
+    "then", ["released", "rewrite fails before its rename", "rewrite fails after its rename"]
+)
+async def test_a_leftover_file_stays_doomed_until_a_write_of_it_commits(
+    ssd_dir: Path, seg: SegmentFactory, then: str
+) -> None:
+    """The same failure, then the segment is reserved again but no write commits: the
+    reservation is released unwritten (an append cancelled before its write), or its write
+    fails before the rename (the leftover file stays: the removal at close still happens,
+    and a restart does not find the segment whose write failed; before, the new
+    reservation dropped the pending removal, and the file stayed, out of the index, and
+    came back), or after it (the file that replaced the leftover one is taken back: no
+    removal stays pending for a file that is gone)."""
+    s = seg(session="s", seed=6)
+    with FaultInjector() as faults:
+        async with SSDTier(ssd_dir, CAPACITY) as tier:
+            faults.fail_nth("fsync", faults.calls["fsync"] + 2)
+            faults.fail_nth("unlink", faults.calls["unlink"] + 2)
+            assert tier.reserve(s.key, s.length)
+            with pytest.raises(TierIOError):
+                await tier.write(s.key, s.view)
+            tier.release(s.key)
+            assert tier.reserve(s.key, s.length)
+            if then == "released":
+                tier.release(s.key)
+            elif then == "rewrite fails before its rename":
+                faults.fail_nth("pwrite", faults.calls["pwrite"] + 1)
+                with pytest.raises(TierIOError):
+                    await tier.write(s.key, s.view)
+                tier.release(s.key)
+            else:  # renamed over the leftover file, then taken back: nothing is left
+                faults.fail_nth("fsync", faults.calls["fsync"] + 2)
+                with pytest.raises(TierIOError):
+                    await tier.write(s.key, s.view)
+                tier.release(s.key)
+                assert not seg_path(ssd_dir, s).exists()
+                assert tier._writer.doomed == set()  # no removal pending for a gone file
+                return
+            assert seg_path(ssd_dir, s).exists()  # until the removal at close
+    assert not seg_path(ssd_dir, s).exists()
+    async with SSDTier(ssd_dir, CAPACITY) as tier:
+        assert not tier.contains(s.key)
+
+
 async def test_a_file_named_with_a_non_ascii_digit_is_set_aside(
     ssd_dir: Path, seg: SegmentFactory
 ) -> None:

@@ -214,10 +214,10 @@ class SSDTier(Tier):
     # -- space ---------------------------------------------------------------------------
     def reserve(self, key: SegmentKey, length: int) -> bool:
         self._check_open()
-        if not self._index.reserve(key, length, self._capacity, self.name):
-            return False
-        self._writer.forget_doomed(key)  # a write of it will replace the leftover file
-        return True
+        # (a leftover file of a failed write of ``key`` stays doomed: only a write that
+        # commits replaces it, see _write; a reservation released unwritten, or whose
+        # write fails before its rename, leaves the file to the removal at close)
+        return self._index.reserve(key, length, self._capacity, self.name)
 
     def release(self, key: SegmentKey) -> None:
         self._index.release(key)
@@ -260,6 +260,7 @@ class SSDTier(Tier):
         except BaseException:
             self._index.end_incarnation(key[0])
             raise
+        self._writer.forget_doomed(key)  # the committed file replaced any leftover one
         self._index.commit(key, tag)
         self._counters["writes"] += 1
         self._counters["bytes_written"] += length

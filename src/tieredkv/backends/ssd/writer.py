@@ -88,7 +88,7 @@ class SegmentWriter:
         filesystem refuses ``fallocate``)."""
 
     def forget_doomed(self, key: SegmentKey) -> None:
-        """``key`` is reserved again: its next write replaces the leftover file."""
+        """``key`` was written again and committed: its file replaced the leftover one."""
         with self._lock:
             self.doomed.discard(key)
 
@@ -209,6 +209,9 @@ class SegmentWriter:
         except OSError:
             with self._lock:  # retried at close, unless written again first
                 self.doomed.add(key)
+            return
+        with self._lock:  # (it replaced the leftover file of an earlier failed write)
+            self.doomed.discard(key)
 
     def _write_while_filling(
         self, fd: int, data: memoryview, cuts: list[int], fill: Callable[[int], None]
