@@ -469,6 +469,18 @@ async def test_cache_over_an_authenticated_tier(ssd_dir: Path) -> None:
 # -- faults during writes and a seeded campaign ------------------------------------------
 
 
+async def _fail_leaving_the_file(tier: SSDTier, faults: FaultInjector, s: Segment) -> None:
+    """Reserve and write ``s`` with the directory fsync after the rename failing (so the
+    write is reported as failed) and the unlink that should take the file back failing
+    too: the file stays, doomed (removed at close); the reservation is released."""
+    faults.fail_nth("fsync", faults.calls["fsync"] + 2)  # the directory's
+    faults.fail_nth("unlink", faults.calls["unlink"] + 2)  # after the tmp file's
+    assert tier.reserve(s.key, s.length)
+    with pytest.raises(TierIOError):
+        await tier.write(s.key, s.view)
+    tier.release(s.key)
+
+
 async def test_failed_write_whose_cleanup_fails_leaves_nothing_after_close(
     ssd_dir: Path, seg: SegmentFactory
 ) -> None:
@@ -478,14 +490,9 @@ async def test_failed_write_whose_cleanup_fails_leaves_nothing_after_close(
     s = seg(session="s", seed=1)
     with FaultInjector() as faults:
         async with SSDTier(ssd_dir, CAPACITY) as tier:
-            faults.fail_nth("fsync", faults.calls["fsync"] + 2)  # the directory's
-            faults.fail_nth("unlink", faults.calls["unlink"] + 2)  # after the tmp file's
-            assert tier.reserve(s.key, s.length)
-            with pytest.raises(TierIOError):
-                await tier.write(s.key, s.view)
+            await _fail_leaving_the_file(tier, faults, s)
             assert faults.injected == {"fsync": 1, "unlink": 1}
             assert seg_path(ssd_dir, s).exists()  # still there until the retry
-            tier.release(s.key)
     assert not seg_path(ssd_dir, s).exists()
     async with SSDTier(ssd_dir, CAPACITY) as tier:
         assert not tier.contains(s.key)
@@ -497,12 +504,7 @@ async def test_a_rewrite_cancels_the_pending_removal(ssd_dir: Path, seg: Segment
     s = seg(session="s", seed=2)
     with FaultInjector() as faults:
         async with SSDTier(ssd_dir, CAPACITY) as tier:
-            faults.fail_nth("fsync", faults.calls["fsync"] + 2)
-            faults.fail_nth("unlink", faults.calls["unlink"] + 2)
-            assert tier.reserve(s.key, s.length)
-            with pytest.raises(TierIOError):
-                await tier.write(s.key, s.view)
-            tier.release(s.key)
+            await _fail_leaving_the_file(tier, faults, s)
             await store(tier, s)
     async with SSDTier(ssd_dir, CAPACITY) as tier:
         assert await read_back(tier, s) == s.data
@@ -520,12 +522,7 @@ async def test_a_refused_reservation_keeps_the_pending_removal(
     assert other.length == s.length
     with FaultInjector() as faults:
         async with SSDTier(ssd_dir, 2 * s.length - 4096) as tier:
-            faults.fail_nth("fsync", faults.calls["fsync"] + 2)
-            faults.fail_nth("unlink", faults.calls["unlink"] + 2)
-            assert tier.reserve(s.key, s.length)
-            with pytest.raises(TierIOError):
-                await tier.write(s.key, s.view)
-            tier.release(s.key)
+            await _fail_leaving_the_file(tier, faults, s)
             await store(tier, other)
             assert not tier.reserve(s.key, s.length)  # no room: nothing will rewrite it
             assert seg_path(ssd_dir, s).exists()
@@ -551,12 +548,7 @@ async def test_a_leftover_file_stays_doomed_until_a_write_of_it_commits(
     s = seg(session="s", seed=6)
     with FaultInjector() as faults:
         async with SSDTier(ssd_dir, CAPACITY) as tier:
-            faults.fail_nth("fsync", faults.calls["fsync"] + 2)
-            faults.fail_nth("unlink", faults.calls["unlink"] + 2)
-            assert tier.reserve(s.key, s.length)
-            with pytest.raises(TierIOError):
-                await tier.write(s.key, s.view)
-            tier.release(s.key)
+            await _fail_leaving_the_file(tier, faults, s)
             assert tier.reserve(s.key, s.length)
             if then == "released":
                 tier.release(s.key)
