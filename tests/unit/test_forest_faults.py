@@ -21,6 +21,7 @@ import pytest
 from tests.faults import SITES, FaultInjector
 from tieredkv import HostMemoryTier, RetentionHint, SSDTier, TieredKVCache
 from tieredkv.backends.base import SegmentKey
+from tieredkv.backends.ssd import segment_file_name
 from tieredkv.errors import TierIOError
 from tieredkv.payload import RETIRED_SEQ
 
@@ -441,3 +442,35 @@ async def test_a_cancelled_turn_below_a_copy_kept_above_leaves_the_channel_agree
         assert problems(c) == []
         same(await c.load("a"), A_ROOT)
         assert problems(c) == []
+
+
+async def test_a_drop_whose_marker_fails_leaves_the_write_through_running(
+    tmp_path: Path,
+) -> None:
+    """In inclusive mode, a fork that other forks build on is dropped, and writing its
+    retirement marker into SSD fails: the drop does nothing (it raises), and the
+    conversation's background copy into SSD must go on as before. Before, the drop had
+    stopped that copy for good: the conversation's next turn never reached SSD, and its
+    other turns stayed there, a partial copy that no policy tracked or freed."""
+    ssd_dir = tmp_path / "ssd"
+    tiers = [HostMemoryTier(CAPACITY), SSDTier(ssd_dir, CAPACITY)]
+    marker = segment_file_name(("b", RETIRED_SEQ))
+    async with TieredKVCache(tiers, mode="inclusive") as c:
+        await c.append("a", A0, answer_tokens=1)
+        await c.append("b", B0, answer_tokens=1, parent="a")
+        await c.append("c", A2, answer_tokens=1, parent="b")  # c lists b's own turn
+        await c.flush()
+        with FaultInjector() as faults:
+            faults.fail_matching("open", marker.split("/")[-1])
+            with pytest.raises(TierIOError):
+                await c.drop("b")
+            assert faults.total_injected == 1
+        assert c.contains("b")
+        await c.append("b", A1, answer_tokens=1)
+        await c.flush()
+        assert problems(c) == []
+        assert list(c.channel["b"].copies) == ["host", "ssd"]
+    async with TieredKVCache([SSDTier(ssd_dir, CAPACITY)]) as c:
+        assert problems(c) == []
+        same(await c.load("b"), cat(A0, B0, A1))
+        same(await c.load("c"), cat(A0, B0, A2))

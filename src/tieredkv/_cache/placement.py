@@ -165,7 +165,12 @@ async def drop(core: Core, s: Session, stop: Callable[[Session], Awaitable[None]
     there: the drop did nothing, and raises it; once the marker is written, the drop
     completes whatever cancels the caller, so no marker ever stands for a live one)."""
     await stop(s)
-    _, first = await settle(lambda: retire(core, s))
+    try:
+        _, first = await settle(lambda: retire(core, s))
+    except BaseException:  # the drop did nothing: the background copy goes on
+        s.stopping = False
+        core.restart_copy(s)
+        raise
     s.dropped = True
     nbytes = s.nbytes()
     if core.sessions.get(s.key) is s:
