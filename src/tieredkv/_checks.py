@@ -1,4 +1,4 @@
-"""Argument checks shared across the package: an int in range, cuts of a byte range.
+"""Argument checks shared across the package: an int in range, a name, cuts of a byte range.
 
 Neutral ground: nothing here knows about segments, tiers or the cache, so any module can
 check its arguments the same way (the same messages, the same error types).
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from .errors import InvalidArgumentError, InvalidTypeError
 
-__all__ = ["MAX_COUNT", "check_cuts", "check_int"]
+__all__ = ["MAX_COUNT", "check_cuts", "check_int", "check_name"]
 
 MAX_COUNT = 2**63 - 1
 """The largest token count, answer length or turn index a segment header can record."""
@@ -35,6 +35,19 @@ def check_int(
     if not minimum <= value <= maximum:
         upper = "2**63 - 1" if maximum == MAX_COUNT else f"{maximum:,}"
         raise InvalidArgumentError(f"{what} must be from {minimum:,} to {upper}, not {value:,}")
+    return value
+
+
+def check_name(what: str, value: object) -> str:
+    """``value`` if it is a non-empty str.
+
+    :raises ~tieredkv.errors.InvalidTypeError: for anything that is not a str
+    :raises ~tieredkv.errors.InvalidArgumentError: for the empty string
+    """
+    if not isinstance(value, str):
+        raise InvalidTypeError(f"{what} must be a str, not {value!r}")
+    if not value:
+        raise InvalidArgumentError(f"{what} is empty; use any non-empty text")
     return value
 
 

@@ -138,6 +138,9 @@ class TieredKVCache:
         nothing down)
     :param max_pinned_bytes: the bound on the bytes of pinned conversations
         (:meth:`hint`); ``None``: half the top tier's capacity
+    :param max_pinned_bytes_per_group: the bound on the bytes of the pinned conversations
+        of one pin group (a pin's ``RetentionHint.group``, e.g. a tenant), within
+        ``max_pinned_bytes``; ``None``: no bound per group
 
     Use it as an async context manager::
 
@@ -159,6 +162,7 @@ class TieredKVCache:
         output_huge_pages: bool = True,
         close_timeout: float = 60.0,
         max_pinned_bytes: int | None = None,
+        max_pinned_bytes_per_group: int | None = None,
     ) -> None:
         io, copies = resolve(tiers)
         if max_pinned_bytes is not None:
@@ -167,6 +171,11 @@ class TieredKVCache:
             max_pinned_bytes if max_pinned_bytes is not None else tiers[0].capacity // 2
         )
         """The bound on the bytes of pinned conversations."""
+        if max_pinned_bytes_per_group is not None:
+            check_int("max_pinned_bytes_per_group", max_pinned_bytes_per_group, minimum=0)
+        self.max_pinned_bytes_per_group = max_pinned_bytes_per_group
+        """The bound on the bytes of one pin group's pinned conversations (``None``: no
+        bound per group)."""
         check_int("output_reuse_bytes", output_reuse_bytes, minimum=0)
         if not isinstance(output_huge_pages, bool):
             raise InvalidTypeError(
@@ -409,8 +418,8 @@ class TieredKVCache:
         :param codec: what the tensors hold (``"kv"``; storage-efficient codecs use their
             own name), recorded with the segment
         :param hint: what the caller knows of the conversation's future, applied once the
-            turn is stored (see :meth:`hint`; a pin past the bound raises
-            :class:`~tieredkv.errors.PinLimitError` after the turn is stored)
+            turn is stored (see :meth:`hint`; a pin past the bound, or past its group's,
+            raises :class:`~tieredkv.errors.PinLimitError` after the turn is stored)
         :param parent: the stored conversation this one forks from (only at its first
             turn); its tensors must have the same names, dtypes and non-token shapes
         :param parent_tokens: how many of ``parent``'s tokens the fork starts with (1 to
@@ -457,11 +466,17 @@ class TieredKVCache:
           protects it from :meth:`drop`. Pinned conversations hold
           :attr:`max_pinned_bytes` at most; a conversation that grows past the bound
           while pinned loses its pin (logged).
+        - A pin may name a **group** (``RetentionHint(pin=True, group="tenant-a")``): the
+          pinned conversations of one group hold :attr:`max_pinned_bytes_per_group` at
+          most, within :attr:`max_pinned_bytes`, and a conversation that grows past its
+          group's bound while pinned loses its pin (logged). A pin counts in the group its
+          latest ``pin=True`` named; a release or the end of its ``ttl`` takes it out.
 
         :returns: the session's metadata with the hint
         :raises SessionNotFoundError: for a session the cache does not hold
-        :raises PinLimitError: ``pin=True`` would take the pinned bytes past the bound
-            (nothing changes)
+        :raises PinLimitError: ``pin=True`` would take the pinned bytes past the bound, or
+            its group's pinned bytes past the bound per group (nothing changes; the
+            error's ``group`` says which)
         """
         self._check_open()
         check_key(session)
@@ -473,34 +488,63 @@ class TieredKVCache:
             pinned = self._pinned_bytes(now, session)
             if pinned + meta.nbytes > self.max_pinned_bytes:
                 raise PinLimitError(session, meta.nbytes, pinned, self.max_pinned_bytes)
+            bound = self.max_pinned_bytes_per_group
+            if hint.group is not None and bound is not None:
+                pinned = self._pinned_bytes(now, session, hint.group)
+                if pinned + meta.nbytes > bound:
+                    raise PinLimitError(session, meta.nbytes, pinned, bound, hint.group)
         new = self._core.residency.published(apply_hint(meta, hint, now))
         for policy in self._core.residency.policies:
             if isinstance(policy, Hinted):
                 policy.on_hint(session, new, now)
         return new
 
-    def _pinned_bytes(self, now: float, but: str | None = None) -> int:
+    def _pinned_bytes(self, now: float, but: str | None = None, group: str | None = None) -> int:
+        """The bytes pinned at ``now`` (``but`` one conversation), of ``group``'s pins only
+        if one is given."""
         channel = self.channel
         total = 0
         for session, until in channel.pins.items():
             meta = channel.get(session)
-            if until > now and session != but and meta is not None:
+            if (
+                until > now
+                and session != but
+                and meta is not None
+                and (group is None or meta.pin_group == group)
+            ):
                 total += meta.nbytes
         return total
 
     def _keep_pins_bounded(self, meta: KVMeta) -> KVMeta:
-        """A pinned conversation that grew past the bound loses its pin."""
-        if meta.pinned_until is None:
-            return meta
+        """A pinned conversation that grew past the bound, or past its group's, loses its
+        pin."""
         now = self._core.clock()
-        if self._pinned_bytes(now) <= self.max_pinned_bytes:
+        if not meta.pinned(now):
+            return meta
+        pinned = self._pinned_bytes(now)
+        if pinned > self.max_pinned_bytes:
+            _log.warning(
+                "conversation %r grew to %d bytes: pinned bytes passed max_pinned_bytes "
+                "(%d), so its pin is released",
+                meta.session,
+                meta.nbytes,
+                self.max_pinned_bytes,
+            )
+            return self.hint(meta.session, RetentionHint(pin=False))
+        bound = self.max_pinned_bytes_per_group
+        if meta.pin_group is None or bound is None:
+            return meta
+        pinned = self._pinned_bytes(now, group=meta.pin_group)
+        if pinned <= bound:
             return meta
         _log.warning(
-            "conversation %r grew to %d bytes: pinned bytes passed max_pinned_bytes (%d), "
-            "so its pin is released",
+            "conversation %r grew to %d bytes: the pinned bytes of group %r (%d) passed "
+            "max_pinned_bytes_per_group (%d), so its pin is released",
             meta.session,
             meta.nbytes,
-            self.max_pinned_bytes,
+            meta.pin_group,
+            pinned,
+            bound,
         )
         return self.hint(meta.session, RetentionHint(pin=False))
 

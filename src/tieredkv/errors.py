@@ -75,18 +75,33 @@ class CapacityError(TieredKVError, ValueError):
 
 
 class PinLimitError(TieredKVError, ValueError):
-    """Pinning a conversation would take the pinned bytes past the cache's bound."""
+    """Pinning a conversation would take the pinned bytes past one of the cache's bounds:
+    the bound on all pinned bytes (``max_pinned_bytes``; ``group`` is ``None``) or the
+    bound on the pinned bytes of the pin's group (``max_pinned_bytes_per_group``;
+    ``group`` names it). ``pinned`` is what that bound counted already, ``nbytes`` what
+    the pin would add."""
 
-    def __init__(self, session: str, nbytes: int, pinned: int, bound: int) -> None:
+    def __init__(
+        self, session: str, nbytes: int, pinned: int, bound: int, group: str | None = None
+    ) -> None:
         self.session = session
         self.nbytes = nbytes
         self.pinned = pinned
         self.bound = bound
-        super().__init__(
-            f"pinning {session!r} ({nbytes:,} bytes) would pin {pinned + nbytes:,} bytes, "
-            f"past the bound of {bound:,} (max_pinned_bytes): release a pin, give it a "
-            f"ttl, or raise the bound"
-        )
+        self.group = group
+        if group is None:
+            super().__init__(
+                f"pinning {session!r} ({nbytes:,} bytes) would pin {pinned + nbytes:,} "
+                f"bytes, past the bound of {bound:,} (max_pinned_bytes): release a pin, "
+                f"give it a ttl, or raise the bound"
+            )
+        else:
+            super().__init__(
+                f"pinning {session!r} ({nbytes:,} bytes) would pin {pinned + nbytes:,} "
+                f"bytes of group {group!r}, past its bound of {bound:,} "
+                f"(max_pinned_bytes_per_group): release a pin of the group, give its pins "
+                f"a ttl, or raise the bound"
+            )
 
 
 class SchemaMismatchError(TieredKVError, ValueError):

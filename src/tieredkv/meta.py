@@ -23,6 +23,7 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
+from ._checks import check_name
 from .errors import SessionNotFoundError
 
 __all__ = [
@@ -91,6 +92,9 @@ class KVMeta(msgspec.Struct, frozen=True, kw_only=True):
         clock); advice a policy may weigh, cleared by the next access
     :param pinned_until: the conversation is pinned in its tier until this time (the
         caller's clock; ``math.inf``: until released); ``None``: not pinned
+    :param pin_group: the group the pin counts in (``RetentionHint.group``: the cache
+        bounds each group's pinned bytes, e.g. one tenant's); ``None``: no group, or not
+        pinned
     :param priority: the caller's priority (0 neutral; higher is kept longer, lower goes
         first); advice a policy may weigh
     :param parent: for a fork, the conversation it was forked from (its history starts
@@ -130,6 +134,7 @@ class KVMeta(msgspec.Struct, frozen=True, kw_only=True):
     tool_call: bool = False
     next_turn: float | None = None
     pinned_until: float | None = None
+    pin_group: str | None = None
     priority: int = 0
     parent: str | None = None
     parent_tokens: int = 0
@@ -184,10 +189,10 @@ def advance_meta(
     caller knows it better (a trace replay counts the conversation's rounds).
     ``tool_call`` replaces whether the latest answer ended in a tool call (an append that
     does not say: it did not); an access clears the caller's ``next_turn`` hint unless a new
-    one is given; a pin and a priority carry over. ``parent``, ``parent_tokens`` and
-    ``shared_bytes``, ``tier_shared``, ``share_bytes`` (a fork's link, the bytes shared
-    with other conversations, in any tier and per tier, and the conversation's share of
-    the stored bytes) are taken as given.
+    one is given; a pin (with its group) and a priority carry over. ``parent``,
+    ``parent_tokens`` and ``shared_bytes``, ``tier_shared``, ``share_bytes`` (a fork's
+    link, the bytes shared with other conversations, in any tier and per tier, and the
+    conversation's share of the stored bytes) are taken as given.
     """
     fresh = old is None or restart
     return KVMeta(
@@ -219,6 +224,7 @@ def advance_meta(
             (None if access or old is None else old.next_turn) if next_turn is ... else next_turn
         ),
         pinned_until=old.pinned_until if old else None,
+        pin_group=old.pin_group if old else None,
         priority=old.priority if old else 0,
         parent=parent,
         parent_tokens=parent_tokens,
@@ -240,6 +246,10 @@ class RetentionHint(msgspec.Struct, frozen=True, kw_only=True):
         policy picks it as a victim until the pin ends; ``False`` releases a pin
     :param ttl: with ``pin=True``, seconds until the pin ends by itself (``None``: it lasts
         until released)
+    :param group: with ``pin=True``, the group the pin counts in (any non-empty text, e.g.
+        a tenant's name): besides the bound on all pinned bytes, the cache bounds each
+        group's (``TieredKVCache(max_pinned_bytes_per_group=...)``). The latest pin sets
+        the group: a pin without one counts in no group
     :param priority: advice, 0 neutral: higher keeps the conversation longer, lower lets it
         go first (``"bidaw"`` weighs it by a factor ``2 ** priority``, clamped to +-4)
     :param tool_call: the latest answer ended in a tool call (the next turn comes when the
@@ -251,6 +261,7 @@ class RetentionHint(msgspec.Struct, frozen=True, kw_only=True):
     ttl: float | None = None
     priority: int | None = None
     tool_call: bool | None = None
+    group: str | None = None
 
     def __post_init__(self) -> None:
         if self.next_turn_in is not None and not self.next_turn_in >= 0:
@@ -260,6 +271,10 @@ class RetentionHint(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError("ttl is the lifetime of a pin: give it with pin=True")
             if not self.ttl > 0:
                 raise ValueError(f"ttl must be > 0 seconds (got {self.ttl})")
+        if self.group is not None:
+            if self.pin is not True:
+                raise ValueError("group is the group of a pin: give it with pin=True")
+            check_name("a pin's group", self.group)
         if self.priority is not None and (
             isinstance(self.priority, bool) or not isinstance(self.priority, int)
         ):
@@ -267,7 +282,8 @@ class RetentionHint(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def apply_hint(meta: KVMeta, hint: RetentionHint, now: float) -> KVMeta:
-    """``meta`` with ``hint`` applied at ``now`` (the caller's clock)."""
+    """``meta`` with ``hint`` applied at ``now`` (the caller's clock): a pin sets its end
+    and its group (none if the hint names none), a release clears both."""
     changes: dict[str, Any] = {}
     if hint.next_turn_in is not None:
         changes["next_turn"] = now + hint.next_turn_in
@@ -276,6 +292,7 @@ def apply_hint(meta: KVMeta, hint: RetentionHint, now: float) -> KVMeta:
             changes["pinned_until"] = math.inf if hint.ttl is None else now + hint.ttl
         else:
             changes["pinned_until"] = None
+        changes["pin_group"] = hint.group
     if hint.priority is not None:
         changes["priority"] = hint.priority
     if hint.tool_call is not None:

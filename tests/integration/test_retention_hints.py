@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.hinting import KIB, Clock, seg
 from tieredkv import (
     HostMemoryTier,
     PinLimitError,
@@ -18,21 +19,6 @@ from tieredkv import (
     TieredKVCache,
 )
 from tieredkv.policies import AdaptiveBidaw, eviction_names, make_eviction
-
-KIB = 1024
-
-
-def seg(tokens: int, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {"kv": torch.randint(0, 256, (tokens, KIB), dtype=torch.uint8, generator=g)}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.mark.parametrize("name", eviction_names())

@@ -20,6 +20,7 @@ from tieredkv.integrations.vllm.hints import (
     CLIENT_HINTS,
     HINT_KEYS,
     parse_hint,
+    pin_group,
     read_hint,
     tenant_of,
 )
@@ -312,15 +313,24 @@ def test_a_tenant_is_its_cache_salt_as_a_digest() -> None:
     assert a == tenant_of("tenant-a")
     assert "tenant-a" not in a  # logs carry the digest, never the salt
     assert tenant_of("\ud800") != ""  # a lone surrogate from JSON does not fail a request
+    # each tenant's pins count in a pin group of its own, those without a salt too
+    assert len({pin_group(""), pin_group(a), pin_group(b)}) == 3
+    # the group is the server's to set: a client cannot name one
+    hint, [problem] = parse_hint({"tieredkv_pin": True, "tieredkv_group": pin_group(b)})
+    assert (hint, "'tieredkv_group' is not a tieredkv hint" in problem) == (
+        RetentionHint(pin=True),
+        True,
+    )
 
 
 def test_each_tenant_pins_within_its_own_bound(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """With ``max_pinned_bytes_per_tenant``, a request's pin counts against its tenant (its
-    ``cache_salt``): a pin past the tenant's bound is refused with a warning, the turn and
-    the rest of the hint kept; another tenant pins within its own; a release makes room;
-    and a pinned conversation that grows past its tenant's bound loses its pin."""
+    ``cache_salt``), the cache's pin group of the tenant: a pin past the tenant's bound is
+    refused with a warning, the turn and the rest of the hint kept; another tenant pins
+    within its own; a release makes room; and a pinned conversation that grows past its
+    tenant's bound loses its pin."""
     cfg = parse_config({"ssd_path": str(tmp_path)})
     side = SchedulerSide(cfg, FP, BS)
     probe = _worker(tmp_path / "probe")
@@ -333,6 +343,7 @@ def test_each_tenant_pins_within_its_own_bound(
         probe.close()
     side = SchedulerSide(cfg, FP, BS)
     store = _worker(tmp_path / "kv", max_pinned_bytes_per_tenant=one + one // 2)
+    assert store.cache.max_pinned_bytes_per_group == one + one // 2
     a, b = tenant_of("salt-a"), tenant_of("salt-b")
     pin = RetentionHint(pin=True, priority=2)
 
@@ -346,17 +357,19 @@ def test_each_tenant_pins_within_its_own_bound(
         return save.session
 
     try:
-        with caplog.at_level(logging.WARNING, logger="tieredkv.integrations.vllm.worker"):
+        with caplog.at_level(logging.WARNING, logger="tieredkv"):
             a1 = stored("a1", 100, a, pin)
             a2 = stored("a2", 200, a, pin)  # tenant a's second pin: past its bound
             b1 = stored("b1", 300, b, pin)  # tenant b's own bound
         channel = store.cache.channel
         assert channel[a1].pinned_until == math.inf
+        assert channel[a1].pin_group == pin_group(a) == f"tenant {a}"
         assert (channel[a2].pinned_until, channel[a2].priority) == (None, 2)  # the rest kept
-        assert channel[b1].pinned_until == math.inf
+        assert (channel[b1].pinned_until, channel[b1].pin_group) == (math.inf, pin_group(b))
         [record] = caplog.records
         assert "request a2: pin refused, the rest applied" in record.getMessage()
-        assert "max_pinned_bytes_per_tenant" in record.getMessage()
+        assert f"group 'tenant {a}'" in record.getMessage()
+        assert "max_pinned_bytes_per_group" in record.getMessage()
         assert "salt-a" not in record.getMessage()
         assert store.counters["pins_refused"] == 1
         # a release makes room: the same pin now holds (a hint of a stored conversation)
@@ -366,7 +379,7 @@ def test_each_tenant_pins_within_its_own_bound(
         assert channel[a2].pinned_until == math.inf
         # a2 grows (its next turn, stored without a hint) past tenant a's bound: unpinned
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="tieredkv.integrations.vllm.worker"):
+        with caplog.at_level(logging.WARNING, logger="tieredkv"):
             tokens = [*range(200, 213), *range(500, 520)]
             assert side.finished("a2-next", tokens, list(range(1, 10)), 32, 1, tenant=a)
             [save] = side.plan().saves

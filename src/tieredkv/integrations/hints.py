@@ -4,9 +4,10 @@ the cache's bound refused without losing the turn or the rest of the hint.
 The engines (the vLLM connector's workers, the transformers adapter, and through it the
 serving loop) store a turn and then apply the hint its request carried. The turn is the
 request's answer and must not be lost to a hint: a pin that would take the pinned bytes
-past :attr:`~tieredkv.TieredKVCache.max_pinned_bytes` is refused (logged, as a warning
-that says how to fix it) and the hint's advice (``next_turn_in``, ``priority``,
-``tool_call``) is applied without it.
+past :attr:`~tieredkv.TieredKVCache.max_pinned_bytes`, or its group's past
+:attr:`~tieredkv.TieredKVCache.max_pinned_bytes_per_group`, is refused (logged, as a
+warning that says which bound and how to fix it) and the hint's advice (``next_turn_in``,
+``priority``, ``tool_call``) is applied without it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def apply_turn_hint(
     cache: TieredKVCache, session: str, hint: RetentionHint, *, what: str = "the hint"
 ) -> tuple[KVMeta, PinLimitError | None]:
     """Apply ``hint`` to a stored conversation (:meth:`TieredKVCache.hint`); a pin past
-    the bound is refused, logged, and the rest applied.
+    a bound (the cache's, or its group's) is refused, logged, and the rest applied.
 
     :param what: how the log line names the hint's origin (e.g. the request)
     :returns: the conversation's metadata with the hint, and the refusal if the pin was
@@ -38,5 +39,5 @@ def apply_turn_hint(
         return cache.hint(session, hint), None
     except PinLimitError as exc:
         _log.warning("%s: pin refused, the rest applied: %s", what, exc)
-        rest = msgspec.structs.replace(hint, pin=None, ttl=None)
+        rest = msgspec.structs.replace(hint, pin=None, ttl=None, group=None)
         return cache.hint(session, rest), exc

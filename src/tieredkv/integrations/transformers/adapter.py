@@ -392,8 +392,8 @@ class TransformersAdapter:
         :param hint: what the caller knows of the conversation's future
             (:class:`~tieredkv.meta.RetentionHint`), applied once the turn is stored (the
             returned ``meta`` carries it); a pin that would pass the cache's
-            ``max_pinned_bytes`` is refused with a warning logged, and the turn and the
-            rest of the hint are kept
+            ``max_pinned_bytes``, or its group's ``max_pinned_bytes_per_group``, is refused
+            with a warning logged, and the turn and the rest of the hint are kept
         :param parent: the stored conversation this session's first turn continues (the
             session must not be stored yet); ``history``, if given, is then the fork's
             history (``parent``'s first ``parent_tokens`` tokens), recomputed and stored

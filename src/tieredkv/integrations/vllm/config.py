@@ -73,7 +73,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
         conversations in each worker, within ``max_pinned_bytes`` (a tenant: the requests
         of one ``cache_salt``, those without one being one more); a pin past it is refused
         with a warning, the turn kept, and a pinned conversation that grows past it loses
-        its pin (``None``, the default: no bound per tenant)
+        its pin (``None``, the default: no bound per tenant). Each worker's cache keeps it
+        as its ``max_pinned_bytes_per_group``, a request's pins counting in its tenant's
+        pin group (:func:`~tieredkv.integrations.vllm.hints.pin_group`)
     """
 
     host_bytes: int = 1 << 30

@@ -4,7 +4,9 @@ A client of ``vllm serve`` sends them in the request body
 (``extra_body={"kv_transfer_params": {"tieredkv_pin": True, "tieredkv_ttl": 600}}`` with
 the ``openai`` client); ``LLM``/``AsyncLLM`` callers put the same dict in
 ``SamplingParams(extra_args={"kv_transfer_params": {...}})``. The keys
-(:data:`HINT_KEYS`) map one to one onto :class:`~tieredkv.meta.RetentionHint`'s fields.
+(:data:`HINT_KEYS`) map one to one onto :class:`~tieredkv.meta.RetentionHint`'s fields,
+but for a pin's ``group``, which is the server's to set: the request's tenant
+(:func:`pin_group`).
 They apply to the conversation the request's turn is stored in (or, when the request
 stores nothing new, to the stored conversation its prompt continues whole).
 
@@ -31,7 +33,15 @@ import xxhash
 
 from ...meta import RetentionHint
 
-__all__ = ["CLIENT_HINTS", "HINT_KEYS", "PREFIX", "parse_hint", "read_hint", "tenant_of"]
+__all__ = [
+    "CLIENT_HINTS",
+    "HINT_KEYS",
+    "PREFIX",
+    "parse_hint",
+    "pin_group",
+    "read_hint",
+    "tenant_of",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -173,9 +183,18 @@ def read_hint(
 
 def tenant_of(cache_salt: str | None) -> str:
     """A request's tenant for the per-tenant bound on pinned bytes
-    (``max_pinned_bytes_per_tenant``): its ``cache_salt`` (vLLM's per-tenant isolation of
-    prefix caches) as a digest, so that logs never carry the salt itself; ``""`` for the
-    requests without one, which are one tenant."""
+    (``max_pinned_bytes_per_tenant``; its pins' group is :func:`pin_group`): its
+    ``cache_salt`` (vLLM's per-tenant isolation of prefix caches) as a digest, so that logs
+    never carry the salt itself; ``""`` for the requests without one, which are one
+    tenant."""
     if not cache_salt:
         return ""
     return xxhash.xxh3_64_hexdigest(cache_salt.encode("utf-8", "surrogatepass"))
+
+
+def pin_group(tenant: str) -> str:
+    """The cache's pin group (:attr:`~tieredkv.meta.RetentionHint.group`) of a tenant's
+    pins (``tenant`` as :func:`tenant_of` gives it): ``"tenant <digest>"``, or
+    ``"tenant (no cache_salt)"`` for the requests without a salt. Each worker's cache
+    bounds a group's pinned bytes by the connector's ``max_pinned_bytes_per_tenant``."""
+    return f"tenant {tenant or '(no cache_salt)'}"

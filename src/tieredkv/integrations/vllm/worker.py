@@ -57,6 +57,7 @@ from ...meta import Dropped, Event, Evicted, KVMeta, RetentionHint
 from ...payload import RETIRED_SEQ, plan_retirement
 from ..hints import apply_turn_hint
 from .config import ConnectorConfig
+from .hints import pin_group
 from .index import Sidecar, read_sidecars, remove_sidecar, write_sidecar
 from .ops import LoadOp, SaveOp, WorkerReport
 
@@ -155,6 +156,7 @@ class WorkerStore:
             mode=config.mode,
             token_dim=1,
             max_pinned_bytes=config.max_pinned_bytes,
+            max_pinned_bytes_per_group=config.max_pinned_bytes_per_tenant,
         )
         self.layers: dict[str, torch.Tensor] = {}
         self._split = 1  # kernel blocks per vLLM block
@@ -171,10 +173,6 @@ class WorkerStore:
         self._staging = _Staging()
         self._server: Any = None
         self.counters: dict[str, float] = {}
-        self._tenant_pins: dict[str, str] = {}
-        """The conversations a request pinned, each with the request's tenant (kept with a
-        per-tenant bound on pinned bytes only; entries whose pin ended are dropped as
-        they are met)."""
 
     # -- lifecycle ---------------------------------------------------------------------
     def open(self, layers: Mapping[str, torch.Tensor]) -> None:
@@ -621,8 +619,6 @@ class WorkerStore:
         self._count("saved_bytes", sum(t.numel() * t.element_size() for t in tensors.values()))
         if op.hint is not None:
             stored = self._hint(op.req_id, op.session, op.hint, op.tenant) or stored
-        if op.session in self._tenant_pins:  # it grew: its tenant may be past its bound
-            stored = self._keep_tenant_bounded(op.session) or stored
         return stored
 
     async def _fork(
@@ -659,83 +655,23 @@ class WorkerStore:
         self, req_id: str, session: str, hint: RetentionHint, tenant: str = ""
     ) -> KVMeta | None:
         """Apply a request's retention hint to a stored conversation (on the cache's loop);
-        its metadata after, ``None`` if the cache no longer holds it. With a per-tenant
-        bound, a pin that would take ``tenant``'s pinned bytes past it is refused (logged)
-        and the rest of the hint applied."""
-        bound = self.config.max_pinned_bytes_per_tenant
-        meta: KVMeta | None = self.cache.channel.get(session)
-        if bound is not None and hint.pin and meta is not None:
-            pinned = self._tenant_pinned(tenant, but=session)
-            if pinned + meta.nbytes > bound:
-                _log.warning(
-                    "request %s: pin refused, the rest applied: pinning %s (%d bytes) would "
-                    "pin %d bytes of tenant %s's, past max_pinned_bytes_per_tenant (%d): "
-                    "the tenant should release a pin or give its pins a ttl, or raise the "
-                    "bound",
-                    req_id,
-                    session,
-                    meta.nbytes,
-                    pinned + meta.nbytes,
-                    tenant or "(no cache_salt)",
-                    bound,
-                )
-                self._count("pins_refused")
-                hint = msgspec.structs.replace(hint, pin=None, ttl=None)
+        its metadata after, ``None`` if the cache no longer holds it. A pin counts in its
+        tenant's pin group (:func:`pin_group`), bounded by the cache's
+        ``max_pinned_bytes_per_group`` (the config's ``max_pinned_bytes_per_tenant``); a
+        pin past a bound is refused (logged, counted in ``pins_refused``) and the rest of
+        the hint applied."""
+        if hint.pin:
+            hint = msgspec.structs.replace(hint, group=pin_group(tenant))
         try:
             meta, refused = apply_turn_hint(self.cache, session, hint, what=f"request {req_id}")
         except SessionNotFoundError:
             _log.info("request %s's retention hint not applied: %s is gone", req_id, session)
             return None
-        if refused is not None:  # past max_pinned_bytes
+        if refused is not None:  # past max_pinned_bytes, or past its tenant's bound
             self._count("pins_refused")
-        if bound is not None:
-            if hint.pin and meta.pinned_until is not None:
-                self._tenant_pins[session] = tenant
-            elif meta.pinned_until is None:
-                self._tenant_pins.pop(session, None)
         with self._lock:  # the scheduler side's mirror hears of it with the next report
             self._touched[session] = None
         return meta
-
-    def _tenant_pinned(self, tenant: str, but: str | None = None) -> int:
-        """The bytes of ``tenant``'s conversations pinned now (``but`` one), from the
-        cache's metadata; entries whose pin ended (expired, released, or the conversation
-        gone) are dropped here. The cache runs on ``time.monotonic``, as pins do."""
-        now = time.monotonic()
-        channel = self.cache.channel
-        total = 0
-        for session, owner in list(self._tenant_pins.items()):
-            meta = channel.get(session)
-            until = None if meta is None else meta.pinned_until
-            if until is None or until <= now:
-                del self._tenant_pins[session]
-            elif owner == tenant and session != but:
-                assert meta is not None
-                total += meta.nbytes
-        return total
-
-    def _keep_tenant_bounded(self, session: str) -> KVMeta | None:
-        """A conversation a request pinned whose later turn took its tenant past the bound
-        loses its pin (logged)."""
-        bound = self.config.max_pinned_bytes_per_tenant
-        tenant = self._tenant_pins.get(session)
-        if bound is None or tenant is None:
-            return None
-        pinned = self._tenant_pinned(tenant)
-        if session not in self._tenant_pins or pinned <= bound:
-            return None
-        _log.warning(
-            "conversation %s grew: tenant %s's pinned bytes (%d) passed "
-            "max_pinned_bytes_per_tenant (%d), so its pin is released",
-            session,
-            tenant or "(no cache_salt)",
-            pinned,
-            bound,
-        )
-        del self._tenant_pins[session]
-        with self._lock:
-            self._touched[session] = None
-        return self.cache.hint(session, RetentionHint(pin=False))
 
     def hint(self, req_id: str, session: str, hint: RetentionHint, tenant: str = "") -> None:
         """Apply a finished request's retention hint to a stored conversation now (a
