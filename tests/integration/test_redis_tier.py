@@ -9,6 +9,7 @@ conversation.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import anyio
@@ -555,3 +556,29 @@ def test_a_shared_tier_in_exclusive_mode_is_said_to_get_turns_only_when_evicted(
         [HostMemoryTier(8 << 20), RedisTier(url, CAPACITY, name="fleet")], mode="inclusive"
     )
     assert not [r for r in caplog.records if "exclusive mode" in r.getMessage()]
+
+
+async def test_the_vllm_connectors_redis_timeout_bounds_a_call_to_a_stalled_server(
+    own_redis_server: RedisServer,
+) -> None:
+    """``redis_timeout`` in ``kv_connector_extra_config`` reaches the worker's Redis tier: a
+    call to a stalled server (SIGSTOP) gives up within it, so a load there is recomputed
+    after about that long, not after the tier's default of 10 s."""
+    from tieredkv.integrations.vllm.config import parse_config
+    from tieredkv.integrations.vllm.worker import make_tiers
+
+    config = parse_config({"redis_url": own_redis_server.url, "redis_timeout": 0.3})
+    _, tier = make_tiers(config, 0)
+    assert isinstance(tier, RedisTier)
+    async with tier:
+        assert await tier.beat()
+        own_redis_server.pause()
+        try:
+            start = time.monotonic()
+            answered = await tier.beat()
+            took = time.monotonic() - start
+        finally:
+            own_redis_server.resume()
+        assert not answered
+        assert 0.3 <= took < 2.0, took
+        assert await tier.beat()

@@ -35,6 +35,10 @@ def test_config_defaults_and_values() -> None:
     assert parse_config(None) == ConnectorConfig()
     cfg = parse_config({"host_bytes": 1 << 20, "eviction": "lru", "scheduler": "fcfs"})
     assert (cfg.host_bytes, cfg.eviction, cfg.scheduler) == (1 << 20, "lru", "fcfs")
+    assert (parse_config({}).redis_timeout, parse_config({"redis_timeout": 1}).redis_timeout) == (
+        10.0,
+        1.0,
+    )
 
 
 @pytest.mark.parametrize(
@@ -53,6 +57,10 @@ def test_config_defaults_and_values() -> None:
         ({"fsync": "yes"}, "fsync"),
         ({"layerwise": 1}, "layerwise"),
         ({"sync_load_bytes": -1}, "sync_load_bytes"),
+        ({"redis_timeout": 0}, "'redis_timeout'] must be a finite number of seconds > 0"),
+        ({"redis_timeout": "1s"}, "redis_timeout"),
+        ({"redis_timeout": float("nan")}, "redis_timeout"),
+        ({"redis_timeout": True}, "redis_timeout"),
     ],
 )
 def test_bad_config_names_the_key(extra: dict[str, object], named: str) -> None:

@@ -40,6 +40,12 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
         what is in host memory at shutdown is gone)
     :param redis_url: a Redis/Valkey URL for a tier below the others, or ``None``
     :param redis_bytes: byte budget of the Redis tier (default 4 GiB)
+    :param redis_timeout: the longest one call to the Redis server may take, seconds
+        (default 10): a load that meets a stalled server waits at most about this long
+        before its request is recomputed, and the heartbeat notices the stall within it
+        (after which loads from the server are counted as misses at once, until it
+        answers again); on a busy server, a second or two keeps a stall from holding
+        requests up
     :param fsync: make SSD writes durable before they count as stored (default on)
     :param metrics_port: serve the worker's ``tieredkv.metrics`` on this port (0: off)
     :param layerwise: loads within a step land layer by layer: the forward pass computes
@@ -87,6 +93,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     mode: Literal["exclusive", "inclusive"] = "inclusive"
     redis_url: str | None = None
     redis_bytes: int = 4 << 30
+    redis_timeout: float = 10.0
     fsync: bool = True
     metrics_port: int = 0
     layerwise: bool = True
@@ -147,6 +154,11 @@ def parse_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
             "kv_connector_extra_config['mode'] must be 'exclusive' or 'inclusive', "
             f"not {extra['mode']!r}"
         )
+    if "redis_timeout" in extra and not _seconds(extra["redis_timeout"]):
+        raise InvalidArgumentError(
+            "kv_connector_extra_config['redis_timeout'] must be a finite number of seconds "
+            f"> 0, not {extra['redis_timeout']!r}"
+        )
     if "sync_load_bytes" in extra:
         _positive_int("sync_load_bytes", extra["sync_load_bytes"], 0)
     for key in ("fsync", "layerwise", "forks"):
@@ -182,6 +194,16 @@ def parse_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
     return msgspec.convert(extra, ConnectorConfig)
 
 
+def _seconds(value: Any) -> bool:
+    """Whether ``value`` is a finite number of seconds > 0."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
 def _check_retention(extra: Mapping[str, Any]) -> None:
     """Check ``client_hints``, ``max_pin_ttl`` and the bounds on pinned bytes."""
     if "client_hints" in extra:
@@ -212,12 +234,7 @@ def _check_retention(extra: Mapping[str, Any]) -> None:
                 f"kv_connector_extra_config['client_hints'] names a hint twice: {names!r}"
             )
     ttl = extra.get("max_pin_ttl")
-    if ttl is not None and (
-        isinstance(ttl, bool)
-        or not isinstance(ttl, (int, float))
-        or not math.isfinite(ttl)
-        or ttl <= 0
-    ):
+    if ttl is not None and not _seconds(ttl):
         raise InvalidArgumentError(
             f"kv_connector_extra_config['max_pin_ttl'] must be a finite number of seconds "
             f"> 0, or null (no cap), not {ttl!r}"

@@ -89,7 +89,11 @@ def make_tiers(config: ConnectorConfig, rank: int) -> list[Tier]:
     if config.redis_url is not None:
         from ...backends.redis import RedisTier
 
-        tiers.append(RedisTier(config.redis_url, config.redis_bytes, name=REDIS))
+        tiers.append(
+            RedisTier(
+                config.redis_url, config.redis_bytes, name=REDIS, timeout=config.redis_timeout
+            )
+        )
     return tiers
 
 
