@@ -96,6 +96,9 @@ def problems(cache: TieredKVCache) -> list[str]:
             held_here = [g.key for g in r.segs if t in g.tiers]
             if held_here and tier.persistent and t not in r.markers:
                 found.append(f"tier {tier.name}: holds {held_here} of retired {owner!r}, no marker")
+            if t in r.markers and (t, (owner, RETIRED_SEQ)) in core.orphans:
+                # (an orphan is deleted at the next chance: the marker would stand for nothing)
+                found.append(f"tier {tier.name}: marker of retired {owner!r} listed, an orphan")
         if set(actual) != expected:
             extra = sorted(set(actual) - expected)[:5]
             missing = sorted(expected - set(actual))[:5]

@@ -474,3 +474,41 @@ async def test_a_drop_whose_marker_fails_leaves_the_write_through_running(
         assert problems(c) == []
         same(await c.load("b"), cat(A0, B0, A1))
         same(await c.load("c"), cat(A0, B0, A2))
+
+
+async def test_a_marker_whose_delete_failed_is_written_again_when_its_turn_comes_back(
+    tmp_path: Path,
+) -> None:
+    """A dropped parent's turn, kept for two forks, leaves SSD with the fork that held it
+    there (promoted to host memory), and deleting the parent's retirement marker from SSD
+    then fails (it is left to be deleted later). The other fork then moves down to SSD and
+    copies the turn back. The marker must be there once the turn is, and stay: at the close
+    the failed delete is tried again. Before, the copy took the marker for present (still
+    listed) and wrote none; the close then deleted it, and a restart brought the dropped
+    parent back."""
+    a0, c0, d0 = kv(8, 1), kv(5, 7), kv(12, 6)  # 12, 8 and 16 KiB segments
+    marker = segment_file_name(("a", RETIRED_SEQ)).split("/")[-1]
+    tiers = [HostMemoryTier(40 * KIB), SSDTier(tmp_path / "ssd", CAPACITY)]
+    async with TieredKVCache(tiers, eviction="lru") as c:
+        await c.append("a", a0, answer_tokens=1)
+        await c.append("b", B0, answer_tokens=1, parent="a", parent_tokens=6)
+        c.hint("a", RetentionHint(pin=True, ttl=60))
+        await c.append("x", kv(20, 9), answer_tokens=1)  # b moves down, a's turn with it
+        await c.drop("x")
+        await c.append("c", c0, answer_tokens=1, parent="a", parent_tokens=8)
+        await c.drop("a")  # kept for b (SSD) and c (host): a marker in SSD
+        assert (c.where("b"), c.where("c")) == ("ssd", "host")
+        with FaultInjector() as faults:
+            faults.fail_matching("unlink", marker)
+            same(await c.load("b"), cat(head(a0, 6), B0))  # promoted: a's turn leaves SSD
+            assert faults.total_injected == 1  # (the marker's delete failed)
+        await c.append("d", d0, answer_tokens=1)  # c moves down, a's turn with it
+        assert (c.where("b"), c.where("c")) == ("host", "ssd")
+        await c.flush()
+        assert problems(c) == []
+    async with TieredKVCache([HostMemoryTier(40 * KIB), SSDTier(tmp_path / "ssd", CAPACITY)]) as c:
+        assert problems(c) == []
+        assert not c.contains("a"), "the dropped parent came back"
+        same(await c.load("c"), cat(a0, c0))
+        same(await c.load("b"), cat(head(a0, 6), B0))
+        same(await c.load("d"), d0)

@@ -89,8 +89,7 @@ async def retire(core: Core, s: Session) -> None:
                     written.append(t)
         except BaseException:
             for t in written:
-                if await _delete_marker(core, s.key, t):
-                    r.markers.discard(t)
+                await _delete_marker(core, s.key, r, t)
             raise
         r.segs = segs
         core.retired[s.key] = r
@@ -134,8 +133,7 @@ async def deleted(core: Core, segs: list[Seg], t: int) -> None:
         for u in sorted(r.markers):  # t, and any marker a failed copy left elsewhere
             if _spare(core, owner, r, u):
                 async with _marking(r, u):
-                    if await _delete_marker(core, owner, u):
-                        r.markers.discard(u)
+                    await _delete_marker(core, owner, r, u)
         if not any(seg.tiers for seg in r.segs) and not r.markers and not r.busy:
             core.retired.pop(owner, None)
 
@@ -181,7 +179,13 @@ async def _write_marker(core: Core, owner: str, t: int) -> None:
         tier.release(key)
 
 
-async def _delete_marker(core: Core, owner: str, t: int) -> bool:
+async def _delete_marker(core: Core, owner: str, r: Retired, t: int) -> None:
+    """Delete ``owner``'s marker in tier ``t``. It is no longer listed even if the delete
+    fails: it is then an orphan, deleted again before its key is used and at close, so a
+    listed marker would stand for nothing, and a copy of the owner's segments into ``t``
+    meanwhile would take it for present and write none (:func:`copying` writes one: the
+    orphan is deleted first)."""
     from .placement import delete_or_orphan
 
-    return await delete_or_orphan(core, t, (owner, RETIRED_SEQ))
+    r.markers.discard(t)
+    await delete_or_orphan(core, t, (owner, RETIRED_SEQ))
