@@ -17,6 +17,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+import torch
 
 from tests.faults import SITES, FaultInjector
 from tieredkv import HostMemoryTier, RetentionHint, SSDTier, TieredKVCache
@@ -232,6 +233,43 @@ async def test_a_turn_a_fork_is_copying_down_stays_in_place_while_room_is_made(
         same(await c.load("d"), d0)
 
 
+async def _dropped_parent_of_two_forks(
+    c: TieredKVCache, a0: dict[str, torch.Tensor], c0: dict[str, torch.Tensor]
+) -> None:
+    """Parent ``a`` (``a0``) dropped, kept for fork ``b`` (in SSD, with ``a``'s turn: a
+    marker of ``a`` there) and fork ``c`` (``c0``, in host memory)."""
+    await c.append("a", a0, answer_tokens=1)
+    await c.append("b", B0, answer_tokens=1, parent="a", parent_tokens=6)
+    c.hint("a", RetentionHint(pin=True, ttl=60))
+    await c.append("x", kv(20, 9), answer_tokens=1)  # b moves down, a's turn with it
+    await c.drop("x")
+    await c.append("c", c0, answer_tokens=1, parent="a", parent_tokens=8)
+    await c.drop("a")  # kept for b (SSD) and c (host): a marker in SSD
+    assert (c.where("b"), c.where("c")) == ("ssd", "host")
+
+
+async def _check_the_parent_stays_dropped(
+    c: TieredKVCache,
+    ssd: Path,
+    a0: dict[str, torch.Tensor],
+    c0: dict[str, torch.Tensor],
+    d0: dict[str, torch.Tensor],
+) -> None:
+    """After :func:`_dropped_parent_of_two_forks`, ``b`` promoted and ``c`` moved down by
+    ``d``'s append (``d0``): the cache agrees with itself, and after a restart the parent
+    is still dropped and every fork loads whole."""
+    assert (c.where("b"), c.where("c")) == ("host", "ssd")
+    await c.flush()
+    assert problems(c) == []
+    await c.aclose()
+    async with TieredKVCache([HostMemoryTier(40 * KIB), SSDTier(ssd, CAPACITY)]) as again:
+        assert problems(again) == []
+        assert not again.contains("a"), "the dropped parent came back"
+        same(await again.load("c"), cat(a0, c0))
+        same(await again.load("b"), cat(head(a0, 6), B0))
+        same(await again.load("d"), d0)
+
+
 async def test_a_retired_turn_copied_down_while_its_marker_is_deleted_keeps_a_marker(
     tmp_path: Path,
 ) -> None:
@@ -245,14 +283,7 @@ async def test_a_retired_turn_copied_down_while_its_marker_is_deleted_keeps_a_ma
     ssd = PausingSSD(tmp_path / "ssd", ("a", RETIRED_SEQ), op="delete")
     tiers = [HostMemoryTier(40 * KIB), ssd]
     async with TieredKVCache(tiers, eviction="lru") as c:
-        await c.append("a", a0, answer_tokens=1)
-        await c.append("b", B0, answer_tokens=1, parent="a", parent_tokens=6)
-        c.hint("a", RetentionHint(pin=True, ttl=60))
-        await c.append("x", kv(20, 9), answer_tokens=1)  # b moves down, a's turn with it
-        await c.drop("x")
-        await c.append("c", c0, answer_tokens=1, parent="a", parent_tokens=8)
-        await c.drop("a")  # kept for b (SSD) and c (host): a marker in SSD
-        assert (c.where("b"), c.where("c")) == ("ssd", "host")
+        await _dropped_parent_of_two_forks(c, a0, c0)
         async with anyio.create_task_group() as tg:
             tg.start_soon(c.load, "b")  # promoted: a's turn leaves SSD, then its marker
             with anyio.fail_after(30):
@@ -260,15 +291,7 @@ async def test_a_retired_turn_copied_down_while_its_marker_is_deleted_keeps_a_ma
             tg.start_soon(functools.partial(c.append, "d", d0, answer_tokens=1))  # c moves down
             await anyio.sleep(0.2)
             ssd.go.set()
-        assert (c.where("b"), c.where("c")) == ("host", "ssd")
-        await c.flush()
-        assert problems(c) == []
-    async with TieredKVCache([HostMemoryTier(40 * KIB), SSDTier(tmp_path / "ssd", CAPACITY)]) as c:
-        assert problems(c) == []
-        assert not c.contains("a"), "the dropped parent came back"
-        same(await c.load("c"), cat(a0, c0))
-        same(await c.load("b"), cat(head(a0, 6), B0))
-        same(await c.load("d"), d0)
+        await _check_the_parent_stays_dropped(c, tmp_path / "ssd", a0, c0, d0)
 
 
 async def test_a_parent_complete_in_ssd_through_its_fork_leaves_its_policy_when_it_grows(
@@ -490,25 +513,10 @@ async def test_a_marker_whose_delete_failed_is_written_again_when_its_turn_comes
     marker = segment_file_name(("a", RETIRED_SEQ)).split("/")[-1]
     tiers = [HostMemoryTier(40 * KIB), SSDTier(tmp_path / "ssd", CAPACITY)]
     async with TieredKVCache(tiers, eviction="lru") as c:
-        await c.append("a", a0, answer_tokens=1)
-        await c.append("b", B0, answer_tokens=1, parent="a", parent_tokens=6)
-        c.hint("a", RetentionHint(pin=True, ttl=60))
-        await c.append("x", kv(20, 9), answer_tokens=1)  # b moves down, a's turn with it
-        await c.drop("x")
-        await c.append("c", c0, answer_tokens=1, parent="a", parent_tokens=8)
-        await c.drop("a")  # kept for b (SSD) and c (host): a marker in SSD
-        assert (c.where("b"), c.where("c")) == ("ssd", "host")
+        await _dropped_parent_of_two_forks(c, a0, c0)
         with FaultInjector() as faults:
             faults.fail_matching("unlink", marker)
             same(await c.load("b"), cat(head(a0, 6), B0))  # promoted: a's turn leaves SSD
             assert faults.total_injected == 1  # (the marker's delete failed)
         await c.append("d", d0, answer_tokens=1)  # c moves down, a's turn with it
-        assert (c.where("b"), c.where("c")) == ("host", "ssd")
-        await c.flush()
-        assert problems(c) == []
-    async with TieredKVCache([HostMemoryTier(40 * KIB), SSDTier(tmp_path / "ssd", CAPACITY)]) as c:
-        assert problems(c) == []
-        assert not c.contains("a"), "the dropped parent came back"
-        same(await c.load("c"), cat(a0, c0))
-        same(await c.load("b"), cat(head(a0, 6), B0))
-        same(await c.load("d"), d0)
+        await _check_the_parent_stays_dropped(c, tmp_path / "ssd", a0, c0, d0)
