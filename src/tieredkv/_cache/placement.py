@@ -172,6 +172,7 @@ async def drop(core: Core, s: Session, stop: Callable[[Session], Awaitable[None]
         core.restart_copy(s)
         raise
     s.dropped = True
+    core.refused.pop(s.key, None)  # (turns refused by a shared tier: gone with it)
     nbytes = s.nbytes()
     if core.sessions.get(s.key) is s:
         del core.sessions[s.key]

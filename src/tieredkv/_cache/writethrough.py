@@ -132,7 +132,9 @@ class WriteThrough:
     async def stop(self, s: Session) -> None:
         """Stop ``s``'s background copy early and wait for it (a drop is coming).
 
-        If the wait is cancelled, the drop will not happen: the copy is restarted.
+        If the wait is cancelled, the drop will not happen: the copy is restarted. If the
+        drop fails before its point of no return, it restarts the copy itself
+        (:attr:`~tieredkv._cache.state.Core.restart_copy`).
         """
         s.stopping = True
         try:
@@ -142,7 +144,6 @@ class WriteThrough:
             self.resume(s)
             raise
         self._waiting.pop(s.key, None)
-        self._core.refused.pop(s.key, None)
 
     def resume(self, s: Session, *, local: bool = True) -> None:
         """In inclusive mode, restart ``s``'s copies to the tiers below it where they are
