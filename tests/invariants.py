@@ -45,6 +45,8 @@ def problems(cache: TieredKVCache) -> list[str]:
     for key, s in core.sessions.items():
         if [seg.header.seq for seg in s.segs] != list(range(len(s.segs))):
             found.append(f"{key}: segments are not 0..n-1")
+        if s.stopping:  # (a drop stops its copies; one that did nothing restarts them)
+            found.append(f"{key}: its background copies stopped for a drop that did not happen")
         completes = [t for t in range(len(core.tiers)) if s.complete(t)]
         if (s.primary is None) != (not completes):
             found.append(f"{key}: primary {s.primary} but complete copies in {completes}")
