@@ -41,11 +41,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     :param redis_url: a Redis/Valkey URL for a tier below the others, or ``None``
     :param redis_bytes: byte budget of the Redis tier (default 4 GiB)
     :param redis_timeout: the longest one call to the Redis server may take, seconds
-        (default 10): a load that meets a stalled server waits at most about this long
-        before its request is recomputed, and the heartbeat notices the stall within it
-        (after which loads from the server are counted as misses at once, until it
-        answers again); on a busy server, a second or two keeps a stall from holding
-        requests up
+        (default 10): a load that meets a stalled server waits about this long before its
+        request is recomputed (once the heartbeat, every second, has seen the stall, loads
+        from the server count as misses at once until it answers again); on a busy
+        server, a second or two keeps a stall from holding requests up
     :param fsync: make SSD writes durable before they count as stored (default on)
     :param metrics_port: serve the worker's ``tieredkv.metrics`` on this port (0: off)
     :param layerwise: loads within a step land layer by layer: the forward pass computes
