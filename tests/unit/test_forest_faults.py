@@ -520,3 +520,36 @@ async def test_a_marker_whose_delete_failed_is_written_again_when_its_turn_comes
             assert faults.total_injected == 1  # (the marker's delete failed)
         await c.append("d", d0, answer_tokens=1)  # c moves down, a's turn with it
         await _check_the_parent_stays_dropped(c, tmp_path / "ssd", a0, c0, d0)
+
+
+async def test_a_name_whose_old_marker_cannot_be_deleted_stores_nothing_new(
+    tmp_path: Path,
+) -> None:
+    """A dropped parent's last fork is dropped; deleting the parent's retirement marker
+    fails, and keeps failing. A new conversation under the parent's name must not be
+    stored while that marker may still be on disk: a restart would take the new one for
+    the retired parent, and serve none of its acknowledged turns. Its append fails with
+    nothing stored; once the marker is gone, the name is free."""
+    marker = segment_file_name(("a", RETIRED_SEQ)).split("/")[-1]
+    ssd = tmp_path / "ssd"
+    async with TieredKVCache([SSDTier(ssd, CAPACITY)]) as c:
+        await c.append("a", A0, answer_tokens=1)
+        await c.append("b", B0, answer_tokens=1, parent="a")
+        await c.drop("a")  # kept for b: a marker
+        with FaultInjector() as faults:
+            faults.fail_matching("unlink", marker, times=100)
+            await c.drop("b")  # a's turn goes; its marker's delete fails
+            with pytest.raises(TierIOError, match="retirement marker"):
+                await c.append("a", A1, answer_tokens=1)
+            assert not c.contains("a")
+            assert problems(c) == []
+            await c.aclose()  # (its delete fails again)
+            assert faults.total_injected >= 3
+    async with TieredKVCache([SSDTier(ssd, CAPACITY)]) as c:
+        assert problems(c) == []
+        assert not c.contains("a")
+        assert not c.contains("b")
+        await c.append("a", A1, answer_tokens=1)
+    async with TieredKVCache([SSDTier(ssd, CAPACITY)]) as c:
+        assert c.truncated() == {}
+        same(await c.load("a"), A1)

@@ -50,6 +50,26 @@ def check_not_retired(core: Core, key: str, seq: int = 0) -> None:
     )
 
 
+def check_no_stale_marker(core: Core, key: str) -> None:
+    """Refuse to store a turn under ``key`` while a retirement marker of an earlier
+    conversation of that name could not be deleted (an orphan, tried again just before):
+    a restart would take this conversation for that retired one and serve none of its
+    turns.
+
+    :raises TierIOError: such a marker remains (nothing is stored; try again later)
+    """
+    marker: SegmentKey = (key, RETIRED_SEQ)
+    for t, tier in enumerate(core.tiers):
+        if (t, marker) in core.orphans:
+            raise TierIOError(
+                tier.name,
+                f"store a turn of {key[:80]!r}",
+                "the retirement marker of an earlier conversation of that name could not "
+                "be deleted",
+                hint="try again once the tier's deletes succeed (or use another key)",
+            )
+
+
 async def retire(core: Core, s: Session) -> None:
     """``s`` (locked) is about to leave the index: if other conversations list some of its
     own segments, commit its retirement marker in every persistent tier holding one of
