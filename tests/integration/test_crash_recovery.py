@@ -27,6 +27,8 @@ from tests.killed_writer import complete_lines, start_writer
 WRITER = Path(__file__).with_name("crash_writer.py")
 SCALE = int(os.environ.get("TIEREDKV_CAMPAIGN_SCALE", "1"))
 """Multiplies the kill rounds (the long campaign: see tests/integration/test_fault_campaign.py)."""
+SEED = int(os.environ.get("TIEREDKV_CAMPAIGN_SEED", "0"))
+"""Shifts every round's seed (a sweep runs the test at many: 0 is what CI runs)."""
 
 
 def start(directory: Path, mode: str, seed: int, log: Path) -> subprocess.Popen[bytes]:
@@ -115,7 +117,7 @@ def test_sigkill_at_random_points_serves_only_exact_data(
     log = tmp_path / "writer.log"
     previous: dict[str, int] = {}
     total_acks = 0
-    seeds = [1000 * r + len(mode) for r in range(rounds * SCALE)]
+    seeds = [SEED + 1000 * r + len(mode) for r in range(rounds * SCALE)]
     # each round's writer starts (imports torch and tieredkv) while the round before it
     # is checked; it touches the directory only once its round lets it go
     writer = start(directory, mode, seeds[0], log)

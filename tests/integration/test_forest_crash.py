@@ -4,6 +4,7 @@ absent, no dropped conversation back, and every history byte for byte."""
 
 from __future__ import annotations
 
+import os
 import random
 import select
 import signal
@@ -22,6 +23,8 @@ from tieredkv.fsck import check_directory
 from ..invariants import problems
 
 WRITER = Path(__file__).with_name("forest_crash_writer.py")
+SEED = int(os.environ.get("TIEREDKV_CAMPAIGN_SEED", "0"))
+"""Shifts every round's seed (a sweep runs the test at many: 0 is what CI runs)."""
 
 
 def run_and_kill(directory: Path, seed: int, log: Path) -> int:
@@ -87,7 +90,8 @@ def test_sigkill_while_forking_leaves_forks_whole_or_absent(tmp_path: Path) -> N
     seen = []
     for r in range(4):
         directory = tmp_path / f"round{r}"
-        acked = run_and_kill(directory, seed=7 + r, log=log)
-        seen.append(anyio.run(recovered, directory, 7 + r, acked))
+        seed = SEED + 7 + r
+        acked = run_and_kill(directory, seed=seed, log=log)
+        seen.append(anyio.run(recovered, directory, seed, acked))
         assert check_directory(directory).clean
     print(f"\nkill rounds: {len(seen)}; in-flight operation found done in {sum(seen)}")
