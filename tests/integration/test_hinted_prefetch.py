@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from tests.hinting import Clock
 from tieredkv import HostMemoryTier, RetentionHint, SSDTier, TieredKVCache
 from tieredkv.policies import LRU, AdaptiveBidaw
 
@@ -18,14 +19,6 @@ HOST = 12 * KIB  # room for three conversations of 4 KiB
 def seg(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {"kv": torch.randint(0, 256, (2, 2 * KIB), dtype=torch.uint8, generator=g)}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 async def warm(cache: TieredKVCache, clock: Clock, users: int, rounds: int) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.hinting import Clock
 from tieredkv.errors import InvalidArgumentError
 from tieredkv.integrations.vllm.config import ConnectorConfig, parse_config
 from tieredkv.integrations.vllm.index import PrefixIndex, Sidecar, read_sidecars
@@ -125,14 +126,6 @@ def test_index_matches_the_longest_stored_prefix() -> None:
 
 
 # -- scheduler side -----------------------------------------------------------------------
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_scheduler_side_plans_saves_and_loads(tmp_path: Path) -> None:
     cfg = parse_config({"ssd_path": str(tmp_path), "scheduler": "bidaw"})
     clock = Clock()
