@@ -564,9 +564,10 @@ async def test_pins_hold_under_cancellations_and_io_errors(
             print(f"most pinned bytes: {campaign.peak}, of one group: {campaign.group_peak}")
             assert not campaign.unexpected, "\n".join(campaign.unexpected[:10])
             # pins were given and the bounds were met (which share is refused varies with
-            # the run's timing: 4-18 of about 30 given at scale 1 with forks; of those
-            # refused, 3-14 by a group's bound)
-            assert campaign.counts["pins"] >= 2
+            # the run's timing and seed: 4-18 of about 30 given at scale 1 with forks, and
+            # 1 of 28-34 at seeds 336 and 402, the global bound refusing 23-32; of those
+            # refused, 1-14 by a group's bound)
+            assert campaign.counts["pins"] >= 1
             given = ("pins", "pins refused", "refused by a group")
             assert sum(campaign.counts[k] for k in given) >= 10
             assert campaign.counts["moves"] >= 10  # the host tier really churned
