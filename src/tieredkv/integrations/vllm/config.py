@@ -9,7 +9,6 @@ and what to write instead; nothing is stored before that.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -17,7 +16,7 @@ import msgspec
 
 from ...errors import InvalidArgumentError, UnknownPolicyError
 from ...policies.registry import eviction_names, make_eviction, make_scheduler, scheduler_names
-from .hints import CLIENT_HINTS
+from .hints import CLIENT_HINTS, seconds_check
 
 __all__ = ["ConnectorConfig", "parse_config"]
 
@@ -193,14 +192,17 @@ def parse_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
     return msgspec.convert(extra, ConnectorConfig)
 
 
+_POSITIVE_SECONDS = seconds_check(positive=True)
+
+
 def _seconds(value: Any) -> bool:
-    """Whether ``value`` is a finite number of seconds > 0."""
-    return (
-        not isinstance(value, bool)
-        and isinstance(value, (int, float))
-        and math.isfinite(value)
-        and value > 0
-    )
+    """Whether ``value`` is a finite number of seconds > 0 (the check of a request's
+    ``tieredkv_ttl``)."""
+    try:
+        _POSITIVE_SECONDS(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_retention(extra: Mapping[str, Any]) -> None:

@@ -49,7 +49,10 @@ PREFIX = "tieredkv_"
 """Every key this connector reads from ``kv_transfer_params`` starts with it."""
 
 
-def _seconds(positive: bool) -> Callable[[Any], float]:
+def seconds_check(positive: bool) -> Callable[[Any], float]:
+    """A check of a number of seconds (finite, > 0 if ``positive``, else >= 0): it returns
+    the seconds as a float, and raises ``ValueError`` saying what it takes."""
+
     def check(value: Any) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"takes a number of seconds, not {value!r}")
@@ -75,9 +78,9 @@ def _priority(value: Any) -> int:
 
 
 HINT_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "tieredkv_next_turn_in": ("next_turn_in", _seconds(positive=False)),
+    "tieredkv_next_turn_in": ("next_turn_in", seconds_check(positive=False)),
     "tieredkv_pin": ("pin", _flag),
-    "tieredkv_ttl": ("ttl", _seconds(positive=True)),
+    "tieredkv_ttl": ("ttl", seconds_check(positive=True)),
     "tieredkv_priority": ("priority", _priority),
     "tieredkv_tool_call": ("tool_call", _flag),
 }
