@@ -484,15 +484,8 @@ class TieredKVCache:
             raise InvalidTypeError(f"hint must be a RetentionHint, not {type(hint).__name__}")
         meta = self.channel[session]
         now = self._core.clock()
-        if hint.pin:
-            pinned = self._pinned_bytes(now, session)
-            if pinned + meta.nbytes > self.max_pinned_bytes:
-                raise PinLimitError(session, meta.nbytes, pinned, self.max_pinned_bytes)
-            bound = self.max_pinned_bytes_per_group
-            if hint.group is not None and bound is not None:
-                pinned = self._pinned_bytes(now, session, hint.group)
-                if pinned + meta.nbytes > bound:
-                    raise PinLimitError(session, meta.nbytes, pinned, bound, hint.group)
+        if hint.pin and (refused := self._past_pin_bound(meta, hint.group, now)) is not None:
+            raise refused
         new = self._core.residency.published(apply_hint(meta, hint, now))
         for policy in self._core.residency.policies:
             if isinstance(policy, Hinted):
@@ -515,22 +508,43 @@ class TieredKVCache:
                 total += meta.nbytes
         return total
 
+    def _past_pin_bound(self, meta: KVMeta, group: str | None, now: float) -> PinLimitError | None:
+        """The bound that ``meta``'s conversation, pinned in ``group``, would pass (the
+        one on all pinned bytes first, then its group's), as the error that says so;
+        ``None`` within both."""
+        session, nbytes = meta.session, meta.nbytes
+        pinned = self._pinned_bytes(now, session)
+        if pinned + nbytes > self.max_pinned_bytes:
+            return PinLimitError(session, nbytes, pinned, self.max_pinned_bytes)
+        bound = self.max_pinned_bytes_per_group
+        if group is not None and bound is not None:
+            pinned = self._pinned_bytes(now, session, group)
+            if pinned + nbytes > bound:
+                return PinLimitError(session, nbytes, pinned, bound, group)
+        return None
+
     def _keep_pins_bounded(self, meta: KVMeta) -> KVMeta:
         """A pinned conversation that grew past the bound, or past its group's, loses its
         pin."""
         now = self._core.clock()
         if not meta.pinned(now):
             return meta
-        pinned = self._pinned_bytes(now)
-        if pinned > self.max_pinned_bytes:
-            _log.warning(
-                "conversation %r grew to %d bytes: pinned bytes passed max_pinned_bytes "
-                "(%d), so its pin is released",
-                meta.session,
-                meta.nbytes,
-                self.max_pinned_bytes,
-            )
-            return self.hint(meta.session, RetentionHint(pin=False))
+        passed = self._past_pin_bound(meta, meta.pin_group, now)
+        if passed is None:
+            return meta
+        what, setting = "pinned bytes", "max_pinned_bytes"
+        if passed.group is not None:
+            what, setting = f"the pinned bytes of group {passed.group!r}", setting + "_per_group"
+        _log.warning(
+            "conversation %r grew to %d bytes: %s (%d) passed %s (%d), so its pin is released",
+            meta.session,
+            meta.nbytes,
+            what,
+            passed.pinned + passed.nbytes,
+            setting,
+            passed.bound,
+        )
+        return self.hint(meta.session, RetentionHint(pin=False))
         bound = self.max_pinned_bytes_per_group
         if meta.pin_group is None or bound is None:
             return meta
