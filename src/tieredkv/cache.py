@@ -716,4 +716,4 @@ class TieredKVCache:
         if s is None:
             raise SessionNotFoundError(session)
         async with core.hold(s):
-            await drop(core, s, self._pumps.stop)
+            await drop(core, s, self._pumps.stop, self._pumps.unstop)

@@ -157,9 +157,15 @@ async def remove_all(core: Core, s: Session) -> None:
         await remove_copy(core, s, t)
 
 
-async def drop(core: Core, s: Session, stop: Callable[[Session], Awaitable[None]]) -> None:
+async def drop(
+    core: Core,
+    s: Session,
+    stop: Callable[[Session], Awaitable[None]],
+    unstop: Callable[[Session], None],
+) -> None:
     """Forget ``s`` (locked): its background copy stopped (``stop``: cancelled there, the
-    drop did nothing), then it leaves the index and the channel (the point of no return),
+    drop did nothing; ``unstop`` restarts it if the drop fails before its point of no
+    return), then it leaves the index and the channel (the point of no return),
     then every copy is deleted, whatever cancels the caller (raised at the end). If forks
     still list some of its turns, its retirement marker is written first (an I/O error
     there: the drop did nothing, and raises it; once the marker is written, the drop
@@ -168,8 +174,7 @@ async def drop(core: Core, s: Session, stop: Callable[[Session], Awaitable[None]
     try:
         _, first = await settle(lambda: retire(core, s))
     except BaseException:  # the drop did nothing: the background copy goes on
-        s.stopping = False
-        core.restart_copy(s)
+        unstop(s)
         raise
     s.dropped = True
     core.refused.pop(s.key, None)  # (turns refused by a shared tier: gone with it)

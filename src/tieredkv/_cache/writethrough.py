@@ -132,18 +132,21 @@ class WriteThrough:
     async def stop(self, s: Session) -> None:
         """Stop ``s``'s background copy early and wait for it (a drop is coming).
 
-        If the wait is cancelled, the drop will not happen: the copy is restarted. If the
-        drop fails before its point of no return, it restarts the copy itself
-        (:attr:`~tieredkv._cache.state.Core.restart_copy`).
+        If the wait is cancelled, the drop will not happen: the copy is restarted. A drop
+        that fails before its point of no return restarts it too (:meth:`unstop`).
         """
         s.stopping = True
         try:
             await s.wait_quiet()
         except BaseException:
-            s.stopping = False
-            self.resume(s)
+            self.unstop(s)
             raise
         self._waiting.pop(s.key, None)
+
+    def unstop(self, s: Session) -> None:
+        """The drop :meth:`stop` made way for will not happen: ``s``'s copy goes on."""
+        s.stopping = False
+        self.resume(s)
 
     def resume(self, s: Session, *, local: bool = True) -> None:
         """In inclusive mode, restart ``s``'s copies to the tiers below it where they are
