@@ -88,7 +88,8 @@ class SegmentWriter:
         filesystem refuses ``fallocate``)."""
 
     def forget_doomed(self, key: SegmentKey) -> None:
-        """``key`` was written again and committed: its file replaced the leftover one."""
+        """``key``'s leftover file is gone: a committed write of it replaced the file, or
+        a failed one removed it."""
         with self._lock:
             self.doomed.discard(key)
 
@@ -210,8 +211,7 @@ class SegmentWriter:
             with self._lock:  # retried at close, unless written again first
                 self.doomed.add(key)
             return
-        with self._lock:  # (it replaced the leftover file of an earlier failed write)
-            self.doomed.discard(key)
+        self.forget_doomed(key)  # (it replaced the leftover file of an earlier failed write)
 
     def _write_while_filling(
         self, fd: int, data: memoryview, cuts: list[int], fill: Callable[[int], None]
