@@ -1,7 +1,7 @@
 """The forest benchmark runs end to end at its full size and meets its targets: host bytes
 held within 5% of the unique bytes (the no-sharing baseline printed beside it), and a
-fork's append and load (the fastest of each) within 5% of a plain conversation's with the
-same turns, every load byte-checked."""
+fork's append and load within 5% of a plain conversation's with the same turns (the median
+over repetitions of the two's fastest times in each), every load byte-checked."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def run_bench() -> str:
 def speeds(out: str) -> dict[str, float]:
     return {
         m["op"]: float(m["r"])
-        for m in re.finditer(r"fork / plain (?P<op>append|load) +fastest (?P<r>[\d.]+)", out)
+        for m in re.finditer(r"fork / plain (?P<op>append|load) +paired (?P<r>[\d.]+)", out)
     }
 
 
@@ -47,8 +47,9 @@ def test_bench_forest_meets_its_targets() -> None:
     speed = speeds(out)
     assert set(speed) == {"append", "load"}, out
     if max(speed.values()) > 1.05:
-        # a timing on a shared machine: the fastest of a second run counts too (on a busy
-        # 2-core machine one run in several measured a fork's append 1.13x a plain one's)
+        # a timing on a shared machine: the better of a second run counts too (under a
+        # memory-bound process beside it, this 2-core machine once measured a fork's
+        # append at 1.064x a plain one's)
         again = run_bench()
         speed = {op: min(r, speeds(again)[op]) for op, r in speed.items()}
         out += again
