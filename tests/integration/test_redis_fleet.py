@@ -24,10 +24,12 @@ import anyio
 import anyio.lowlevel
 import pytest
 
+from tests.faults import FaultInjector
 from tests.fleet import ReplicaProcess, tags, turn
 from tests.redis_server import RedisServer, new_prefix, own_aof_server, own_redis_server
-from tieredkv import HostMemoryTier, TieredKVCache, cli
+from tieredkv import HostMemoryTier, SSDTier, TieredKVCache, cli
 from tieredkv.backends.redis import RedisTier, conversation_tag
+from tieredkv.backends.ssd import segment_file_name
 from tieredkv.errors import (
     InvalidArgumentError,
     SessionNotFoundError,
@@ -38,7 +40,14 @@ from tieredkv.errors import (
 )
 from tieredkv.meta import Event, Refused
 from tieredkv.metrics import CacheCollector
-from tieredkv.payload import PREFIX, _pack_prefix, hash_body, hashed_from, parse_header
+from tieredkv.payload import (
+    PREFIX,
+    RETIRED_SEQ,
+    _pack_prefix,
+    hash_body,
+    hashed_from,
+    parse_header,
+)
 
 __all__ = ["own_aof_server", "own_redis_server"]  # fixtures used below
 
@@ -369,6 +378,44 @@ async def test_case06_a_turn_refused_in_the_background_is_reported_never_lost_si
         }
         assert scraped["tieredkv_refused_total"] == 1
         assert tags(await a.load("chat")) == [0]
+
+
+async def test_case06b_a_drop_that_fails_keeps_a_reported_refusal_reported_once(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    """Case 6b. As in case 6, A's turn 1 is refused once B takes the conversation over,
+    and A's flush() reports it. A fork here lists the conversation's turn 0, so dropping it
+    writes a retirement marker first; that write fails (EIO on the SSD tier), and the drop
+    does nothing. The refusal must stay reported: no second TurnRefusedError, count, log or
+    event for the same turn. Before, the drop forgot the refusal when it stopped the
+    conversation's background copy; the copy restarted, was refused again, and the turn
+    was reported (and counted) twice."""
+    prefix = new_prefix()
+    marker = segment_file_name(("chat", RETIRED_SEQ)).split("/")[-1]
+    shared = tier(server.url, prefix, lease_ttl=0.5, timeout=10.0)
+    tiers = [HostMemoryTier(256 * MiB), SSDTier(tmp_path / "ssd", 512 * MiB), shared]
+    async with (
+        no_lost_task_exceptions(),
+        ReplicaProcess(server.url, prefix, lease_ttl=0.5) as b,
+        TieredKVCache(tiers, mode="inclusive") as a,
+    ):
+        await append(a, "chat", 0)
+        await a.append("f", turn(5), answer_tokens=1, parent="chat")  # f lists turn 0
+        await a.flush()
+        await append(a, "chat", 1, tokens=256 * 1024)  # 64 MiB: its write-through takes a while
+        assert (await b.load("chat"))["turns"] == [0]
+        with pytest.raises(TurnRefusedError, match=r"session 'chat' turn\(s\) 1 "):
+            await a.flush()
+        with FaultInjector() as faults:
+            faults.fail_matching("open", marker)
+            with pytest.raises(TierIOError, match="injected"):
+                await a.drop("chat")
+            assert faults.total_injected == 1
+        assert a.contains("chat")
+        await a.flush()  # reported once
+        assert a.stats().refused == 1
+        assert tags(await a.load("chat")) == [0]
+        assert tags(await a.load("f")) == [0, 5]
 
 
 async def test_case07_a_turn_that_did_not_reach_the_shared_tier_is_never_reported_flushed(
