@@ -48,6 +48,7 @@ from ._cache.atomic import settle
 from ._cache.closing import check_timeout, close
 from ._cache.gather import Target, check_into, fresh
 from ._cache.layerwise import LayerwiseLoad, layerwise
+from ._cache.pins import PinBounds, past_bound
 from ._cache.placement import drop
 from ._cache.predict import prefetch, prefetch_predicted
 from ._cache.recovery import Truncation, open_tiers
@@ -63,7 +64,6 @@ from .errors import (
     ClosedError,
     InvalidArgumentError,
     InvalidTypeError,
-    PinLimitError,
     RestoreFailedError,
     SessionNotFoundError,
 )
@@ -167,15 +167,12 @@ class TieredKVCache:
         io, copies = resolve(tiers)
         if max_pinned_bytes is not None:
             check_int("max_pinned_bytes", max_pinned_bytes, minimum=0)
-        self.max_pinned_bytes = (
-            max_pinned_bytes if max_pinned_bytes is not None else tiers[0].capacity // 2
-        )
-        """The bound on the bytes of pinned conversations."""
         if max_pinned_bytes_per_group is not None:
             check_int("max_pinned_bytes_per_group", max_pinned_bytes_per_group, minimum=0)
-        self.max_pinned_bytes_per_group = max_pinned_bytes_per_group
-        """The bound on the bytes of one pin group's pinned conversations (``None``: no
-        bound per group)."""
+        pins = PinBounds(
+            max_pinned_bytes if max_pinned_bytes is not None else tiers[0].capacity // 2,
+            max_pinned_bytes_per_group,
+        )
         check_int("output_reuse_bytes", output_reuse_bytes, minimum=0)
         if not isinstance(output_huge_pages, bool):
             raise InvalidTypeError(
@@ -206,6 +203,7 @@ class TieredKVCache:
             clock,
             output_reuse_bytes,
             output_huge_pages=output_huge_pages,
+            pins=pins,
         )
         self._pumps = WriteThrough(self._core)
         self._token_dim = token_dim
@@ -449,9 +447,9 @@ class TieredKVCache:
         meta = await append(
             self._core, self._pumps, session, tensors, answer_tokens, dim, codec, fork
         )
-        if hint is not None:
+        if hint is not None:  # (checked against the history as it grew)
             meta = self.hint(session, hint)
-        return self._keep_pins_bounded(meta)
+        return meta
 
     # -- hints ---------------------------------------------------------------------------
     def hint(self, session: str, hint: RetentionHint) -> KVMeta:
@@ -464,8 +462,10 @@ class TieredKVCache:
           eviction policy picks it as a victim) until ``ttl`` seconds pass (the cache's
           clock) or ``pin=False`` releases it. It neither moves the conversation up nor
           protects it from :meth:`drop`. Pinned conversations hold
-          :attr:`max_pinned_bytes` at most; a conversation that grows past the bound
-          while pinned loses its pin (logged).
+          :attr:`max_pinned_bytes` at most (a segment that several of them list, such as
+          a fork's inherited turns, counts once); a conversation that grows past the
+          bound while pinned (by its own turns, or by a newer history another replica
+          committed to a shared tier) loses its pin (logged).
         - A pin may name a **group** (``RetentionHint(pin=True, group="tenant-a")``): the
           pinned conversations of one group hold :attr:`max_pinned_bytes_per_group` at
           most, within :attr:`max_pinned_bytes`, and a conversation that grows past its
@@ -483,84 +483,40 @@ class TieredKVCache:
         if not isinstance(hint, RetentionHint):
             raise InvalidTypeError(f"hint must be a RetentionHint, not {type(hint).__name__}")
         meta = self.channel[session]
-        now = self._core.clock()
-        if hint.pin and (refused := self._past_pin_bound(meta, hint.group, now)) is not None:
-            raise refused
+        core = self._core
+        now = core.clock()
+        if hint.pin:
+            refused = past_bound(core.pins, core.sessions, self.channel, meta, hint.group, now)
+            if refused is not None:
+                raise refused
         new = self._core.residency.published(apply_hint(meta, hint, now))
         for policy in self._core.residency.policies:
             if isinstance(policy, Hinted):
                 policy.on_hint(session, new, now)
         return new
 
-    def _pinned_bytes(self, now: float, but: str | None = None, group: str | None = None) -> int:
-        """The bytes pinned at ``now`` (``but`` one conversation), of ``group``'s pins only
-        if one is given."""
-        channel = self.channel
-        total = 0
-        for session, until in channel.pins.items():
-            meta = channel.get(session)
-            if (
-                until > now
-                and session != but
-                and meta is not None
-                and (group is None or meta.pin_group == group)
-            ):
-                total += meta.nbytes
-        return total
+    @property
+    def max_pinned_bytes(self) -> int:
+        """The bound on the bytes pinned conversations hold (each segment counted once: a
+        pinned fork and its pinned parent count what they share once)."""
+        return self._core.pins.total
 
-    def _past_pin_bound(self, meta: KVMeta, group: str | None, now: float) -> PinLimitError | None:
-        """The bound that ``meta``'s conversation, pinned in ``group``, would pass (the
-        one on all pinned bytes first, then its group's), as the error that says so;
-        ``None`` within both."""
-        session, nbytes = meta.session, meta.nbytes
-        pinned = self._pinned_bytes(now, session)
-        if pinned + nbytes > self.max_pinned_bytes:
-            return PinLimitError(session, nbytes, pinned, self.max_pinned_bytes)
-        bound = self.max_pinned_bytes_per_group
-        if group is not None and bound is not None:
-            pinned = self._pinned_bytes(now, session, group)
-            if pinned + nbytes > bound:
-                return PinLimitError(session, nbytes, pinned, bound, group)
-        return None
+    @max_pinned_bytes.setter
+    def max_pinned_bytes(self, value: int) -> None:
+        check_int("max_pinned_bytes", value, minimum=0)
+        self._core.pins.total = value
 
-    def _keep_pins_bounded(self, meta: KVMeta) -> KVMeta:
-        """A pinned conversation that grew past the bound, or past its group's, loses its
-        pin."""
-        now = self._core.clock()
-        if not meta.pinned(now):
-            return meta
-        passed = self._past_pin_bound(meta, meta.pin_group, now)
-        if passed is None:
-            return meta
-        what, setting = "pinned bytes", "max_pinned_bytes"
-        if passed.group is not None:
-            what, setting = f"the pinned bytes of group {passed.group!r}", setting + "_per_group"
-        _log.warning(
-            "conversation %r grew to %d bytes: %s (%d) passed %s (%d), so its pin is released",
-            meta.session,
-            meta.nbytes,
-            what,
-            passed.pinned + passed.nbytes,
-            setting,
-            passed.bound,
-        )
-        return self.hint(meta.session, RetentionHint(pin=False))
-        bound = self.max_pinned_bytes_per_group
-        if meta.pin_group is None or bound is None:
-            return meta
-        pinned = self._pinned_bytes(now, group=meta.pin_group)
-        if pinned <= bound:
-            return meta
-        _log.warning(
-            "conversation %r grew to %d bytes: the pinned bytes of group %r (%d) passed "
-            "max_pinned_bytes_per_group (%d), so its pin is released",
-            meta.session,
-            meta.nbytes,
-            meta.pin_group,
-            pinned,
-            bound,
-        )
-        return self.hint(meta.session, RetentionHint(pin=False))
+    @property
+    def max_pinned_bytes_per_group(self) -> int | None:
+        """The bound on the bytes one pin group's pinned conversations hold (``None``: no
+        bound per group)."""
+        return self._core.pins.per_group
+
+    @max_pinned_bytes_per_group.setter
+    def max_pinned_bytes_per_group(self, value: int | None) -> None:
+        if value is not None:
+            check_int("max_pinned_bytes_per_group", value, minimum=0)
+        self._core.pins.per_group = value
 
     # -- load ----------------------------------------------------------------------------
     async def load(self, session: str) -> dict[str, torch.Tensor]:

@@ -54,6 +54,7 @@ from tieredkv import (
     TieredKVCache,
     TieredKVError,
 )
+from tieredkv._cache.state import Seg
 from tieredkv.errors import SessionNotFoundError
 from tieredkv.fsck import FsckReport, check_directory
 from tieredkv.meta import Demoted, Event, Evicted
@@ -471,27 +472,28 @@ class PinCampaign(Campaign):
             self.check_bound(event.time)
 
     def check_bound(self, now: float) -> None:
-        channel = self.cache.channel
-        pinned = sum(
-            meta.nbytes
-            for session, until in channel.pins.items()
-            if until > now and (meta := channel.get(session)) is not None
-        )
+        """The bytes of the distinct segments pinned conversations list (a fork's shared
+        turns count once, as the cache counts them), in all and per group."""
+        channel, sessions = self.cache.channel, self.cache._core.sessions
+        held: dict[str | None, set[Seg]] = {None: set()}
+        for session, until in channel.pins.items():
+            meta, s = channel.get(session), sessions.get(session)
+            if until > now and meta is not None and s is not None:
+                held[None].update(s.segs)
+                if meta.pin_group is not None:
+                    held.setdefault(meta.pin_group, set()).update(s.segs)
+        nbytes = {group: sum(seg.length for seg in segs) for group, segs in held.items()}
+        pinned = nbytes.pop(None)
         self.peak = max(self.peak, pinned)
         if pinned > self.cache.max_pinned_bytes:
             self.counts["violations"] += 1
             self.violations.append(f"{pinned} pinned bytes > {self.cache.max_pinned_bytes}")
         bound = self.cache.max_pinned_bytes_per_group
-        groups: Counter[str] = Counter()
-        for session, until in channel.pins.items():
-            meta = channel.get(session)
-            if until > now and meta is not None and meta.pin_group is not None:
-                groups[meta.pin_group] += meta.nbytes
-        for group, nbytes in groups.items():
-            self.group_peak = max(self.group_peak, nbytes)
-            if bound is not None and nbytes > bound:
+        for group, n in nbytes.items():
+            self.group_peak = max(self.group_peak, n)
+            if bound is not None and n > bound:
                 self.counts["violations"] += 1
-                self.violations.append(f"group {group}: {nbytes} pinned bytes > {bound}")
+                self.violations.append(f"group {group}: {n} pinned bytes > {bound}")
 
     async def step(self, session: str, i: int) -> str:
         rng = self.rng

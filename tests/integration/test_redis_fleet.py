@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import os
 import threading
 from collections.abc import AsyncIterator
@@ -27,7 +28,7 @@ import pytest
 from tests.faults import FaultInjector
 from tests.fleet import ReplicaProcess, tags, turn
 from tests.redis_server import RedisServer, new_prefix, own_aof_server, own_redis_server
-from tieredkv import HostMemoryTier, SSDTier, TieredKVCache, cli
+from tieredkv import HostMemoryTier, RetentionHint, SSDTier, TieredKVCache, cli
 from tieredkv.backends.redis import RedisTier, conversation_tag
 from tieredkv.backends.ssd import segment_file_name
 from tieredkv.errors import (
@@ -416,6 +417,39 @@ async def test_case06b_a_drop_that_fails_keeps_a_reported_refusal_reported_once(
         assert a.stats().refused == 1
         assert tags(await a.load("chat")) == [0]
         assert tags(await a.load("f")) == [0, 5]
+
+
+async def test_a_pin_on_a_conversation_another_replica_grew_past_the_bound_is_released(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pins a one-turn conversation under a group's bound of two and a half turns; B
+    takes it over and appends three turns. A's next load adopts B's history, past the
+    bound: A releases the pin (logged) in the metadata it publishes with the new size, as
+    if A's own append had grown it. Before, the pin carried over to the grown history."""
+    prefix = new_prefix()
+    a_tiers = [HostMemoryTier(64 * MiB), tier(server.url, prefix, lease_ttl=0.3)]
+    async with (
+        replica(server.url, prefix, lease_ttl=0.3) as b,
+        TieredKVCache(a_tiers, mode="inclusive") as a,
+    ):
+        one = (await a.append("chat", turn(0), answer_tokens=1)).nbytes
+        a.max_pinned_bytes_per_group = 5 * one // 2
+        await a.flush()
+        assert a.hint("chat", RetentionHint(pin=True, group="tenant-a")).pin_group == "tenant-a"
+        assert tags(await b.load("chat")) == [0]
+        await append(b, "chat", 1, 2, 3)
+        await b.flush()
+        with caplog.at_level(logging.WARNING, logger="tieredkv.cache"):
+            assert tags(await a.load("chat")) == [0, 1, 2, 3]
+        meta = a.channel["chat"]
+        assert meta.nbytes == 4 * one
+        assert (meta.pinned_until, meta.pin_group) == (None, None)
+        assert dict(a.channel.pins) == {}
+        assert any(
+            f"conversation 'chat' grew to {4 * one} bytes: the pinned bytes of group "
+            f"'tenant-a' ({4 * one}) passed max_pinned_bytes_per_group" in r.getMessage()
+            for r in caplog.records
+        )
 
 
 async def test_case07_a_turn_that_did_not_reach_the_shared_tier_is_never_reported_flushed(

@@ -126,6 +126,54 @@ async def test_a_pinned_conversation_that_grows_past_its_groups_bound_loses_its_
         assert caplog.records == []
 
 
+@pytest.mark.parametrize("bound", ["max_pinned_bytes", "max_pinned_bytes_per_group"])
+async def test_an_append_that_pins_again_is_checked_against_the_grown_history(
+    bound: str,
+) -> None:
+    """A pinned conversation's append carries a pin hint again and takes it past a bound:
+    the turn is stored, the old pin is released as the history grows, and the new pin is
+    refused. Before, the hint's refusal came first and left the old pin on a history past
+    the bound."""
+    group = "tenant-a" if bound.endswith("group") else None
+    bounds: dict[str, Any] = {bound: ONE + ONE // 2}
+    async with cache(**bounds) as c:
+        await stored(c, "a1")
+        c.hint("a1", pin(group))
+        with pytest.raises(PinLimitError) as refused:
+            await c.append("a1", seg(3, 9), answer_tokens=1, hint=pin(group))
+        assert (refused.value.nbytes, refused.value.pinned, refused.value.group) == (
+            2 * ONE,
+            0,
+            group,
+        )
+        meta = c.channel["a1"]
+        assert (meta.nbytes, meta.pinned_until, meta.pin_group) == (2 * ONE, None, None)
+        assert dict(c.channel.pins) == {}
+
+
+async def test_a_fork_and_its_pinned_parent_count_what_they_share_once() -> None:
+    """A pinned parent (8 KiB) and its pinned fork (4 KiB of its own, the parent's 8 KiB
+    inherited) hold 12 KiB of the tier: a bound of 12 KiB takes both. Before, each pin
+    counted its whole history, the shared turns twice (20 KiB), and the fork's pin was
+    refused."""
+    async with cache(max_pinned_bytes=3 * ONE, max_pinned_bytes_per_group=3 * ONE) as c:
+        await c.append("parent", seg(3, 0), answer_tokens=1)
+        await c.append("parent", seg(3, 1), answer_tokens=1)
+        fork = await c.append("fork", seg(3, 2), answer_tokens=1, parent="parent")
+        assert (fork.nbytes, fork.shared_bytes) == (3 * ONE, 2 * ONE)
+        c.hint("parent", pin("tenant-a"))
+        assert c.hint("fork", pin("tenant-a")).pinned_until == math.inf
+        # a third conversation's 4 KiB are past both bounds: refused, naming what it adds
+        await stored(c, "other")
+        with pytest.raises(PinLimitError) as refused:
+            c.hint("other", pin())
+        assert (refused.value.nbytes, refused.value.pinned) == (ONE, 3 * ONE)
+        # the fork grows by 4 KiB: 16 KiB held, past both; it loses its pin, the parent not
+        meta = await c.append("fork", seg(3, 3), answer_tokens=1)
+        assert meta.pinned_until is None
+        assert dict(c.channel.pins) == {"parent": math.inf}
+
+
 async def test_a_release_and_a_pins_end_free_its_groups_bytes() -> None:
     clock = Clock()
     async with cache(clock, max_pinned_bytes_per_group=ONE) as c:

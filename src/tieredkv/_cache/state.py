@@ -38,6 +38,7 @@ from ..policies.registry import make_eviction
 from ..residency import Residency
 from .gather import Staging
 from .outputs import OutputPool
+from .pins import PinBounds, kept_within
 from .tierio import Copy, TierIO
 
 __all__ = [
@@ -377,6 +378,7 @@ class Core:
         output_reuse_bytes: int = 0,
         *,
         output_huge_pages: bool = False,
+        pins: PinBounds | None = None,
     ) -> None:
         self.io = list(io)
         """Each tier's I/O, bound once (:mod:`tieredkv._cache.tierio`)."""
@@ -410,6 +412,8 @@ class Core:
         """Restart ``s``'s background copy to the next tier (set by the write-through)."""
         self.staging = Staging()
         self.outputs = OutputPool(output_reuse_bytes, huge_pages=output_huge_pages)
+        self.pins = pins if pins is not None else PinBounds(self.tiers[0].capacity // 2, None)
+        """The bounds on pinned bytes (:mod:`tieredkv._cache.pins`)."""
 
     def discard_unused(self, s: Session) -> None:
         """Drop ``s`` from the index if it holds nothing, is unknown to the channel and
@@ -462,14 +466,17 @@ class Core:
         answer: int | None = None,
         restart: bool = False,
     ) -> KVMeta:
-        """``s``'s metadata (placement from the index) as it stands now, not published."""
+        """``s``'s metadata (placement from the index) as it stands now, not published. A
+        pinned conversation that grew past a bound on pinned bytes has lost its pin in it
+        (:func:`~tieredkv._cache.pins.kept_within`)."""
+        old = self.channel.get(s.key)
         copies = tuple(
             self.tiers[t].name
             for t in sorted(range(len(self.tiers)), key=lambda t: t != s.primary)
             if s.complete(t)
         )
-        return advance_meta(
-            self.channel.get(s.key),
+        meta = advance_meta(
+            old,
             session=s.key,
             tier=None if s.primary is None else self.tiers[s.primary].name,
             copies=copies,
@@ -487,6 +494,9 @@ class Core:
             tier_shared=s.tier_shared(len(self.tiers), self.mode == "inclusive"),
             share_bytes=s.share_bytes(),
         )
+        if old is not None and meta.nbytes > old.nbytes and meta.pinned(now):
+            meta = kept_within(self.pins, self.sessions, self.channel, meta, now)
+        return meta
 
     def gained(self, s: Session, segs: list[Seg], t: int) -> None:
         """``segs`` of ``s`` were just committed in tier ``t``: another conversation listing
