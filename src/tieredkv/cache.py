@@ -258,9 +258,12 @@ class TieredKVCache:
         failed before are retried. ``stats().written_down`` and ``stats().unsaved`` say
         what it wrote and what it could not (logged as a warning: those are lost).
 
+        First, within the same ``close_timeout``, the operations already under way (an
+        append, a load, an open :meth:`load_layerwise`, a prefetch, a drop) finish: what
+        they move stays kept (one still running at the timeout is logged). Operations
+        started after the close began raise :class:`~tieredkv.errors.ClosedError`.
         Cancelling it (any kind) does not interrupt it: the close completes, then the
-        cancellation is raised. Operations started after it began raise
-        :class:`~tieredkv.errors.ClosedError`.
+        cancellation is raised.
 
         In a child forked from the process that had the cache open, it closes only the
         child's copy: nothing is written, deleted or released (the parent goes on using
@@ -444,11 +447,12 @@ class TieredKVCache:
         elif parent_tokens is not None:
             raise InvalidArgumentError("parent_tokens needs parent (the conversation to fork)")
         dim = self._token_dim if token_dim is None else token_dim
-        meta = await append(
-            self._core, self._pumps, session, tensors, answer_tokens, dim, codec, fork
-        )
-        if hint is not None:  # (checked against the history as it grew)
-            meta = self.hint(session, hint)
+        with self._core.operation():
+            meta = await append(
+                self._core, self._pumps, session, tensors, answer_tokens, dim, codec, fork
+            )
+            if hint is not None:  # (checked against the history as it grew)
+                meta = self._hint(session, hint)
         return meta
 
     # -- hints ---------------------------------------------------------------------------
@@ -482,6 +486,9 @@ class TieredKVCache:
         check_key(session)
         if not isinstance(hint, RetentionHint):
             raise InvalidTypeError(f"hint must be a RetentionHint, not {type(hint).__name__}")
+        return self._hint(session, hint)
+
+    def _hint(self, session: str, hint: RetentionHint) -> KVMeta:
         meta = self.channel[session]
         core = self._core
         now = core.clock()
@@ -557,8 +564,9 @@ class TieredKVCache:
 
     async def _load(self, session: str, target: Target) -> int:
         self._check_open()
-        async with locked_stored(self._core, session, load=True) as s:
-            return await load(self._core, s, target)
+        with self._core.operation():
+            async with locked_stored(self._core, session, load=True) as s:
+                return await load(self._core, s, target)
 
     # -- streamed (layer-wise) load -------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -595,11 +603,12 @@ class TieredKVCache:
         """
         self._check_open()
         core = self._core
-        async with (
-            locked_stored(core, session, load=True) as s,
-            layerwise(core, s, out, groups) as lw,
-        ):
-            yield lw
+        with core.operation():
+            async with (
+                locked_stored(core, session, load=True) as s,
+                layerwise(core, s, out, groups) as lw,
+            ):
+                yield lw
 
     # -- prefetch ------------------------------------------------------------------------
     async def prefetch(self, session: str) -> str | None:
@@ -612,10 +621,11 @@ class TieredKVCache:
         :raises SessionNotFoundError: if the session has no KV in any tier
         """
         self._check_open()
-        async with locked_stored(self._core, session, load=False) as s:
-            if await prefetch(self._core, s) is None:
-                return None
-            return self.where(session)
+        with self._core.operation():
+            async with locked_stored(self._core, session, load=False) as s:
+                if await prefetch(self._core, s) is None:
+                    return None
+                return self.where(session)
 
     async def prefetch_predicted(self, limit: int = 1, *, scan: int = 4096) -> list[str]:
         """Promote to tier 0, while the cache is otherwise idle, up to ``limit`` sessions
@@ -640,7 +650,8 @@ class TieredKVCache:
         self._check_open()
         check_int("limit", limit, minimum=0)
         check_int("scan", scan, minimum=1)
-        return await prefetch_predicted(self._core, limit, scan)
+        with self._core.operation():
+            return await prefetch_predicted(self._core, limit, scan)
 
     # -- sharing across replicas ---------------------------------------------------------
     async def discover(self, session: str) -> bool:
@@ -653,8 +664,10 @@ class TieredKVCache:
         """
         self._check_open()
         check_key(session)
-        if self._core.sharing and not await discover(self._core, session, take=False):
-            return False  # its current history cannot be proven (the shared tier is away)
+        if self._core.sharing:
+            with self._core.operation():
+                if not await discover(self._core, session, take=False):
+                    return False  # its history cannot be proven current (the tier is away)
         return self.contains(session)
 
     # -- drop ----------------------------------------------------------------------------
@@ -671,5 +684,6 @@ class TieredKVCache:
         s = core.sessions.get(session)
         if s is None:
             raise SessionNotFoundError(session)
-        async with core.hold(s):
-            await drop(core, s, self._pumps.stop, self._pumps.unstop)
+        with core.operation():
+            async with core.hold(s):
+                await drop(core, s, self._pumps.stop, self._pumps.unstop)

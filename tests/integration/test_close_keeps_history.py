@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
@@ -223,3 +225,46 @@ async def test_out_of_time_in_inclusive_mode_leaves_no_older_history(
     assert stats.written_down == 0
     back = await came_back(root)
     assert len(back) == CONVERSATIONS - stats.unsaved
+
+
+@pytest.mark.parametrize("operation", ["load", "prefetch"])
+async def test_a_promotion_under_way_when_the_close_begins_keeps_its_conversation(
+    tmp_path: Path, operation: str
+) -> None:
+    """A conversation on SSD alone is being moved up into host memory (a load or a
+    prefetch, in exclusive mode: its SSD copy goes once it is up) when the close begins.
+    The close waits for the move, then writes the conversation down with the others, so a
+    reopened cache serves it. Before, the close looked for conversations held only in host
+    memory before the move ended, missed it, and let host memory go: it was lost, and
+    ``stats().unsaved`` said nothing was."""
+    root = tmp_path / "ssd"
+    async with make(root) as cache:
+        for t in range(TURNS):
+            await cache.append("c0", turn(0, t), answer_tokens=5)
+    for ticks in (1, 2, 3, 5, 8):
+        cache = make(root)
+        await cache.open()
+        await cache.append("c1", turn(1, 0), answer_tokens=5)  # in host memory alone
+        assert cache.where("c0") == "ssd"
+        moved: list[object] = []
+
+        async def move(cache: TieredKVCache = cache, moved: list[object] = moved) -> None:
+            if operation == "load":
+                moved.append(await cache.load("c0"))
+            else:
+                moved.append(await cache.prefetch("c0"))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(move)
+            for _ in range(ticks):
+                await anyio.lowlevel.checkpoint()
+            await cache.aclose()
+        assert len(moved) == 1, ticks  # (it began before the close: it completed)
+        assert (cache.stats().written_down, cache.stats().unsaved) == (2, 0), ticks
+        async with make(root) as again:
+            assert problems(again) == []
+            for c, turns in (("c0", TURNS), ("c1", 1)):
+                got = await again.load(c)
+                want = history(int(c[1]), turns) if c == "c0" else turn(1, 0)
+                assert all(torch.equal(got[n], want[n]) for n in "kv"), (c, ticks)
+            await again.drop("c1")

@@ -49,7 +49,19 @@ async def close(core: Core, pumps: WriteThrough, budget: float) -> None:
     :meth:`~tieredkv.TieredKVCache.aclose`), within ``budget`` seconds; never raises for
     what fails on the way (it is logged)."""
     deadline = time.monotonic() + budget
+    core.closing = True
     try:
+        # what is under way finishes first: a load or prefetch that moved a conversation
+        # up after the write-down looked would leave it in a volatile tier alone (lost)
+        with anyio.move_on_after(budget):
+            await core.wait_operations()
+        if core.operations:
+            _log.warning(
+                "closing: %d operation(s) still under way after close_timeout (%g s); "
+                "what they move from now on may be lost with this close",
+                core.operations,
+                budget,
+            )
         pumps.retry_failed()
         with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
             await pumps.flush()

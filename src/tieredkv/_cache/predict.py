@@ -95,7 +95,7 @@ async def prefetch_predicted(core: Core, limit: int, scan: int) -> list[str]:
     operation is under way (see :meth:`~tieredkv.TieredKVCache.prefetch_predicted`); the
     sessions promoted, in order."""
     promoted: list[str] = []
-    while len(promoted) < limit and not core.busy:
+    while len(promoted) < limit and not core.busy and not core.closing:
         chosen = choose(core, scan)
         if chosen is None:
             break

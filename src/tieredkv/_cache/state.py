@@ -20,8 +20,9 @@ checked by ``tests/invariants.py`` after every fault campaign:
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Literal
 
@@ -414,6 +415,11 @@ class Core:
         self.outputs = OutputPool(output_reuse_bytes, huge_pages=output_huge_pages)
         self.pins = pins if pins is not None else PinBounds(self.tiers[0].capacity // 2, None)
         """The bounds on pinned bytes (:mod:`tieredkv._cache.pins`)."""
+        self.operations = 0
+        """Public operations under way (a close waits for them: :meth:`operation`)."""
+        self._no_operations: anyio.Event | None = None
+        self.closing = False
+        """Set when a close begins (what loops over conversations stops there)."""
 
     def discard_unused(self, s: Session) -> None:
         """Drop ``s`` from the index if it holds nothing, is unknown to the channel and
@@ -422,6 +428,25 @@ class Core:
         unused = not s.segs and s.key not in self.channel and not s.lock.locked()
         if unused and self.sessions.get(s.key) is s:
             del self.sessions[s.key]
+
+    @contextlib.contextmanager
+    def operation(self) -> Iterator[None]:
+        """``with``: a public operation is under way (:meth:`wait_operations`)."""
+        self.operations += 1
+        try:
+            yield
+        finally:
+            self.operations -= 1
+            if not self.operations and self._no_operations is not None:
+                self._no_operations.set()
+                self._no_operations = None
+
+    async def wait_operations(self) -> None:
+        """Wait until no public operation is under way."""
+        while self.operations:
+            if self._no_operations is None:
+                self._no_operations = anyio.Event()
+            await self._no_operations.wait()
 
     def hold(self, s: Session) -> Held:
         """``async with``: hold ``s``'s lock and mark it busy (never chosen as a victim)."""
