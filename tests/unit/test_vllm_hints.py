@@ -208,6 +208,8 @@ def test_the_operators_retention_keys_are_checked() -> None:
         ({"max_pin_ttl": math.inf}, "finite number"),
         ({"max_pin_ttl": True}, "finite number"),
         ({"max_pin_ttl": "600"}, "finite number"),
+        ({"max_pin_ttl": 10**400}, "finite number"),  # past the largest float
+        ({"redis_timeout": -(10**400)}, "'redis_timeout'] must be a finite number"),
         ({"max_pinned_bytes": -1}, "'max_pinned_bytes'] must be an integer >= 0"),
         ({"max_pinned_bytes": 1.5}, "'max_pinned_bytes'] must be an integer >= 0"),
         (
@@ -263,8 +265,16 @@ def test_a_hint_rides_with_the_save_to_the_stored_conversation(tmp_path: Path) -
         # a request that stores nothing new (the same turn again) hints the stored
         # conversation its prompt continues whole: here it releases the pin
         release = RetentionHint(pin=False)
+        assert side.drained()
         assert not side.finished("r2", turn, [5, 6, 7, 8], 12, 1, hint=release)
+        # no request is left, but the hint is not sent yet: vLLM must keep stepping (the
+        # connector's has_pending_push_work asks unsent()), and the side is not drained
+        assert side.unsent()
+        assert not side.drained()
+        assert side.busy()["unsent_hints"] == 1
         plan = side.plan()
+        assert not side.unsent()
+        assert side.drained()
         assert (plan.saves, plan.hints) == ([], [("r2", save.session, release, "")])
         store.hint("r2", save.session, release)
         assert store.cache.channel[save.session].pinned_until is None

@@ -433,8 +433,11 @@ class TieredKVConnector(KVConnectorBase_V1):
     def has_pending_push_work(self) -> bool:
         # vLLM keeps stepping while a finished turn is being stored, so the workers'
         # report of it arrives with no other request running: the next request, or a
-        # fork, that continues it is then served from it
-        return self._scheduler is not None and self._scheduler.saving()
+        # fork, that continues it is then served from it; and while the next plan holds
+        # a finished request's hint (a pin of a turn stored already) or a withdrawn load,
+        # so that an idle server's workers still get them
+        side = self._scheduler
+        return side is not None and (side.saving() or side.unsent())
 
     def _announce(self, request: Request) -> None:
         """Keep vLLM's block hashes of a turn being saved, for its events."""

@@ -56,7 +56,10 @@ def seconds_check(positive: bool) -> Callable[[Any], float]:
     def check(value: Any) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"takes a number of seconds, not {value!r}")
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int past the largest float
+            seconds = math.inf
         if not math.isfinite(seconds) or seconds < 0 or (positive and seconds == 0):
             bound = "> 0" if positive else ">= 0"
             raise ValueError(f"takes a finite number of seconds {bound}, not {value!r}")

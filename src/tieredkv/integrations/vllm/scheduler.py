@@ -435,6 +435,12 @@ class SchedulerSide:
         """Whether a planned save has not been reported stored (or failed) yet."""
         return bool(self._pending_saves)
 
+    def unsent(self) -> bool:
+        """Whether the next plan holds work of requests that finished: a hint to apply
+        to a turn already stored, or a load to withdraw (no running request's step will
+        carry it to the workers)."""
+        return bool(self._planned.hints or self._planned.cancelled)
+
     def drained(self) -> bool:
         """Whether the scheduler side holds nothing for any request (see :meth:`busy`)."""
         return not (
@@ -448,6 +454,7 @@ class SchedulerSide:
             or self._rank_loaded
             or self.from_host
             or len(self.policy)
+            or self.unsent()
         )
 
     def busy(self) -> dict[str, int]:
@@ -464,6 +471,8 @@ class SchedulerSide:
             "rank_saves": len(self._rank_stored),
             "rank_loads": len(self._rank_loaded),
             "from_host": len(self.from_host),
+            "unsent_hints": len(self._planned.hints),
+            "unsent_withdrawals": len(self._planned.cancelled),
         }
 
     # -- steps ---------------------------------------------------------------------------
