@@ -642,6 +642,10 @@ class TieredKVCache:
         promotion already started). Each promotion is the one :meth:`prefetch` makes:
         atomic under cancellation, and not an access (the policy learns nothing from it).
 
+        A read that fails (an I/O error, counted in ``stats().errors``) ends the call with
+        a warning; that session stays where it was, and those promoted before it are
+        returned.
+
         :param limit: sessions to promote at most
         :param scan: lower-tier sessions to consider at most, the most recently used;
             ranked by chance of a hit, and of equal chances the user gone longest first

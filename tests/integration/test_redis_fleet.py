@@ -49,6 +49,7 @@ from tieredkv.payload import (
     hashed_from,
     parse_header,
 )
+from tieredkv.policies import LRU
 
 __all__ = ["own_aof_server", "own_redis_server"]  # fixtures used below
 
@@ -450,6 +451,48 @@ async def test_a_pin_on_a_conversation_another_replica_grew_past_the_bound_is_re
             f"'tenant-a' ({4 * one}) passed max_pinned_bytes_per_group" in r.getMessage()
             for r in caplog.records
         )
+
+
+class _ExpectsChat(LRU):
+    """LRU that expects conversation ``chat`` back (a Foresight: predictive prefetch asks
+    it which lower-tier conversation to bring up)."""
+
+    def foresee(self, session: str) -> float | None:
+        return 1.0 if session == "chat" else 0.01
+
+
+async def test_a_predicted_prefetch_takes_in_what_another_replica_committed_first(
+    server: RedisServer,
+) -> None:
+    """B holds chat's two turns in the shared tier only (host memory went to other
+    conversations); A appends a third and commits it. B's prefetch_predicted brings chat
+    up, and what it brings up is the committed history, three turns, as the channel then
+    says. Before, it promoted the two turns B knew of (reading them for nothing) and the
+    channel said chat was in host memory with two turns: a scheduler reading it took the
+    next load for a host hit, and that load then read the shared tier on the turn's path."""
+    prefix = new_prefix()
+    b_tiers = [HostMemoryTier(256 << 10), tier(server.url, prefix, lease_ttl=0.3)]
+    async with (
+        replica(server.url, prefix, lease_ttl=0.3) as a,
+        TieredKVCache(b_tiers, mode="inclusive", eviction=[_ExpectsChat(), LRU()]) as b,
+    ):
+        await append(a, "chat", 0)
+        await a.flush()
+        assert tags(await b.load("chat")) == [0]
+        await append(b, "chat", 1)
+        await b.flush()
+        for i in range(6):  # 64 KiB each: chat leaves host memory
+            await append(b, f"other{i}", 10 + i, tokens=256)
+        await b.flush()
+        assert b.where("chat") == "redis"
+        await anyio.sleep(0.4)  # B's lease has run out
+        assert tags(await a.load("chat")) == [0, 1]
+        await append(a, "chat", 2)
+        await a.flush()
+        assert await b.prefetch_predicted() == ["chat"]
+        meta = b.channel["chat"]
+        assert (meta.tier, meta.turns) == ("host", 3)
+        assert tags(await b.load("chat")) == [0, 1, 2]
 
 
 async def test_case07_a_turn_that_did_not_reach_the_shared_tier_is_never_reported_flushed(

@@ -17,21 +17,26 @@ from __future__ import annotations
 
 import functools
 import heapq
+import logging
+from collections.abc import Set as AbstractSet
 
-from ..errors import CorruptSegmentError
+from ..errors import CorruptSegmentError, TierIOError
 from ..policies.base import Eviction, Foresight
 from ..policies.prefetch import pick
 from .atomic import settle
 from .placement import promote
+from .sharing import examine
 from .state import Core, Session
 
 __all__ = ["Candidate", "choose", "prefetch", "prefetch_predicted"]
+
+_log = logging.getLogger("tieredkv.cache")
 
 Candidate = tuple[Session, float, list[str]]
 """A session to promote, its chance of a hit, and the residents it would displace."""
 
 
-def choose(core: Core, scan: int) -> Candidate | None:
+def choose(core: Core, scan: int, passed: AbstractSet[str] = frozenset()) -> Candidate | None:
     """The lower-tier session most worth bringing into tier 0 now, or ``None``.
 
     Looks at the ``scan`` most recently accessed sessions (a user who just left is likelier
@@ -39,13 +44,13 @@ def choose(core: Core, scan: int) -> Candidate | None:
     included (their ages decide ties); ranks the lower-tier ones by chance of a hit, and
     those of (about) equal chance by how long their user has been gone (the one due first);
     takes the first whose chance exceeds what the victims the policy would choose for it
-    are worth.
+    are worth. Sessions in ``passed`` are passed over.
     """
     policy = core.policies[0]
     if not isinstance(policy, Foresight) or not isinstance(policy, Eviction):
         return None
     tier = core.tiers[0]
-    skip = core.busy.keys() | core.protected()
+    skip = core.busy.keys() | core.protected() | passed
     # residents too: a victim's age decides a tie with the candidate that would displace it
     recent = heapq.nlargest(  # O(n log scan)
         scan,
@@ -82,28 +87,43 @@ async def prefetch(core: Core, s: Session) -> bool | None:
         moved, cancel = await settle(functools.partial(promote, core, s))
     except CorruptSegmentError:
         return None
+    if moved:  # (kept, even if the caller was cancelled meanwhile)
+        core.stats.prefetches += 1
     if cancel is not None:
         core.stats.cancelled += 1
         raise cancel
-    if moved:
-        core.stats.prefetches += 1
     return moved
 
 
 async def prefetch_predicted(core: Core, limit: int, scan: int) -> list[str]:
     """Promote up to ``limit`` sessions the tier-0 policy expects back soon, while no other
     operation is under way (see :meth:`~tieredkv.TieredKVCache.prefetch_predicted`); the
-    sessions promoted, in order."""
+    sessions promoted, in order. A read that fails ends it (logged)."""
     promoted: list[str] = []
+    passed: set[str] = set()
     while len(promoted) < limit and not core.busy and not core.closing:
-        chosen = choose(core, scan)
+        chosen = choose(core, scan, passed)
         if chosen is None:
             break
         s, _, _ = chosen
+        if core.sharing:  # what another replica committed since is taken in first
+            passed.add(s.key)
+            if s.key in core.refused:
+                continue  # (its next operation reports the refusal)
+            if await examine(core, s.key, take=False) is not None:
+                continue  # its current history cannot be proven: its own load will say
         async with core.hold(s):
             if s.primary is None or s.primary == 0:
                 continue
-            moved = await prefetch(core, s)
+            try:
+                moved = await prefetch(core, s)
+            except TierIOError as exc:  # (counted in stats().errors)
+                _log.warning(
+                    "predictive prefetch: could not bring %.80r up, it stays where it is: %s",
+                    s.key,
+                    exc,
+                )
+                break
             if moved is None:
                 continue
         if not moved:

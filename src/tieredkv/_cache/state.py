@@ -77,7 +77,8 @@ class CacheStats(msgspec.Struct, kw_only=True):
     :param corrupt: segments that failed verification (never served)
     :param write_through: segments copied down in the background (inclusive mode)
     :param errors: I/O errors reported while moving data (the data stayed where it was)
-    :param cancelled: operations cancelled by their caller (each rolled back)
+    :param cancelled: operations cancelled by their caller (each rolled back, or, for a
+        move that had begun, completed: a prefetch's promotion is then counted too)
     :param orphans: segments whose cleanup failed, awaiting deletion
     :param truncated: sessions whose history the last open brought back shorter than the
         tiers had stored it (a damaged turn, or one after a gap), or not at all; named by
