@@ -19,6 +19,7 @@ from tieredkv.integrations.vllm.config import parse_config
 from tieredkv.integrations.vllm.hints import (
     CLIENT_HINTS,
     HINT_KEYS,
+    MAX_PROBLEMS,
     parse_hint,
     pin_group,
     read_hint,
@@ -124,6 +125,33 @@ def test_read_hint_logs_each_ignored_key_with_the_request(
             ]
         },
     )
+
+
+def test_what_a_client_sent_is_quoted_short_and_its_lines_are_bounded(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A request's ignored keys cannot flood the server's log or the response: a long key
+    or value is quoted shortened, and past MAX_PROBLEMS lines the rest are counted in one.
+    Before, a 7 MB request wrote 5 MB of warnings, and 20,000 unknown keys 20,000 lines."""
+    huge = {"tieredkv_pin": "x" * (1 << 20), "tieredkv_" + "k" * (1 << 20): 1}
+    with caplog.at_level(logging.WARNING, logger="tieredkv.integrations.vllm.hints"):
+        hint, echo = read_hint(huge, "req-9")
+    assert hint is None
+    assert echo is not None
+    assert len(echo["tieredkv_ignored"]) == 2
+    assert all(len(line) < 400 for line in echo["tieredkv_ignored"])
+    assert sum(len(r.getMessage()) for r in caplog.records) < 1000
+    caplog.clear()
+    many = {f"tieredkv_x{i}": 0 for i in range(20_000)}
+    with caplog.at_level(logging.WARNING, logger="tieredkv.integrations.vllm.hints"):
+        _, echo = read_hint(many, "req-10")
+    assert echo is not None
+    assert len(caplog.records) == len(echo["tieredkv_ignored"]) == MAX_PROBLEMS + 1
+    assert echo["tieredkv_ignored"][-1] == (
+        f"... and {20_000 - MAX_PROBLEMS} more kv_transfer_params line(s) (ignored)"
+    )
+    _, problems = parse_hint(["x" * (1 << 20)])  # type: ignore[arg-type]
+    assert len(problems[0]) < 200
 
 
 def test_a_server_takes_only_the_hints_its_operator_allows() -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import reprlib
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -95,6 +96,23 @@ and its check: ``tieredkv_next_turn_in`` (seconds until the next turn is expecte
 ended in a tool call)."""
 
 
+MAX_PROBLEMS = 8
+"""Lines a request's ignored keys give at most (logged, and returned to the client): the
+rest are counted in one more line."""
+
+_SHOW = reprlib.Repr()
+_SHOW.maxstring = _SHOW.maxother = 60
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, shortened: what a client sent is quoted, never copied whole."""
+    return _SHOW.repr(value)
+
+
+def _clipped(text: str, most: int = 200) -> str:
+    return text if len(text) <= most else text[: most - 3] + "..."
+
+
 CLIENT_HINTS = ("next_turn_in", "pin", "priority", "tool_call")
 """The hints a server may take from clients (the connector's ``client_hints`` lists those
 it does; all by default): a pin's ``tieredkv_ttl`` goes with ``pin``."""
@@ -118,7 +136,9 @@ def parse_hint(
     if not params:
         return None, []
     if not isinstance(params, Mapping):
-        return None, [f"kv_transfer_params must be an object of keys, not {params!r} (ignored)"]
+        return None, [
+            f"kv_transfer_params must be an object of keys, not {_shown(params)} (ignored)"
+        ]
     fields: dict[str, Any] = {}
     problems: list[str] = []
     for key, value in params.items():
@@ -127,7 +147,7 @@ def parse_hint(
         known = HINT_KEYS.get(key)
         if known is None:
             problems.append(
-                f"kv_transfer_params key {key!r} is not a tieredkv hint: the keys are "
+                f"kv_transfer_params key {_shown(key)} is not a tieredkv hint: the keys are "
                 f"{', '.join(HINT_KEYS)} (ignored)"
             )
             continue
@@ -144,7 +164,7 @@ def parse_hint(
         try:
             fields[field] = check(value)
         except ValueError as exc:
-            problems.append(f"kv_transfer_params key {key!r} {exc} (ignored)")
+            problems.append(f"kv_transfer_params key {key!r} {_clipped(str(exc))} (ignored)")
     if "ttl" in fields and fields.get("pin") is not True:
         del fields["ttl"]
         problems.append(
@@ -153,6 +173,9 @@ def parse_hint(
         )
     if max_ttl is not None and fields.get("pin") is True:
         fields["ttl"] = min(fields.get("ttl", math.inf), max_ttl)
+    if len(problems) > MAX_PROBLEMS:  # a client's request must not flood the server's log
+        more = len(problems) - MAX_PROBLEMS
+        problems[MAX_PROBLEMS:] = [f"... and {more} more kv_transfer_params line(s) (ignored)"]
     if not fields:
         return None, problems
     return RetentionHint(**fields), problems
@@ -170,7 +193,8 @@ def read_hint(
     :returns: the hint, and what to tell the client in the response's
         ``kv_transfer_params`` (``None`` if the request gave no ``tieredkv_`` key):
         ``tieredkv_hint``, the hint's fields as they apply (a pin's ``ttl`` capped at
-        ``max_ttl``), and ``tieredkv_ignored``, a line per key ignored
+        ``max_ttl``), and ``tieredkv_ignored``, a line per key ignored (at most
+        :data:`MAX_PROBLEMS`, then one counting the rest)
     """
     hint, problems = parse_hint(params, allowed=allowed, max_ttl=max_ttl)
     for problem in problems:
