@@ -13,7 +13,7 @@ from tieredkv import HostMemoryTier, RetentionHint, SSDTier, TieredKVCache
 from tieredkv.policies import LRU, AdaptiveBidaw
 
 KIB = 1024
-HOST = 12 * KIB  # room for three conversations of 4 KiB
+HOST = 12 * KIB  # room for one conversation (4 KiB of KV and its header: an 8 KiB slot)
 
 
 def seg(seed: int) -> dict[str, torch.Tensor]:
@@ -67,6 +67,48 @@ async def test_a_hinted_conversation_comes_up_from_ssd_before_its_turn(ssd_dir: 
         got = await cache.load("agent")
         assert torch.equal(got["kv"], hinted["kv"])
         assert cache.stats().hits == hits + 1
+
+
+async def test_a_conversation_brought_up_for_its_hint_stays_until_its_turn(
+    ssd_dir: Path,
+) -> None:
+    """As above, but other users keep taking turns between the prefetch and the hinted
+    turn, each needing room in host memory. The agent's conversation, brought up for its
+    hint, is not their victim: it stays in host memory, and its turn is a hit. Before, the
+    next user's turn evicted it again at once (its learned potential is low): every idle
+    moment brought it back up, and its turn still found it on SSD."""
+    clock = Clock()
+    host = 24 * KIB  # room for three conversations
+    policy = AdaptiveBidaw(capacity=host, refresh_every=32, hint_lead=30.0)
+    tiers = [HostMemoryTier(host), SSDTier(ssd_dir, 8 << 20, fsync=False)]
+    async with TieredKVCache(tiers, eviction=[policy, LRU()], clock=clock) as cache:
+        hinted = seg(1)
+        await cache.append(
+            "agent", hinted, answer_tokens=30, hint=RetentionHint(next_turn_in=120.0)
+        )
+        told = cache.channel["agent"].next_turn
+        assert told is not None
+        await warm(cache, clock, users=6, rounds=8)
+        assert cache.where("agent") == "ssd"
+        clock.now = told - 25.0
+        assert await cache.prefetch_predicted(limit=1) == ["agent"]
+        agent_up = cache.stats().predicted
+        assert policy.kept_for_hint(clock.now) == {"agent"}
+        u = 0
+        while clock.now < told - 1.0:  # a turn of another user every second, from SSD
+            u = (u + 1) % 6
+            clock.now += 1.0
+            await cache.load(f"user{u}")
+            await cache.drop(f"user{u}")  # (one 8 KiB segment each, as in warm)
+            await cache.append(f"user{u}", seg(1000 + u), answer_tokens=40)
+            assert cache.where("agent") == "host", clock.now
+        assert cache.stats().predicted == agent_up  # never brought up again
+        clock.now = told + 1.0
+        hits = cache.stats().hits
+        got = await cache.load("agent")
+        assert torch.equal(got["kv"], hinted["kv"])
+        assert cache.stats().hits == hits + 1
+        assert policy.kept_for_hint(clock.now) == frozenset()  # (accessed: no longer)
 
 
 async def test_wrong_hints_lose_their_preference(ssd_dir: Path) -> None:

@@ -375,7 +375,38 @@ class AdaptiveBidaw(BidawEviction):
     def victims(
         self, need: int, now: float, view: MetadataView, protected: Set[str] = frozenset()
     ) -> list[str] | None:
+        """As the potential (or, while it learns, recency) ranks them; but a resident
+        brought up ahead of a hinted turn now due, for that hint, is passed over while
+        others free enough (:meth:`kept_for_hint`)."""
         self._now = max(self._now, now)
+        kept = self.kept_for_hint(now)
+        if kept:
+            chosen = self._victims(need, now, view, protected | kept)
+            if chosen is not None:
+                return chosen
+        return self._victims(need, now, view, protected)
+
+    def kept_for_hint(self, now: float) -> frozenset[str]:
+        """The residents a prefetch brought up (admitted without an access since their
+        latest one) whose hinted turn is due at ``now`` and whose hint is worth more than
+        their potential (:meth:`foresee_at` chose them for it). Without this, the next
+        turn of another user would evict such a conversation again at once (its learned
+        potential is low), before the turn it was brought up for."""
+        if not self._fresh:
+            return frozenset()
+        trust = self.hint_trust()
+        kept = set()
+        for session in self._fresh:
+            due = self._due.get(session)
+            if due is None or not due[0] - self.hint_lead <= now <= due[0] + due[1]:
+                continue
+            if trust > (super().foresee(session) or 0.0):
+                kept.add(session)
+        return frozenset(kept)
+
+    def _victims(
+        self, need: int, now: float, view: MetadataView, protected: Set[str]
+    ) -> list[str] | None:
         if self.mode == _LEARNED or need <= 0:
             return super().victims(need, now, view, protected)
         if self._capacity is None:
