@@ -294,8 +294,10 @@ class ServingEngine:
         epoch = self._epoch
         try:
             promoted = await self.cache.prefetch_predicted()
-        except (TieredKVError, OSError):
-            promoted = []  # the session stays where it was; its request loads it as usual
+        except (TieredKVError, OSError) as exc:
+            # the session stays where it was; its request loads it as usual
+            _log.warning("predictive prefetch failed (its request will load it): %s", exc)
+            promoted = []
         finally:
             self._predicting = False
         self.predicted += len(promoted)
