@@ -286,6 +286,68 @@ async def test_failed_drop_leaves_no_half_dropped_session(
         assert again.channel["s"].turns == 1
 
 
+async def test_no_turn_is_stored_under_a_key_whose_older_files_cannot_be_deleted(
+    ssd_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A drop whose deletes of the last two of five turns keep failing leaves those files
+    on disk (orphans). A new conversation under the same key must not be stored meanwhile:
+    a reopened cache would serve its turns joined to the old turns 3 and 4 (a splice).
+    Before, the new turns were acknowledged, and the reopen served 3 new turns + 2 old ones,
+    reporting nothing. Once the deletes succeed, the key takes turns again."""
+    async with ssd_only(ssd_dir) as cache:
+        for i in range(5):
+            await cache.append("s", kv(2, i), answer_tokens=1)
+        real = os.unlink
+
+        def unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+            if str(path).endswith((".3.seg", ".4.seg")):
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            real(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "unlink", unlink)
+        await cache.drop("s")
+        assert cache.stats().orphans == 2
+        with pytest.raises(TierIOError, match=r"an older copy of its turn [34] could not be"):
+            await cache.append("s", kv(1, 9), answer_tokens=1)
+        assert not cache.contains("s")
+        assert problems(cache) == []
+        monkeypatch.undo()  # the disk recovers: the next append deletes them first
+        for i in range(3):
+            await cache.append("s", kv(1, 10 + i), answer_tokens=1)
+    async with ssd_only(ssd_dir) as again:
+        assert again.truncated() == {}
+        got = await again.load("s")
+        want = torch.cat([kv(1, 10 + i)["kv"] for i in range(3)])
+        assert torch.equal(got["kv"], want)
+
+
+async def test_a_conversation_whose_older_copy_cannot_be_deleted_takes_no_new_turn(
+    ssd_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Exclusive mode: a load moves "a" up to host memory and deleting its SSD copy fails
+    and keeps failing. A new turn of "a" is refused while that copy remains: the close
+    could not write the grown history down over it, and a reopened cache would serve the
+    old copy as current. Before, the turn was acknowledged and the reopen served the
+    history without it. The old copy is "a"'s whole history then, and is what a reopen
+    serves; once the delete succeeds the turn is taken."""
+    async with two_tier(ssd_dir) as cache:
+        await cache.append("a", kv(8, 1), answer_tokens=1)
+        await cache.append("filler", kv(9, 2), answer_tokens=1)
+        await cache.drop("filler")
+        assert cache.where("a") == "ssd"
+        failing(monkeypatch, "unlink")
+        await cache.load("a")
+        assert cache.where("a") == "host"
+        with pytest.raises(TierIOError, match="an older copy of its turn 0 could not be"):
+            await cache.append("a", kv(2, 3), answer_tokens=1)
+        assert cache.channel["a"].turns == 1
+        monkeypatch.undo()
+        await cache.append("a", kv(2, 3), answer_tokens=1)
+    async with two_tier(ssd_dir) as again:
+        got = await again.load("a")
+        assert torch.equal(got["kv"], torch.cat([kv(8, 1)["kv"], kv(2, 3)["kv"]]))
+
+
 async def test_write_through_stopped_by_an_io_error_is_retried_at_close(
     ssd_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

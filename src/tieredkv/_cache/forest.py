@@ -50,24 +50,30 @@ def check_not_retired(core: Core, key: str, seq: int = 0) -> None:
     )
 
 
-def check_no_stale_marker(core: Core, key: str) -> None:
-    """Refuse to store a turn under ``key`` while a retirement marker of an earlier
-    conversation of that name could not be deleted (an orphan, tried again just before):
-    a restart would take this conversation for that retired one and serve none of its
-    turns.
+def check_no_stale(core: Core, key: str) -> None:
+    """Refuse to store a turn under ``key`` while a persistent tier holds a file of ``key``
+    that could not be deleted (an orphan, tried again just before): a retirement marker of
+    an earlier conversation of that name (a restart would take this conversation for that
+    retired one and serve none of its turns), or a turn of an earlier history of it (a
+    restart would serve it joined to this conversation's turns, or instead of them).
 
-    :raises TierIOError: such a marker remains (nothing is stored; try again later)
+    :raises TierIOError: such a file remains (nothing is stored; try again later)
     """
-    marker: SegmentKey = (key, RETIRED_SEQ)
-    for t, tier in enumerate(core.tiers):
-        if (t, marker) in core.orphans:
-            raise TierIOError(
-                tier.name,
-                f"store a turn of {key[:80]!r}",
-                "the retirement marker of an earlier conversation of that name could not "
-                "be deleted",
-                hint="try again once the tier's deletes succeed (or use another key)",
-            )
+    for t, (owner, seq) in core.orphans:
+        tier = core.tiers[t]
+        if owner != key or not tier.persistent or core.io[t].shared is not None:
+            continue
+        what = (
+            "the retirement marker of an earlier conversation of that name"
+            if seq == RETIRED_SEQ
+            else f"an older copy of its turn {seq}"
+        )
+        raise TierIOError(
+            tier.name,
+            f"store a turn of {key[:80]!r}",
+            f"{what} could not be deleted",
+            hint="try again once the tier's deletes succeed (or use another key)",
+        )
 
 
 async def retire(core: Core, s: Session) -> None:

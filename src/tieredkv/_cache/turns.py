@@ -28,7 +28,7 @@ from ..errors import (
 from ..meta import KVMeta, Loaded, Stored
 from ..payload import SegmentPlan, plan_segment
 from .atomic import settle
-from .forest import check_no_stale_marker, check_not_retired
+from .forest import check_no_stale, check_not_retired
 from .gather import Target
 from .placement import (
     delete_or_orphan,
@@ -277,7 +277,7 @@ async def store(
     the only victims left, it waits for them, for up to :data:`BUSY_WAIT` seconds.
     """
     await purge_orphans(core, s.key)
-    check_no_stale_marker(core, s.key)
+    check_no_stale(core, s.key)
     key: SegmentKey = (s.key, plan.header.seq)
     t = start if start is not None else 0 if s.primary is None else s.primary
     deadline = anyio.current_time() + BUSY_WAIT
