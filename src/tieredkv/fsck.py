@@ -342,9 +342,11 @@ def _summarize(headers: list[SegmentHeader], authenticated: bool, report: FsckRe
 
 def _references(
     groups: dict[str, list[SegmentHeader]],
+    unread: AbstractSet[tuple[str, int]] = frozenset(),
 ) -> tuple[set[tuple[str, int]], dict[str, str]]:
     """The turns forks reference (that the directory holds), and each fork with a dangling
-    reference (one to a turn the directory lacks), with what is wrong."""
+    reference (one to a turn the directory lacks), with what is wrong. A turn in
+    ``unread`` (there, but it could not be read this time) is no dangling reference."""
     good = {(h.session, h.seq): h for group in groups.values() for h in group}
     refs: set[tuple[str, int]] = set()
     dangling: dict[str, str] = {}
@@ -354,6 +356,9 @@ def _references(
             continue
         first = min(own, key=lambda h: h.seq)
         for owner, seq, take in first.base:
+            if (owner, seq) in unread:
+                refs.add((owner, seq))
+                continue
             h = good.get((owner, seq))
             if h is None or is_retirement(h) or not 0 < take <= h.tokens:
                 dangling[session] = (
@@ -412,6 +417,7 @@ def repair_directory(
         async with tier:
             by_session: dict[str, list[SegmentHeader]] = {}
             unread: set[str] = set()
+            unread_turns: set[tuple[str, int]] = set()
             for h in sorted(headers, key=lambda h: (h.session, h.seq)):
                 buf = bytearray(h.length)
                 try:  # a damaged one is quarantined by the read
@@ -420,9 +426,10 @@ def repair_directory(
                     continue
                 except TierIOError:  # reported by the check that follows
                     unread.add(h.session)
+                    unread_turns.add((h.session, h.seq))
                     continue
                 by_session.setdefault(h.session, []).append(h)
-            refs, dangling = _references(by_session)
+            refs, dangling = _references(by_session, unread_turns)
             for session, group in by_session.items():
                 if session in unread:  # what follows an unreadable turn may be whole
                     continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import shutil
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import msgspec
 import pytest
 import torch
 
+from tests.faults import FaultInjector
 from tieredkv import (
     BidawEviction,
     CapacityError,
@@ -378,6 +380,47 @@ async def test_fsck_reports_forks_dangling_references_and_reclaimable_turns(
         assert c.sessions() == []
         assert segments(c.tiers[0]) == 0
     assert (await asyncio.to_thread(check_directory, ssd_dir)).reclaimable == 0
+
+
+class _SecondOpenFails(FaultInjector):
+    """EIO on the second open of one file (the first, the tier's scan of headers at open,
+    passes; the second, a repair's read of the whole segment, fails once)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name, self.opens = name, 0
+
+    def _decide(self, site: str, name: str = "") -> int | None:
+        if site == "open" and self.name in name:
+            self.opens += 1
+            if self.opens == 2:
+                self.injected[site] += 1
+                return errno.EIO
+        return super()._decide(site, name)
+
+
+async def test_a_repair_that_cannot_read_a_parent_once_keeps_its_forks(ssd_dir: Path) -> None:
+    """A repair's read of a fork's parent fails once (EIO): the parent is left alone (it
+    may be whole), and so is the fork, whose reference to it does not dangle. Before, the
+    fork's good, acknowledged turns were quarantined as "a dangling reference"."""
+    async with TieredKVCache([SSDTier(ssd_dir, 8 << 20)]) as c:
+        await c.append("system", kv(8, 1), answer_tokens=0)
+        await c.append("chat", kv(4, 2), answer_tokens=3, parent="system")
+        await c.append("chat", kv(4, 3), answer_tokens=3)
+    garbage = ssd_dir / "segments" / "ab" / ("ab" * 16 + ".0.seg")  # damage to repair
+    garbage.parent.mkdir(exist_ok=True)
+    garbage.write_bytes(b"garbage")
+    parent = segment_file_name(("system", 0)).rsplit("/", 1)[1]
+    with _SecondOpenFails(parent) as faults:
+        repaired = await asyncio.to_thread(repair_directory, ssd_dir)
+    assert faults.total_injected == 1
+    assert repaired.quarantined == 1  # the garbage alone
+    assert sorted((s.session, s.turns) for s in repaired.sessions) == [
+        ("chat", 2),
+        ("system", 1),
+    ]
+    async with TieredKVCache([SSDTier(ssd_dir, 8 << 20)]) as c:
+        same(await c.load("chat"), cat(kv(8, 1), kv(4, 2), kv(4, 3)))
 
 
 async def test_eviction_sees_what_evicting_a_conversation_frees(ssd_dir: Path) -> None:
