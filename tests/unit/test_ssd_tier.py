@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 from collections.abc import Callable
@@ -141,16 +142,25 @@ async def test_restart_rebuilds_the_index(ssd_dir: Path, seg: SegmentFactory) ->
         await second.aclose()
 
 
-async def test_leftover_tmp_files_are_removed_at_open(ssd_dir: Path, seg: SegmentFactory) -> None:
-    """Temp files of writes interrupted by a crash are deleted when the tier opens."""
+async def test_leftover_tmp_files_are_removed_at_open(
+    ssd_dir: Path, seg: SegmentFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Temp files of writes interrupted by a crash, and direct-I/O probes, are deleted when
+    the tier opens; a file there that the tier does not write is left, with a warning
+    (before, every file in tmp/ was deleted, silently)."""
     s = seg(tokens=8)
     async with SSDTier(ssd_dir, CAPACITY) as tier:
         await store(tier, s)
     (ssd_dir / "tmp" / "abc.0.seg.123.tmp").write_bytes(s.data[:4096])
     (ssd_dir / "tmp" / "other.tmp").write_bytes(b"partial")
-    async with SSDTier(ssd_dir, CAPACITY) as tier:
-        assert list((ssd_dir / "tmp").iterdir()) == []
-        assert await read_back(tier, s) == s.data
+    (ssd_dir / "tmp" / "probe-0123").write_bytes(b"probe")
+    (ssd_dir / "tmp" / "notes.txt").write_bytes(b"a user's")
+    with caplog.at_level(logging.WARNING, logger="tieredkv"):
+        async with SSDTier(ssd_dir, CAPACITY) as tier:
+            assert [p.name for p in (ssd_dir / "tmp").iterdir()] == ["notes.txt"]
+            assert (ssd_dir / "tmp" / "notes.txt").read_bytes() == b"a user's"
+            assert await read_back(tier, s) == s.data
+    assert "tmp/notes.txt is not a file this tier writes: left as it is" in caplog.text
 
 
 # -- damage ------------------------------------------------------------------------------

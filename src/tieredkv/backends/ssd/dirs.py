@@ -188,10 +188,20 @@ class TierDirectory:
             return fd
 
     def remove_leftovers(self) -> None:
-        """Delete what tmp/ holds: writes a crash interrupted (links included, never their
-        targets: unlink removes the link itself)."""
+        """Delete the tier's own files in tmp/: writes a crash interrupted (``*.tmp``) and
+        direct-I/O probes (``probe-*``), links included, never their targets (unlink
+        removes the link itself). Anything else there is not the tier's: it is left,
+        with a warning."""
         tmp = self._fds["tmp"]
         for name in os.listdir(tmp):
+            if not (name.endswith(".tmp") or name.startswith("probe-")):
+                _log.warning(
+                    "tier %r: tmp/%s is not a file this tier writes: left as it is (the "
+                    "tier's folder is for the tier alone; move it elsewhere)",
+                    self.tier,
+                    name,
+                )
+                continue
             try:
                 os.unlink(name, dir_fd=tmp)
             except OSError as exc:  # harmless: never read, only space
