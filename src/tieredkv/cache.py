@@ -255,8 +255,9 @@ class TieredKVCache:
         volatile tiers hold (in exclusive mode, each one in host memory) is written down
         to a persistent tier, into free room, most recently used first, each whole or not
         at all, with a log line when it starts, every 5 s and when it ends; deletions that
-        failed before are retried. ``stats().written_down`` and ``stats().unsaved`` say
-        what it wrote and what it could not (logged as a warning: those are lost).
+        failed before are retried. ``stats().written_down`` and ``stats().unsaved`` count
+        what it wrote and what it could not (logged as a warning: those are lost), added
+        to what earlier closes of this cache counted.
 
         First, within the same ``close_timeout``, the operations already under way (an
         append, a load, an open :meth:`load_layerwise`, a prefetch, a drop) finish: what

@@ -167,6 +167,37 @@ async def test_a_truncating_open_and_a_close_that_writes_down_are_scraped(tmp_pa
         assert registry.get_sample_value("tieredkv_truncated_total") == 1
 
 
+async def test_what_opens_and_closes_count_adds_up_when_a_cache_is_reopened(
+    tmp_path: Path,
+) -> None:
+    """A cache object opened and closed three times: written_down_total and
+    truncated_total are counters, so each scrape is at least the one before. Before, each
+    open and close set them to its own figures: they went 1, 0 and 1, 0 (a counter reset,
+    which Prometheus's increase() misreads)."""
+    ssd = tmp_path / "ssd"
+    c = TieredKVCache([HostMemoryTier(64 << 20), SSDTier(ssd, 64 << 20)])
+    registry = CollectorRegistry()
+    registry.register(CacheCollector(c))
+    seen = []
+    for i in range(3):
+        async with c:
+            for t in range(2):
+                await c.append(f"s{i}", _turn(t), answer_tokens=4, token_dim=2)
+            if i == 1:  # damage s0's last turn for the next open to find
+                damaged = ssd / "segments" / segment_file_name(("s0", 1))
+                raw = bytearray(damaged.read_bytes())
+                raw[40] ^= 0xFF
+                damaged.write_bytes(bytes(raw))
+        seen.append(
+            tuple(
+                registry.get_sample_value(f"tieredkv_{name}_total")
+                for name in ("written_down", "truncated", "appends")
+            )
+        )
+    assert seen == [(1, 0, 2), (2, 0, 4), (3, 1, 6)]
+    assert (c.stats().written_down, c.stats().truncated, c.stats().unsaved) == (3, 1, 0)
+
+
 async def test_attach_swaps_the_cache_and_close_frees_the_port() -> None:
     server = serve(None, 0)
     try:

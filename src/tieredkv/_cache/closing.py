@@ -92,13 +92,12 @@ async def write_down(core: Core, deadline: float, budget: float) -> None:
     starting none after ``deadline`` (``time.monotonic``; ``budget``, the close timeout it
     came from, is what the log says).
 
-    Sets ``core.stats.written_down`` and ``core.stats.unsaved``.
+    Adds to ``core.stats.written_down`` and ``core.stats.unsaved``.
     """
     tiers = core.tiers
     keep = [t for t, tier in enumerate(tiers) if tier.persistent]
     targets = [t for t in keep if core.io[t].shared is None]
     pending = [s for s in core.sessions.values() if s.primary is not None and not _kept(s, keep)]
-    core.stats.written_down = core.stats.unsaved = 0
     if not targets or not pending:
         return
     pending.sort(key=lambda s: _last_access(core, s), reverse=True)
@@ -132,7 +131,8 @@ async def write_down(core: Core, deadline: float, budget: float) -> None:
         else:
             outcomes[outcome] += 1
     unsaved = len(pending) - written - outcomes["gone"]
-    core.stats.written_down, core.stats.unsaved = written, unsaved
+    core.stats.written_down += written
+    core.stats.unsaved += unsaved
     if not unsaved:
         _log.info(
             "closing: wrote %d conversation(s) (%s bytes) down in %.2f s",

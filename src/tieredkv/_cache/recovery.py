@@ -149,7 +149,7 @@ async def recover(core: Core, recovered: list[list[SegmentHeader]]) -> dict[str,
                 vs = core.sessions[victim]
                 async with core.hold(vs):
                     await evict_copy(core, vs, t)
-    core.stats.truncated = len(truncated)
+    core.stats.truncated += len(truncated)
     for cut in truncated.values():
         _log.warning(
             "session %.80r came back with %d of the %d turns its tiers stored: %s",

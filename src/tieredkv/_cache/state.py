@@ -80,13 +80,15 @@ class CacheStats(msgspec.Struct, kw_only=True):
     :param cancelled: operations cancelled by their caller (each rolled back, or, for a
         move that had begun, completed: a prefetch's promotion is then counted too)
     :param orphans: segments whose cleanup failed, awaiting deletion
-    :param truncated: sessions whose history the last open brought back shorter than the
-        tiers had stored it (a damaged turn, or one after a gap), or not at all; named by
+    :param truncated: sessions whose history an open brought back shorter than the tiers
+        had stored it (a damaged turn, or one after a gap), or not at all, summed over
+        this cache's opens (a counter: it never goes down); the last open's are named by
         :meth:`~tieredkv.TieredKVCache.truncated`
-    :param written_down: conversations that only volatile tiers held which the last close
-        wrote down to a persistent tier (see ``close_timeout``)
-    :param unsaved: conversations that only volatile tiers held which the last close could
-        not write down (no free room, an I/O error, or the close timeout): lost with it
+    :param written_down: conversations that only volatile tiers held which a close wrote
+        down to a persistent tier (see ``close_timeout``), summed over this cache's closes
+    :param unsaved: conversations that only volatile tiers held which a close could not
+        write down (no free room, an I/O error, or the close timeout): lost with it;
+        summed over this cache's closes
     :param refused: turns this cache had acknowledged that a shared tier refused (another
         replica took the conversation over first); reported by
         :class:`~tieredkv.errors.TurnRefusedError`
