@@ -438,6 +438,27 @@ async def test_mmap_tier_as_capacity_layer(tmp_path: Path) -> None:
     assert not (tmp_path / "cap.mmap").exists()
 
 
+async def test_a_second_mmap_tier_on_the_same_file_is_refused(tmp_path: Path) -> None:
+    """Two mmap tiers given one file: the second is refused (the first holds the file's
+    lock) and the first keeps serving what it holds, byte for byte; once it has closed, the
+    file is free. Before, the second truncated the file, so the first served zeros, and the
+    second's close deleted the first's file."""
+    path = tmp_path / "cap.mmap"
+    tiers = [HostMemoryTier(32 * KIB), MmapTier(path, 1 << 20)]
+    async with TieredKVCache(tiers) as c:
+        for i in range(6):
+            await c.append(f"s{i}", kv(8, i), answer_tokens=1)
+        assert c.where("s0") == "mmap"
+        other = TieredKVCache([HostMemoryTier(32 * KIB), MmapTier(path, 1 << 20)])
+        with pytest.raises(TierIOError, match="another tier has this file open"):
+            await other.open()
+        assert path.exists()
+        assert_same(await c.load("s0"), kv(8, 0))
+    async with TieredKVCache([HostMemoryTier(32 * KIB), MmapTier(path, 1 << 20)]) as again:
+        await again.append("t", kv(8, 9), answer_tokens=1)
+        assert_same(await again.load("t"), kv(8, 9))
+
+
 @pytest.mark.parametrize("kind", ["ssd", "host"])
 async def test_a_tier_object_serves_one_open_cache_at_a_time(ssd_dir: Path, kind: str) -> None:
     """A second cache opened over a tier object another open cache has is refused, naming

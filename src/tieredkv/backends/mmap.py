@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import mmap
 import os
 from pathlib import Path
@@ -28,7 +29,9 @@ class MmapTier(ArenaTier):
     """A tier in a memory-mapped file.
 
     :param path: the backing file (created or truncated; its directory must exist; never a
-        symbolic link, which would make the tier truncate the link's target)
+        symbolic link, which would make the tier truncate the link's target). The tier
+        holds an exclusive lock on it while open: a second tier on the same file, in this
+        process or another, is refused (it would empty the first one's data)
     :param capacity: the byte budget and file size (rounded up to 4 KiB)
     :param name: the tier's name in metadata and events
     :param keep_file: leave the file in place at close
@@ -51,9 +54,11 @@ class MmapTier(ArenaTier):
         self.path = Path(path)
         self._keep = keep_file
         self._mmap: mmap.mmap | None = None
+        self._fd: int | None = None  # (open while mapped: it holds the lock)
 
     def _acquire_buffer(self) -> memoryview:
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        # not O_TRUNC: the file may be another open tier's, which the lock below finds out
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             fd = os.open(self.path, flags, 0o600)
         except OSError as exc:
@@ -67,16 +72,28 @@ class MmapTier(ArenaTier):
                 self.name, f"create its file {str(self.path)!r} ({hint})", exc
             ) from exc
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            raise TierIOError(
+                self.name,
+                f"lock its file {str(self.path)!r}",
+                exc,
+                hint="another tier has this file open, in this process or another; give "
+                "each tier a file of its own",
+            ) from exc
+        try:
+            os.ftruncate(fd, 0)  # what an earlier run left: never read
             # reserve the blocks now so a full disk fails here, not as SIGBUS on first write
             os.posix_fallocate(fd, 0, self._capacity)
             self._mmap = mmap.mmap(fd, self._capacity, flags=mmap.MAP_SHARED)
         except OSError as exc:
-            os.close(fd)
             self._remove_file()
+            os.close(fd)
             raise TierIOError(
                 self.name, f"map {self._capacity:,} bytes of {self.path}", exc
             ) from exc
-        os.close(fd)
+        self._fd = fd
         return memoryview(self._mmap)
 
     def _remove_file(self) -> None:
@@ -89,6 +106,9 @@ class MmapTier(ArenaTier):
             mm, self._mmap = self._mmap, None
             close_mapping(mm, f"tier {self.name!r}", collect=True)
         self._remove_file()
+        if self._fd is not None:  # the lock goes with it, once the file is gone
+            fd, self._fd = self._fd, None
+            os.close(fd)
 
     def _extra_stats(self) -> dict[str, Any]:
         return {"notes": (f"file-backed map at {self.path}",)}
