@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import mmap
 import os
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 
 from ..errors import TierIOError
 from ._buffers import close_mapping
+from ._locks import lock_or_refuse
 from .arena import ArenaTier
 
 __all__ = ["MmapTier"]
@@ -71,17 +71,13 @@ class MmapTier(ArenaTier):
             raise TierIOError(
                 self.name, f"create its file {str(self.path)!r} ({hint})", exc
             ) from exc
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            raise TierIOError(
-                self.name,
-                f"lock its file {str(self.path)!r}",
-                exc,
-                hint="another tier has this file open, in this process or another; give "
-                "each tier a file of its own",
-            ) from exc
+        lock_or_refuse(
+            fd,
+            self.name,
+            f"its file {str(self.path)!r}",
+            "another tier has this file open, in this process or another; give each tier "
+            "a file of its own",
+        )
         try:
             os.ftruncate(fd, 0)  # what an earlier run left: never read
             # reserve the blocks now so a full disk fails here, not as SIGBUS on first write

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import logging
 import os
 import stat
@@ -21,6 +20,7 @@ import time
 from pathlib import Path
 
 from ...errors import TierIOError
+from .._locks import lock_or_refuse
 from ..base import SegmentKey
 from .layout import LOCK, O_DIR, O_DIRECT, SUBDIRS, file_parts
 
@@ -109,18 +109,14 @@ class TierDirectory:
                     f"fix its permissions or pass another one)",
                     exc,
                 ) from exc
-            try:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                os.close(lock_fd)
-                raise TierIOError(
-                    self.tier,
-                    f"lock {str(self.path)!r}",
-                    exc,
-                    hint="another SSDTier has this directory open (a cache in this process or "
-                    "another, or `tieredkv fsck --repair`): close it first, or give each cache "
-                    "its own directory",
-                ) from exc
+            lock_or_refuse(
+                lock_fd,
+                self.tier,
+                repr(str(self.path)),
+                "another SSDTier has this directory open (a cache in this process or "
+                "another, or `tieredkv fsck --repair`): close it first, or give each cache "
+                "its own directory",
+            )
             self._lock_fd = lock_fd
         except BaseException:
             self.close()
