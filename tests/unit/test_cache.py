@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -436,6 +437,24 @@ async def test_mmap_tier_as_capacity_layer(tmp_path: Path) -> None:
         assert_same(await c.load("s0"), kv(8, 0))
         assert (tmp_path / "cap.mmap").stat().st_size == 1 << 20
     assert not (tmp_path / "cap.mmap").exists()
+
+
+async def test_a_tier_reopened_smaller_says_what_it_evicted_to_fit(
+    ssd_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An SSD directory holding two conversations reopened with room for one: the open
+    evicts one to fit (from the last tier: deleted) and says so, naming it. Before, it was
+    deleted silently (only stats().lost moved)."""
+    async with TieredKVCache([SSDTier(ssd_dir, 64 << 20)]) as c:
+        for i, session in enumerate(("a", "b")):
+            await c.append(session, kv(64, i), answer_tokens=1)
+        one = c.channel["a"].nbytes
+    with caplog.at_level(logging.WARNING, logger="tieredkv.cache"):
+        async with TieredKVCache([SSDTier(ssd_dir, one + one // 2)]) as c:
+            [kept] = c.sessions()
+    [gone] = {"a", "b"} - {kept}
+    assert f"past its capacity of {one + one // 2:,}" in caplog.text
+    assert f"1 conversation(s) evicted to fit, deleted: lost: {gone!r}" in caplog.text
 
 
 async def test_a_second_mmap_tier_on_the_same_file_is_refused(tmp_path: Path) -> None:

@@ -145,6 +145,17 @@ async def recover(core: Core, recovered: list[list[SegmentHeader]]) -> dict[str,
     for t, tier in enumerate(core.tiers):  # a tier may have shrunk since the last run
         if tier.used > tier.capacity:
             victims = core.policies[t].victims(tier.used - tier.capacity, now, core.channel) or []
+            below = "moved down" if t + 1 < ntiers else "deleted: lost"
+            _log.warning(
+                "tier %r holds %s bytes, past its capacity of %s (smaller than when they "
+                "were stored): %d conversation(s) evicted to fit, %s: %s",
+                tier.name,
+                f"{tier.used:,}",
+                f"{tier.capacity:,}",
+                len(victims),
+                below,
+                ", ".join(repr(v[:80]) for v in victims),
+            )
             for victim in victims:
                 vs = core.sessions[victim]
                 async with core.hold(vs):
