@@ -46,6 +46,7 @@ from ._retry import retry_io, tries
 from .backends.ssd.layout import (
     MIXED_INCARNATIONS,
     O_DIR,
+    READ_FLAGS,
     SUBDIRS,
     by_session,
     mixed_incarnations,
@@ -281,7 +282,7 @@ def _verify_file(sub: int, name: str, rel: str, key: bytes | None) -> SegmentHea
     """Read one whole file and verify it as a tier does before serving it
     (:class:`CorruptSegmentError` if it is wrong, :class:`OSError` if it cannot be read)."""
     header, size, _ = read_header_at(sub, name, rel, key)  # CRC, contents, name, MAC
-    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sub)
+    fd = os.open(name, READ_FLAGS, dir_fd=sub)
     try:
         data = bytearray(size)
         got = pread_full(fd, memoryview(data), 0)

@@ -171,17 +171,53 @@ async def test_a_long_lived_child_does_not_keep_the_ssd_directory_locked(
     async with TieredKVCache([SSDTier(tmp_path, 64 << 20)]) as cache:
         await cache.append("a", a, answer_tokens=1)
         r, w = os.pipe()
+        up_r, up_w = os.pipe()
         pid = os.fork()
         if pid == 0:  # a child that does something else, and outlives the parent's cache
             os.close(w)
+            os.write(up_w, b"x")  # (it runs: the fork hooks have run)
             os.read(r, 1)
             os._exit(0)
         os.close(r)
+        os.close(up_w)
+        # the child must have run: the hook that lets go of its copy of the lock runs
+        # in the child, at its start, which a loaded machine may delay past the close
+        await anyio.to_thread.run_sync(os.read, up_r, 1)
+        os.close(up_r)
     try:
         async with TieredKVCache([SSDTier(tmp_path, 64 << 20)]) as again:
             assert exact(await again.load("a"), a)
     except TierIOError as exc:  # what it raised before: the child held the lock
         pytest.fail(f"the directory stayed locked by the forked child: {exc}")
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        await anyio.to_thread.run_sync(os.waitpid, pid, 0)
+
+
+async def test_a_long_lived_child_does_not_keep_the_map_file_locked(tmp_path: Path) -> None:
+    """As for the SSD directory: once the parent's mmap tier closed, a new one takes the
+    same file, though a child forked while it was open still runs (with keep_file, the
+    file itself stays: without it each open makes a new one, which no child holds)."""
+    path = tmp_path / "tier.map"
+    async with TieredKVCache([MmapTier(path, 8 << 20, keep_file=True)]) as cache:
+        await cache.append("a", kv(3), answer_tokens=1)
+        r, w = os.pipe()
+        up_r, up_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(w)
+            os.write(up_w, b"x")
+            os.read(r, 1)
+            os._exit(0)
+        os.close(r)
+        os.close(up_w)
+        await anyio.to_thread.run_sync(os.read, up_r, 1)
+        os.close(up_r)
+    try:
+        async with TieredKVCache([MmapTier(path, 8 << 20)]) as again:
+            await again.append("b", kv(4), answer_tokens=1)
+            assert exact(await again.load("b"), kv(4))
     finally:
         os.write(w, b"x")
         os.close(w)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from tests.segments import (
@@ -22,6 +23,7 @@ from tests.segments import (
 from tieredkv.backends import SSDTier
 from tieredkv.backends.ssd import segment_file_name
 from tieredkv.errors import CorruptSegmentError, TierIOError
+from tieredkv.fsck import check_directory
 
 CAPACITY = 64 << 20
 NAME = re.compile(r"[0-9a-f]{2}/[0-9a-f]{32}\.\d+\.seg")
@@ -164,6 +166,34 @@ async def test_leftover_tmp_files_are_removed_at_open(
 
 
 # -- damage ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+async def test_a_fifo_or_directory_named_like_a_segment_is_set_aside_at_open(
+    ssd_dir: Path, seg: SegmentFactory, kind: str
+) -> None:
+    """A FIFO (or a directory) under segments/ with a segment's name: the open sets it
+    aside in quarantine/ as damage and serves the rest, and fsck reports it, both without
+    waiting. Before, opening the FIFO waited for a writer forever (the tier's open and
+    fsck hung), and a directory failed every open as unreadable."""
+    good = seg(seq=0, tokens=8)
+    async with SSDTier(ssd_dir, CAPACITY) as tier:
+        await store(tier, good)
+    odd = ssd_dir / "segments" / segment_file_name(("intruder", 0))
+    odd.parent.mkdir(exist_ok=True)
+    if kind == "fifo":
+        os.mkfifo(odd)
+    else:
+        odd.mkdir()
+    report = await anyio.to_thread.run_sync(check_directory, ssd_dir)
+    assert [d.problem for d in report.damaged] == [
+        "not a regular file (a tier writes nothing else under segments/)"
+    ]
+    with anyio.fail_after(10):
+        async with SSDTier(ssd_dir, CAPACITY) as tier:
+            assert await read_back(tier, good) == good.data
+    assert not odd.exists()
+    assert len(list((ssd_dir / "quarantine").iterdir())) == 1
 
 
 @pytest.mark.parametrize("direct_io", [True, False], ids=["direct", "buffered"])

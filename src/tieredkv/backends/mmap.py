@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .._fork import reset_in_forked_child
 from ..errors import TierIOError
 from ._buffers import close_mapping
 from ._locks import lock_or_refuse
@@ -82,7 +83,13 @@ class MmapTier(ArenaTier):
             os.ftruncate(fd, 0)  # what an earlier run left: never read
             # reserve the blocks now so a full disk fails here, not as SIGBUS on first write
             os.posix_fallocate(fd, 0, self._capacity)
-            self._mmap = mmap.mmap(fd, self._capacity, flags=mmap.MAP_SHARED)
+            # mapped through a descriptor of its own: the map keeps a copy of it, which
+            # must not hold the lock (a forked child keeps the map, and closes only ``fd``)
+            map_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+            try:
+                self._mmap = mmap.mmap(map_fd, self._capacity, flags=mmap.MAP_SHARED)
+            finally:
+                os.close(map_fd)
         except OSError as exc:
             self._remove_file()
             os.close(fd)
@@ -90,7 +97,17 @@ class MmapTier(ArenaTier):
                 self.name, f"map {self._capacity:,} bytes of {self.path}", exc
             ) from exc
         self._fd = fd
+        reset_in_forked_child(self)
         return memoryview(self._mmap)
+
+    def _after_fork(self) -> None:
+        """In a child forked while the tier was open: close the child's copy of the file's
+        descriptor, so that a long-lived child does not keep the file locked after the
+        parent closed the tier (the tier is unusable in the child)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _remove_file(self) -> None:
         if not self._keep:

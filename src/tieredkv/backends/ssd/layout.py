@@ -23,6 +23,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import stat
 
 from ...errors import CorruptSegmentError
 from ...payload import ALIGN, PREFIX, SegmentHeader, check_header_mac, parse_header
@@ -33,6 +34,7 @@ __all__ = [
     "MIXED_INCARNATIONS",
     "O_DIR",
     "O_DIRECT",
+    "READ_FLAGS",
     "SUBDIRS",
     "by_session",
     "file_parts",
@@ -49,6 +51,9 @@ __all__ = [
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+"""How a segment file is opened to be checked: never through a link, never waiting (a FIFO
+named like a segment would block an open without ``O_NONBLOCK``)."""
 """How a subdirectory is opened: never through a symbolic link."""
 SUBDIRS = ("segments", "tmp", "quarantine")
 LOCK = "LOCK"
@@ -165,13 +170,19 @@ def read_header_at(
     :func:`~tieredkv._retry.retry_io`).
     """
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sub)
+        # (O_NONBLOCK: opening a FIFO named like a segment must not wait for a writer)
+        fd = os.open(name, READ_FLAGS, dir_fd=sub)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise CorruptSegmentError(rel, "a symbolic link (a tier never follows one)") from None
         raise
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptSegmentError(
+                rel, "not a regular file (a tier writes nothing else under segments/)"
+            )
+        size = st.st_size
         head = os.pread(fd, ALIGN, 0)
         if len(head) >= PREFIX.size:
             _, hlen, _, _ = PREFIX.unpack_from(head, 0)
