@@ -164,35 +164,46 @@ async def test_a_forked_ssd_tier_is_refused_on_its_own(tmp_path: Path) -> None:
         tier.release(("a", 0))
 
 
+async def fork_a_child() -> tuple[int, int]:
+    """Fork a child that does something else, and outlives the parent's cache, until
+    :func:`end_child`; return its pid and the pipe that ends it, once it runs. (The hooks
+    that let go of its copies of the tiers' locks run in the child at its start, which a
+    loaded machine may delay past the parent's close.)"""
+    r, w = os.pipe()
+    up_r, up_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(w)
+        os.write(up_w, b"x")
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    os.close(up_w)
+    await anyio.to_thread.run_sync(os.read, up_r, 1)
+    os.close(up_r)
+    return pid, w
+
+
+async def end_child(pid: int, w: int) -> None:
+    os.write(w, b"x")
+    os.close(w)
+    await anyio.to_thread.run_sync(os.waitpid, pid, 0)
+
+
 async def test_a_long_lived_child_does_not_keep_the_ssd_directory_locked(
     tmp_path: Path,
 ) -> None:
     a = kv(3)
     async with TieredKVCache([SSDTier(tmp_path, 64 << 20)]) as cache:
         await cache.append("a", a, answer_tokens=1)
-        r, w = os.pipe()
-        up_r, up_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # a child that does something else, and outlives the parent's cache
-            os.close(w)
-            os.write(up_w, b"x")  # (it runs: the fork hooks have run)
-            os.read(r, 1)
-            os._exit(0)
-        os.close(r)
-        os.close(up_w)
-        # the child must have run: the hook that lets go of its copy of the lock runs
-        # in the child, at its start, which a loaded machine may delay past the close
-        await anyio.to_thread.run_sync(os.read, up_r, 1)
-        os.close(up_r)
+        pid, w = await fork_a_child()
     try:
         async with TieredKVCache([SSDTier(tmp_path, 64 << 20)]) as again:
             assert exact(await again.load("a"), a)
     except TierIOError as exc:  # what it raised before: the child held the lock
         pytest.fail(f"the directory stayed locked by the forked child: {exc}")
     finally:
-        os.write(w, b"x")
-        os.close(w)
-        await anyio.to_thread.run_sync(os.waitpid, pid, 0)
+        await end_child(pid, w)
 
 
 async def test_a_long_lived_child_does_not_keep_the_map_file_locked(tmp_path: Path) -> None:
@@ -202,26 +213,13 @@ async def test_a_long_lived_child_does_not_keep_the_map_file_locked(tmp_path: Pa
     path = tmp_path / "tier.map"
     async with TieredKVCache([MmapTier(path, 8 << 20, keep_file=True)]) as cache:
         await cache.append("a", kv(3), answer_tokens=1)
-        r, w = os.pipe()
-        up_r, up_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(w)
-            os.write(up_w, b"x")
-            os.read(r, 1)
-            os._exit(0)
-        os.close(r)
-        os.close(up_w)
-        await anyio.to_thread.run_sync(os.read, up_r, 1)
-        os.close(up_r)
+        pid, w = await fork_a_child()
     try:
         async with TieredKVCache([MmapTier(path, 8 << 20)]) as again:
             await again.append("b", kv(4), answer_tokens=1)
             assert exact(await again.load("b"), kv(4))
     finally:
-        os.write(w, b"x")
-        os.close(w)
-        await anyio.to_thread.run_sync(os.waitpid, pid, 0)
+        await end_child(pid, w)
 
 
 async def test_a_forked_child_cannot_write_into_a_shared_map(tmp_path: Path) -> None:
