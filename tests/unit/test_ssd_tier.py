@@ -165,6 +165,31 @@ async def test_leftover_tmp_files_are_removed_at_open(
     assert "tmp/notes.txt is not a file this tier writes: left as it is" in caplog.text
 
 
+async def test_a_new_directory_is_made_durable_before_a_file_in_it(
+    ssd_dir: Path, seg: SegmentFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every directory the tier makes (its subdirectories at the first open, a
+    segments/xx at a session's first write) has its entry fsynced in its parent before a
+    file in it is committed: a crash then cannot lose a committed file's directory on a
+    file system that does not journal it. Before, segments/ and the tier's directory were
+    never fsynced after a mkdir."""
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    async with SSDTier(ssd_dir, CAPACITY) as tier:
+        assert str(ssd_dir) in synced  # segments/, tmp/ and quarantine/ made
+        s = seg(tokens=8)
+        synced.clear()
+        await store(tier, s)
+    sub = ssd_dir / "segments" / segment_file_name(s.key).split("/")[0]
+    assert synced.index(str(ssd_dir / "segments")) < synced.index(str(sub))
+
+
 # -- damage ------------------------------------------------------------------------------
 
 

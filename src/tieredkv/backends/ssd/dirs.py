@@ -94,10 +94,16 @@ class TierDirectory:
                 self.path.mkdir(parents=True, exist_ok=True)
                 root = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
                 self._refuse_links(root)
+                made = False
                 for sub in SUBDIRS:
-                    with contextlib.suppress(FileExistsError):
+                    try:
                         os.mkdir(sub, 0o755, dir_fd=root)
+                        made = True
+                    except FileExistsError:
+                        pass
                     self._fds[sub] = os.open(sub, O_DIR, dir_fd=root)
+                if made:  # their entries are durable before a file in them is
+                    os.fsync(root)
                 flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
                 lock_fd = os.open(LOCK, flags, 0o644, dir_fd=root)
             except TierIOError:
@@ -168,8 +174,12 @@ class TierDirectory:
             if fd is None:
                 parent = self._fds["segments"]
                 if create:
-                    with contextlib.suppress(FileExistsError):
+                    try:
                         os.mkdir(xx, 0o755, dir_fd=parent)
+                    except FileExistsError:
+                        pass
+                    else:  # the new directory's entry is durable before a file in it is
+                        os.fsync(parent)
                 try:
                     fd = os.open(xx, O_DIR, dir_fd=parent)
                 except OSError as exc:
