@@ -487,11 +487,18 @@ def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run ``tieredkv fsck`` or ``tieredkv inspect``; returns the exit status."""
-    if args.command == "fsck" and args.directory.startswith(("redis://", "rediss://", "unix://")):
-        from .fsck_redis import run_redis_command
-
-        return run_redis_command(args)
     where = f"tieredkv {args.command}"
+    if args.command == "fsck" and args.directory.startswith(("redis://", "rediss://", "unix://")):
+        try:
+            from .fsck_redis import run_redis_command
+        except ImportError as exc:
+            print(
+                f"{where}: error: checking a Redis tier needs the redis extra "
+                f"(pip install 'tieredkv[redis]'): {exc}",
+                file=sys.stderr,
+            )
+            return 2
+        return run_redis_command(args)
     try:
         secret = None
         if args.secret_file is not None:
@@ -504,6 +511,13 @@ def run_command(args: argparse.Namespace) -> int:
         report = check_directory(args.directory, secret=secret)
     except (NotATierDirectoryError, InvalidArgumentError, InvalidTypeError) as exc:
         print(f"{where}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # (a directory that cannot be listed, say)
+        print(
+            f"{where}: error: {args.directory!r} could not be read: {exc}; check the "
+            f"device (dmesg) and the permissions, then run it again",
+            file=sys.stderr,
+        )
         return 2
     if args.command == "inspect":
         _print_sessions(report)

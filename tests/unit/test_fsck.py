@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import anyio
@@ -323,3 +324,24 @@ async def test_an_unreadable_file_is_reported_not_damaged_and_repair_moves_nothi
         assert "nothing was moved or deleted" in captured.err
     assert list((root / "quarantine").iterdir()) == []
     assert await run(["fsck", str(root)]) == 0
+
+
+async def test_fsck_says_what_it_could_not_read_or_import(
+    damaged: tuple[Path, dict[str, Segment]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A directory whose listing fails (EIO), and a Redis URL without the redis extra:
+    exit 2 with a line saying what to do, never a traceback."""
+    root, _ = damaged
+    for n in (1, 2):  # the tier's directory, then segments/
+        with FaultInjector(modules=("tieredkv.fsck",)) as faults:
+            faults.fail_nth("listdir", n)
+            assert await run(["fsck", str(root)]) == 2
+        err = capsys.readouterr().err
+        assert f"tieredkv fsck: error: {str(root)!r} could not be read:" in err
+        assert "Input/output error" in err
+    monkeypatch.setitem(sys.modules, "tieredkv.fsck_redis", None)  # (import fails)
+    assert await run(["fsck", "redis://127.0.0.1:1/0", "--prefix", "p"]) == 2
+    err = capsys.readouterr().err
+    assert "checking a Redis tier needs the redis extra (pip install 'tieredkv[redis]')" in err
