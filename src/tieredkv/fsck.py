@@ -530,7 +530,14 @@ def run_command(args: argparse.Namespace) -> int:
             print(f"{where}: repair failed: {exc}", file=sys.stderr)
             return 1
         moved = after.quarantined - report.quarantined
-        print(f"repair: moved {moved} file(s) to quarantine/ (nothing was deleted)")
+        unfinished = (
+            f"; {report.leftovers} unfinished write(s) in tmp/, never acknowledged, removed"
+            if report.leftovers
+            else ""
+        )
+        print(
+            f"repair: moved {moved} file(s) to quarantine/ (nothing stored was deleted{unfinished})"
+        )
         for s in report.sessions:
             if s.truncated:
                 kept = next((a.turns for a in after.sessions if a.session == s.session), 0)

@@ -140,7 +140,11 @@ async def test_cli_fsck_inspect_and_repair(
     assert "4 damaged file(s)" in out
     assert await run(["fsck", "--repair", str(root)]) == 0
     out = capsys.readouterr().out
-    assert "repair: moved 4 file(s) to quarantine/" in out
+    assert (
+        "repair: moved 4 file(s) to quarantine/ (nothing stored was deleted; 1 unfinished "
+        "write(s) in tmp/, never acknowledged, removed)" in out
+    )
+    assert list((root / "tmp").iterdir()) == []
     assert out.rstrip().endswith("clean")
     assert sorted(p.is_symlink() for p in (root / "quarantine").iterdir()) == [
         False,
@@ -286,7 +290,7 @@ async def test_repair_moves_unrecoverable_segments_aside_and_says_what_each_sess
     assert await run(["fsck", "--repair", str(root)]) == 0
     out = capsys.readouterr().out
     lines = out.rstrip().splitlines()
-    assert "repair: moved 3 file(s) to quarantine/ (nothing was deleted)" in lines
+    assert "repair: moved 3 file(s) to quarantine/ (nothing stored was deleted)" in lines
     assert "repair: session 'a' now keeps 1 of 3 stored turn(s)" in lines
     assert "repair: session 'b' now keeps 1 of 2 stored turn(s)" in lines
     assert lines[-1] == "clean"
