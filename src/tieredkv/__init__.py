@@ -42,6 +42,7 @@ _EXPORTS = {
     "CommitDelayedError": ".errors",
     "TurnRefusedError": ".errors",
     "UnauthenticatedWriterError": ".errors",
+    "UnknownFormatError": ".errors",
     "UnknownPolicyError": ".errors",
     "Event": ".meta",
     "KVMeta": ".meta",

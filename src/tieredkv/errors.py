@@ -31,6 +31,7 @@ __all__ = [
     "TieredKVError",
     "TurnRefusedError",
     "UnauthenticatedWriterError",
+    "UnknownFormatError",
     "UnknownPolicyError",
 ]
 
@@ -161,6 +162,19 @@ class CorruptSegmentError(TieredKVError, ValueError):
         self.where = where
         self.detail = detail
         super().__init__(f"corrupt segment {where}: {detail}")
+
+
+class UnknownFormatError(CorruptSegmentError):
+    """A segment whose header checks but names a format version this tieredkv does not
+    read (another version wrote it): not served, and, unlike damage, never moved aside."""
+
+    def __init__(self, where: str, version: int) -> None:
+        self.version = version
+        super().__init__(
+            where,
+            f"written in format version {version}, which this tieredkv does not read (it "
+            f"reads version 1): use the tieredkv that wrote it, or another directory",
+        )
 
 
 class ClosedError(TieredKVError, RuntimeError):

@@ -62,6 +62,7 @@ from .errors import (
     InvalidTypeError,
     TieredKVError,
     TierIOError,
+    UnknownFormatError,
 )
 from .payload import (
     SegmentHeader,
@@ -264,6 +265,9 @@ def _check_segments(segments: int, key: bytes | None, report: FsckReport) -> lis
                     header = retry_io(functools.partial(_verify_file, sub, name, rel, key))
                 except FileNotFoundError:
                     continue  # removed meanwhile
+                except UnknownFormatError as exc:  # not damage: --repair leaves it
+                    report.unreadable.append(Damaged(f"segments/{rel}", exc.detail))
+                    continue
                 except CorruptSegmentError as exc:
                     report.damaged.append(Damaged(f"segments/{rel}", exc.detail))
                     continue
@@ -493,8 +497,8 @@ def run_command(args: argparse.Namespace) -> int:
             from .fsck_redis import run_redis_command
         except ImportError as exc:
             print(
-                f"{where}: error: checking a Redis tier needs the redis extra "
-                f"(pip install 'tieredkv[redis]'): {exc}",
+                f"{where}: error: checking a Redis tier needs the redis client (the redis "
+                f"extra: pip install -e '.[redis]' in a checkout, or pip install redis): {exc}",
                 file=sys.stderr,
             )
             return 2

@@ -79,7 +79,6 @@ LIES: dict[str, Callable[[Segment], dict[str, Any]]] = {
     "no-tensors": lambda s: {"tensors": ()},
     "repeated-name": lambda s: {"tensors": spec(s, 1, name="k")},
     "tokens-disagree": lambda s: {"tokens": 9},
-    "future-version": lambda s: {"version": 2},
     "negative-answer": lambda s: {"answer_tokens": -1},
     "bad-mac-field": lambda s: {"mac": b"x"},
 }

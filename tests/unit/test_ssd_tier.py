@@ -6,11 +6,13 @@ import errno
 import logging
 import os
 import re
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
 from tests.segments import (
@@ -22,8 +24,10 @@ from tests.segments import (
 )
 from tieredkv.backends import SSDTier
 from tieredkv.backends.ssd import segment_file_name
+from tieredkv.cli import main
 from tieredkv.errors import CorruptSegmentError, TierIOError
 from tieredkv.fsck import check_directory
+from tieredkv.payload import PREFIX
 
 CAPACITY = 64 << 20
 NAME = re.compile(r"[0-9a-f]{2}/[0-9a-f]{32}\.\d+\.seg")
@@ -188,6 +192,38 @@ async def test_a_new_directory_is_made_durable_before_a_file_in_it(
         await store(tier, s)
     sub = ssd_dir / "segments" / segment_file_name(s.key).split("/")[0]
     assert synced.index(str(ssd_dir / "segments")) < synced.index(str(sub))
+
+
+async def test_a_directory_of_another_format_version_is_refused_not_emptied(
+    ssd_dir: Path, seg: SegmentFactory
+) -> None:
+    """A segment whose header checks but says format version 2 (a newer tieredkv wrote
+    it): the tier's open is refused naming the version, and fsck reports the file as
+    unreadable, which --repair leaves; nothing is moved. Before, the open took it for
+    damage, moved it to quarantine/ and opened empty."""
+    s = seg(tokens=8)
+    async with SSDTier(ssd_dir, CAPACITY) as tier:
+        await store(tier, s)
+    path = ssd_dir / "segments" / segment_file_name(s.key)
+    raw = bytearray(path.read_bytes())
+    magic, hlen, _, body_hash = PREFIX.unpack_from(raw, 0)
+    header = msgspec.msgpack.decode(bytes(raw[PREFIX.size : PREFIX.size + hlen]))
+    header["version"] = 2
+    encoded = msgspec.msgpack.encode(header)
+    assert len(encoded) == hlen
+    crc = zlib.crc32(encoded + body_hash.to_bytes(8, "little"))
+    PREFIX.pack_into(raw, 0, magic, hlen, crc, body_hash)
+    raw[PREFIX.size : PREFIX.size + hlen] = encoded
+    path.write_bytes(bytes(raw))
+    with pytest.raises(TierIOError, match="written in format version 2, which this tieredkv"):
+        async with SSDTier(ssd_dir, CAPACITY):
+            pass
+    report = await anyio.to_thread.run_sync(check_directory, ssd_dir)
+    assert [d.path for d in report.unreadable] == [f"segments/{segment_file_name(s.key)}"]
+    assert report.damaged == []
+    assert await anyio.to_thread.run_sync(main, ["fsck", "--repair", str(ssd_dir)]) == 1
+    assert path.read_bytes() == bytes(raw)
+    assert list((ssd_dir / "quarantine").iterdir()) == []
 
 
 # -- damage ------------------------------------------------------------------------------

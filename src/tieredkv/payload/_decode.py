@@ -12,7 +12,7 @@ import msgspec
 import torch
 
 from .._checks import MAX_COUNT
-from ..errors import CorruptSegmentError
+from ..errors import CorruptSegmentError, UnknownFormatError
 from ._format import (
     _DTYPES,
     _ITEMSIZE,
@@ -102,7 +102,7 @@ def validate_header(header: SegmentHeader, where: str, size: int | None = None) 
         return CorruptSegmentError(where, f"header is inconsistent: {detail}")
 
     if header.version != 1:
-        raise bad(f"unknown format version {header.version}")
+        raise UnknownFormatError(where, header.version)
     for what, value in (
         ("seq", header.seq),
         ("answer_tokens", header.answer_tokens),

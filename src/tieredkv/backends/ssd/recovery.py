@@ -17,7 +17,7 @@ import functools
 import os
 
 from ..._retry import retry_io, tries
-from ...errors import CorruptSegmentError, TierIOError
+from ...errors import CorruptSegmentError, TierIOError, UnknownFormatError
 from ...payload import SegmentHeader
 from .dirs import TierDirectory
 from .index import SegmentIndex
@@ -87,6 +87,13 @@ class Recovery:
                     )
                 except FileNotFoundError:
                     continue  # removed meanwhile
+                except UnknownFormatError as exc:  # not damage: fail the open, move nothing
+                    raise TierIOError(
+                        self._dir.tier,
+                        f"read segments/{rel}",
+                        exc.detail,
+                        hint="nothing was moved or deleted",
+                    ) from None
                 except CorruptSegmentError as exc:  # read, and proven wrong
                     self._set_aside_file(sub, name, str(exc))
                     continue
