@@ -34,15 +34,18 @@ async def test_nth_call_of_a_site_fails_deterministically(
     with FaultInjector() as faults:
         async with SSDTier(ssd_dir, CAPACITY) as tier:
             base = faults.calls["fsync"]
-            await store(tier, a)  # the file's fsync and the directory's
-            faults.fail_nth("fsync", base + 3, errno.ENOSPC)
+            # the file's fsync, segments/'s (its segments/xx is new) and segments/xx's
+            await store(tier, a)
+            assert faults.calls["fsync"] == base + 3
+            # b's segments/xx is a's: its first fsync is its file's
+            faults.fail_nth("fsync", base + 4, errno.ENOSPC)
             assert tier.reserve(b.key, b.length)
             with pytest.raises(TierIOError) as info:
                 await tier.write(b.key, b.view)
             assert info.value.errno == errno.ENOSPC
             assert isinstance(info.value.__cause__, InjectedFault)
             assert faults.injected == {"fsync": 1}
-            assert faults.calls["fsync"] == base + 3
+            assert faults.calls["fsync"] == base + 4
             tier.release(b.key)
             await store(tier, b)  # the rule was used up: the retry succeeds
             assert await read_back(tier, b) == b.data
