@@ -117,11 +117,12 @@ def _check_manifests(client: redis.Redis, report: RedisReport, key: bytes | None
     for raw in client.scan_iter(match=f"{report.prefix}:{{*}}:m", count=1000):
         name = raw.decode("utf-8", "replace")
         base = name[: -len(":m")]
-        fields = {
-            k: v
-            for k, v in client.hgetall(raw).items()
-            if isinstance(k, bytes) and isinstance(v, bytes)
-        }
+        try:
+            got = client.hgetall(raw)
+        except redis.ResponseError as exc:  # (WRONGTYPE: another client's key of that name)
+            report.damaged.append(Damaged(name, f"not a manifest (a hash): {exc}"))
+            continue
+        fields = {k: v for k, v in got.items() if isinstance(k, bytes) and isinstance(v, bytes)}
         named |= _named_by(base, fields)  # (a damaged manifest's values are not leaked)
         try:
             m = parse(fields, None, key, f"{report.url} {name}", report.prefix)
@@ -137,7 +138,10 @@ def _check_manifests(client: redis.Redis, report: RedisReport, key: bytes | None
             problem = _check_segment(
                 client, rbase, (ref.owner, ref.seq), ref.entry, ref.owner_id, key, where
             )
-            members = client.smembers(f"{rbase}:{ref.seq}:{ref.entry.nonce}:r")
+            try:
+                members = client.smembers(f"{rbase}:{ref.seq}:{ref.entry.nonce}:r")
+            except redis.ResponseError as exc:
+                members, problem = set(), problem or f"its reference set is not a set: {exc}"
             if problem is None and raw not in members:
                 problem = "its reference set does not name this fork (its owner may delete it)"
             if problem is not None:

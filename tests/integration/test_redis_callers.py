@@ -243,6 +243,28 @@ async def test_a_drop_leaves_nothing_of_the_conversation_on_the_server(
         assert tags(await a.load("chat")) == [2]
 
 
+async def test_fsck_reports_a_key_of_another_type_under_a_manifests_name_and_checks_the_rest(
+    server: RedisServer,
+) -> None:
+    """Another client left a string where a manifest (a hash) would be: fsck reports that
+    key as damaged and checks the other conversations. Before, the WRONGTYPE reply ended
+    the whole check as if the server could not be read."""
+    from tieredkv.fsck_redis import check_prefix
+
+    prefix = new_prefix()
+    async with replica(server.url, prefix) as a:
+        await a.append("chat", turn(0), answer_tokens=1)
+        await a.flush()
+    stray = f"{prefix}:{{{conversation_tag('other')}}}:m"
+    with server.client() as client:
+        client.set(stray, "x")
+    report = await anyio.to_thread.run_sync(check_prefix, server.url, prefix)
+    assert [(d.path, d.problem.split(":")[0]) for d in report.damaged] == [
+        (stray, "not a manifest (a hash)")
+    ]
+    assert [(s.session, s.turns) for s in report.sessions] == [("chat", 1)]
+
+
 async def test_a_replica_without_the_secret_is_refused_before_it_writes(
     server: RedisServer,
 ) -> None:
