@@ -241,19 +241,29 @@ async def test_failed_cleanup_after_failed_demotion_poisons_nothing(
         assert problems(cache) == []
 
 
+async def promoted_undeletable(
+    cache: TieredKVCache, monkeypatch: pytest.MonkeyPatch
+) -> dict[str, torch.Tensor]:
+    """Store "a" (one turn) on SSD in ``cache`` (exclusive, two tiers), make every unlink
+    fail, then load it: it moves up to host memory and its SSD copy cannot be deleted.
+    Returns what the load gave."""
+    await cache.append("a", kv(8, 1), answer_tokens=1)
+    await cache.append("filler", kv(9, 2), answer_tokens=1)
+    await cache.drop("filler")
+    assert cache.where("a") == "ssd"
+    failing(monkeypatch, "unlink")
+    got = await cache.load("a")
+    assert cache.where("a") == "host"
+    return got
+
+
 async def test_failed_delete_after_promotion_keeps_channel_and_policy_truthful(
     ssd_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Deleting the SSD copy after a promotion fails: the channel used to keep saying "ssd"
     and the session was never admitted to tier 0's eviction policy."""
     async with two_tier(ssd_dir) as cache:
-        await cache.append("a", kv(8, 1), answer_tokens=1)
-        await cache.append("filler", kv(9, 2), answer_tokens=1)
-        await cache.drop("filler")
-        assert cache.where("a") == "ssd"
-        failing(monkeypatch, "unlink")
-        assert torch.equal((await cache.load("a"))["kv"], kv(8, 1)["kv"])
-        assert cache.where("a") == "host"
+        assert torch.equal((await promoted_undeletable(cache, monkeypatch))["kv"], kv(8, 1)["kv"])
         assert cache.channel["a"].copies == ("host",)
         assert len(cache._core.policies[0]) == 1
         assert problems(cache) == []
@@ -331,13 +341,7 @@ async def test_a_conversation_whose_older_copy_cannot_be_deleted_takes_no_new_tu
     history without it. The old copy is "a"'s whole history then, and is what a reopen
     serves; once the delete succeeds the turn is taken."""
     async with two_tier(ssd_dir) as cache:
-        await cache.append("a", kv(8, 1), answer_tokens=1)
-        await cache.append("filler", kv(9, 2), answer_tokens=1)
-        await cache.drop("filler")
-        assert cache.where("a") == "ssd"
-        failing(monkeypatch, "unlink")
-        await cache.load("a")
-        assert cache.where("a") == "host"
+        await promoted_undeletable(cache, monkeypatch)
         with pytest.raises(TierIOError, match="an older copy of its turn 0 could not be"):
             await cache.append("a", kv(2, 3), answer_tokens=1)
         assert cache.channel["a"].turns == 1
