@@ -497,8 +497,8 @@ class TieredKVCache:
             refused = past_bound(core.pins, core.sessions, self.channel, meta, hint.group, now)
             if refused is not None:
                 raise refused
-        new = self._core.residency.published(apply_hint(meta, hint, now))
-        for policy in self._core.residency.policies:
+        new = core.residency.published(apply_hint(meta, hint, now))
+        for policy in core.residency.policies:
             if isinstance(policy, Hinted):
                 policy.on_hint(session, new, now)
         return new

@@ -382,7 +382,7 @@ class Core:
         output_reuse_bytes: int = 0,
         *,
         output_huge_pages: bool = False,
-        pins: PinBounds | None = None,
+        pins: PinBounds,
     ) -> None:
         self.io = list(io)
         """Each tier's I/O, bound once (:mod:`tieredkv._cache.tierio`)."""
@@ -416,7 +416,7 @@ class Core:
         """Restart ``s``'s background copy to the next tier (set by the write-through)."""
         self.staging = Staging()
         self.outputs = OutputPool(output_reuse_bytes, huge_pages=output_huge_pages)
-        self.pins = pins if pins is not None else PinBounds(self.tiers[0].capacity // 2, None)
+        self.pins = pins
         """The bounds on pinned bytes (:mod:`tieredkv._cache.pins`)."""
         self.operations = 0
         """Public operations under way (a close waits for them: :meth:`operation`)."""

@@ -397,10 +397,7 @@ class AdaptiveBidaw(BidawEviction):
         trust = self.hint_trust()
         kept = set()
         for session in self._fresh:
-            due = self._due.get(session)
-            if due is None or not due[0] - self.hint_lead <= now <= due[0] + due[1]:
-                continue
-            if trust > (super().foresee(session) or 0.0):
+            if self._hint_due(session, now) and trust > (super().foresee(session) or 0.0):
                 kept.add(session)
         return frozenset(kept)
 
@@ -463,13 +460,15 @@ class AdaptiveBidaw(BidawEviction):
         potential, if higher); for any other, the learned potential
         (:meth:`~tieredkv.policies.BidawEviction.foresee`)."""
         base = super().foresee(session)
-        due = self._due.get(session)
-        if due is None:
-            return base
-        when, slack = due
-        if not when - self.hint_lead <= now <= when + slack:
+        if not self._hint_due(session, now):
             return base
         return max(base or 0.0, self.hint_trust())
+
+    def _hint_due(self, session: str, now: float) -> bool:
+        """Whether ``session``'s hinted turn is due at ``now``: within :attr:`hint_lead`
+        seconds, or late by less than its slack."""
+        due = self._due.get(session)
+        return due is not None and due[0] - self.hint_lead <= now <= due[0] + due[1]
 
     def hint_trust(self) -> float:
         """The share of hinted turns that came back on time, learned online (decayed at

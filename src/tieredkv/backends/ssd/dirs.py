@@ -94,15 +94,10 @@ class TierDirectory:
                 self.path.mkdir(parents=True, exist_ok=True)
                 root = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
                 self._refuse_links(root)
-                made = False
+                made = [_mkdir(sub, root) for sub in SUBDIRS]
                 for sub in SUBDIRS:
-                    try:
-                        os.mkdir(sub, 0o755, dir_fd=root)
-                        made = True
-                    except FileExistsError:
-                        pass
                     self._fds[sub] = os.open(sub, O_DIR, dir_fd=root)
-                if made:  # their entries are durable before a file in them is
+                if any(made):  # their entries are durable before a file in them is
                     os.fsync(root)
                 flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
                 lock_fd = os.open(LOCK, flags, 0o644, dir_fd=root)
@@ -173,13 +168,8 @@ class TierDirectory:
             fd = self._fds.get(xx)
             if fd is None:
                 parent = self._fds["segments"]
-                if create:
-                    try:
-                        os.mkdir(xx, 0o755, dir_fd=parent)
-                    except FileExistsError:
-                        pass
-                    else:  # the new directory's entry is durable before a file in it is
-                        os.fsync(parent)
+                if create and _mkdir(xx, parent):  # durable before a file in it is
+                    os.fsync(parent)
                 try:
                     fd = os.open(xx, O_DIR, dir_fd=parent)
                 except OSError as exc:
@@ -256,3 +246,13 @@ class TierDirectory:
             unlink_quietly(name, parent)
             return
         _log.warning("tier %r: moved damaged %s to quarantine/%s (%s)", self.tier, name, dest, why)
+
+
+def _mkdir(name: str, parent: int) -> bool:
+    """Make the directory ``name`` in ``parent`` (a descriptor) unless it exists; whether
+    it was made (its entry in ``parent`` is then to be fsynced)."""
+    try:
+        os.mkdir(name, 0o755, dir_fd=parent)
+    except FileExistsError:
+        return False
+    return True
