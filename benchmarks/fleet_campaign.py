@@ -61,6 +61,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,6 +153,8 @@ class Result:
     lost_turns: set[tuple[str, int]] = field(default_factory=set)
     lost_to_server: set[tuple[str, int]] = field(default_factory=set)
     unexpected: Counter[str] = field(default_factory=Counter)
+    tracebacks: list[str] = field(default_factory=list)
+    """The first lines where unexpected exceptions came from (traceback, message)."""
     errors: Counter[str] = field(default_factory=Counter)
     longest: float = 0.0
     """The longest operation, seconds."""
@@ -195,6 +198,7 @@ class Result:
             *([f"fsck of the prefix afterwards: {self.fsck}"] if self.fsck else []),
             *(f"  wrong: {w}" for w in self.wrong[:10]),
             *(f"  older: {w}" for w in self.lost[:10]),
+            *(f"  unexpected: {t}" for t in self.tracebacks[:3]),
         ]
 
 
@@ -274,6 +278,27 @@ class _Watchdog:
                 os._exit(3)
 
 
+def _state(cache: Any) -> dict[str, Any]:
+    """What the cache and its shared tier hold, for the log of an unexpected exception."""
+    core = cache._core
+    shared = core.tiers[-1]
+    return {
+        "sessions": {
+            k: {
+                "primary": s.primary,
+                "busy": core.busy.get(k, 0),
+                "base": s.base,
+                "segs": [[*g.key, sorted(g.tiers), sorted(u.key for u in g.users)] for g in s.segs],
+            }
+            for k, s in core.sessions.items()
+        },
+        "retired": {k: [list(g.key) for g in r.segs] for k, r in core.retired.items()},
+        "reserved": [list(k) for k in shared._reserved],
+        "committed": [list(k) for k in shared._committed],
+        "holders": {f"{k[0]}:{k[1]}": sorted(v) for k, v in shared._holders.items()},
+    }
+
+
 async def replica(args: dict[str, Any]) -> None:
     """One replica: random appends, loads, flushes (sometimes several at once) and idle
     spells, every one logged and bounded."""
@@ -313,7 +338,12 @@ async def replica(args: dict[str, Any]) -> None:
     def failed(exc: Exception, **record: Any) -> None:
         if getattr(exc, "maybe_committed", False):  # (a commit whose reply was lost)
             record["maybe"] = True
-        log(**record, t1=time.monotonic(), ok=False, err=type(exc).__name__, msg=str(exc)[:200])
+        record.update(t1=time.monotonic(), ok=False, err=type(exc).__name__, msg=str(exc)[:200])
+        if record["err"] not in ALLOWED and not _allowed_for_forks(record):
+            # an unexpected exception: the report shows where it came from
+            record["tb"] = "".join(traceback.format_exception(exc))[-3000:]
+            record["state"] = _state(cache)
+        log(**record)
 
     async def flush(t0: float, together: int) -> None:
         covers = {c: [since[c], v] for c, v in views.items() if v}
@@ -802,6 +832,10 @@ def check(records: list[dict[str, Any]], faults: list[dict[str, Any]], opts: Opt
                 result.errors[r["err"]] += 1
                 if r["err"] not in ALLOWED and not _allowed_for_forks(r):
                     result.unexpected[r["err"]] += 1
+                    result.tracebacks.append(
+                        f"replica {r.get('r')} {op} {r.get('conv', '')}: {r.get('msg', '')}\n"
+                        + r.get("tb", "(no traceback)")
+                    )
     for conv in possible:  # a failed append left no trace: no history holds its turn
         possible[conv] = {h for h in possible[conv] if h[-1] not in failed}
     _check_forks(records, possible, failed, inherited, result)

@@ -22,6 +22,7 @@ from tieredkv.errors import (
     HistoryConflictError,
     SessionNotFoundError,
     StaleWriterError,
+    TurnRefusedError,
 )
 from tieredkv.fsck_redis import RedisReport, check_prefix
 from tieredkv.testing import Segment
@@ -489,3 +490,87 @@ async def test_a_fork_over_a_key_another_history_holds_here_is_a_conflict(
         await a.flush()
         assert _same(await a.load("c"), FORK)
         assert _same(await a.load("q"), _cat(P0, P1))
+
+
+async def test_a_parent_started_again_elsewhere_leaves_its_forks_turns_in_the_shared_tier(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A forks its own conversation ``p``; B drops ``p`` and starts it again (B's commit is
+    refused, but its writer lease leaves ``p`` an empty history on the server, which keeps
+    ``p``'s turns for the fork). A's load of ``p`` finds that history: ``p`` leaves A's
+    index, while the turns the fork lists stay counted in the shared tier, where the server
+    keeps them. So moving the fork down out of a full host tier writes nothing (it used to
+    copy ``p``'s turns into the shared tier again, which the tier refused with a
+    ``ValueError``, or as another history, costing the fork its acknowledged turns), and
+    the fork, extended, is served byte for byte here and on a third replica."""
+    shared = RedisTier(
+        redis_server.url, CAPACITY, prefix=prefix, value_size=SMALL_VALUES, lease_ttl=0.3
+    )
+    a = TieredKVCache([HostMemoryTier(96 << 10), shared], mode="inclusive")
+    C3 = _kv(3, 8)
+    async with a, _cache(redis_server, prefix) as b:
+        await a.append("p", P0, answer_tokens=8)
+        await a.append("p", P1, answer_tokens=8)
+        await a.append("c", C, answer_tokens=4, parent="p", parent_tokens=60)
+        await a.flush()
+        await b.load("p")
+        await b.drop("p")
+        await b.append("p", _kv(9, 16), answer_tokens=1)
+        with pytest.raises(TurnRefusedError, match="forks still list its history"):
+            await b.flush()
+        with pytest.raises(SessionNotFoundError):
+            await a.load("p")
+        written = shared.stats().writes
+        for i in range(3):  # (the host tier holds 96 KiB: the fork moves down)
+            await a.append("x", _kv(20 + i, 200), answer_tokens=1)
+        assert a.where("c") == "redis"
+        assert shared.stats().writes == written + 3  # x's turns only
+        await a.append("c", C3, answer_tokens=1)
+        await a.flush()
+        assert a.stats().errors == 0
+        assert _same(await a.load("c"), _cat(FORK, C3))
+        async with _cache(redis_server, prefix) as third:
+            assert _same(await third.load("c"), _cat(FORK, C3))
+
+
+async def test_a_parent_dropped_while_its_forks_turn_waits_keeps_what_the_fork_lists(
+    own_redis_server: RedisServer,
+) -> None:
+    """A's fork ``c`` of its conversation ``p`` gets a turn while the server is stopped: its
+    write-through fails and waits to be tried again. Between two tries the server is back
+    and A drops ``p``: the server keeps ``p``'s turns for the fork, and so does A's index of
+    the shared tier. The fork's turn is then committed (it used to be refused, with the
+    turns it inherits, as A tried to write them again as ``p``'s: lost for the fork), and a
+    third replica is served all of it."""
+    prefix = new_prefix()
+    shared = RedisTier(
+        own_redis_server.url,
+        CAPACITY,
+        prefix=prefix,
+        value_size=SMALL_VALUES,
+        lease_ttl=5.0,
+        liveness=0.3,  # (a fresh server: the first commit waits thrice this)
+        timeout=0.2,
+    )
+    a = TieredKVCache([HostMemoryTier(8 << 20), shared], mode="inclusive")
+    C3 = _kv(3, 8)
+    async with a:
+        await a.append("p", P0, answer_tokens=8)
+        await a.append("p", P1, answer_tokens=8)
+        await a.append("c", C, answer_tokens=4, parent="p", parent_tokens=60)
+        await a.flush()
+        errors = a.stats().errors
+        own_redis_server.pause()
+        try:
+            await a.append("c", C3, answer_tokens=1)  # (A's lease on c is live)
+            for _ in range(1000):  # polled: the write-through runs in its own task
+                if a.stats().errors >= errors + 2:  # two tries failed: the next is 0.2 s off
+                    break
+                await anyio.sleep(0.01)
+        finally:
+            own_redis_server.resume()
+        await a.drop("p")
+        await a.flush()
+        assert _same(await a.load("c"), _cat(FORK, C3))
+        async with _cache(own_redis_server, prefix) as third:
+            assert _same(await third.load("c"), _cat(FORK, C3))

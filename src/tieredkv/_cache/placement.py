@@ -56,6 +56,7 @@ __all__ = [
     "reserve",
     "reserve_all",
     "start_promotion",
+    "take_out",
     "unlist",
 ]
 
@@ -101,17 +102,24 @@ async def remove_copy(core: Core, s: Session, t: int) -> bool:
     through a drop leaves no history to serve (recovery reports the rest as a truncation
     to 0 turns and deletes it), never a shorter one. A segment
     another conversation still needs in ``t`` (one it shares with ``s``: see
-    :meth:`~tieredkv._cache.state.Seg.needed`) stays. A segment that cannot be deleted
+    :meth:`~tieredkv._cache.state.Seg.needed`) stays, and so does, in a tier shared between
+    replicas, one that another conversation's committed history there lists
+    (:meth:`~tieredkv._cache.state.Seg.listed_there`). A segment that cannot be deleted
     becomes an orphan. Never raises for I/O: ``False`` if some segment became an orphan.
     """
     clean = True
     gone = []
     copies = core.mode == "inclusive"
+    shared = core.io[t].shared is not None
     sharers = {u for seg in s.segs for u in seg.users if u is not s and u.complete(t)}
     for seg in list(s.segs) if s.dropped else list(reversed(s.segs)):
-        if t in seg.tiers and not seg.needed(t, s, copies):
+        if (
+            t in seg.tiers
+            and not seg.needed(t, s, copies)
+            and not (shared and seg.listed_there(t, s))
+        ):
             gone.append(seg)
-            clean = await _take_out(core, seg, t) and clean
+            clean = await take_out(core, seg, t) and clean
     if core.retired:
         await deleted(core, gone, t)
     if s.dropped or not s.complete(t):  # (else its sharers keep all of it there)
@@ -131,7 +139,7 @@ async def remove_copy(core: Core, s: Session, t: int) -> bool:
     return clean
 
 
-async def _take_out(core: Core, seg: Seg, t: int) -> bool:
+async def take_out(core: Core, seg: Seg, t: int) -> bool:
     """Take ``seg`` out of tier ``t``'s part of the index, then delete it there (an orphan
     if that fails: ``False``)."""
     seg.tiers.discard(t)
@@ -262,7 +270,7 @@ async def end_filling(core: Core, s: Session, t: int) -> None:
     for seg in list(reversed(s.segs)):
         if t in seg.tiers and not any(u.keeps(t, copies=True) for u in seg.users):
             gone.append(seg)
-            await _take_out(core, seg, t)
+            await take_out(core, seg, t)
     if gone and core.retired:
         await deleted(core, gone, t)
 

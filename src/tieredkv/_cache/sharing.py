@@ -38,7 +38,7 @@ from ..backends.shared import SharedState, SharedTier, plain_header
 from ..errors import SchemaMismatchError, SessionNotFoundError, TierIOError
 from ..payload import SegmentHeader, header_schema
 from .atomic import settle
-from .placement import remove_copy
+from .placement import remove_copy, take_out
 from .refusals import record_refusal, report
 from .shared_forest import keep_for_forks, list_shared
 from .state import Core, Session
@@ -207,15 +207,24 @@ async def _adopt(
     if same == n:
         # this replica holds the committed history (and maybe its own turns after it)
         before = s.complete(t)
+        # turns past the shared history that a fork's committed history there lists: the
+        # store keeps them for the fork, and commits no other turn under their keys
+        kept = [seg for seg in s.segs[n:] if t in seg.tiers and seg.listed_there(t, s)]
         for i, seg in enumerate(s.segs):  # tier t holds exactly the committed turns
             if i < n:
                 seg.tiers.add(t)
-            else:
-                seg.tiers.discard(t)
-        if len(local) > n and tier.token(s.key) is None:
-            # its own later turns, but another replica is the writer now: refused
+            elif t in seg.tiers and seg not in kept:
+                await take_out(core, seg, t)  # (the tier forgets it too)
+        if len(local) > n and (tier.token(s.key) is None or kept):
+            # its own later turns, but another replica is the writer now (or the turns
+            # are its forks' only): refused
             if own:
-                record_refusal(core, s, t, "another replica became its writer first", own)
+                why = (
+                    "its shared history was dropped while forks still list it"
+                    if kept
+                    else "another replica became its writer first"
+                )
+                record_refusal(core, s, t, why, own)
             await _forget_all(core, s, lost=False)
             return None
         if s.complete(t) and not before:

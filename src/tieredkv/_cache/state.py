@@ -172,6 +172,23 @@ class Seg:
         """The conversations other than ``but`` for which :meth:`needed` holds."""
         return [u for u in self.users if u is not but and u.keeps(t, copies)]
 
+    def listed_there(self, t: int, but: Session) -> bool:
+        """Whether, in tier ``t`` shared between replicas where this segment is committed,
+        the committed history of a conversation here other than ``but`` lists it: its
+        owner's, or a fork's whose first own turn (committed there) references it. The
+        store keeps it for them, whatever ``but`` does: it stays in ``t``'s part of the
+        index (taking it out would have this replica copy it into ``t`` again, as its
+        owner's turn, for the fork)."""
+        for u in self.users:
+            if u is but or u.dropped:
+                continue
+            if u.key == self.key[0]:
+                return True
+            first = u.segs[u.base] if u.base < len(u.segs) else None
+            if first is not None and t in first.tiers and self in u.segs[: u.base]:
+                return True
+        return False
+
 
 class Session:
     """A conversation in the index. Mutated only with :attr:`lock` held (see :meth:`Core.hold`).

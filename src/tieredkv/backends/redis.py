@@ -402,7 +402,16 @@ class RedisTier(Reads, Commits, SharedTier):
     def reserve(self, key: SegmentKey, length: int) -> bool:
         self._check_open()
         if key in self._reserved or key in self._markers or key in self._committed:
-            raise ValueError(f"tier {self.name!r} already holds or reserves segment {key[1]}")
+            state = (
+                "reserves"
+                if key in self._reserved
+                else "holds the retirement marker of"
+                if key in self._markers
+                else "holds (committed by this replica)"
+            )
+            raise ValueError(
+                f"tier {self.name!r} already {state} segment {key[1]} of {key[0]!r:.80}"
+            )
         if key in self._index:
             # a segment this replica read, not committed: of a history it did not take in
             # under the key (another replica's, listed by a fork it knows, or one it let
