@@ -574,3 +574,44 @@ async def test_a_parent_dropped_while_its_forks_turn_waits_keeps_what_the_fork_l
         assert _same(await a.load("c"), _cat(FORK, C3))
         async with _cache(own_redis_server, prefix) as third:
             assert _same(await third.load("c"), _cat(FORK, C3))
+
+
+async def test_a_fork_loaded_while_its_first_turn_waits_is_served_and_committed(
+    own_redis_server: RedisServer,
+) -> None:
+    """A forks its conversation while the server is stopped: the fork's first turn waits to
+    be committed, and its manifest there is empty (A holds its lease). A load of the fork
+    meanwhile serves A's copy, and the flush then commits the turn: nothing is refused (the
+    load used to take the shared tier out of the turns the fork inherits, as if they were
+    the fork's own turns past an empty history, and the commit then refused them all),
+    and a third replica is served the fork."""
+    prefix = new_prefix()
+    shared = RedisTier(
+        own_redis_server.url,
+        CAPACITY,
+        prefix=prefix,
+        value_size=SMALL_VALUES,
+        lease_ttl=5.0,
+        liveness=0.3,  # (a fresh server: the first commit waits thrice this)
+        timeout=0.2,
+    )
+    a = TieredKVCache([HostMemoryTier(8 << 20), shared], mode="inclusive")
+    async with a:
+        await a.append("p", P0, answer_tokens=8)
+        await a.append("p", P1, answer_tokens=8)
+        await a.flush()
+        errors = a.stats().errors
+        await a.append("c", C, answer_tokens=4, parent="p", parent_tokens=60)
+        own_redis_server.pause()
+        try:
+            for _ in range(1000):  # polled: the write-through runs in its own task
+                if a.stats().errors >= errors + 2:
+                    break
+                await anyio.sleep(0.01)
+        finally:
+            own_redis_server.resume()
+        assert _same(await a.load("c"), FORK)
+        await a.flush()
+        assert a.stats().refused == 0
+        async with _cache(own_redis_server, prefix) as third:
+            assert _same(await third.load("c"), FORK)

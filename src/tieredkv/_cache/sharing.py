@@ -207,13 +207,16 @@ async def _adopt(
     if same == n:
         # this replica holds the committed history (and maybe its own turns after it)
         before = s.complete(t)
-        # turns past the shared history that a fork's committed history there lists: the
-        # store keeps them for the fork, and commits no other turn under their keys
-        kept = [seg for seg in s.segs[n:] if t in seg.tiers and seg.listed_there(t, s)]
+        # its own turns past the shared history that a fork's committed history there
+        # lists: the store keeps them for the fork, and commits no other turn under their
+        # keys (the turns a fork inherits are its parent's: a fork whose first own turn
+        # is not committed yet has an empty history there, and they stay where they are)
+        own_from = max(n, s.base)
+        kept = [g for g in s.segs[own_from:] if t in g.tiers and g.listed_there(t, s)]
         for i, seg in enumerate(s.segs):  # tier t holds exactly the committed turns
             if i < n:
                 seg.tiers.add(t)
-            elif t in seg.tiers and seg not in kept:
+            elif i >= own_from and t in seg.tiers and seg not in kept:
                 await take_out(core, seg, t)  # (the tier forgets it too)
         if len(local) > n and (tier.token(s.key) is None or kept):
             # its own later turns, but another replica is the writer now (or the turns
