@@ -6,7 +6,7 @@ gone; a load of a fork is its committed history byte for byte, or a miss."""
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import anyio
@@ -22,6 +22,7 @@ from tieredkv.errors import (
     HistoryConflictError,
     SessionNotFoundError,
     StaleWriterError,
+    TierIOError,
     TurnRefusedError,
 )
 from tieredkv.fsck_redis import RedisReport, check_prefix
@@ -533,18 +534,11 @@ async def test_a_parent_started_again_elsewhere_leaves_its_forks_turns_in_the_sh
             assert _same(await third.load("c"), _cat(FORK, C3))
 
 
-async def test_a_parent_dropped_while_its_forks_turn_waits_keeps_what_the_fork_lists(
-    own_redis_server: RedisServer,
-) -> None:
-    """A's fork ``c`` of its conversation ``p`` gets a turn while the server is stopped: its
-    write-through fails and waits to be tried again. Between two tries the server is back
-    and A drops ``p``: the server keeps ``p``'s turns for the fork, and so does A's index of
-    the shared tier. The fork's turn is then committed (it used to be refused, with the
-    turns it inherits, as A tried to write them again as ``p``'s: lost for the fork), and a
-    third replica is served all of it."""
-    prefix = new_prefix()
+def _slow_to_commit(server: RedisServer, prefix: str) -> TieredKVCache:
+    """A cache whose shared tier gives up on a stopped server after 0.2 s (its commits wait
+    to be tried again) and holds its leases for 5 s (it stays the writer meanwhile)."""
     shared = RedisTier(
-        own_redis_server.url,
+        server.url,
         CAPACITY,
         prefix=prefix,
         value_size=SMALL_VALUES,
@@ -552,23 +546,53 @@ async def test_a_parent_dropped_while_its_forks_turn_waits_keeps_what_the_fork_l
         liveness=0.3,  # (a fresh server: the first commit waits thrice this)
         timeout=0.2,
     )
-    a = TieredKVCache([HostMemoryTier(8 << 20), shared], mode="inclusive")
+    return TieredKVCache([HostMemoryTier(8 << 20), shared], mode="inclusive")
+
+
+async def _failing_twice(
+    server: RedisServer, cache: TieredKVCache, append: Callable[[], Awaitable[object]]
+) -> None:
+    """``append`` (a turn acknowledged here), then the server stopped until two tries of
+    its commit have failed: the next try is 0.2 s off when this returns, the server back."""
+    errors = cache.stats().errors
+    await append()
+    server.pause()
+    try:
+        for _ in range(1000):  # polled: the write-through runs in its own task
+            if cache.stats().errors >= errors + 2:
+                break
+            await anyio.sleep(0.01)
+    finally:
+        server.resume()
+
+
+async def _fork_waiting(server: RedisServer, a: TieredKVCache) -> None:
+    """``p`` (two turns, committed), then its fork ``c`` (:data:`FORK`), whose first turn
+    waits to be committed."""
+    await a.append("p", P0, answer_tokens=8)
+    await a.append("p", P1, answer_tokens=8)
+    await a.flush()
+    fork = functools.partial(a.append, "c", C, answer_tokens=4, parent="p", parent_tokens=60)
+    await _failing_twice(server, a, fork)
+
+
+async def test_a_parent_dropped_while_its_forks_turn_waits_keeps_what_the_fork_lists(
+    own_redis_server: RedisServer,
+) -> None:
+    """A's fork ``c`` of its conversation ``p`` gets a turn that waits to be committed (the
+    server was stopped). Between two tries the server is back and A drops ``p``: the
+    server keeps ``p``'s turns for the fork, and so does A's index of the shared tier. The
+    fork's turn is then committed (it used to be refused, with the turns it inherits, as A
+    tried to write them again as ``p``'s: lost for the fork), and a third replica is
+    served all of it."""
+    prefix = new_prefix()
     C3 = _kv(3, 8)
-    async with a:
+    async with _slow_to_commit(own_redis_server, prefix) as a:
         await a.append("p", P0, answer_tokens=8)
         await a.append("p", P1, answer_tokens=8)
         await a.append("c", C, answer_tokens=4, parent="p", parent_tokens=60)
         await a.flush()
-        errors = a.stats().errors
-        own_redis_server.pause()
-        try:
-            await a.append("c", C3, answer_tokens=1)  # (A's lease on c is live)
-            for _ in range(1000):  # polled: the write-through runs in its own task
-                if a.stats().errors >= errors + 2:  # two tries failed: the next is 0.2 s off
-                    break
-                await anyio.sleep(0.01)
-        finally:
-            own_redis_server.resume()
+        await _failing_twice(own_redis_server, a, lambda: a.append("c", C3, answer_tokens=1))
         await a.drop("p")
         await a.flush()
         assert _same(await a.load("c"), _cat(FORK, C3))
@@ -579,39 +603,100 @@ async def test_a_parent_dropped_while_its_forks_turn_waits_keeps_what_the_fork_l
 async def test_a_fork_loaded_while_its_first_turn_waits_is_served_and_committed(
     own_redis_server: RedisServer,
 ) -> None:
-    """A forks its conversation while the server is stopped: the fork's first turn waits to
-    be committed, and its manifest there is empty (A holds its lease). A load of the fork
-    meanwhile serves A's copy, and the flush then commits the turn: nothing is refused (the
-    load used to take the shared tier out of the turns the fork inherits, as if they were
-    the fork's own turns past an empty history, and the commit then refused them all),
+    """A forks its conversation, and the fork's first turn waits to be committed (the
+    server was stopped): its manifest there is empty (A holds its lease). A load of the
+    fork meanwhile serves A's copy, and the flush then commits the turn: nothing is refused
+    (the load used to take the shared tier out of the turns the fork inherits, as if they
+    were the fork's own turns past an empty history, and the commit then refused them all),
     and a third replica is served the fork."""
     prefix = new_prefix()
-    shared = RedisTier(
-        own_redis_server.url,
-        CAPACITY,
-        prefix=prefix,
-        value_size=SMALL_VALUES,
-        lease_ttl=5.0,
-        liveness=0.3,  # (a fresh server: the first commit waits thrice this)
-        timeout=0.2,
-    )
-    a = TieredKVCache([HostMemoryTier(8 << 20), shared], mode="inclusive")
-    async with a:
-        await a.append("p", P0, answer_tokens=8)
-        await a.append("p", P1, answer_tokens=8)
-        await a.flush()
-        errors = a.stats().errors
-        await a.append("c", C, answer_tokens=4, parent="p", parent_tokens=60)
-        own_redis_server.pause()
-        try:
-            for _ in range(1000):  # polled: the write-through runs in its own task
-                if a.stats().errors >= errors + 2:
-                    break
-                await anyio.sleep(0.01)
-        finally:
-            own_redis_server.resume()
+    async with _slow_to_commit(own_redis_server, prefix) as a:
+        await _fork_waiting(own_redis_server, a)
         assert _same(await a.load("c"), FORK)
         await a.flush()
         assert a.stats().refused == 0
         async with _cache(own_redis_server, prefix) as third:
             assert _same(await third.load("c"), FORK)
+
+
+async def test_a_parent_dropped_before_its_forks_first_turn_is_committed_stays_dropped(
+    own_redis_server: RedisServer,
+) -> None:
+    """A forks ``p`` and the fork's first turn waits to be committed; A drops ``p`` meanwhile.
+    Nothing references ``p``'s turns on the server yet, so the drop deletes them: the
+    fork cannot be committed, and its turns are refused (reported by the flush). ``p``
+    stays dropped for every replica (the fork's write-through used to write ``p``'s turns
+    again under ``p``'s key, bringing the dropped conversation back)."""
+    prefix = new_prefix()
+    async with _slow_to_commit(own_redis_server, prefix) as a:
+        await _fork_waiting(own_redis_server, a)
+        await a.drop("p")
+        with pytest.raises(TurnRefusedError, match="turns it inherits left the shared tier"):
+            await a.flush()
+        async with _cache(own_redis_server, prefix) as third:
+            for key in ("p", "c"):
+                with pytest.raises(SessionNotFoundError):
+                    await third.load(key)
+        base = _base(prefix, "p")
+        assert not [k for k in _keys(own_redis_server, prefix) if k.startswith(f"{base}:")]
+
+
+async def test_a_fork_whose_parent_another_history_replaced_is_refused_never_spliced(
+    own_redis_server: RedisServer,
+) -> None:
+    """A forks ``p`` at 20 tokens and the fork's first turn waits to be committed. B drops
+    ``p`` and starts it again with other KV (``X``). A's load of ``p`` finds that history
+    under the key the fork lists (a miss on A, which keeps the key for its fork). The fork
+    is then refused, never committed: its turn was computed after ``P0``'s first 20
+    tokens, not ``X``'s (its commit used to reference ``X``'s turn, and every replica was
+    served ``X``'s tokens followed by the fork's turn)."""
+    prefix = new_prefix()
+    X = _kv(7, 48)
+    async with _slow_to_commit(own_redis_server, prefix) as a:
+        async with _cache(own_redis_server, prefix) as b:
+            await a.append("p", P0, answer_tokens=8)
+            await a.flush()
+            fork = functools.partial(
+                a.append, "c", C, answer_tokens=4, parent="p", parent_tokens=20
+            )
+            await _failing_twice(own_redis_server, a, fork)
+            await b.load("p")
+            await b.drop("p")
+            await b.append("p", X, answer_tokens=8)
+            await b.flush()
+        with pytest.raises(SessionNotFoundError):
+            await a.load("p")
+        with pytest.raises(TurnRefusedError, match="turns it inherits left the shared tier"):
+            await a.flush()
+        async with _cache(own_redis_server, prefix) as third:
+            with pytest.raises(SessionNotFoundError):
+                await third.load("c")
+            assert _same(await third.load("p"), X)
+
+
+async def test_a_forks_first_turn_that_does_not_fit_waits_and_its_parent_stays(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A's shared tier, as A counts it, has room for the parent ``p`` but not for the first
+    turn of its fork as well. The fork's write-through does not make room by taking ``p``
+    out (the turns its commit references): the turn waits for room, acknowledged here and
+    not refused (it used to be refused with the turns it inherits, ``p`` taken out of the
+    shared tier on this replica), and ``p`` stays committed there."""
+    sizes = _cache(redis_server, new_prefix())
+    async with sizes:
+        await _parent_on_a_fork_on_b(sizes, sizes)
+        used = sizes.stats().tiers[1].used
+    shared = RedisTier(
+        redis_server.url, used - 4096, prefix=prefix, value_size=SMALL_VALUES, lease_ttl=0.3
+    )
+    async with TieredKVCache([HostMemoryTier(8 << 20), shared], mode="inclusive") as a:
+        await a.append("p", P0, answer_tokens=8)
+        await a.append("p", P1, answer_tokens=8)
+        await a.flush()
+        await a.append("c", C, answer_tokens=4, parent="p", parent_tokens=60)
+        with pytest.raises(TierIOError, match="the tier is full"):
+            await a.flush()
+        assert a.stats().refused == 0
+        assert _same(await a.load("c"), FORK)
+    async with _cache(redis_server, prefix) as b:
+        assert _same(await b.load("p"), _cat(P0, P1))

@@ -53,6 +53,7 @@ def list_shared(core: Core, s: Session, t: int, headers: list[SegmentHeader]) ->
         seg = _listed(core, h)
         if seg is not None and plain_header(seg.header) != plain_header(h):
             _retire_unlisted(core, [seg])  # (forks here list another one: key taken)
+            _displaced(core, seg, t)
             return 0
         segs.append(Seg(h) if seg is None else seg)
     sharers = {u for seg in segs if len(seg.users) == 1 for u in seg.users}
@@ -71,6 +72,20 @@ def list_shared(core: Core, s: Session, t: int, headers: list[SegmentHeader]) ->
     for u in sharers:
         core.reshared(u)
     return len(headers)
+
+
+def _displaced(core: Core, seg: Seg, t: int) -> None:
+    """Shared tier ``t`` holds another segment under ``seg``'s key now (its owner's new
+    history): ``seg`` is not in ``t`` any more, and the conversations listing it that had
+    a complete copy there have none (a fork of the old history whose first turn was not
+    committed yet: it cannot be, see the write-through)."""
+    if t not in seg.tiers:
+        return
+    had = [u for u in seg.users if u.complete(t)]
+    seg.tiers.discard(t)
+    for u in had:
+        core.residency.removed(u.key, t)
+        core.publish(u)
 
 
 def keep_for_forks(core: Core, s: Session) -> None:

@@ -178,14 +178,16 @@ class Seg:
         owner's, or a fork's whose first own turn (committed there) references it. The
         store keeps it for them, whatever ``but`` does: it stays in ``t``'s part of the
         index (taking it out would have this replica copy it into ``t`` again, as its
-        owner's turn, for the fork)."""
+        owner's turn, for the fork). A fork whose first own turn is being copied into
+        ``t`` counts: its commit references the segment."""
         for u in self.users:
             if u is but or u.dropped:
                 continue
             if u.key == self.key[0]:
                 return True
             first = u.segs[u.base] if u.base < len(u.segs) else None
-            if first is not None and t in first.tiers and self in u.segs[: u.base]:
+            committed = first is not None and (t in first.tiers or t in first.claims)
+            if committed and self in u.segs[: u.base]:  # (or being committed now)
                 return True
         return False
 

@@ -275,10 +275,17 @@ class WriteThrough:
         core = self._core
         if s.primary is None or s.dropped or seg not in s.segs:  # gone while it waited
             return False
+        if shared and not _may_commit(core, s, seg):
+            record_refusal(core, s, dst, _ORPHANED)
+            self._waiting.pop(s.key, None)
+            return False
         key = seg.key
         to = core.tiers[dst]
+        # (nor are the conversations whose turns it inherits victims: their copies there
+        # are what a fork's first turn references)
+        protect = {s.key, *(g.key[0] for g in s.segs[: s.base])}
         try:
-            stored = await reserve(core, dst, key, seg.length, {s.key}, lossless=True)
+            stored = await reserve(core, dst, key, seg.length, protect, lossless=True)
             if stored:
                 try:
                     await copy_segments(core, s, s.primary, dst, [key], [])
@@ -362,6 +369,25 @@ class WriteThrough:
                 elif w.due <= now:
                     w.due = now + _BACKOFF[1]  # (until this attempt reports back)
                     self._kick(key)
+
+
+_ORPHANED = (
+    "the turns it inherits left the shared tier before its first turn was committed there "
+    "(its parent was dropped, or another history took the parent's key)"
+)
+
+
+def _may_commit(core: Core, s: Session, seg: Seg) -> bool:
+    """Whether ``s``'s background copy may write ``seg`` into a tier shared between
+    replicas: its own turn, or a turn it inherits that its owner here still lists (written
+    as the owner's). Only its owner commits a segment there; a fork's first turn
+    references it. A turn whose owner left (dropped, or another history took its key)
+    must not be written again under the owner's key, where it would bring the dropped
+    history back, or be taken for another one: the fork cannot be committed."""
+    if seg.key[0] == s.key:
+        return True
+    owner = core.sessions.get(seg.key[0])
+    return owner is not None and not owner.dropped and seg in owner.segs
 
 
 def _retrieved(task: asyncio.Task[None]) -> None:
