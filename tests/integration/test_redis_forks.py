@@ -700,3 +700,64 @@ async def test_a_forks_first_turn_that_does_not_fit_waits_and_its_parent_stays(
         assert _same(await a.load("c"), FORK)
     async with _cache(redis_server, prefix) as b:
         assert _same(await b.load("p"), _cat(P0, P1))
+
+
+async def test_a_parent_evicted_here_while_its_forks_first_turn_waits_is_not_refused(
+    own_redis_server: RedisServer,
+) -> None:
+    """A forks ``p`` and the fork's first turn waits to be committed; then another
+    conversation's turn evicts ``p`` from both of A's tiers (A's share of the shared tier
+    is small): ``p`` leaves A's index, while the server keeps it. The fork's write-through
+    finds ``p``'s turns in ``p``'s committed history there, indexes them again and commits
+    the fork: nothing is refused (refusing it, as the fork of a dropped parent is, was a
+    regression of the gate that keeps a dropped parent from coming back), and a third
+    replica is served both."""
+    prefix = new_prefix()
+    P2 = _kv(4, 40)
+    shared = RedisTier(
+        own_redis_server.url,
+        88 << 10,
+        prefix=prefix,
+        value_size=SMALL_VALUES,
+        lease_ttl=5.0,
+        liveness=0.3,
+        timeout=0.2,
+    )
+    async with TieredKVCache([HostMemoryTier(96 << 10), shared], mode="inclusive") as a:
+        for kv in (P0, P1, P2):
+            await a.append("p", kv, answer_tokens=1)
+        await a.flush()
+        fork = functools.partial(a.append, "c", C, answer_tokens=4, parent="p", parent_tokens=60)
+        await _failing_twice(own_redis_server, a, fork)
+        await a.append("x", _kv(9, 200), answer_tokens=1)
+        await a.flush()
+        assert a.stats().refused == 0
+        assert not a.contains("p")
+    async with _cache(own_redis_server, prefix) as third:
+        assert _same(await third.load("c"), FORK)
+        assert _same(await third.load("p"), _cat(P0, P1, P2))
+
+
+async def test_a_committed_forks_later_turn_makes_room_from_its_parents_own_turns(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A's share of the shared tier holds ``p`` (three turns) and the first turn of its
+    fork, little more. The fork's next turn makes room there by letting ``p`` go from
+    A's count: the two turns the fork lists stay (the server keeps them for it), ``p``'s
+    third frees the room, and the turn is committed (protecting ``p`` as a victim for
+    good, not only until the fork's first turn is committed, left it waiting for room
+    forever)."""
+    P2, C3 = _kv(4, 40), _kv(3, 24)
+    shared = RedisTier(
+        redis_server.url, 52 << 10, prefix=prefix, value_size=SMALL_VALUES, lease_ttl=0.3
+    )
+    async with TieredKVCache([HostMemoryTier(8 << 20), shared], mode="inclusive") as a:
+        for kv in (P0, P1, P2):
+            await a.append("p", kv, answer_tokens=1)
+        await a.append("c", C, answer_tokens=4, parent="p", parent_tokens=60)
+        await a.flush()
+        await a.append("c", C3, answer_tokens=1)
+        await a.flush()
+        assert a.stats().refused == 0
+    async with _cache(redis_server, prefix) as b:
+        assert _same(await b.load("c"), _cat(FORK, C3))

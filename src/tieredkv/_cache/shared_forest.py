@@ -75,17 +75,18 @@ def list_shared(core: Core, s: Session, t: int, headers: list[SegmentHeader]) ->
 
 
 def _displaced(core: Core, seg: Seg, t: int) -> None:
-    """Shared tier ``t`` holds another segment under ``seg``'s key now (its owner's new
-    history): ``seg`` is not in ``t`` any more, and the conversations listing it that had
-    a complete copy there have none (a fork of the old history whose first turn was not
-    committed yet: it cannot be, see the write-through)."""
-    if t not in seg.tiers:
-        return
-    had = [u for u in seg.users if u.complete(t)]
-    seg.tiers.discard(t)
-    for u in had:
-        core.residency.removed(u.key, t)
-        core.publish(u)
+    """Shared tier ``t``'s index holds another segment under ``seg``'s key now (its owner's
+    new history). Unless a fork here has committed a history there that references
+    ``seg`` (the server keeps it for that fork: its view is only stale, and its next
+    load reads it again), ``seg`` is not in ``t`` for this replica any more: a fork of the
+    old history whose first turn is not committed yet cannot be (see the write-through),
+    and must not reference the new one. Such a fork never had a complete copy in ``t``."""
+    committed = any(
+        u.base < len(u.segs) and t in u.segs[u.base].tiers and seg in u.segs[: u.base]
+        for u in seg.users
+    )
+    if not committed:
+        seg.tiers.discard(t)
 
 
 def keep_for_forks(core: Core, s: Session) -> None:

@@ -31,6 +31,7 @@ import time
 
 import anyio
 
+from ..backends.shared import plain_header
 from ..errors import (
     CommitDelayedError,
     CorruptSegmentError,
@@ -275,20 +276,29 @@ class WriteThrough:
         core = self._core
         if s.primary is None or s.dropped or seg not in s.segs:  # gone while it waited
             return False
-        if shared and not _may_commit(core, s, seg):
-            record_refusal(core, s, dst, _ORPHANED)
-            self._waiting.pop(s.key, None)
-            return False
         key = seg.key
         to = core.tiers[dst]
-        # (nor are the conversations whose turns it inherits victims: their copies there
-        # are what a fork's first turn references)
-        protect = {s.key, *(g.key[0] for g in s.segs[: s.base])}
+        # (nor, until a fork's first turn is committed, are the conversations whose turns
+        # it inherits victims: their copies there are what that commit references)
+        first = s.segs[s.base] if s.base < len(s.segs) else None
+        waits = first is not None and dst not in first.tiers
+        protect = {s.key, *(g.key[0] for g in s.segs[: s.base] if waits)}
+        written = False
         try:
-            stored = await reserve(core, dst, key, seg.length, protect, lossless=True)
-            if stored:
+            how = await _inherited(core, s, seg, dst) if shared else "write"
+            if how == "orphaned":
+                record_refusal(core, s, dst, _ORPHANED)
+                self._waiting.pop(s.key, None)
+                return False
+            stored = how == "there" or await reserve(
+                core, dst, key, seg.length, protect, lossless=True
+            )
+            if how == "there":
+                pass  # (the tier indexes it again: nothing to write)
+            elif stored:
                 try:
                     await copy_segments(core, s, s.primary, dst, [key], [])
+                    written = True
                 finally:
                     to.release(key)
             else:
@@ -315,11 +325,13 @@ class WriteThrough:
             await remove_copy(core, s, dst)  # this copy can never be completed now
             return False
         if s.dropped or seg not in s.segs:  # dropped or lost meanwhile
-            await delete_or_orphan(core, dst, key)
+            if written:
+                await delete_or_orphan(core, dst, key)
             return False
         seg.tiers.add(dst)
         core.gained(s, [seg], dst)
-        core.stats.write_through += 1
+        if written:
+            core.stats.write_through += 1
         w = self._waiting.get(s.key) if shared else None
         if w is not None:
             w.attempts, w.error = 0, None
@@ -377,17 +389,28 @@ _ORPHANED = (
 )
 
 
-def _may_commit(core: Core, s: Session, seg: Seg) -> bool:
-    """Whether ``s``'s background copy may write ``seg`` into a tier shared between
-    replicas: its own turn, or a turn it inherits that its owner here still lists (written
-    as the owner's). Only its owner commits a segment there; a fork's first turn
-    references it. A turn whose owner left (dropped, or another history took its key)
-    must not be written again under the owner's key, where it would bring the dropped
-    history back, or be taken for another one: the fork cannot be committed."""
-    if seg.key[0] == s.key:
-        return True
-    owner = core.sessions.get(seg.key[0])
-    return owner is not None and not owner.dropped and seg in owner.segs
+async def _inherited(core: Core, s: Session, seg: Seg, t: int) -> str:
+    """How ``s``'s background copy puts ``seg`` into shared tier ``t``: ``"write"`` (its own
+    turn, or a turn it inherits that its owner here still lists: committed as the owner's
+    turn, as the owner's own copy would), ``"there"`` (the owner's committed history there
+    holds it: the owner left this replica's index, evicted, while the server kept it; the
+    look-up indexed it again, nothing is written) or ``"orphaned"``. Only its owner
+    commits a segment there; a fork's first turn references it. A turn whose owner's
+    history there no longer holds it (dropped, or another history took its key) must not
+    be written again under the owner's key, where it would bring the dropped history back,
+    or be taken for another one: the fork cannot be committed.
+
+    :raises TierIOError: the shared tier could not be asked (try again later)
+    """
+    owner, seq = seg.key
+    u = core.sessions.get(owner)
+    if owner == s.key or (u is not None and not u.dropped and seg in u.segs):
+        return "write"
+    tier = core.io[t].shared
+    assert tier is not None
+    history = await tier.lookup(owner)
+    held = seq < len(history) and plain_header(history[seq]) == plain_header(seg.header)
+    return "there" if held and tier.contains(seg.key) else "orphaned"
 
 
 def _retrieved(task: asyncio.Task[None]) -> None:
