@@ -419,6 +419,7 @@ async def replica(args: dict[str, Any]) -> None:
             return
         finally:
             watchdog.end(ticket)
+        log(op="fork-checked", tag=tag)  # (a fork not checked: see _unchecked_forks)
         if got[:-1] != [tuple(x) for x in inherited] and got[-1:] == [(tag, tokens)]:
             log(op="rebase", conv=conv, tag=tag, fork=parent, inherited=got[:-1])
         # (another replica's history of the key may have replaced the fork meanwhile: its
@@ -836,6 +837,7 @@ def check(records: list[dict[str, Any]], faults: list[dict[str, Any]], opts: Opt
                         f"replica {r.get('r')} {op} {r.get('conv', '')}: {r.get('msg', '')}\n"
                         + r.get("tb", "(no traceback)")
                     )
+    _unchecked_forks(records, possible, inherited)
     for conv in possible:  # a failed append left no trace: no history holds its turn
         possible[conv] = {h for h in possible[conv] if h[-1] not in failed}
     _check_forks(records, possible, failed, inherited, result)
@@ -885,6 +887,59 @@ def _allowed_for_forks(r: dict[str, Any]) -> bool:
         err == "CapacityError" or (err == "InvalidArgumentError" and "parent_tokens is" in msg)
     )
     return fork or (err == "InvalidArgumentError" and "forks still list its history" in msg)
+
+
+def _unchecked_forks(
+    records: list[dict[str, Any]],
+    possible: dict[str, set[tuple[int, ...]]],
+    inherited: dict[str, set[tuple[int, int]]],
+) -> None:
+    """A fork its replica did not check once made (killed first, or the check's load
+    failed): the cache forked the parent's history current then, which may be newer than
+    the replica's view of it (a rebase, which the check would have logged). Every cut at
+    the fork's token count of a history the parent could have had is a history the fork
+    may have (its own turn after it)."""
+    sizes = {r["tag"]: r["tokens"] for r in records if r.get("op") == "append" and "tokens" in r}
+    checked = {r["tag"] for r in records if r.get("op") in ("fork-checked", "rebase")}
+    taken: dict[str, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
+    for conv, runs_ in inherited.items():  # (as logged: not the cuts added below)
+        for tag, n in runs_:
+            taken[conv][tag].add(n)
+    for r in records:
+        if r.get("op") != "append" or r.get("ph") != "begin" or "fork" not in r:
+            continue
+        if r["tag"] in checked:
+            continue
+        at = sum(n for _, n in r["inherited"])
+        cuts: set[tuple[tuple[int, int], ...]] = set()
+        for h in possible[r["fork"]]:
+            cuts.update(_cuts(h, at, sizes, taken[r["fork"]]))
+        for cut in cuts:
+            inherited[r["conv"]].update(cut)
+            possible[r["conv"]].add((*(t for t, _ in cut), r["tag"]))
+
+
+def _cuts(
+    history: tuple[int, ...], at: int, sizes: dict[int, int], taken: dict[int, set[int]]
+) -> list[tuple[tuple[int, int], ...]]:
+    """The first ``at`` tokens of ``history`` as (tag, tokens) runs, the last maybe cut:
+    one per way of sizing its turns (their full size, or what the conversation, a fork
+    too, inherited of them: ``taken``)."""
+    out: list[tuple[tuple[int, int], ...]] = []
+    stack: list[tuple[int, int, tuple[tuple[int, int], ...]]] = [(0, 0, ())]
+    while stack:
+        i, done, runs_ = stack.pop()
+        if i == len(history):
+            continue
+        tag = history[i]
+        for n in {sizes.get(tag, 0), *taken.get(tag, ())}:
+            if n <= 0:
+                continue
+            if done + n >= at:
+                out.append((*runs_, (tag, at - done)))
+            else:
+                stack.append((i + 1, done + n, (*runs_, (tag, n))))
+    return out
 
 
 def _check_forks(

@@ -1,0 +1,45 @@
+"""The fleet campaign's checker (benchmarks/fleet_campaign.py) on hand-made logs: a fork
+whose replica was killed before it could check which history of its parent the cache
+forked (the parent's current one, maybe newer than the replica's view) is judged against
+every history the parent could have had; a checked fork is not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.benchmark_scripts import benchmark_script
+
+
+def _append(
+    r: int, t: float, conv: str, tag: int, tokens: int, base: list[int], **fork: Any
+) -> list[dict[str, Any]]:
+    begin = {"r": r, "i": 1, "op": "append", "ph": "begin", "t0": t, "conv": conv, "tag": tag}
+    begin.update(tokens=tokens, base=base, **fork)
+    end = {"r": r, "i": 1, "op": "append", "ph": "end", "t0": t, "t1": t + 0.01, "conv": conv}
+    end.update(tag=tag, ok=True)
+    return [begin, end]
+
+
+def _logs(checked: bool) -> list[dict[str, Any]]:
+    """Replica 0 saw ``c7`` = [71] and forks it at 56 tokens, but the cache forks the
+    parent's current history, replica 1's [11, 13]: the fork holds 16 + 40 tokens of it.
+    Replica 0 is killed before its check (``checked``: it checked, and logged no rebase)."""
+    records = [
+        *_append(1, 1.0, "c7", 71, 256, []),
+        *_append(1, 2.0, "c7", 11, 16, []),  # (c7 dropped and begun again: not logged here)
+        *_append(1, 2.1, "c7", 13, 256, [11]),
+        *_append(0, 3.0, "f2", 290, 256, [71], fork="c7", inherited=[[71, 56]]),
+    ]
+    if checked:
+        records.append({"r": 0, "i": 1, "op": "fork-checked", "tag": 290})
+    served = [[11, 16], [13, 40], [290, 256]]
+    load = {"r": 0, "i": 2, "op": "load", "t0": 4.0, "t1": 4.01, "conv": "f2", "ok": True}
+    return [*records, {**load, "turns": served}]
+
+
+def test_an_unchecked_fork_may_hold_any_history_of_its_parent_at_its_fork_point() -> None:
+    with benchmark_script("fleet_campaign") as campaign:
+        assert campaign.check(_logs(checked=False), [], campaign.Options()).wrong == []
+        wrong = campaign.check(_logs(checked=True), [], campaign.Options()).wrong
+    assert wrong
+    assert all("f2" in w for w in wrong)
