@@ -280,6 +280,8 @@ class _Watchdog:
 
 def _state(cache: Any) -> dict[str, Any]:
     """What the cache and its shared tier hold, for the log of an unexpected exception."""
+    from tieredkv.payload import RETIRED_SEQ
+
     core = cache._core
     shared = core.tiers[-1]
     return {
@@ -293,6 +295,15 @@ def _state(cache: Any) -> dict[str, Any]:
             for k, s in core.sessions.items()
         },
         "retired": {k: [list(g.key) for g in r.segs] for k, r in core.retired.items()},
+        "markers listed": {k: sorted(r.markers) for k, r in core.retired.items()},
+        "markers stored": {  # (the retirement markers each local tier holds)
+            tier.name: sorted(
+                k
+                for k in {*core.sessions, *core.retired}
+                if tier.persistent and tier.contains((k, RETIRED_SEQ))
+            )
+            for tier in core.tiers[:-1]
+        },
         "reserved": [list(k) for k in shared._reserved],
         "committed": [list(k) for k in shared._committed],
         "holders": {f"{k[0]}:{k[1]}": sorted(v) for k, v in shared._holders.items()},
