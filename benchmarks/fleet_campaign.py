@@ -848,10 +848,11 @@ def check(records: list[dict[str, Any]], faults: list[dict[str, Any]], opts: Opt
                         f"replica {r.get('r')} {op} {r.get('conv', '')}: {r.get('msg', '')}\n"
                         + r.get("tb", "(no traceback)")
                     )
-    _unchecked_forks(records, possible, inherited)
+    sizes = {r["tag"]: r["tokens"] for r in records if r.get("op") == "append" and "tokens" in r}
+    _unchecked_forks(records, sizes, possible, inherited)
     for conv in possible:  # a failed append left no trace: no history holds its turn
         possible[conv] = {h for h in possible[conv] if h[-1] not in failed}
-    _check_forks(records, possible, failed, inherited, result)
+    _check_forks(records, sizes, possible, failed, inherited, result)
 
     def lost_between(conv: str, start: float, end: float) -> bool:
         return any(t1 > start and t0 < end for t0, t1 in (*losses[None], *losses[conv]))
@@ -902,6 +903,7 @@ def _allowed_for_forks(r: dict[str, Any]) -> bool:
 
 def _unchecked_forks(
     records: list[dict[str, Any]],
+    sizes: dict[int, int],
     possible: dict[str, set[tuple[int, ...]]],
     inherited: dict[str, set[tuple[int, int]]],
 ) -> None:
@@ -909,8 +911,7 @@ def _unchecked_forks(
     failed): the cache forked the parent's history current then, which may be newer than
     the replica's view of it (a rebase, which the check would have logged). Every cut at
     the fork's token count of a history the parent could have had is a history the fork
-    may have (its own turn after it)."""
-    sizes = {r["tag"]: r["tokens"] for r in records if r.get("op") == "append" and "tokens" in r}
+    may have (its own turn after it). ``sizes``: each turn's tokens, by tag."""
     checked = {r["tag"] for r in records if r.get("op") in ("fork-checked", "rebase")}
     taken: dict[str, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
     for conv, runs_ in inherited.items():  # (as logged: not the cuts added below)
@@ -955,6 +956,7 @@ def _cuts(
 
 def _check_forks(
     records: list[dict[str, Any]],
+    sizes: dict[int, int],
     possible: dict[str, set[tuple[int, ...]]],
     failed: set[int],
     inherited: dict[str, set[tuple[int, int]]],
@@ -964,7 +966,6 @@ def _check_forks(
     inherited turns are a prefix of one acknowledged there (the last maybe cut), each
     turn as long as it is there (its full size, or what the parent, a fork too, inherited
     of it)."""
-    sizes = {r["tag"]: r["tokens"] for r in records if r.get("op") == "append" and "tokens" in r}
     rebased = {r["tag"]: r for r in records if r.get("op") == "rebase"}
     for r in records:
         if r.get("op") != "append" or r.get("ph") != "begin" or "fork" not in r:

@@ -81,11 +81,7 @@ def _displaced(core: Core, seg: Seg, t: int) -> None:
     load reads it again), ``seg`` is not in ``t`` for this replica any more: a fork of the
     old history whose first turn is not committed yet cannot be (see the write-through),
     and must not reference the new one. Such a fork never had a complete copy in ``t``."""
-    committed = any(
-        u.base < len(u.segs) and t in u.segs[u.base].tiers and seg in u.segs[: u.base]
-        for u in seg.users
-    )
-    if not committed:
+    if not any(u.references(seg, t) for u in seg.users):
         seg.tiers.discard(t)
 
 

@@ -180,16 +180,12 @@ class Seg:
         index (taking it out would have this replica copy it into ``t`` again, as its
         owner's turn, for the fork). A fork whose first own turn is being copied into
         ``t`` counts: its commit references the segment."""
-        for u in self.users:
-            if u is but or u.dropped:
-                continue
-            if u.key == self.key[0]:
-                return True
-            first = u.segs[u.base] if u.base < len(u.segs) else None
-            committed = first is not None and (t in first.tiers or t in first.claims)
-            if committed and self in u.segs[: u.base]:  # (or being committed now)
-                return True
-        return False
+        return any(
+            u is not but
+            and not u.dropped
+            and (u.key == self.key[0] or u.references(self, t, copying=True))
+            for u in self.users
+        )
 
 
 class Session:
@@ -295,6 +291,21 @@ class Session:
     def own(self) -> list[Seg]:
         """The segments this conversation appended (not inherited)."""
         return self.segs[self.base :]
+
+    def first_own(self) -> Seg | None:
+        """Its first own segment (after those it inherits), if it has one."""
+        return self.segs[self.base] if self.base < len(self.segs) else None
+
+    def references(self, seg: Seg, t: int, *, copying: bool = False) -> bool:
+        """Whether its history committed in shared tier ``t`` references ``seg``, a segment
+        it inherits: its first own segment is committed there (with ``copying``, or being
+        copied there: that commit references it)."""
+        first = self.first_own()
+        return (
+            first is not None
+            and (t in first.tiers or (copying and t in first.claims))
+            and seg in self.segs[: self.base]
+        )
 
     def segment_keys(self) -> list[SegmentKey]:
         return [seg.key for seg in self.segs]

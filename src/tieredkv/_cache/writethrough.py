@@ -280,7 +280,7 @@ class WriteThrough:
         to = core.tiers[dst]
         # (nor, until a fork's first turn is committed, are the conversations whose turns
         # it inherits victims: their copies there are what that commit references)
-        first = s.segs[s.base] if s.base < len(s.segs) else None
+        first = s.first_own()
         waits = first is not None and dst not in first.tiers
         protect = {s.key, *(g.key[0] for g in s.segs[: s.base] if waits)}
         written = False
@@ -290,19 +290,18 @@ class WriteThrough:
                 record_refusal(core, s, dst, _ORPHANED)
                 self._waiting.pop(s.key, None)
                 return False
-            stored = how == "there" or await reserve(
-                core, dst, key, seg.length, protect, lossless=True
-            )
             if how == "there":
-                pass  # (the tier indexes it again: nothing to write)
-            elif stored:
-                try:
-                    await copy_segments(core, s, s.primary, dst, [key], [])
-                    written = True
-                finally:
-                    to.release(key)
+                stored = True  # (the tier indexes it again: nothing to write)
             else:
-                _log.info("write-through of %.80r stopped: tier %r is full", s.key, to.name)
+                stored = await reserve(core, dst, key, seg.length, protect, lossless=True)
+                if stored:
+                    try:
+                        await copy_segments(core, s, s.primary, dst, [key], [])
+                        written = True
+                    finally:
+                        to.release(key)
+                else:
+                    _log.info("write-through of %.80r stopped: tier %r is full", s.key, to.name)
         except _REFUSALS as exc:
             record_refusal(core, s, dst, exc.reason)  # (its reason, not its advice)
             self._waiting.pop(s.key, None)
