@@ -6,7 +6,7 @@ gone; a load of a fork is its committed history byte for byte, or a miss."""
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 
 import anyio
@@ -26,6 +26,7 @@ from tieredkv.errors import (
     TurnRefusedError,
 )
 from tieredkv.fsck_redis import RedisReport, check_prefix
+from tieredkv.payload import RETIRED_SEQ
 from tieredkv.testing import Segment
 
 __all__ = ["own_redis_server", "redis_server"]  # fixtures used below
@@ -431,6 +432,34 @@ async def test_a_fork_of_a_conversation_dropped_meanwhile_is_refused(
         assert not b.contains("c")
 
 
+def _with_ssd(server: RedisServer, prefix: str, ssd: SSDTier) -> TieredKVCache:
+    """B of the tests below: host memory, ``ssd``, then the shared tier."""
+    shared = RedisTier(server.url, CAPACITY, prefix=prefix, value_size=SMALL_VALUES, lease_ttl=0.3)
+    return TieredKVCache([HostMemoryTier(8 << 20), ssd, shared], mode="inclusive")
+
+
+async def _parent_lost_on_b(
+    server: RedisServer, prefix: str, a: TieredKVCache, b: TieredKVCache
+) -> Callable[[], None]:
+    """A's ``p`` and B's fork ``c`` of it; the server loses ``p``'s manifest (as
+    ``maxmemory`` evicts one), B's load finds ``p`` gone and B loads ``c``. Returns what
+    puts the manifest back."""
+    await _parent_on_a_fork_on_b(a, b)
+    manifest = f"{_base(prefix, 'p')}:m"
+    with server.client() as c:
+        saved = c.dump(manifest)
+        c.delete(manifest)
+    with pytest.raises(SessionNotFoundError):
+        await b.load("p")
+    assert _same(await b.load("c"), FORK)
+
+    def back() -> None:
+        with server.client() as c:
+            c.restore(manifest, 0, saved)
+
+    return back
+
+
 async def test_a_conversation_retired_for_forks_here_keeps_one_marker_when_dropped(
     redis_server: RedisServer, prefix: str, tmp_path: Path
 ) -> None:
@@ -441,28 +470,65 @@ async def test_a_conversation_retired_for_forks_here_keeps_one_marker_when_dropp
     dropping it then keeps that one marker (it is not written twice): the drop succeeds
     and the fork is still served byte for byte."""
     C3 = _kv(3, 8)
-    shared = RedisTier(
-        redis_server.url, CAPACITY, prefix=prefix, value_size=SMALL_VALUES, lease_ttl=0.3
-    )
-    b = TieredKVCache(
-        [HostMemoryTier(8 << 20), SSDTier(tmp_path / "ssd", 8 << 20), shared], mode="inclusive"
-    )
+    b = _with_ssd(redis_server, prefix, SSDTier(tmp_path / "ssd", 8 << 20))
     async with _cache(redis_server, prefix) as a, b:
-        await _parent_on_a_fork_on_b(a, b)
-        manifest = f"{_base(prefix, 'p')}:m"
-        with redis_server.client() as c:
-            saved = c.dump(manifest)
-            c.delete(manifest)
-        with pytest.raises(SessionNotFoundError):
-            await b.load("p")
-        assert _same(await b.load("c"), FORK)
+        back = await _parent_lost_on_b(redis_server, prefix, a, b)
         await b.append("c", C3, answer_tokens=1)  # (written through to SSD: p's turns too)
         await b.flush()
         assert b.stats().tiers[1].segments == 5  # p's two turns, c's two, p's marker
-        with redis_server.client() as c:
-            c.restore(manifest, 0, saved)
+        back()
         assert _same(await b.load("p"), _cat(P0, P1))
         await b.flush()
+        await b.drop("p")
+        assert _same(await b.load("c"), _cat(FORK, C3))
+        assert _same(await a.load("c"), _cat(FORK, C3))
+
+
+class _MarkerGate(SSDTier):
+    """An SSD tier whose writes of retirement markers wait for :attr:`go` once
+    :attr:`hold` is set (:attr:`waiting` says one does)."""
+
+    def __init__(self, root: Path, capacity: int) -> None:
+        super().__init__(root, capacity)
+        self.hold = False
+        self.waiting = anyio.Event()
+        self.go = anyio.Event()
+
+    async def write_filled(
+        self,
+        key: SegmentKey,
+        data: memoryview,
+        cuts: Sequence[int],
+        fill: Callable[[int], None],
+    ) -> None:
+        if self.hold and key[1] == RETIRED_SEQ:
+            self.waiting.set()
+            await self.go.wait()
+        await super().write_filled(key, data, cuts, fill)
+
+
+async def test_a_parent_taken_in_again_while_its_marker_is_written_keeps_that_marker(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    """As above, but B takes the parent in again while the fork's copy into SSD is still
+    writing the parent's retirement marker there. The marker is written all the same, so
+    B keeps it listed (it used to forget the parent's record meanwhile: the marker was
+    then in SSD unlisted, and the parent's drop tried to write it again and failed with a
+    ``ValueError``). The drop succeeds, and the fork is served byte for byte."""
+    C3 = _kv(3, 8)
+    ssd = _MarkerGate(tmp_path / "ssd", 8 << 20)
+    b = _with_ssd(redis_server, prefix, ssd)
+    async with _cache(redis_server, prefix) as a, b:
+        back = await _parent_lost_on_b(redis_server, prefix, a, b)
+        ssd.hold = True
+        await b.append("c", C3, answer_tokens=1)  # (its copy into SSD writes p's marker)
+        with anyio.fail_after(10):
+            await ssd.waiting.wait()
+        back()
+        assert _same(await b.load("p"), _cat(P0, P1))
+        ssd.go.set()
+        await b.flush()
+        assert b.stats().tiers[1].segments == 5  # p's two turns, c's two, p's marker
         await b.drop("p")
         assert _same(await b.load("c"), _cat(FORK, C3))
         assert _same(await a.load("c"), _cat(FORK, C3))
