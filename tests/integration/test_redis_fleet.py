@@ -32,6 +32,7 @@ from tieredkv import HostMemoryTier, RetentionHint, SSDTier, TieredKVCache, cli
 from tieredkv.backends.redis import RedisTier, conversation_tag
 from tieredkv.backends.ssd import segment_file_name
 from tieredkv.errors import (
+    HistoryConflictError,
     InvalidArgumentError,
     SessionNotFoundError,
     StaleWriterError,
@@ -493,6 +494,40 @@ async def test_a_predicted_prefetch_takes_in_what_another_replica_committed_firs
         meta = b.channel["chat"]
         assert (meta.tier, meta.turns) == ("host", 3)
         assert tags(await b.load("chat")) == [0, 1, 2]
+
+
+async def test_a_turn_the_server_lost_after_a_conflict_is_a_miss_never_read_from_there(
+    server: RedisServer,
+) -> None:
+    """B commits chat's two turns, then keeps them in the shared tier only (host memory
+    went to other conversations). The server loses the second turn's commit (as an AOF
+    restart loses its last second of writes): its manifest is the one-turn history again.
+    B's next turn is refused as a conflict, and B's tier forgets the version it knew, so
+    the next load cannot tell the older history for a loss. That load is a counted miss,
+    as any loss of committed turns is (it used to keep serving from the shared tier, which
+    lacks the second turn: a ``KeyError`` out of ``load``); the next one serves the
+    committed turn."""
+    prefix = new_prefix()
+    b_tiers = [HostMemoryTier(256 << 10), tier(server.url, prefix)]
+    async with TieredKVCache(b_tiers, mode="inclusive") as b:
+        await append(b, "chat", 0)
+        await b.flush()
+        with server.client() as c:
+            one_turn = c.dump(manifest(prefix, "chat"))
+        await append(b, "chat", 1)
+        for i in range(6):  # 64 KiB each: chat leaves host memory
+            await append(b, f"other{i}", 10 + i, tokens=256)
+        await b.flush()
+        assert b.where("chat") == "redis"
+        with server.client() as c:
+            c.restore(manifest(prefix, "chat"), 0, one_turn, replace=True)
+        with pytest.raises(HistoryConflictError):
+            await append(b, "chat", 2)
+        lost = b.stats().lost
+        with pytest.raises(SessionNotFoundError, match="lost its history"):
+            await b.load("chat")
+        assert b.stats().lost == lost + 1
+        assert tags(await b.load("chat")) == [0]
 
 
 async def test_case07_a_turn_that_did_not_reach_the_shared_tier_is_never_reported_flushed(

@@ -218,6 +218,16 @@ async def _adopt(
                 seg.tiers.add(t)
             elif i >= own_from and t in seg.tiers and seg not in kept:
                 await take_out(core, seg, t)  # (the tier forgets it too)
+        if s.primary == t and not s.complete(t):
+            # turns this replica committed there are gone from it (the server lost them,
+            # and this tier, having since read another version, could not tell): serve
+            # from a local tier that holds the whole history, the commit restarted from
+            # there; with none, the history this replica acknowledged is lost (a miss)
+            s.primary = next((u for u in range(len(core.tiers)) if s.complete(u)), None)
+            if s.primary is None:
+                _log.warning("the shared copy of %.80r lost turns committed here", s.key)
+                await _forget_all(core, s)
+                return _LOST["lost"]
         if len(local) > n and (tier.token(s.key) is None or kept):
             # its own later turns, but another replica is the writer now (or the turns
             # are its forks' only): refused
