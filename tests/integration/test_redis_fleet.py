@@ -29,6 +29,7 @@ from tests.faults import FaultInjector
 from tests.fleet import ReplicaProcess, tags, turn
 from tests.redis_server import RedisServer, new_prefix, own_aof_server, own_redis_server
 from tieredkv import HostMemoryTier, RetentionHint, SSDTier, TieredKVCache, cli
+from tieredkv.backends.base import SegmentKey
 from tieredkv.backends.redis import RedisTier, conversation_tag
 from tieredkv.backends.ssd import segment_file_name
 from tieredkv.errors import (
@@ -528,6 +529,44 @@ async def test_a_turn_the_server_lost_after_a_conflict_is_a_miss_never_read_from
             await b.load("chat")
         assert b.stats().lost == lost + 1
         assert tags(await b.load("chat")) == [0]
+
+
+class _FailsOnce(SSDTier):
+    """An SSD tier whose first write fails with an error no tier raises (a bug)."""
+
+    failed = False
+
+    async def write(self, key: SegmentKey, data: memoryview) -> None:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("a bug in a local copy")
+        await super().write(key, data)
+
+
+async def test_a_local_copy_that_fails_unexpectedly_leaves_the_commit_to_be_done(
+    server: RedisServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """B's background copy of chat's turn into SSD (the tier below host memory) fails with
+    an unexpected error, logged. The turn's commit into the shared tier, which the same
+    copy was to make next, is not taken for done: ``flush()`` reports it not committed,
+    the commit is tried again, and the next ``flush()`` returns once it is made (the
+    first used to return at once, the turn never committed, and another replica was not
+    served it)."""
+    prefix = new_prefix()
+    ssd = _FailsOnce(tmp_path / "ssd", 8 * MiB)
+    b_tiers = [HostMemoryTier(8 * MiB), ssd, tier(server.url, prefix)]
+    async with TieredKVCache(b_tiers, mode="inclusive") as b:
+        await append(b, "chat", 0)
+        with (
+            caplog.at_level(logging.ERROR, "tieredkv.cache"),
+            pytest.raises(TierIOError, match="a bug in a local copy"),
+        ):
+            await b.flush()
+        assert ssd.failed
+        assert "write-through of 'chat' failed" in caplog.text
+        await b.flush()
+        async with replica(server.url, prefix) as a:
+            assert tags(await a.load("chat")) == [0]
 
 
 async def test_case07_a_turn_that_did_not_reach_the_shared_tier_is_never_reported_flushed(

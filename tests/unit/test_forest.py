@@ -650,3 +650,23 @@ async def test_a_forks_wait_for_a_busy_victim_ends_at_its_deadline_whatever_wake
         same(out, theirs)
         assert "u" not in c.channel
         await check(c)
+
+
+async def test_a_copy_writes_a_retirement_marker_only_for_retired_turns(ssd_dir: Path) -> None:
+    """A conversation still recorded as retired though it lists no retired turn (over a
+    shared tier, its history was taken in again while a marker of it was being written:
+    the record stays until that marker is spare) is live: the copy of its next turn into
+    SSD writes no marker of it there (a restart would take it for retired and serve none
+    of it; the copy used to write one for any owner with a record)."""
+    from tieredkv._cache.state import Retired
+
+    ssd = SSDTier(ssd_dir, 1 << 20)
+    cache = TieredKVCache([HostMemoryTier(1 << 20), ssd], mode="inclusive")
+    async with cache:
+        await cache.append("a", kv(8, 1), answer_tokens=1)
+        await cache.flush()
+        cache._core.retired["a"] = Retired([])
+        await cache.append("a", kv(8, 2), answer_tokens=1)
+        await cache.flush()
+        assert sorted(ssd.keys()) == [("a", 0), ("a", 1)]
+        same(await cache.load("a"), cat(kv(8, 1), kv(8, 2)))

@@ -118,6 +118,12 @@ async def retire(core: Core, s: Session) -> None:
                 await _delete_marker(core, s.key, r, t)
             raise
         r.segs = segs
+        cur = core.retired.get(s.key)
+        if cur is not None and cur is not r:
+            # recorded meanwhile (a fork's load here found some of its segments unlisted):
+            # one record, listing the markers of both
+            r.segs.extend(seg for seg in cur.segs if seg not in r.segs)
+            r.markers |= cur.markers
         core.retired[s.key] = r
     finally:
         for t, segs_t in claimed.items():
@@ -132,16 +138,26 @@ async def copying(core: Core, keys: list[SegmentKey], dst: int) -> None:
     """
     if not core.retired or not core.tiers[dst].persistent:
         return
+    wanted = set(keys)
     for owner in sorted({k[0] for k in keys if k[0] in core.retired}):
-        r = core.retired[owner]
         # a delete of the marker there may be under way (it decided before this copy was
-        # claimed): wait for it, then look (a marker still listed might be going away)
-        while (busy := r.busy.get(dst)) is not None:
+        # claimed): wait for it, then look again (the record may be gone with it, or the
+        # owner's history listed again here: a live conversation has no marker)
+        while (r := _retiring(core, owner, wanted)) is not None and (
+            busy := r.busy.get(dst)
+        ) is not None:
             await busy.wait()
-        if dst not in r.markers:
+        if r is not None and dst not in r.markers:
             async with _marking(r, dst):
                 await _write_marker(core, owner, dst)
                 r.markers.add(dst)
+
+
+def _retiring(core: Core, owner: str, keys: set[SegmentKey]) -> Retired | None:
+    """``owner``'s retirement record, if it lists some of ``keys`` (a copy of them needs
+    its marker)."""
+    r = core.retired.get(owner)
+    return r if r is not None and any(seg.key in keys for seg in r.segs) else None
 
 
 async def deleted(core: Core, segs: list[Seg], t: int) -> None:
@@ -160,8 +176,9 @@ async def deleted(core: Core, segs: list[Seg], t: int) -> None:
             if _spare(core, owner, r, u):
                 async with _marking(r, u):
                     await _delete_marker(core, owner, r, u)
-        if not any(seg.tiers for seg in r.segs) and not r.markers and not r.busy:
-            core.retired.pop(owner, None)
+        gone = not any(seg.tiers for seg in r.segs) and not r.markers and not r.busy
+        if gone and core.retired.get(owner) is r:  # (not one recorded meanwhile)
+            del core.retired[owner]
 
 
 def _spare(core: Core, owner: str, r: Retired, t: int) -> bool:

@@ -241,7 +241,11 @@ class WriteThrough:
         except Exception as exc:  # a bug: never left unretrieved, never silent
             core.stats.errors += 1
             _log.exception("write-through of %.80r failed", s.key)
-            if dst >= 0 and core.io[dst].shared is not None:
+            if dst >= 0 and core.io[dst].shared is None:
+                self._failed.add(s.key)  # (that local copy: tried again at close)
+            if any(core.io[d].shared is not None for d in self.targets(s)):
+                # the commit, whichever copy failed: tried again (into the shared tiers
+                # only), and reported by flush() until it succeeds, never taken for done
                 self._later(s, exc)
         finally:
             self._local.discard(s.key)
