@@ -569,6 +569,69 @@ async def test_a_local_copy_that_fails_unexpectedly_leaves_the_commit_to_be_done
             assert tags(await a.load("chat")) == [0]
 
 
+class _GatedHost(HostMemoryTier):
+    """Host memory whose next delete, once :attr:`armed`, waits for :attr:`go`
+    (:attr:`reached` says it does)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.armed = False
+        self.reached = anyio.Event()
+        self.go = anyio.Event()
+
+    async def delete(self, key: SegmentKey) -> None:
+        if self.armed:
+            self.armed = False
+            self.reached.set()
+            await self.go.wait()
+        await super().delete(key)
+
+
+async def test_no_commit_starts_while_a_load_reconciles_the_conversation(
+    server: RedisServer,
+) -> None:
+    """B's commit of chat's second turn waits to be tried again (the server was stopped);
+    the server then loses chat's manifest. B's load finds the history lost and lets go of
+    B's copies; while it does, a ``flush()`` asks for the waiting commit. The commit waits
+    for the load (it used to start at once, reading the copies the load was removing and
+    writing into the shared tier the load had just read: refused, or a ``ValueError`` when
+    the copy it read was gone first), and then finds nothing left to commit: the load is
+    the counted miss, the flush returns, and nothing was refused."""
+    prefix = new_prefix()
+    host = _GatedHost(8 * MiB)
+    async with TieredKVCache([host, tier(server.url, prefix, timeout=0.3)], mode="inclusive") as b:
+        await append(b, "chat", 0)
+        await b.flush()
+        errors = b.stats().errors
+        server.pause()
+        try:
+            await append(b, "chat", 1)
+            for _ in range(1000):  # polled: the commit runs in the background
+                if b.stats().errors > errors:
+                    break
+                await anyio.sleep(0.01)
+        finally:
+            server.resume()
+        with server.client() as c:
+            c.delete(manifest(prefix, "chat"))
+        host.armed = True
+        with anyio.fail_after(30):  # (it used to hang here, too)
+            async with anyio.create_task_group() as tg:
+
+                async def load() -> None:
+                    with pytest.raises(SessionNotFoundError, match="lost its history"):
+                        await b.load("chat")
+
+                tg.start_soon(load)
+                with anyio.fail_after(10):
+                    await host.reached.wait()
+                tg.start_soon(b.flush)
+                await anyio.sleep(0.3)  # (the flush asked for the commit meanwhile)
+                host.go.set()
+        assert b.stats().refused == 0
+        assert not b.contains("chat")
+
+
 async def test_case07_a_turn_that_did_not_reach_the_shared_tier_is_never_reported_flushed(
     server: RedisServer,
 ) -> None:

@@ -155,7 +155,13 @@ _LOST = {
 
 
 async def _look(core: Core, s: Session, t: int, tier: SharedTier, take: bool) -> str | None:
-    await s.wait_quiet()  # no write into the shared tier under way
+    # no write into the shared tier under way, and none starting meanwhile (a commit
+    # retried would read the copies this may remove, and write where it reads)
+    async with core.hold_copies(s):
+        return await _looked(core, s, t, tier, take)
+
+
+async def _looked(core: Core, s: Session, t: int, tier: SharedTier, take: bool) -> str | None:
     if s.key in core.refused:
         await _drop_refused(core, s)
     try:

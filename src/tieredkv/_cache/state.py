@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
+from contextlib import AbstractAsyncContextManager
 from typing import Literal
 
 import anyio
@@ -188,6 +189,13 @@ class Seg:
         )
 
 
+@contextlib.asynccontextmanager
+async def _quiet(s: Session) -> AsyncIterator[None]:
+    """:attr:`Core.hold_copies` of a cache without background copies."""
+    await s.wait_quiet()
+    yield
+
+
 class Session:
     """A conversation in the index. Mutated only with :attr:`lock` held (see :meth:`Core.hold`).
 
@@ -199,6 +207,7 @@ class Session:
 
     __slots__ = (
         "base",
+        "deferred",
         "dropped",
         "filling",
         "inflight",
@@ -227,6 +236,10 @@ class Session:
         self.inflight = 0  # background copies under way (write-through)
         self.quiet: anyio.Event | None = None  # set when inflight drops to 0
         self.stopping = False  # a drop is waiting: background copies stop early
+        self.deferred: int | None = None
+        """While an operation reconciles this conversation with a shared tier (not
+        ``None``), background copies start none: a start asked meanwhile is made when it
+        ends (1: into the shared tiers, 2: into the local tier below too; 0: none asked)."""
         self.dropped = False
         self.filling: dict[int, list[Seg]] = {}
         """Tiers a copy of the whole history is being made into, with the segments this
@@ -444,6 +457,9 @@ class Core:
         """Refusals recorded so far (each time a session's refused turns grew)."""
         self.restart_copy: Callable[[Session], None] = lambda s: None
         """Restart ``s``'s background copy to the next tier (set by the write-through)."""
+        self.hold_copies: Callable[[Session], AbstractAsyncContextManager[None]] = _quiet
+        """``async with core.hold_copies(s)``: ``s`` (locked) with no background copy
+        under way, and none starting until the block ends (set by the write-through)."""
         self.staging = Staging()
         self.outputs = OutputPool(output_reuse_bytes, huge_pages=output_huge_pages)
         self.pins = pins

@@ -26,8 +26,10 @@ raises.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import anyio
 
@@ -84,6 +86,7 @@ class WriteThrough:
         self._retrier: asyncio.Task[None] | None = None
         self._wake: anyio.Event | None = None
         core.restart_copy = self.resume
+        core.hold_copies = self.held
 
     def _spawn(self, coro: object) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
@@ -112,6 +115,9 @@ class WriteThrough:
         """Make sure a pump is copying ``s``'s missing segments into the tiers below it
         (:meth:`targets`); ``local=False``: only into the shared tiers (a commit tried
         again, which must not copy again into a local tier that the policy emptied)."""
+        if s.deferred is not None:  # (made when the reconciliation ends: see held)
+            s.deferred = max(s.deferred, 2 if local else 1)
+            return
         if local:
             self._local.add(s.key)
         if s.inflight:  # the running pump picks up the new segment
@@ -156,6 +162,23 @@ class WriteThrough:
         if not s.dropped and s.key not in self._core.refused:
             self.start(s, local=local)
 
+    @contextlib.asynccontextmanager
+    async def held(self, s: Session) -> AsyncIterator[None]:
+        """``async with``: ``s`` (locked) is reconciled with a shared tier, its background
+        copies quiet: none starts meanwhile (a commit retried, or one a flush kicks, would
+        read copies the reconciliation removes, and write into the shared tier it reads);
+        one asked for is started once it ends."""
+        await s.wait_quiet()
+        s.deferred = 0
+        try:
+            yield
+        finally:
+            asked, s.deferred = s.deferred, None
+            if asked:
+                self.resume(s, local=asked == 2)
+                if not s.inflight:  # (nothing left to copy: a kick forgets it, see _kick)
+                    self._waiting.pop(s.key, None)
+
     def retry_failed(self) -> None:
         """Restart the copies that an I/O error stopped (at close, so a restart finds those
         sessions), and every commit into a shared tier waiting to be tried again. A copy
@@ -193,6 +216,11 @@ class WriteThrough:
             for key, w in list(self._waiting.items()):
                 if not isinstance(w.error, CommitDelayedError) or w.due <= now:
                     self._kick(key)
+            for key in list(self._waiting):  # (a kick a reconciliation holds: once it ends)
+                s = self._core.sessions.get(key)
+                if s is not None and s.deferred is not None:
+                    async with s.lock:
+                        pass
             await self.flush()
             delays = [
                 w.due for w in self._waiting.values() if isinstance(w.error, CommitDelayedError)
@@ -350,6 +378,8 @@ class WriteThrough:
         s = self._core.sessions.get(key)
         if s is not None and not s.dropped:
             self.resume(s, local=False)
+        if s is not None and s.deferred is not None:
+            return  # (started when the reconciliation holding it ends)
         if s is None or not s.inflight:  # (nothing to copy, dropped, or not inclusive)
             self._waiting.pop(key, None)
 
