@@ -460,15 +460,16 @@ async def _parent_lost_on_b(
     return back
 
 
-async def test_a_conversation_retired_for_forks_here_keeps_one_marker_when_dropped(
+async def test_a_conversation_taken_in_again_loses_its_marker_and_its_drop_writes_one(
     redis_server: RedisServer, prefix: str, tmp_path: Path
 ) -> None:
     """B (host, SSD, Redis) forks A's conversation; the server loses the parent's manifest
     (as ``maxmemory`` evicts one) and B's load finds it gone: its key stays taken on B for
     the fork (its turns are the fork's), and the fork's copy into SSD writes the parent's
-    retirement marker there. The manifest comes back and B takes the parent in again;
-    dropping it then keeps that one marker (it is not written twice): the drop succeeds
-    and the fork is still served byte for byte."""
+    retirement marker there. The manifest comes back and B takes the parent in again: it
+    is live, so its marker goes (left there, a restart would take the parent for retired
+    and serve none of its turns). Dropping it then writes one again (the fork still lists
+    its turns): the drop succeeds and the fork is still served byte for byte."""
     C3 = _kv(3, 8)
     b = _with_ssd(redis_server, prefix, SSDTier(tmp_path / "ssd", 8 << 20))
     async with _cache(redis_server, prefix) as a, b:
@@ -479,18 +480,21 @@ async def test_a_conversation_retired_for_forks_here_keeps_one_marker_when_dropp
         back()
         assert _same(await b.load("p"), _cat(P0, P1))
         await b.flush()
+        assert b.stats().tiers[1].segments == 4  # the marker is gone
         await b.drop("p")
+        assert b.stats().tiers[1].segments == 5  # written again
         assert _same(await b.load("c"), _cat(FORK, C3))
         assert _same(await a.load("c"), _cat(FORK, C3))
 
 
 class _MarkerGate(SSDTier):
     """An SSD tier whose writes of retirement markers wait for :attr:`go` once
-    :attr:`hold` is set (:attr:`waiting` says one does)."""
+    :attr:`hold` is set (:attr:`waiting` says one does), then fail if :attr:`fail` is."""
 
     def __init__(self, root: Path, capacity: int) -> None:
         super().__init__(root, capacity)
         self.hold = False
+        self.fail = False
         self.waiting = anyio.Event()
         self.go = anyio.Event()
 
@@ -504,15 +508,17 @@ class _MarkerGate(SSDTier):
         if self.hold and key[1] == RETIRED_SEQ:
             self.waiting.set()
             await self.go.wait()
+            if self.fail:
+                raise TierIOError(self.name, "write a retirement marker", "injected")
         await super().write_filled(key, data, cuts, fill)
 
 
-async def test_a_parent_taken_in_again_while_its_marker_is_written_keeps_that_marker(
+async def test_a_parent_taken_in_again_while_its_marker_is_written_loses_it_once_written(
     redis_server: RedisServer, prefix: str, tmp_path: Path
 ) -> None:
     """As above, but B takes the parent in again while the fork's copy into SSD is still
-    writing the parent's retirement marker there. The marker is written all the same, so
-    B keeps it listed (it used to forget the parent's record meanwhile: the marker was
+    writing the parent's retirement marker there. The load waits for that write, then
+    deletes the marker (it used to forget the parent's record meanwhile: the marker was
     then in SSD unlisted, and the parent's drop tried to write it again and failed with a
     ``ValueError``). The drop succeeds, and the fork is served byte for byte."""
     C3 = _kv(3, 8)
@@ -525,10 +531,16 @@ async def test_a_parent_taken_in_again_while_its_marker_is_written_keeps_that_ma
         with anyio.fail_after(10):
             await ssd.waiting.wait()
         back()
-        assert _same(await b.load("p"), _cat(P0, P1))
-        ssd.go.set()
+        async with anyio.create_task_group() as tg:
+
+            async def load() -> None:
+                assert _same(await b.load("p"), _cat(P0, P1))
+
+            tg.start_soon(load)
+            await anyio.sleep(0.2)  # (the load waits for the marker's write)
+            ssd.go.set()
         await b.flush()
-        assert b.stats().tiers[1].segments == 5  # p's two turns, c's two, p's marker
+        assert b.stats().tiers[1].segments == 4  # p's two turns, c's two: no marker
         await b.drop("p")
         assert _same(await b.load("c"), _cat(FORK, C3))
         assert _same(await a.load("c"), _cat(FORK, C3))
@@ -664,6 +676,53 @@ async def test_a_parent_dropped_while_its_forks_turn_waits_keeps_what_the_fork_l
         assert _same(await a.load("c"), _cat(FORK, C3))
         async with _cache(own_redis_server, prefix) as third:
             assert _same(await third.load("c"), _cat(FORK, C3))
+
+
+async def test_a_flush_while_a_drop_fails_does_not_take_a_waiting_commit_for_made(
+    own_redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """A's ``p`` (forked as ``c``) has a turn whose commit waits (the server was stopped).
+    With the server stopped again, A drops ``p``: the drop writes ``p``'s retirement
+    marker into SSD first, and that write fails. A ``flush()`` meanwhile reports the
+    waiting commit (it used to return as if it were made: the drop had forgotten it before
+    its point of no return); once the server is back, a flush commits it and another
+    replica is served ``p`` whole."""
+    prefix = new_prefix()
+    ssd = _MarkerGate(tmp_path / "ssd", 8 << 20)
+    shared = RedisTier(
+        own_redis_server.url,
+        CAPACITY,
+        prefix=prefix,
+        value_size=SMALL_VALUES,
+        lease_ttl=5.0,
+        liveness=0.3,
+        timeout=0.2,
+    )
+    async with TieredKVCache([HostMemoryTier(8 << 20), ssd, shared], mode="inclusive") as a:
+        await a.append("p", P0, answer_tokens=8)
+        await a.append("c", C, answer_tokens=4, parent="p", parent_tokens=20)
+        await a.flush()
+        await _failing_twice(own_redis_server, a, lambda: a.append("p", P1, answer_tokens=8))
+        own_redis_server.pause()
+        ssd.hold = ssd.fail = True
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def drop() -> None:
+                    with pytest.raises(TierIOError, match="injected"):
+                        await a.drop("p")
+
+                tg.start_soon(drop)
+                with anyio.fail_after(10):
+                    await ssd.waiting.wait()
+                with pytest.raises(TierIOError, match="commit the latest turns"):
+                    await a.flush()
+                ssd.go.set()
+        finally:
+            own_redis_server.resume()
+        await a.flush()
+        async with _cache(own_redis_server, prefix) as third:
+            assert _same(await third.load("p"), _cat(P0, P1))
 
 
 async def test_a_fork_loaded_while_its_first_turn_waits_is_served_and_committed(

@@ -26,7 +26,7 @@ from ..errors import InvalidArgumentError, TierIOError
 from ..payload import RETIRED_SEQ, plan_retirement
 from .state import Core, Retired, Seg, Session, claim, unclaim
 
-__all__ = ["check_not_retired", "copying", "deleted", "retire"]
+__all__ = ["check_not_retired", "copying", "deleted", "relisted", "retire"]
 
 
 def check_not_retired(core: Core, key: str, seq: int = 0) -> None:
@@ -168,17 +168,38 @@ async def deleted(core: Core, segs: list[Seg], t: int) -> None:
 
     A marker kept because a copy was under way stays after the copy failed, spare until
     the next segment of its owner leaves a tier (or a restart); it never stands for a live
-    conversation.
+    conversation (see :func:`relisted`).
     """
     for owner in sorted({seg.key[0] for seg in segs if seg.key[0] in core.retired}):
-        r = core.retired[owner]
-        for u in sorted(r.markers):  # t, and any marker a failed copy left elsewhere
-            if _spare(core, owner, r, u):
-                async with _marking(r, u):
-                    await _delete_marker(core, owner, r, u)
-        gone = not any(seg.tiers for seg in r.segs) and not r.markers and not r.busy
-        if gone and core.retired.get(owner) is r:  # (not one recorded meanwhile)
-            del core.retired[owner]
+        r = core.retired.get(owner)
+        if r is not None:  # (not forgotten while an earlier owner's marker was deleted)
+            await _drop_spare(core, owner, r)
+
+
+async def relisted(core: Core, owner: str) -> None:
+    """``owner``'s history was just listed here again (taken in from a shared tier): what
+    it lists is no longer retired, so a marker of it that stands for no retired segment
+    any more (a write of one under way: once written) is deleted now. Left there, it would
+    stand for the live conversation, and a restart would take it for retired and serve
+    none of its turns."""
+    r = core.retired.get(owner)
+    if r is None:
+        return
+    while r.busy:  # (a marker a fork's copy is writing, or one being deleted)
+        await next(iter(r.busy.values())).wait()
+    await _drop_spare(core, owner, r)
+
+
+async def _drop_spare(core: Core, owner: str, r: Retired) -> None:
+    """Delete ``owner``'s spare markers (:func:`_spare`); forget its record ``r`` once no
+    tier holds any of its segments and it has no marker left."""
+    for u in sorted(r.markers):  # any tier: a marker a failed copy left elsewhere too
+        if _spare(core, owner, r, u):
+            async with _marking(r, u):
+                await _delete_marker(core, owner, r, u)
+    gone = not any(seg.tiers for seg in r.segs) and not r.markers and not r.busy
+    if gone and core.retired.get(owner) is r:  # (not one recorded meanwhile)
+        del core.retired[owner]
 
 
 def _spare(core: Core, owner: str, r: Retired, t: int) -> bool:

@@ -38,6 +38,7 @@ from ..backends.shared import SharedState, SharedTier, plain_header
 from ..errors import SchemaMismatchError, SessionNotFoundError, TierIOError
 from ..payload import SegmentHeader, header_schema
 from .atomic import settle
+from .forest import relisted
 from .placement import remove_copy, take_out
 from .refusals import record_refusal, report
 from .shared_forest import keep_for_forks, list_shared
@@ -273,6 +274,8 @@ async def _take(core: Core, s: Session, t: int, headers: list[SegmentHeader]) ->
             await remove_copy(core, s, u)
     s.clear()
     good = list_shared(core, s, t, headers[:good])  # (a fork: its inherited segments too)
+    if core.retired:
+        await relisted(core, s.key)  # (a marker of it left here stands for nothing now)
     if not good:
         s.primary = None
         if s.key in core.channel:

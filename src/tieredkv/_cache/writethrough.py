@@ -148,7 +148,8 @@ class WriteThrough:
         except BaseException:
             self.unstop(s)
             raise
-        self._waiting.pop(s.key, None)
+        # (a commit waiting stays listed until the drop is done, when a kick forgets it:
+        # a flush meanwhile must not take it for made, the drop may yet fail)
 
     def unstop(self, s: Session) -> None:
         """The drop :meth:`stop` made way for will not happen: ``s``'s copy goes on."""
