@@ -295,11 +295,16 @@ class HistoryConflictError(TieredKVError, RuntimeError):
     this replica last read or wrote (another replica appended to it, it never loaded it, or
     the server lost it). Nothing of the refused segment is stored."""
 
-    def __init__(self, tier: str, session: str, detail: str) -> None:
+    def __init__(
+        self, tier: str, session: str, detail: str, *, shared_turns: int | None = None
+    ) -> None:
         self.tier = tier
         self.session = session
         self.detail = detail
         self.reason = detail
+        self.shared_turns = shared_turns
+        """How many turns the shared history holds, where the tier said (``None``: not
+        said): fewer than this replica committed means the server lost the others."""
         super().__init__(
             f"tier {tier!r} refused to extend session {_shown(session)!r}: {detail}; load the "
             f"conversation again (its current history is the shared one) before appending to it"

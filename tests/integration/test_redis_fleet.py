@@ -531,6 +531,32 @@ async def test_a_turn_the_server_lost_after_a_conflict_is_a_miss_never_read_from
         assert tags(await b.load("chat")) == [0]
 
 
+async def test_a_committed_turn_the_server_lost_is_reported_with_the_refused_one(
+    server: RedisServer,
+) -> None:
+    """B commits chat's two turns and keeps them in host memory; the server loses the
+    second turn's commit (its manifest is the one-turn history again). B's third turn is
+    refused as a conflict, and the refusal names the lost second turn too (it used to name
+    the third only, and the next load served the one turn left: an acknowledged turn gone
+    with nothing said)."""
+    prefix = new_prefix()
+    b_tiers = [HostMemoryTier(8 * MiB), tier(server.url, prefix)]
+    async with TieredKVCache(b_tiers, mode="inclusive") as b:
+        await append(b, "chat", 0)
+        await b.flush()
+        with server.client() as c:
+            one_turn = c.dump(manifest(prefix, "chat"))
+        await append(b, "chat", 1)
+        await b.flush()
+        with server.client() as c:
+            c.restore(manifest(prefix, "chat"), 0, one_turn, replace=True)
+        await append(b, "chat", 2)
+        with pytest.raises(TurnRefusedError, match=r"session 'chat' turn\(s\) 1, 2 "):
+            await b.flush()
+        assert b.stats().refused == 2
+        assert tags(await b.load("chat")) == [0]
+
+
 class _FailsOnce(SSDTier):
     """An SSD tier whose first write fails with an error no tier raises (a bug)."""
 

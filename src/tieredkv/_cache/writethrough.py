@@ -44,7 +44,7 @@ from ..errors import (
     UnauthenticatedWriterError,
 )
 from .placement import copy_segments, delete_or_orphan, remove_copy, reserve
-from .refusals import Owed, record_refusal, report
+from .refusals import Owed, pending, record_refusal, report
 from .state import Core, Seg, Session, claim, unclaim
 
 __all__ = ["WriteThrough"]
@@ -336,7 +336,12 @@ class WriteThrough:
                 else:
                     _log.info("write-through of %.80r stopped: tier %r is full", s.key, to.name)
         except _REFUSALS as exc:
-            record_refusal(core, s, dst, exc.reason)  # (its reason, not its advice)
+            turns = pending(s, dst)
+            n = getattr(exc, "shared_turns", None)
+            if n is not None:  # turns committed here that the shared history lost: gone too
+                lost = [g.header.seq for g in s.segs[max(n, s.base) :] if dst in g.tiers]
+                turns = sorted({*turns, *lost})
+            record_refusal(core, s, dst, exc.reason, turns)  # (its reason, not its advice)
             self._waiting.pop(s.key, None)
             return False
         except (TierIOError, CorruptSegmentError) as exc:

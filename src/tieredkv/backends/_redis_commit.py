@@ -412,6 +412,7 @@ class Commits(Leases):
                 f"the shared tier holds version {to_int(reply[3])} of its history "
                 f"({to_int(reply[4])} turn(s)), not version {known.v} ({known.n} turn(s)) that "
                 f"this replica extends",
+                shared_turns=to_int(reply[4]),
             )
         if code == -3:
             # (try again once the holder's liveness could have run out, if it is gone)
