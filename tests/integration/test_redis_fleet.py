@@ -497,6 +497,25 @@ async def test_a_predicted_prefetch_takes_in_what_another_replica_committed_firs
         assert tags(await b.load("chat")) == [0, 1, 2]
 
 
+async def _second_turn_lost(
+    server: RedisServer, prefix: str, b: TieredKVCache, *, host_to_others: bool = False
+) -> None:
+    """B commits chat's two turns (then, with ``host_to_others``, appends other
+    conversations that take its host memory); the server then loses the second turn's
+    commit, as an AOF restart loses its last second of writes: chat's manifest is the
+    one-turn history again."""
+    await append(b, "chat", 0)
+    await b.flush()
+    with server.client() as c:
+        one_turn = c.dump(manifest(prefix, "chat"))
+    await append(b, "chat", 1)
+    for i in range(6 if host_to_others else 0):  # 64 KiB each
+        await append(b, f"other{i}", 10 + i, tokens=256)
+    await b.flush()
+    with server.client() as c:
+        c.restore(manifest(prefix, "chat"), 0, one_turn, replace=True)
+
+
 async def test_a_turn_the_server_lost_after_a_conflict_is_a_miss_never_read_from_there(
     server: RedisServer,
 ) -> None:
@@ -511,17 +530,8 @@ async def test_a_turn_the_server_lost_after_a_conflict_is_a_miss_never_read_from
     prefix = new_prefix()
     b_tiers = [HostMemoryTier(256 << 10), tier(server.url, prefix)]
     async with TieredKVCache(b_tiers, mode="inclusive") as b:
-        await append(b, "chat", 0)
-        await b.flush()
-        with server.client() as c:
-            one_turn = c.dump(manifest(prefix, "chat"))
-        await append(b, "chat", 1)
-        for i in range(6):  # 64 KiB each: chat leaves host memory
-            await append(b, f"other{i}", 10 + i, tokens=256)
-        await b.flush()
+        await _second_turn_lost(server, prefix, b, host_to_others=True)
         assert b.where("chat") == "redis"
-        with server.client() as c:
-            c.restore(manifest(prefix, "chat"), 0, one_turn, replace=True)
         with pytest.raises(HistoryConflictError):
             await append(b, "chat", 2)
         lost = b.stats().lost
@@ -542,14 +552,7 @@ async def test_a_committed_turn_the_server_lost_is_reported_with_the_refused_one
     prefix = new_prefix()
     b_tiers = [HostMemoryTier(8 * MiB), tier(server.url, prefix)]
     async with TieredKVCache(b_tiers, mode="inclusive") as b:
-        await append(b, "chat", 0)
-        await b.flush()
-        with server.client() as c:
-            one_turn = c.dump(manifest(prefix, "chat"))
-        await append(b, "chat", 1)
-        await b.flush()
-        with server.client() as c:
-            c.restore(manifest(prefix, "chat"), 0, one_turn, replace=True)
+        await _second_turn_lost(server, prefix, b)
         await append(b, "chat", 2)
         with pytest.raises(TurnRefusedError, match=r"session 'chat' turn\(s\) 1, 2 "):
             await b.flush()
