@@ -106,28 +106,45 @@ async def retire(core: Core, s: Session) -> None:
         tiers = sorted({t for seg in kept for t in seg.tiers if t in persistent})
         try:
             for t in tiers:
-                while (busy := r.busy.get(t)) is not None:  # (a recorded one's marker)
+                # (a marker of it being written or deleted: by this record, or by one
+                # recorded meanwhile, when a fork's load here found its segments unlisted)
+                while (busy := _busy(core, s.key, r, t)) is not None:
                     await busy.wait()
-                if t not in r.markers:
+                if t not in r.markers and not _listed(core, s.key, r, t):
                     async with _marking(r, t):
                         await _write_marker(core, s.key, t)
                         r.markers.add(t)
                     written.append(t)
+            cur = core.retired.get(s.key)
+            while cur is not None and cur is not r and cur.busy:  # (all of it listed below)
+                await next(iter(cur.busy.values())).wait()
         except BaseException:
             for t in written:
                 await _delete_marker(core, s.key, r, t)
             raise
         r.segs = segs
-        cur = core.retired.get(s.key)
-        if cur is not None and cur is not r:
-            # recorded meanwhile (a fork's load here found some of its segments unlisted):
-            # one record, listing the markers of both
+        if cur is not None and cur is not r:  # one record, listing the markers of both
             r.segs.extend(seg for seg in cur.segs if seg not in r.segs)
             r.markers |= cur.markers
         core.retired[s.key] = r
     finally:
         for t, segs_t in claimed.items():
             unclaim(segs_t, t)
+
+
+def _busy(core: Core, owner: str, r: Retired, t: int) -> anyio.Event | None:
+    """A write or delete under way of ``owner``'s marker in tier ``t``, by ``r`` or by the
+    record of ``owner`` now in the index, if another."""
+    cur = core.retired.get(owner)
+    other = cur.busy.get(t) if cur is not None and cur is not r else None
+    return r.busy.get(t) or other
+
+
+def _listed(core: Core, owner: str, r: Retired, t: int) -> bool:
+    """Whether the record of ``owner`` now in the index, if not ``r``, lists a marker in
+    tier ``t`` (written meanwhile: ``r`` takes it over)."""
+    cur = core.retired.get(owner)
+    return cur is not None and cur is not r and t in cur.markers
 
 
 async def copying(core: Core, keys: list[SegmentKey], dst: int) -> None:
