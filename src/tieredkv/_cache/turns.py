@@ -296,6 +296,12 @@ async def store(
                 # the session itself no longer fits here: move it down whole
                 await s.wait_quiet()
                 await demote(core, s, t, may_lose=False)
+                if s.primary is not None and s.primary > t + 1:
+                    # it moved past the next tier, into a lower one that held all of it:
+                    # its turn goes there too (in a tier above it, its history would be
+                    # split, and every load would read the turn where it is not)
+                    t = s.primary
+                    continue
             t += 1
         await core.io[t].write_new(key, plan, core.staging)
     except CommitDelayedError as exc:  # written straight to a shared tier: not kept here
