@@ -110,20 +110,21 @@ async def retire(core: Core, s: Session) -> None:
                 # recorded meanwhile, when a fork's load here found its segments unlisted)
                 while (busy := _busy(core, s.key, r, t)) is not None:
                     await busy.wait()
-                if t not in r.markers and not _listed(core, s.key, r, t):
+                cur = _other(core, s.key, r)
+                if t not in r.markers and (cur is None or t not in cur.markers):
                     async with _marking(r, t):
                         await _write_marker(core, s.key, t)
                         r.markers.add(t)
                     written.append(t)
-            cur = core.retired.get(s.key)
-            while cur is not None and cur is not r and cur.busy:  # (all of it listed below)
-                await next(iter(cur.busy.values())).wait()
+            cur = _other(core, s.key, r)
+            if cur is not None:  # (all of it listed below)
+                await _unmarking(cur)
         except BaseException:
             for t in written:
                 await _delete_marker(core, s.key, r, t)
             raise
         r.segs = segs
-        if cur is not None and cur is not r:  # one record, listing the markers of both
+        if cur is not None:  # one record, listing the markers of both
             r.segs.extend(seg for seg in cur.segs if seg not in r.segs)
             r.markers |= cur.markers
         core.retired[s.key] = r
@@ -132,19 +133,24 @@ async def retire(core: Core, s: Session) -> None:
             unclaim(segs_t, t)
 
 
+def _other(core: Core, owner: str, r: Retired) -> Retired | None:
+    """The record of ``owner`` now in the index, if it is not ``r`` (one recorded while
+    ``r`` was being made: a fork's load here found ``owner``'s segments unlisted)."""
+    cur = core.retired.get(owner)
+    return cur if cur is not r else None
+
+
 def _busy(core: Core, owner: str, r: Retired, t: int) -> anyio.Event | None:
-    """A write or delete under way of ``owner``'s marker in tier ``t``, by ``r`` or by the
-    record of ``owner`` now in the index, if another."""
-    cur = core.retired.get(owner)
-    other = cur.busy.get(t) if cur is not None and cur is not r else None
-    return r.busy.get(t) or other
+    """A write or delete under way of ``owner``'s marker in tier ``t``, by ``r`` or by
+    :func:`_other`."""
+    cur = _other(core, owner, r)
+    return r.busy.get(t) or (cur.busy.get(t) if cur is not None else None)
 
 
-def _listed(core: Core, owner: str, r: Retired, t: int) -> bool:
-    """Whether the record of ``owner`` now in the index, if not ``r``, lists a marker in
-    tier ``t`` (written meanwhile: ``r`` takes it over)."""
-    cur = core.retired.get(owner)
-    return cur is not None and cur is not r and t in cur.markers
+async def _unmarking(r: Retired) -> None:
+    """Wait until no write or delete of ``r``'s markers is under way."""
+    while r.busy:
+        await next(iter(r.busy.values())).wait()
 
 
 async def copying(core: Core, keys: list[SegmentKey], dst: int) -> None:
@@ -202,8 +208,7 @@ async def relisted(core: Core, owner: str) -> None:
     r = core.retired.get(owner)
     if r is None:
         return
-    while r.busy:  # (a marker a fork's copy is writing, or one being deleted)
-        await next(iter(r.busy.values())).wait()
+    await _unmarking(r)  # (a marker a fork's copy is writing, or one being deleted)
     await _drop_spare(core, owner, r)
 
 

@@ -66,11 +66,7 @@ def list_shared(core: Core, s: Session, t: int, headers: list[SegmentHeader]) ->
         _retire_unlisted(core, segs[:base])
     r = core.retired.get(s.key)
     if r is not None:  # what it lists again is this history's, no longer only its forks'
-        r.segs = [seg for seg in r.segs if seg not in segs]
-        # (a marker being written meanwhile is written all the same: its record stays, so
-        # that the marker stays listed, deleted once spare, see forest.deleted)
-        if not r.segs and not r.markers and not r.busy:
-            del core.retired[s.key]
+        r.segs = [seg for seg in r.segs if seg not in segs]  # (the rest: forest.relisted)
     for u in sharers:
         core.reshared(u)
     return len(headers)

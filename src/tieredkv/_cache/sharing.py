@@ -274,8 +274,8 @@ async def _take(core: Core, s: Session, t: int, headers: list[SegmentHeader]) ->
             await remove_copy(core, s, u)
     s.clear()
     good = list_shared(core, s, t, headers[:good])  # (a fork: its inherited segments too)
-    if core.retired:
-        await relisted(core, s.key)  # (a marker of it left here stands for nothing now)
+    # (its record, and a marker of it left here, which stands for nothing now, go)
+    await relisted(core, s.key)
     if not good:
         s.primary = None
         if s.key in core.channel:
