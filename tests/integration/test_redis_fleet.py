@@ -28,6 +28,7 @@ import pytest
 from tests.faults import FaultInjector
 from tests.fleet import ReplicaProcess, tags, turn
 from tests.redis_server import RedisServer, new_prefix, own_aof_server, own_redis_server
+from tests.unit.test_cache_concurrency import SlowDeletes
 from tieredkv import HostMemoryTier, RetentionHint, SSDTier, TieredKVCache, cli
 from tieredkv.backends.base import SegmentKey
 from tieredkv.backends.redis import RedisTier, conversation_tag
@@ -683,6 +684,49 @@ async def test_no_commit_starts_while_a_load_reconciles_the_conversation(
                 host.go.set()
         assert b.stats().refused == 0
         assert not b.contains("chat")
+
+
+async def test_a_load_while_the_conversation_is_dropped_here_is_a_miss_once_dropped(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    """B (host, SSD, Redis) drops chat; while B still deletes its file in SSD (the shared
+    copy is discarded after it), B loads chat. The load waits for the drop and misses;
+    chat stays dropped on B and on the server. It used to take the shared copy in as a new
+    conversation and serve it, and the background copy into SSD found the dropped turn's
+    file still there (a ``ValueError``, logged; fleet campaign seed 2436); the drop then
+    discarded the shared copy, and B went on listing the dropped conversation."""
+    prefix = new_prefix()
+    ssd = SlowDeletes(tmp_path / "ssd")
+    b_tiers = [HostMemoryTier(8 * MiB), ssd, tier(server.url, prefix)]
+    async with TieredKVCache(b_tiers, mode="inclusive") as b:
+        await append(b, "chat", 0)
+        await b.flush()
+        loaded: list[object] = []
+
+        async def load() -> None:
+            try:
+                loaded.append(tags(await b.load("chat")))
+            except SessionNotFoundError:
+                loaded.append("miss")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(b.drop, "chat")
+            try:
+                with anyio.fail_after(10):
+                    await ssd.deleting.wait()
+                tg.start_soon(load)
+                await anyio.sleep(0.1)
+                assert loaded == []  # (it waits for the drop)
+            finally:
+                ssd.go.set()
+        assert loaded == ["miss"]
+        await b.flush()
+        assert b.stats().errors == 0
+        assert not b.contains("chat")
+        assert [t.segments for t in b.stats().tiers] == [0, 0, 0]
+        async with replica(server.url, prefix) as a:
+            with pytest.raises(SessionNotFoundError):
+                await a.load("chat")
 
 
 async def test_case07_a_turn_that_did_not_reach_the_shared_tier_is_never_reported_flushed(

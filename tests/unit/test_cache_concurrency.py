@@ -182,3 +182,59 @@ async def test_load_racing_drop_is_a_clean_miss(ssd_dir: Path) -> None:
             tg.start_soon(load)
         assert results == ["missing"]
         assert [t.used for t in cache.stats().tiers] == [0, 0]
+
+
+class SlowDeletes(SSDTier):
+    """An SSD tier whose deletes wait for :attr:`go` (:attr:`deleting` says one does)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, 8 << 20, fsync=False)
+        self.deleting = anyio.Event()
+        self.go = anyio.Event()
+
+    async def delete(self, key: tuple[str, int]) -> None:
+        self.deleting.set()
+        await self.go.wait()
+        await super().delete(key)
+
+
+@pytest.mark.parametrize("tiers", ["ssd", "host+ssd"])
+async def test_a_new_conversation_under_a_key_being_dropped_waits_for_the_deletes(
+    ssd_dir: Path, tiers: str
+) -> None:
+    """A conversation is dropped; while its files are still being deleted, a new one is
+    stored under the same key. Its turn waits for those deletes, then is stored and served
+    byte for byte. (Its segments' keys are the dropped one's: it used to find them still
+    held, and the append, or in host+SSD the background copy into SSD, failed with a
+    ``ValueError``, the campaign's seed 2436.)"""
+    ssd = SlowDeletes(ssd_dir)
+    layout: list[Tier] = [ssd] if tiers == "ssd" else [HostMemoryTier(8 << 20), ssd]
+    async with TieredKVCache(layout, mode="inclusive") as cache:
+        await cache.append("a", seg(2, 1), answer_tokens=1)
+        await cache.flush()
+        order: list[str] = []
+
+        async def drop() -> None:
+            await cache.drop("a")
+            order.append("dropped")
+
+        async def append() -> None:
+            await cache.append("a", seg(3, 2), answer_tokens=1)
+            order.append("appended")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(drop)
+            with anyio.fail_after(10):
+                await ssd.deleting.wait()
+            tg.start_soon(append)
+            try:
+                await anyio.sleep(0.1)
+                assert order == []  # (the new turn waits)
+            finally:
+                ssd.go.set()
+        assert order == ["dropped", "appended"]
+        await cache.flush()
+        got = await cache.load("a")
+        assert torch.equal(got["kv"], seg(3, 2)["kv"])
+        assert cache.stats().tiers[-1].segments == 1
+        assert cache.stats().errors == 0

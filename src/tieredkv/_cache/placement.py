@@ -187,13 +187,19 @@ async def drop(
     s.dropped = True
     core.refused.pop(s.key, None)  # (turns refused by a shared tier: gone with it)
     nbytes = s.nbytes()
-    if core.sessions.get(s.key) is s:
-        del core.sessions[s.key]
-    core.residency.unpublished(s.key)
-    core.stats.drops += 1
-    _, cancel = await settle(lambda: remove_all(core, s))
-    unlist(core, s)
-    s.primary = None
+    # until its copies are deleted, a new conversation under its key waits (Core.session)
+    left = core.leaving[s.key] = anyio.Event()
+    try:
+        if core.sessions.get(s.key) is s:
+            del core.sessions[s.key]
+        core.residency.unpublished(s.key)
+        core.stats.drops += 1
+        _, cancel = await settle(lambda: remove_all(core, s))
+        unlist(core, s)
+        s.primary = None
+    finally:
+        del core.leaving[s.key]
+        left.set()
     core.residency.announced(Dropped(session=s.key, time=core.clock(), nbytes=nbytes))
     pending = first if first is not None else cancel
     if pending is not None:

@@ -129,20 +129,20 @@ async def examine(core: Core, key: str, *, take: bool) -> str | None:
     (``None``: it may)."""
     why: str | None = None
     for t, tier in shared_tiers(core):
-        s = core.sessions.get(key)
-        if s is None:
-            s = core.sessions[key] = Session(key, len(core.tiers))
-        try:
-            async with core.hold(s):
-                if core.sessions.get(key) is not s:  # dropped while we waited
-                    continue
-                # a move like any other: cancellation waits for it, then is raised
-                found, cancel = await settle(functools.partial(_look, core, s, t, tier, take))
-                if cancel is not None:
-                    raise cancel
-                why = why or found
-        finally:
-            core.discard_unused(s)  # nothing found: no empty entry stays behind
+        while True:
+            s = await core.session(key)
+            try:
+                async with core.hold(s):
+                    if core.sessions.get(key) is not s:  # dropped while we waited: look
+                        continue  # again (the shared tier may hold a newer history)
+                    # a move like any other: cancellation waits for it, then is raised
+                    found, cancel = await settle(functools.partial(_look, core, s, t, tier, take))
+                    if cancel is not None:
+                        raise cancel
+                    why = why or found
+                    break
+            finally:
+                core.discard_unused(s)  # nothing found: no empty entry stays behind
     return why
 
 

@@ -451,6 +451,10 @@ class Core:
         self.orphans: set[tuple[int, SegmentKey]] = set()
         self.retired: dict[str, Retired] = {}
         """Conversations that left while forks still list some of their segments."""
+        self.leaving: dict[str, anyio.Event] = {}
+        """Keys of dropped conversations whose copies are still being deleted: a new
+        conversation under one waits (:meth:`session`), so that its segments never meet
+        the old ones' under the same keys."""
         self.refused: dict[str, Refusal] = {}
         """Per session, turns a shared tier refused, until the session is next used."""
         self.refusals = 0
@@ -469,6 +473,18 @@ class Core:
         self._no_operations: anyio.Event | None = None
         self.closing = False
         """Set when a close begins (what loops over conversations stops there)."""
+
+    async def session(self, key: str) -> Session:
+        """The session indexed under ``key``, or a new one (once the copies of one dropped
+        under that key are deleted: its segments' keys are the new one's too)."""
+        while (s := self.sessions.get(key)) is None:
+            left = self.leaving.get(key)
+            if left is None:
+                break
+            await left.wait()
+        if s is None:
+            s = self.sessions[key] = Session(key, len(self.tiers))
+        return s
 
     def discard_unused(self, s: Session) -> None:
         """Drop ``s`` from the index if it holds nothing, is unknown to the channel and

@@ -77,9 +77,7 @@ async def append(
     for all of them) the turn is the first of a fork: under the parent's lock too."""
     sessions = core.sessions
     while True:
-        s = sessions.get(session)
-        if s is None:
-            s = sessions[session] = Session(session, len(core.tiers))
+        s = await core.session(session)
         try:
             async with core.hold(s):
                 if sessions.get(session) is not s:  # dropped while we waited
