@@ -82,6 +82,7 @@ def problems(cache: TieredKVCache) -> list[str]:
             found.append(f"{key}: channel says {got} copies {meta.copies}, index {want} {names}")
         if meta.in_flight is not None:
             found.append(f"{key}: a transfer still marked in flight at rest")
+    found.extend(unowned(cache))
     for name in cache.channel:
         if name not in core.sessions:
             meta = cache.channel.get(name)
@@ -117,6 +118,21 @@ def problems(cache: TieredKVCache) -> list[str]:
             )
         if isinstance(tier, SSDTier):
             found.extend(_files_agree(tier, set(actual)))
+    return found
+
+
+def unowned(cache: TieredKVCache) -> list[str]:
+    """The segments some conversation lists that neither their owner (the conversation
+    whose key they are stored under) nor its retirement record lists: their key is not
+    taken, and a new turn of the owner's key would be stored over them."""
+    core = cache._core
+    found = []
+    for key, s in core.sessions.items():
+        for seg in s.segs:
+            owner = core.sessions.get(seg.key[0])
+            r = core.retired.get(seg.key[0])
+            if (owner is None or seg not in owner.segs) and (r is None or seg not in r.segs):
+                found.append(f"{key}: lists {seg.key}, which neither its owner nor a record lists")
     return found
 
 

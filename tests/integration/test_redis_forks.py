@@ -13,6 +13,7 @@ import anyio
 import pytest
 import torch
 
+from tests.invariants import unowned
 from tests.redis_server import RedisServer, new_prefix, own_redis_server, redis_server
 from tieredkv import HostMemoryTier, SSDTier, TieredKVCache
 from tieredkv.backends.base import SegmentKey
@@ -20,6 +21,7 @@ from tieredkv.backends.redis import RedisTier, conversation_tag
 from tieredkv.errors import (
     CorruptSegmentError,
     HistoryConflictError,
+    InvalidArgumentError,
     SessionNotFoundError,
     StaleWriterError,
     TierIOError,
@@ -391,6 +393,38 @@ async def test_a_parent_dropped_on_another_replica_stays_for_its_fork(
         assert _same(await a.load("c"), FORK)
         await a.drop("c")  # (A took it over with the load: its writer drops it)
     assert _keys(redis_server, prefix) == set()
+
+
+async def test_a_history_replaced_on_the_server_keeps_its_key_taken_for_a_fork_here(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """B writes p and forks c from both of p's turns. Another replica takes both over and
+    drops them, then writes a new p of other turns. B's load of p cannot take that history
+    in (its stale fork c lists the old p's turns under the same keys): a miss, and p's key
+    stays taken for c, every turn of it c lists (the load used to forget B's copy of p
+    without recording the turns c lists as retired, only the one that conflicted: a later
+    turn of another conversation under p's key was then stored over c's, a ``ValueError``
+    in fleet campaign seed 454)."""
+    async with _cache(redis_server, prefix) as a, _cache(redis_server, prefix) as b:
+        await b.append("p", P0, answer_tokens=8)
+        await b.append("p", P1, answer_tokens=8)
+        await b.append("c", C, answer_tokens=4, parent="p", parent_tokens=60)
+        await b.flush()
+        await anyio.sleep(0.5)  # (B's leases run out)
+        for key in ("c", "p"):
+            await a.load(key)
+            await a.drop(key)
+        for i in range(3):
+            await a.append("p", _kv(10 + i, 16), answer_tokens=1)
+        await a.flush()
+        with pytest.raises(SessionNotFoundError):
+            await b.load("p")
+        assert unowned(b) == []
+        with pytest.raises(InvalidArgumentError, match="forks still list its history"):
+            await b.append("p", _kv(20, 16), answer_tokens=1)
+        with pytest.raises(SessionNotFoundError):  # (dropped on the server)
+            await b.load("c")
+        assert unowned(b) == []
 
 
 async def test_a_fenced_replica_cannot_extend_a_fork(

@@ -272,6 +272,9 @@ async def _take(core: Core, s: Session, t: int, headers: list[SegmentHeader]) ->
     for u in range(len(core.tiers)):
         if u != t and s.holds(u):
             await remove_copy(core, s, u)
+    # what forks here list of its own history stays theirs, its keys taken, unless the
+    # shared history lists it again (then its record goes: list_shared, relisted)
+    keep_for_forks(core, s)
     s.clear()
     good = list_shared(core, s, t, headers[:good])  # (a fork: its inherited segments too)
     # (its record, and a marker of it left here, which stands for nothing now, go)
