@@ -691,4 +691,6 @@ class TieredKVCache:
             raise SessionNotFoundError(session)
         with core.operation():
             async with core.hold(s):
+                if core.sessions.get(session) is not s:  # dropped while this one waited
+                    raise SessionNotFoundError(session)
                 await drop(core, s, self._pumps.stop, self._pumps.unstop)

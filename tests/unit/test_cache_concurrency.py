@@ -11,6 +11,7 @@ import anyio
 import pytest
 import torch
 
+from tests.invariants import problems
 from tieredkv import HostMemoryTier, SessionNotFoundError, SSDTier, Tier, TieredKVCache
 
 KIB = 1024
@@ -238,3 +239,38 @@ async def test_a_new_conversation_under_a_key_being_dropped_waits_for_the_delete
         assert torch.equal(got["kv"], seg(3, 2)["kv"])
         assert cache.stats().tiers[-1].segments == 1
         assert cache.stats().errors == 0
+
+
+async def test_a_second_drop_of_a_conversation_dropped_meanwhile_finds_it_gone(
+    ssd_dir: Path,
+) -> None:
+    """Two drops of one conversation at once, and a new conversation stored under its key
+    once the first drop's deletes are done: the second drop finds the conversation gone
+    (it used to go on with the dropped one: a second drop counted, and with a shared tier
+    the key discarded there again, whatever was stored under it meanwhile)."""
+    ssd = SlowDeletes(ssd_dir)
+    async with TieredKVCache([ssd]) as cache:
+        await cache.append("a", seg(2, 1), answer_tokens=1)
+        results: list[str] = []
+
+        async def drop() -> None:
+            try:
+                await cache.drop("a")
+                results.append("dropped")
+            except SessionNotFoundError:
+                results.append("missing")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(drop)
+            tg.start_soon(drop)  # (it finds the conversation, and waits for its lock)
+            try:
+                with anyio.fail_after(10):
+                    await ssd.deleting.wait()
+                tg.start_soon(functools.partial(cache.append, "a", seg(3, 2), answer_tokens=1))
+                await anyio.sleep(0.1)
+            finally:
+                ssd.go.set()
+        assert sorted(results) == ["dropped", "missing"]
+        assert torch.equal((await cache.load("a"))["kv"], seg(3, 2)["kv"])
+        assert cache.stats().drops == 1
+        assert problems(cache) == []
