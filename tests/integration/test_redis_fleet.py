@@ -28,7 +28,7 @@ import pytest
 from tests.faults import FaultInjector
 from tests.fleet import ReplicaProcess, tags, turn
 from tests.redis_server import RedisServer, new_prefix, own_aof_server, own_redis_server
-from tests.unit.test_cache_concurrency import SlowDeletes
+from tests.unit.test_forest_faults import PausingSSD
 from tieredkv import HostMemoryTier, RetentionHint, SSDTier, TieredKVCache, cli
 from tieredkv.backends.base import SegmentKey
 from tieredkv.backends.redis import RedisTier, conversation_tag
@@ -696,7 +696,7 @@ async def test_a_load_while_the_conversation_is_dropped_here_is_a_miss_once_drop
     file still there (a ``ValueError``, logged; fleet campaign seed 2436); the drop then
     discarded the shared copy, and B went on listing the dropped conversation."""
     prefix = new_prefix()
-    ssd = SlowDeletes(tmp_path / "ssd")
+    ssd = PausingSSD(tmp_path / "ssd", ("chat", 0), op="delete")  # (its delete waits)
     b_tiers = [HostMemoryTier(8 * MiB), ssd, tier(server.url, prefix)]
     async with TieredKVCache(b_tiers, mode="inclusive") as b:
         await append(b, "chat", 0)
@@ -713,7 +713,7 @@ async def test_a_load_while_the_conversation_is_dropped_here_is_a_miss_once_drop
             tg.start_soon(b.drop, "chat")
             try:
                 with anyio.fail_after(10):
-                    await ssd.deleting.wait()
+                    await ssd.reached.wait()
                 tg.start_soon(load)
                 await anyio.sleep(0.1)
                 assert loaded == []  # (it waits for the drop)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.invariants import problems
+from tests.unit.test_forest_faults import PausingSSD
 from tieredkv import HostMemoryTier, SessionNotFoundError, SSDTier, Tier, TieredKVCache
 
 KIB = 1024
@@ -185,20 +186,6 @@ async def test_load_racing_drop_is_a_clean_miss(ssd_dir: Path) -> None:
         assert [t.used for t in cache.stats().tiers] == [0, 0]
 
 
-class SlowDeletes(SSDTier):
-    """An SSD tier whose deletes wait for :attr:`go` (:attr:`deleting` says one does)."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(root, 8 << 20, fsync=False)
-        self.deleting = anyio.Event()
-        self.go = anyio.Event()
-
-    async def delete(self, key: tuple[str, int]) -> None:
-        self.deleting.set()
-        await self.go.wait()
-        await super().delete(key)
-
-
 @pytest.mark.parametrize("tiers", ["ssd", "host+ssd"])
 async def test_a_new_conversation_under_a_key_being_dropped_waits_for_the_deletes(
     ssd_dir: Path, tiers: str
@@ -208,7 +195,7 @@ async def test_a_new_conversation_under_a_key_being_dropped_waits_for_the_delete
     byte for byte. (Its segments' keys are the dropped one's: it used to find them still
     held, and the append, or in host+SSD the background copy into SSD, failed with a
     ``ValueError``, the campaign's seed 2436.)"""
-    ssd = SlowDeletes(ssd_dir)
+    ssd = PausingSSD(ssd_dir, ("a", 0), op="delete")  # (its file's delete waits)
     layout: list[Tier] = [ssd] if tiers == "ssd" else [HostMemoryTier(8 << 20), ssd]
     async with TieredKVCache(layout, mode="inclusive") as cache:
         await cache.append("a", seg(2, 1), answer_tokens=1)
@@ -226,7 +213,7 @@ async def test_a_new_conversation_under_a_key_being_dropped_waits_for_the_delete
         async with anyio.create_task_group() as tg:
             tg.start_soon(drop)
             with anyio.fail_after(10):
-                await ssd.deleting.wait()
+                await ssd.reached.wait()
             tg.start_soon(append)
             try:
                 await anyio.sleep(0.1)
@@ -248,7 +235,7 @@ async def test_a_second_drop_of_a_conversation_dropped_meanwhile_finds_it_gone(
     once the first drop's deletes are done: the second drop finds the conversation gone
     (it used to go on with the dropped one: a second drop counted, and with a shared tier
     the key discarded there again, whatever was stored under it meanwhile)."""
-    ssd = SlowDeletes(ssd_dir)
+    ssd = PausingSSD(ssd_dir, ("a", 0), op="delete")  # (its file's delete waits)
     async with TieredKVCache([ssd]) as cache:
         await cache.append("a", seg(2, 1), answer_tokens=1)
         results: list[str] = []
@@ -265,7 +252,7 @@ async def test_a_second_drop_of_a_conversation_dropped_meanwhile_finds_it_gone(
             tg.start_soon(drop)  # (it finds the conversation, and waits for its lock)
             try:
                 with anyio.fail_after(10):
-                    await ssd.deleting.wait()
+                    await ssd.reached.wait()
                 tg.start_soon(functools.partial(cache.append, "a", seg(3, 2), answer_tokens=1))
                 await anyio.sleep(0.1)
             finally:
