@@ -15,6 +15,7 @@ it, so that a shorter history is never served without a word.
 from __future__ import annotations
 
 import logging
+from collections.abc import Container
 
 import anyio
 import msgspec
@@ -97,7 +98,7 @@ async def recover(core: Core, recovered: list[list[SegmentHeader]]) -> dict[str,
         if key in markers:  # retired: its segments are its forks' only
             continue
         s, why = _rebuild(key, per_tier, blobs, recovered)
-        if _shared_orphan_fork(core, s, per_tier, recovered):
+        if _shared_orphan_fork(core, s, per_tier, by_session):
             continue  # (not indexed, nothing lost: its first load reads it from the server)
         cut = _truncation(core, s, per_tier, why)
         if cut is not None:
@@ -178,17 +179,18 @@ def _shared_orphan_fork(
     core: Core,
     s: Session,
     per_tier: list[dict[int, SegmentHeader]],
-    recovered: list[list[SegmentHeader]],
+    listed: Container[str],
 ) -> bool:
     """Whether ``s`` (just rebuilt, empty) is a fork that only shared tiers hold and whose
-    parent no tier lists: dropped while the fork lists its turns, which the server keeps
-    for the fork under the parent's key, listed by no manifest an open's scan reads."""
+    parent no tier lists (not among ``listed``, the conversations some tier holds a turn
+    of): dropped while the fork lists its turns, which the server keeps for the fork under
+    the parent's key, listed by no manifest an open's scan reads."""
     held = [t for t, segs in enumerate(per_tier) if segs]
     if s.segs or not all(core.io[t].shared is not None for t in held):
         return False
     first = min((h for t in held for h in per_tier[t].values()), key=lambda h: h.seq)
     owners = {owner for owner, _, _ in first.base}
-    return bool(owners) and not any(h.session in owners for hs in recovered for h in hs)
+    return bool(owners) and not any(owner in listed for owner in owners)
 
 
 def _truncation(

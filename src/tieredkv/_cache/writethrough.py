@@ -337,7 +337,7 @@ class WriteThrough:
                     _log.info("write-through of %.80r stopped: tier %r is full", s.key, to.name)
         except _REFUSALS as exc:
             turns = pending(s, dst)
-            n = getattr(exc, "shared_turns", None)
+            n = exc.shared_turns if isinstance(exc, HistoryConflictError) else None
             if n is not None:  # turns committed here that the shared history lost: gone too
                 lost = [g.header.seq for g in s.segs[max(n, s.base) :] if dst in g.tiers]
                 turns = sorted({*turns, *lost})
