@@ -25,6 +25,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
+from tests.cancellation import CANCELS, cancellable
 from tests.faults import FaultInjector
 from tests.fleet import ReplicaProcess, tags, turn
 from tests.redis_server import RedisServer, new_prefix, own_aof_server, own_redis_server
@@ -686,15 +687,18 @@ async def test_no_commit_starts_while_a_load_reconciles_the_conversation(
         assert not b.contains("chat")
 
 
+@pytest.mark.parametrize("how", ["waits", *CANCELS])
 async def test_a_load_while_the_conversation_is_dropped_here_is_a_miss_once_dropped(
-    server: RedisServer, tmp_path: Path
+    server: RedisServer, tmp_path: Path, how: str
 ) -> None:
     """B (host, SSD, Redis) drops chat; while B still deletes its file in SSD (the shared
-    copy is discarded after it), B loads chat. The load waits for the drop and misses;
-    chat stays dropped on B and on the server. It used to take the shared copy in as a new
-    conversation and serve it, and the background copy into SSD found the dropped turn's
-    file still there (a ``ValueError``, logged; fleet campaign seed 2436); the drop then
-    discarded the shared copy, and B went on listing the dropped conversation."""
+    copy is discarded after it), B loads chat. The load waits for the drop and misses
+    (``waits``), or is cancelled while it waits (each way users cancel); either way chat
+    stays dropped on B and on the server, and can be stored again. The load used to take
+    the shared copy in as a new conversation and serve it, and the background copy into
+    SSD found the dropped turn's file still there (a ``ValueError``, logged; fleet campaign
+    seed 2436); the drop then discarded the shared copy, and B went on listing the
+    dropped conversation."""
     prefix = new_prefix()
     ssd = PausingSSD(tmp_path / "ssd", ("chat", 0), op="delete")  # (its delete waits)
     b_tiers = [HostMemoryTier(8 * MiB), ssd, tier(server.url, prefix)]
@@ -714,12 +718,16 @@ async def test_a_load_while_the_conversation_is_dropped_here_is_a_miss_once_drop
             try:
                 with anyio.fail_after(10):
                     await ssd.reached.wait()
-                tg.start_soon(load)
-                await anyio.sleep(0.1)
+                if how == "waits":
+                    tg.start_soon(load)
+                    await anyio.sleep(0.1)
+                else:
+                    done, _ = await cancellable(how, 0.1, load)
+                    assert not done  # (cancelled while it waited)
                 assert loaded == []  # (it waits for the drop)
             finally:
                 ssd.go.set()
-        assert loaded == ["miss"]
+        assert loaded == (["miss"] if how == "waits" else [])
         await b.flush()
         assert b.stats().errors == 0
         assert not b.contains("chat")
@@ -727,6 +735,10 @@ async def test_a_load_while_the_conversation_is_dropped_here_is_a_miss_once_drop
         async with replica(server.url, prefix) as a:
             with pytest.raises(SessionNotFoundError):
                 await a.load("chat")
+        await append(b, "chat", 5)
+        await b.flush()
+    async with replica(server.url, prefix) as a:
+        assert tags(await a.load("chat")) == [5]
 
 
 async def test_case07_a_turn_that_did_not_reach_the_shared_tier_is_never_reported_flushed(

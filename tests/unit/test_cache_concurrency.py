@@ -11,6 +11,7 @@ import anyio
 import pytest
 import torch
 
+from tests.cancellation import CANCELS, cancellable
 from tests.invariants import problems
 from tests.unit.test_forest_faults import PausingSSD
 from tieredkv import HostMemoryTier, SessionNotFoundError, SSDTier, Tier, TieredKVCache
@@ -226,6 +227,48 @@ async def test_a_new_conversation_under_a_key_being_dropped_waits_for_the_delete
         assert torch.equal(got["kv"], seg(3, 2)["kv"])
         assert cache.stats().tiers[-1].segments == 1
         assert cache.stats().errors == 0
+
+
+@pytest.mark.parametrize("kind", CANCELS)
+async def test_an_append_cancelled_while_it_waits_for_a_drops_deletes_leaves_no_trace(
+    ssd_dir: Path, kind: str
+) -> None:
+    """A new conversation's append under a key whose drop is still deleting its file is
+    cancelled (each way users cancel) while it waits for those deletes: nothing of it is
+    stored, the drop completes, and the key takes a new conversation afterwards, served
+    byte for byte."""
+    ssd = PausingSSD(ssd_dir, ("a", 0), op="delete")  # (its file's delete waits)
+    async with TieredKVCache([HostMemoryTier(8 << 20), ssd], mode="inclusive") as cache:
+        await cache.append("a", seg(2, 1), answer_tokens=1)
+        await cache.flush()
+        outcome: list[bool] = []
+
+        async def cancelled_append() -> None:
+            done, _ = await cancellable(
+                kind, 0.1, lambda: cache.append("a", seg(3, 2), answer_tokens=1)
+            )
+            outcome.append(done)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cache.drop, "a")
+            try:
+                with anyio.fail_after(10):
+                    await ssd.reached.wait()
+                await cancelled_append()
+            finally:
+                ssd.go.set()
+        assert outcome == [False]  # (it was still waiting when cancelled)
+        assert not cache.contains("a")
+        with pytest.raises(SessionNotFoundError):
+            await cache.load("a")
+        assert [(t.used, t.segments) for t in cache.stats().tiers] == [(0, 0), (0, 0)]
+        assert sorted(p.name for p in ssd_dir.rglob("*.seg")) == []
+        await cache.append("a", seg(1, 3), answer_tokens=1)
+        await cache.flush()
+        got = await cache.load("a")
+        assert torch.equal(got["kv"], seg(1, 3)["kv"])
+        assert cache.stats().errors == 0
+        assert problems(cache) == []
 
 
 async def test_a_second_drop_of_a_conversation_dropped_meanwhile_finds_it_gone(
