@@ -582,6 +582,108 @@ async def test_a_parent_taken_in_again_while_its_marker_is_written_loses_it_once
         assert _same(await a.load("c"), _cat(FORK, C3))
 
 
+class _FailingMarkers(RedisTier):
+    """A Redis tier whose writes of retirement markers fail once :attr:`fail` is set."""
+
+    fail = False
+
+    def _check(self, key: SegmentKey) -> None:
+        if self.fail and key[1] == RETIRED_SEQ:
+            raise TierIOError(self.name, "write a retirement marker", "injected")
+
+    async def write(self, key: SegmentKey, data: memoryview) -> None:
+        self._check(key)
+        await super().write(key, data)
+
+    async def write_pieces(self, key: SegmentKey, pieces: Sequence[memoryview]) -> None:
+        self._check(key)
+        await super().write_pieces(key, pieces)
+
+
+@pytest.mark.parametrize(
+    ("first", "drop"), [("drop", "succeeds"), ("drop", "fails"), ("copy", "succeeds")]
+)
+async def test_a_fork_loaded_while_its_parent_is_retired_here_shares_the_parents_marker(
+    redis_server: RedisServer, prefix: str, tmp_path: Path, first: str, drop: str
+) -> None:
+    """B (host, SSD, Redis) took in p's first turn and forked g from it; A then extended p
+    and forked c from its second turn. B drops p (g lists its turn: the drop writes p's
+    retirement marker into SSD, then into Redis) and, while the marker is being written
+    into SSD, loads c and appends to it: c lists p's second turn, which B never listed, so
+    B records p as retired for c, and c's copy into SSD needs p's marker there. The copy
+    waits for the drop's marker and takes it for its own (it wrote a second one, which
+    failed with a ``ValueError`` and took the drop's reservation with it). If the drop
+    then fails (its marker cannot be written into Redis: ``fails``), the marker stays in
+    SSD for c's copy of p's turn. In the other order (``copy`` first: c's copy is writing
+    p's marker into SSD when the drop begins, and the drop's retirement extends the record
+    that copy made), the drop waits for that marker and takes it for its own. Either way
+    nothing else fails, every tier holding a
+    retired turn holds its marker, and g and c are served byte for byte, on B and after a
+    restart over the same SSD."""
+    G, C3 = _kv(4, 8), _kv(3, 8)
+    ssd = _MarkerGate(tmp_path / "ssd", 8 << 20)
+    shared = _FailingMarkers(
+        redis_server.url, CAPACITY, prefix=prefix, value_size=SMALL_VALUES, lease_ttl=0.3
+    )
+    async with _cache(redis_server, prefix) as a:
+        async with TieredKVCache([HostMemoryTier(8 << 20), ssd, shared], mode="inclusive") as b:
+            await a.append("p", P0, answer_tokens=8)
+            await a.flush()
+            assert _same(await b.load("p"), P0)
+            await b.append("g", G, answer_tokens=1, parent="p", parent_tokens=20)
+            await b.flush()
+            await anyio.sleep(0.5)  # (B's lease on p runs out)
+            assert _same(await a.load("p"), P0)
+            await a.append("p", P1, answer_tokens=8)
+            await a.append("c", C, answer_tokens=4, parent="p", parent_tokens=60)
+            await a.flush()
+            await anyio.sleep(0.5)  # (A's leases run out)
+            ssd.hold = True
+            shared.fail = drop == "fails"
+            dropped: list[str] = []
+
+            async def drop_p() -> None:
+                try:
+                    await b.drop("p")
+                    dropped.append("dropped")
+                except TierIOError:
+                    dropped.append("failed")
+
+            async def copy_c() -> None:
+                assert _same(await b.load("c"), FORK)
+                await b.append("c", C3, answer_tokens=1)  # (its copy into SSD: p's turns)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(drop_p if first == "drop" else copy_c)
+                with anyio.fail_after(10):
+                    await ssd.waiting.wait()  # (the first one writes p's marker into SSD)
+                if first == "drop":
+                    await copy_c()
+                else:
+                    tg.start_soon(drop_p)
+                await anyio.sleep(0.2)  # (the second one waits for that marker)
+                ssd.go.set()
+            assert dropped == ["dropped" if drop == "succeeds" else "failed"]
+            shared.fail = False
+            await b.flush()
+            assert b.stats().errors == 0
+            assert unowned(b) == []
+            # p's turns (the first for g, both for c), c's two, g's, and p's marker
+            assert sorted(ssd.keys()) == [
+                ("c", 2),
+                ("c", 3),
+                ("g", 1),
+                ("p", 0),
+                ("p", 1),
+                ("p", RETIRED_SEQ),
+            ]
+            assert _same(await b.load("g"), _cat(_cut(P0, 20), G))
+            assert _same(await b.load("c"), _cat(FORK, C3))
+        async with _with_ssd(redis_server, prefix, SSDTier(tmp_path / "ssd", 8 << 20)) as b:
+            assert _same(await b.load("g"), _cat(_cut(P0, 20), G))
+            assert _same(await b.load("c"), _cat(FORK, C3))
+
+
 async def test_a_fork_over_a_key_another_history_holds_here_is_a_conflict(
     redis_server: RedisServer, prefix: str
 ) -> None:

@@ -96,6 +96,7 @@ async def retire(core: Core, s: Session) -> None:
     persistent = [t for t, tier in enumerate(core.tiers) if tier.persistent]
     claimed: dict[int, list[Seg]] = {}
     written: list[int] = []
+    core.retiring[s.key] = r  # (a fork's copy meanwhile takes its markers for present)
     try:
         # a fork's copy of a kept segment into a persistent tier may be under way (it
         # checked for a marker before this retirement): wait for it, and start no other
@@ -108,7 +109,7 @@ async def retire(core: Core, s: Session) -> None:
             for t in tiers:
                 # (a marker of it being written or deleted: by this record, or by one
                 # recorded meanwhile, when a fork's load here found its segments unlisted)
-                while (busy := _busy(core, s.key, r, t)) is not None:
+                while (busy := _busy(t, r, _other(core, s.key, r))) is not None:
                     await busy.wait()
                 cur = _other(core, s.key, r)
                 if t not in r.markers and (cur is None or t not in cur.markers):
@@ -120,8 +121,14 @@ async def retire(core: Core, s: Session) -> None:
             if cur is not None:  # (all of it listed below)
                 await _unmarking(cur)
         except BaseException:
+            cur = _other(core, s.key, r)
             for t in written:
-                await _delete_marker(core, s.key, r, t)
+                if cur is not None and _needed(cur, t):
+                    # a copy of a segment recorded meanwhile took it for present
+                    r.markers.discard(t)
+                    cur.markers.add(t)
+                else:
+                    await _delete_marker(core, s.key, r, t)
             raise
         r.segs = segs
         if cur is not None:  # one record, listing the markers of both
@@ -129,6 +136,8 @@ async def retire(core: Core, s: Session) -> None:
             r.markers |= cur.markers
         core.retired[s.key] = r
     finally:
+        if core.retiring.get(s.key) is r:
+            del core.retiring[s.key]
         for t, segs_t in claimed.items():
             unclaim(segs_t, t)
 
@@ -140,11 +149,14 @@ def _other(core: Core, owner: str, r: Retired) -> Retired | None:
     return cur if cur is not r else None
 
 
-def _busy(core: Core, owner: str, r: Retired, t: int) -> anyio.Event | None:
-    """A write or delete under way of ``owner``'s marker in tier ``t``, by ``r`` or by
-    :func:`_other`."""
-    cur = _other(core, owner, r)
-    return r.busy.get(t) or (cur.busy.get(t) if cur is not None else None)
+def _busy(t: int, *records: Retired | None) -> anyio.Event | None:
+    """A write or delete under way of a marker in tier ``t`` by one of ``records``."""
+    return next((e for r in records if r is not None and (e := r.busy.get(t))), None)
+
+
+def _needed(r: Retired, t: int) -> bool:
+    """Whether a segment of ``r`` is in tier ``t``, or being copied there."""
+    return any(t in seg.tiers or t in seg.claims for seg in r.segs)
 
 
 async def _unmarking(r: Retired) -> None:
@@ -166,14 +178,29 @@ async def copying(core: Core, keys: list[SegmentKey], dst: int) -> None:
         # a delete of the marker there may be under way (it decided before this copy was
         # claimed): wait for it, then look again (the record may be gone with it, or the
         # owner's history listed again here: a live conversation has no marker)
+        # (or, by a retirement of the owner under way here, which makes the record of
+        # its own: its marker serves this copy too, see retire)
         while (r := _retiring(core, owner, wanted)) is not None and (
-            busy := r.busy.get(dst)
+            busy := _busy(dst, r, _pending(core, owner, r))
         ) is not None:
             await busy.wait()
-        if r is not None and dst not in r.markers:
+        if r is not None and dst not in r.markers and not _pending_marked(core, owner, r, dst):
             async with _marking(r, dst):
                 await _write_marker(core, owner, dst)
                 r.markers.add(dst)
+
+
+def _pending(core: Core, owner: str, r: Retired) -> Retired | None:
+    """The record a retirement of ``owner`` under way is making, if it is not ``r``."""
+    pending = core.retiring.get(owner)
+    return pending if pending is not r else None
+
+
+def _pending_marked(core: Core, owner: str, r: Retired, t: int) -> bool:
+    """Whether a retirement of ``owner`` under way (:func:`_pending`) wrote its marker in
+    tier ``t``."""
+    pending = _pending(core, owner, r)
+    return pending is not None and t in pending.markers
 
 
 def _retiring(core: Core, owner: str, keys: set[SegmentKey]) -> Retired | None:

@@ -451,6 +451,10 @@ class Core:
         self.orphans: set[tuple[int, SegmentKey]] = set()
         self.retired: dict[str, Retired] = {}
         """Conversations that left while forks still list some of their segments."""
+        self.retiring: dict[str, Retired] = {}
+        """Per conversation being retired (:func:`~tieredkv._cache.forest.retire` under
+        way), the record it is making: the markers it writes count for a fork's copy of
+        the conversation's other segments meanwhile."""
         self.leaving: dict[str, anyio.Event] = {}
         """Keys of dropped conversations whose copies are still being deleted: a new
         conversation under one waits (:meth:`session`), so that its segments never meet
