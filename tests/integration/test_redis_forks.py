@@ -523,6 +523,52 @@ async def test_a_conversation_taken_in_again_loses_its_marker_and_its_drop_write
         assert _same(await a.load("c"), _cat(FORK, C3))
 
 
+async def _forked_on_b_then_lost(
+    server: RedisServer, prefix: str, a: TieredKVCache, b: TieredKVCache, g: dict[str, torch.Tensor]
+) -> None:
+    """A's p (one turn), taken in by B, which forks g (turn ``g``) from its first 20
+    tokens; then the server loses p's manifest (as ``maxmemory`` evicts one)."""
+    await a.append("p", P0, answer_tokens=8)
+    await a.flush()
+    assert _same(await b.load("p"), P0)
+    await b.append("g", g, answer_tokens=1, parent="p", parent_tokens=20)
+    await b.flush()
+    with server.client() as c:
+        c.delete(f"{_base(prefix, 'p')}:m")
+
+
+@pytest.mark.parametrize("then", ["append", "load"])
+async def test_a_history_the_server_lost_stays_retired_here_across_a_restart(
+    redis_server: RedisServer, prefix: str, tmp_path: Path, then: str
+) -> None:
+    """B (host, SSD, Redis) took in A's p and forked g from it; the server loses p's
+    manifest, and B's load of p is a miss: p's turn stays in SSD for g only, and p's key
+    stays taken (a new p is refused). B restarts over the same SSD: the same holds (its
+    load still misses, a new p is still refused), and g is served byte for byte. The
+    load used to record p as retired without writing its retirement marker into SSD: the
+    restarted B took p's turn there for a live p, and appended a new turn of p to the
+    history it had reported lost."""
+    G = _kv(4, 8)
+    async with _cache(redis_server, prefix) as a:
+        ssd = SSDTier(tmp_path / "ssd", 8 << 20)
+        async with _with_ssd(redis_server, prefix, ssd) as b:
+            await _forked_on_b_then_lost(redis_server, prefix, a, b, G)
+            with pytest.raises(SessionNotFoundError):
+                await b.load("p")
+            assert sorted(ssd.keys()) == [("g", 1), ("p", 0), ("p", RETIRED_SEQ)]
+            with pytest.raises(InvalidArgumentError, match="forks still list its history"):
+                await b.append("p", P1, answer_tokens=1)
+        async with _with_ssd(redis_server, prefix, SSDTier(tmp_path / "ssd", 8 << 20)) as b:
+            assert not b.contains("p")
+            if then == "load":
+                with pytest.raises(SessionNotFoundError):
+                    await b.load("p")
+            with pytest.raises(InvalidArgumentError, match="forks still list its history"):
+                await b.append("p", P1, answer_tokens=1)
+            assert _same(await b.load("g"), _cat(_cut(P0, 20), G))
+            assert b.stats().errors == 0
+
+
 class _MarkerGate(SSDTier):
     """An SSD tier whose writes of retirement markers wait for :attr:`go` once
     :attr:`hold` is set (:attr:`waiting` says one does), then fail if :attr:`fail` is."""
@@ -547,6 +593,30 @@ class _MarkerGate(SSDTier):
             if self.fail:
                 raise TierIOError(self.name, "write a retirement marker", "injected")
         await super().write_filled(key, data, cuts, fill)
+
+
+async def test_a_retirement_marker_a_load_could_not_write_is_written_at_the_next_load(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    """As above, but SSD refuses the marker's write: the load that finds p lost raises
+    ``TierIOError`` (the marker is missing), and the next load of p writes it, then
+    misses. p's key stays taken throughout, and g is served byte for byte."""
+    G = _kv(4, 8)
+    ssd = _MarkerGate(tmp_path / "ssd", 8 << 20)
+    async with _cache(redis_server, prefix) as a, _with_ssd(redis_server, prefix, ssd) as b:
+        await _forked_on_b_then_lost(redis_server, prefix, a, b, G)
+        ssd.hold = ssd.fail = True
+        ssd.go.set()
+        with pytest.raises(TierIOError, match="retirement marker"):
+            await b.load("p")
+        assert sorted(ssd.keys()) == [("g", 1), ("p", 0)]
+        with pytest.raises(InvalidArgumentError, match="forks still list its history"):
+            await b.append("p", P1, answer_tokens=1)
+        ssd.fail = False
+        with pytest.raises(SessionNotFoundError):
+            await b.load("p")
+        assert sorted(ssd.keys()) == [("g", 1), ("p", 0), ("p", RETIRED_SEQ)]
+        assert _same(await b.load("g"), _cat(_cut(P0, 20), G))
 
 
 async def test_a_parent_taken_in_again_while_its_marker_is_written_loses_it_once_written(

@@ -26,7 +26,7 @@ from ..errors import InvalidArgumentError, TierIOError
 from ..payload import RETIRED_SEQ, plan_retirement
 from .state import Core, Retired, Seg, Session, claim, unclaim
 
-__all__ = ["check_not_retired", "copying", "deleted", "relisted", "retire"]
+__all__ = ["check_not_retired", "copying", "deleted", "marked", "relisted", "retire"]
 
 
 def check_not_retired(core: Core, key: str, seq: int = 0) -> None:
@@ -140,6 +140,36 @@ async def retire(core: Core, s: Session) -> None:
             del core.retiring[s.key]
         for t, segs_t in claimed.items():
             unclaim(segs_t, t)
+
+
+async def marked(core: Core, owner: str) -> None:
+    """Commit ``owner``'s retirement marker in every persistent tier of this replica's own
+    that holds (or is being given) one of its retired segments and lacks it.
+
+    :func:`retire` writes the markers of a conversation leaving the index itself; this is
+    for a record made without them, when a history left the index because the shared
+    tier holds another one or none (:func:`~tieredkv._cache.shared_forest.keep_for_forks`):
+    without its marker, a restart would take the segments its forks keep for a live
+    conversation, and serve it, or append to it, as the history this replica had
+    reported lost.
+
+    :raises TierIOError: a marker could not be written (tried again at the next load of
+        ``owner`` here)
+    """
+    r = core.retired.get(owner)
+    if r is None:
+        return
+    for t, tier in enumerate(core.tiers):
+        if not tier.persistent or core.io[t].shared is not None:
+            continue
+        while (busy := r.busy.get(t)) is not None:  # (a fork's copy writing it, say)
+            await busy.wait()
+        if core.retired.get(owner) is not r:  # (forgotten, or listed again, meanwhile)
+            return
+        if t not in r.markers and _needed(r, t):
+            async with _marking(r, t):
+                await _write_marker(core, owner, t)
+                r.markers.add(t)
 
 
 def _other(core: Core, owner: str, r: Retired) -> Retired | None:

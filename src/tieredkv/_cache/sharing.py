@@ -38,7 +38,7 @@ from ..backends.shared import SharedState, SharedTier, plain_header
 from ..errors import SchemaMismatchError, SessionNotFoundError, TierIOError
 from ..payload import SegmentHeader, header_schema
 from .atomic import settle
-from .forest import relisted
+from .forest import marked, relisted
 from .placement import remove_copy, take_out
 from .refusals import record_refusal, report
 from .shared_forest import keep_for_forks, list_shared
@@ -163,6 +163,7 @@ async def _look(core: Core, s: Session, t: int, tier: SharedTier, take: bool) ->
 
 
 async def _looked(core: Core, s: Session, t: int, tier: SharedTier, take: bool) -> str | None:
+    await marked(core, s.key)  # (a marker an earlier load here could not write)
     if s.key in core.refused:
         await _drop_refused(core, s)
     try:
@@ -283,12 +284,13 @@ async def _take(core: Core, s: Session, t: int, headers: list[SegmentHeader]) ->
         s.primary = None
         if s.key in core.channel:
             core.publish(s)
-        return
-    s.schema = schema
-    s.primary = t
-    now = core.clock()
-    meta = core.meta(s, now, answer=headers[good - 1].answer_tokens)
-    core.residency.admitted(meta, now, t)
+    else:
+        s.schema = schema
+        s.primary = t
+        now = core.clock()
+        meta = core.meta(s, now, answer=headers[good - 1].answer_tokens)
+        core.residency.admitted(meta, now, t)
+    await marked(core, s.key)  # (what stays its forks' only, in SSD, say)
 
 
 async def _forget_all(core: Core, s: Session, *, lost: bool = True) -> None:
@@ -303,6 +305,7 @@ async def _forget_all(core: Core, s: Session, *, lost: bool = True) -> None:
         core.stats.lost += 1
     if s.key in core.channel:
         core.publish(s)
+    await marked(core, s.key)
 
 
 async def _drop_refused(core: Core, s: Session) -> None:
