@@ -113,9 +113,7 @@ async def retire(core: Core, s: Session) -> None:
                     await busy.wait()
                 cur = _other(core, s.key, r)
                 if t not in r.markers and (cur is None or t not in cur.markers):
-                    async with _marking(r, t):
-                        await _write_marker(core, s.key, t)
-                        r.markers.add(t)
+                    await _mark(core, s.key, r, t)
                     written.append(t)
             cur = _other(core, s.key, r)
             if cur is not None:  # (all of it listed below)
@@ -162,14 +160,12 @@ async def marked(core: Core, owner: str) -> None:
     for t, tier in enumerate(core.tiers):
         if not tier.persistent or core.io[t].shared is not None:
             continue
-        while (busy := r.busy.get(t)) is not None:  # (a fork's copy writing it, say)
+        while (busy := _busy(t, r)) is not None:  # (a fork's copy writing it, say)
             await busy.wait()
         if core.retired.get(owner) is not r:  # (forgotten, or listed again, meanwhile)
             return
         if t not in r.markers and _needed(r, t):
-            async with _marking(r, t):
-                await _write_marker(core, owner, t)
-                r.markers.add(t)
+            await _mark(core, owner, r, t)
 
 
 def _other(core: Core, owner: str, r: Retired) -> Retired | None:
@@ -215,9 +211,7 @@ async def copying(core: Core, keys: list[SegmentKey], dst: int) -> None:
         ) is not None:
             await busy.wait()
         if r is not None and dst not in r.markers and not _pending_marked(core, owner, r, dst):
-            async with _marking(r, dst):
-                await _write_marker(core, owner, dst)
-                r.markers.add(dst)
+            await _mark(core, owner, r, dst)
 
 
 def _pending(core: Core, owner: str, r: Retired) -> Retired | None:
@@ -286,12 +280,7 @@ def _spare(core: Core, owner: str, r: Retired, t: int) -> bool:
     there, being copied there or being deleted from there (nor failed to be: an orphan),
     and no write or delete of the marker is under way."""
     stale = any(u == t and k[0] == owner and k[1] != RETIRED_SEQ for u, k in core.orphans)
-    return (
-        t in r.markers
-        and t not in r.busy
-        and not stale
-        and not any(t in seg.tiers or t in seg.claims for seg in r.segs)
-    )
+    return t in r.markers and t not in r.busy and not stale and not _needed(r, t)
 
 
 @contextlib.asynccontextmanager
@@ -304,6 +293,14 @@ async def _marking(r: Retired, t: int) -> AsyncIterator[None]:
     finally:
         del r.busy[t]
         done.set()
+
+
+async def _mark(core: Core, owner: str, r: Retired, t: int) -> None:
+    """Write ``owner``'s marker in tier ``t`` for its record ``r`` (a copy of its segments
+    into ``t`` waits meanwhile)."""
+    async with _marking(r, t):
+        await _write_marker(core, owner, t)
+        r.markers.add(t)
 
 
 async def _write_marker(core: Core, owner: str, t: int) -> None:
