@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -665,9 +666,9 @@ class _FailingMarkers(RedisTier):
         self._check(key)
         await super().write(key, data)
 
-    async def write_pieces(self, key: SegmentKey, pieces: Sequence[memoryview]) -> None:
+    async def write_pieces(self, key: SegmentKey, *args: Any, **kwargs: Any) -> None:
         self._check(key)
-        await super().write_pieces(key, pieces)
+        await super().write_pieces(key, *args, **kwargs)
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ leaves a whole history and a usable connection."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 import numpy as np
@@ -20,7 +20,7 @@ from tieredkv import TieredKVCache
 from tieredkv.backends.base import SegmentKey
 from tieredkv.backends.redis import RedisTier
 from tieredkv.errors import CorruptSegmentError
-from tieredkv.payload import parse_header, plan_segment, verify_segment
+from tieredkv.payload import SegmentPlan, parse_header, plan_segment, verify_segment
 
 __all__ = ["own_redis_server", "redis_server"]  # fixtures used below
 
@@ -34,11 +34,16 @@ class _Seen(RedisTier):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.seen: list[dict[int, int]] = []
 
-    async def write_pieces(self, key: SegmentKey, pieces: Sequence[memoryview]) -> None:
+    async def write_pieces(
+        self,
+        key: SegmentKey,
+        pieces: Sequence[memoryview],
+        seal: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.seen.append(
             {int(np.frombuffer(p, dtype=np.uint8).ctypes.data): len(p) for p in pieces if len(p)}
         )
-        await super().write_pieces(key, pieces)
+        await super().write_pieces(key, pieces, seal)
 
 
 def _turn(seed: int, tokens: int = 64) -> dict[str, torch.Tensor]:
@@ -99,6 +104,60 @@ async def test_a_tensor_changed_after_its_hash_is_refused_on_read(
         await tier.write_pieces(("s", 0), pieces)
         with pytest.raises(CorruptSegmentError, match="checksum"):
             await _stored(tier, ("s", 0))
+
+
+class _Sealing:
+    """A plan's seal (``SegmentPlan.seal`` in a worker thread) that first waits until the
+    server holds the segment's last value, and may then have every other connection of
+    the server killed; counts its calls."""
+
+    def __init__(self, server: RedisServer, prefix: str, plan: SegmentPlan, kill: bool) -> None:
+        self.server, self.prefix, self.plan, self.kill = server, prefix, plan, kill
+        self.pieces: Sequence[memoryview] = ()
+        self.calls = 0
+
+    def _body_sent(self) -> bool:
+        """Whether the server holds the segment's last value (the head is in the first)."""
+        last = -(-self.plan.length // (64 << 10)) - 1
+        with self.server.client() as probe:
+            return bool(probe.keys(f"{self.prefix}:*:0:*:{last}"))
+
+    async def __call__(self) -> None:
+        self.calls += 1
+        with anyio.fail_after(10):  # (the body's values were sent before the seal began)
+            while not self._body_sent():  # noqa: ASYNC110 (the server is polled, not an event)
+                await anyio.sleep(0.01)
+        if self.kill:  # (the head and the commit then go out on a dead connection)
+            with self.server.client() as probe:
+                probe.client_kill_filter(_type="normal", skipme=True)
+        await anyio.to_thread.run_sync(self.plan.seal, self.pieces)
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["sent", "connection-killed-after-body"])
+async def test_the_body_goes_out_while_the_head_is_sealed(
+    redis_server: RedisServer, kill: bool
+) -> None:
+    """A large segment's pieces are handed over unsealed (its prefix names no real hash
+    yet), with what seals them: the tier sends every value the head is not in before it
+    seals, and the head and the commit after. The server holds exactly the serialized
+    segment. Where the connection dies after the body went out, the tier's retry sends the
+    values again and the head with the same seal, computed once."""
+    tensors = _turn(9)  # 1 MiB: 16 values of 64 KiB, the head in the first
+    plan = plan_segment("s", 0, tensors, token_dim=0, answer_tokens=1)
+    serialized = bytearray(plan.length)
+    plan.write_into(memoryview(serialized))
+    prefix = new_prefix()
+    async with RedisTier(redis_server.url, 64 * MiB, prefix=prefix, value_size=64 << 10) as tier:
+        pieces = plan.pieces(sealed=False)
+        assert pieces is not None
+        assert parse_header(pieces[0], "unsealed")[1] == 0  # (parses; names no hash yet)
+        seal = _Sealing(redis_server, prefix, plan, kill)
+        seal.pieces = pieces
+        assert tier.reserve(("s", 0), plan.length)
+        await tier.write_pieces(("s", 0), pieces, seal)
+        assert seal.calls == 1
+        assert await _stored(tier, ("s", 0)) == bytes(serialized)
+        assert tier.stats().writes == 1
 
 
 async def test_tensors_that_are_not_their_bytes_are_serialized_as_before(

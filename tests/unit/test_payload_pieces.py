@@ -16,7 +16,7 @@ from redis.asyncio.connection import Connection
 from tieredkv.backends._redis_client import Joined, _packed
 from tieredkv.backends._redis_commit import cut
 from tieredkv.errors import CorruptSegmentError
-from tieredkv.payload import plan_segment, verify_segment
+from tieredkv.payload import PREFIX, parse_header, plan_segment, verify_segment
 
 MiB = 1 << 20
 
@@ -59,6 +59,27 @@ def test_pieces_join_into_the_serialized_segment_and_view_the_tensors(
     at = {_address(p): len(p) for p in pieces if len(p)}
     for t in tensors.values():
         assert at.get(t.data_ptr()) == t.nbytes
+
+
+def test_unsealed_pieces_parse_refuse_to_verify_and_seal_into_the_segment() -> None:
+    """``pieces(sealed=False)``: the same bytes but the prefix, which names a body hash of
+    0 with a matching CRC (its header parses, a read refuses the body); ``seal`` writes
+    the real hash, after which they join into the serialized segment."""
+    tensors = {f"l{i}": torch.arange(i, i + 4096, dtype=torch.int32) for i in range(3)}
+    plan = plan_segment("s", 1, tensors, token_dim=0, answer_tokens=1)
+    pieces = plan.pieces(sealed=False)
+    assert pieces is not None
+    header, body_hash = parse_header(pieces[0], "unsealed")
+    assert (header.session, header.seq, body_hash) == ("s", 1, 0)
+    want = _serialized(plan)
+    joined = b"".join(pieces)
+    assert joined[PREFIX.size :] == want[PREFIX.size :]
+    with pytest.raises(CorruptSegmentError, match="body checksum mismatch"):
+        verify_segment(memoryview(joined), "unsealed")
+    plan.seal(pieces)
+    assert b"".join(pieces) == want
+    plan.seal(pieces)  # (again: the same hash)
+    assert b"".join(pieces) == want
 
 
 def test_pieces_hash_the_bytes_as_they_are_when_asked() -> None:

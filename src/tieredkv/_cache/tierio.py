@@ -91,7 +91,12 @@ class _WritesPieces(Protocol):
     @property
     def writes_pieces(self) -> bool: ...
 
-    async def write_pieces(self, key: SegmentKey, pieces: Sequence[memoryview]) -> None: ...
+    async def write_pieces(
+        self,
+        key: SegmentKey,
+        pieces: Sequence[memoryview],
+        seal: Callable[[], Awaitable[None]] | None = None,
+    ) -> None: ...
 
 
 class TierIO:
@@ -180,24 +185,29 @@ class TierIO:
 
     async def _write_pieces(
         self,
-        write: Callable[[SegmentKey, Sequence[memoryview]], Awaitable[None]],
+        write: Callable[
+            [SegmentKey, Sequence[memoryview], Callable[[], Awaitable[None]] | None],
+            Awaitable[None],
+        ],
         key: SegmentKey,
         plan: SegmentPlan,
         staging: Staging,
     ) -> None:
         """The segment's header and the tensors' own bytes handed to the tier as they are:
-        no copy into a staging buffer, only the body hash over them (in a worker thread
-        when large). Tensors that are not contiguous on the CPU are serialized as for any
-        other tier."""
-        if plan.length > INLINE_COPY:
-            pieces = await anyio.to_thread.run_sync(plan.pieces)
-        else:
-            pieces = plan.pieces()
+        no copy into a staging buffer, only the body hash over them. A large segment's
+        hash is computed in a worker thread when the tier asks for it (``seal``), so the
+        tier sends the body meanwhile. Tensors that are not contiguous on the CPU are
+        serialized as for any other tier."""
+        big = plan.length > INLINE_COPY
+        pieces = plan.pieces(sealed=not big)
         if pieces is None:
             await self._write_staged(key, plan, staging)
             return
+        seal = functools.partial(anyio.to_thread.run_sync, plan.seal, pieces) if big else None
         try:
-            await write(key, pieces)  # (plan holds the tensors the pieces view meanwhile)
+            # (plan holds the tensors the pieces view meanwhile; the tier awaits the seal
+            # it started before it returns)
+            await write(key, pieces, seal)
         finally:
             for piece in pieces:
                 piece.release()

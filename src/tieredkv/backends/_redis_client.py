@@ -18,7 +18,7 @@ import contextlib
 import functools
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import anyio
@@ -326,10 +326,18 @@ def _packed(conn: Any, commands: Sequence[Sequence[Any]]) -> list[bytes | memory
     return packed
 
 
-async def pipelined(client: aioredis.Redis, commands: Sequence[Sequence[Any]]) -> list[Any]:
+async def pipelined(
+    client: aioredis.Redis,
+    commands: Sequence[Sequence[Any]],
+    then: Callable[[], Awaitable[Sequence[Sequence[Any]]]] | None = None,
+) -> list[Any]:
     """Send ``commands`` in one go on one of ``client``'s pooled connections and read their
     replies (an error reply as its exception): what redis-py's pipeline does, retries on a
     connection error included, but without its copies of large arguments.
+
+    ``then``, when given, is awaited once ``commands`` are handed to the connection (which
+    sends them meanwhile); the commands it returns follow them, and their replies follow
+    theirs. A retry awaits it again: it returns the same commands each time.
 
     The pipeline hands the packed commands to the stream writer's ``writelines``, and on
     Python 3.11 asyncio's socket transport joins them into one ``bytes``, slices off what
@@ -353,19 +361,15 @@ async def pipelined(client: aioredis.Redis, commands: Sequence[Sequence[Any]]) -
             if not conn.is_connected:
                 await conn.connect()
             await conn.check_health()
-            packed = _packed(conn, commands)
             writer = getattr(conn, "_writer", None)  # (private: redis-py's own otherwise)
-            if writer is None:
-                await conn.send_packed_command(packed, check_health=False)
-            else:
-                try:
-                    for piece in packed:
-                        writer.write(piece)
-                    await writer.drain()
-                except OSError as exc:  # (what send_packed_command raises: retried)
-                    raise RedisConnectionError(f"Error while writing to socket. {exc}") from exc
+            sent = list(commands)
+            await send(writer, commands, drain=then is None)
+            if then is not None:
+                more = await then()
+                sent += more
+                await send(writer, more, drain=True)
             replies: list[Any] = []
-            for _ in commands:
+            for _ in sent:
                 try:
                     replies.append(await conn.read_response())
                 except ResponseError as exc:  # an error reply, read whole
@@ -377,6 +381,21 @@ async def pipelined(client: aioredis.Redis, commands: Sequence[Sequence[Any]]) -
                     writer.transport.abort()
                 await conn.disconnect(nowait=True)
             raise
+
+    async def send(writer: Any, commands: Sequence[Sequence[Any]], drain: bool) -> None:
+        """Hand ``commands`` to the connection; with ``drain``, wait until the socket has
+        taken them (without, they go out while the caller awaits something else)."""
+        packed = _packed(conn, commands)
+        if writer is None:
+            await conn.send_packed_command(packed, check_health=False)
+            return
+        try:
+            for piece in packed:
+                writer.write(piece)
+            if drain:
+                await writer.drain()
+        except OSError as exc:  # (what send_packed_command raises: retried)
+            raise RedisConnectionError(f"Error while writing to socket. {exc}") from exc
 
     async def failed(error: Exception) -> None:
         with anyio.CancelScope(shield=True):

@@ -14,10 +14,11 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
+import msgspec
 
 from ..errors import (
     CommitDelayedError,
@@ -68,6 +69,25 @@ def cut(pieces: Sequence[memoryview], size: int) -> list[list[memoryview]]:
     return values if values[0] else []
 
 
+_Seal = Callable[[], Awaitable[None]]
+"""What completes a segment's prefix once its body is hashed (see ``write_pieces``)."""
+
+
+class _Once:
+    """A :data:`_Seal` that runs its seal the first time it is awaited, and only then (a
+    retried commit sends the same head)."""
+
+    __slots__ = ("_seal",)
+
+    def __init__(self, seal: _Seal) -> None:
+        self._seal: _Seal | None = seal
+
+    async def __call__(self) -> None:
+        if self._seal is not None:
+            await self._seal()
+            self._seal = None
+
+
 class _Vanished(Exception):
     """The manifest is gone (COMMIT's -4)."""
 
@@ -81,18 +101,29 @@ class Commits(Leases):
         one server, without a secret; otherwise it joins them and writes the bytes)."""
         return self._key is None and not self._conn.cluster
 
-    async def write_pieces(self, key: SegmentKey, pieces: Sequence[memoryview]) -> None:
+    async def write_pieces(
+        self, key: SegmentKey, pieces: Sequence[memoryview], seal: _Seal | None = None
+    ) -> None:
         """:meth:`write` of the segment whose bytes are ``pieces`` joined, the first holding
         at least its prefix and header (:meth:`tieredkv.payload.SegmentPlan.pieces`): each
         value goes out as the pieces it spans, with no copy of them where
         :attr:`writes_pieces` (the caller keeps them unchanged until this returns). Raises
-        what :meth:`write` raises."""
+        what :meth:`write` raises.
+
+        ``seal``, when given, completes the prefix (the body hash: ``SegmentPlan.seal`` in a
+        worker thread); until it is awaited the prefix parses but is not final. The values
+        the head is not in go out while it runs, the ones it is in once it has returned;
+        it is awaited at most once, and never after this returns.
+        """
         if not pieces:
             raise ValueError(f"segment {key[1]}: no bytes to write")
+        if seal is not None and not self.writes_pieces:  # (the bytes are joined, or signed)
+            await seal()
+            seal = None
         if not self.writes_pieces and len(pieces) > 1:  # (a MAC over the whole body)
             await self.write(key, memoryview(await anyio.to_thread.run_sync(b"".join, pieces)))
             return
-        await self._write(key, pieces)
+        await self._write(key, pieces, _Once(seal) if seal is not None else None)
 
     async def write(self, key: SegmentKey, data: memoryview) -> None:
         """Write a segment's parts, then commit it as the conversation's next segment (one
@@ -114,9 +145,11 @@ class Commits(Leases):
         """
         await self._write(key, [data])
 
-    async def _write(self, key: SegmentKey, pieces: Sequence[memoryview]) -> None:
+    async def _write(
+        self, key: SegmentKey, pieces: Sequence[memoryview], seal: _Seal | None = None
+    ) -> None:
         """:meth:`write` of the segment whose bytes are ``pieces`` joined (the first holds
-        its prefix and header)."""
+        its prefix and header; ``seal``: see :meth:`write_pieces`, run at most once)."""
         self._check_open()
         length = self._reserved.get(key)
         if length is None:
@@ -167,7 +200,7 @@ class Commits(Leases):
                 )
             refs = self._references(session, header) if header.base else None
             try:
-                await self._commit(key, pieces, header, head_len, known, refs)
+                await self._commit(key, pieces, header, head_len, known, refs, seal)
                 return
             except _Vanished:
                 if attempt or known.n:
@@ -209,10 +242,12 @@ class Commits(Leases):
         head_len: int,
         known: Manifest,
         refs: list[Ref] | None = None,
+        seal: _Seal | None = None,
     ) -> None:
         """Commit segment ``key``, whose bytes are ``pieces`` joined (one piece, or several
         without a secret: see :meth:`write_pieces`; ``refs``: a fork's first, with its
-        references)."""
+        references; ``seal``: what completes the prefix, awaited once every value but the
+        ones holding the head has been handed to the connection)."""
         client = self._check_open()
         session, seq = key
         writer = self._writers[session]
@@ -225,11 +260,12 @@ class Commits(Leases):
         else:
             if self._key is not None:
                 assert len(pieces) == 1  # (see write_pieces)
+                assert seal is None
                 head = await anyio.to_thread.run_sync(
                     authenticated_head, data, self._key, bytes.fromhex(known.id)
                 )
             else:
-                head = bytes(data[:head_len])
+                head = b"" if seal is not None else bytes(data[:head_len])  # (b"": unsealed)
             entry = Entry(
                 length=length,
                 nonce=secrets.token_hex(8),
@@ -237,11 +273,13 @@ class Commits(Leases):
                 value_size=vs,
                 head=head,
             )
-        self._attempts[key] = Attempt(entry, known.id, header)
+        if entry.head:
+            self._attempts[key] = Attempt(entry, known.id, header)
         # the values: the first ones carry the (authenticated) head in place of data's (a
-        # copy of them); where the head is data's own (no secret), views of the pieces
+        # copy of them); where the head is data's own (no secret), views of the pieces,
+        # and so where it is data's own once sealed
         values: list[list[memoryview]]
-        if data[: len(entry.head)] == entry.head:
+        if not entry.head or data[: len(entry.head)] == entry.head:
             values = cut(pieces, vs)
         else:
             cover = -(-len(entry.head) // vs)
@@ -252,35 +290,58 @@ class Commits(Leases):
         views = [view for value in values for view in value]
         parts = self._parts(key, entry)
         base = known.base if refs is None else refs
-        mac = (
-            b""
-            if self._key is None
-            else sign(session, known.id, known.v + 1, [*known.entries, entry], self._key, base)
-        )
         start = time.monotonic()
         keys = [self._manifest(session), *parts]
-        args: list[str | int | bytes] = [
-            seq,
-            writer.token,
-            encode_entry(entry),
-            entry.kfield,
-            known.id,
-            known.v,
-            self._conn.deadline(start),
-            mac,
-            self.owner,
-            self._lease_ms,
-            # (on one server: the prefix's mark, checked (or put back) in the same step; a
-            # Cluster keeps it in another slot, and the heartbeat checks it instead)
-            "" if isinstance(client, RedisCluster) else self._marker,
-            len(refs or ()),
-            *[ref.qfield(self.prefix) for ref in refs or ()],
-            *[encode_entry(ref) for ref in refs or ()],
-            f"{self._base(session)}:t",
-            "" if self._key is None else self._mark,
-            self._settle_ms,
-        ]
+
+        def arguments(entry: Entry) -> list[str | int | bytes]:
+            """The commit step's arguments for ``entry``."""
+            mac = (
+                b""
+                if self._key is None
+                else sign(session, known.id, known.v + 1, [*known.entries, entry], self._key, base)
+            )
+            return [
+                seq,
+                writer.token,
+                encode_entry(entry),
+                entry.kfield,
+                known.id,
+                known.v,
+                self._conn.deadline(start),
+                mac,
+                self.owner,
+                self._lease_ms,
+                # (on one server: the prefix's mark, checked (or put back) in the same step;
+                # a Cluster keeps it in another slot, and the heartbeat checks it instead)
+                "" if isinstance(client, RedisCluster) else self._marker,
+                len(refs or ()),
+                *[ref.qfield(self.prefix) for ref in refs or ()],
+                *[encode_entry(ref) for ref in refs or ()],
+                f"{self._base(session)}:t",
+                "" if self._key is None else self._mark,
+                self._settle_ms,
+            ]
+
+        args = arguments(entry) if entry.head else []
         commit = self._conn.scripts["commit"]
+        ms = self._part_ms
+        sets = [
+            ("SET", part, value[0] if len(value) == 1 else Joined(value), "PX", ms, "NX")
+            for part, value in zip(parts, values, strict=True)
+        ]
+        heads = -(-head_len // vs)  # the values that hold the head, sent once it is sealed
+
+        async def sealed() -> list[tuple[Any, ...]]:
+            """Seal the head, then the commands that send it and commit the segment."""
+            nonlocal entry, args
+            if not entry.head:
+                assert seal is not None
+                await seal()  # (every value but the head's is in flight meanwhile)
+                entry = msgspec.structs.replace(entry, head=bytes(data[:head_len]))
+                self._attempts[key] = Attempt(entry, known.id, header)
+                args = arguments(entry)
+            return [*sets[:heads], ("EVALSHA", commit.sha, len(keys), *keys, *args)]
+
         try:
             with anyio.fail_after(self._timeout):
                 # one round trip: the values, then the commit, which the server runs after
@@ -288,26 +349,16 @@ class Commits(Leases):
                 # (a Cluster client refuses scripts in pipelines: two round trips there)
                 cluster = isinstance(client, RedisCluster)
                 if isinstance(client, RedisCluster):
+                    assert entry.head  # (see write_pieces)
                     async with client.pipeline(transaction=False) as pipe:
                         for part, value in zip(parts, values, strict=True):
                             one = value[0] if len(value) == 1 else b"".join(value)
-                            pipe.set(part, one, px=self._part_ms, nx=True)
+                            pipe.set(part, one, px=ms, nx=True)
                         results = await pipe.execute(raise_on_error=False)
-                else:  # (the values without the transport's copies: see pipelined)
-                    ms = self._part_ms
-                    sets = [
-                        (
-                            "SET",
-                            part,
-                            value[0] if len(value) == 1 else Joined(value),
-                            "PX",
-                            ms,
-                            "NX",
-                        )
-                        for part, value in zip(parts, values, strict=True)
-                    ]
-                    evalsha = ("EVALSHA", commit.sha, len(keys), *keys, *args)
-                    results = await pipelined(client, [*sets, evalsha])
+                elif entry.head:  # (the values without the transport's copies: pipelined)
+                    results = await pipelined(client, [*sets[heads:], *await sealed()])
+                else:  # the values the head is not in go out while it is sealed
+                    results = await pipelined(client, sets[heads:], then=sealed)
                 for failed in results[: len(parts)]:  # a value refused (out of memory)
                     if isinstance(failed, Exception):
                         raise failed  # (the commit step found it missing: nothing committed)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from typing import Any, NamedTuple
 
@@ -105,18 +105,24 @@ class SegmentPlan:
         """Write the prefix (magic, header length, CRC, ``body_hash``) once the body is in."""
         _pack_prefix(buf, self.header_bytes, body_hash)
 
-    def pieces(self) -> list[memoryview] | None:
+    def pieces(self, *, sealed: bool = True) -> list[memoryview] | None:
         """The segment's bytes as consecutive pieces, without copying a tensor: its prefix
         and header (a new buffer), then the tensors' own bytes (views of their memory) and
         the zero padding between them, in order; they join into exactly the bytes
         :meth:`write_into` writes. ``None`` where a tensor is not a contiguous CPU tensor
         whose bytes are its values (serialize it with :meth:`write_into` instead).
 
-        The body hash in the prefix is computed over the pieces, here: hashes every byte,
-        so run it in a worker thread. The views are valid while this plan holds its tensors
-        (keep the plan until the pieces are written). A tensor the caller changes after
-        this returns is stored as it is then, which its hash no longer matches: a read
-        refuses the segment rather than serving a mix.
+        The body hash in the prefix is computed over the pieces, here, which reads every
+        byte: run it in a worker thread. With ``sealed=False`` it is not: the prefix names
+        a body hash of 0 (a valid prefix, whose header parses, but whose hash the body does
+        not match) until :meth:`seal` computes it, so a tier can send the body while the
+        hash is computed and the first piece once it is. A segment stored unsealed is
+        refused on read as damaged, never served.
+
+        The views are valid while this plan holds its tensors (keep the plan until the
+        pieces are written). A tensor the caller changes after the hash is taken is stored
+        as it is when sent, which its hash no longer matches: a read refuses the segment
+        rather than serving a mix.
         """
         h = self.header
         start = PREFIX.size + len(self.header_bytes)
@@ -134,13 +140,23 @@ class SegmentPlan:
             cursor = at + spec.nbytes
         if self.length > cursor:
             body.append(_zeros(self.length - cursor))
-        hasher = xxhash.xxh3_64()
-        for piece in body:
-            hasher.update(piece)
         head = bytearray(start)
         head[PREFIX.size :] = self.header_bytes
-        _pack_prefix(head, self.header_bytes, hasher.intdigest())
-        return [memoryview(head), *body]
+        pieces = [memoryview(head), *body]
+        if sealed:
+            self.seal(pieces)
+        else:
+            _pack_prefix(head, self.header_bytes, 0)
+        return pieces
+
+    def seal(self, pieces: Sequence[memoryview]) -> None:
+        """Write the body hash of ``pieces`` (from :meth:`pieces` with ``sealed=False``)
+        into the prefix, the start of the first piece. Hashes every byte of the body, with
+        the GIL released: run it in a worker thread."""
+        hasher = xxhash.xxh3_64()
+        for piece in pieces[1:]:
+            hasher.update(piece)
+        _pack_prefix(pieces[0], self.header_bytes, hasher.intdigest())
 
 
 _ZEROS = memoryview(bytes(1 << 16))
