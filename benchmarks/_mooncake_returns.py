@@ -21,6 +21,7 @@ time they are held). Run it on the whole trace (default) or on the head the test
 from __future__ import annotations
 
 import argparse
+import bisect
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -49,7 +50,9 @@ def shares(
     edge, the turns in it, and how many of them have a later turn."""
     out = [[edge, 0, 0] for edge in edges]
     for value, came_back in zip(values, back, strict=True):
-        j = max(k for k, edge in enumerate(edges) if value >= edge)
+        j = bisect.bisect_right(edges, value) - 1  # (as the policies bucket answers)
+        if j < 0:
+            raise ValueError(f"{value} is below the first bucket's edge, {edges[0]}")
         out[j][1] += 1
         out[j][2] += came_back
     return [(edge, n, k) for edge, n, k in out]

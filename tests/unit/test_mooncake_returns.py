@@ -33,6 +33,8 @@ def test_a_turn_is_followed_when_its_conversation_has_a_later_one() -> None:
             (500, 2, 2),  # 600, 1500: both followed
             (2000, 2, 0),  # 4000, 9000: neither
         ]
+        with pytest.raises(ValueError, match="below the first bucket's edge, 1"):
+            script.shares([0], [True], (1, 2))
         report = script.report(turns)
     assert report.splitlines()[0] == (
         "6 turns in 3 conversations; 3 (0.50) are followed by another turn of theirs"
