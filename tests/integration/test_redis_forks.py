@@ -455,6 +455,41 @@ async def test_a_fork_the_server_lost_is_a_counted_miss(own_redis_server: RedisS
             await a.load("c")
 
 
+@pytest.mark.parametrize("then", ["restart-empty", "dropped-again"])
+async def test_a_history_taken_over_and_dropped_elsewhere_is_not_served_as_new_here(
+    own_redis_server: RedisServer, then: str
+) -> None:
+    """A commits ``p``; B takes it over, drops it, starts it again and forks it. A's load
+    of the fork indexes B's new turn 0 under ``p``'s key, which drops A's view of ``p``
+    (stale) while A still holds its old writer token. Then the server restarts empty, or B
+    drops ``p`` again: A's load of ``p`` is a counted miss. It used to find no manifest,
+    no view to compare with and its own token, take ``p`` for a conversation started here
+    and never committed, and serve A's old turn (found by the fleet campaign, seed 1637)."""
+    prefix = new_prefix()
+    async with _cache(own_redis_server, prefix) as a, _cache(own_redis_server, prefix) as b:
+        await a.append("p", P0, answer_tokens=8)
+        await a.flush()
+        assert _same(await b.load("p"), P0)  # B takes it over
+        await b.drop("p")
+        await b.append("p", P1, answer_tokens=8)  # another history under the key
+        await b.append("f", C, answer_tokens=4, parent="p")
+        await b.flush()
+        with pytest.raises(SessionNotFoundError):  # (its turn 0 is not A's: a miss)
+            await a.load("f")
+        if then == "restart-empty":
+            own_redis_server.restart(empty=True)
+        else:
+            await b.drop("p")
+        before = a.stats()
+        with pytest.raises(SessionNotFoundError, match="lost its history"):
+            await a.load("p")
+        after = a.stats()
+        assert (after.unproven, after.lost) == (before.unproven + 1, before.lost + 1)
+        assert not a.contains("p")
+        with pytest.raises(SessionNotFoundError):  # (reported once, still not served)
+            await a.load("p")
+
+
 async def test_a_fork_of_a_conversation_dropped_meanwhile_is_refused(
     redis_server: RedisServer, prefix: str
 ) -> None:

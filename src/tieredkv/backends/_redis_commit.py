@@ -437,6 +437,7 @@ class Commits(Leases):
             else:  # the version moved on, or another call changed the view: read it again
                 self._stale.add(session)  # (before the next commit)
             writer.lease_until = self._lease_from(start)
+            writer.history = True
             self._commit_local(key, entry, known.id)
             self._counters.writes += 1
             self._counters.bytes_written += entry.length

@@ -81,7 +81,12 @@ class Leases(Replica):
             return SharedState(status="damaged")
         if m is None:
             self._drop_view(session, keep_writer=True)
-            if prev is not None and prev.n:
+            writer = self._writers.get(session)
+            # a history this tier knew, or one its writer lease covered (its view may have
+            # been dropped since, unread: a conversation started here would be "absent")
+            if (prev is not None and prev.n) or (writer is not None and writer.history):
+                if writer is not None:
+                    writer.history = False  # (reported once, as the view it had is gone)
                 self._counters.lost += 1
                 return SharedState(status="lost")
             return SharedState(status="absent")
@@ -90,6 +95,8 @@ class Leases(Replica):
             self._writers[session] = Writer(token, self._lease_from(sent))
         elif (w := self._writers.get(session)) is not None and m.fence != w.token:
             self._drop_writer(session, w)  # another replica took it over
+        if (w := self._writers.get(session)) is not None and m.history:
+            w.history = True
         if prev is not None and prev.id == m.id and m.v < prev.v:
             # an older version than this tier committed or read: the server lost data
             self._counters.lost += 1
@@ -162,7 +169,7 @@ class Leases(Replica):
             self._known[session] = Manifest(
                 session=session, id=text(reply[3]), v=to_int(reply[4]), fence=token
             )
-        self._writers[session] = Writer(token, self._lease_from(sent))
+        self._writers[session] = Writer(token, self._lease_from(sent), history=to_int(reply[5]) > 0)
         return token
 
     async def ensure_writer(self, session: str) -> int:

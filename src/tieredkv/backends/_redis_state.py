@@ -34,6 +34,11 @@ class Writer:
     token: int
     lease_until: float
     """By this process's monotonic clock: until then no other replica can commit."""
+    history: bool = False
+    """Whether a committed history was known under this lease (committed or read here):
+    if the store then holds none, it was lost, even after this tier dropped its view of it
+    (a stale view, say: another history under the key listed by a fork) and knows no
+    manifest to compare with. Reported once (see ``Leases._settle``)."""
 
 
 @dataclass

@@ -59,7 +59,9 @@ class SharedState(msgspec.Struct, frozen=True, kw_only=True):
     :param status: ``"current"`` (the committed history is the one this tier last
         committed or read for the conversation), ``"changed"`` (another one), ``"absent"``
         (none, and this tier knew of none), ``"lost"`` (none, or an older one, where this
-        tier knew a committed history: the server lost data), ``"damaged"`` (the store's
+        tier knew a committed history, even one whose view it has dropped since while this
+        replica stayed its writer: the server lost data, or another replica took the
+        conversation over and dropped it), ``"damaged"`` (the store's
         copy fails its checks: never served)
     :param headers: the committed segments' headers, ``seq`` 0, 1, ... (empty unless
         ``"current"`` or ``"changed"``)
