@@ -82,12 +82,16 @@ class Leases(Replica):
         if m is None:
             self._drop_view(session, keep_writer=True)
             writer = self._writers.get(session)
+            knew = prev is not None and prev.n > 0
             # a history this tier knew, or one its writer lease covered (its view may have
-            # been dropped since, unread: a conversation started here would be "absent")
-            if (prev is not None and prev.n) or (writer is not None and writer.history):
+            # been dropped since, unread): lost. Said again while this replica holds that
+            # lease, whoever asks first (a fork's look-up, say), so that no later refresh
+            # takes it for a conversation started here and never committed ("absent")
+            if knew or (writer is not None and writer.history):
+                if knew or (writer is not None and not writer.lost):
+                    self._counters.lost += 1
                 if writer is not None:
-                    writer.history = False  # (reported once, as the view it had is gone)
-                self._counters.lost += 1
+                    writer.history = writer.lost = True
                 return SharedState(status="lost")
             return SharedState(status="absent")
         self._reconcile(session, m)

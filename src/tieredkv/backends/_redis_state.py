@@ -35,10 +35,12 @@ class Writer:
     lease_until: float
     """By this process's monotonic clock: until then no other replica can commit."""
     history: bool = False
-    """Whether a committed history was known under this lease (committed or read here):
-    if the store then holds none, it was lost, even after this tier dropped its view of it
-    (a stale view, say: another history under the key listed by a fork) and knows no
-    manifest to compare with. Reported once (see ``Leases._settle``)."""
+    """Whether a committed history was known under this lease (acquired over one, read
+    with ``take``, or committed here): if the store then holds none, it was lost, even
+    after this tier dropped its view of it (a stale view, say: a fork listed another
+    history's turn under the key) and knows no manifest to compare with."""
+    lost: bool = False
+    """Whether the store was found holding none of that history (counted once)."""
 
 
 @dataclass
