@@ -464,7 +464,9 @@ async def test_a_history_taken_over_and_dropped_elsewhere_is_not_served_as_new_h
     (stale) while A still holds its old writer token. Then the server restarts empty, or B
     drops ``p`` again: A's load of ``p`` is a counted miss. It used to find no manifest,
     no view to compare with and its own token, take ``p`` for a conversation started here
-    and never committed, and serve A's old turn (found by the fleet campaign, seed 1637)."""
+    and never committed, and serve A's old turn (found by the fleet campaign, seed 1637).
+    A's new history under the key is then committed if the server no longer holds the
+    fork, and refused if it does."""
     prefix = new_prefix()
     async with _cache(own_redis_server, prefix) as a, _cache(own_redis_server, prefix) as b:
         await a.append("p", P0, answer_tokens=8)
@@ -492,6 +494,19 @@ async def test_a_history_taken_over_and_dropped_elsewhere_is_not_served_as_new_h
         assert "1 history(ies) found lost" in shared.stats().notes[2]  # (counted once)
         with pytest.raises(SessionNotFoundError, match="lost its history"):
             await a.load("p")
+        # A starts ``p`` again. Its tier's view of the fork still indexes B's turn 0 under
+        # ``p``'s key; it is read again first. After the empty restart the server holds no
+        # fork: A's turn is committed (it used to be refused at every append, until A
+        # happened to read the fork again). After the drop the fork keeps that turn: refused.
+        await a.append("p", C, answer_tokens=4)
+        if then == "restart-empty":
+            await a.flush()
+            async with _cache(own_redis_server, prefix) as c:
+                assert _same(await c.load("p"), C)
+        else:
+            with pytest.raises(TurnRefusedError, match="a fork lists it"):
+                await a.flush()
+            assert _same(await b.load("f"), _cat(P1, C))
 
 
 async def test_a_fork_of_a_conversation_dropped_meanwhile_is_refused(

@@ -26,6 +26,7 @@ from ..errors import (
     HistoryConflictError,
     LeaseHeldError,
     StaleWriterError,
+    TierIOError,
     UnauthenticatedWriterError,
 )
 from ..payload import SegmentHeader
@@ -174,7 +175,24 @@ class Leases(Replica):
                 session=session, id=text(reply[3]), v=to_int(reply[4]), fence=token
             )
         self._writers[session] = Writer(token, self._lease_from(sent), history=to_int(reply[5]) > 0)
+        if to_int(reply[5]) == 0:
+            await self._recheck_forks(session)
         return token
+
+    async def _recheck_forks(self, session: str) -> None:
+        """Before this replica starts ``session``'s history (empty on the server), read
+        again the forks whose views index a turn under its key: such a turn of an earlier
+        history, kept for a fork, makes :meth:`reserve` refuse the new one, and a view
+        can outlive what the server holds (it restarted empty, or another replica dropped
+        the fork), which would refuse every turn under the key here until this replica
+        happened to read the fork again. A fork the server still holds keeps its turns
+        (and the refusal); one it cannot be asked about stays as it is."""
+        forks = {by for key, by_ in self._holders.items() if key[0] == session for by in by_}
+        for fork in sorted(forks - {session}):
+            try:
+                await self.refresh(fork)
+            except TierIOError:
+                return
 
     async def ensure_writer(self, session: str) -> int:
         """Make sure this replica may append to ``session``; return its fencing token.
