@@ -682,6 +682,12 @@ class TieredKVCache:
         What its forks (or the conversation it was forked from) still list stays stored
         for them; the rest is deleted.
 
+        With a shared tier (Redis), the conversation leaves the shared tier for every
+        replica only if this replica is its writer (it appended or loaded it last); another
+        replica's conversation stays there, and only this replica's copies go (a later
+        load here reads it again). To remove it for every replica, load it first (a load
+        takes the conversation over), then drop it.
+
         :raises SessionNotFoundError: if the cache does not know the session
         """
         self._check_open()

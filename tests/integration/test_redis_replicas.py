@@ -122,6 +122,27 @@ async def test_stale_replica_is_refused_and_nothing_is_corrupted(
     assert same_bytes(await b.load("chat"), history(3))
 
 
+async def test_a_drop_removes_the_shared_history_only_from_its_writer(
+    two: tuple[TieredKVCache, TieredKVCache],
+) -> None:
+    """B's drop of A's conversation removes B's copies only (A still loads it, and so does
+    B, from the shared tier); a drop after a load (B the writer then) removes it for
+    every replica, as drop() documents."""
+    a, b = two
+    await a.append("chat", turn(0), answer_tokens=5)
+    await a.flush()
+    await b.discover("chat")
+    assert b.contains("chat")
+    await b.drop("chat")  # (B never loaded it: A is the writer)
+    assert not b.contains("chat")
+    assert same_bytes(await a.load("chat"), history(1))
+    assert same_bytes(await b.load("chat"), history(1))  # read again; B is the writer now
+    await b.drop("chat")
+    assert not await a.discover("chat")
+    with pytest.raises(SessionNotFoundError):
+        await a.load("chat")
+
+
 def _scripts_run(server: RedisServer) -> int:
     """How many Lua steps (``EVALSHA``) the server has run."""
     with server.client() as c:
