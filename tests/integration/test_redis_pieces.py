@@ -8,7 +8,7 @@ leaves a whole history and a usable connection."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 import anyio
 import numpy as np
@@ -17,7 +17,7 @@ import torch
 
 from tests.redis_server import RedisServer, new_prefix, own_redis_server, redis_server
 from tieredkv import TieredKVCache
-from tieredkv.backends.base import SegmentKey
+from tieredkv.backends.base import Seal, SegmentKey
 from tieredkv.backends.redis import RedisTier
 from tieredkv.errors import CorruptSegmentError
 from tieredkv.payload import SegmentPlan, parse_header, plan_segment, verify_segment
@@ -38,7 +38,7 @@ class _Seen(RedisTier):
         self,
         key: SegmentKey,
         pieces: Sequence[memoryview],
-        seal: Callable[[], Awaitable[None]] | None = None,
+        seal: Seal | None = None,
     ) -> None:
         self.seen.append(
             {int(np.frombuffer(p, dtype=np.uint8).ctypes.data): len(p) for p in pieces if len(p)}

@@ -51,6 +51,7 @@ from ..backends.base import (
     AddressableTier,
     Consumer,
     DefragmentingTier,
+    Seal,
     SegmentKey,
     StreamingTier,
     Tier,
@@ -95,7 +96,7 @@ class _WritesPieces(Protocol):
         self,
         key: SegmentKey,
         pieces: Sequence[memoryview],
-        seal: Callable[[], Awaitable[None]] | None = None,
+        seal: Seal | None = None,
     ) -> None: ...
 
 
@@ -186,7 +187,7 @@ class TierIO:
     async def _write_pieces(
         self,
         write: Callable[
-            [SegmentKey, Sequence[memoryview], Callable[[], Awaitable[None]] | None],
+            [SegmentKey, Sequence[memoryview], Seal | None],
             Awaitable[None],
         ],
         key: SegmentKey,

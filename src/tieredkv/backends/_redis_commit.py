@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -40,7 +40,7 @@ from ._redis_client import (
 )
 from ._redis_lease import Leases
 from ._redis_state import Attempt, Writer
-from .base import SegmentKey
+from .base import Seal, SegmentKey
 from .redis_manifest import Damaged, Entry, Manifest, Ref, encode_entry, parse, sign
 from .shared import plain_header as plain
 
@@ -69,18 +69,14 @@ def cut(pieces: Sequence[memoryview], size: int) -> list[list[memoryview]]:
     return values if values[0] else []
 
 
-_Seal = Callable[[], Awaitable[None]]
-"""What completes a segment's prefix once its body is hashed (see ``write_pieces``)."""
-
-
 class _Once:
-    """A :data:`_Seal` that runs its seal the first time it is awaited, and only then (a
+    """A :data:`Seal` that runs its seal the first time it is awaited, and only then (a
     retried commit sends the same head)."""
 
     __slots__ = ("_seal",)
 
-    def __init__(self, seal: _Seal) -> None:
-        self._seal: _Seal | None = seal
+    def __init__(self, seal: Seal) -> None:
+        self._seal: Seal | None = seal
 
     async def __call__(self) -> None:
         if self._seal is not None:
@@ -102,7 +98,7 @@ class Commits(Leases):
         return self._key is None and not self._conn.cluster
 
     async def write_pieces(
-        self, key: SegmentKey, pieces: Sequence[memoryview], seal: _Seal | None = None
+        self, key: SegmentKey, pieces: Sequence[memoryview], seal: Seal | None = None
     ) -> None:
         """:meth:`write` of the segment whose bytes are ``pieces`` joined, the first holding
         at least its prefix and header (:meth:`tieredkv.payload.SegmentPlan.pieces`): each
@@ -146,7 +142,7 @@ class Commits(Leases):
         await self._write(key, [data])
 
     async def _write(
-        self, key: SegmentKey, pieces: Sequence[memoryview], seal: _Seal | None = None
+        self, key: SegmentKey, pieces: Sequence[memoryview], seal: Seal | None = None
     ) -> None:
         """:meth:`write` of the segment whose bytes are ``pieces`` joined (the first holds
         its prefix and header; ``seal``: see :meth:`write_pieces`, run at most once)."""
@@ -242,7 +238,7 @@ class Commits(Leases):
         head_len: int,
         known: Manifest,
         refs: list[Ref] | None = None,
-        seal: _Seal | None = None,
+        seal: Seal | None = None,
     ) -> None:
         """Commit segment ``key``, whose bytes are ``pieces`` joined (one piece, or several
         without a secret: see :meth:`write_pieces`; ``refs``: a fork's first, with its

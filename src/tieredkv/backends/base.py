@@ -30,7 +30,7 @@ Blocking work (file I/O, large copies) runs in worker threads, never on the even
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol, TypeAlias, runtime_checkable
 
 import msgspec
@@ -43,6 +43,7 @@ __all__ = [
     "Consumer",
     "DefragmentingTier",
     "LandingConsumer",
+    "Seal",
     "SegmentKey",
     "Spans",
     "StreamingTier",
@@ -60,6 +61,10 @@ Spans: TypeAlias = Sequence[tuple[int, int]]
 
 Consumer: TypeAlias = Callable[[int, int, memoryview], None]
 """What :meth:`Tier.read` hands each span to: ``consume(item, span, view)``."""
+
+Seal: TypeAlias = Callable[[], Awaitable[None]]
+"""What completes a segment's prefix once its body is hashed (the ``seal`` of a tier's
+``write_pieces``, for the pieces of ``SegmentPlan.pieces(sealed=False)``)."""
 
 
 @runtime_checkable
