@@ -7,7 +7,7 @@ leaves a whole history and a usable connection."""
 
 from __future__ import annotations
 
-import asyncio
+import time
 from collections.abc import Sequence
 
 import anyio
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.cancellation import CANCELS, cancellable
 from tests.redis_server import RedisServer, new_prefix, own_redis_server, redis_server
 from tieredkv import TieredKVCache
 from tieredkv.backends.base import Seal, SegmentKey
@@ -194,7 +195,7 @@ async def test_with_a_secret_the_pieces_are_joined_and_authenticated(
     assert data[h.body_offset :] == bytes(serialized)[h.body_offset :]
 
 
-@pytest.mark.parametrize("kind", ["anyio", "task.cancel"])
+@pytest.mark.parametrize("kind", CANCELS)
 async def test_an_append_cancelled_mid_send_leaves_a_whole_history(
     own_redis_server: RedisServer, kind: str
 ) -> None:
@@ -202,10 +203,12 @@ async def test_an_append_cancelled_mid_send_leaves_a_whole_history(
     cancelled there; the server runs again a second later. The cache never abandons a
     write under way (no piece is sent after the append returns): the write finishes and
     commits the turn, which no replica can take back (others may serve it already), so
-    the append completes in this cache too, and a ``task.cancel()`` then reaches the
-    caller, while an anyio scope, which the write is shielded from, sees the append
-    complete. The history loaded has both turns whole, this replica goes on appending to
-    it, and the same connection pool serves it exactly."""
+    the append completes in this cache too, and a ``task.cancel()`` (or an asyncio
+    ``timeout`` or ``wait_for`` running out) then reaches the caller, while an anyio
+    scope, which the write is shielded from, sees the append complete (the turn is
+    large: its pieces go out unsealed while its head is hashed). The history loaded has
+    both turns whole, this replica goes on appending to it, and the same connection pool
+    serves it exactly."""
     big = _turn(6, tokens=2048)  # 8 x 4 MiB
     first = _turn(7)
     tier = RedisTier(
@@ -222,18 +225,10 @@ async def test_an_append_cancelled_mid_send_leaves_a_whole_history(
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(resume)
-                if kind == "anyio":
-                    with anyio.move_on_after(1.0):
-                        await cache.append("chat", big, answer_tokens=1)
-                else:
-                    task = asyncio.get_running_loop().create_task(
-                        cache.append("chat", big, answer_tokens=1)
-                    )
-                    await asyncio.sleep(1.0)
-                    assert not task.done()
-                    task.cancel()
-                    with pytest.raises(asyncio.CancelledError):
-                        await task
+                completed, _ = await cancellable(
+                    kind, 1.0, lambda: cache.append("chat", big, answer_tokens=1)
+                )
+                assert not completed or kind == "anyio"
         finally:
             own_redis_server.resume()
         with anyio.fail_after(60):
@@ -248,3 +243,51 @@ async def test_an_append_cancelled_mid_send_leaves_a_whole_history(
             out = await cache.load("chat")
     for name, t in big.items():
         assert torch.equal(out[name], torch.cat([first[name], t, third[name]]))
+
+
+class _SlowSeal(RedisTier):
+    """A RedisTier whose seal of each unsealed segment takes a second longer (a sleep in a
+    worker thread before the real seal, which runs in one too: neither can be cancelled)."""
+
+    async def write_pieces(
+        self, key: SegmentKey, pieces: Sequence[memoryview], seal: Seal | None = None
+    ) -> None:
+        async def slow() -> None:
+            assert seal is not None
+            await anyio.to_thread.run_sync(time.sleep, 1.0)
+            await seal()
+
+        await super().write_pieces(key, pieces, None if seal is None else slow)
+
+
+@pytest.mark.parametrize("kind", CANCELS)
+async def test_an_append_cancelled_while_its_head_is_sealed_is_committed_whole(
+    redis_server: RedisServer, kind: str
+) -> None:
+    """A 32 MiB turn's body goes out while its head is sealed, and the append is cancelled
+    during the seal (each way users cancel). The seal is awaited, never abandoned, and the
+    write under way is finished: the turn is committed whole, this replica's history holds
+    it (the cancellation reaches the caller after it; an anyio scope sees the append
+    complete), another replica loads the same, and the conversation goes on."""
+    big, first, third = _turn(6, tokens=2048), _turn(7), _turn(8)
+    prefix = new_prefix()
+    tier = _SlowSeal(redis_server.url, 512 * MiB, prefix=prefix)
+    async with TieredKVCache([tier]) as cache:
+        await cache.append("chat", first, answer_tokens=1)
+        completed, _ = await cancellable(
+            kind, 0.5, lambda: cache.append("chat", big, answer_tokens=1)
+        )
+        assert not completed or kind == "anyio"
+        with anyio.fail_after(60):
+            out = await cache.load("chat")
+            expected = {n: torch.cat([first[n], big[n]]) for n in first}
+            assert all(torch.equal(out[n], expected[n]) for n in first)
+            assert cache.stats().cancelled == 0
+            await cache.append("chat", third, answer_tokens=1)
+            out = await cache.load("chat")
+            await cache.flush()
+    whole = {n: torch.cat([expected[n], third[n]]) for n in first}
+    assert all(torch.equal(out[n], whole[n]) for n in first)
+    async with TieredKVCache([RedisTier(redis_server.url, 512 * MiB, prefix=prefix)]) as b:
+        other = await b.load("chat")
+    assert all(torch.equal(other[n], whole[n]) for n in first)
