@@ -13,12 +13,13 @@ import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 import torch
 
-from tests.redis_server import RedisServer, new_prefix, redis_server
+from tests.redis_server import RedisServer, new_prefix, own_redis_server, redis_server
 from tieredkv import HostMemoryTier, TieredKVCache
 from tieredkv.backends.redis import RedisTier
 from tieredkv.errors import (
@@ -28,7 +29,7 @@ from tieredkv.errors import (
     StaleWriterError,
 )
 
-__all__ = ["redis_server"]  # the fixture, used below
+__all__ = ["own_redis_server", "redis_server"]  # the fixtures, used below
 
 MiB = 1 << 20
 Replica = Callable[..., AbstractAsyncContextManager[TieredKVCache]]
@@ -297,3 +298,60 @@ async def test_two_processes_share_a_conversation(redis_server: RedisServer) -> 
         meta = c.channel.get("chat")
         assert meta is not None
         assert (meta.turns, meta.prev_answer_tokens) == (3, 30)
+
+
+class _KillsAtItsFirstWrite(RedisTier):
+    """A RedisTier that SIGKILLs the server just before its first segment write (the
+    write then meets a dead server: a transient error, retried later)."""
+
+    def __init__(self, server: RedisServer, *args: Any, **kwargs: Any) -> None:
+        super().__init__(server.url, *args, **kwargs)
+        self.server = server
+        self.killed = anyio.Event()
+
+    def _first(self) -> None:
+        if not self.killed.is_set():
+            self.server.kill()
+            self.killed.set()
+
+    async def write_pieces(self, *args: Any, **kwargs: Any) -> None:
+        self._first()
+        await super().write_pieces(*args, **kwargs)
+
+    async def write(self, *args: Any, **kwargs: Any) -> None:
+        self._first()
+        await super().write(*args, **kwargs)
+
+
+@pytest.mark.slow  # about 12 s: four failed commits, each asking the dead server for 2 s
+async def test_a_conversation_started_here_and_not_committed_yet_survives_an_empty_restart(
+    own_redis_server: RedisServer,
+) -> None:
+    """A's append took the writer lease (the server holds an empty history); the server
+    dies as the commit goes out, and comes back empty before the commit is retried. The
+    server holds nothing, and A's lease covered no committed turn: A serves its own turn
+    (it is the writer, nothing of it was ever committed; the only test of that branch of
+    the cache's adoption), and the write-through, retried, starts the history again and
+    commits it, so A's flush returns and another replica loads the turn exactly."""
+    prefix = new_prefix()
+    shared = _KillsAtItsFirstWrite(
+        own_redis_server, 64 * MiB, prefix=prefix, value_size=64 << 10, lease_ttl=0.3, timeout=0.5
+    )
+    async with TieredKVCache([HostMemoryTier(8 * MiB), shared], mode="inclusive") as a:
+        await a.append("chat", turn(0), answer_tokens=5)
+        token = shared.token("chat")
+        assert token is not None
+        with anyio.fail_after(30):  # the commit and its retries fail, with growing backoff:
+            while a.stats().errors < 4:  # noqa: ASYNC110 (polled: no event says it)
+                await anyio.sleep(0.01)
+        own_redis_server.start()  # (empty) while the next retry is 0.8 s away
+        assert same_bytes(await a.load("chat"), history(1))
+        assert shared.token("chat") == token  # (the load found nothing there: "absent")
+        assert a.stats().unproven == 0
+        with anyio.fail_after(30):
+            await a.flush()
+    other = RedisTier(  # (a short liveness: it opens after a settling period of thrice it)
+        own_redis_server.url, 64 * MiB, prefix=prefix, value_size=64 << 10, liveness=0.3
+    )
+    async with TieredKVCache([HostMemoryTier(8 * MiB), other], mode="inclusive") as b:
+        assert same_bytes(await b.load("chat"), history(1))

@@ -177,7 +177,10 @@ class Commits(Leases):
         for attempt in range(2):
             if session in self._stale:  # a commit of this tier's moved the version on
                 await self._reload(session)
-            if session not in self._writers:
+            w = self._writers.get(session)
+            if w is None or (session not in self._known and not w.history):
+                # (no lease; or one over no committed turn whose history the server has
+                # lost since, an empty restart, say: the log starts again)
                 await self.acquire(session)
             known = self._known.get(session)
             if known is None:
