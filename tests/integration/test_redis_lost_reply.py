@@ -11,19 +11,21 @@ replica already reads the turn.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import anyio
 import anyio.abc
+import pytest
 
-from tests.redis_server import RedisServer, new_prefix, redis_server
+from tests.redis_server import RedisServer, new_prefix, own_redis_server, redis_server
 from tests.segments import Segment, SegmentFactory, read_back, store
 from tieredkv.backends.redis import RedisTier
 from tieredkv.backends.shared import plain_header
 from tieredkv.errors import TierIOError
 from tieredkv.payload import parse_header
 
-__all__ = ["redis_server"]  # fixtures used below
+__all__ = ["own_redis_server", "redis_server"]  # fixtures used below
 
 CAPACITY = 64 << 20
 TIMEOUT = 0.5
@@ -192,3 +194,28 @@ async def test_a_commit_whose_reply_is_lost_is_never_reported_as_not_made(
         assert "could not write segment 0" in str(error)
         assert "may have been made" in str(error)
         await check_made_and_learned(a, b, s)  # (it was made)
+
+
+async def test_a_commit_that_could_not_connect_is_not_reported_as_maybe_made(
+    own_redis_server: RedisServer, seg: SegmentFactory
+) -> None:
+    """The server is dead when the write goes out (connection refused): nothing reached it,
+    so the write raises a TierIOError that does not say the commit may have been made, at
+    once (it does not ask the server whether its commit was made for 2 s), and stores
+    nothing; once the server is back the same write commits."""
+    s = seg(tokens=64, seed=5)
+    async with _tier(own_redis_server.port, new_prefix(), "A") as a:
+        await a.acquire("s")  # (the lease: the write goes straight to its commit)
+        own_redis_server.kill()
+        assert a.reserve(s.key, s.length)
+        began = time.monotonic()
+        with pytest.raises(TierIOError, match="could not write segment 0") as caught:
+            await a.write(s.key, s.view)
+        assert time.monotonic() - began < 1.5
+        assert not caught.value.maybe_committed
+        assert "may have been made" not in str(caught.value)
+        assert not a.contains(s.key)
+        own_redis_server.start()
+        with anyio.fail_after(10):
+            await a.write(s.key, s.view)
+        assert _body(await read_back(a, s)) == _body(s.data)

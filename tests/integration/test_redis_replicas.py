@@ -323,7 +323,7 @@ class _KillsAtItsFirstWrite(RedisTier):
         await super().write(*args, **kwargs)
 
 
-@pytest.mark.slow  # about 12 s: four failed commits, each asking the dead server for 2 s
+@pytest.mark.slow  # about 7 s: four failed commits, and the backoff between them
 async def test_a_conversation_started_here_and_not_committed_yet_survives_an_empty_restart(
     own_redis_server: RedisServer,
 ) -> None:

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Client",
     "Connection",
+    "Handed",
     "Joined",
     "NoScriptError",
     "RedisCluster",
@@ -326,10 +327,22 @@ def _packed(conn: Any, commands: Sequence[Sequence[Any]]) -> list[bytes | memory
     return packed
 
 
+class Handed:
+    """Whether :func:`pipelined` began to send its commands (``any``): until then the
+    server can have run none of them, whatever stopped it (it could not connect, a
+    deadline ran out while it tried)."""
+
+    __slots__ = ("any",)
+
+    def __init__(self) -> None:
+        self.any = False
+
+
 async def pipelined(
     client: aioredis.Redis,
     commands: Sequence[Sequence[Any]],
     then: Callable[[], Awaitable[Sequence[Sequence[Any]]]] | None = None,
+    handed: Handed | None = None,
 ) -> list[Any]:
     """Send ``commands`` in one go on one of ``client``'s pooled connections and read their
     replies (an error reply as its exception): what redis-py's pipeline does, retries on a
@@ -347,7 +360,8 @@ async def pipelined(
     take at once (``benchmarks/_redis_transport.py``). A connection a send or read did not
     finish (an error, a cancellation) is disconnected before it goes back to the pool, so
     no later command follows a half-written one. An argument may be a :class:`Joined`:
-    its pieces go out one after another as one value.
+    its pieces go out one after another as one value. ``handed``, when given, is marked
+    as an attempt begins to send.
     """
     pool = client.connection_pool
     try:
@@ -386,6 +400,8 @@ async def pipelined(
         """Hand ``commands`` to the connection; with ``drain``, wait until the socket has
         taken them (without, they go out while the caller awaits something else)."""
         packed = _packed(conn, commands)
+        if handed is not None:
+            handed.any = True
         if writer is None:
             await conn.send_packed_command(packed, check_health=False)
             return

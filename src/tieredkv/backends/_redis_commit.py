@@ -29,6 +29,7 @@ from ..errors import (
 )
 from ..payload import PREFIX, SegmentHeader, authenticated_head, is_retirement, parse_header
 from ._redis_client import (
+    Handed,
     Joined,
     NoScriptError,
     RedisCluster,
@@ -341,6 +342,7 @@ class Commits(Leases):
                 args = arguments(entry)
             return [*sets[:heads], ("EVALSHA", commit.sha, len(keys), *keys, *args)]
 
+        handed = Handed()
         try:
             with anyio.fail_after(self._timeout):
                 # one round trip: the values, then the commit, which the server runs after
@@ -348,6 +350,7 @@ class Commits(Leases):
                 # (a Cluster client refuses scripts in pipelines: two round trips there)
                 cluster = isinstance(client, RedisCluster)
                 if isinstance(client, RedisCluster):
+                    handed.any = True  # (its pipeline does not say)
                     assert entry.head  # (see write_pieces)
                     async with client.pipeline(transaction=False) as pipe:
                         for part, value in zip(parts, values, strict=True):
@@ -355,9 +358,11 @@ class Commits(Leases):
                             pipe.set(part, one, px=ms, nx=True)
                         results = await pipe.execute(raise_on_error=False)
                 elif entry.head:  # (the values without the transport's copies: pipelined)
-                    results = await pipelined(client, [*sets[heads:], *await sealed()])
+                    results = await pipelined(
+                        client, [*sets[heads:], *await sealed()], handed=handed
+                    )
                 else:  # the values the head is not in go out while it is sealed
-                    results = await pipelined(client, sets[heads:], then=sealed)
+                    results = await pipelined(client, sets[heads:], then=sealed, handed=handed)
                 for failed in results[: len(parts)]:  # a value refused (out of memory)
                     if isinstance(failed, Exception):
                         raise failed  # (the commit step found it missing: nothing committed)
@@ -367,6 +372,8 @@ class Commits(Leases):
                 elif isinstance(reply, Exception):
                     raise reply
         except (RedisError, OSError) as exc:
+            if not handed.any:  # (it could not connect: nothing reached the server)
+                raise self._io_error(f"write segment {seq} ({length:,} bytes)", exc) from exc
             made = await self._resolve(key, entry)
             if made is None:  # (the server may have run it before the deadline)
                 error = self._io_error(f"write segment {seq} ({length:,} bytes)", exc)
