@@ -48,7 +48,7 @@ from tieredkv.policies.bidaw_eviction import DEFAULT_ANSWER_EDGES
 from tieredkv.sim.synthetic import SyntheticWorkload
 from tieredkv.sim.trace import Turns
 
-__all__ = ["KnownDistribution", "LearnedDensity", "TraceStatistics"]
+__all__ = ["KnownDistribution", "LearnedDensity", "TraceQueryStatistics", "TraceStatistics"]
 
 Floats = npt.NDArray[np.float64]
 
@@ -203,6 +203,60 @@ class TraceStatistics(_Ranked):
         s_ahead = self._survival(elapsed[:, None] + HORIZONS[None, 1:])
         sizes = np.array([self._sizes[s] for s in sessions], dtype=np.float64)
         scores: Floats = best_density(self.more[turns], s_now, s_ahead) / sizes
+        return scores
+
+
+QUERY_EDGES = (0, 500, 2000)
+"""The buckets of a turn's query tokens (new in its input) for :class:`TraceQueryStatistics`:
+under 500, 500-1,999, 2,000 or more (``benchmarks/_mooncake_returns.py``'s split)."""
+
+
+class TraceQueryStatistics(TraceStatistics):
+    """:class:`TraceStatistics` that also knows each turn's query length, the tokens new in
+    its input (known when the turn is served; the library's metadata does not carry it):
+    the chance of another turn is the whole trace's share, in hindsight, of turns with the
+    same turns so far and query bucket (:data:`QUERY_EDGES`) that are followed by another.
+
+    :param turns: the trace that is replayed (its sessions are named ``u<user>``)
+    """
+
+    name = "trace-query-statistics"
+
+    def __init__(self, turns: Turns) -> None:
+        super().__init__(turns)
+        users = turns.user.tolist()
+        rounds = turns.round_index.tolist()
+        queries = turns.query.tolist()
+        last = {user: i for i, user in enumerate(users)}
+        width = len(self.more)
+        seen = np.zeros((width, len(QUERY_EDGES)))
+        followed = np.zeros((width, len(QUERY_EDGES)))
+        self._bucket: dict[tuple[str, int], int] = {}
+        """Per (session, turns so far), the query bucket of its latest turn."""
+        for i, (user, k, query) in enumerate(zip(users, rounds, queries, strict=True)):
+            b = bisect.bisect_right(QUERY_EDGES, int(query)) - 1
+            self._bucket[(f"u{user}", int(k) + 1)] = b
+            row = min(int(k) + 1, width - 1)
+            seen[row, b] += 1
+            followed[row, b] += last[user] != i
+        # (a group with no turn: the turns-so-far share alone)
+        self.more_by_query: Floats = np.where(
+            seen > 0, followed / np.maximum(seen, 1.0), self.more[:, None]
+        )
+        """Per turns so far and query bucket, the share followed by another turn."""
+
+    def scores(self, sessions: list[str], now: float) -> Floats:
+        seen = [self._seen.get(s, (now, 1)) for s in sessions]
+        elapsed = now - np.array([r[0] for r in seen])
+        turns = np.minimum(np.array([r[1] for r in seen]), len(self.more) - 1)
+        buckets = np.array(
+            [self._bucket.get((s, r[1]), 0) for s, r in zip(sessions, seen, strict=True)]
+        )
+        s_now = self._survival(elapsed)
+        s_ahead = self._survival(elapsed[:, None] + HORIZONS[None, 1:])
+        sizes = np.array([self._sizes[s] for s in sessions], dtype=np.float64)
+        more = self.more_by_query[turns, buckets]
+        scores: Floats = best_density(more, s_now, s_ahead) / sizes
         return scores
 
 

@@ -23,7 +23,9 @@ With ``--bound``, instruments too (``benchmarks/_density.py``): ``learned-densit
 (hit density in time, gaps learned online) on every workload, ``known-distribution``
 (hit density under the synthetic generator's exact model) on the synthetic human one, and
 ``trace-statistics`` (hit density under the whole trace's statistics, in hindsight) on
-the Mooncake one: what an online policy reaches there.
+the Mooncake one: what an online policy reaches there, and ``trace-query-statistics``
+(the same, its chance of another turn split by each turn's query length too: what a
+policy that also knew the query's length could reach).
 ``--bidaw-kwargs '{"samples": 4096}'`` passes keyword arguments to the ``bidaw`` row's
 :class:`~tieredkv.policies.AdaptiveBidaw` (to try a setting against the default in the
 same run, name it beside a default row: ``--policies bidaw,bidaw-density``).
@@ -39,7 +41,7 @@ from typing import Any
 import msgspec
 
 from _bidaw_kwargs import add_bidaw_kwargs, parse_bidaw_kwargs
-from _density import KnownDistribution, LearnedDensity, TraceStatistics
+from _density import KnownDistribution, LearnedDensity, TraceQueryStatistics, TraceStatistics
 from tieredkv.policies import AdaptiveBidaw, Eviction, make_eviction
 from tieredkv.sim.agentic import AgenticWorkload, replay_agentic
 from tieredkv.sim.replay import replay
@@ -57,6 +59,7 @@ MOONCAKE = (
 DENSITY = "bidaw-density"
 POLICIES = ("lru", "bidaw-paper", "bidaw", DENSITY, "belady")
 LEARNED, KNOWN, TRACE = "learned-density", "known-distribution", "trace-statistics"
+TRACE_QUERY = "trace-query-statistics"
 
 
 BIDAW_KWARGS: dict[str, Any] = {}
@@ -117,7 +120,11 @@ def measure_mooncake(
         hits = {
             name: replay(
                 turns,
-                TraceStatistics(turns) if name == TRACE else build(name),
+                TraceStatistics(turns)
+                if name == TRACE
+                else TraceQueryStatistics(turns)
+                if name == TRACE_QUERY
+                else build(name),
                 host_bytes=int(gb * 1e9),
                 warmup=len(turns) // 10,
             ).hit_ratio
@@ -204,7 +211,7 @@ def main() -> None:
         human += measure_mooncake(
             [float(g) for g in args.mooncake_gb.split(",")],
             args.mooncake,
-            (*learned, TRACE) if args.bound else (),
+            (*learned, TRACE, TRACE_QUERY) if args.bound else (),
         )
     agentic = (
         []

@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_retention  # noqa: E402
-from _density import TraceStatistics  # noqa: E402
+from _density import TraceQueryStatistics, TraceStatistics  # noqa: E402
 from bench_retention import measure_agentic, measure_human, measure_mooncake  # noqa: E402
 from tieredkv.meta import KVMeta, MetadataChannel, TierInfo  # noqa: E402
 from tieredkv.policies import LRU, AdaptiveBidaw  # noqa: E402
@@ -72,6 +72,37 @@ def test_trace_statistics_ranks_by_the_chance_of_a_next_turn_after_so_many() -> 
         stats.on_admit(name, m, 50.0)
     assert stats.victims(100, 55.0, channel) == ["three"]
     assert stats.victims(200, 55.0, channel) == ["three", "one"]
+
+
+def test_trace_query_statistics_splits_the_chance_by_the_query_length() -> None:
+    """``trace-query-statistics`` splits that share by each turn's query (tokens new in its
+    input): of four first turns, the two with a short query come back, the two with a long
+    one do not. Of two residents alike but for their first turn's query, the long one goes
+    first; the turns-so-far instrument cannot tell them apart (both 1 in 2)."""
+    turns = Turns(
+        user=[0, 1, 2, 3, 0, 1],
+        time=[0.0, 1.0, 2.0, 3.0, 10.0, 11.0],
+        query=[100, 200, 3000, 5000, 50, 50],
+        answer=[1] * 6,
+        round_index=[0, 0, 0, 0, 1, 1],
+    )
+    stats = TraceQueryStatistics(turns)
+    assert stats.more[1] == pytest.approx(0.5)
+    assert stats.more_by_query[1].tolist() == [1.0, 0.5, 0.0]  # (500-1,999: none, so 1 in 2)
+    channel = MetadataChannel([TierInfo(name="host", level=0, capacity=300)])
+    for name in ("u0", "u2"):
+        m = KVMeta(session=name, tier="host", nbytes=100, turns=1, last_access=50.0)
+        channel.put(m)
+        stats.on_access(name, m, 50.0)
+        stats.on_admit(name, m, 50.0)
+    assert stats.victims(100, 55.0, channel) == ["u2"]
+    plain = TraceStatistics(turns)
+    for name in ("u0", "u2"):
+        m = KVMeta(session=name, tier="host", nbytes=100, turns=1, last_access=50.0)
+        plain.on_access(name, m, 50.0)
+        plain.on_admit(name, m, 50.0)
+    first, second = plain.scores(["u0", "u2"], 55.0)
+    assert first == second
 
 
 @pytest.mark.timeout(900)
