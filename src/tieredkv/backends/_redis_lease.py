@@ -187,6 +187,8 @@ class Leases(Replica):
         the fork), which would refuse every turn under the key here until this replica
         happened to read the fork again. A fork the server still holds keeps its turns
         (and the refusal); one it cannot be asked about stays as it is."""
+        if (session, 0) not in self._holders:  # (the usual case, at once: a fork lists
+            return  # its parent's turns from turn 0, and a history its turns from 0 too)
         forks = {by for key, by_ in self._holders.items() if key[0] == session for by in by_}
         for fork in sorted(forks - {session}):
             try:
