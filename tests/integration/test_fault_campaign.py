@@ -63,6 +63,10 @@ KIB = 1024
 SCALE = int(os.environ.get("TIEREDKV_CAMPAIGN_SCALE", "1"))
 CANCELS = (*KINDS, "none")
 SEED = int(os.environ.get("TIEREDKV_CAMPAIGN_SEED", "0"))
+pytestmark = pytest.mark.timeout(120 * SCALE)
+"""The project's 120 s per test, scaled with the campaign (a longer run would time out:
+at ``TIEREDKV_CAMPAIGN_SCALE=10`` on a busy machine the 400 opens of
+``test_seeded_io_errors_at_open_lose_nothing`` took longer)."""
 forests = pytest.mark.parametrize(
     "forest", [pytest.param(False, id="plain"), pytest.param(True, id="forest")]
 )
