@@ -198,12 +198,17 @@ class TraceStatistics(_Ranked):
     def scores(self, sessions: list[str], now: float) -> Floats:
         seen = [self._seen.get(s, (now, 1)) for s in sessions]
         elapsed = now - np.array([r[0] for r in seen])
-        turns = np.minimum(np.array([r[1] for r in seen]), len(self.more) - 1)
         s_now = self._survival(elapsed)
         s_ahead = self._survival(elapsed[:, None] + HORIZONS[None, 1:])
         sizes = np.array([self._sizes[s] for s in sessions], dtype=np.float64)
-        scores: Floats = best_density(self.more[turns], s_now, s_ahead) / sizes
+        more = self._chance(sessions, [r[1] for r in seen])
+        scores: Floats = best_density(more, s_now, s_ahead) / sizes
         return scores
+
+    def _chance(self, sessions: list[str], turns: list[int]) -> Floats:
+        """Per session, the chance of another turn, with ``turns`` turns so far."""
+        chance: Floats = self.more[np.minimum(np.array(turns), len(self.more) - 1)]
+        return chance
 
 
 QUERY_EDGES = (0, 500, 2000)
@@ -245,19 +250,11 @@ class TraceQueryStatistics(TraceStatistics):
         )
         """Per turns so far and query bucket, the share followed by another turn."""
 
-    def scores(self, sessions: list[str], now: float) -> Floats:
-        seen = [self._seen.get(s, (now, 1)) for s in sessions]
-        elapsed = now - np.array([r[0] for r in seen])
-        turns = np.minimum(np.array([r[1] for r in seen]), len(self.more) - 1)
-        buckets = np.array(
-            [self._bucket.get((s, r[1]), 0) for s, r in zip(sessions, seen, strict=True)]
-        )
-        s_now = self._survival(elapsed)
-        s_ahead = self._survival(elapsed[:, None] + HORIZONS[None, 1:])
-        sizes = np.array([self._sizes[s] for s in sessions], dtype=np.float64)
-        more = self.more_by_query[turns, buckets]
-        scores: Floats = best_density(more, s_now, s_ahead) / sizes
-        return scores
+    def _chance(self, sessions: list[str], turns: list[int]) -> Floats:
+        rows = np.minimum(np.array(turns), len(self.more) - 1)
+        buckets = [self._bucket.get((s, k), 0) for s, k in zip(sessions, turns, strict=True)]
+        chance: Floats = self.more_by_query[rows, buckets]
+        return chance
 
 
 class LearnedDensity(_Ranked):

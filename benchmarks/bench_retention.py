@@ -60,6 +60,8 @@ DENSITY = "bidaw-density"
 POLICIES = ("lru", "bidaw-paper", "bidaw", DENSITY, "belady")
 LEARNED, KNOWN, TRACE = "learned-density", "known-distribution", "trace-statistics"
 TRACE_QUERY = "trace-query-statistics"
+TRACE_INSTRUMENTS = {TRACE: TraceStatistics, TRACE_QUERY: TraceQueryStatistics}
+"""The ``--bound`` instruments built from the replayed trace itself."""
 
 
 BIDAW_KWARGS: dict[str, Any] = {}
@@ -120,11 +122,7 @@ def measure_mooncake(
         hits = {
             name: replay(
                 turns,
-                TraceStatistics(turns)
-                if name == TRACE
-                else TraceQueryStatistics(turns)
-                if name == TRACE_QUERY
-                else build(name),
+                TRACE_INSTRUMENTS[name](turns) if name in TRACE_INSTRUMENTS else build(name),
                 host_bytes=int(gb * 1e9),
                 warmup=len(turns) // 10,
             ).hit_ratio

@@ -372,11 +372,10 @@ class Commits(Leases):
                 elif isinstance(reply, Exception):
                     raise reply
         except (RedisError, OSError) as exc:
-            if not handed.any:  # (it could not connect: nothing reached the server)
-                raise self._io_error(f"write segment {seq} ({length:,} bytes)", exc) from exc
-            made = await self._resolve(key, entry)
+            # (nothing handed to a connection: it could not connect, and nothing was made)
+            made = await self._resolve(key, entry) if handed.any else False
+            error = self._io_error(f"write segment {seq} ({length:,} bytes)", exc)
             if made is None:  # (the server may have run it before the deadline)
-                error = self._io_error(f"write segment {seq} ({length:,} bytes)", exc)
                 raise TierIOError(
                     self.name,
                     error.action,
@@ -387,7 +386,7 @@ class Commits(Leases):
                     maybe_committed=True,
                 ) from exc
             if not made:
-                raise self._io_error(f"write segment {seq} ({length:,} bytes)", exc) from exc
+                raise error from exc
             reply = [1, 0, -1]  # committed after all: its reply was lost
         finally:
             # the client may keep the command's arguments: let go of the caller's buffer

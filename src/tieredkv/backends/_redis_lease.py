@@ -168,14 +168,14 @@ class Leases(Replica):
                 f"the shared tier holds version {to_int(reply[3])} of its history "
                 f"({to_int(reply[4])} turn(s)), which this replica has not read",
             )
-        token = to_int(reply[2])
-        if to_int(reply[5]) == 0 and (prev is None or prev.n == 0):
+        token, turns = to_int(reply[2]), to_int(reply[5])
+        if turns == 0 and (prev is None or prev.n == 0):
             # an empty history (this call may have created it): known as a whole
             self._known[session] = Manifest(
                 session=session, id=text(reply[3]), v=to_int(reply[4]), fence=token
             )
-        self._writers[session] = Writer(token, self._lease_from(sent), history=to_int(reply[5]) > 0)
-        if to_int(reply[5]) == 0:
+        self._writers[session] = Writer(token, self._lease_from(sent), history=turns > 0)
+        if turns == 0:
             await self._recheck_forks(session)
         return token
 
