@@ -43,6 +43,7 @@ import numpy.typing as npt
 
 from tieredkv.meta import KVMeta, MetadataView
 from tieredkv.policies._hit_density import HORIZONS, best_density, beyond, smoothed_survival
+from tieredkv.policies.adaptive_bidaw import DEFAULT_QUERY_EDGES
 from tieredkv.policies.base import shielded
 from tieredkv.policies.bidaw_eviction import DEFAULT_ANSWER_EDGES
 from tieredkv.sim.synthetic import SyntheticWorkload
@@ -211,9 +212,10 @@ class TraceStatistics(_Ranked):
         return chance
 
 
-QUERY_EDGES = (0, 500, 2000)
+QUERY_EDGES = (0, *DEFAULT_QUERY_EDGES)
 """The buckets of a turn's query tokens (new in its input) for :class:`TraceQueryStatistics`:
-under 500, 500-1,999, 2,000 or more (``benchmarks/_mooncake_returns.py``'s split)."""
+the default ``AdaptiveBidaw.query_edges``' classes (under 250, 250-999, 1,000-3,999, 4,000
+or more)."""
 
 
 class TraceQueryStatistics(TraceStatistics):

@@ -54,15 +54,20 @@ def stats(samples_ns: list[int]) -> tuple[float, float, float]:
     return statistics.median(us), us[int(0.99 * (len(us) - 1))], statistics.fmean(us)
 
 
-def stream(n: int, accesses: int, seed: int) -> tuple[list[int], list[int], list[int]]:
-    """An interactive access stream over n sessions: (session, bytes, answer tokens)."""
+def stream(n: int, accesses: int, seed: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """An interactive access stream over n sessions: (session, bytes, answer tokens, new
+    input tokens of the turn)."""
     rng = np.random.default_rng(seed)
     answers = np.clip(rng.lognormal(np.log(31), 0.85, accesses + n), 1, 424).astype(int)
+    # new inputs over every class of ``AdaptiveBidaw.query_edges`` (the policy's groups),
+    # drawn apart so that the rest of the stream is what it was without them
+    spread = np.random.default_rng((seed, 1)).lognormal(np.log(400), 1.5, accesses)
+    queries = np.clip(spread, 1, 32_000).astype(int)
     tokens = rng.integers(50, 2048, size=n)
     restart = rng.random(accesses) < 1 / 22.4  # the conversation ends; a new one takes its slot
     due = [(float(rng.uniform(0, n)), s) for s in range(n)]
     heapq.heapify(due)
-    sessions, sizes, answer_of = [], [], []
+    sessions, sizes, answer_of, query_of = [], [], [], []
     for i in range(accesses):
         t, s = heapq.heappop(due)
         a = int(answers[i])
@@ -70,16 +75,17 @@ def stream(n: int, accesses: int, seed: int) -> tuple[list[int], list[int], list
         sessions.append(s)
         sizes.append(int(tokens[s]) * BYTES_PER_TOKEN)
         answer_of.append(a)
+        query_of.append(int(queries[i]))
         # Back after about one round of all sessions, longer after a longer answer.
         gap = n * (0.4 + a / 80) * float(rng.lognormal(0, 0.4))
         heapq.heappush(due, (t + gap, s))
-    return sessions, sizes, answer_of
+    return sessions, sizes, answer_of, query_of
 
 
 def bench_eviction(
     make: Callable[[], Eviction], n: int, warm: int, measured: int
 ) -> tuple[list[int], list[int]]:
-    sessions, sizes, answers = stream(n, warm + measured, seed=n)
+    sessions, sizes, answers, queries = stream(n, warm + measured, seed=n)
     capacity = int(0.4 * n * 1100 * BYTES_PER_TOKEN)  # ~40% of the sessions fit
     view = MetadataChannel([TierInfo(name="host", level=0, capacity=capacity)])
     policy = make()
@@ -90,7 +96,9 @@ def bench_eviction(
     turns: dict[str, int] = {}
     names = [f"s{s}" for s in range(n)]
     clock = time.perf_counter_ns
-    for i, (s, size, answer) in enumerate(zip(sessions, sizes, answers, strict=True)):
+    for i, (s, size, answer, query) in enumerate(
+        zip(sessions, sizes, answers, queries, strict=True)
+    ):
         session = names[s]
         turns[session] = turns.get(session, 0) + 1
         meta = KVMeta(
@@ -99,6 +107,7 @@ def bench_eviction(
             nbytes=size,
             turns=turns[session],
             prev_answer_tokens=answer,
+            turn_tokens=query + answer,
         )
         t0 = clock()
         policy.on_access(session, meta, float(i))
@@ -165,7 +174,7 @@ def bench_scheduler(n: int, measured: int) -> tuple[list[int], list[int]]:
 
 
 def bench_ghost(n: int, warm: int, measured: int) -> list[int]:
-    sessions, sizes, _ = stream(n, warm + measured, seed=n + 1)
+    sessions, sizes, _, _ = stream(n, warm + measured, seed=n + 1)
     capacity = int(0.4 * n * 1100 * BYTES_PER_TOKEN)
     ghost = GhostCache(capacity)
     names = [f"s{s}" for s in range(n)]

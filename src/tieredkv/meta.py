@@ -78,6 +78,9 @@ class KVMeta(msgspec.Struct, frozen=True, kw_only=True):
     :param turns: segments stored (one per :meth:`~tieredkv.TieredKVCache.append`)
     :param prev_answer_tokens: the model's answer length in the latest turn (Bidaw's
         eviction signal)
+    :param turn_tokens: tokens the latest turn added to the history (its new input: the
+        person's message or a tool's result, and the answer), 0 when unknown; the new
+        input is ``turn_tokens - prev_answer_tokens``, which ``"bidaw"`` weighs
     :param last_access: time of the latest append or load (the caller's clock)
     :param created: time of the first append
     :param accesses: appends and loads so far
@@ -125,6 +128,7 @@ class KVMeta(msgspec.Struct, frozen=True, kw_only=True):
     tokens: int = 0
     turns: int = 0
     prev_answer_tokens: int = 0
+    turn_tokens: int = 0
     last_access: float = 0.0
     created: float = 0.0
     accesses: int = 0
@@ -177,13 +181,15 @@ def advance_meta(
     shared_bytes: int = 0,
     tier_shared: tuple[int, ...] = (),
     share_bytes: int | None = None,
+    turn_tokens: int | None = None,
 ) -> KVMeta:
     """The session's next :class:`KVMeta`, from the previous one and what just changed.
 
     The one rule by which the cache, the simulator and the replay advance a session's
     metadata: placement and size are taken as given; ``access`` (an append or a load)
     counts one more access at ``now``; ``answer`` (an append) replaces the previous answer
-    length; ``next_access`` replaces the oracle's hint (``...`` keeps it); the first
+    length, and ``turn_tokens`` (the tokens it added; ``None``: unknown, 0) what the
+    turn added; ``next_access`` replaces the oracle's hint (``...`` keeps it); the first
     access time and an in-flight transfer carry over. ``restart`` starts the history's
     clock afresh (a session rebuilt at open). ``accesses`` sets the access count where the
     caller knows it better (a trace replay counts the conversation's rounds).
@@ -205,6 +211,7 @@ def advance_meta(
         prev_answer_tokens=(
             answer if answer is not None else (old.prev_answer_tokens if old else 0)
         ),
+        turn_tokens=((turn_tokens or 0) if answer is not None else (old.turn_tokens if old else 0)),
         last_access=now if access or old is None else old.last_access,
         created=now if fresh or old is None else old.created,
         accesses=(

@@ -88,7 +88,8 @@ def test_trace_query_statistics_splits_the_chance_by_the_query_length() -> None:
     )
     stats = TraceQueryStatistics(turns)
     assert stats.more[1] == pytest.approx(0.5)
-    assert stats.more_by_query[1].tolist() == [1.0, 0.5, 0.0]  # (500-1,999: none, so 1 in 2)
+    # (250-999: none, so 1 in 2)
+    assert stats.more_by_query[1].tolist() == [1.0, 0.5, 0.0, 0.0]
     channel = MetadataChannel([TierInfo(name="host", level=0, capacity=300)])
     for name in ("u0", "u2"):
         m = KVMeta(session=name, tier="host", nbytes=100, turns=1, last_access=50.0)

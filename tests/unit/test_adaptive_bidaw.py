@@ -4,6 +4,7 @@ and the duel with LRU."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ def meta(
     next_turn: float | None = None,
     priority: int = 0,
     last: float = 0.0,
+    query: int = 0,
 ) -> KVMeta:
     return KVMeta(
         session=session,
@@ -33,6 +35,7 @@ def meta(
         nbytes=nbytes,
         turns=turns,
         prev_answer_tokens=answer,
+        turn_tokens=query + answer,
         tool_call=tool,
         next_turn=next_turn,
         priority=priority,
@@ -395,27 +398,43 @@ def test_a_bucket_without_samples_of_its_own_is_placed_by_its_answers_length() -
     assert long < pooled_long - 0.2
 
 
-def arrive_and_mostly_leave(p: AdaptiveBidaw, until: float) -> None:
-    """A new user every second; three in four ask once and never come back, the others
-    ask six times, 20 to 40 s apart (the Mooncake conversation trace's shape: a
-    conversation that has come back is likelier to come back again). Every answer is 40
-    tokens, so the answer's length says nothing."""
-    rng = random.Random(5)
+def arrivals(
+    p: AdaptiveBidaw,
+    until: float,
+    seed: int,
+    *,
+    turns_of: Callable[[random.Random], int],
+    query_of: Callable[[random.Random], int] = lambda rng: 0,
+    leaves: Callable[[random.Random, int], bool] = lambda rng, query: False,
+) -> None:
+    """A new user every second, with ``turns_of`` turns at most, 20 to 40 s apart, every
+    answer 40 tokens: a turn's new input is ``query_of`` tokens, after which the user
+    leaves early if ``leaves``."""
+    rng = random.Random(seed)
     due: dict[str, tuple[float, int, int]] = {}  # user -> (next turn, turns so far, of)
     now, n = 0.0, 0
     while now < until:
         now += 1.0
         user = f"u{n}"
         n += 1
-        due[user] = (now, 0, 1 if rng.random() < 0.75 else 6)
+        due[user] = (now, 0, turns_of(rng))
         for u, (at, turns, of) in sorted(due.items(), key=lambda kv: kv[1][0]):
             if at > now:
                 break
-            p.on_access(u, meta(u, turns=turns + 1, last=at), at)
-            if turns + 1 == of:
+            query = query_of(rng)
+            p.on_access(u, meta(u, turns=turns + 1, last=at, query=query), at)
+            if turns + 1 == of or leaves(rng, query):
                 del due[u]
             else:
                 due[u] = (at + rng.uniform(20, 40), turns + 1, of)
+
+
+def arrive_and_mostly_leave(p: AdaptiveBidaw, until: float) -> None:
+    """A new user every second; three in four ask once and never come back, the others
+    ask six times, 20 to 40 s apart (the Mooncake conversation trace's shape: a
+    conversation that has come back is likelier to come back again). Every answer is 40
+    tokens, so the answer's length says nothing."""
+    arrivals(p, until, 5, turns_of=lambda rng: 1 if rng.random() < 0.75 else 6)
 
 
 def test_the_chance_of_coming_back_is_learned_by_the_turns_so_far() -> None:
@@ -446,6 +465,55 @@ def test_the_chance_of_coming_back_is_learned_by_the_turns_so_far() -> None:
         AdaptiveBidaw(turn_edges=(2, 2))
     with pytest.raises(ValueError, match="turn_edges"):
         AdaptiveBidaw(turn_edges=(0, 3))
+
+
+def ask_long_and_leave(p: AdaptiveBidaw, until: float) -> None:
+    """A new user every second, each with six turns 20 to 40 s apart, every answer 40
+    tokens; a user's turn brings a new input of 100 tokens, or of 5,000 (a document) with
+    which the user leaves in three cases in four: what separates a user who comes back
+    from one who leaves is the length of the latest turn's input (the Mooncake trace's
+    shape: a later turn that adds 2,000 tokens or more is followed 13-21% of the time, one
+    that adds under 500 57%)."""
+    arrivals(
+        p, until, 11, turns_of=lambda rng: 6,
+        query_of=lambda rng: 5000 if rng.random() < 0.3 else 100,
+        leaves=lambda rng, query: query == 5000 and rng.random() < 0.75,
+    )  # fmt: skip
+
+
+def test_the_chance_of_coming_back_is_learned_by_the_latest_turns_new_input() -> None:
+    """Answers of one length, one gap distribution: a user who just sent a long input
+    (``turn_tokens - prev_answer_tokens``) is likely gone. With the query classes (the
+    default) that conversation goes first, although it is a second nearer its likely
+    return; without them (``query_edges=()``) the two are alike but for that second, and
+    the one with the short input goes."""
+    chosen = {}
+    for edges in ((), (250, 1000, 4000)):
+        p = AdaptiveBidaw(
+            capacity=40 * GB, refresh_every=64, duel_block=10**9, ranking="density",
+            query_edges=edges,
+        )  # fmt: skip
+        ask_long_and_leave(p, 3000.0)
+        channel = MetadataChannel([TierInfo(name="host", level=0, capacity=40 * GB)])
+        for name, query, at in (("long", 5000, 3000.0), ("short", 100, 3001.0)):
+            m = meta(name, turns=2, last=at, query=query)
+            channel.put(m)
+            p.on_access(name, m, at)
+            p.on_admit(name, m, at)
+        chosen[edges] = p.victims(1, 3011.0, channel)
+        if edges:
+            assert [p.query_class(meta("x", query=q)) for q in (0, 249, 250, 999, 4000)] == [
+                0, 0, 1, 1, 3,
+            ]  # fmt: skip
+            assert p.reader_class(meta("x", turns=2, query=5000)) == 1 + 3 * 3
+    assert chosen == {(): ["short"], (250, 1000, 4000): ["long"]}
+    assert AdaptiveBidaw().query_edges == (250, 1000, 4000)  # the default
+    # an unknown input (0 tokens: a publisher that does not say) is in the first class
+    assert AdaptiveBidaw().query_class(KVMeta(session="x", tier="host")) == 0
+    with pytest.raises(ValueError, match="query_edges"):
+        AdaptiveBidaw(query_edges=(1000, 1000))
+    with pytest.raises(ValueError, match="query_edges"):
+        AdaptiveBidaw(query_edges=(0, 300))
 
 
 def leavers(until: int) -> Turns:

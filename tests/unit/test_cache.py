@@ -170,6 +170,22 @@ async def test_metadata_channel_tracks_location_size_and_answer_length(
     assert [t.name for t in cache.channel.tiers] == ["host", "ssd"]
 
 
+async def test_the_channel_tells_what_the_latest_turn_added(ssd_dir: Path) -> None:
+    """``turn_tokens`` is the latest append's tokens (its new input and its answer): set by
+    each append, kept by loads, found again by a cache opened over what was stored, and a
+    fork's is its own first turn."""
+    async with TieredKVCache([SSDTier(ssd_dir, 4 << 20)]) as c:
+        assert (await c.append("a", kv(5, 1), answer_tokens=2)).turn_tokens == 5
+        assert (await c.append("a", kv(3, 2), answer_tokens=1)).turn_tokens == 3
+        await c.load("a")
+        assert (c.channel["a"].turn_tokens, c.channel["a"].tokens) == (3, 8)
+        fork = await c.append("f", kv(2, 3), answer_tokens=1, parent="a", parent_tokens=6)
+        assert (fork.turn_tokens, fork.tokens) == (2, 8)
+    async with TieredKVCache([SSDTier(ssd_dir, 4 << 20)]) as c:
+        assert (c.channel["a"].turn_tokens, c.channel["a"].prev_answer_tokens) == (3, 1)
+        assert c.channel["f"].turn_tokens == 2
+
+
 async def test_events_follow_the_life_of_a_session(cache: TieredKVCache) -> None:
     events: list[Event] = []
     unsubscribe = cache.channel.subscribe(events.append)

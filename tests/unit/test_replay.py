@@ -81,6 +81,16 @@ def test_policy_sees_the_oracle_the_queue_and_the_tiers() -> None:
     assert spy.waiting[0] == ("u1", "u2")  # at turn 2 (u3), the next two turns
 
 
+def test_the_policy_sees_what_each_turn_added_uncapped() -> None:
+    """``turn_tokens`` is the turn's query plus its answer, as the trace has them, even past
+    the history's cap (the policy weighs the new input, not the stored bytes)."""
+    turns = Turns([1, 1, 2], [0.0, 1.0, 2.0], [3000, 40, 7], [5, 6, 1], [0, 1, 0])
+    spy = Spy()
+    replay(turns, spy, host_bytes=2, bytes_per_token=1, history_cap=100)
+    assert [m.turn_tokens for m in spy.metas] == [3005, 46, 8]
+    assert [m.tokens for m in spy.metas] == [100, 100, 8]
+
+
 @pytest.mark.parametrize("policy", [Belady(), QueueEnhanced(window=4)])
 def test_future_aware_policies_beat_lru_on_a_cycle(policy: Eviction) -> None:
     turns = turns_of([0, 1, 2, 3] * 20)

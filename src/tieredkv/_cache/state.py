@@ -580,6 +580,7 @@ class Core:
             now=now,
             access=access,
             answer=answer,
+            turn_tokens=s.takes[-1] if answer is not None and s.takes else None,
             codec=s.schema.codec if s.schema is not None else "kv",
             restart=restart,
             parent=None if s.parent is None else s.parent[0],

@@ -19,7 +19,13 @@ from .bidaw_eviction import DEFAULT_ANSWER_EDGES, BidawEviction, _rises, _Seen, 
 from .ghost import GhostCache
 from .ranking import RESCORE_BINS, ResidentRanking
 
-__all__ = ["DEFAULT_HINT_EDGES", "DEFAULT_TURN_EDGES", "SMOOTH_FROM", "AdaptiveBidaw"]
+__all__ = [
+    "DEFAULT_HINT_EDGES",
+    "DEFAULT_QUERY_EDGES",
+    "DEFAULT_TURN_EDGES",
+    "SMOOTH_FROM",
+    "AdaptiveBidaw",
+]
 
 DEFAULT_HINT_EDGES: tuple[float, ...] = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 """Upper edges (exclusive, seconds) of the classes of hinted gaps; one more class takes
@@ -28,6 +34,11 @@ every longer hint."""
 DEFAULT_TURN_EDGES: tuple[int, ...] = (1, 3)
 """Upper edges (inclusive, turns stored) of the classes of a person's conversation by its
 turns so far: 1, 2-3, and one more class for longer ones."""
+
+DEFAULT_QUERY_EDGES: tuple[int, ...] = (250, 1000, 4000)
+"""Upper edges (exclusive, tokens) of the classes of a person's latest turn by its new
+input (``meta.turn_tokens - meta.prev_answer_tokens``): under 250, 250-999, 1,000-3,999
+and 4,000 or more."""
 
 _POTENTIAL, _DENSITY, _AUTO = "potential", "density", "auto"
 _RANKINGS = (_AUTO, _POTENTIAL, _DENSITY)
@@ -98,7 +109,8 @@ class AdaptiveBidaw(BidawEviction):
     time plus a delay: :attr:`read_rate` seconds per token of the previous answer (the
     least-squares slope of the answer buckets' gaps over their answers' lengths) and one
     distribution of the delay past it, pooled over the answer buckets, with a chance of
-    coming back per class of turns so far (``turn_edges``; residents are grouped by it
+    coming back per class of turns so far and of the latest turn's new input
+    (``turn_edges``, ``query_edges``: :meth:`reader_class`; residents are grouped by it
     too); each session is then placed on it by its own reading time, not by its
     bucket's spread of gaps. A resident is ranked by its
     best *hit density*: over every horizon it could still be kept (0.25 s to 2 h), the
@@ -148,6 +160,11 @@ class AdaptiveBidaw(BidawEviction):
         coming back is learned (a conversation that has come back is likelier to come
         back again: on the Mooncake conversation trace 25% of first turns have a next
         one, 50% of third ones); ``()`` pools every turn
+    :param query_edges: with ``ranking="density"`` or ``"auto"``: upper edges
+        (exclusive, tokens) of the classes of the latest turn's new input
+        (``meta.turn_tokens - meta.prev_answer_tokens``), which split each class of turns
+        so far (on the Mooncake trace a later turn that adds under 500 tokens has a next
+        one 57% of the time, one that adds 2,000 or more 13-21%); ``()`` pools every input
     :param samples: distance samples kept (all buckets together; more buckets than the
         paper's, so more samples by default)
     :param duel_block: returning accesses per comparison with the shadow LRU
@@ -185,6 +202,7 @@ class AdaptiveBidaw(BidawEviction):
         answer_edges: Sequence[int] = DEFAULT_ANSWER_EDGES,
         hint_edges: Sequence[float] = DEFAULT_HINT_EDGES,
         turn_edges: Sequence[int] = DEFAULT_TURN_EDGES,
+        query_edges: Sequence[int] = DEFAULT_QUERY_EDGES,
         promising: int = 7,
         span: float = 1.4,
         bins_per_capacity: int = 16,
@@ -241,8 +259,8 @@ class AdaptiveBidaw(BidawEviction):
         # session -> the answer tokens its reading time is learned from (answer buckets)
         self._answer: dict[str, int] = {}
         # sessions within ``depart`` of their latest access, oldest first: (bucket, turns,
-        # that access completed a turn)
-        self._waiting: OrderedDict[str, tuple[int, int, bool]] = OrderedDict()
+        # that access completed a turn, its reader class)
+        self._waiting: OrderedDict[str, tuple[int, int, bool, int]] = OrderedDict()
         self._grid: list[float] = [0.0, *np.geomspace(0.25, 2 * depart, 96).tolist()]
         # the answer buckets' table is by the delay elapsed past the reading time, which is
         # negative while the user is still reading (finer: every session is shifted by its
@@ -290,10 +308,17 @@ class AdaptiveBidaw(BidawEviction):
             )
         self.turn_edges = turn_classes
         self._turn_classes = len(turn_classes) + 1
-        # a person's turns (the answer buckets) per class of turns so far: came back, gone
-        self._r_returned = [0.0] * self._turn_classes
-        self._r_departed = [0.0] * self._turn_classes
-        self._reader_rows: list[list[float]] = []  # [turn class][delay grid point]
+        queries = tuple(int(q) for q in query_edges)
+        if not _rises(queries) or (queries and queries[0] < 1):
+            raise ValueError(
+                f"query_edges must be token counts >= 1 that increase strictly (got {queries})"
+            )
+        self.query_edges = queries
+        self._reader_classes = self._turn_classes * (len(queries) + 1)
+        # a person's turns (the answer buckets) per reader class: came back, gone
+        self._r_returned = [0.0] * self._reader_classes
+        self._r_departed = [0.0] * self._reader_classes
+        self._reader_rows: list[list[float]] = []  # [reader class][delay grid point]
         hints = tuple(float(h) for h in hint_edges)
         if not _rises(hints) or (hints and hints[0] <= 0):
             raise ValueError(f"hint_edges must be positive and increase strictly (got {hints})")
@@ -434,7 +459,7 @@ class AdaptiveBidaw(BidawEviction):
             return
         waiting = self._waiting.get(session)
         if waiting is not None:
-            self._waiting[session] = (bucket, waiting[1], waiting[2])
+            self._waiting[session] = (bucket, *waiting[1:])
         seen.bucket = bucket
         seen.rank = rank
         size = self._resident.get(session)
@@ -597,16 +622,26 @@ class AdaptiveBidaw(BidawEviction):
         return self._rank_key_of(seen.bucket, meta)
 
     def _rank_key_of(self, bucket: int, meta: KVMeta) -> int:
-        """``bucket``, and above it a person's class of turns so far (its chance of coming
-        back, :meth:`turn_class`) and the caller's priority: residents are grouped by it."""
+        """``bucket``, and above it a person's reader class (its chance of coming back,
+        :meth:`reader_class`) and the caller's priority: residents are grouped by it."""
         priority = max(-_PRIORITY_SPAN, min(_PRIORITY_SPAN, meta.priority))
-        turns = self.turn_class(meta.turns) if bucket < self._answer_buckets else 0
+        reader = self.reader_class(meta) if bucket < self._answer_buckets else 0
         level = 0 if priority == 0 else priority + _PRIORITY_SPAN + 1
-        return bucket + self._buckets * (turns + self._turn_classes * level)
+        return bucket + self._buckets * (reader + self._reader_classes * level)
 
     def turn_class(self, turns: int) -> int:
         """The class of a conversation with ``turns`` turns stored (:attr:`turn_edges`)."""
         return bisect.bisect_left(self.turn_edges, turns)
+
+    def query_class(self, meta: KVMeta) -> int:
+        """The class of the latest turn's new input, ``turn_tokens - prev_answer_tokens``
+        (:attr:`query_edges`; an unknown one, 0 tokens, is in the first)."""
+        return bisect.bisect_right(self.query_edges, meta.turn_tokens - meta.prev_answer_tokens)
+
+    def reader_class(self, meta: KVMeta) -> int:
+        """A person's class by its turns so far and its latest turn's new input: its
+        chance of another turn is learned per class."""
+        return self.turn_class(meta.turns) + self._turn_classes * self.query_class(meta)
 
     # -- gaps in seconds, hit density --------------------------------------------------
     def _learn_gap(self, session: str, meta: KVMeta, now: float) -> bool:
@@ -620,12 +655,12 @@ class AdaptiveBidaw(BidawEviction):
             self._gaps.append((old[0], self._answer[session], now - last))
             self._t_returned[old[0]] += 1.0
             if old[0] < self._answer_buckets:
-                self._r_returned[self.turn_class(old[1])] += 1.0
+                self._r_returned[old[3]] += 1.0
         completed = old is None or meta.turns > old[1]
         self._clock[session] = now
         self._answer[session] = meta.prev_answer_tokens if bucket < self._answer_buckets else 0
         waiting = self._waiting
-        waiting[session] = (bucket, meta.turns, completed)
+        waiting[session] = (bucket, meta.turns, completed, self.reader_class(meta))
         clock, resident, horizon = self._clock, self._resident, now - self.depart
         while waiting:
             oldest = next(iter(waiting))
@@ -634,7 +669,7 @@ class AdaptiveBidaw(BidawEviction):
             gone = waiting.popitem(last=False)[1]
             self._t_departed[gone[0]] += 1.0
             if gone[0] < self._answer_buckets:
-                self._r_departed[self.turn_class(gone[1])] += 1.0
+                self._r_departed[gone[3]] += 1.0
             if oldest not in resident:
                 del clock[oldest]
                 self._answer.pop(oldest, None)
@@ -735,13 +770,14 @@ class AdaptiveBidaw(BidawEviction):
         reader: list[float] | None = None
         if read.sum() >= 2:
             # one chance of a next turn for every reader's answer length (the answer's
-            # length does not tell whether a user comes back), learned per class of turns
-            # so far (a conversation that has come back is likelier to come back again),
+            # length does not tell whether a user comes back), learned per reader class
+            # (:meth:`reader_class`: a conversation that has come back is likelier to come
+            # back again, and one whose latest turn brought a long input likelier still),
             # each drawing on the pooled chance with ``prior_weight`` pseudo-samples
             back, gone = returned[:readers].sum(), departed[:readers].sum()
             q_read = (back + prior * p_prior) / (back + gone + prior)
-            q_turns = (r_back + prior * q_read) / (r_back + r_gone + prior)
-            tables = self._delays(answers[read], gaps[read], np.r_[q_read, q_turns])
+            q_class = (r_back + prior * q_read) / (r_back + r_gone + prior)
+            tables = self._delays(answers[read], gaps[read], np.r_[q_read, q_class])
             reader = _unimodal(tables[0].tolist())
             self._reader_rows = [_unimodal(row.tolist()) for row in tables[1:]]
         pooled_now = beyond(pooled, grid) / len(pooled)
@@ -816,13 +852,13 @@ class AdaptiveBidaw(BidawEviction):
         density = self._density
         dense = self._dense
         first = self._answer_buckets
-        level, turns = divmod(rank // self._buckets, self._turn_classes)  # _rank_key_of's
+        level, reader = divmod(rank // self._buckets, self._reader_classes)  # _rank_key_of's
         if order == _DENSITY and density is not None:
             waited = self._now - last  # for a person, past the reading time
             if bucket < first and self._reading:
                 grid = self._delay_grid
                 waited -= self.read_rate * self._answer.get(session, 0)
-                row = self._reader_rows[turns]
+                row = self._reader_rows[reader]
             else:
                 grid = self._grid
                 row = density[bucket]

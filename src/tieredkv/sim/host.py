@@ -179,8 +179,10 @@ class HostMemory:
         access: bool = False,
         answer: int | None = None,
         next_access: float | None = None,
+        turn_tokens: int | None = None,
     ) -> KVMeta:
-        """``s``'s metadata as it stands now (not published)."""
+        """``s``'s metadata as it stands now (not published); ``turn_tokens`` with an
+        ``answer``: the tokens that turn added."""
         if s.in_host:
             tier: str | None = HOST
             copies: tuple[str, ...] = (HOST, SSD) if s.on_ssd else (HOST,)
@@ -199,6 +201,7 @@ class HostMemory:
             now=now,
             access=access,
             answer=answer,
+            turn_tokens=turn_tokens,
             codec=self._codec,
             next_access=next_access if answer is not None else ...,
         )
@@ -238,7 +241,9 @@ class HostMemory:
         s.nbytes = nbytes
         s.tokens = tokens
         s.turns += 1
-        meta = self.meta(s, now, access=True, answer=answer, next_access=next_access)
+        meta = self.meta(
+            s, now, access=True, answer=answer, next_access=next_access, turn_tokens=new_tokens
+        )
         self.residency.accessed(meta, now, admit=0 if s.in_host else None)
 
     def reserve(self, need: int, now: float) -> bool:

@@ -253,6 +253,7 @@ def _run(
     sessions = [names[u] for u in users]
     times = turns.time.tolist()
     answers = turns.answer.tolist()
+    queries = turns.query.tolist()
     rounds = turns.round_index.tolist()
     nxt = turns.next_index().tolist()
     tiers = (
@@ -297,6 +298,7 @@ def _run(
             now=now,
             access=True,
             answer=answers[i],
+            turn_tokens=queries[i] + answers[i],
             next_access=times[n] if n >= 0 else None,
             accesses=rounds[i] + 1,
             tool_call=tool_call,
