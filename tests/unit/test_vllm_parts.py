@@ -23,7 +23,7 @@ from tieredkv.integrations.vllm.index import PrefixIndex, Sidecar, read_sidecars
 from tieredkv.integrations.vllm.keys import block_hashes, fingerprint, session_key
 from tieredkv.integrations.vllm.ops import LoadOp, WorkerReport
 from tieredkv.integrations.vllm.scheduler import SAVE_WAIT, Phase, SchedulerSide
-from tieredkv.integrations.vllm.worker import HOST, SSD, WorkerStore
+from tieredkv.integrations.vllm.worker import HOST, SSD, WorkerStore, decode_meta
 
 BS = 4  # tokens per block
 FP = fingerprint(
@@ -287,6 +287,9 @@ def test_worker_saves_blocks_and_loads_them_into_other_blocks(tmp_path: Path) ->
         report = s.report([], [])
         meta = report.metas["vllm-x-1"]
         assert meta is not None
+        # what the turn added (12 tokens, 4 of them the answer), for the scheduler's side
+        decoded = decode_meta(meta)
+        assert (decoded.turn_tokens, decoded.prev_answer_tokens) == (12, 4)
         sidecar = json.loads((tmp_path / "index" / "vllm-x-1.json").read_text())
         assert sidecar["tokens"] == list(tokens)
         # load blocks 1..2 of the history into blocks 9, 10 (block 0 held "locally")
