@@ -9,7 +9,9 @@ grouped by each thing known when the turn is served:
 
 - the turns the conversation has had so far, this one included;
 - the answer's length (what Bidaw's eviction predicts from);
-- the query's length: the tokens new in this turn's input.
+- the query's length: the tokens new in this turn's input;
+- for a later turn, the seconds since the conversation's previous turn (its pace), with
+  the median seconds to its next turn where it has one.
 
 A group's share is what a policy that knows the group, and nothing more, can predict of a
 return; a policy ranks conversations by such shares (over the bytes they hold, and the
@@ -34,6 +36,7 @@ TRACE = ROOT.parent / "shared" / "traces" / "mooncake_fast25" / "conversation_tr
 TURNS_SO_FAR = (1, 2, 3, 4, 6, 10)
 ANSWER_TOKENS = (0, 100, 200, 300, 400, 500, 700, 1000)
 QUERY_TOKENS = (0, 500, 1000, 2000, 4000, 8000, 16000)
+PREVIOUS_GAP = (0, 10, 30, 60, 120, 300)
 
 
 def returns(turns: Turns) -> list[bool]:
@@ -41,6 +44,42 @@ def returns(turns: Turns) -> list[bool]:
     users = [int(u) for u in turns.user]
     last = {user: i for i, user in enumerate(users)}  # (the latest index wins)
     return [last[user] != i for i, user in enumerate(users)]
+
+
+def gaps(turns: Turns) -> tuple[list[float | None], list[float | None]]:
+    """Per turn, the seconds since its conversation's previous turn and until its next one
+    (``None``: there is none)."""
+    times = [float(t) for t in turns.time]
+    previous: list[float | None] = []
+    latest: dict[int, int] = {}
+    following: list[float | None] = [None] * len(times)
+    for i, user in enumerate(int(u) for u in turns.user):
+        j = latest.get(user)
+        previous.append(None if j is None else times[i] - times[j])
+        if j is not None:
+            following[j] = times[i] - times[j]
+        latest[user] = i
+    return previous, following
+
+
+def pace_table(turns: Turns, back: Sequence[bool]) -> str:
+    """Later turns by the seconds since their conversation's previous turn: the share with
+    a later turn, and the median seconds until it."""
+    previous, following = gaps(turns)
+    later = [i for i, gap in enumerate(previous) if gap is not None]
+    seconds = [int(previous[i] or 0) for i in later]
+    rows = shares(seconds, [back[i] for i in later], PREVIOUS_GAP)
+    nexts: list[list[float]] = [[] for _ in PREVIOUS_GAP]
+    for i, s in zip(later, seconds, strict=True):
+        gap = following[i]
+        if gap is not None:
+            nexts[bisect.bisect_right(PREVIOUS_GAP, s) - 1].append(gap)
+    cells = []
+    for (edge, n, k), after in zip(rows, nexts, strict=True):
+        if n:
+            median = f", next after {sorted(after)[len(after) // 2]:.0f} s" if after else ""
+            cells.append(f">={edge} s: {k / n:.2f} of {n}{median}")
+    return "seconds since the previous turn, a later turn\n  " + "  ".join(cells)
 
 
 def shares(
@@ -97,6 +136,7 @@ def report(turns: Turns) -> str:
             back,
             only=lambda i: turns.round_index[i] > 0,
         ),
+        pace_table(turns, back),
     ]
     return "\n".join(lines)
 

@@ -40,6 +40,14 @@ def test_a_turn_is_followed_when_its_conversation_has_a_later_one() -> None:
         "6 turns in 3 conversations; 3 (0.50) are followed by another turn of theirs"
     )
     assert "query tokens, a later turn\n  >=0: 0.50 of 2  >=8000: 0.00 of 1" in report
+    # the pace: seconds since the previous turn (user 7: 2 and 3 s; user 9: 1 s)
+    assert script.gaps(turns) == (
+        [None, None, 2.0, None, 1.0, 3.0],
+        [2.0, None, 3.0, 1.0, None, None],
+    )
+    assert report.endswith(
+        "seconds since the previous turn, a later turn\n  >=0 s: 0.33 of 3, next after 3 s"
+    )
 
 
 def test_it_reads_the_trace_head_the_tests_ship(capsys: pytest.CaptureFixture[str]) -> None:
