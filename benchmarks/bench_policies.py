@@ -12,8 +12,10 @@ the same run (median / median, p99 / p99):
 - *eviction*: one :meth:`victims` call (choose enough victims for one admission) on a tier
   holding N sessions, inside a replay-like loop (access, choose, remove, admit) over an
   interactive access stream (each session comes back after a think gap that grows with
-  its answer length); LRU is measured the same way as an in-run baseline. The whole
-  admission (access + choose + remove + admit) is printed too.
+  its answer length, and each turn brings a new input spread over the default's classes
+  of new input, so that its residents are grouped as a live tier's are); LRU is
+  measured the same way as an in-run baseline. The whole admission (access + choose +
+  remove + admit) is printed too.
 - *scheduling*: one disk-HRRN load choice (:meth:`start_loads`), and the same plus one
   ready-queue pop, with N requests queued (half on SSD), the queue kept at N by a new
   submission per step;
