@@ -55,6 +55,8 @@ def drive(
             tokens=size,
             turns=turns[session],
             prev_answer_tokens=answer,
+            # a new input of 0-5,999 tokens: every class of "bidaw"'s query_edges
+            turn_tokens=answer + (size * 37 + i * 11) % 6000,
             next_access=float(t + 1 + (i * 7 + t) % 13),
         )
         view.put(m)
