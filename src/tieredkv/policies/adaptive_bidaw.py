@@ -772,7 +772,7 @@ class AdaptiveBidaw(BidawEviction):
             # one chance of a next turn for every reader's answer length (the answer's
             # length does not tell whether a user comes back), learned per reader class
             # (:meth:`reader_class`: a conversation that has come back is likelier to come
-            # back again, and one whose latest turn brought a long input likelier still),
+            # back again, and one whose latest turn brought a long input less likely),
             # each drawing on the pooled chance with ``prior_weight`` pseudo-samples
             back, gone = returned[:readers].sum(), departed[:readers].sum()
             q_read = (back + prior * p_prior) / (back + gone + prior)
