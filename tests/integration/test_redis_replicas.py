@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
@@ -19,7 +20,13 @@ import anyio
 import pytest
 import torch
 
-from tests.redis_server import RedisServer, new_prefix, own_redis_server, redis_server
+from tests.redis_server import (
+    RedisServer,
+    new_prefix,
+    own_aof_server,
+    own_redis_server,
+    redis_server,
+)
 from tieredkv import HostMemoryTier, TieredKVCache
 from tieredkv.backends.redis import RedisTier
 from tieredkv.errors import (
@@ -29,7 +36,7 @@ from tieredkv.errors import (
     StaleWriterError,
 )
 
-__all__ = ["own_redis_server", "redis_server"]  # the fixtures, used below
+__all__ = ["own_aof_server", "own_redis_server", "redis_server"]  # the fixtures, used below
 
 MiB = 1 << 20
 Replica = Callable[..., AbstractAsyncContextManager[TieredKVCache]]
@@ -355,3 +362,43 @@ async def test_a_conversation_started_here_and_not_committed_yet_survives_an_emp
     )
     async with TieredKVCache([HostMemoryTier(8 * MiB), other], mode="inclusive") as b:
         assert same_bytes(await b.load("chat"), history(1))
+
+
+@pytest.mark.slow  # about 4 s: commits failing with growing backoff while the server is away
+async def test_when_a_commit_gets_through_again_the_others_waiting_go_at_once(
+    own_aof_server: RedisServer,
+) -> None:
+    """The server dies; the latest turns of two conversations fail to commit and wait, with
+    growing backoff. It comes back (with what it had acknowledged) and a new turn of one
+    conversation commits at once: the other's commit follows within a fraction of a
+    second, not at the end of its backoff, and another replica loads both exactly."""
+    prefix = new_prefix()
+
+    def tier(**kw: Any) -> RedisTier:
+        return RedisTier(
+            own_aof_server.url, 64 * MiB, prefix=prefix, value_size=64 << 10, timeout=0.5, **kw
+        )
+
+    async with TieredKVCache([HostMemoryTier(8 * MiB), tier()], mode="inclusive") as a:
+        for key in ("talks", "waits"):
+            await a.append(key, turn(0), answer_tokens=5)
+        await a.flush()
+        own_aof_server.kill()
+        for key in ("talks", "waits"):
+            await a.append(key, turn(1), answer_tokens=5)
+        waiting = a._pumps._waiting
+        with anyio.fail_after(30):  # until a retry of "waits" is 1.6 s away
+            while "waits" not in waiting or waiting["waits"].attempts < 5:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        own_aof_server.start()
+        due = waiting["waits"].due
+        await a.append("talks", turn(2), answer_tokens=5)  # its pump tries at once
+        with anyio.fail_after(30):
+            while "waits" in waiting or "talks" in waiting:  # noqa: ASYNC110 (polled)
+                await anyio.sleep(0.01)
+        committed = time.monotonic()
+        assert committed < due - 0.5, (committed, due)  # well before its backoff ended
+        await a.flush()
+    async with TieredKVCache([HostMemoryTier(8 * MiB), tier(liveness=0.3)], mode="inclusive") as b:
+        assert same_bytes(await b.load("talks"), history(3))
+        assert same_bytes(await b.load("waits"), history(2))

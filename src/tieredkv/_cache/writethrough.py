@@ -16,7 +16,8 @@ Into a shared tier (the fleet's copy, see :mod:`tieredkv._cache.sharing`) this i
 tiers; the pump then commits it to the shared tier. What is committed is never taken out
 again by a failure here. A commit that fails for a transient reason (the server away or
 stalled, a takeover delay, no room as this cache counts it) keeps the turn here and is
-retried in the background (backoff from 0.1 to 5 s); one the shared tier refuses for good
+retried in the background (backoff from 0.1 to 5 s, cut short when another commit gets
+through: the server is back); one the shared tier refuses for good
 (another replica took the conversation over, or its history changed) is a refusal
 (:mod:`tieredkv._cache.refusals`). ``flush()`` retries at once what is waiting, waits out
 takeover delays, and returns only when every turn appended before it is committed, or
@@ -83,6 +84,9 @@ class WriteThrough:
         """Sessions whose pump copies into the local tier below the primary too."""
         self._waiting: dict[str, _Waiting] = {}
         """Sessions whose commit into a shared tier waits to be tried again."""
+        self._away: set[str] = set()
+        """Those of them whose last try met a shared tier that failed (not a full one, not
+        a takeover delay): tried again at once when another commit gets through."""
         self._retrier: asyncio.Task[None] | None = None
         self._wake: anyio.Event | None = None
         core.restart_copy = self.resume
@@ -255,6 +259,7 @@ class WriteThrough:
                 len(self._waiting),
             )
         self._waiting.clear()
+        self._away.clear()
 
     async def _pump(self, s: Session) -> None:
         core = self._core
@@ -346,10 +351,11 @@ class WriteThrough:
             return False
         except (TierIOError, CorruptSegmentError) as exc:
             if shared and isinstance(exc, TierIOError):
-                if not isinstance(exc, CommitDelayedError):
+                away = not isinstance(exc, CommitDelayedError)
+                if away:
                     core.stats.errors += 1
                     _log.warning("write-through of %.80r: %s; will retry", s.key, exc)
-                self._later(s, exc)
+                self._later(s, exc, away=away)
                 return False
             core.stats.errors += 1
             _log.exception("write-through of %.80r failed", s.key)
@@ -369,6 +375,8 @@ class WriteThrough:
         core.gained(s, [seg], dst)
         if written:
             core.stats.write_through += 1
+        if shared and self._away:
+            self._answering()
         w = self._waiting.get(s.key) if shared else None
         if w is not None:
             w.attempts, w.error = 0, None
@@ -389,8 +397,14 @@ class WriteThrough:
         if s is None or not s.inflight:  # (nothing to copy, dropped, or not inclusive)
             self._waiting.pop(key, None)
 
-    def _later(self, s: Session, error: BaseException) -> None:
-        """Try ``s``'s commit again later (after the takeover delay, or with backoff)."""
+    def _later(self, s: Session, error: BaseException, *, away: bool = False) -> None:
+        """Try ``s``'s commit again later (after the takeover delay, or with backoff);
+        ``away``: the shared tier failed it (tried again as soon as another commit gets
+        through, :meth:`_answering`)."""
+        if away:
+            self._away.add(s.key)
+        else:
+            self._away.discard(s.key)
         w = self._waiting.setdefault(s.key, _Waiting())
         w.error = error
         if isinstance(error, CommitDelayedError):
@@ -402,6 +416,19 @@ class WriteThrough:
         if self._retrier is None or self._retrier.done():
             self._retrier = self._spawn(self._retry_loop())
         elif self._wake is not None:
+            self._wake.set()
+
+    def _answering(self) -> None:
+        """A commit got through: the shared tier answers again. The commits that waited
+        out its failure are due now, not at the end of their backoff (up to 5 s after
+        the server came back); one that fails again waits as long as it would have."""
+        now = time.monotonic()
+        for key in self._away:
+            w = self._waiting.get(key)
+            if w is not None:
+                w.due = min(w.due, now)
+        self._away.clear()
+        if self._wake is not None:
             self._wake.set()
 
     async def _retry_loop(self) -> None:
