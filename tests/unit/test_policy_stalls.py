@@ -1,0 +1,22 @@
+"""The policy-stalls diagnostic (benchmarks/_policy_stalls.py) names what made a long
+``on_access`` call: here the reuse tracker's rebuild (its positions run out after 65,536
+accesses) and the rebuilds of the hint deadlines (once superseded hints are half of them)."""
+
+from __future__ import annotations
+
+from tests.benchmark_scripts import benchmark_script
+
+
+def test_the_long_calls_are_put_down_to_their_rebuilds() -> None:
+    with benchmark_script("_policy_stalls") as script:
+        # 2,000 users, 35 accesses each: 70,000 accesses, past the tracker's 65,536
+        # positions once; every access hints, so superseded hints pile up again and again
+        times, slow = script.stalls(2_000, 35, hints=True, over_ns=0)
+        assert len(times) == 70_000
+        causes = [cause for _, _, cause in slow]
+        assert len(slow) == len(times)  # (over 0 ns: every call is listed)
+        assert causes.count("tracker") == 1
+        assert [i for i, _, cause in slow if cause == "tracker"] == [65_536]
+        assert causes.count("hints") >= 10
+        _, quiet = script.stalls(2_000, 3, hints=False, over_ns=0)
+        assert "hints" not in {cause for _, _, cause in quiet}
