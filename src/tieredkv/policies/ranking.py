@@ -120,37 +120,36 @@ class ResidentRanking:
 
     def flush(self) -> None:
         """Bring the candidates heap up to date with the groups that changed."""
-        score = self._score
-        groups = self.groups
+        groups, ends = self.groups, self._ends
         if self._rescore_all:
             self._rescore_all = False
             self._dirty.clear()
-            heap: list[_Candidate] = []
-            for group, members in groups.items():
-                oldest = next(iter(members))
-                heap.append((score(oldest), 0, group, oldest))
-                newest = next(reversed(members))
-                if newest != oldest:
-                    heap.append((score(newest), 1, group, newest))
+            heap = [c for group, members in groups.items() for c in ends(group, members)]
             heapq.heapify(heap)
             self._heap = heap
             self._where = {c[2] << 1 | c[1]: i for i, c in enumerate(heap)}
             return
         put, drop = self._put, self._drop
         for group in self._dirty:
-            order = groups.get(group)
-            if order is None:
-                drop(group << 1)
+            members = groups.get(group)
+            fresh = ends(group, members) if members is not None else []
+            for candidate in fresh:
+                put(candidate)
+            if len(fresh) < 2:  # (one member: no newest end; none: no oldest either)
                 drop(group << 1 | 1)
-                continue
-            oldest = next(iter(order))
-            put((score(oldest), 0, group, oldest))
-            newest = next(reversed(order))
-            if newest != oldest:
-                put((score(newest), 1, group, newest))
-            else:
-                drop(group << 1 | 1)
+                if not fresh:
+                    drop(group << 1)
         self._dirty.clear()
+
+    def _ends(self, group: int, members: OrderedDict[str, None]) -> list[_Candidate]:
+        """``group``'s candidates, scored now: its oldest member, and its newest when that
+        is another."""
+        oldest = next(iter(members))
+        candidates = [(self._score(oldest), 0, group, oldest)]
+        newest = next(reversed(members))
+        if newest != oldest:
+            candidates.append((self._score(newest), 1, group, newest))
+        return candidates
 
     def choose(
         self, need: int, protected: Set[str], sizes: Mapping[str, int]
