@@ -464,7 +464,8 @@ class Core:
         self.refusals = 0
         """Refusals recorded so far (each time a session's refused turns grew)."""
         self.restart_copy: Callable[[Session], None] = lambda s: None
-        """Restart ``s``'s background copy to the next tier (set by the write-through)."""
+        """Restart ``s``'s background copies: into the tiers below its primary, and into a
+        shared tier above it that lacks turns of it (set by the write-through)."""
         self.hold_copies: Callable[[Session], AbstractAsyncContextManager[None]] = _quiet
         """``async with core.hold_copies(s)``: ``s`` (locked) with no background copy
         under way, and none starting until the block ends (set by the write-through)."""

@@ -82,6 +82,9 @@ class WriteThrough:
         """Sessions whose copy into a local tier an I/O error stopped (tried again at close)."""
         self._local: set[str] = set()
         """Sessions whose pump copies into the local tier below the primary too."""
+        self._up: set[str] = set()
+        """Sessions whose pump commits into the shared tiers above the primary too, until
+        complete there (a commit restarted from a local tier below: :meth:`restart`)."""
         self._waiting: dict[str, _Waiting] = {}
         """Sessions whose commit into a shared tier waits to be tried again."""
         self._away: set[str] = set()
@@ -89,7 +92,7 @@ class WriteThrough:
         a takeover delay): tried again at once when another commit gets through."""
         self._retrier: asyncio.Task[None] | None = None
         self._wake: anyio.Event | None = None
-        core.restart_copy = self.resume
+        core.restart_copy = self.restart
         core.hold_copies = self.held
 
     def _spawn(self, coro: object) -> asyncio.Task[None]:
@@ -103,15 +106,20 @@ class WriteThrough:
         """The tiers a pump copies ``s`` into, in order (inclusive mode): the next tier
         below its primary (while :meth:`start` asked for it), and every shared tier below
         that, so that a replica's turns reach the fleet whatever local tiers sit between
-        (host, SSD, Redis: host to SSD, and host to Redis)."""
+        (host, SSD, Redis: host to SSD, and host to Redis); after :meth:`restart`, the
+        shared tiers above it too."""
         p = s.primary
         core = self._core
         if core.mode != "inclusive" or p is None:
             return []
+        up = s.key in self._up
         return [
             d
-            for d in range(p + 1, len(core.tiers))
-            if (core.io[d].shared is not None or (d == p + 1 and s.key in self._local))
+            for d in range(len(core.tiers))
+            if (
+                (core.io[d].shared is not None and (d > p or (up and d < p)))
+                or (d == p + 1 and s.key in self._local)
+            )
             and not s.complete(d)
         ]
 
@@ -158,6 +166,14 @@ class WriteThrough:
     def unstop(self, s: Session) -> None:
         """The drop :meth:`stop` made way for will not happen: ``s``'s copy goes on."""
         s.stopping = False
+        self.resume(s)
+
+    def restart(self, s: Session) -> None:
+        """:meth:`resume`, and commit ``s``'s turns the shared tiers lack even into one
+        above its primary, until complete there: when a shared tier lost turns committed
+        here, the local tier that serves the history now may lie below it (see
+        :func:`~tieredkv._cache.sharing.examine`)."""
+        self._up.add(s.key)
         self.resume(s)
 
     def resume(self, s: Session, *, local: bool = True) -> None:
@@ -260,6 +276,7 @@ class WriteThrough:
             )
         self._waiting.clear()
         self._away.clear()
+        self._up.clear()
 
     async def _pump(self, s: Session) -> None:
         core = self._core
@@ -283,6 +300,8 @@ class WriteThrough:
                 self._later(s, exc)
         finally:
             self._local.discard(s.key)
+            if s.dropped:
+                self._up.discard(s.key)
             s.inflight -= 1
             core.unbusy(s.key)
             if not s.inflight:
@@ -348,6 +367,7 @@ class WriteThrough:
                 turns = sorted({*turns, *lost})
             record_refusal(core, s, dst, exc.reason, turns)  # (its reason, not its advice)
             self._waiting.pop(s.key, None)
+            self._up.discard(s.key)
             return False
         except (TierIOError, CorruptSegmentError) as exc:
             if shared and isinstance(exc, TierIOError):
@@ -383,6 +403,7 @@ class WriteThrough:
         if s.complete(dst):
             if shared:
                 self._waiting.pop(s.key, None)
+                self._up.discard(s.key)
             now = core.clock()
             core.residency.admitted(core.meta(s, now), now, dst)
         return True
