@@ -592,6 +592,25 @@ async def _forked_on_b_then_lost(
         c.delete(f"{_base(prefix, 'p')}:m")
 
 
+async def _forked_on_b_then_extended_on_a(
+    a: TieredKVCache, b: TieredKVCache, g: dict[str, torch.Tensor]
+) -> None:
+    """A's p (one turn), taken in by B, which forks g (turn ``g``) from its first 20
+    tokens; then A extends p (``P1``) and forks c (``C``) from its first 60 tokens. Every
+    lease has run out when it returns."""
+    await a.append("p", P0, answer_tokens=8)
+    await a.flush()
+    assert _same(await b.load("p"), P0)
+    await b.append("g", g, answer_tokens=1, parent="p", parent_tokens=20)
+    await b.flush()
+    await anyio.sleep(0.5)  # (B's lease on p runs out)
+    assert _same(await a.load("p"), P0)
+    await a.append("p", P1, answer_tokens=8)
+    await a.append("c", C, answer_tokens=4, parent="p", parent_tokens=60)
+    await a.flush()
+    await anyio.sleep(0.5)  # (A's leases run out)
+
+
 @pytest.mark.parametrize("then", ["append", "load"])
 async def test_a_history_the_server_lost_stays_retired_here_across_a_restart(
     redis_server: RedisServer, prefix: str, tmp_path: Path, then: str
@@ -752,17 +771,7 @@ async def test_a_fork_loaded_while_its_parent_is_retired_here_shares_the_parents
     )
     async with _cache(redis_server, prefix) as a:
         async with TieredKVCache([HostMemoryTier(8 << 20), ssd, shared], mode="inclusive") as b:
-            await a.append("p", P0, answer_tokens=8)
-            await a.flush()
-            assert _same(await b.load("p"), P0)
-            await b.append("g", G, answer_tokens=1, parent="p", parent_tokens=20)
-            await b.flush()
-            await anyio.sleep(0.5)  # (B's lease on p runs out)
-            assert _same(await a.load("p"), P0)
-            await a.append("p", P1, answer_tokens=8)
-            await a.append("c", C, answer_tokens=4, parent="p", parent_tokens=60)
-            await a.flush()
-            await anyio.sleep(0.5)  # (A's leases run out)
+            await _forked_on_b_then_extended_on_a(a, b, G)
             ssd.hold = True
             shared.fail = drop == "fails"
             dropped: list[str] = []
