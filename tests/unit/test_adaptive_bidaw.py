@@ -152,6 +152,53 @@ def test_a_hint_is_learned_by_its_class_and_a_late_hint_moves_the_session() -> N
     assert "nobody" not in p._seen
 
 
+def test_hints_are_judged_when_their_time_passes_and_superseded_ones_are_let_go() -> None:
+    """Every outstanding hint is judged once, when its slack runs out or its conversation
+    comes back (a reference model here), while 300 conversations re-hint again and again:
+    the superseded deadlines are moved out a few per hint, and never pile up."""
+    p = AdaptiveBidaw(capacity=10 * GB)
+    rng = random.Random(5)
+    due: dict[str, tuple[float, float]] = {}
+    kept = told = 0.0
+    decay = 0.5 ** (1.0 / p.samples)
+
+    def judge(on_time: bool) -> None:
+        nonlocal kept, told
+        kept, told = kept * decay + on_time, told * decay + 1.0
+
+    def tick(now: float) -> None:
+        for s, (w, d) in list(due.items()):
+            if w + d < now:
+                del due[s]
+                judge(False)
+
+    now = 0.0
+    drains = 0
+    for step in range(30_000):
+        now += rng.expovariate(20.0)
+        s = f"c{rng.randrange(300)}"
+        hint = None if rng.random() < 0.05 else now + rng.choice((0.5, 5.0, 60.0, 600.0))
+        m = meta(s, next_turn=hint, last=now)
+        draining = bool(p._draining)  # (private: the move of deadlines is what is tested)
+        tick(now)
+        if step % 7 == 0:
+            p.on_hint(s, m, now)
+        else:
+            p.on_access(s, m, now)
+            if s in due:
+                w, d = due.pop(s)
+                judge(abs(now - w) <= d)
+        if hint is None:
+            due.pop(s, None)
+        else:
+            due[s] = (hint, max(p.hint_slack, 0.25 * (hint - now)))
+        drains += bool(p._draining) and not draining
+        assert p.hint_trust() == (kept + 4.0) / (told + 4.0)
+        assert len(p._deadlines) + len(p._draining) <= 4 * len(due) + 200
+    assert drains >= 10
+    assert told > 50
+
+
 def test_priority_weighs_the_score() -> None:
     view = MetadataChannel([TierInfo(name="host", level=0, capacity=40 * GB)])
     p = AdaptiveBidaw(capacity=40 * GB, refresh_every=64, duel_block=10**9)  # learned order

@@ -54,6 +54,91 @@ def test_tracker_forgets_beyond_horizon_but_keeps_kept_sessions() -> None:
     assert len(tracker) == 2
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from("aaaaaaaaafs"), st.integers(0, 80), st.integers(1, 1000)),
+        min_size=100,
+        max_size=600,
+    )
+)
+def test_elapsed_distances_stay_exact_for_every_tracked_session_across_rebuilds(
+    ops: list[tuple[str, int, int]],
+) -> None:
+    """Accesses, forgets and sweeps, with a new tree started every few accesses: every
+    tracked session's elapsed distance counts each tracked session accessed since, and of
+    the sessions forgotten since at most their latest access (their bytes stay in the tree
+    until a rebuild leaves them out), as the tracker documents."""
+    tracker = ReuseTracker(min_positions=16)
+    # each life of a session (it starts again after it is forgotten), by latest access
+    order: list[tuple[str, int]] = []
+    size: dict[tuple[str, int], int] = {}
+    life = dict.fromkeys((f"s{i}" for i in range(81)), 0)
+    tracked: set[str] = set()
+
+    def drop(session: str) -> None:
+        if session in tracked:
+            tracked.discard(session)
+            life[session] += 1
+
+    for op, i, n in ops:
+        session = f"s{i}"
+        if op == "a":
+            key = (session, life[session])
+            if key in size:
+                order.remove(key)
+            order.append(key)
+            size[key] = n
+            tracked.add(session)
+            tracker.access(session, n)
+        elif op == "f":
+            tracker.forget(session)
+            drop(session)
+        else:
+            keep = {f"s{k}" for k in range(0, 81, 3)}
+            for gone in tracker.sweep(horizon=n, keep=keep, max_tracked=i):
+                if gone not in keep:
+                    drop(gone)
+        assert len(tracker) == len(tracked)
+        for k, (s, t) in enumerate(order):
+            if s not in tracked or t != life[s]:
+                continue
+            after = order[k + 1 :]
+            least = sum(size[o] for o in after if o[0] in tracked and o[1] == life[o[0]])
+            assert least <= (tracker.elapsed(s) or 0) <= sum(size[o] for o in after)
+    for s in life:
+        assert (s in tracker) == (s in tracked)
+
+
+def test_a_rebuild_moves_a_few_positions_per_access_and_the_tree_shrinks_back() -> None:
+    """Distances stay exact while a new tree fills and after it takes over, no access pays
+    for a whole rebuild, and once most sessions are forgotten, the next rebuilds give their
+    positions back (the state stays bounded)."""
+    tracker = ReuseTracker(min_positions=16)
+    exact = ReuseTracker(min_positions=1 << 17)  # never rebuilt in 40,000 accesses
+    rng = random.Random(7)
+    sessions = [f"s{i}" for i in range(4096)]
+    rebuilds = 0
+    for _ in range(40_000):
+        before = tracker._rebuild  # (private: the rebuild's progress is what is tested)
+        cursor = None if before is None else before.cursor
+        session, nbytes = rng.choice(sessions), rng.randrange(1, 1 << 20)
+        assert tracker.access(session, nbytes) == exact.access(session, nbytes)
+        if before is not None and tracker._rebuild is before:
+            assert cursor is not None
+            assert before.cursor - cursor <= 8
+        elif before is not None:
+            rebuilds += 1
+    assert rebuilds >= 2
+    assert tracker._span >= 4 * 4096
+    for s in sessions[3:]:
+        tracker.forget(s)
+    for k in range(39_999):  # s0, s1, s2, ..., s2
+        tracker.access(sessions[k % 3], 100)
+    assert tracker._span == 16
+    assert tracker.access(sessions[0], 100) == 200  # s1 and s2, 100 bytes each
+
+
 def drive_turns(
     policy: BidawEviction, session: str, answer: int, turn: int, size: int, t: float
 ) -> None:
