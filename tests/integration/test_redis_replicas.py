@@ -364,14 +364,16 @@ async def test_a_conversation_started_here_and_not_committed_yet_survives_an_emp
         assert same_bytes(await b.load("chat"), history(1))
 
 
-@pytest.mark.slow  # 8-18 s: a failing server, growing backoff (and a new server settling)
+@pytest.mark.slow  # 8-18 s each: a failing server, growing backoff (a new server settling)
+@pytest.mark.parametrize("then", ["append", "load"])
 async def test_when_a_commit_gets_through_again_the_others_waiting_go_at_once(
-    own_aof_server: RedisServer,
+    own_aof_server: RedisServer, then: str
 ) -> None:
     """The server dies; the latest turns of two conversations fail to commit and wait, with
     growing backoff. It comes back (with what it had acknowledged) and a new turn of one
-    conversation commits at once: the other's commit follows within a fraction of a
-    second, not at the end of its backoff, and another replica loads both exactly."""
+    conversation commits at once (``append``), or the replica loads a third conversation
+    (``load``: it asks the server about it): the waiting commits follow within a fraction
+    of a second, not at the end of their backoff, and another replica loads them exactly."""
     prefix = new_prefix()
 
     def tier(**kw: Any) -> RedisTier:
@@ -380,7 +382,7 @@ async def test_when_a_commit_gets_through_again_the_others_waiting_go_at_once(
         )
 
     async with TieredKVCache([HostMemoryTier(8 * MiB), tier()], mode="inclusive") as a:
-        for key in ("talks", "waits"):
+        for key in ("talks", "waits", "reads"):
             await a.append(key, turn(0), answer_tokens=5)
         await a.flush()
         own_aof_server.kill()
@@ -391,8 +393,11 @@ async def test_when_a_commit_gets_through_again_the_others_waiting_go_at_once(
             while "waits" not in waiting or waiting["waits"].attempts < 6:  # noqa: ASYNC110
                 await anyio.sleep(0.01)
         own_aof_server.start()
-        due = waiting["waits"].due
-        await a.append("talks", turn(2), answer_tokens=5)  # its pump tries at once
+        due = min(waiting["waits"].due, waiting["talks"].due)
+        if then == "append":
+            await a.append("talks", turn(2), answer_tokens=5)  # its pump tries at once
+        else:
+            assert same_bytes(await a.load("reads"), history(1))
         with anyio.fail_after(30):
             while "waits" in waiting or "talks" in waiting:  # noqa: ASYNC110 (polled)
                 await anyio.sleep(0.01)
@@ -400,5 +405,6 @@ async def test_when_a_commit_gets_through_again_the_others_waiting_go_at_once(
         assert committed < due - 0.5, (committed, due)  # well before its backoff ended
         await a.flush()
     async with TieredKVCache([HostMemoryTier(8 * MiB), tier(liveness=0.3)], mode="inclusive") as b:
-        assert same_bytes(await b.load("talks"), history(3))
+        assert same_bytes(await b.load("talks"), history(3 if then == "append" else 2))
         assert same_bytes(await b.load("waits"), history(2))
+        assert same_bytes(await b.load("reads"), history(1))

@@ -179,6 +179,7 @@ async def _looked(core: Core, s: Session, t: int, tier: SharedTier, take: bool) 
             f"{exc.action}: {exc.reason.rstrip('.')}, and this replica holds no live lease "
             f"on it)"
         )
+    core.shared_answered()  # (commits waiting out its failure go now)
     why = await _adopt(core, s, t, tier, state, take)
     if s.key in core.refused:  # this replica's copies already agree with the shared tier
         _settle_refusal(core, s)

@@ -466,6 +466,9 @@ class Core:
         self.restart_copy: Callable[[Session], None] = lambda s: None
         """Restart ``s``'s background copies: into the tiers below its primary, and into a
         shared tier above it that lacks turns of it (set by the write-through)."""
+        self.shared_answered: Callable[[], None] = lambda: None
+        """A shared tier just answered a look-up: the commits that waited out its failure
+        may go now (set by the write-through)."""
         self.hold_copies: Callable[[Session], AbstractAsyncContextManager[None]] = _quiet
         """``async with core.hold_copies(s)``: ``s`` (locked) with no background copy
         under way, and none starting until the block ends (set by the write-through)."""

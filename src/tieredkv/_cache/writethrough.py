@@ -94,6 +94,7 @@ class WriteThrough:
         self._wake: anyio.Event | None = None
         core.restart_copy = self.restart
         core.hold_copies = self.held
+        core.shared_answered = self._answered
 
     def _spawn(self, coro: object) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
@@ -438,6 +439,13 @@ class WriteThrough:
             self._retrier = self._spawn(self._retry_loop())
         elif self._wake is not None:
             self._wake.set()
+
+    def _answered(self) -> None:
+        """A shared tier answered a load's look-up: as :meth:`_answering`, if a commit
+        waits out its failure (a replica that takes no new turn has no commit of its own
+        to tell it the server is back)."""
+        if self._away:
+            self._answering()
 
     def _answering(self) -> None:
         """A commit got through: the shared tier answers again. The commits that waited
