@@ -10,7 +10,8 @@ invariants I1-I4), and ``tieredkv fsck`` checks what the server holds.
 
 prints the counts and exits 1 if the checker found anything. ``--layout`` is one of the
 tier layouts the Redis how-to describes (:data:`LAYOUTS`: host + Redis, SSD + Redis,
-host + SSD + Redis, and host + Redis with a host tier smaller than one turn);
+host + SSD + Redis, host + Redis with a host tier smaller than one turn, and host + Redis
+with SSD below Redis);
 ``--secret`` gives every replica the same ``secret=``, and ``--unkeyed-replica`` adds one
 replica without it (misconfigured: it must be refused before it writes). The test command runs a
 short, seeded one (``tests/integration/test_fleet_campaign.py``).
@@ -25,7 +26,8 @@ What is checked, per conversation (every turn names itself: :mod:`tests.fleet`):
   restart, a lost manifest): those turns are counted as lost by the server, and anything
   else is counted as a lost acknowledged turn;
 * every exception a replica saw is one the contract names (a miss, a transient
-  ``TierIOError``, a refusal), and no task exception was left unretrieved;
+  ``TierIOError``, a refusal), no task exception was left unretrieved, and every replica
+  closed its cache and ended cleanly when the campaign stopped it (``unclean-end``);
 * every operation returned or raised within :data:`BOUND` seconds under
   ``anyio.fail_after`` (a watchdog thread records a call that cannot be cancelled, and
   ends the replica); the longest is reported;
@@ -63,6 +65,7 @@ import tempfile
 import time
 import traceback
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,9 +108,12 @@ LAYOUTS = {
     "ssd+redis": {"host": 0, "ssd": True},
     "host+ssd+redis": {"host": 4 << 20, "ssd": True},
     "full-host+redis": {"host": 128 << 10},
+    "host+redis+ssd": {"host": 4 << 20, "ssd below": True},
 }
-"""A replica's tiers above the shared one: the Redis how-to's layouts, and a host tier
-smaller than the largest turn (conversations go straight to Redis, and load from it)."""
+"""A replica's tiers around the shared one: the Redis how-to's layouts, a host tier
+smaller than the largest turn (conversations go straight to Redis, and load from it), and
+an SSD tier below Redis (what the server loses of a replica's turns may still be there:
+the replica serves them from it, and commits them again)."""
 
 LATE_START = 60.0
 """Seconds past ``duration`` the faults go on, at least, while the replicas have not done
@@ -239,6 +245,8 @@ def _tiers(args: dict[str, Any]) -> list[Any]:
         recover=False,
         secret=key,
     )
+    if spec.get("ssd below"):
+        return [*tiers, shared, SSDTier(args["ssd"], 64 << 20, fsync=False, secret=key)]
     return [*tiers, shared]
 
 
@@ -278,12 +286,19 @@ class _Watchdog:
                 os._exit(3)
 
 
+def _shared(tiers: Sequence[Any]) -> Any:
+    """The shared (Redis) tier among a replica's tiers (the last, or above an SSD tier)."""
+    from tieredkv.backends.redis import RedisTier
+
+    return next(t for t in tiers if isinstance(t, RedisTier))
+
+
 def _state(cache: Any) -> dict[str, Any]:
     """What the cache and its shared tier hold, for the log of an unexpected exception."""
     from tieredkv.payload import RETIRED_SEQ
 
     core = cache._core
-    shared = core.tiers[-1]
+    shared = _shared(core.tiers)
     return {
         "sessions": {
             k: {
@@ -302,7 +317,8 @@ def _state(cache: Any) -> dict[str, Any]:
                 for k in {*core.sessions, *core.retired}
                 if tier.persistent and tier.contains((k, RETIRED_SEQ))
             )
-            for tier in core.tiers[:-1]
+            for tier in core.tiers
+            if tier is not shared
         },
         "reserved": [list(k) for k in shared._reserved],
         "committed": [list(k) for k in shared._committed],
@@ -515,8 +531,8 @@ async def replica(args: dict[str, Any]) -> None:
             await anyio.sleep(rng.uniform(0, 0.01))
     finally:
         st = cache.stats()
-        shared = st.tiers[-1]
-        damaged = shared.corrupt - cache.tiers[-1].missing  # type: ignore[attr-defined]
+        shared = _shared(cache.tiers)
+        damaged = st.tiers[cache.tiers.index(shared)].corrupt - shared.missing
         log(op="stats", refused=st.refused, unproven=st.unproven, errors=st.errors, damaged=damaged)
         with anyio.CancelScope(shield=True):
             await cache.aclose()
@@ -624,12 +640,16 @@ async def campaign(opts: Options, workdir: Path) -> Result:
             faults.append(record)
         for proc in procs.values():
             proc.terminate()
-        for proc in procs.values():
+        ends: list[dict[str, Any]] = []
+        for rid, proc in procs.items():
             with anyio.move_on_after(120):
                 await proc.wait()
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
+            if proc.returncode != 0:  # (an exception as it closed: see its .stderr)
+                ends.append({"r": rid, "op": "unclean-end", "status": proc.returncode})
+        (workdir / "ends.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ends))
         final = await _final_loads(server.url, prefix, opts, secret, workdir)
         fsck = await anyio.to_thread.run_sync(_fsck, server.url, prefix, secret)
     finally:
@@ -836,7 +856,7 @@ def check(records: list[dict[str, Any]], faults: list[dict[str, Any]], opts: Opt
         elif op == "stats":
             result.refused += r["refused"]
             result.unproven += r["unproven"]
-        elif op in ("unretrieved", "inconsistent"):
+        elif op in ("unretrieved", "inconsistent", "unclean-end"):
             result.unexpected[op] += 1
         if _is_operation(r):
             result.operations[r["op"]] += 1
