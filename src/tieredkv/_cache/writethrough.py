@@ -94,7 +94,7 @@ class WriteThrough:
         self._wake: anyio.Event | None = None
         core.restart_copy = self.restart
         core.hold_copies = self.held
-        core.shared_answered = self._answered
+        core.shared_answered = self._answering
 
     def _spawn(self, coro: object) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
@@ -396,7 +396,7 @@ class WriteThrough:
         core.gained(s, [seg], dst)
         if written:
             core.stats.write_through += 1
-        if shared and self._away:
+        if shared:
             self._answering()
         w = self._waiting.get(s.key) if shared else None
         if w is not None:
@@ -440,17 +440,13 @@ class WriteThrough:
         elif self._wake is not None:
             self._wake.set()
 
-    def _answered(self) -> None:
-        """A shared tier answered a load's look-up: as :meth:`_answering`, if a commit
-        waits out its failure (a replica that takes no new turn has no commit of its own
-        to tell it the server is back)."""
-        if self._away:
-            self._answering()
-
     def _answering(self) -> None:
-        """A commit got through: the shared tier answers again. The commits that waited
-        out its failure are due now, not at the end of their backoff (up to 5 s after
-        the server came back); one that fails again waits as long as it would have."""
+        """A commit got through, or a load's look-up (a replica that takes no new turn has
+        no commit of its own to tell it): the shared tier answers again. The commits that
+        waited out its failure are due now, not at the end of their backoff (up to 5 s
+        after the server came back); one that fails again waits as long as it would have."""
+        if not self._away:
+            return
         now = time.monotonic()
         for key in self._away:
             w = self._waiting.get(key)

@@ -559,8 +559,7 @@ class AdaptiveBidaw(BidawEviction):
                 if not draining:
                     break
                 until, other = draining.pop()  # (the last entry: the rest stays a heap)
-                entry = due.get(other)
-                if entry is not None and entry[0] + entry[1] == until:
+                if self._current(until, other):
                     heapq.heappush(deadlines, (until, other))
         elif len(deadlines) > 2 * len(due) + 64:
             # superseded hints make up half the heap: a new one takes the hints from now
@@ -576,14 +575,18 @@ class AdaptiveBidaw(BidawEviction):
     def _tick(self, now: float) -> None:
         """Advance the time; a hinted turn whose slack has run out without it was not kept."""
         self._now = max(self._now, now)
-        due = self._due
         for deadlines in (self._deadlines, self._draining):
             while deadlines and deadlines[0][0] < now:
                 until, session = heapq.heappop(deadlines)
-                entry = due.get(session)
-                if entry is not None and entry[0] + entry[1] == until:
-                    del due[session]
+                if self._current(until, session):
+                    del self._due[session]
                     self._judge(False)
+
+    def _current(self, until: float, session: str) -> bool:
+        """Whether a deadline ``until`` of ``session`` in a heap is its outstanding hint's
+        (not one a later hint superseded, nor one judged already)."""
+        entry = self._due.get(session)
+        return entry is not None and entry[0] + entry[1] == until
 
     # -- the duel with LRU ---------------------------------------------------------------
     def _shadow_access(self, session: str, nbytes: int) -> None:
