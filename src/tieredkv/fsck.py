@@ -70,6 +70,7 @@ from .payload import (
     derive_key,
     header_schema,
     is_retirement,
+    segment_id,
     verify_segment,
 )
 
@@ -360,7 +361,7 @@ def _references(
         if not own or any(is_retirement(h) for h in group):
             continue
         first = min(own, key=lambda h: h.seq)
-        for owner, seq, take in first.base:
+        for i, (owner, seq, take) in enumerate(first.base):
             if (owner, seq) in unread:
                 refs.add((owner, seq))
                 continue
@@ -369,6 +370,13 @@ def _references(
                 dangling[session] = (
                     f"a dangling reference: this fork's first turn lists turn {seq} of "
                     f"{owner!r}, which the directory does not hold (no cache recovers the fork)"
+                )
+                break
+            if first.base_ids and segment_id(h) != first.base_ids[i]:
+                dangling[session] = (
+                    f"a dangling reference: this fork's first turn lists turn {seq} of "
+                    f"{owner!r}, and the directory holds another history's turn under that "
+                    f"key (no cache recovers the fork)"
                 )
                 break
             refs.add((owner, seq))

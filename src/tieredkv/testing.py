@@ -71,7 +71,8 @@ class TierContractError(AssertionError):
 class Segment:
     """One serialized segment in an anonymous ``mmap`` (page-aligned, as the cache's buffers
     are), plus its exact bytes to compare what a tier gives back. ``base``: a fork's
-    first segment, listing the ``(owner, seq, tokens)`` it inherits."""
+    first segment, listing the ``(owner, seq, tokens)`` it inherits (and ``base_ids``,
+    their :func:`~tieredkv.payload.segment_id`, where given)."""
 
     def __init__(
         self,
@@ -81,13 +82,16 @@ class Segment:
         *,
         seed: int,
         base: tuple[tuple[str, int, int], ...] = (),
+        base_ids: tuple[bytes, ...] = (),
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
         tensors = {
             name: torch.randint(-(2**15), 2**15, (tokens, 64), dtype=torch.int16, generator=gen)
             for name in ("k", "v")
         }
-        plan = plan_segment(session, seq, tensors, token_dim=0, answer_tokens=seq + 1, base=base)
+        plan = plan_segment(
+            session, seq, tensors, token_dim=0, answer_tokens=seq + 1, base=base, base_ids=base_ids
+        )
         self.key: SegmentKey = (session, seq)
         self.header: SegmentHeader = plan.header
         self.length = plan.length

@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.fleet import tags
+from tests.fleet import runs, tags, turn
 from tests.integration.test_redis_fleet import FRESH, append, manifest, replica, tier
-from tests.redis_server import RedisServer, new_prefix, redis_server
+from tests.invariants import unowned
+from tests.redis_server import RedisServer, new_prefix, own_redis_server, redis_server
 from tieredkv import HostMemoryTier, SSDTier, TieredKVCache
-from tieredkv.errors import HistoryConflictError
+from tieredkv.errors import HistoryConflictError, SessionNotFoundError, TurnRefusedError
 
-__all__ = ["redis_server"]  # fixtures used below
+__all__ = ["own_redis_server", "redis_server"]  # fixtures used below
 
 MiB = 1 << 20
 
@@ -65,3 +66,53 @@ async def test_a_turn_the_server_lost_is_served_from_ssd_below_it_and_committed_
         )
         async with replica(redis_server.url, prefix, liveness=FRESH) as a:
             assert tags(await a.load("chat")) == [0, 1, 2]
+
+
+async def test_a_fork_committed_again_from_ssd_names_the_turns_it_inherits(
+    own_redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Fleet campaign seed 6005. B (host memory, Redis, SSD) writes ``p`` (turn 0, 48
+    tokens) and ``c``, a fork of its first 30 tokens; once Redis serves both, c's next turn
+    is copied into SSD with what it inherits. The server restarts empty, and replica A
+    starts another ``p``: its turn 0 is committed under p's key. B's load of p is a miss,
+    and B's tier indexes A's turn 0 under that key. B's next turn of c is refused (the
+    server lost c); B's next load of c elects SSD, which holds all of c, and commits c
+    again from there. That commit names p's old turn 0 (its first turn's ``base_ids``),
+    not the turn the tier indexes under the key now: refused, and B's flush reports it.
+    No replica is served a splice: A and a fresh replica miss c, and p is A's. (The commit
+    used to reference A's turn 0: every replica then loaded A's first 30 tokens followed by
+    c's own turns, or failed with a ``RuntimeError`` where A's turn was the shorter.)"""
+    server = own_redis_server
+    prefix = new_prefix()
+    ssd = SSDTier(tmp_path / "ssd", 8 * MiB)
+    b_tiers = [HostMemoryTier(64 << 10), tier(server.url, prefix, liveness=FRESH), ssd]
+    async with TieredKVCache(b_tiers, mode="inclusive") as b:
+        await b.append("p", turn(1, 48), answer_tokens=1)
+        await b.append("c", turn(2, 24), answer_tokens=1, parent="p", parent_tokens=30)
+        for i in range(4):  # (64 tokens each: p and c leave host memory)
+            await append(b, f"other{i}", 10 + i, tokens=64)
+        await b.flush()
+        assert (b.where("p"), b.where("c")) == ("redis", "redis")
+        await append(b, "c", 3, tokens=8)
+        await b.flush()
+        assert sorted(ssd.keys()) == [("c", 1), ("c", 2), ("p", 0)]
+        forked = [(1, 30), (2, 24), (3, 8)]
+        server.restart(empty=True)
+        async with replica(server.url, prefix, liveness=FRESH) as a:
+            await a.append("p", turn(5, 48), answer_tokens=1)
+            await a.flush()
+            with pytest.raises(SessionNotFoundError):
+                await b.load("p")  # (another history: a miss)
+            with pytest.raises(HistoryConflictError):
+                await append(b, "c", 4, tokens=8)  # (the server lost c)
+            assert runs(await b.load("c")) == forked  # (from SSD, its commit restarted)
+            with pytest.raises(TurnRefusedError, match="another history's there now"):
+                await b.flush()
+            assert unowned(b) == []
+            with pytest.raises(SessionNotFoundError):
+                await a.load("c")
+            assert runs(await a.load("p")) == [(5, 48)]
+        async with replica(server.url, prefix, liveness=FRESH) as fresh:
+            with pytest.raises(SessionNotFoundError):
+                await fresh.load("c")
+            assert runs(await fresh.load("p")) == [(5, 48)]

@@ -29,7 +29,7 @@ from tieredkv.errors import (
     TurnRefusedError,
 )
 from tieredkv.fsck_redis import RedisReport, check_prefix
-from tieredkv.payload import RETIRED_SEQ
+from tieredkv.payload import RETIRED_SEQ, segment_id
 from tieredkv.testing import Segment
 
 __all__ = ["own_redis_server", "redis_server"]  # fixtures used below
@@ -203,6 +203,38 @@ async def test_a_fork_commit_is_refused_without_trace_when_its_parent_range_is_g
         await _store(tier, d2)
     assert not [k for k in _keys(redis_server, prefix) if k.endswith(":r")]
     assert await peer.lookup("d") == []
+
+
+async def test_a_fork_commit_refuses_another_historys_turn_under_its_parents_key(
+    tier: RedisTier, redis_server: RedisServer, prefix: str, turns: list[Segment]
+) -> None:
+    """A fork's first turn names the very segments it inherits (``base_ids``). Once the
+    parent's history was dropped and another one started under its key, the tier indexes
+    the new turn 0 there: a commit of the fork that names the old one is refused, and
+    nothing of the fork is stored (it used to reference the new turn: every replica then
+    served a splice of the new history's first tokens and the fork's own turn, or failed
+    with a ``RuntimeError`` when the new turn was shorter than the tokens the fork takes,
+    as in fleet campaign seed 6005). A fork that names the new turn commits."""
+    # (the segment id is the header's: its creation time, which the cache sets, tells two
+    # histories' turns apart; these differ in their length instead)
+    old, new = Segment("p", 0, 300, seed=1), Segment("p", 0, 310, seed=9)
+    turns += [old, new]
+    await _store(tier, old)
+    assert await tier.discard("p")
+    await _store(tier, new)
+    stale = Segment("c", 1, 200, seed=3, base=(("p", 0, 100),), base_ids=(segment_id(old.header),))
+    turns.append(stale)
+    before = _keys(redis_server, prefix)
+    with pytest.raises(HistoryConflictError, match="another history's there now"):
+        await _store(tier, stale)
+    assert not tier.contains(stale.key)
+    assert _keys(redis_server, prefix) - before <= {f"{_base(prefix, 'c')}:m"}  # (its lease)
+    assert not [k for k in _keys(redis_server, prefix) if k.endswith(":r")]
+    assert await tier.lookup("c") == []
+    fork = Segment("d", 1, 200, seed=4, base=(("p", 0, 100),), base_ids=(segment_id(new.header),))
+    turns.append(fork)
+    await _store(tier, fork)
+    assert await _read(tier, [new.key, fork.key]) == [new.data, fork.data]
 
 
 async def test_a_fenced_replica_cannot_commit_a_fork(

@@ -29,7 +29,7 @@ from tieredkv._cache import turns
 from tieredkv.backends.base import Tier
 from tieredkv.backends.ssd import segment_file_name
 from tieredkv.fsck import check_directory, repair_directory
-from tieredkv.payload import plan_segment, verify_segment
+from tieredkv.payload import plan_segment, segment_id, verify_segment
 from tieredkv.policies.base import freed_bytes
 
 from ..invariants import problems
@@ -246,6 +246,39 @@ async def test_a_fork_whose_parent_history_is_gone_is_not_served(ssd_dir: Path) 
         assert not c.contains("a")
         assert not c.contains("b")
         assert "forked from 'a'" in c.truncated()["b"].reason
+        await check(c)
+
+
+async def test_a_fork_names_the_turns_it_inherits_and_another_historys_are_not_them(
+    ssd_dir: Path, tmp_path: Path
+) -> None:
+    """A fork's first turn names the segments it inherits by their ids (``base_ids``).
+    Behind the cache's back, another history's turn 0 (another cache's ``a``, as long) is
+    put under ``a``'s key: the reopened cache serves that history as ``a``, and not the
+    fork (a truncation saying why, never the other turn's first tokens followed by the
+    fork's own); fsck, before, reports the fork's reference as dangling."""
+    a0, b1 = kv(8, 1), kv(5, 2)
+    async with TieredKVCache([SSDTier(ssd_dir, 8 << 20)]) as c:
+        await c.append("a", a0, answer_tokens=1)
+        await c.append("b", b1, answer_tokens=1, parent="a", parent_tokens=6)
+        same(await c.load("b"), cat(head(a0, 6), b1))
+    files = ssd_dir / "segments"
+    parent = verify_segment(memoryview((files / segment_file_name(("a", 0))).read_bytes()), "a")
+    first = verify_segment(memoryview((files / segment_file_name(("b", 1))).read_bytes()), "b")
+    assert first.base == (("a", 0, 6),)
+    assert first.base_ids == (segment_id(parent),)
+    other = tmp_path / "other"
+    async with TieredKVCache([SSDTier(other, 8 << 20)]) as o:
+        await o.append("a", kv(8, 9), answer_tokens=1)
+    name = segment_file_name(("a", 0))
+    shutil.copyfile(other / "segments" / name, files / name)
+    report = await asyncio.to_thread(check_directory, ssd_dir)
+    assert [d.path for d in report.damaged] == [f"segments/{segment_file_name(('b', 1))}"]
+    assert "another history's turn under that key" in report.damaged[0].problem
+    async with TieredKVCache([SSDTier(ssd_dir, 8 << 20)]) as c:
+        same(await c.load("a"), kv(8, 9))
+        assert not c.contains("b")
+        assert "another history's" in c.truncated()["b"].reason
         await check(c)
 
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 import hashlib
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 import pytest
 import torch
 
-from tieredkv.errors import CorruptSegmentError
+from tieredkv.errors import CorruptSegmentError, InvalidArgumentError
 from tieredkv.payload import (
     ALIGN,
     PartWriter,
@@ -28,10 +29,13 @@ from tieredkv.payload import (
     check_manifest_mac,
     derive_key,
     hashed_from,
+    inherits,
     manifest_mac,
     parse_header,
     plan_segment,
+    segment_id,
     segment_tensors,
+    validate_header,
     verify_segment,
 )
 
@@ -160,3 +164,60 @@ def test_manifest_mac_is_unchanged() -> None:
         check_manifest_mac(_MANIFEST + b" ", mac, key, "golden")
     with pytest.raises(CorruptSegmentError, match="not authenticated"):
         check_manifest_mac(_MANIFEST, b"", key, "golden")
+
+
+_SEGMENT_ID = "286eb77545aa5ebc45da6c1d0cde16c2"
+""":func:`segment_id` of the golden segment (the first value it gave, at its introduction)."""
+
+
+def test_a_segment_id_is_pinned_and_the_same_authenticated_or_not() -> None:
+    """What a fork's first turn names its inherited segments by, in every tier alike."""
+    plain = verify_segment(memoryview(_stored(_PLAIN)), "golden")
+    signed = verify_segment(memoryview(_authenticated()), "golden")
+    assert segment_id(plain).hex() == segment_id(signed).hex() == _SEGMENT_ID
+    later = plan_segment(
+        "conv-é", 7, _tensors(), token_dim=0, answer_tokens=5, created=1700000000.5
+    ).header  # (the same key and shape, another turn: another history's)
+    assert segment_id(later) != segment_id(plain)
+
+
+def test_a_fork_names_the_segments_it_inherits() -> None:
+    """``base_ids`` round-trips with one id per ``base`` entry (nothing else is accepted);
+    :func:`inherits` holds for those very segments only, and without ids (a fork written
+    before they existed) for any segments under the keys with the tokens it takes."""
+    parent = _plan().header
+    base = (("conv-é", 7, 2),)
+    plan = plan_segment(
+        "fork",
+        8,
+        _tensors(),
+        token_dim=0,
+        answer_tokens=1,
+        base=base,
+        base_ids=(segment_id(parent),),
+    )
+    stored = bytearray(plan.length)
+    plan.write_into(memoryview(stored))
+    header = verify_segment(memoryview(stored), "fork")
+    assert header.base_ids == (segment_id(parent),)
+    assert inherits(header, [parent])
+    other = msgspec.structs.replace(parent, created=parent.created + 1)
+    assert not inherits(header, [other])
+    assert not inherits(header, [])
+    assert not inherits(header, [msgspec.structs.replace(parent, seq=6)])
+    older = msgspec.structs.replace(header, base_ids=())
+    assert inherits(older, [other])
+    assert not inherits(msgspec.structs.replace(older, base=(("conv-é", 7, 3),)), [other])
+    for ids in ((b"short",), (segment_id(parent),) * 2, [segment_id(parent)]):
+        with pytest.raises(InvalidArgumentError, match="base_ids names"):
+            plan_segment(
+                "fork",
+                8,
+                _tensors(),
+                token_dim=0,
+                answer_tokens=1,
+                base=base,
+                base_ids=ids,  # type: ignore[arg-type]
+            )
+    with pytest.raises(CorruptSegmentError, match="base_ids do not name"):
+        validate_header(msgspec.structs.replace(header, base_ids=(b"x" * 15,)), "fork")

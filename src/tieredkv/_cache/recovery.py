@@ -22,7 +22,7 @@ import msgspec
 
 from ..backends.base import Tier
 from ..meta import TierInfo
-from ..payload import RETIRED_SEQ, SegmentHeader, header_schema, is_retirement
+from ..payload import RETIRED_SEQ, SegmentHeader, header_schema, inherits, is_retirement
 from .atomic import settle
 from .placement import delete_or_orphan, evict_copy
 from .state import Core, Retired, Seg, Session
@@ -266,6 +266,11 @@ def _rebuild(
             if seg is None or not seg.tiers or not 0 < take <= seg.header.tokens:
                 return s, f"it was forked from {owner!r}, whose turn {seq} is missing"
             inherited.append((seg, take))
+        if not inherits(headers[0], [g.header for g, _ in inherited]):
+            return (
+                s,
+                f"it was forked from {base[0][0]!r}, whose turns stored here are another history's",
+            )
     schema = header_schema(inherited[0][0].header if inherited else headers[0])
     good = 0
     for h in [g.header for g, _ in inherited] + headers:

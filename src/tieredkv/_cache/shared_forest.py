@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from ..backends.shared import plain_header
 from ..errors import InvalidArgumentError
-from ..payload import SegmentHeader
+from ..payload import SegmentHeader, inherits
 from .state import Core, Retired, Seg, Session
 
 __all__ = ["check_forks", "keep_for_forks", "list_shared"]
@@ -45,7 +45,7 @@ def list_shared(core: Core, s: Session, t: int, headers: list[SegmentHeader]) ->
     how many segments it lists (0 when a fork's inherited segment conflicts with one this
     replica lists under the same key: not served, a miss)."""
     base = next((i for i, h in enumerate(headers) if h.session == s.key), len(headers))
-    if base and (base == len(headers) or len(headers[base].base) != base):
+    if base and (base == len(headers) or not inherits(headers[base], headers[:base])):
         return 0  # (a shared tier gives a fork's history whole, or not at all)
     takes = [take for _, _, take in headers[base].base] if base else []
     segs: list[Seg] = []

@@ -26,7 +26,7 @@ from ..errors import (
     SessionNotFoundError,
 )
 from ..meta import KVMeta, Loaded, Stored
-from ..payload import SegmentPlan, plan_segment
+from ..payload import SegmentPlan, plan_segment, segment_id
 from .atomic import settle
 from .forest import check_no_stale, check_not_retired
 from .gather import Target
@@ -238,6 +238,9 @@ def plan_turn(
         unlist(core, s)
     check_not_retired(core, s.key, len(s.segs))
     base = () if fork is None else tuple((g.key[0], g.key[1], n) for g, n in fork[1])
+    # (and which segments those are: another history's turn stored under one of their
+    # keys later is never taken for it)
+    ids = () if fork is None else tuple(segment_id(g.header) for g, _ in fork[1])
     # the parent, named where a restart could not tell it from the turns listed
     parent = "" if fork is None or fork[0].key == base[-1][0] else fork[0].key
     plan = plan_segment(
@@ -250,6 +253,7 @@ def plan_turn(
         created=time.time(),
         base=base,
         parent=parent,
+        base_ids=ids,
     )
     schema = s.schema if fork is None else fork[0].schema
     if schema is not None and (s.segs or fork is not None):

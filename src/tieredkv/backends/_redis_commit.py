@@ -27,7 +27,14 @@ from ..errors import (
     TierIOError,
     UnauthenticatedWriterError,
 )
-from ..payload import PREFIX, SegmentHeader, authenticated_head, is_retirement, parse_header
+from ..payload import (
+    PREFIX,
+    SegmentHeader,
+    authenticated_head,
+    is_retirement,
+    parse_header,
+    segment_id,
+)
 from ._redis_client import (
     Handed,
     Joined,
@@ -215,22 +222,33 @@ class Commits(Leases):
 
     def _references(self, session: str, header: SegmentHeader) -> list[Ref]:
         """The references a fork's first turn (``header``) commits: the committed entry of
-        every segment it starts from, as this tier indexes them.
+        every segment it starts from, as this tier indexes them, each the very segment the
+        fork inherits (its ``base_ids``, where the fork lists them).
 
-        :raises HistoryConflictError: one of them is not committed in this tier
+        :raises HistoryConflictError: one of them is not committed in this tier, or another
+            segment is indexed under its key (a history started under the parent's key
+            since: referencing it would make the fork's history a splice of two)
         """
         refs: list[Ref] = []
-        for owner, seq, _ in header.base:
+        for i, (owner, seq, _) in enumerate(header.base):
             entry = self._index.get((owner, seq))
             mid = self._origin.get((owner, seq))
+            why = None
             if entry is None or mid is None:
+                why = "is not committed in the shared tier"
+            elif header.base_ids and header.base_ids[i] != segment_id(
+                parse_header(entry.head, "a reference")[0]
+            ):
+                why = "is another history's there now (a conversation started under its key)"
+            if why is not None:
                 self._counters.conflicts += 1
                 raise HistoryConflictError(
                     self.name,
                     session,
-                    f"turn {seq} of {owner[:80]!r}, which the fork starts from, is not "
-                    f"committed in the shared tier",
+                    f"turn {seq} of {owner[:80]!r}, which the fork starts from, {why}",
                 )
+            assert entry is not None
+            assert mid is not None
             refs.append(Ref(owner=owner, owner_id=mid, seq=seq, entry=entry))
         return refs
 

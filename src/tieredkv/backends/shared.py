@@ -36,21 +36,10 @@ from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
 
-from ..payload import INCARNATION_BYTES, MAC_BYTES, SegmentHeader
+from ..payload import SegmentHeader, plain_header
 from .base import Tier
 
 __all__ = ["SharedState", "SharedTier", "plain_header"]
-
-_NO_INCARNATION = bytes(INCARNATION_BYTES)
-_NO_MAC = bytes(MAC_BYTES)
-
-
-def plain_header(header: SegmentHeader) -> SegmentHeader:
-    """``header`` without the fields authentication sets (MACs, incarnation): the same
-    segment as one tier authenticated it and as another holds it compare equal."""
-    return msgspec.structs.replace(
-        header, incarnation=_NO_INCARNATION, body_mac=_NO_MAC, mac=_NO_MAC
-    )
 
 
 class SharedState(msgspec.Struct, frozen=True, kw_only=True):

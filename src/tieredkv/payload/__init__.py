@@ -85,7 +85,10 @@ from ._format import dtype_of as dtype_of
 from ._format import hash_body as hash_body
 from ._format import hashed_from as hashed_from
 from ._format import header_schema as header_schema
+from ._format import inherits as inherits
 from ._format import is_retirement as is_retirement
+from ._format import plain_header as plain_header
+from ._format import segment_id as segment_id
 
 __all__ = [
     "ALIGN",
@@ -115,11 +118,14 @@ __all__ = [
     "hash_body",
     "hashed_from",
     "header_schema",
+    "inherits",
     "is_retirement",
     "manifest_mac",
     "parse_header",
+    "plain_header",
     "plan_retirement",
     "plan_segment",
+    "segment_id",
     "segment_tensors",
     "tensor_at",
     "validate_header",

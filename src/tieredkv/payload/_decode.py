@@ -125,6 +125,10 @@ def validate_header(header: SegmentHeader, where: str, size: int | None = None) 
         or len(header.mac) != MAC_BYTES
     ):
         raise bad("authentication fields of the wrong size")
+    if header.base_ids and (
+        len(header.base_ids) != len(header.base) or any(len(i) != 16 for i in header.base_ids)
+    ):
+        raise bad("base_ids do not name one segment per entry of base")
     if size is not None and header.length != size:
         raise bad(f"it describes {header.length} bytes, the segment is {size}")
     if not header.tensors:

@@ -370,6 +370,7 @@ def plan_segment(
     created: float = 0.0,
     base: tuple[tuple[str, int, int], ...] = (),
     parent: str = "",
+    base_ids: tuple[bytes, ...] = (),
 ) -> SegmentPlan:
     """Validate one turn's tensors and lay out its segment.
 
@@ -383,6 +384,8 @@ def plan_segment(
         :class:`SegmentHeader`)
     :param parent: a fork's first turn: the conversation it was forked from, if not the
         owner of the last turn ``base`` lists (see :class:`SegmentHeader`)
+    :param base_ids: a fork's first turn: the :func:`~tieredkv.payload.segment_id` of each
+        turn ``base`` lists (see :class:`SegmentHeader`)
     :raises TypeError: for values that are not dense tensors of a storable dtype on the CPU
         or a CUDA device
     :raises ValueError: for an empty mapping, mismatched token counts, or bad arguments
@@ -395,6 +398,17 @@ def plan_segment(
         raise InvalidArgumentError(
             f"parent names the conversation a fork's first turn was forked from (a str, "
             f"with base listing the turns it inherits), not {parent!r} with base {base!r}"
+        )
+    if not isinstance(base_ids, tuple) or (
+        base_ids
+        and (
+            len(base_ids) != len(base)
+            or any(not isinstance(i, bytes) or len(i) != 16 for i in base_ids)
+        )
+    ):
+        raise InvalidArgumentError(
+            f"base_ids names the segments a fork's first turn inherits (a tuple of one "
+            f"16-byte segment_id per entry of base), not {base_ids!r} with base {base!r}"
         )
     if isinstance(token_dim, bool) or not isinstance(token_dim, int):
         raise InvalidArgumentError(f"token_dim must be an int, not {token_dim!r}")
@@ -429,6 +443,7 @@ def plan_segment(
         created=created,
         base=base,
         parent=parent,
+        base_ids=base_ids,
     )
     header, header_bytes = _encode_laid_out(header)
     if layout is None or layout.tokens != tokens:

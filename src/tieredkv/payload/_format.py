@@ -3,8 +3,10 @@ hold, and the body hash (the layout is drawn in :mod:`tieredkv.payload`)."""
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import zlib
+from collections.abc import Sequence
 
 import msgspec
 import torch
@@ -29,7 +31,10 @@ __all__ = [
     "hash_body",
     "hashed_from",
     "header_schema",
+    "inherits",
     "is_retirement",
+    "plain_header",
+    "segment_id",
 ]
 
 MAGIC = b"TKVSEG\x00\x01"
@@ -120,6 +125,11 @@ class SegmentHeader(msgspec.Struct, frozen=True, kw_only=True):
     :param parent: on the first turn a fork stores, the conversation it was forked from,
         where that is not the owner of the last turn ``base`` lists (a fork of a fork at a
         point inside the turns it inherited); empty otherwise
+    :param base_ids: on the first turn a fork stores, per ``base`` entry, the
+        :func:`segment_id` of the segment the fork inherits there: what tells it from
+        another history's turn stored later under the same key (its parent dropped, or a
+        server that restarted empty, and a new conversation started under the parent's
+        key). Empty in forks written before it existed, and otherwise
     """
 
     version: int = 1
@@ -138,6 +148,7 @@ class SegmentHeader(msgspec.Struct, frozen=True, kw_only=True):
     mac: bytes = _NO_MAC
     base: tuple[tuple[str, int, int], ...] = ()
     parent: str = ""
+    base_ids: tuple[bytes, ...] = ()
 
     @property
     def length(self) -> int:
@@ -186,15 +197,17 @@ def _shape_str(shape: tuple[int, ...]) -> str:
 
 class _HeaderEncoder:
     """Encodes a header without the fields it leaves empty among those added since the
-    format's first segments (``base``, then ``parent``), so that a header encodes byte for
-    byte as it did before they existed: one that references no earlier history (every
-    segment but a fork's first) without either, a fork's first turn that names no
-    ``parent`` without that one."""
+    format's first segments (``base``, then ``parent``, then ``base_ids``), so that a
+    header encodes byte for byte as it did before they existed: one that references no
+    earlier history (every segment but a fork's first) without any, a fork's first turn
+    without ``base_ids`` (written before they existed) or ``parent`` (it names none)
+    without those."""
 
     def __init__(self) -> None:
         self._encoder = msgspec.msgpack.Encoder()
-        self._plain = self._without("_PlainHeader", {"base", "parent"})
-        self._fork = self._without("_ForkHeader", {"parent"})
+        self._plain = self._without("_PlainHeader", {"base", "parent", "base_ids"})
+        self._fork = self._without("_ForkHeader", {"parent", "base_ids"})
+        self._named = self._without("_NamedForkHeader", {"base_ids"})
 
     @staticmethod
     def _without(name: str, left: set[str]) -> tuple[type, list[str]]:
@@ -207,9 +220,12 @@ class _HeaderEncoder:
         return kind, [f.name for f in fields]
 
     def encode(self, header: SegmentHeader) -> bytes:
-        if header.parent:
+        if header.base_ids:
             return self._encoder.encode(header)
-        kind, names = self._fork if header.base else self._plain
+        if header.parent:
+            kind, names = self._named
+        else:
+            kind, names = self._fork if header.base else self._plain
         return self._encoder.encode(kind(**{n: getattr(header, n) for n in names}))
 
 
@@ -228,6 +244,39 @@ def header_schema(header: SegmentHeader) -> Schema:
             tuple(-1 if i == header.token_dim else d for i, d in enumerate(t.shape))
             for t in header.tensors
         ),
+    )
+
+
+def plain_header(header: SegmentHeader) -> SegmentHeader:
+    """``header`` without the fields authentication sets (MACs, incarnation): the same
+    segment as one tier authenticated it and as another holds it compare equal."""
+    return msgspec.structs.replace(
+        header, incarnation=_NO_INCARNATION, body_mac=_NO_MAC, mac=_NO_MAC
+    )
+
+
+def segment_id(header: SegmentHeader) -> bytes:
+    """What tells the segment ``header`` describes from any other stored under its key:
+    16 bytes of BLAKE2b over its :func:`plain_header` (so one segment has one id in every
+    tier, authenticated or not). A fork's first turn lists the ids of the segments it
+    inherits (``base_ids``)."""
+    encoded = _header_encoder.encode(plain_header(header))
+    return hashlib.blake2b(encoded, digest_size=16).digest()
+
+
+def inherits(first: SegmentHeader, inherited: Sequence[SegmentHeader]) -> bool:
+    """Whether ``inherited`` are the segments a fork's first turn ``first`` lists in its
+    ``base``: the same keys, each with at least the tokens the fork takes of it, and (where
+    the fork names them: ``base_ids``) the very segments, not another history's turns
+    stored under their keys since."""
+    if len(first.base) != len(inherited):
+        return False
+    ids: Sequence[bytes | None] = first.base_ids or (None,) * len(inherited)
+    return all(
+        (h.session, h.seq) == (owner, seq)
+        and take <= h.tokens
+        and (want is None or segment_id(h) == want)
+        for (owner, seq, take), h, want in zip(first.base, inherited, ids, strict=True)
     )
 
 
