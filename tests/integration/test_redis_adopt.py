@@ -22,6 +22,23 @@ __all__ = ["own_redis_server", "redis_server"]  # fixtures used below
 MiB = 1 << 20
 
 
+def _host_redis_ssd(url: str, prefix: str, tmp_path: Path) -> tuple[TieredKVCache, SSDTier]:
+    """Replica B: 256 KiB of host memory, the shared tier, then an SSD tier (returned too)."""
+    ssd = SSDTier(tmp_path / "ssd", 8 * MiB)
+    tiers = [HostMemoryTier(256 << 10), tier(url, prefix, liveness=FRESH), ssd]
+    return TieredKVCache(tiers, mode="inclusive"), ssd
+
+
+async def _chat_served_from_redis(b: TieredKVCache) -> None:
+    """``chat``'s first two turns, then other conversations that push it out of host
+    memory: Redis serves it."""
+    await append(b, "chat", 0, 1)
+    for i in range(6):  # 64 KiB each: chat leaves host memory
+        await append(b, f"other{i}", 10 + i, tokens=256)
+    await b.flush()
+    assert b.where("chat") == "redis"
+
+
 async def test_a_turn_the_server_lost_is_served_from_ssd_below_it_and_committed_again(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
@@ -35,14 +52,9 @@ async def test_a_turn_the_server_lost_is_served_from_ssd_below_it_and_committed_
     and B serves the three acknowledged turns byte for byte. The lost turn is committed
     again from there: once B has flushed, replica A is served the same three turns."""
     prefix = new_prefix()
-    ssd = SSDTier(tmp_path / "ssd", 8 * MiB)
-    b_tiers = [HostMemoryTier(256 << 10), tier(redis_server.url, prefix, liveness=FRESH), ssd]
-    async with TieredKVCache(b_tiers, mode="inclusive") as b:
-        await append(b, "chat", 0, 1)
-        for i in range(6):  # 64 KiB each: chat leaves host memory
-            await append(b, f"other{i}", 10 + i, tokens=256)
-        await b.flush()
-        assert b.where("chat") == "redis"
+    b, ssd = _host_redis_ssd(redis_server.url, prefix, tmp_path)
+    async with b:
+        await _chat_served_from_redis(b)
         with redis_server.client() as c:
             two_turns = c.dump(manifest(prefix, "chat"))
         await append(b, "chat", 2)
@@ -116,3 +128,40 @@ async def test_a_fork_committed_again_from_ssd_names_the_turns_it_inherits(
             with pytest.raises(SessionNotFoundError):
                 await fresh.load("c")
             assert runs(await fresh.load("p")) == [(5, 48)]
+
+
+async def test_a_history_found_damaged_in_redis_is_a_miss_that_leaves_nothing_behind(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Fleet campaign seed 6005, again. B (host memory, Redis, SSD) serves ``chat`` from
+    Redis, SSD holding all of it too. The server loses chat's values (a restart while B's
+    load was under way: its look-up found the manifest current, its read found the values
+    gone): the load is a miss, and chat is gone for every replica. So B's next turn starts
+    chat afresh: turn 0 of a new history, which every replica is then served. (B used to
+    keep serving chat from SSD after that miss: the next turn was appended to the three
+    turns the caller was told were gone, an 18-turn history in the campaign that no
+    caller had been acknowledged.)"""
+    prefix = new_prefix()
+    b, ssd = _host_redis_ssd(redis_server.url, prefix, tmp_path)
+    async with b:
+        await _chat_served_from_redis(b)
+        await append(b, "chat", 2)
+        await b.flush()
+        assert b.where("chat") == "redis"
+        assert sorted(ssd.keys()) == [("chat", 0), ("chat", 1), ("chat", 2)]
+        with redis_server.client() as c:
+            values = [k for k in c.scan_iter(match=f"{prefix}:*") if not k.endswith(b":m")]
+            values = [
+                k for k in values if b":" + manifest(prefix, "chat").split(":")[1].encode() in k
+            ]
+            assert values
+            c.delete(*values)
+        with pytest.raises(SessionNotFoundError, match="damaged"):
+            await b.load("chat")
+        assert not b.contains("chat")
+        assert unowned(b) == []
+        await append(b, "chat", 7)
+        assert tags(await b.load("chat")) == [7]
+        await b.flush()
+        async with replica(redis_server.url, prefix, liveness=FRESH) as a:
+            assert tags(await a.load("chat")) == [7]

@@ -437,6 +437,46 @@ async def test_flipped_byte_on_ssd_is_a_miss_never_served(
     assert_same(await cache.load("s0"), kv(2, 5))
 
 
+def _flip_body(directory: Path, session: str) -> None:
+    """Flip a byte inside the body of ``session``'s one segment file under ``directory``."""
+    (path,) = [p for p in (directory / "segments").glob("*/*.seg") if _header_session(p) == session]
+    raw = bytearray(path.read_bytes())
+    raw[-5000] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("how", ["load", "layerwise"])
+async def test_a_damaged_copy_with_a_whole_one_below_is_served_from_it_or_leaves_nothing(
+    tmp_path: Path, how: str
+) -> None:
+    """SSD ``a`` over SSD ``b``, inclusive: ``s0`` is served from ``a`` and held whole in
+    ``b`` too. A flipped byte in ``a``: a load serves ``s0`` from ``b`` (the damage cost
+    that copy only). A layerwise load cannot start again once the caller has computed on
+    what landed: a miss, and nothing of ``s0`` stays (its next turn starts it afresh; a
+    whole copy left listed after a miss used to be extended by that turn)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    tiers = [SSDTier(a, 4 << 20, name="a"), SSDTier(b, 4 << 20, name="b")]
+    async with TieredKVCache(tiers, mode="inclusive") as cache:
+        await cache.append("s0", kv(8, 0), answer_tokens=1)
+        await cache.flush()
+        assert cache.where("s0") == "a"
+        assert [t.segments for t in cache.stats().tiers] == [1, 1]
+        _flip_body(a, "s0")
+        if how == "load":
+            assert_same(await cache.load("s0"), kv(8, 0))
+            stats = cache.stats()
+            assert (stats.corrupt, stats.misses, stats.lost) == (1, 0, 0)
+            return
+        out = {n: torch.zeros(8, 4, 64, dtype=torch.float16) for n in ("k", "v")}
+        with pytest.raises(SessionNotFoundError, match="damaged"):
+            async with cache.load_layerwise("s0", out, [["k"], ["v"]]) as load:
+                await load.finished()
+        assert not cache.contains("s0")
+        assert (cache.stats().corrupt, cache.stats().misses) == (1, 1)
+        await cache.append("s0", kv(2, 5), answer_tokens=1)
+        assert_same(await cache.load("s0"), kv(2, 5))
+
+
 def _header_session(path: Path) -> str:
     from tieredkv.payload import parse_header
 

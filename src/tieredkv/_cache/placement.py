@@ -253,11 +253,24 @@ async def evict_copy(core: Core, s: Session, t: int) -> None:
 
 
 async def drop_damaged(core: Core, s: Session, t: int, where: str) -> None:
-    """A segment of ``s`` in tier ``t`` failed verification: that copy is gone."""
+    """A segment of ``s`` in tier ``t`` failed verification: that copy is gone. Where
+    ``t`` is shared, the history is gone for every replica (the tier took it out of
+    service), and this replica's other copies go too: as for a history the shared tier
+    lost, they cannot be proven current, and a load that found the damage reports a miss,
+    after which the conversation's next turn starts it afresh."""
     core.stats.corrupt += 1
     _log.warning("session %.80r: %s in tier %r is damaged", s.key, where, core.tiers[t].name)
     await forget_copy(core, s, t)
+    if core.io[t].shared is not None:
+        await forget_history(core, s)
     core.publish(s)
+
+
+async def forget_history(core: Core, s: Session) -> None:
+    """Remove every copy of ``s`` from this replica's index (a load reported it missing:
+    nothing of it may stay to be extended); what forks list of it stays theirs."""
+    while s.primary is not None:
+        await forget_copy(core, s, s.primary)
 
 
 # -- copying a whole history into a tier ---------------------------------------------------

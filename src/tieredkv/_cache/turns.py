@@ -200,17 +200,22 @@ async def load(core: Core, s: Session, target: Target) -> int:
     """Restore ``s`` (locked, stored) into what ``target`` gives, count it and record the
     access; its token count. All or nothing whatever cancels it.
 
-    :raises SessionNotFoundError: the history was found damaged (a miss)
+    :raises SessionNotFoundError: the history was found damaged, with no whole copy left
+        (a miss: nothing of it stays listed)
     """
     assert s.schema is not None
     out = target(s.schema, s.tokens())
     began = core.clock()
     hit = s.primary == 0
-    try:
-        _, cancel = await settle(lambda: restore(core, s, out))
-    except CorruptSegmentError as exc:
-        core.stats.misses += 1
-        raise SessionNotFoundError(s.key, damaged(exc)) from None
+    while True:
+        try:
+            _, cancel = await settle(lambda: restore(core, s, out))
+        except CorruptSegmentError as exc:
+            if s.primary is not None:  # a local copy was damaged, another one holds it all
+                continue
+            core.stats.misses += 1  # (nothing of it is listed any more: drop_damaged)
+            raise SessionNotFoundError(s.key, damaged(exc)) from None
+        break
     if cancel is not None:
         core.stats.cancelled += 1
         raise cancel

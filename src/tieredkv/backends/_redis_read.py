@@ -153,6 +153,9 @@ class Reads(Replica):
                             secrets.token_hex(16),
                         ],
                     )
+                    w = self._writers.get(session)
+                    if w is not None:  # the history it knew is gone by this tier's own
+                        w.history = False  # hand: its next commit starts one afresh
 
 
 async def _reap(task: asyncio.Task[Any] | None) -> None:
