@@ -33,7 +33,7 @@ from transformers import (
 
 from tests.invariants import problems
 from tests.packed_codec import PackedKV
-from tests.redis_server import RedisServer, new_prefix, redis_server
+from tests.redis_server import RedisServer, new_prefix, own_redis_server, redis_server
 from tieredkv import HostMemoryTier, SessionNotFoundError, SSDTier, TieredKVCache
 from tieredkv.backends.redis import RedisTier
 from tieredkv.backends.ssd import segment_file_name
@@ -62,7 +62,7 @@ from tieredkv.serve.adapter import ChatAdapter, RecomputingAdapter
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-__all__ = ["redis_server"]  # a fixture used below
+__all__ = ["own_redis_server", "redis_server"]  # fixtures used below
 
 
 def tiny(config: Any, **kw: Any) -> Any:
@@ -850,6 +850,52 @@ async def test_forks_over_a_shared_redis_tier_answer_like_recompute(
         after = await adapter.chat_turn(a, "alice", q2, max_new_tokens=4, history=history)
         assert after.restored_tokens == len(history)
         assert list(after.answer) == recompute_greedy(model, history + q2, 4)
+
+
+async def test_a_turn_after_a_miss_that_kept_its_copies_stores_the_recomputed_history_alone(
+    own_redis_server: RedisServer,
+) -> None:
+    """A replica over Redis stores a chat, then the server stops answering for longer
+    than the replica's liveness: its next turn's restore cannot prove its copy current (a
+    miss that keeps the copy), so the turn recomputes the caller's history. The server
+    answers again while the model runs (a forward hook resumes it): the stored history
+    is the recomputed one, the old copy's tokens not in front of it (they used to be: a
+    history of both, twice the conversation's tokens), and the next turn restores it."""
+    model = llama()
+    adapter = TransformersAdapter(model)
+    q1, q2, q3 = queries(3)
+    server = own_redis_server
+    shared = RedisTier(
+        server.url, 16 << 20, prefix=new_prefix(), lease_ttl=2.0, timeout=0.3, liveness=0.6
+    )
+    async with TieredKVCache([HostMemoryTier(1 << 20), shared], mode="inclusive") as cache:
+        first = await adapter.chat_turn(cache, "s", q1, max_new_tokens=4)
+        await cache.flush()
+        history = q1 + list(first.answer)
+        paused = [True]
+
+        def resume(*_: Any) -> None:
+            if paused[0]:
+                paused[0] = False
+                server.resume()
+
+        server.pause()
+        handle = model.register_forward_pre_hook(resume)
+        try:
+            await anyio.sleep(1.0)  # (past the replica's liveness: its copy is unproven)
+            turn = await adapter.chat_turn(cache, "s", q2, max_new_tokens=4, history=history)
+        finally:
+            handle.remove()
+            resume()
+        assert turn.recomputed_tokens == len(history)
+        assert cache.stats().unproven == 1
+        assert list(turn.answer) == recompute_greedy(model, history + q2, 4)
+        history += q2 + list(turn.answer)
+        assert cache.channel["s"].tokens == len(history)
+        await cache.flush()
+        third = await adapter.chat_turn(cache, "s", q3, max_new_tokens=4, history=history)
+        assert third.restored_tokens == len(history)
+        assert list(third.answer) == recompute_greedy(model, history + q3, 4)
 
 
 async def test_a_fork_of_a_lost_parent_is_recomputed_from_its_history(cache: TieredKVCache) -> None:

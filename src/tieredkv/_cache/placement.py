@@ -253,16 +253,11 @@ async def evict_copy(core: Core, s: Session, t: int) -> None:
 
 
 async def drop_damaged(core: Core, s: Session, t: int, where: str) -> None:
-    """A segment of ``s`` in tier ``t`` failed verification: that copy is gone. Where
-    ``t`` is shared, the history is gone for every replica (the tier took it out of
-    service), and this replica's other copies go too: as for a history the shared tier
-    lost, they cannot be proven current, and a load that found the damage reports a miss,
-    after which the conversation's next turn starts it afresh."""
+    """A segment of ``s`` in tier ``t`` failed verification: that copy is gone (another
+    tier that holds the whole history serves it now)."""
     core.stats.corrupt += 1
     _log.warning("session %.80r: %s in tier %r is damaged", s.key, where, core.tiers[t].name)
     await forget_copy(core, s, t)
-    if core.io[t].shared is not None:
-        await forget_history(core, s)
     core.publish(s)
 
 

@@ -211,7 +211,7 @@ async def load(core: Core, s: Session, target: Target) -> int:
         try:
             _, cancel = await settle(lambda: restore(core, s, out))
         except CorruptSegmentError as exc:
-            if s.primary is not None:  # a local copy was damaged, another one holds it all
+            if s.primary is not None:  # the damage cost that copy: another holds it all
                 continue
             core.stats.misses += 1  # (nothing of it is listed any more: drop_damaged)
             raise SessionNotFoundError(s.key, damaged(exc)) from None

@@ -132,6 +132,7 @@ class TurnRun:
         expected = int(history.numel()) if history is not None else None
         room = int(query.numel()) + self._max_new
         model_cache: Any = None
+        missed = False
         try:
             if self._fork is not None:
                 model_cache = await self._forked(expected, room)
@@ -145,6 +146,7 @@ class TurnRun:
                 except SessionNotFoundError:  # lost or found damaged meanwhile
                     if history is None:
                         raise
+                    missed = True
             elif session in cache.channel and history is None:
                 # the cache knew this conversation but lost its KV: starting afresh would
                 # drop the context without a word
@@ -165,6 +167,11 @@ class TurnRun:
         answer, tensors = await anyio.to_thread.run_sync(
             self._compute, model_cache, prefill, restored
         )
+        if missed and session in cache:
+            # the miss left the copies it could not serve (a shared tier could not prove
+            # them current): the history recomputed from the caller's replaces them, and
+            # is not appended after them
+            await cache.drop(session)
         return await self._store(
             model_cache,
             answer,
