@@ -49,9 +49,9 @@ from ..payload import Schema, SegmentHeader, align_up, segment_tensors
 from .atomic import settle
 from .forest import copying
 from .gather import check_into
-from .placement import drop_damaged, end_filling, finish_promotion, forget_history, start_promotion
+from .placement import drop_damaged, end_filling, finish_promotion, start_promotion
 from .state import Core, Session
-from .turns import commit_load, damaged
+from .turns import commit_load, damaged, missed
 
 __all__ = ["LayerwiseLoad", "check_groups", "layerwise", "reported", "stream"]
 
@@ -148,15 +148,6 @@ class LayerwiseLoad:
         return await asyncio.shield(self._task)
 
 
-async def _missed(core: Core, s: Session) -> None:
-    """A layerwise load found ``s``'s history damaged: a miss, after which nothing of it
-    stays listed (a whole copy in another tier too: the stream cannot start again from
-    it once the caller has computed on what landed)."""
-    core.stats.misses += 1
-    with anyio.CancelScope(shield=True):
-        await forget_history(core, s)
-
-
 def reported(session: str, error: BaseException) -> BaseException:
     """What a failed restore raises to its caller: a damaged history is a miss."""
     if isinstance(error, CorruptSegmentError):
@@ -250,7 +241,7 @@ async def layerwise(
         if isinstance(exc, anyio.get_cancelled_exc_class()) or cancel is not None:
             core.stats.cancelled += 1
         if isinstance(error, CorruptSegmentError):
-            await _missed(core, s)
+            await missed(core, s)  # (it cannot start again from a whole copy elsewhere)
         if cancel is not None:
             raise cancel from None
         if error is not None and isinstance(exc, RestoreFailedError):
@@ -258,7 +249,7 @@ async def layerwise(
         raise
     error, cancel = await settle(load._outcome)
     if isinstance(error, CorruptSegmentError):
-        await _missed(core, s)
+        await missed(core, s)
     if cancel is not None:
         core.stats.cancelled += 1
         raise cancel

@@ -34,6 +34,7 @@ from .placement import (
     delete_or_orphan,
     demote,
     drop_damaged,
+    forget_history,
     promote,
     purge_orphans,
     remove_copy,
@@ -55,6 +56,7 @@ __all__ = [
     "commit_load",
     "damaged",
     "load",
+    "missed",
     "plan_turn",
     "restore",
     "store",
@@ -207,13 +209,13 @@ async def load(core: Core, s: Session, target: Target) -> int:
     out = target(s.schema, s.tokens())
     began = core.clock()
     hit = s.primary == 0
-    while True:
+    for tries in range(len(core.tiers), -1, -1):  # (each damaged copy found goes)
         try:
             _, cancel = await settle(lambda: restore(core, s, out))
         except CorruptSegmentError as exc:
-            if s.primary is not None:  # the damage cost that copy: another holds it all
-                continue
-            core.stats.misses += 1  # (nothing of it is listed any more: drop_damaged)
+            if s.primary is not None and tries:  # the damage cost that copy: another
+                continue  # holds all of it
+            await missed(core, s)
             raise SessionNotFoundError(s.key, damaged(exc)) from None
         break
     if cancel is not None:
@@ -221,6 +223,16 @@ async def load(core: Core, s: Session, target: Target) -> int:
         raise cancel
     commit_load(core, s, hit, began)
     return s.tokens()
+
+
+async def missed(core: Core, s: Session) -> None:
+    """A load found ``s``'s history damaged and reports a miss: count it, and let nothing
+    of the history stay listed (a whole copy left in another tier too), so that the next
+    append starts the conversation afresh rather than extending what the caller was told
+    is gone."""
+    core.stats.misses += 1
+    with anyio.CancelScope(shield=True):
+        await forget_history(core, s)
 
 
 def damaged(exc: CorruptSegmentError) -> str:
