@@ -12,7 +12,7 @@ acknowledged turn beyond what the server itself lost, no exception outside the c
 no operation past its bound (no hang), no history damaged by a misconfigured replica.
 
 The default suite runs one short campaign (the three-tier layout with a secret and a
-replica without it); the slow half runs every layout both ways: the eight campaigns run as
+replica without it); the slow half runs every layout both ways: the ten campaigns run as
 processes of their own, :data:`AT_ONCE` at a time (each spends half its time waiting on
 its faults: restarts, stalls, leases), started together when the first of them is asked
 for, and each test checks its own campaign's report. The long run is the script itself::
