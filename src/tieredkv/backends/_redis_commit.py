@@ -31,9 +31,9 @@ from ..payload import (
     PREFIX,
     SegmentHeader,
     authenticated_head,
+    inherits,
     is_retirement,
     parse_header,
-    segment_id,
 )
 from ._redis_client import (
     Handed,
@@ -222,35 +222,38 @@ class Commits(Leases):
 
     def _references(self, session: str, header: SegmentHeader) -> list[Ref]:
         """The references a fork's first turn (``header``) commits: the committed entry of
-        every segment it starts from, as this tier indexes them, each the very segment the
-        fork inherits (its ``base_ids``, where the fork lists them).
+        every segment it starts from, as this tier indexes them, which must be the very
+        segments the fork inherits (:func:`~tieredkv.payload.inherits`: its ``base_ids``,
+        where the fork lists them).
 
         :raises HistoryConflictError: one of them is not committed in this tier, or another
             segment is indexed under its key (a history started under the parent's key
             since: referencing it would make the fork's history a splice of two)
         """
         refs: list[Ref] = []
-        for i, (owner, seq, _) in enumerate(header.base):
+        for owner, seq, _ in header.base:
             entry = self._index.get((owner, seq))
             mid = self._origin.get((owner, seq))
-            why = None
             if entry is None or mid is None:
-                why = "is not committed in the shared tier"
-            elif header.base_ids and header.base_ids[i] != segment_id(
-                parse_header(entry.head, "a reference")[0]
-            ):
-                why = "is another history's there now (a conversation started under its key)"
-            if why is not None:
-                self._counters.conflicts += 1
-                raise HistoryConflictError(
-                    self.name,
+                raise self._unreferenced(
                     session,
-                    f"turn {seq} of {owner[:80]!r}, which the fork starts from, {why}",
+                    f"turn {seq} of {owner[:80]!r}, which the fork starts from, is not "
+                    f"committed in the shared tier",
                 )
-            assert entry is not None
-            assert mid is not None
             refs.append(Ref(owner=owner, owner_id=mid, seq=seq, entry=entry))
+        heads = [parse_header(ref.entry.head, "a reference")[0] for ref in refs]
+        if not inherits(header, heads):
+            raise self._unreferenced(
+                session,
+                "a turn the fork starts from is another history's there now (a conversation "
+                "started under its owner's key since)",
+            )
         return refs
+
+    def _unreferenced(self, session: str, detail: str) -> HistoryConflictError:
+        """A fork's first turn cannot reference what it inherits (``detail``: why)."""
+        self._counters.conflicts += 1
+        return HistoryConflictError(self.name, session, detail)
 
     async def _commit(
         self,

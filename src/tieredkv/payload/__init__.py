@@ -76,6 +76,7 @@ from ._format import MAX_SESSION_KEY_BYTES as MAX_SESSION_KEY_BYTES
 from ._format import PREFIX as PREFIX
 from ._format import RETIRED_CODEC as RETIRED_CODEC
 from ._format import RETIRED_SEQ as RETIRED_SEQ
+from ._format import SEGMENT_ID_BYTES as SEGMENT_ID_BYTES
 from ._format import Schema as Schema
 from ._format import SegmentHeader as SegmentHeader
 from ._format import TensorSpec as TensorSpec
@@ -99,6 +100,7 @@ __all__ = [
     "PREFIX",
     "RETIRED_CODEC",
     "RETIRED_SEQ",
+    "SEGMENT_ID_BYTES",
     "PartWriter",
     "Schema",
     "SegmentHeader",

@@ -22,6 +22,7 @@ from ._format import (
     MAGIC,
     MAX_SESSION_KEY_BYTES,
     PREFIX,
+    SEGMENT_ID_BYTES,
     SegmentHeader,
     TensorSpec,
     _header_decoder,
@@ -126,7 +127,8 @@ def validate_header(header: SegmentHeader, where: str, size: int | None = None) 
     ):
         raise bad("authentication fields of the wrong size")
     if header.base_ids and (
-        len(header.base_ids) != len(header.base) or any(len(i) != 16 for i in header.base_ids)
+        len(header.base_ids) != len(header.base)
+        or any(len(i) != SEGMENT_ID_BYTES for i in header.base_ids)
     ):
         raise bad("base_ids do not name one segment per entry of base")
     if size is not None and header.length != size:

@@ -26,6 +26,7 @@ from ._format import (
     PREFIX,
     RETIRED_CODEC,
     RETIRED_SEQ,
+    SEGMENT_ID_BYTES,
     Schema,
     SegmentHeader,
     TensorSpec,
@@ -403,7 +404,7 @@ def plan_segment(
         base_ids
         and (
             len(base_ids) != len(base)
-            or any(not isinstance(i, bytes) or len(i) != 16 for i in base_ids)
+            or any(not isinstance(i, bytes) or len(i) != SEGMENT_ID_BYTES for i in base_ids)
         )
     ):
         raise InvalidArgumentError(

@@ -23,6 +23,7 @@ __all__ = [
     "PREFIX",
     "RETIRED_CODEC",
     "RETIRED_SEQ",
+    "SEGMENT_ID_BYTES",
     "Schema",
     "SegmentHeader",
     "TensorSpec",
@@ -61,6 +62,8 @@ evicted) while forks still list some of its turns, which stay stored, under its 
 them only. A persistent tier that holds such a turn holds the marker too, so that a
 restart does not bring the conversation back."""
 INCARNATION_BYTES = 16
+SEGMENT_ID_BYTES = 16
+"""The length of a :func:`segment_id` (what a fork's first turn lists in ``base_ids``)."""
 MAC_BYTES = 32
 _NO_INCARNATION = bytes(INCARNATION_BYTES)
 _NO_MAC = bytes(MAC_BYTES)
@@ -257,11 +260,11 @@ def plain_header(header: SegmentHeader) -> SegmentHeader:
 
 def segment_id(header: SegmentHeader) -> bytes:
     """What tells the segment ``header`` describes from any other stored under its key:
-    16 bytes of BLAKE2b over its :func:`plain_header` (so one segment has one id in every
-    tier, authenticated or not). A fork's first turn lists the ids of the segments it
-    inherits (``base_ids``)."""
+    :data:`SEGMENT_ID_BYTES` of BLAKE2b over its :func:`plain_header` (so one segment has
+    one id in every tier, authenticated or not). A fork's first turn lists the ids of the
+    segments it inherits (``base_ids``)."""
     encoded = _header_encoder.encode(plain_header(header))
-    return hashlib.blake2b(encoded, digest_size=16).digest()
+    return hashlib.blake2b(encoded, digest_size=SEGMENT_ID_BYTES).digest()
 
 
 def inherits(first: SegmentHeader, inherited: Sequence[SegmentHeader]) -> bool:
