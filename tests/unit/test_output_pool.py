@@ -9,6 +9,7 @@ import ctypes
 import errno
 import gc
 import os
+import resource
 import threading
 import time
 from pathlib import Path
@@ -578,3 +579,19 @@ def test_a_child_forked_while_a_collapse_holds_the_locks_drops_reuses_and_closes
     assert wait_for(lambda: pool._collapser._worker is None)
     assert bool((kept == 7).all())
     pool.close()
+
+
+async def test_a_new_caches_first_append_faults_its_staging_buffer_in_off_the_event_loop(
+    tmp_path: Path,
+) -> None:
+    """The staging buffer of a new cache's first append to SSD is faulted in by the worker
+    thread that fills it, part by part while earlier parts are written, not on the event
+    loop's thread: populating 32 MiB there took 8,192 faults at once (22-32 ms for a 64 MiB
+    turn), a stall of every other request the server was running."""
+    big = {f"t{i}": torch.full((1024, 1024), float(i), dtype=torch.float16) for i in range(16)}
+    async with TieredKVCache([SSDTier(tmp_path, 256 << 20)]) as cache:
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        await cache.append("s", big, answer_tokens=1)
+        faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+        assert faults < 2048, f"the event loop's thread took {faults} page faults"
+        assert_exact(await cache.load("s"), big)
