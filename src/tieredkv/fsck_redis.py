@@ -9,12 +9,13 @@ the values no manifest names: *pending* ones (an uncommitted write's, with an ex
 vanish on their own) and *leaked* ones (no expiry: memory nothing will free).
 
 A fork's references are checked as its segments are: a referenced segment whose values are
-gone or fail their checks (a *dangling reference*), or whose reference set does not name
-the fork, is damage. A segment its owner dropped that only forks kept (a *retired* one) is
-*reclaimable* when no fork's manifest references it any more (the manifest that did was
-lost, say evicted under ``maxmemory``): memory that only deleting it frees. It sends only
-reads (``SCAN``, ``HGETALL``, ``GET``, ``PTTL``, ``SMEMBERS``), so it can run against a
-live server.
+gone or fail their checks (a *dangling reference*), whose reference set does not name
+the fork, or that is not the very segment the fork's first turn names (its ``base_ids``:
+another history's turn under the parent's key) is damage. A segment its owner dropped
+that only forks kept (a *retired* one) is *reclaimable* when no fork's manifest references
+it any more (the manifest that did was lost, say evicted under ``maxmemory``): memory that
+only deleting it frees. It sends only reads (``SCAN``, ``HGETALL``, ``GET``, ``PTTL``,
+``SMEMBERS``), so it can run against a live server.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from .errors import (
     TierIOError,
 )
 from .fsck import Damaged, SessionSummary
-from .payload import derive_key
+from .payload import derive_key, inherits
 
 try:
     import redis
@@ -132,6 +133,17 @@ def _check_manifests(client: redis.Redis, report: RedisReport, key: bytes | None
         if m is None or not m.entries:  # (a conversation begun, nothing committed yet)
             continue
         summary = SessionSummary(m.session)
+        if m.base and not inherits(m.headers[0], m.base_headers):
+            report.damaged.append(
+                Damaged(
+                    f"{name} reference",
+                    "a dangling reference: its references name another history's turns, "
+                    "not the ones its first turn starts from (or turns shorter than it "
+                    "takes): no replica serves the fork",
+                )
+            )
+            report.sessions.append(summary)
+            continue
         for i, ref in enumerate(m.base):
             where = f"{name} reference {i}"
             rbase = ref.qfield(report.prefix).rsplit(":", 3)[0]

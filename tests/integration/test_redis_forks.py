@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 import torch
 
@@ -19,6 +20,7 @@ from tests.redis_server import RedisServer, new_prefix, own_redis_server, redis_
 from tieredkv import HostMemoryTier, SSDTier, TieredKVCache
 from tieredkv.backends.base import SegmentKey
 from tieredkv.backends.redis import RedisTier, conversation_tag
+from tieredkv.backends.redis_manifest import Entry, Ref, encode_entry
 from tieredkv.errors import (
     CorruptSegmentError,
     HistoryConflictError,
@@ -325,6 +327,39 @@ async def test_fsck_reports_a_dangling_reference_and_a_reclaimable_range(
         report = await _fsck(redis_server, other)
         # (the fork's own turn is leaked: nothing names it any more)
         assert (report.reclaimable, report.leaked, report.damaged) == (2, 1, [])
+
+
+async def test_fsck_reports_a_fork_whose_reference_names_another_historys_turn(
+    tier: RedisTier, redis_server: RedisServer, prefix: str, turns: list[Segment]
+) -> None:
+    """A fork manifest whose reference names a segment other than the one its first turn
+    names in ``base_ids`` (another history's turn 0 of its parent's key, as a commit before
+    that check could reference: forged here from a copy of such a turn's values) is damage,
+    though every value it names checks out; the fork as committed is clean."""
+    old, new = Segment("p", 0, 300, seed=1), Segment("p", 0, 310, seed=9)
+    fork = Segment("c", 1, 200, seed=3, base=(("p", 0, 100),), base_ids=(segment_id(new.header),))
+    turns += [old, new, fork]
+    other = new_prefix()
+    async with _replica(redis_server, other, "elsewhere") as elsewhere:
+        await _store(elsewhere, old)
+    await _store(tier, new)
+    await _store(tier, fork)
+    assert (await _fsck(redis_server, prefix)).clean
+    with redis_server.client() as c:
+        p, m = f"{_base(prefix, 'p')}:m", f"{_base(prefix, 'c')}:m"
+        entry = msgspec.msgpack.decode(c.hget(f"{_base(other, 'p')}:m", "e:0"), type=Entry)
+        for i in range(entry.parts):  # old's values, under this prefix's key for p's turn 0
+            src, dst = (f"{_base(x, 'p')}:0:{entry.nonce}:{i}" for x in (other, prefix))
+            c.copy(src, dst)
+        ref = Ref("p", c.hget(p, "id").decode(), 0, entry)
+        c.hset(m, mapping={"r:0": encode_entry(ref), "q:0": ref.qfield(prefix)})
+        c.sadd(f"{_base(prefix, 'p')}:0:{entry.nonce}:r", m)
+    report = await _fsck(redis_server, prefix)
+    assert [(d.path, d.problem.split(":")[0]) for d in report.damaged] == [
+        (f"{_base(prefix, 'c')}:m reference", "a dangling reference")
+    ]
+    assert "another history's turns" in report.damaged[0].problem
+    assert [(s.session, s.turns) for s in report.sessions] == [("c", 0), ("p", 1)]
 
 
 async def test_forks_with_a_secret(
