@@ -254,16 +254,27 @@ class WriteThrough:
         failing = [(k, w.error) for k, w in self._waiting.items() if w.error is not None]
         if failing:
             key, error = failing[0]
-            tier, cause, hint = "shared", str(error), None
+            what = f"the latest turns of {len(failing)} session(s) (the first: {key[:80]!r})"
+            tier, action, cause, hint = "shared", f"commit {what}", str(error), None
             if isinstance(error, TierIOError):
                 tier, cause, hint = error.tier, f"{error.action}: {error.reason}", error.hint
+                if not self._shared(tier):  # the local tier the commit reads them from
+                    action, cause = f"{error.action} to commit {what}", error.reason
             raise TierIOError(
                 tier,
-                f"commit the latest turns of {len(failing)} session(s) (the first: {key[:80]!r})",
+                action,
                 cause,
                 hint="they stay on this replica and are tried again in the background; "
                 + (hint or "flush() again later"),
             )
+
+    def _shared(self, name: str) -> bool:
+        """Whether the tier named ``name`` is one of the cache's shared tiers."""
+        core = self._core
+        return any(
+            io.shared is not None and tier.name == name
+            for tier, io in zip(core.tiers, core.io, strict=True)
+        )
 
     def cancel_all(self) -> None:
         """Stop the pumps and the retries (only at close, after the last flush)."""
