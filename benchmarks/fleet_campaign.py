@@ -84,6 +84,7 @@ from tieredkv.backends.redis import conversation_tag  # noqa: E402
 
 ALLOWED = {
     "SessionNotFoundError",  # a miss: the history could not be found or proven current
+    "HistoryLostError",  # the history an append extends was lost since (told once)
     "TierIOError",  # the server away or stalled: nothing happened, or the turn waits here
     "CommitDelayedError",
     "StaleWriterError",  # another replica took the conversation over

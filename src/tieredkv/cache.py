@@ -36,7 +36,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -565,7 +565,7 @@ class TieredKVCache:
 
     async def _load(self, session: str, target: Target) -> int:
         self._check_open()
-        with self._core.operation():
+        with self._core.operation(), _telling(self._core, session):
             async with locked_stored(self._core, session, load=True) as s:
                 return await load(self._core, s, target)
 
@@ -604,7 +604,7 @@ class TieredKVCache:
         """
         self._check_open()
         core = self._core
-        with core.operation():
+        with core.operation(), _telling(core, session):
             async with (
                 locked_stored(core, session, load=True) as s,
                 layerwise(core, s, out, groups) as lw,
@@ -622,7 +622,7 @@ class TieredKVCache:
         :raises SessionNotFoundError: if the session has no KV in any tier
         """
         self._check_open()
-        with self._core.operation():
+        with self._core.operation(), _telling(self._core, session):
             async with locked_stored(self._core, session, load=False) as s:
                 if await prefetch(self._core, s) is None:
                     return None
@@ -673,7 +673,10 @@ class TieredKVCache:
             with self._core.operation():
                 if not await discover(self._core, session, take=False):
                     return False  # its history cannot be proven current (the tier is away)
-        return self.contains(session)
+        if not self.contains(session):  # (the caller is told: the next append starts afresh)
+            self._core.unreported.discard(session)
+            return False
+        return True
 
     # -- drop ----------------------------------------------------------------------------
     async def drop(self, session: str) -> None:
@@ -692,6 +695,7 @@ class TieredKVCache:
         """
         self._check_open()
         core = self._core
+        core.unreported.discard(session)  # (its loss, if any, is no news to the caller now)
         s = core.sessions.get(session)
         if s is None:
             raise SessionNotFoundError(session)
@@ -700,3 +704,16 @@ class TieredKVCache:
                 if core.sessions.get(session) is not s:  # dropped while this one waited
                     raise SessionNotFoundError(session)
                 await drop(core, s, self._pumps.stop, self._pumps.unstop)
+
+
+@contextlib.contextmanager
+def _telling(core: Core, session: str) -> Iterator[None]:
+    """``with``: a :class:`SessionNotFoundError` for ``session`` raised inside tells the
+    caller its history is gone (the next append starts it afresh: see
+    :attr:`~tieredkv._cache.state.Core.unreported`)."""
+    try:
+        yield
+    except SessionNotFoundError as exc:
+        if exc.session == session:
+            core.unreported.discard(session)
+        raise

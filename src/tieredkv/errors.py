@@ -19,6 +19,7 @@ __all__ = [
     "CorruptSegmentError",
     "ForkedError",
     "HistoryConflictError",
+    "HistoryLostError",
     "InvalidArgumentError",
     "InvalidTypeError",
     "LeaseHeldError",
@@ -61,6 +62,28 @@ class SessionNotFoundError(TieredKVError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0])
+
+
+class HistoryLostError(SessionNotFoundError):
+    """An append to a conversation whose history the cache lost since the caller last heard
+    of it (its last copy evicted or found damaged, or lost by a shared tier): the turn
+    extends a history that is gone, and was not stored. Raised once: recompute the
+    conversation's whole history and append it (the next append starts the conversation
+    afresh), or :meth:`~tieredkv.TieredKVCache.drop` it first.
+
+    A load (or prefetch, or discover) that reports the conversation missing, and a drop,
+    count as telling the caller: the append after them starts afresh without this error.
+    """
+
+    def __init__(self, session: str, reason: str) -> None:
+        super().__init__(session, reason)
+        shown = session if len(session) <= 80 else session[:77] + "..."
+        self.args = (
+            f"session {shown!r} lost its history ({reason}) since it was last loaded: this "
+            f"turn, which extends it, was not stored; recompute the conversation's whole "
+            f"history and append it (this error is raised once: the next append starts the "
+            f"conversation afresh)",
+        )
 
 
 class CapacityError(TieredKVError, ValueError):

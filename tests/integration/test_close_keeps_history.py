@@ -28,7 +28,7 @@ import torch
 from tests.cancellation import CANCELS, cancellable
 from tests.invariants import problems
 from tieredkv import ClosedError, HostMemoryTier, SSDTier, TieredKVCache
-from tieredkv.errors import InvalidArgumentError, InvalidTypeError
+from tieredkv.errors import HistoryLostError, InvalidArgumentError, InvalidTypeError
 
 CONVERSATIONS = 50
 TURNS = 3
@@ -55,7 +55,10 @@ def make(directory: Path, *, ssd: int = SSD, close_timeout: float = 60.0) -> Tie
 async def fill(cache: TieredKVCache) -> None:
     for t in range(TURNS):
         for c in range(CONVERSATIONS):
-            await cache.append(f"c{c}", turn(c, t), answer_tokens=5)
+            try:
+                await cache.append(f"c{c}", turn(c, t), answer_tokens=5)
+            except HistoryLostError:  # evicted for good: told once, it starts again
+                await cache.append(f"c{c}", turn(c, t), answer_tokens=5)
 
 
 async def came_back(directory: Path, turns: dict[str, int] | None = None) -> list[int]:

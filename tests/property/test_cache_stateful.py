@@ -18,7 +18,14 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from tests.invariants import problems
-from tieredkv import CapacityError, HostMemoryTier, SessionNotFoundError, SSDTier, TieredKVCache
+from tieredkv import (
+    CapacityError,
+    HistoryLostError,
+    HostMemoryTier,
+    SessionNotFoundError,
+    SSDTier,
+    TieredKVCache,
+)
 
 SESSIONS = st.sampled_from(["a", "b", "c", "d", "e/..", "é"])
 
@@ -39,6 +46,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.model: dict[str, list[dict[str, torch.Tensor]]] = {}
         self.cache: TieredKVCache | None = None
         self.lost_seen = 0
+        self.unreported: set[str] = set()
+        """Sessions lost since a call last said so: their next append raises once."""
 
     @initialize()
     def open_cache(self) -> None:
@@ -50,6 +59,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache = TieredKVCache(tiers, mode=self.mode)  # type: ignore[arg-type]
         self.portal.call(self.cache.open)
         self.lost_seen = 0
+        self.unreported = set()  # (a new cache knows no earlier losses)
 
     def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         async def run() -> Any:
@@ -65,24 +75,31 @@ class CacheMachine(RuleBasedStateMachine):
             if not self.cache.contains(key):
                 assert lost > self.lost_seen, f"{key!r} vanished without being counted as lost"
                 del self.model[key]
+                self.unreported.add(key)
         self.lost_seen = lost
 
     @rule(session=SESSIONS, tokens=st.integers(1, 6), seed=st.integers(0, 2**16))
     def append(self, session: str, tokens: int, seed: int) -> None:
         assert self.cache is not None
         seg = segment(tokens, seed)
+        self._sync_losses()
         try:
             self.call(self.cache.append, session, seg, answer_tokens=tokens)
+        except HistoryLostError:  # told once, nothing stored
+            assert session in self.unreported, session
+            assert session not in self.model
+            assert session not in self.cache
+            self.unreported.discard(session)
+            return
         except CapacityError:
             assert self.cache.where(session) is None or session in self.model
             self._sync_losses()
             return
         self._sync_losses()
-        if session not in self.model:  # new, or lost and started afresh
+        assert session not in self.unreported, f"{session!r} lost: its append was not refused"
+        if session not in self.model:  # new, or lost, told, and started afresh
             self.model[session] = []
         meta = self.cache.channel[session]
-        if meta.turns == 1:
-            self.model[session] = []
         self.model[session].append(seg)
         assert meta.turns == len(self.model[session])
 
@@ -93,6 +110,7 @@ class CacheMachine(RuleBasedStateMachine):
             got = self.call(self.cache.load, session)
         except SessionNotFoundError:
             assert session not in self.model
+            self.unreported.discard(session)  # (told)
             return
         expected = torch.cat([s["kv"] for s in self.model[session]])
         assert torch.equal(got["kv"], expected)
@@ -105,6 +123,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.call(self.cache.prefetch, session)
         except SessionNotFoundError:
             assert session not in self.model
+            self.unreported.discard(session)  # (told)
         self._sync_losses()
 
     @rule(session=SESSIONS)
@@ -115,6 +134,8 @@ class CacheMachine(RuleBasedStateMachine):
         except SessionNotFoundError:
             assert session not in self.model
             return
+        finally:
+            self.unreported.discard(session)  # (a drop tells)
         self.model.pop(session, None)
 
     @rule()

@@ -461,6 +461,11 @@ class Core:
         the old ones' under the same keys."""
         self.refused: dict[str, Refusal] = {}
         """Per session, turns a shared tier refused, until the session is next used."""
+        self.unreported: set[str] = set()
+        """Conversations whose history this replica lost (its last copy evicted or found
+        damaged, or lost by a shared tier) that no call has reported missing since: the
+        next append raises :class:`~tieredkv.errors.HistoryLostError` once rather than
+        start a history that its caller takes for the old one extended."""
         self.refusals = 0
         """Refusals recorded so far (each time a session's refused turns grew)."""
         self.restart_copy: Callable[[Session], None] = lambda s: None

@@ -21,6 +21,7 @@ from ..errors import (
     CapacityError,
     CommitDelayedError,
     CorruptSegmentError,
+    HistoryLostError,
     InvalidArgumentError,
     SchemaMismatchError,
     SessionNotFoundError,
@@ -45,6 +46,9 @@ from .shared_forest import check_forks
 from .sharing import check_writer, discover
 from .state import Core, Seg, Session
 from .writethrough import WriteThrough
+
+_LOSS = "its last copy was evicted or found damaged, or the shared tier lost it"
+"""Why a conversation in :attr:`Core.unreported` has no history (:class:`HistoryLostError`)."""
 
 BUSY_WAIT = 10.0
 """Longest wait, s, for busy conversations to become victims again before a fork's first
@@ -85,6 +89,7 @@ async def append(
                 if sessions.get(session) is not s:  # dropped while we waited
                     continue
                 if parent is not None:
+                    core.unreported.discard(session)  # (a fork's first turn starts afresh)
                     return await _fork_locked(
                         core, pumps, s, parent, tensors, answer_tokens, dim, codec
                     )
@@ -176,6 +181,9 @@ async def _append_locked(
 ) -> KVMeta:
     began = core.clock()
     plan = plan_turn(core, s, tensors, answer_tokens, dim, codec, fork)
+    if s.key in core.unreported:  # the history this turn extends is gone: told once
+        core.unreported.discard(s.key)
+        raise HistoryLostError(s.key, _LOSS)
     start, parent = (None, "") if fork is None else (fork[0].primary, fork[0].key)
     try:
         t, cancel = await settle(lambda: store(core, s, plan, start, parent))

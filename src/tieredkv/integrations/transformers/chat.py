@@ -7,6 +7,7 @@ answer, feeds its last token, and appends the query and answer as one segment.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -147,10 +148,12 @@ class TurnRun:
                     if history is None:
                         raise
                     missed = True
-            elif session in cache.channel and history is None:
+            elif session in cache.channel:
                 # the cache knew this conversation but lost its KV: starting afresh would
                 # drop the context without a word
-                raise SessionNotFoundError(session)
+                if history is None:
+                    raise SessionNotFoundError(session)
+                missed = True  # (the history recomputed from the caller's is stored anew)
         finally:
             self._loaded()
         began = await self._go_ahead(time.perf_counter())
@@ -167,11 +170,12 @@ class TurnRun:
         answer, tensors = await anyio.to_thread.run_sync(
             self._compute, model_cache, prefill, restored
         )
-        if missed and session in cache:
+        if missed and (session in cache or session in cache.channel):
             # the miss left the copies it could not serve (a shared tier could not prove
-            # them current): the history recomputed from the caller's replaces them, and
-            # is not appended after them
-            await cache.drop(session)
+            # them current), or the record of a history lost: the history recomputed from
+            # the caller's replaces them, and is not appended after them
+            with contextlib.suppress(SessionNotFoundError):  # (dropped meanwhile)
+                await cache.drop(session)
         return await self._store(
             model_cache,
             answer,
