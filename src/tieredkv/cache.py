@@ -674,13 +674,18 @@ class TieredKVCache:
         """
         self._check_open()
         check_key(session)
-        if self._core.sharing:
-            with self._core.operation():
-                if not await discover(self._core, session, take=False):
+        core = self._core
+        since = core.unreported.get(session)  # (the answer tells the caller: _telling)
+        if core.sharing:
+            with core.operation():
+                if not await discover(core, session, take=False):
+                    core.told(session)
                     return False  # its history cannot be proven current (the tier is away)
-        if not self.contains(session):  # (the caller is told: the next append starts afresh)
-            self._core.unreported.discard(session)
+        if not self.contains(session):
+            core.told(session)
             return False
+        if since is not None:
+            core.told(session, since)
         return True
 
     # -- drop ----------------------------------------------------------------------------
@@ -700,7 +705,7 @@ class TieredKVCache:
         """
         self._check_open()
         core = self._core
-        core.unreported.discard(session)  # (its loss, if any, is no news to the caller now)
+        core.told(session)  # (its loss, if any, is no news to the caller now)
         s = core.sessions.get(session)
         if s is None:
             raise SessionNotFoundError(session)
@@ -713,12 +718,17 @@ class TieredKVCache:
 
 @contextlib.contextmanager
 def _telling(core: Core, session: str) -> Iterator[None]:
-    """``with``: a :class:`SessionNotFoundError` for ``session`` raised inside tells the
-    caller its history is gone (the next append starts it afresh: see
-    :attr:`~tieredkv._cache.state.Core.unreported`)."""
+    """``with``: a call that tells the caller of ``session``'s state (see
+    :attr:`~tieredkv._cache.state.Core.unreported`): a :class:`SessionNotFoundError` for it
+    raised inside says its history is gone (the next append starts it afresh), and a
+    call that completes says what it holds now, unless it was lost meanwhile; any other
+    error tells nothing."""
+    since = core.unreported.get(session)
     try:
         yield
     except SessionNotFoundError as exc:
         if exc.session == session:
-            core.unreported.discard(session)
+            core.told(session)
         raise
+    if since is not None:
+        core.told(session, since)

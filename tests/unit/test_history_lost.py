@@ -106,3 +106,25 @@ async def test_a_history_a_load_found_damaged_is_reported_by_that_load(tmp_path:
         assert problems(cache) == []
     async with TieredKVCache([SSDTier(tmp_path, 4 << 20)]) as cache:
         assert_same(await cache.load("a"), kv(8, 1))
+
+
+@pytest.mark.parametrize("told_by", ["load", "discover"])
+async def test_a_call_that_finds_the_conversation_stored_tells_the_caller_of_an_earlier_loss(
+    told_by: str,
+) -> None:
+    """A loss recorded for a conversation that is stored again by the time the caller asks
+    about it (with a shared tier: another replica's history, taken in since) is told by
+    that call: the append after it extends what is stored. (Fleet campaign seed 7036 on
+    the first version of this rule: appends right after a load that had served the
+    conversation were refused.) The loss is recorded here by hand, as a shared tier's
+    look-up records it, on a cache without one."""
+    async with TieredKVCache([HostMemoryTier(64 * KIB)]) as cache:
+        await cache.append("a", kv(8, 0), answer_tokens=4)
+        cache._core.lost("a")
+        if told_by == "load":
+            assert_same(await cache.load("a"), kv(8, 0))
+        else:
+            assert await cache.discover("a")
+        meta = await cache.append("a", kv(8, 1), answer_tokens=4)
+        assert meta.turns == 2
+        assert_same(await cache.load("a"), joined([kv(8, 0), kv(8, 1)]))

@@ -239,7 +239,7 @@ async def forget_copy(core: Core, s: Session, t: int) -> bool:
             s.dropped = False
         unlist(core, s)
         core.stats.lost += 1
-        core.unreported.add(s.key)
+        core.lost(s.key)
     return s.primary is None
 
 

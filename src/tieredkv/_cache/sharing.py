@@ -304,7 +304,7 @@ async def _forget_all(core: Core, s: Session, *, lost: bool = True) -> None:
     s.primary = None
     if lost:
         core.stats.lost += 1
-        core.unreported.add(s.key)
+        core.lost(s.key)
     if s.key in core.channel:
         core.publish(s)
     await marked(core, s.key)

@@ -461,11 +461,13 @@ class Core:
         the old ones' under the same keys."""
         self.refused: dict[str, Refusal] = {}
         """Per session, turns a shared tier refused, until the session is next used."""
-        self.unreported: set[str] = set()
+        self.unreported: dict[str, int] = {}
         """Conversations whose history this replica lost (its last copy evicted or found
-        damaged, or lost by a shared tier) that no call has reported missing since: the
-        next append raises :class:`~tieredkv.errors.HistoryLostError` once rather than
-        start a history that its caller takes for the old one extended."""
+        damaged, or lost by a shared tier) that no call has told the caller of since, each
+        with the loss's number (:meth:`lost`): the next append raises
+        :class:`~tieredkv.errors.HistoryLostError` once rather than start a history that
+        its caller takes for the old one extended."""
+        self._losses = 0
         self.refusals = 0
         """Refusals recorded so far (each time a session's refused turns grew)."""
         self.restart_copy: Callable[[Session], None] = lambda s: None
@@ -498,6 +500,19 @@ class Core:
         if s is None:
             s = self.sessions[key] = Session(key, len(self.tiers))
         return s
+
+    def lost(self, key: str) -> None:
+        """``key``'s history is lost on this replica: its next append is told so
+        (:attr:`unreported`)."""
+        self._losses += 1
+        self.unreported[key] = self._losses
+
+    def told(self, key: str, since: int | None = None) -> None:
+        """A call told the caller of ``key``'s state: forget its loss, unless (``since``:
+        what :attr:`unreported` held when the call began) a loss came after the call
+        began (a history the call served, lost since: still untold)."""
+        if since is None or self.unreported.get(key) == since:
+            self.unreported.pop(key, None)
 
     def discard_unused(self, s: Session) -> None:
         """Drop ``s`` from the index if it holds nothing, is unknown to the channel and

@@ -89,7 +89,7 @@ async def append(
                 if sessions.get(session) is not s:  # dropped while we waited
                     continue
                 if parent is not None:
-                    core.unreported.discard(session)  # (a fork's first turn starts afresh)
+                    core.told(session)  # (a fork's first turn starts afresh)
                     return await _fork_locked(
                         core, pumps, s, parent, tensors, answer_tokens, dim, codec
                     )
@@ -182,7 +182,7 @@ async def _append_locked(
     began = core.clock()
     plan = plan_turn(core, s, tensors, answer_tokens, dim, codec, fork)
     if s.key in core.unreported:  # the history this turn extends is gone: told once
-        core.unreported.discard(s.key)
+        core.told(s.key)
         raise HistoryLostError(s.key, _LOSS)
     start, parent = (None, "") if fork is None else (fork[0].primary, fork[0].key)
     try:
