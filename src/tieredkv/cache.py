@@ -434,9 +434,10 @@ class TieredKVCache:
         :raises SessionNotFoundError: ``parent`` is not stored
         :raises HistoryLostError: the history this turn extends was lost since the caller
             last heard of it (its last copy evicted or found damaged, or lost by a shared
-            tier; a load that missed, a :meth:`discover` that found nothing and a
-            :meth:`drop` tell the caller); raised once, nothing is stored: recompute the
-            whole history and append it, which starts the conversation afresh
+            tier; a load, :meth:`prefetch` or :meth:`discover` tells the caller, whether it
+            finds the conversation or not, and a :meth:`drop` ends it); raised once,
+            nothing is stored: recompute the whole history and append it, which starts the
+            conversation afresh
         :raises ValueError: ``parent`` given for a conversation already stored, or
             ``parent_tokens`` out of range or without ``parent`` (nothing is stored)
         :raises TierIOError: a tier failed while making room or writing (nothing is lost:

@@ -71,8 +71,10 @@ class HistoryLostError(SessionNotFoundError):
     conversation's whole history and append it (the next append starts the conversation
     afresh), or :meth:`~tieredkv.TieredKVCache.drop` it first.
 
-    A load (or prefetch, or discover) that reports the conversation missing, and a drop,
-    count as telling the caller: the append after them starts afresh without this error.
+    A load, prefetch or discover tells the caller the conversation's state, and a drop ends
+    it: after a miss or a drop the next append starts afresh without this error, and after
+    a load that served a history (another replica's, taken in since the loss) it extends
+    that history. Only a loss after the last such call is raised here.
     """
 
     def __init__(self, session: str, reason: str) -> None:
