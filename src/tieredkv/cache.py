@@ -676,17 +676,17 @@ class TieredKVCache:
         self._check_open()
         check_key(session)
         core = self._core
-        since = core.unreported.get(session)  # (the answer tells the caller: _telling)
-        if core.sharing:
-            with core.operation():
-                if not await discover(core, session, take=False):
-                    core.told(session)
-                    return False  # its history cannot be proven current (the tier is away)
-        if not self.contains(session):
-            core.told(session)
+        try:
+            with _telling(core, session):  # (the answer tells the caller, either way)
+                if core.sharing:
+                    with core.operation():
+                        if not await discover(core, session, take=False):
+                            # its history cannot be proven current (the tier is away)
+                            raise SessionNotFoundError(session)
+                if not self.contains(session):
+                    raise SessionNotFoundError(session)
+        except SessionNotFoundError:
             return False
-        if since is not None:
-            core.told(session, since)
         return True
 
     # -- drop ----------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from ..errors import (
 )
 from .placement import copy_segments, delete_or_orphan, remove_copy, reserve
 from .refusals import Owed, pending, record_refusal, report
+from .sharing import shared_tiers
 from .state import Core, Seg, Session, claim, unclaim
 
 __all__ = ["WriteThrough"]
@@ -258,7 +259,8 @@ class WriteThrough:
             tier, action, cause, hint = "shared", f"commit {what}", str(error), None
             if isinstance(error, TierIOError):
                 tier, cause, hint = error.tier, f"{error.action}: {error.reason}", error.hint
-                if not self._shared(tier):  # the local tier the commit reads them from
+                if all(t.name != tier for _, t in shared_tiers(self._core)):
+                    # the local tier the commit reads them from failed
                     action, cause = f"{error.action} to commit {what}", error.reason
             raise TierIOError(
                 tier,
@@ -267,14 +269,6 @@ class WriteThrough:
                 hint="they stay on this replica and are tried again in the background; "
                 + (hint or "flush() again later"),
             )
-
-    def _shared(self, name: str) -> bool:
-        """Whether the tier named ``name`` is one of the cache's shared tiers."""
-        core = self._core
-        return any(
-            io.shared is not None and tier.name == name
-            for tier, io in zip(core.tiers, core.io, strict=True)
-        )
 
     def cancel_all(self) -> None:
         """Stop the pumps and the retries (only at close, after the last flush)."""
