@@ -9,6 +9,7 @@ import ctypes
 import errno
 import gc
 import os
+import queue
 import resource
 import threading
 import time
@@ -489,6 +490,46 @@ def test_memory_handed_out_again_is_not_collapsed_until_dropped_again() -> None:
     assert sum(lo in (at, at + huge) for lo in seen) <= 1
     assert bool((taken == 3).all())
     assert first in (at, *seen)
+    pool.close()
+
+
+def test_a_collapse_cut_short_by_reuse_resumes_at_the_next_idle_period() -> None:
+    """A block handed out again while the thread collapses it (a busy server reuses
+    memory within milliseconds) was not refused: its next idle period goes on with the huge
+    pages not collapsed yet, and asks for none twice. Before 6 December 2026 each such
+    period counted as one of the three tries, so a block reused that quickly stayed on
+    4 KiB pages after its third, and a pass that began again counted the huge pages made
+    before once more."""
+    huge, ranges = 2 << 20, 5
+    pool = OutputPool(64 << 20)
+    pool._collapser.huge = huge
+    asked: queue.Queue[int] = queue.Queue()
+    go = threading.Semaphore(0)
+
+    def madvise(at: int, length: int, advice: int) -> int:
+        asked.put(at)
+        assert go.acquire(timeout=10)
+        return 0
+
+    pool._collapser._madvise = madvise
+    t = pool.empty((ranges * huge,), torch.uint8).fill_(1)
+    first = t.data_ptr()
+    seen: list[int] = []
+    for _ in range(ranges):
+        del t
+        gc.collect()  # idle: the thread starts on the next range
+        seen.append(asked.get(timeout=10))
+        t = pool.empty((ranges * huge,), torch.uint8)  # handed out again meanwhile
+        go.release()
+        assert wait_for(lambda: pool._collapser._worker is None)
+    assert t.data_ptr() == first  # (the same block every time)
+    assert seen == [first + i * huge for i in range(ranges)]
+    assert (pool.collapsed, pool.collapse_failures) == (ranges, 0)
+    del t
+    gc.collect()
+    assert wait_for(lambda: pool._collapser._worker is None)
+    assert asked.empty()  # every huge page of it is made: nothing left to ask
+    assert pool.collapsed == ranges
     pool.close()
 
 

@@ -51,7 +51,9 @@ MADV_COLLAPSE = 25
 """``madvise(MADV_COLLAPSE)`` (Linux 6.1): make a range huge pages now, in the caller."""
 
 TRIES = 3
-"""Times a buffer's collapse is tried before it stays on 4 KiB pages."""
+"""Refusals (no free huge page) after which a buffer stays on 4 KiB pages. An idle period
+that ends before every huge page of the buffer is collapsed is no refusal: the next one
+goes on where it stopped (a staging buffer's idle periods last between two appends)."""
 
 _UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP})
 """``madvise`` errors that mean this kernel or its settings will never collapse."""
@@ -123,7 +125,7 @@ class Idle:
     ``mm`` from ``offset``; its owner sets :attr:`idle` (under its own lock) while the
     buffer is not in use."""
 
-    __slots__ = ("at", "huge", "idle", "mm", "offset", "queued", "size", "tries")
+    __slots__ = ("at", "done", "huge", "idle", "mm", "offset", "queued", "size", "tries")
 
     def __init__(self, mm: mmap.mmap, offset: int = 0, size: int | None = None) -> None:
         self.mm = mm
@@ -137,6 +139,10 @@ class Idle:
         """Whether its owner holds it unused (set by the owner)."""
         self.queued = False
         self.tries = 0
+        """Collapses of it the kernel refused (each idle period ends at the first)."""
+        self.done: set[int] = set()
+        """The addresses of the huge pages within it collapsed so far (an idle period
+        that ends before all of them resumes at the next)."""
 
 
 class Collapser:
@@ -234,19 +240,19 @@ class Collapser:
         huge, madvise = self.huge, self._madvise
         if not huge or madvise is None:  # turned off while ``idle`` was being queued
             return
-        skipped = tried = False
+        skipped = False
         for at in range(idle.at + -idle.at % huge, idle.at + idle.size - huge + 1, huge):
+            if at in idle.done:
+                continue
             with self.unmapping:
                 if self._closed or not self.huge or not idle.idle or idle.mm.closed:
                     return  # in use again (submitted again when idle) or closing
                 if not _in_memory(at, huge):
                     skipped = True
                     continue
-                if not tried:
-                    tried = True
-                    idle.tries += 1
                 if madvise(at, huge, MADV_COLLAPSE) == 0:
                     self.collapsed += 1
+                    idle.done.add(at)
                     continue
                 err = ctypes.get_errno()
             if err in _UNSUPPORTED:
@@ -260,6 +266,7 @@ class Collapser:
                     self._queue.clear()
                 return
             self.failures += 1  # no free huge page now: the rest would fail too
+            idle.tries += 1
             return
         idle.huge = not skipped  # (a range written later is collapsed when next idle)
 
