@@ -48,6 +48,7 @@ from ...backends.ssd import SSDTier
 from ...cache import LayerwiseLoad, TieredKVCache
 from ...errors import (
     CapacityError,
+    HistoryLostError,
     InvalidArgumentError,
     RestoreFailedError,
     SessionNotFoundError,
@@ -618,7 +619,17 @@ class WorkerStore:
         if op.parent is not None:
             stored, tensors = await self._fork(op, tensors)
         if stored is None:
-            stored = await self.cache.append(op.session, tensors, answer_tokens=op.answer_tokens)
+            try:
+                stored = await self.cache.append(
+                    op.session, tensors, answer_tokens=op.answer_tokens
+                )
+            except HistoryLostError:  # lost since the check above (room made for another):
+                _log.info(  # what the turn continues is gone (the next save starts afresh)
+                    "not storing %s's turn: %s's history was lost while the turn waited",
+                    op.req_id,
+                    op.session,
+                )
+                return None
         self._count("saved_tokens", tensors[TOKENS].shape[1])
         self._count("saved_bytes", sum(t.numel() * t.element_size() for t in tensors.values()))
         if op.hint is not None:

@@ -1,0 +1,96 @@
+"""A save whose conversation is lost while the turn waits to be stored (another save made
+room for itself in host memory, and this conversation had no copy below) is not stored,
+and is not reported as an error: under memory pressure that is an expected race, and a
+busy server's log must not fill with tracebacks for it.
+
+The worker checks the metadata channel before it appends: a continuation of a lost
+conversation is not stored, a first turn starts it afresh. The loss can come between that
+check and the append, while the append waits for the conversation's lock. The cache then
+refuses the append once (:class:`~tieredkv.HistoryLostError`) rather than store the turn
+as a history without its start. Before 6 December 2026 that error reached the save's
+future, and the worker logged it with its traceback at ERROR level.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import torch
+
+from tieredkv.backends.memory import HostMemoryTier
+from tieredkv.integrations.vllm.config import parse_config
+from tieredkv.integrations.vllm.ops import SaveOp
+from tieredkv.integrations.vllm.worker import TOKENS, WorkerStore
+from tieredkv.meta import KVMeta
+
+from .test_vllm_worker_eviction import BLOCKS, BS, FP, layers, one_history_bytes, session
+
+
+def tokens(name: str, blocks: int) -> tuple[int, ...]:
+    first = (ord(name) - ord("a") + 1) * 1000
+    return tuple(range(first, first + blocks * BS))
+
+
+def save_op(name: str, start: int, end: int) -> SaveOp:
+    """Conversation ``name``'s turn from block ``start`` to ``end`` (vLLM's blocks 0..end)."""
+    return SaveOp(
+        f"r-{name}-{end}",
+        session(name),
+        tuple(range(end)),
+        start,
+        end,
+        tokens(name, end),
+        answer_tokens=8,
+    )
+
+
+def finish(store: WorkerStore, op: SaveOp) -> bool:
+    store.save(op)
+    store.wait_idle()
+    ((done, ok),) = store.finished_saves()
+    assert done.session == op.session
+    return ok
+
+
+def test_a_history_lost_while_its_turn_waits_is_not_stored_and_not_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    one = one_history_bytes()
+    config = parse_config({"host_bytes": one + one // 2, "eviction": "lru"})
+    store = WorkerStore(config, FP, BS, tiers=[HostMemoryTier(one + one // 2, prefault=False)])
+    store.open(layers())
+    cache = store.cache
+    real_append = cache.append
+    raced: list[str] = []
+
+    async def racing_append(key: str, tensors: Mapping[str, Any], **kw: Any) -> KVMeta:
+        """The first append of ``a`` after the worker's check: another conversation's turn
+        is stored first, and the room it needs costs ``a`` its only copy."""
+        if key == session("a") and not raced:
+            raced.append(key)
+            b = {n: t.clone() for n, t in tensors.items()}
+            b[TOKENS] = torch.tensor(tokens("b", BLOCKS)).reshape(1, -1, 1)
+            await real_append(session("b"), b, answer_tokens=8)
+            assert cache.channel[session("a")].tier is None  # lost
+        return await real_append(key, tensors, **kw)
+
+    try:
+        assert finish(store, save_op("a", 0, BLOCKS))
+        cache.append = racing_append  # type: ignore[method-assign,assignment]
+        caplog.set_level(logging.INFO, logger="tieredkv")
+        # the turn continues a's BLOCKS stored blocks: with them gone, it is not stored
+        assert not finish(store, save_op("a", BLOCKS, 2 * BLOCKS))
+        assert raced == [session("a")]
+        assert cache.channel[session("a")].tier is None
+        assert any("was lost while the turn waited" in r.getMessage() for r in caplog.records)
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert cache.channel[session("b")].tier is not None
+        # a's next save from its first block is stored, as a new history
+        assert finish(store, save_op("a", 0, BLOCKS))
+        meta = cache.channel[session("a")]
+        assert (meta.tier, meta.tokens) == ("host", BLOCKS * BS)
+    finally:
+        store.close()
