@@ -194,7 +194,42 @@ def test_staging_keeps_its_newest_buffer_even_above_the_cap() -> None:
         assert ctypes.addressof(ctypes.c_char.from_buffer(view)) == first
     with staging.buffer(8 << 20), staging.buffer(12 << 20):
         pass  # both come back (the 12 MiB one first); only the last returned stays
-    assert [len(b) for b in staging._free] == [8 << 20]
+    assert [size for _, _, size in staging._free] == [8 << 20]
+    staging.close()
+
+
+def thp_mode() -> str:
+    """The system's transparent huge page mode (``always``, ``madvise``, ``never``)."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "never"
+    return text.split("[")[1].split("]")[0] if "[" in text else "never"
+
+
+@pytest.mark.parametrize("huge_pages", [True, False])
+def test_a_staging_buffer_of_a_huge_page_or_more_is_on_huge_pages(huge_pages: bool) -> None:
+    """Appends to an SSD tier are written from staging buffers with O_DIRECT: on huge pages
+    a write is cut into fewer device requests (8 MiB: 3.99 against 5.60 ms on the 2-core
+    VM), and the buffer faults in 2 MiB at a time. ``huge_pages=False`` keeps 4 KiB ones."""
+    if not collapse_works():
+        pytest.skip("this kernel gives no transparent huge pages to private memory")
+    huge = huge_page_size()
+    staging = Staging(huge_pages=huge_pages)
+    length = 4 * huge + 4096  # an 8 MiB turn and its header's page
+    with staging.buffer(length) as view:
+        view[:] = bytes(range(256)) * (length // 256)
+        at = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        under = huge_bytes_at(at)
+        assert bytes(view[-256:]) == bytes(range(256))
+    if huge_pages:
+        assert at % huge == 0
+        assert under >= 2 * huge  # (the kernel may fall back for a page it has none for)
+    elif thp_mode() == "madvise":
+        assert under == 0
+    with staging.buffer(length) as again:  # the same memory, the same bytes
+        assert ctypes.addressof(ctypes.c_char.from_buffer(again)) == at
+        assert bytes(again[:256]) == bytes(range(256))
     staging.close()
 
 
@@ -255,7 +290,11 @@ def test_an_output_freed_inside_the_pools_own_critical_section_does_not_deadlock
 def huge_bytes_under(t: torch.Tensor) -> int:
     """Bytes of huge pages in the mapping that holds ``t`` (``AnonHugePages`` of its
     entry in ``/proc/self/smaps``)."""
-    at = t.data_ptr()
+    return huge_bytes_at(t.data_ptr())
+
+
+def huge_bytes_at(at: int) -> int:
+    """Bytes of huge pages in the mapping that holds address ``at``."""
     lines = Path("/proc/self/smaps").read_text().splitlines()
     for i, line in enumerate(lines):
         head = line.split()[0]
@@ -322,6 +361,15 @@ async def test_idle_outputs_become_huge_pages_and_later_loads_stay_exact(
         assert stats.output_collapse_failures == 0
 
 
+@pytest.mark.parametrize("flag", [True, False])
+async def test_staging_huge_pages_reaches_the_caches_staging(tmp_path: Path, flag: bool) -> None:
+    a = big_turn(1)
+    async with TieredKVCache([SSDTier(tmp_path, 64 << 20)], staging_huge_pages=flag) as cache:
+        await cache.append("a", a, answer_tokens=1)
+        assert (cache._core.staging._huge > 0) == (flag and huge_page_size() > 0)
+        assert_exact(await cache.load("a"), a)
+
+
 async def test_output_huge_pages_false_keeps_4k_pages(tmp_path: Path) -> None:
     a = big_turn(1)
     async with TieredKVCache([SSDTier(tmp_path, 64 << 20)], output_huge_pages=False) as cache:
@@ -339,9 +387,11 @@ async def test_output_huge_pages_false_keeps_4k_pages(tmp_path: Path) -> None:
         assert cache.stats().outputs_reused == 2
 
 
-def test_a_bad_output_huge_pages_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(InvalidTypeError, match="output_huge_pages"):
-        TieredKVCache([SSDTier(tmp_path, 64 << 20)], output_huge_pages=1)  # type: ignore[arg-type]
+@pytest.mark.parametrize("flag", ["output_huge_pages", "staging_huge_pages"])
+def test_a_bad_huge_pages_flag_is_refused(tmp_path: Path, flag: str) -> None:
+    kwargs: dict[str, Any] = {flag: 1}
+    with pytest.raises(InvalidTypeError, match=f"{flag} must be a bool, not int"):
+        TieredKVCache([SSDTier(tmp_path, 64 << 20)], **kwargs)
 
 
 def failing_madvise(err: int, calls: list[int]) -> Any:

@@ -425,6 +425,7 @@ class Core:
         output_reuse_bytes: int = 0,
         *,
         output_huge_pages: bool = False,
+        staging_huge_pages: bool = False,
         pins: PinBounds,
     ) -> None:
         self.io = list(io)
@@ -479,7 +480,7 @@ class Core:
         self.hold_copies: Callable[[Session], AbstractAsyncContextManager[None]] = _quiet
         """``async with core.hold_copies(s)``: ``s`` (locked) with no background copy
         under way, and none starting until the block ends (set by the write-through)."""
-        self.staging = Staging()
+        self.staging = Staging(huge_pages=staging_huge_pages)
         self.outputs = OutputPool(output_reuse_bytes, huge_pages=output_huge_pages)
         self.pins = pins
         """The bounds on pinned bytes (:mod:`tieredkv._cache.pins`)."""

@@ -6,7 +6,9 @@ contiguous segments: 254 on this project's virtual disk). Asking for huge pages 
 buffer is made costs the first use that faults them in (on this project's VM, whose
 balloon takes free 2 MiB blocks back, a new cache's first load took 2-3x longer). So a
 :class:`Collapser` works on buffers that are already faulted in and idle (a load's
-dropped outputs, a span buffer a copied span filled): its thread asks the kernel to
+dropped outputs, a span buffer a copied span filled; the cache's staging buffers, made
+once and reused by every append, ask for huge pages when made instead: see
+:class:`tieredkv._cache.gather.Staging`): its thread asks the kernel to
 collapse them (``madvise(MADV_COLLAPSE)``, Linux 6.1), one huge page per call, through
 ctypes so that the GIL is released meanwhile, and only while the buffer stays idle. The
 kernel keeps the bytes as they are while it collapses (memory a new read already uses is
