@@ -116,9 +116,9 @@ def test_the_default_eviction_learns_the_gap_where_the_paper_cannot() -> None:
         assert row.hits["bidaw"] >= row.hits["bidaw-density"] - 0.005, row
     for row in measure_mooncake([50.0, 100.0, 200.0]):  # the potential keeps the tier here
         # the read prior (an answer bucket's prior placed by its answer's length) and the
-        # residents grouped by turns so far move the default off the paper's policy: 0.0652
-        # against 0.0559 at 50 GB, 0.1677 against 0.1553 at 100, 0.2733 against 0.2764 at
-        # 200 (bidaw-eviction.md)
+        # residents grouped by turns so far move the default off the paper's policy: 0.053
+        # against 0.056 at 50 GB, 0.158 against 0.155 at 100, 0.289 against 0.276 at 200
+        # (bidaw-eviction.md, 6 December 2026)
         assert row.hits["bidaw"] >= row.hits["bidaw-paper"] - 0.005, row
         assert row.hits["bidaw"] > row.hits["bidaw-density"], row
         assert row.hits["bidaw"] > 1.5 * row.hits["lru"], row

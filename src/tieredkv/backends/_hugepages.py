@@ -55,7 +55,7 @@ MADV_COLLAPSE = 25
 TRIES = 3
 """Refusals (no free huge page) after which a buffer stays on 4 KiB pages. An idle period
 that ends before every huge page of the buffer is collapsed is no refusal: the next one
-goes on where it stopped (a staging buffer's idle periods last between two appends)."""
+goes on where it stopped (a busy server reuses dropped memory within milliseconds)."""
 
 _UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP})
 """``madvise`` errors that mean this kernel or its settings will never collapse."""
