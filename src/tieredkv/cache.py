@@ -135,8 +135,8 @@ class TieredKVCache:
     :param staging_huge_pages: map the staging buffers that appends to an SSD tier are
         written from (and plain tiers' segments pass through), made once and reused, on
         transparent huge pages (``madvise(MADV_HUGEPAGE)``; nothing where the system has
-        none): a durable append of 8 MiB turns by a new cache ran at 1.09-1.39 GB/s
-        against 0.81-1.03 GB/s on 4 KiB pages on a 2-core VM. Its first use faults them
+        none): a new cache's durable appends of 8 MiB turns ran at 1.09-1.41 GB/s against
+        0.81-1.20 GB/s on 4 KiB pages (seven runs each on a 2-core VM). Its first use faults them
         in, which on a VM whose balloon takes free 2 MiB blocks back can cost more than
         4 KiB pages once; ``False`` keeps 4 KiB pages
     :param close_timeout: seconds :meth:`aclose` may spend finishing background copies and
