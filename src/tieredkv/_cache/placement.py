@@ -395,7 +395,6 @@ async def _move_victim(core: Core, victim: str, t: int, lossless: bool) -> None:
     finally:
         core.unbusy(victim)
         vs.lock.release()
-        core.discard_lost(vs)
 
 
 def _shared(core: Core, name: str) -> bool:
