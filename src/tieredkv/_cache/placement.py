@@ -49,6 +49,7 @@ __all__ = [
     "evict_copy",
     "finish_promotion",
     "forget_copy",
+    "is_shared",
     "promote",
     "purge_orphans",
     "remove_all",
@@ -343,7 +344,7 @@ async def reserve(
                 await _move_victim(core, victim, t, lossless)
             except TierIOError as exc:
                 core.stats.errors += 1  # the victim stays where it was
-                if not _shared(core, exc.tier):
+                if not is_shared(core, exc.tier):
                     raise
                 # the shared tier is away: that victim stays, room is made from others
                 # (one conversation's trouble never fails another's operation)
@@ -397,7 +398,8 @@ async def _move_victim(core: Core, victim: str, t: int, lossless: bool) -> None:
         vs.lock.release()
 
 
-def _shared(core: Core, name: str) -> bool:
+def is_shared(core: Core, name: str) -> bool:
+    """Whether the tier named ``name`` is one of the cache's shared tiers."""
     return any(io.name == name and io.shared is not None for io in core.io)
 
 

@@ -44,9 +44,8 @@ from ..errors import (
     TierIOError,
     UnauthenticatedWriterError,
 )
-from .placement import copy_segments, delete_or_orphan, remove_copy, reserve
+from .placement import copy_segments, delete_or_orphan, is_shared, remove_copy, reserve
 from .refusals import Owed, pending, record_refusal, report
-from .sharing import shared_tiers
 from .state import Core, Seg, Session, claim, unclaim
 
 __all__ = ["WriteThrough"]
@@ -259,8 +258,7 @@ class WriteThrough:
             tier, action, cause, hint = "shared", f"commit {what}", str(error), None
             if isinstance(error, TierIOError):
                 tier, cause, hint = error.tier, f"{error.action}: {error.reason}", error.hint
-                if all(t.name != tier for _, t in shared_tiers(self._core)):
-                    # the local tier the commit reads them from failed
+                if not is_shared(self._core, tier):  # the local tier the commit reads from
                     action, cause = f"{error.action} to commit {what}", error.reason
             raise TierIOError(
                 tier,
