@@ -194,7 +194,7 @@ def test_staging_keeps_its_newest_buffer_even_above_the_cap() -> None:
         assert ctypes.addressof(ctypes.c_char.from_buffer(view)) == first
     with staging.buffer(8 << 20), staging.buffer(12 << 20):
         pass  # both come back (the 12 MiB one first); only the last returned stays
-    assert [size for _, _, size in staging._free] == [8 << 20]
+    assert [b.size for b in staging._free] == [8 << 20]
     staging.close()
 
 

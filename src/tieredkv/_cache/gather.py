@@ -331,6 +331,14 @@ _TAIL = 8
 (:func:`span_plan`)."""
 
 
+class _Buffer(NamedTuple):
+    """A staging buffer: ``size`` bytes of the mapping ``mm`` from ``offset``."""
+
+    mm: mmap.mmap
+    offset: int
+    size: int
+
+
 class Staging:
     """Reused page-aligned buffers for segments on their way to or from a tier that has no
     addressable memory (the SSD tier's appends, plain tiers' reads and writes), on huge
@@ -366,12 +374,11 @@ class Staging:
     """
 
     def __init__(self, keep_bytes: int = 256 << 20, *, huge_pages: bool = True) -> None:
-        self._free: list[tuple[mmap.mmap, int, int]] = []
-        """Idle buffers: each mapping, the offset its buffer starts at, and its size."""
+        self._free: list[_Buffer] = []
         self._keep = keep_bytes
         self._huge = huge_page_size() if huge_pages else 0
 
-    def _new(self, length: int) -> tuple[mmap.mmap, int, int]:
+    def _new(self, length: int) -> _Buffer:
         """A new buffer of at least ``length`` bytes (a whole number of pages)."""
         size = max(-(-length // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.PAGESIZE)
         huge = self._huge if size >= self._huge > 0 else 0
@@ -379,19 +386,19 @@ class Staging:
         if huge:
             with contextlib.suppress(OSError):  # no transparent huge pages: 4 KiB ones
                 mm.madvise(mmap.MADV_HUGEPAGE, offset, size - size % huge)
-        return mm, offset, size
+        return _Buffer(mm, offset, size)
 
     @contextlib.contextmanager
     def buffer(self, length: int) -> Iterator[memoryview]:
         """A buffer of exactly ``length`` bytes, valid inside the block."""
-        fits = [b for b in self._free if length <= b[2] <= 2 * length]
+        fits = [b for b in self._free if length <= b.size <= 2 * length]
         if fits:
-            block = min(fits, key=lambda b: b[2])
+            block = min(fits, key=lambda b: b.size)
             self._free.remove(block)
         else:
             block = self._new(length)
-        buf, offset, _ = block
-        view = memoryview(buf)[offset : offset + length]
+        buf = block.mm
+        view = memoryview(buf)[block.offset : block.offset + length]
         try:
             yield view
         finally:
@@ -406,15 +413,15 @@ class Staging:
                 self._free.append(block)
                 # the newest buffer stays even if larger than the cap alone: a cache of
                 # 256 MiB turns would otherwise map and fault one in for every append
-                while len(self._free) > 1 and sum(b[2] for b in self._free) > self._keep:
-                    close_mapping(self._free.pop(0)[0], "staging buffer")
+                while len(self._free) > 1 and sum(b.size for b in self._free) > self._keep:
+                    close_mapping(self._free.pop(0).mm, "staging buffer")
 
     def close(self) -> None:
         """Unmap every idle buffer (collecting garbage first where a view of one is still
         alive: a failed write's traceback holds views of its buffer in a reference cycle,
         as for a tier's memory)."""
         while self._free:
-            close_mapping(self._free.pop()[0], "staging buffer", collect=True)
+            close_mapping(self._free.pop().mm, "staging buffer", collect=True)
 
 
 @contextlib.contextmanager
