@@ -719,13 +719,19 @@ class TieredKVCache:
         core = self._core
         core.told(session)  # (its loss, if any, is no news to the caller now)
         s = core.sessions.get(session)
-        if s is None:
+        meta = self.channel.get(session)
+        if s is None and (meta is None or meta.tier is not None):
             raise SessionNotFoundError(session)
         with core.operation():
-            async with core.hold(s):
-                if core.sessions.get(session) is not s:  # dropped while this one waited
-                    raise SessionNotFoundError(session)
-                await drop(core, s, self._pumps.stop, self._pumps.unstop)
+            if s is None:  # lost: only the channel's record is left (Core.discard_lost)
+                s = await core.session(session)
+            try:
+                async with core.hold(s):
+                    if core.sessions.get(session) is not s:  # dropped while this one waited
+                        raise SessionNotFoundError(session)
+                    await drop(core, s, self._pumps.stop, self._pumps.unstop)
+            finally:
+                core.discard_lost(s)  # (a drop that failed leaves no empty entry)
 
 
 @contextlib.contextmanager

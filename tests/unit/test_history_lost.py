@@ -128,3 +128,32 @@ async def test_a_call_that_finds_the_conversation_stored_tells_the_caller_of_an_
         meta = await cache.append("a", kv(8, 1), answer_tokens=4)
         assert meta.turns == 2
         assert_same(await cache.load("a"), joined([kv(8, 0), kv(8, 1)]))
+
+
+async def test_a_lost_conversation_keeps_no_index_entry_and_is_still_told() -> None:
+    """A cache whose last tier evicts loses a conversation at each eviction. Its index
+    entry (1.5 KB of the 1.9 KB each kept: ``benchmarks/_lost_records.py``) goes once
+    nothing uses it; the channel's record (``tier`` None) and the unreported loss stay, so
+    the next append is still refused once, and a drop still ends the record. Before,
+    every conversation ever lost stayed in the index until it was dropped."""
+    async with TieredKVCache([HostMemoryTier(64 * KIB)]) as cache:
+        core = cache._core
+        await _evicted(cache)
+        assert "a" not in core.sessions
+        for i in range(200):
+            await cache.append(f"more{i}", kv(8, 200 + i), answer_tokens=4)
+        stored = {k for k in cache.channel if cache.channel[k].tier is not None}
+        assert set(core.sessions) == stored  # only what the tier holds
+        with pytest.raises(HistoryLostError):
+            await cache.append("a", kv(8, 2), answer_tokens=4)
+        assert "a" not in core.sessions  # (the refused append left no entry behind)
+        assert cache.channel["a"].tier is None
+        drops = cache.stats().drops
+        await cache.drop("more0")  # lost, with no index entry: the drop ends its record
+        assert "more0" not in cache.channel
+        assert cache.stats().drops == drops + 1
+        meta = await cache.append("more0", kv(8, 3), answer_tokens=4)  # told: afresh
+        assert meta.turns == 1
+        with pytest.raises(SessionNotFoundError):
+            await cache.drop("never-stored")
+        assert problems(cache) == []

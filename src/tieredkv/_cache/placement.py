@@ -396,6 +396,7 @@ async def _move_victim(core: Core, victim: str, t: int, lossless: bool) -> None:
     finally:
         core.unbusy(victim)
         vs.lock.release()
+        core.discard_lost(vs)
 
 
 def is_shared(core: Core, name: str) -> bool:
