@@ -15,8 +15,9 @@ at once, each round:
   ``abort_within`` seconds: while waiting for its SSD load, loading, computing, or after
   it finished).
 
-Then two abort storms: every conversation's next turn at once, each cancelled within a
-tenth of a second (most while they wait for their SSD loads). Then, three times, after an
+Then abort storms: every conversation's next turn at once, each cancelled within a
+tenth of a second (most while they wait for their SSD loads); two, and more until the
+connector has withdrawn a request that waited for its KV. Then, three times, after an
 idle moment: a new conversation's first turn and, once the
 engine is idle again, a fork of it (it must be served the turn stored meanwhile). Then
 every prompt that completed is recomputed by the same engine with its prefix cache
@@ -47,7 +48,13 @@ import msgspec
 if __name__ == "__main__":  # run as a script: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.vllm_support import Spec, connector_logging, connector_states, kv_transfer_config
+from tests.vllm_support import (
+    Spec,
+    connector_logging,
+    connector_states,
+    kv_transfer_config,
+    logged_states,
+)
 
 __all__ = ["StressResult", "StressSpec", "run_stress"]
 
@@ -70,6 +77,7 @@ class StressSpec(msgspec.Struct, kw_only=True):
     :param block_size: vLLM's block size
     :param request_timeout: seconds a request may take before it counts as stuck
     :param idle_seconds: the idle moment between the last request and the shutdown
+    :param max_storms: abort storms at most (two at least: see :func:`_stress`)
     """
 
     model: str
@@ -87,6 +95,7 @@ class StressSpec(msgspec.Struct, kw_only=True):
     block_size: int = 32
     request_timeout: float = 120.0
     idle_seconds: float = 2.0
+    max_storms: int = 8
 
 
 class StressResult(msgspec.Struct, kw_only=True):
@@ -107,6 +116,7 @@ class StressResult(msgspec.Struct, kw_only=True):
     scheduler_side: dict[str, Any]
     worker: dict[str, int]
     lower_hits: int
+    storms: int
     run_seconds: float
     total_seconds: float
 
@@ -124,6 +134,21 @@ def _params(max_tokens: int, *, recompute: bool = False) -> Any:
         output_kind=RequestOutputKind.FINAL_ONLY,
         skip_reading_prefix_cache=recompute or None,
     )
+
+
+async def _withdrew(log_path: Path, wait: float = 2.0) -> bool:
+    """Whether the connector's scheduler side has withdrawn a request that waited for its
+    KV: its ``drained`` line (logged each time it becomes idle) counts one, waiting up to
+    ``wait`` seconds for it (the engine finishes a storm's aborted requests after the
+    clients' cancels)."""
+    deadline = time.monotonic() + wait
+    while True:
+        drained = (await asyncio.to_thread(logged_states, log_path)).get("drained", {})
+        if sum(drained.get("withdrawn", {}).values()) > 0:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.1)
 
 
 def _metric(name: str) -> int:
@@ -244,12 +269,18 @@ async def _stress(spec: StressSpec, log_path: Path) -> StressResult:
                 continue
             earlier[c].append(histories[c])
             histories[c] = [*histories[c], *answer, *tokens(30)]
-    # an abort storm: every conversation's next turn at once (their histories on the SSD,
+    # abort storms: every conversation's next turn at once (their histories on the SSD,
     # one load at a time), each cancelled within a tenth of a second: while it waits
-    # for its load, loads, or is computing
-    for _ in range(2):
+    # for its load, loads, or is computing. Two, then more (up to max_storms) until the
+    # connector's scheduler side has withdrawn a request that waited for its KV: how many
+    # still wait when their cancel comes depends on how fast the engine runs, and on two
+    # cores shared with another test a storm's cancels can all come before the engine
+    # core has taken in its requests (no request withdrawn in 2 of 6 such runs)
+    storms = 0
+    while storms < 2 or (storms < spec.max_storms and not await _withdrew(log_path)):
         storm = [one(list(h), rng.uniform(0.005, 0.1)) for h in histories]
         await asyncio.gather(*storm)
+        storms += 1
     # after an idle moment: a conversation's first turn, then (the engine idle again) a
     # fork of it: the fork is served the turn stored while the engine had nothing to do
     idle_forks: list[tuple[int, int]] = []  # (tokens cached, tokens shared in full blocks)
@@ -323,6 +354,7 @@ async def _stress(spec: StressSpec, log_path: Path) -> StressResult:
         scheduler_side=scheduler_side,
         worker=worker,
         lower_hits=lower_hits,
+        storms=storms,
         run_seconds=ran - run_began,
         total_seconds=time.monotonic() - began,
     )

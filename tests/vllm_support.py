@@ -380,6 +380,27 @@ def connector_logging(log_path: Path) -> Path:
     return path
 
 
+STATE_MARKERS = {
+    "shutdown": "tieredkv scheduler side at shutdown: ",
+    "drained": "tieredkv scheduler side drained: ",
+    "worker": "tieredkv worker at shutdown: ",
+}
+"""What starts each state line the connector logs, by the name :func:`logged_states`
+gives it."""
+
+
+def logged_states(log_path: Path) -> dict[str, dict[str, Any]]:
+    """The last state line of each kind (:data:`STATE_MARKERS`) in a log written under
+    :func:`connector_logging` so far, parsed: the scheduler side's ``drained`` line comes
+    each time it has become idle, the other two at shutdown."""
+    found: dict[str, dict[str, Any]] = {}
+    for line in log_path.read_text().splitlines() if log_path.exists() else []:
+        for name, marker in STATE_MARKERS.items():
+            if marker in line:
+                found[name] = json.loads(line.split(marker, 1)[1])  # the last one
+    return found
+
+
 def connector_states(log_path: Path, wait: float) -> tuple[dict[str, Any], dict[str, Any]]:
     """What the connector's scheduler side and worker logged of their state
     (``TieredKVConnector.scheduler_state`` and ``worker_state``), from a log written
@@ -389,18 +410,9 @@ def connector_states(log_path: Path, wait: float) -> tuple[dict[str, Any], dict[
     once without ``--shutdown-timeout``); that line is its final state when its
     ``finished`` count covers every request, as nothing changes what it holds for
     requests without a request. An empty dict for a side that logged neither."""
-    markers = {
-        "shutdown": "tieredkv scheduler side at shutdown: ",
-        "drained": "tieredkv scheduler side drained: ",
-        "worker": "tieredkv worker at shutdown: ",
-    }
     deadline = time.monotonic() + wait
     while True:
-        found: dict[str, dict[str, Any]] = {}
-        for line in log_path.read_text().splitlines() if log_path.exists() else []:
-            for name, marker in markers.items():
-                if marker in line:
-                    found[name] = json.loads(line.split(marker, 1)[1])  # the last one
+        found = logged_states(log_path)
         if ("shutdown" in found and "worker" in found) or time.monotonic() > deadline:
             side = found.get("shutdown") or found.get("drained") or {}
             return side, found.get("worker", {})

@@ -69,6 +69,7 @@ def test_concurrent_clients_that_abort_fork_and_duplicate(tmp_path: Path) -> Non
         "engine_errors": result.engine_errors[:3],
         "stuck": len(result.stuck),
         "idle_forks": result.idle_forks,
+        "storms": result.storms,
     }
     print(summary, result.scheduler_side, result.worker)  # for the record (pytest -s)
     assert result.engine_errors == [], summary
