@@ -301,14 +301,21 @@ def physical_runs(regions: list[tuple[int, int]]) -> float:
     return statistics.mean(counts)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--reps", type=int, default=30)
+def parser(doc: str, reps: int) -> argparse.ArgumentParser:
+    """The options of a history's shape, the raw reads in flight and the directory (this
+    benchmark's, and ``_load_timeline.py``'s)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=reps)
     p.add_argument("--mib", type=int, default=8, help="turn size")
     p.add_argument("--turns", type=int, default=16)
     p.add_argument("--tensors", type=int, default=64)
     p.add_argument("--depth", type=int, default=8, help="raw reads in flight")
     p.add_argument("--dir", type=Path, default=None, help="a directory on the SSD")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser(__doc__, reps=30)
     p.add_argument(
         "--same-files",
         action="store_true",

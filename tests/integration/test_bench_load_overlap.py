@@ -15,6 +15,20 @@ ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--reps", "2", "--turns", "3", "--mib", "2", "--tensors", "2"]
 
 
+def run(script: str, flags: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``benchmarks/<script> <flags>`` in ``cwd``; it must exit 0."""
+    done = subprocess.run(
+        [sys.executable, ROOT / "benchmarks" / script, *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=cwd,
+    )
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 @pytest.mark.parametrize(
     ("flags", "rows", "ratios"),
     [
@@ -29,18 +43,27 @@ SMALL = ["--reps", "2", "--turns", "3", "--mib", "2", "--tensors", "2"]
 def test_bench_load_overlap_reads_every_way_and_prints_its_ratios(
     tmp_path: Path, flags: list[str], rows: list[str], ratios: list[str]
 ) -> None:
-    done = subprocess.run(
-        [sys.executable, ROOT / "benchmarks" / "bench_load_overlap.py", *SMALL, *flags],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr
+    done = run("bench_load_overlap.py", [*SMALL, *flags], tmp_path)
     lines = done.stdout.splitlines()
     assert lines[0].startswith("3 turns x 2 tensors = 2 MiB turns")
     for row in rows:
         assert any(line.split()[: len(row.split())] == row.split() for line in lines[2:]), row
     for ratio in ratios:
         assert any(line.startswith(ratio) and "of 2)" in line for line in lines), ratio
+
+
+def test_load_timeline_times_both_readers_within_their_calls(tmp_path: Path) -> None:
+    """``benchmarks/_load_timeline.py`` (where a load's time goes beside raw reads of the same
+    files into the same places): a row per reader, each figure inside its call."""
+    done = run("_load_timeline.py", SMALL, tmp_path)
+    rows = {}
+    for line in done.stdout.splitlines():
+        for mode in ("raw places", "load_into"):
+            if line.startswith(mode):
+                rows[mode] = [float(x) for x in line[len(mode) :].split()]
+    assert set(rows) == {"raw places", "load_into"}, done.stdout
+    for mode, (call, first_open, first_read, after, in_flight, mean) in rows.items():
+        assert 0 <= first_open <= first_read < call, (mode, rows[mode])
+        assert 0 <= after < call, (mode, rows[mode])
+        assert 0 < in_flight <= call, (mode, rows[mode])
+        assert 1 <= mean <= 8, (mode, rows[mode])  # --depth 8 raw reads, READ_DEPTH 8 loads
