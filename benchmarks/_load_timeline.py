@@ -89,18 +89,12 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, list[dict[str, 
                     modes = list(out) if rep % 2 else list(out)[::-1]
                     for mode in modes:
                         cold(root, True)
-                        for t in places.values():
-                            t.zero_()
                         _reads.clear()
                         _opens.clear()
-                        t0 = time.perf_counter()
-                        if mode == "raw places":
-                            list(pool.map(overlap.read_into, zip(files, pieces, strict=True)))
-                        else:
-                            await cache.load_into("user", places)
-                        t1 = time.perf_counter()
-                        if not api.same(places, want):
-                            raise AssertionError(f"{mode}: other bytes in the kept outputs")
+                        raw = mode == "raw places"
+                        t0, t1 = await overlap.read_places(
+                            cache, places, want, files, pieces, pool, raw
+                        )
                         out[mode].append(summary(t0, t1, list(_reads), list(_opens)))
             finally:
                 os.preadv, os.open = real_preadv, real_open

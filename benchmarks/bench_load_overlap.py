@@ -232,16 +232,11 @@ async def run_same_files(args: argparse.Namespace, root: Path) -> dict[str, list
                 for mode in SAME_FILES_MODES[k:] + SAME_FILES_MODES[:k]:
                     cold(root, True)
                     if mode in ("raw places", "into places"):
-                        for t in places.values():
-                            t.zero_()
-                        t0 = time.perf_counter()
-                        if mode == "raw places":
-                            list(pool.map(read_into, zip(files, pieces, strict=True)))
-                        else:
-                            await cache.load_into("user", places)
-                        took[mode].append(time.perf_counter() - t0)
-                        if not api.same(places, places_want):
-                            raise AssertionError(f"{mode}: other bytes in the kept outputs")
+                        raw = mode == "raw places"
+                        t0, t1 = await read_places(
+                            cache, places, places_want, files, pieces, pool, raw
+                        )
+                        took[mode].append(t1 - t0)
                         continue
                     if mode == "raw":
                         t0 = time.perf_counter()
@@ -268,6 +263,35 @@ async def run_same_files(args: argparse.Namespace, root: Path) -> dict[str, list
             took[RUNS_PLACES].append(physical_runs(regions(places)))
             took[RUNS_RAW].append(physical_runs([(address(memoryview(b)), len(b)) for b in bufs]))
     return took
+
+
+async def read_places(
+    cache: TieredKVCache,
+    places: dict[str, torch.Tensor],
+    want: dict[str, torch.Tensor],
+    files: list[Path],
+    pieces: list[list[memoryview]],
+    pool: concurrent.futures.ThreadPoolExecutor,
+    raw: bool,
+) -> tuple[float, float]:
+    """Zero a load's kept outputs (:func:`load_places`), then fill them again: with ``raw``,
+    one O_DIRECT ``preadv`` of each of ``files`` into its ``pieces`` (``pool``'s threads),
+    else the cache's ``load_into``; when it began and ended (``time.perf_counter``).
+
+    :raises AssertionError: the outputs then hold other bytes than ``want``
+    """
+    for t in places.values():
+        t.zero_()
+    t0 = time.perf_counter()
+    if raw:
+        list(pool.map(read_into, zip(files, pieces, strict=True)))
+    else:
+        await cache.load_into("user", places)
+    t1 = time.perf_counter()
+    if not api.same(places, want):
+        mode = "raw places" if raw else "into places"
+        raise AssertionError(f"{mode}: other bytes in the kept outputs")
+    return t0, t1
 
 
 RUNS_LOAD = "runs: load's outputs"
