@@ -16,7 +16,12 @@ written (a mismatch exits 1).
   untimed append, load and ``load_into`` of the same shapes (its staging and span buffers
   exist; the load's outputs, dropped, are memory the next load reuses), then times
   ``append`` of every turn (durable when each returns), ``load`` and ``load_into``
-  (preallocated, prefaulted);
+  (preallocated, prefaulted). Between its append and its load the device settles
+  (:func:`settle`) as it does between every other system's write and read, which run in
+  two children with a settle before each. Without it the load began right after the
+  append's last ``fsync``, and measured lower: the open cache's load / raw O_DIRECT,
+  paired, was 0.69-0.86 (median 0.75) in five runs, and 0.81-0.94 (median 0.87) in five
+  that settle, four pairs of them alternating (``docs/explanation/api-performance.md``);
 - ``new cache``: a child per call, timing the cache's ``open``, the call and ``aclose``
   inside a running event loop: what a restarted server meets (every buffer and output is
   new memory). Timing ``anyio.run`` as well, as an earlier version did, added the import
@@ -194,6 +199,7 @@ async def open_cache_child(root: Path, turns: list[Turn], drop: bool) -> dict[st
         res["collapsed"] = await outputs_settled(cache)
         with measured() as res["append"]:
             await append_turns(cache, "user", turns)
+        settle()  # (as every other system's read follows its write: see ``settle``)
         res["cold"] = cold(root, drop)
         with measured() as res["load"]:
             got = await cache.load("user")

@@ -35,8 +35,13 @@ def run(script: str, flags: list[str], cwd: Path) -> subprocess.CompletedProcess
         ([], ["held", "overlapped", "raw"], ["held / overlapped, time"]),
         (
             ["--same-files"],
-            ["overlapped", "unverified", "into places", "raw", "raw places"],
-            ["raw places / raw, GB/s", "into places / raw places, GB/s"],
+            ["overlapped", "unverified", "into places", "raw", "raw pieces", "raw places"],
+            [
+                "raw pieces / raw, GB/s",
+                "raw places / raw pieces, GB/s",
+                "raw places / raw, GB/s",
+                "into places / raw places, GB/s",
+            ],
         ),
     ],
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import mmap
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -257,8 +258,8 @@ class Scatter:
         out = self._out.get(name)
         facts = None
         if out is not None and out.dim() and plain_cpu(out):
-            row = out[0].nbytes if out.shape[0] else 0
-            facts = (out.data_ptr(), out.dtype, tuple(out.shape), row)
+            shape = tuple(out.shape)  # (bytes per row from the shape: no view made)
+            facts = (out.data_ptr(), out.dtype, shape, math.prod(shape[1:]) * out.element_size())
         self._facts[name] = facts
         return facts
 
