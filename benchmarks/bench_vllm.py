@@ -7,6 +7,12 @@ work directory (every engine's spec and result, LMCache's logs and counters). ``
 runs a 2-layer model on a few turns of the chat workload (what the test suite does, to
 prove the benchmark runs). Every vLLM engine, and every LMCache server, runs alone, one
 after another; the machine's 1-minute load average as each row started is in its row.
+``--in-process`` runs vLLM's engine core and worker in the runner's own process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) for every row but LMCache's (its connector fails
+there: ``'_lib_fn_wrapper' object has no attribute 'get'``): an engine of the quick model
+then starts in about 15 s instead of 40 (each of vLLM's two processes imports torch and
+vLLM again), which is what the test suite uses it for; its figures are not those of a
+server, whose scheduler and worker run in processes of their own.
 
 Workloads (each runs every row; the turns come from the synthetic generator,
 :class:`tieredkv.sim.synthetic.SyntheticWorkload`: conversations with a first context and
@@ -105,7 +111,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tests.vllm_support import Result, Spec, answers, run_engine, tiny_model
+from tests.vllm_support import IN_PROCESS, Result, Spec, answers, run_engine, tiny_model
 
 import peer_lmcache
 import tieredkv
@@ -516,6 +522,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--keep", action="store_true", help="keep the work directory (logs, LMCache metrics)"
     )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="vLLM's engine core and worker in the runner's process, but for LMCache's rows "
+        "(faster starts; not a server's layout)",
+    )
     return parser
 
 
@@ -569,6 +581,12 @@ def main(argv: list[str] | None = None) -> int:
         f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
         flush=True,
     )
+    if args.in_process:
+        print(
+            "--in-process: vLLM's engine core and worker run in the runner's process (LMCache's "
+            "rows excepted): faster starts, not a server's layout",
+            flush=True,
+        )
     lossless = True
     alone: Row | None = None
     with (
@@ -665,6 +683,15 @@ def run_rows(
     return rows
 
 
+def engine(args: argparse.Namespace, spec: Spec, work: Path) -> Result:
+    """A vLLM engine's run of ``spec`` in this project's environment (in the runner's own
+    process with ``--in-process``).
+
+    :raises RuntimeError: if the engine did not run
+    """
+    return run_engine(spec, work, timeout=3600, env=IN_PROCESS if args.in_process else None)
+
+
 def run_one(
     name: str,
     args: argparse.Namespace,
@@ -680,10 +707,10 @@ def run_one(
     :raises RuntimeError: if the engine did not run
     """
     if name == "vllm recompute":
-        return Row(run_engine(spec_for(args, wl, model, None, {}), work, timeout=3600))
+        return Row(engine(args, spec_for(args, wl, model, None, {}), work))
     if name == "vllm ideal":  # vLLM's pool holds every history: a prefix-cache hit each turn
         spec = spec_for(args, wl, model, None, {}, pool_blocks=ideal_blocks)
-        return Row(run_engine(spec, work, timeout=3600))
+        return Row(engine(args, spec, work))
     if name in ("vllm offloading", "vllm tiering-fs"):
         extra: dict[str, Any] = {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": host}
         if name == "vllm tiering-fs":
@@ -692,10 +719,10 @@ def run_one(
                 "cpu_bytes_to_use": host,
                 "secondary_tiers": [{"type": "fs", "root_dir": str(work / "tiering-fs")}],
             }
-        return Row(run_engine(spec_for(args, wl, model, "offloading", extra), work, timeout=3600))
+        return Row(engine(args, spec_for(args, wl, model, "offloading", extra), work))
     if name == "vllm example":
         extra = {"shared_storage_path": str(work / "example")}
-        return Row(run_engine(spec_for(args, wl, model, "example", extra), work, timeout=3600))
+        return Row(engine(args, spec_for(args, wl, model, "example", extra), work))
     if name.startswith("lmcache "):
         assert peer is not None
         disk = work / "lmcache-disk" if name == "lmcache disk" else None
@@ -748,7 +775,7 @@ def run_one(
             spec = spec_for(args, wl, model, "tieredkv", extra)
             spec.metrics_urls = [f"http://127.0.0.1:{port}/metrics"]
             try:
-                result = run_engine(spec, work / f"try-{attempt}", timeout=3600)
+                result = engine(args, spec, work / f"try-{attempt}")
                 break
             except RuntimeError as exc:
                 if "Address already in use" in str(exc) and attempt < 2:

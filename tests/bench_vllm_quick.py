@@ -73,7 +73,9 @@ def bench_vllm_quick(tmp_path_factory: pytest.TempPathFactory) -> QuickRun:
     is ready), vLLM's pool one conversation."""
     env = peer_env()
     problem = _peer_problem(env)
-    argv = ["--quick", "--dir", str(tmp_path_factory.mktemp("bench-vllm"))]
+    # vLLM's engines in the runner's process (LMCache's excepted): each starts in ~15 s, not
+    # ~40; the connector's split across vLLM's processes is test_vllm_connector.py's
+    argv = ["--quick", "--in-process", "--dir", str(tmp_path_factory.mktemp("bench-vllm"))]
     argv += ["--pool-blocks", "10"]  # one conversation (the longest takes 9 blocks)
     if problem is None:
         argv += ["--peer-env", str(env)]

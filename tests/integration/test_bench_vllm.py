@@ -5,8 +5,11 @@ The run is :func:`tests.bench_vllm_quick.bench_vllm_quick`'s, shared with
 ``test_bench_vllm_lmcache.py``, which checks its LMCache rows (they need the peer's
 environment, which the project's does not hold: without it the run leaves them out).
 Eight vLLM engines start one after another (two of them stop at start on the CPU backend),
-and with the peer's environment three more and two LMCache servers: about six to ten
-minutes on two cores."""
+in the runner's own process (``--in-process``: each starts in ~15 s instead of ~40), and with
+the peer's environment three more, in vLLM's own processes (LMCache's connector fails
+in-process), and two LMCache servers: 330 s on two cores with the peer (``pytest -m slow
+-n 2 --durations=5`` of this file, its LMCache test's and the forks row's, 7 December 2026),
+against 566 s with vLLM's processes for every engine in that day's slow half."""
 
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ def test_bench_vllm_quick_runs_and_prints_its_ratios(bench_vllm_quick: QuickRun)
         "(target >= 1.25x)",
         "host hit ratio, Bidaw / LRU:",
         "answers: every row equals recompute",
+        "--in-process: vLLM's engine core and worker run in the runner's process",
     ):
         assert line in out, out
     for row in (

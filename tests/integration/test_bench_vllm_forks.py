@@ -5,7 +5,7 @@ benchmark prints the bytes stored with forks over without, below 1 (at this size
 pool keeps what the returning turns need, so neither row loads: serving forks is
 ``test_vllm_forks.py``'s).
 
-Three vLLM engines start one after another: about three to four minutes on two cores."""
+Three vLLM engines start one after another, in the runner's process (``--in-process``)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ def test_bench_vllm_forks_off_row_runs_and_stores_the_shared_prompt_again(
         keep = {"vllm recompute", "tieredkv bidaw", "tieredkv bidaw (no forks)"}
         skip = ",".join(r for r in bench.ROWS if r not in keep)
         # vLLM's pool holds one conversation (the smallest that serves the longest)
-        argv = ["--quick", "--workloads", "system", "--dir", str(tmp_path), "--skip", skip]
+        argv = ["--quick", "--in-process", "--workloads", "system", "--dir", str(tmp_path)]
+        argv += ["--skip", skip]
         argv += ["--pool-conversations", "1"]
         assert bench.main(argv) == 0  # 1: an answer differs
     out = capsys.readouterr().out
