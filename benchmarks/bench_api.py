@@ -67,7 +67,12 @@ apart. So the peer is run both ways here (``safetensors`` with torch's default t
 Needs the ``bench`` extra (``safetensors``)::
 
     .venv/bin/python benchmarks/bench_api.py [--dir DIR] [--sizes 8:16,64:8] [--tensors 64]
-        [--rounds 5] [--depth 8] [--quick]
+        [--rounds 5] [--depth 8] [--settle 0.3] [--quick]
+
+``--settle`` is the pause after ``os.sync`` before each child and between the open cache's
+append and its load (:func:`settle`). On 7 December 2026 a longer one changed nothing:
+two runs each way alternating, the open cache's load / raw O_DIRECT (paired) was 0.83 and
+0.76 with 0.3 s, 0.76 and 0.83 with 1.5 s.
 """
 
 from __future__ import annotations
@@ -186,7 +191,9 @@ async def outputs_settled(cache: TieredKVCache, quiet: float = 0.2, most: float 
     return cache.stats().outputs_collapsed
 
 
-async def open_cache_child(root: Path, turns: list[Turn], drop: bool) -> dict[str, Any]:
+async def open_cache_child(
+    root: Path, turns: list[Turn], drop: bool, pause: float
+) -> dict[str, Any]:
     """An open cache's append, load and load_into (after one untimed append and load)."""
     want = history(turns)
     out = {k: torch.zeros_like(v) for k, v in want.items()}  # prefaulted
@@ -199,7 +206,7 @@ async def open_cache_child(root: Path, turns: list[Turn], drop: bool) -> dict[st
         res["collapsed"] = await outputs_settled(cache)
         with measured() as res["append"]:
             await append_turns(cache, "user", turns)
-        settle()  # (as every other system's read follows its write: see ``settle``)
+        settle(pause)  # (as every other system's read follows its write: see ``settle``)
         res["cold"] = cold(root, drop)
         with measured() as res["load"]:
             got = await cache.load("user")
@@ -336,14 +343,17 @@ def st_read(root: Path, turns: int) -> Turn:
 
 
 # -- one child ------------------------------------------------------------------------------
-def child(system: str, op: str, root: Path, turns: list[Turn], depth: int, drop: bool) -> Any:
-    """Run one system's ``op`` (``write``, ``read``; the open cache: ``both``) in this
-    process; return what it measured, as JSON-able values."""
+def child(
+    system: str, op: str, root: Path, turns: list[Turn], depth: int, drop: bool, pause: float
+) -> Any:
+    """Run one system's ``op`` (``write``, ``read``; the open cache: ``both``, which settles
+    ``pause`` seconds between its append and its load) in this process; return what it
+    measured, as JSON-able values."""
     res: dict[str, Any] = {}
     if system == "safetensors 1 thread":
         torch.set_num_threads(1)  # torch.cat on one thread: no OpenMP threads to wait for
     if system == "tieredkv":
-        res = anyio.run(open_cache_child, root, turns, drop)
+        res = anyio.run(open_cache_child, root, turns, drop, pause)
     elif op == "write":
         if system == "raw":
             bufs = raw_sources(turn_blobs(turns))
@@ -382,14 +392,16 @@ def child_main(system: str, op: str, root: Path, size: tuple[int, int], opts: An
     """A child process's work: make the turns (untimed), then :func:`child`."""
     mib, n = size
     turns = make_turns(n, opts.tensors, mib)
-    return child(system, op, root, turns, opts.depth, opts.drop)
+    return child(system, op, root, turns, opts.depth, opts.drop, opts.settle)
 
 
 def run_child(args: argparse.Namespace, system: str, op: str, root: Path, mib: int, n: int) -> Any:
     """``system``'s ``op`` in a new process, forked from a server that has imported torch,
     safetensors and tieredkv and nothing else (none of this process's memory or threads)."""
-    settle(0.0 if args.quick else 0.3)
-    opts = argparse.Namespace(tensors=args.tensors, depth=args.depth, drop=args.drop)
+    settle(args.settle)
+    opts = argparse.Namespace(
+        tensors=args.tensors, depth=args.depth, drop=args.drop, settle=args.settle
+    )
     return args.pool.submit(child_main, system, op, root, (mib, n), opts).result()
 
 
@@ -403,7 +415,7 @@ def process_per_task() -> concurrent.futures.ProcessPoolExecutor:
     return concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx, max_tasks_per_child=1)
 
 
-def settle(pause: float = 0.3) -> None:
+def settle(pause: float) -> None:
     """Let the device finish what came before (writeback, and the discards of deleted files
     on a ``discard``-mounted file system) so it does not slow the next system measured."""
     os.sync()
@@ -541,6 +553,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-drop", dest="drop", action="store_false", help="no drop_caches")
     parser.add_argument(
+        "--settle",
+        type=float,
+        default=None,
+        help="seconds the device settles after os.sync before each child, and between the "
+        "open cache's append and its load (default 0.3; --quick: 0)",
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="1 round of 2 turns of 1 MiB, no pauses (tests)"
     )
     args = parser.parse_args(argv)
@@ -553,6 +572,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("tensors", "rounds", "depth"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
+    if args.settle is None:
+        args.settle = 0.0 if args.quick else 0.3
+    elif not args.settle >= 0:  # (NaN too)
+        parser.error(f"--settle must be 0 or more seconds, not {args.settle}")
     try:
         import safetensors.torch  # noqa: F401
     except ImportError:
@@ -573,7 +596,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"\n== {n} turns x {args.tensors} tensors = {mib} MiB turns, "
                 f"{nbytes / 1e6:.0f} MB; median of {args.rounds} rounds, a process per system "
                 f"per round; reads made cold by {' and '.join(sorted(args.cold_ran))}; every "
-                f"read byte-checked; load average {os.getloadavg()[0]:.2f}; the open cache "
+                f"read byte-checked; {args.settle:g} s settle before each child and the "
+                f"open cache's load; load average {os.getloadavg()[0]:.2f}; the open cache "
                 f"had made {'/'.join(map(str, args.collapsed))} huge pages of dropped outputs "
                 "before its timed calls",
                 flush=True,

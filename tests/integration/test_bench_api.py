@@ -39,6 +39,7 @@ def test_bench_api_quick_runs_every_system_and_prints_its_ratios(tmp_path: Path)
     out = done.stdout
     assert "every read byte-checked" in out
     assert "reads made cold by fadvise" in out
+    assert "; 0 s settle before each child and the open cache's load;" in out  # (--quick)
     figure = re.compile(r"^(?P<name>[a-z0-9_ ]+?) +(?P<gbps>\d+\.\d\d) +(?P<cpu>\d+\.\d{3}) +\d+ ")
     rows = {m["name"]: m for line in out.splitlines() if (m := figure.match(line))}
     for system, ops in (
@@ -69,3 +70,16 @@ def test_bench_api_quick_runs_every_system_and_prints_its_ratios(tmp_path: Path)
         )
     assert re.search(r"^cpu   tieredkv load +\d+\.\d{3}  CPU-s/GB", out, re.M)
     assert list(tmp_path.iterdir()) == []  # its files are removed
+
+
+@pytest.mark.parametrize("settle", ["-1", "nan"])
+def test_a_settle_that_is_not_a_pause_is_refused_saying_so(settle: str) -> None:
+    done = subprocess.run(
+        [sys.executable, ROOT / "benchmarks" / "bench_api.py", "--quick", "--settle", settle],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"--settle must be 0 or more seconds, not {float(settle)}" in done.stderr
