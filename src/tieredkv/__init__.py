@@ -39,6 +39,7 @@ _EXPORTS = {
     "RestoreFailedError": ".errors",
     "StaleWriterError": ".errors",
     "HistoryConflictError": ".errors",
+    "HistoryLengthError": ".errors",
     "HistoryLostError": ".errors",
     "CommitDelayedError": ".errors",
     "TurnRefusedError": ".errors",
@@ -114,6 +115,7 @@ if TYPE_CHECKING:
     from .errors import CorruptSegmentError as CorruptSegmentError
     from .errors import ForkedError as ForkedError
     from .errors import HistoryConflictError as HistoryConflictError
+    from .errors import HistoryLengthError as HistoryLengthError
     from .errors import HistoryLostError as HistoryLostError
     from .errors import InvalidArgumentError as InvalidArgumentError
     from .errors import InvalidTypeError as InvalidTypeError

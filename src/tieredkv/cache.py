@@ -411,6 +411,7 @@ class TieredKVCache:
         hint: RetentionHint | None = None,
         parent: str | None = None,
         parent_tokens: int | None = None,
+        expected_tokens: int | None = None,
     ) -> KVMeta:
         """Store one turn's new KV segment and record the model's answer length.
 
@@ -437,6 +438,14 @@ class TieredKVCache:
             turn); its tensors must have the same names, dtypes and non-token shapes
         :param parent_tokens: how many of ``parent``'s tokens the fork starts with (1 to
             all of them; ``None``: all)
+        :param expected_tokens: the length of the history this turn extends, as the caller
+            counts it (0: the turn starts the conversation; for a fork, the tokens it
+            inherits). The turn is stored only if the cache holds exactly that many tokens
+            of the conversation, checked under its lock: a caller that passes it never has
+            a turn stored after a history other than its own, even one lost before this
+            cache was opened, of which the cache keeps no record. With 0, a conversation
+            lost since the caller last heard of it starts afresh without
+            :class:`~tieredkv.errors.HistoryLostError`. ``None`` (default): not checked
         :returns: the session's metadata after the append
         :raises SchemaMismatchError: the tensors disagree with the session's earlier turns
             (the session is untouched)
@@ -449,6 +458,8 @@ class TieredKVCache:
             finds the conversation or not, and a :meth:`drop` ends it); raised once,
             nothing is stored: recompute the whole history and append it, which starts the
             conversation afresh
+        :raises HistoryLengthError: the cache holds a history of another length than
+            ``expected_tokens`` (none, or a different one): nothing is stored
         :raises ValueError: ``parent`` given for a conversation already stored, or
             ``parent_tokens`` out of range or without ``parent`` (nothing is stored)
         :raises TierIOError: a tier failed while making room or writing (nothing is lost:
@@ -464,10 +475,20 @@ class TieredKVCache:
             fork = (parent, parent_tokens)
         elif parent_tokens is not None:
             raise InvalidArgumentError("parent_tokens needs parent (the conversation to fork)")
+        if expected_tokens is not None:
+            check_int("expected_tokens", expected_tokens)
         dim = self._token_dim if token_dim is None else token_dim
         with self._core.operation():
             meta = await append(
-                self._core, self._pumps, session, tensors, answer_tokens, dim, codec, fork
+                self._core,
+                self._pumps,
+                session,
+                tensors,
+                answer_tokens,
+                dim,
+                codec,
+                fork,
+                expected_tokens,
             )
             if hint is not None:  # (checked against the history as it grew)
                 meta = self._hint(session, hint)

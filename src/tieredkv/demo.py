@@ -110,8 +110,10 @@ async def run_demo(
                         raise AssertionError(f"{session}: history differs from what was stored")
                 query, answer = int(rng.integers(20, 60)), int(rng.integers(20, 80))
                 kv = _turn_kv(rng, query + answer)
-                history.setdefault(session, []).append(kv["kv"])
-                meta = await cache.append(session, kv, answer_tokens=answer)
+                stored = history.setdefault(session, [])
+                before = sum(t.shape[3] for t in stored)  # the history this turn extends
+                stored.append(kv["kv"])
+                meta = await cache.append(session, kv, answer_tokens=answer, expected_tokens=before)
                 if conversations <= WIDE:
                     placement = "  ".join(
                         f"c{i}:{(cache.where(f'conversation-{i}') or '-')[:4]}"

@@ -19,6 +19,7 @@ __all__ = [
     "CorruptSegmentError",
     "ForkedError",
     "HistoryConflictError",
+    "HistoryLengthError",
     "HistoryLostError",
     "InvalidArgumentError",
     "InvalidTypeError",
@@ -85,6 +86,46 @@ class HistoryLostError(SessionNotFoundError):
             f"turn, which extends it, was not stored; recompute the conversation's whole "
             f"history and append it (this error is raised once: the next append starts the "
             f"conversation afresh)",
+        )
+
+
+class HistoryLengthError(TieredKVError, RuntimeError):
+    """An append's ``expected_tokens`` (the length of the history the turn extends, as the
+    caller counts it) is not what this cache holds of the conversation: the turn was not
+    stored, and what the cache holds is untouched.
+
+    ``held`` 0 with ``expected`` above it: the history is not here (lost before this cache
+    was opened, dropped, never stored, or another replica's, not loaded here yet). ``held``
+    above 0 with ``expected`` 0: the turn starts a conversation the cache already holds.
+    Otherwise the two lengths differ: the caller and the cache disagree on the history.
+
+    :param session: the conversation's key
+    :param held: tokens of it this cache holds (0: none)
+    :param expected: the caller's ``expected_tokens``
+    """
+
+    def __init__(self, session: str, *, held: int, expected: int) -> None:
+        self.session = session
+        self.held = held
+        self.expected = expected
+        if not held:
+            fix = (
+                "the history is not here: load it (a miss means it is gone), or recompute "
+                "the whole history and append it with expected_tokens=0"
+            )
+        elif not expected:
+            fix = (
+                "the conversation is already stored: append only the tokens after its "
+                f"{held}, or drop it first to store this history afresh"
+            )
+        else:
+            fix = (
+                "load the conversation to see the history it holds and append the tokens "
+                "after it, or drop it and append the whole history with expected_tokens=0"
+            )
+        super().__init__(
+            f"session {_shown(session)!r} holds {held} tokens in this cache, but this turn "
+            f"extends {expected} (expected_tokens): it was not stored; {fix}"
         )
 
 

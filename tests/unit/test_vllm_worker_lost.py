@@ -3,12 +3,12 @@ room for itself in host memory, and this conversation had no copy below) is not 
 and is not reported as an error: under memory pressure that is an expected race, and a
 busy server's log must not fill with tracebacks for it.
 
-The worker checks the metadata channel before it appends: a continuation of a lost
-conversation is not stored, a first turn starts it afresh. The loss can come between that
-check and the append, while the append waits for the conversation's lock. The cache then
-refuses the append once (:class:`~tieredkv.HistoryLostError`) rather than store the turn
-as a history without its start. Before 6 December 2026 that error reached the save's
-future, and the worker logged it with its traceback at ERROR level.
+The worker appends with ``expected_tokens`` (the tokens the turn continues), which the
+cache checks under the conversation's lock: a continuation of a lost conversation is not
+stored, a first turn starts it afresh. Here the loss comes while the append is on its way
+to that lock; the cache refuses the append (:class:`~tieredkv.HistoryLostError`) rather
+than store the turn as a history without its start. Before 6 December 2026 that error
+reached the save's future, and the worker logged it with its traceback at ERROR level.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def test_a_history_lost_while_its_turn_waits_is_not_stored_and_not_an_error(
         assert not finish(store, save_op("a", BLOCKS, 2 * BLOCKS))
         assert raced == [session("a")]
         assert cache.channel[session("a")].tier is None
-        assert any("was lost while the turn waited" in r.getMessage() for r in caplog.records)
+        assert any("history was lost" in r.getMessage() for r in caplog.records)
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert cache.channel[session("b")].tier is not None
         # a's next save from its first block is stored, as a new history

@@ -21,6 +21,7 @@ from ..errors import (
     CapacityError,
     CommitDelayedError,
     CorruptSegmentError,
+    HistoryLengthError,
     HistoryLostError,
     InvalidArgumentError,
     SchemaMismatchError,
@@ -76,11 +77,13 @@ async def append(
     dim: int,
     codec: str,
     parent: tuple[str, int | None] | None = None,
+    expected: int | None = None,
 ) -> KVMeta:
     """Store one turn of ``session`` (see :meth:`~tieredkv.TieredKVCache.append`): under the
     session's lock, all or nothing whatever cancels it; in inclusive mode a background copy
     to the next tier follows. With ``parent`` (``(conversation, tokens)``, ``None`` tokens
-    for all of them) the turn is the first of a fork: under the parent's lock too."""
+    for all of them) the turn is the first of a fork: under the parent's lock too. With
+    ``expected``, only if the history it extends holds that many tokens."""
     sessions = core.sessions
     while True:
         s = await core.session(session)
@@ -91,11 +94,13 @@ async def append(
                 if parent is not None:
                     core.told(session)  # (a fork's first turn starts afresh)
                     return await _fork_locked(
-                        core, pumps, s, parent, tensors, answer_tokens, dim, codec
+                        core, pumps, s, parent, tensors, answer_tokens, dim, codec, expected
                     )
                 if core.sharing:  # one writer per conversation across replicas
                     await check_writer(core, session, commits=_commits_into(core, s))
-                return await _append_locked(core, pumps, s, tensors, answer_tokens, dim, codec)
+                return await _append_locked(
+                    core, pumps, s, tensors, answer_tokens, dim, codec, None, expected
+                )
         finally:
             core.discard_unused(s)  # a first append that failed or was cancelled
 
@@ -109,6 +114,7 @@ async def _fork_locked(
     answer_tokens: int,
     dim: int,
     codec: str,
+    expected: int | None = None,
 ) -> KVMeta:
     """The first turn of ``s`` (locked), a fork of ``parent``'s first tokens: stored in
     the tier that serves the parent, referencing the parent's segments (held, with the
@@ -134,8 +140,29 @@ async def _fork_locked(
             raise SessionNotFoundError(key)
         inherited = fork_point(p, tokens)
         return await _append_locked(
-            core, pumps, s, tensors, answer_tokens, dim, codec, (p, inherited)
+            core, pumps, s, tensors, answer_tokens, dim, codec, (p, inherited), expected
         )
+
+
+def _check_expected(
+    core: Core, s: Session, expected: int, fork: tuple[Session, list[tuple[Seg, int]]] | None
+) -> None:
+    """Refuse ``s``'s next turn (planned: a lost history is unlisted) unless the history it
+    extends holds ``expected`` tokens (a fork's: those it inherits). A loss not yet told
+    is told here: an ``expected`` of 0 starts the conversation afresh, any other raises
+    :class:`HistoryLostError`.
+
+    :raises HistoryLostError: the history was lost since the caller last heard of it, and
+        ``expected`` is not 0
+    :raises HistoryLengthError: the history holds another number of tokens
+    """
+    held = s.tokens() if fork is None else sum(n for _, n in fork[1])
+    if s.key in core.unreported:
+        core.told(s.key)
+        if expected:
+            raise HistoryLostError(s.key, _LOSS)
+    if held != expected:
+        raise HistoryLengthError(s.key, held=held, expected=expected)
 
 
 def _commits_into(core: Core, s: Session) -> int | None:
@@ -178,10 +205,13 @@ async def _append_locked(
     dim: int,
     codec: str,
     fork: tuple[Session, list[tuple[Seg, int]]] | None = None,
+    expected: int | None = None,
 ) -> KVMeta:
     began = core.clock()
     plan = plan_turn(core, s, tensors, answer_tokens, dim, codec, fork)
-    if s.key in core.unreported:  # the history this turn extends is gone: told once
+    if expected is not None:
+        _check_expected(core, s, expected, fork)
+    elif s.key in core.unreported:  # the history this turn extends is gone: told once
         core.told(s.key)
         raise HistoryLostError(s.key, _LOSS)
     start, parent = (None, "") if fork is None else (fork[0].primary, fork[0].key)

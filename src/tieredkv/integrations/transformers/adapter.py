@@ -180,7 +180,14 @@ class TransformersAdapter:
     ) -> KVMeta:
         """:meth:`extract` the turn's new tokens and append them to ``cache`` (with
         ``hint``, as :meth:`TieredKVCache.append` takes it: a pin past the bound raises
-        :class:`~tieredkv.errors.PinLimitError` after the turn is stored)."""
+        :class:`~tieredkv.errors.PinLimitError` after the turn is stored). The turn
+        extends the first ``start`` tokens of ``model_cache``: it is stored only if the
+        cache holds that many tokens of ``session`` (``expected_tokens``).
+
+        :raises ~tieredkv.errors.HistoryLengthError: the cache holds another number of
+            tokens of ``session`` (none, if it was lost or dropped: store the whole history
+            from 0)
+        """
         tensors = self.extract(model_cache, start=start, capture=capture)
         return await cache.append(
             session,
@@ -189,6 +196,7 @@ class TransformersAdapter:
             token_dim=self.token_dim,
             codec=self.codec_id,
             hint=hint,
+            expected_tokens=start,
         )
 
     # -- before the next turn --------------------------------------------------------------

@@ -282,6 +282,9 @@ class TurnRun:
             # a fork point as restored: the parent may have grown since
             parent=self._parent,
             parent_tokens=restored if self._parent is not None else None,
+            # the history the turn was computed after: a turn that another one extended
+            # meanwhile is refused (HistoryLengthError), not stored after it
+            expected_tokens=restored,
         )
         if self._hint is not None:  # a pin past the bound is refused (logged), not the turn
             what = f"the hint of session {self._session!r}'s turn"

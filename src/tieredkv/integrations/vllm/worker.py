@@ -48,6 +48,7 @@ from ...backends.ssd import SSDTier
 from ...cache import LayerwiseLoad, TieredKVCache
 from ...errors import (
     CapacityError,
+    HistoryLengthError,
     HistoryLostError,
     InvalidArgumentError,
     RestoreFailedError,
@@ -596,24 +597,18 @@ class WorkerStore:
         return done
 
     async def _append(self, op: SaveOp, tensors: dict[str, torch.Tensor]) -> KVMeta | None:
-        """Append the turn if the conversation holds exactly what it continues; the
-        conversation's metadata after it, or ``None`` if it was not stored."""
+        """Append the turn if the conversation holds exactly what it continues (the cache
+        checks it under the conversation's lock: ``expected_tokens``); the conversation's
+        metadata after it, or ``None`` if it was not stored. A turn from block 0 starts a
+        lost conversation afresh; one that continues a lost or shorter history, or one
+        that another save extended meanwhile, is not stored. The channel is read first,
+        so that a turn it already says is out of place costs no call to the cache."""
         await self._settle()  # the turn goes into host memory: it may make room there
+        first = 0 if op.parent is not None else op.start  # blocks the session holds
         meta = self.cache.channel.get(op.session)
         have = 0 if meta is None or meta.tier is None else meta.tokens
-        first = 0 if op.parent is not None else op.start  # blocks the session holds
-        if meta is not None and meta.tier is None:  # lost: it restarts from nothing
-            if first:
-                return None
-            await self.cache.drop(op.session)
-        if have != first * self.block_size:
-            _log.info(
-                "not storing %s's turn: %s holds %d tokens, the turn starts at %d",
-                op.req_id,
-                op.session,
-                have,
-                first * self.block_size,
-            )
+        if have != first * self.block_size:  # (no call to the cache, nor to a shared tier)
+            _not_stored(op, have, first * self.block_size)
             return None
         stored = None
         if op.parent is not None:
@@ -621,14 +616,18 @@ class WorkerStore:
         if stored is None:
             try:
                 stored = await self.cache.append(
-                    op.session, tensors, answer_tokens=op.answer_tokens
-                )
-            except HistoryLostError:  # lost since the check above (room made for another):
-                _log.info(  # what the turn continues is gone (the next save starts afresh)
-                    "not storing %s's turn: %s's history was lost while the turn waited",
-                    op.req_id,
                     op.session,
+                    tensors,
+                    answer_tokens=op.answer_tokens,
+                    expected_tokens=first * self.block_size,
                 )
+            except HistoryLostError:  # what the turn continues is gone (the next save
+                _log.info(  # from block 0 starts afresh)
+                    "not storing %s's turn: %s's history was lost", op.req_id, op.session
+                )
+                return None
+            except HistoryLengthError as exc:  # (extended or lost meanwhile)
+                _not_stored(op, exc.held, exc.expected)
                 return None
         self._count("saved_tokens", tensors[TOKENS].shape[1])
         self._count("saved_bytes", sum(t.numel() * t.element_size() for t in tensors.values()))
@@ -836,3 +835,14 @@ def _drain(
 def decode_meta(data: bytes) -> KVMeta:
     """A :class:`KVMeta` from a worker report."""
     return msgspec.msgpack.decode(data, type=KVMeta)
+
+
+def _not_stored(op: SaveOp, held: int, at: int) -> None:
+    """Log a turn not stored because its conversation holds ``held`` tokens, not ``at``."""
+    _log.info(
+        "not storing %s's turn: %s holds %d tokens, the turn starts at %d",
+        op.req_id,
+        op.session,
+        held,
+        at,
+    )
