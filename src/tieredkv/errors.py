@@ -94,8 +94,9 @@ class HistoryLengthError(TieredKVError, RuntimeError):
     caller counts it) is not what this cache holds of the conversation: the turn was not
     stored, and what the cache holds is untouched.
 
-    ``held`` 0 with ``expected`` above it: the history is not here (lost before this cache
-    was opened, dropped, never stored, or another replica's, not loaded here yet). ``held``
+    ``held`` 0 with ``expected`` above it: the history is not here (lost, before this cache
+    was opened or since, dropped, or never stored; a shared tier refuses another replica's
+    history not read here first, with :class:`HistoryConflictError`). ``held``
     above 0 with ``expected`` 0: the turn starts a conversation the cache already holds.
     Otherwise the two lengths differ: the caller and the cache disagree on the history.
 

@@ -14,12 +14,14 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.fleet import ReplicaProcess, runs, tags, turn
+from tests.fleet import TOKENS, ReplicaProcess, runs, tags, turn
 from tests.redis_server import RedisServer, new_prefix, own_redis_server
 from tieredkv import HostMemoryTier, TieredKVCache
 from tieredkv.backends.redis import RedisTier, conversation_tag
 from tieredkv.errors import (
     CommitDelayedError,
+    HistoryConflictError,
+    HistoryLengthError,
     InvalidArgumentError,
     LeaseHeldError,
     SessionNotFoundError,
@@ -411,3 +413,31 @@ async def test_a_takeover_waits_for_a_live_holder_only(server: RedisServer, hold
     if holder == "dead":
         async with replica(server.url, prefix) as c:
             assert tags(await c.load("chat")) == [0, 1]
+
+
+async def test_expected_tokens_counts_the_shared_history_this_replica_has_read(
+    server: RedisServer,
+) -> None:
+    """``append(..., expected_tokens=N)`` on a replica sharing a RedisTier. A replica that
+    has not read a conversation stored since it opened is refused by the shared tier's
+    writer check, which comes first (``HistoryConflictError``: load it); once a load has
+    brought the shared history in, the count is that history's: the turn extends it, and
+    a first turn under the key is refused. (A replica that opens after the conversation
+    is stored reads it at open.)"""
+    prefix = new_prefix()
+    async with replica(server.url, prefix) as b:
+        async with replica(server.url, prefix) as a:
+            await a.append("chat", turn(0), answer_tokens=1, expected_tokens=0)
+            await a.flush()
+        with pytest.raises(HistoryConflictError, match="which this replica has not read"):
+            await b.append("chat", turn(1), answer_tokens=1, expected_tokens=TOKENS)
+        assert tags(await b.load("chat")) == [0]  # nothing of the refused turn anywhere
+        meta = await b.append("chat", turn(1), answer_tokens=1, expected_tokens=TOKENS)
+        assert (meta.turns, meta.tokens) == (2, 2 * TOKENS)
+        for expected in (0, TOKENS):
+            with pytest.raises(HistoryLengthError, match=f"holds {2 * TOKENS} tokens"):
+                await b.append("chat", turn(2), answer_tokens=1, expected_tokens=expected)
+        await b.flush()
+    async with replica(server.url, prefix) as c:
+        assert c.channel["chat"].tokens == 2 * TOKENS  # read at open
+        assert tags(await c.load("chat")) == [0, 1]
