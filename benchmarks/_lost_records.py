@@ -12,9 +12,11 @@ history is gone, and the record of an unreported loss makes the next append rais
 ``HistoryLostError`` instead of storing a turn as a history without its start. The index
 entry of a lost conversation goes once nothing uses it (``Core.discard_lost``, 6 December
 2026: 1,892 bytes per lost conversation before, 484 after). What this measures is their
-cost when nobody asks about those conversations again::
+cost when nobody asks about those conversations again, and with ``--max-lost-records N``
+(the cache's ``max_lost_records``) what the bound leaves::
 
     PYTHONPATH=src .venv/bin/python benchmarks/_lost_records.py [--conversations 10000]
+        [--max-lost-records N]
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ import torch
 from tieredkv import HostMemoryTier, TieredKVCache
 
 
-async def run(conversations: int) -> None:
+async def run(conversations: int, max_lost_records: int | None) -> None:
     turn = {"k": torch.zeros(16, 64)}
-    async with TieredKVCache([HostMemoryTier(64 << 10)]) as cache:
+    tiers = [HostMemoryTier(64 << 10)]
+    async with TieredKVCache(tiers, max_lost_records=max_lost_records) as cache:
         for i in range(1000):  # the cache's own structures grown first
             await cache.append(f"warm-{i}", turn, answer_tokens=3)
         gc.collect()
@@ -43,16 +46,17 @@ async def run(conversations: int) -> None:
         after = tracemalloc.take_snapshot()
         tracemalloc.stop()
         core = cache._core
-        lost = cache.stats().lost
+        stats = cache.stats()
         print(
-            f"{conversations:,} conversations appended, {lost:,} lost in all: the channel "
-            f"holds {len(cache.channel):,} records, the index {len(core.sessions):,} "
-            f"sessions, the unreported losses {len(core.unreported):,}"
+            f"{conversations:,} conversations appended, {stats.lost:,} lost in all: the "
+            f"channel holds {len(cache.channel):,} records, the index {len(core.sessions):,} "
+            f"sessions, the unreported losses {len(core.unreported):,} (max_lost_records "
+            f"{max_lost_records}: {stats.lost_records_forgotten:,} records let go)"
         )
-        stats = after.compare_to(before, "filename")
-        total = sum(s.size_diff for s in stats)
+        diffs = after.compare_to(before, "filename")
+        total = sum(s.size_diff for s in diffs)
         print(f"Python memory left allocated: {total / conversations:,.0f} bytes per conversation")
-        for s in stats[:6]:
+        for s in diffs[:6]:
             if s.size_diff > 0:
                 print(f"  {s.size_diff / conversations:8,.0f} B  {s.traceback[0].filename}")
 
@@ -60,8 +64,9 @@ async def run(conversations: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--conversations", type=int, default=10_000)
+    ap.add_argument("--max-lost-records", type=int, default=None)
     args = ap.parse_args(argv)
-    anyio.run(run, args.conversations)
+    anyio.run(run, args.conversations, args.max_lost_records)
     return 0
 
 

@@ -56,6 +56,7 @@ _EXPORTS = {
     "LRU": ".policies.lru",
     "Demoted": ".meta",
     "Dropped": ".meta",
+    "Forgotten": ".meta",
     "Evicted": ".meta",
     "Loaded": ".meta",
     "Promoted": ".meta",
@@ -134,6 +135,7 @@ if TYPE_CHECKING:
     from .meta import Dropped as Dropped
     from .meta import Event as Event
     from .meta import Evicted as Evicted
+    from .meta import Forgotten as Forgotten
     from .meta import KVMeta as KVMeta
     from .meta import Loaded as Loaded
     from .meta import MetadataChannel as MetadataChannel

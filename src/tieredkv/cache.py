@@ -148,6 +148,15 @@ class TieredKVCache:
     :param max_pinned_bytes_per_group: the bound on the bytes of the pinned conversations
         of one pin group (a pin's ``RetentionHint.group``, e.g. a tenant), within
         ``max_pinned_bytes``; ``None``: no bound per group
+    :param max_lost_records: the most conversations lost on this replica that the cache
+        keeps a record of (about 480 bytes each: the channel's entry with ``tier`` ``None``,
+        and the loss not yet reported to the caller); past it the oldest records go,
+        counted in ``stats().lost_records_forgotten``, and the cache then knows as little
+        of those conversations as one opened after the loss. An append that passes
+        ``expected_tokens`` needs no record (the caller's count tells a continuation from a
+        first turn); one without it, to a conversation whose record went, stores its turn
+        as a new history. ``None`` (default): every record is kept until a drop, or an
+        append that stores the conversation again
 
     Use it as an async context manager::
 
@@ -171,8 +180,11 @@ class TieredKVCache:
         close_timeout: float = 60.0,
         max_pinned_bytes: int | None = None,
         max_pinned_bytes_per_group: int | None = None,
+        max_lost_records: int | None = None,
     ) -> None:
         io, copies = resolve(tiers)
+        if max_lost_records is not None:
+            check_int("max_lost_records", max_lost_records)
         if max_pinned_bytes is not None:
             check_int("max_pinned_bytes", max_pinned_bytes, minimum=0)
         if max_pinned_bytes_per_group is not None:
@@ -215,6 +227,7 @@ class TieredKVCache:
             output_huge_pages=output_huge_pages,
             staging_huge_pages=staging_huge_pages,
             pins=pins,
+            max_lost_records=max_lost_records,
         )
         self._pumps = WriteThrough(self._core)
         self._token_dim = token_dim

@@ -29,6 +29,7 @@ from .errors import SessionNotFoundError
 __all__ = [
     "Demoted",
     "Dropped",
+    "Forgotten",
     "Event",
     "Evicted",
     "KVMeta",
@@ -374,6 +375,12 @@ class Dropped(_EventBase, frozen=True, kw_only=True):
     """The application dropped the session; every copy is gone."""
 
 
+class Forgotten(_EventBase, frozen=True, kw_only=True):
+    """The record of a session lost earlier (its metadata with ``tier`` ``None``) was let
+    go, past the cache's ``max_lost_records``: the channel no longer knows the session.
+    ``nbytes`` is 0."""
+
+
 class Refused(_EventBase, frozen=True, kw_only=True):
     """Turns of a session that this replica had acknowledged were refused by the shared
     tier ``tier`` (another replica took the conversation over, or its history there changed,
@@ -386,7 +393,7 @@ class Refused(_EventBase, frozen=True, kw_only=True):
     reason: str
 
 
-Event = Stored | Loaded | Promoted | Demoted | Evicted | Dropped | Refused
+Event = Stored | Loaded | Promoted | Demoted | Evicted | Dropped | Refused | Forgotten
 """Tagged union of every event the channel emits."""
 
 

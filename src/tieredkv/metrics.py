@@ -15,7 +15,9 @@ What is exported (every name starts with ``tieredkv_``):
 * the cache's counters, read from :meth:`~tieredkv.TieredKVCache.stats` at each scrape:
   ``loads_total``, ``hits_total``, ``misses_total``, ``appends_total``,
   ``prefetches_total``, ``predicted_total``, ``promotions_total``, ``demotions_total``,
-  ``evictions_total``, ``lost_total``, ``drops_total``, ``corrupt_total``, ``write_through_total``,
+  ``evictions_total``, ``lost_total``, ``lost_records_forgotten_total`` (records of lost
+  sessions let go past ``max_lost_records``), ``drops_total``, ``corrupt_total``,
+  ``write_through_total``,
   ``errors_total``, ``cancelled_total``, ``truncated_total`` (sessions the open brought back
   shorter than stored), ``written_down_total`` and ``unsaved_total`` (what a close wrote down
   from volatile tiers, and could not), ``refused_total``, ``unproven_total``,
@@ -91,6 +93,7 @@ _CACHE_COUNTERS = (
     ("demotions", "Histories moved down a tier."),
     ("evictions", "Copies removed from a tier to make room."),
     ("lost", "Sessions whose last copy was evicted (their KV must be recomputed)."),
+    ("lost_records_forgotten", "Records of lost sessions let go past max_lost_records."),
     ("drops", "Sessions dropped by the application."),
     ("corrupt", "Segments that failed verification (never served)."),
     ("write_through", "Segments copied down in the background (inclusive mode)."),
@@ -190,7 +193,7 @@ class _EventMetrics:
                     self.misses.labels(above).inc()
         elif isinstance(event, Stored):
             self.append.labels(event.tier).observe(event.seconds)
-        else:  # Demoted, Evicted, Dropped: a later load's source is no longer a promotion
+        else:  # Demoted, Evicted, Dropped, ...: a later load's source is no longer a promotion
             self._promoted_from.pop(event.session, None)
 
     def collect(self) -> Iterator[Metric]:

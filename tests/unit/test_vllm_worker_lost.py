@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from tieredkv.backends.memory import HostMemoryTier
+from tieredkv.errors import InvalidArgumentError
 from tieredkv.integrations.vllm.config import parse_config
 from tieredkv.integrations.vllm.ops import SaveOp
-from tieredkv.integrations.vllm.worker import TOKENS, WorkerStore
+from tieredkv.integrations.vllm.worker import HOST, TOKENS, WorkerStore, decode_meta
 from tieredkv.meta import KVMeta
 
 from .test_vllm_worker_eviction import BLOCKS, BS, FP, layers, one_history_bytes, session
@@ -94,3 +95,41 @@ def test_a_history_lost_while_its_turn_waits_is_not_stored_and_not_an_error(
         assert (meta.tier, meta.tokens) == ("host", BLOCKS * BS)
     finally:
         store.close()
+
+
+def test_a_lost_conversation_whose_record_goes_is_reported_gone() -> None:
+    """With ``max_lost_records``, a lost conversation's record goes once newer losses
+    pass the bound: the worker's next report gives it no metadata, so the scheduler side's
+    mirror forgets it too (a :class:`~tieredkv.Forgotten` event touched it), and a
+    continuation of it is still not stored."""
+    one = one_history_bytes()
+    host = one + one // 2
+    config = parse_config({"host_bytes": host, "eviction": "lru", "max_lost_records": 1})
+    assert config.max_lost_records == 1
+    store = WorkerStore(config, FP, BS, tiers=[HostMemoryTier(host, prefault=False)])
+    store.open(layers())
+    try:
+        for name in "abc":  # each evicts the one before: a and b are lost
+            assert finish(store, save_op(name, 0, BLOCKS))
+        report = store.report([], [])
+        metas = {s: None if m is None else decode_meta(m) for s, m in report.metas.items()}
+        assert metas[session("a")] is None  # its record went
+        b = metas[session("b")]
+        assert b is not None
+        assert b.tier is None  # lost, still recorded
+        c = metas[session("c")]
+        assert c is not None
+        assert c.tier == HOST
+        assert store.cache.stats().lost_records_forgotten == 1
+        assert not finish(store, save_op("a", BLOCKS, 2 * BLOCKS))
+        assert session("a") not in store.cache.channel
+    finally:
+        store.close()
+
+
+def test_the_connector_bounds_lost_records_by_default_and_refuses_a_bad_bound() -> None:
+    assert parse_config({}).max_lost_records == 100_000
+    assert parse_config({"max_lost_records": None}).max_lost_records is None
+    for bad in (-1, 1.5, "10", True):
+        with pytest.raises(InvalidArgumentError, match=r"'max_lost_records'\] must be an integer"):
+            parse_config({"max_lost_records": bad})

@@ -32,13 +32,14 @@ import msgspec
 
 from ..backends.base import SegmentKey, TierStats
 from ..errors import InvalidArgumentError, InvalidTypeError
-from ..meta import Event, KVMeta, MetadataChannel, Transfer, advance_meta
+from ..meta import Event, Forgotten, KVMeta, MetadataChannel, Transfer, advance_meta
 from ..payload import Schema, SegmentHeader
 from ..policies.base import Eviction
 from ..policies.lru import LRU
 from ..policies.registry import make_eviction
 from ..residency import Residency
 from .gather import Staging
+from .lost import LostRecords
 from .outputs import OutputPool
 from .pins import PinBounds, kept_within
 from .tierio import Copy, TierIO
@@ -74,6 +75,9 @@ class CacheStats(msgspec.Struct, kw_only=True):
     :param demotions: sessions moved down a tier (or whose lower copy became primary)
     :param evictions: copies removed from a tier to make room
     :param lost: sessions whose last copy was evicted (their KV must be recomputed)
+    :param lost_records_forgotten: records of lost conversations let go past
+        ``max_lost_records`` (the channel's ``tier`` ``None`` entry, and the unreported
+        loss): an append without ``expected_tokens`` to one of them starts it afresh
     :param drops: sessions dropped by the application
     :param corrupt: segments that failed verification (never served)
     :param write_through: segments copied down in the background (inclusive mode)
@@ -117,6 +121,7 @@ class CacheStats(msgspec.Struct, kw_only=True):
     demotions: int = 0
     evictions: int = 0
     lost: int = 0
+    lost_records_forgotten: int = 0
     drops: int = 0
     corrupt: int = 0
     write_through: int = 0
@@ -427,6 +432,7 @@ class Core:
         output_huge_pages: bool = False,
         staging_huge_pages: bool = False,
         pins: PinBounds,
+        max_lost_records: int | None = None,
     ) -> None:
         self.io = list(io)
         """Each tier's I/O, bound once (:mod:`tieredkv._cache.tierio`)."""
@@ -437,7 +443,14 @@ class Core:
         """Whether a tier is shared with other replicas."""
         self.policies = list(policies)
         self.channel = channel
-        self.residency = Residency(channel, policies, emit=channel.emit, remove=channel.remove)
+        self.lost_records = LostRecords(
+            channel, max_lost_records, self._forget_loss, lambda key: key in self.sessions
+        )
+        """Publishes into the channel, keeping at most ``max_lost_records`` records of lost
+        conversations (:mod:`tieredkv._cache.lost`)."""
+        self.residency = Residency(
+            self.lost_records, policies, emit=channel.emit, remove=self.lost_records.remove
+        )
         """Every change of where a session lives goes through it (:mod:`tieredkv.residency`)."""
         self.mode = mode
         self.clock = clock
@@ -507,6 +520,13 @@ class Core:
         (:attr:`unreported`)."""
         self._losses += 1
         self.unreported[key] = self._losses
+
+    def _forget_loss(self, key: str) -> None:
+        """``key``'s record of a loss went past ``max_lost_records``: so does its unreported
+        loss."""
+        self.unreported.pop(key, None)
+        self.stats.lost_records_forgotten += 1
+        self.residency.announced(Forgotten(session=key, time=self.clock(), nbytes=0))
 
     def told(self, key: str, since: int | None = None) -> None:
         """A call told the caller of ``key``'s state: forget its loss, unless (``since``:

@@ -80,6 +80,11 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
         its pin (``None``, the default: no bound per tenant). Each worker's cache keeps it
         as its ``max_pinned_bytes_per_group``, a request's pins counting in its tenant's
         pin group (:func:`~tieredkv.integrations.vllm.hints.pin_group`)
+    :param max_lost_records: the most conversations lost in each worker (evicted from its
+        last tier) that its cache keeps a record of, about 480 bytes each (the cache's
+        ``max_lost_records``; default 100,000: about 48 MB). The worker appends with
+        ``expected_tokens``, so a conversation whose record went is refused a continuation
+        all the same; ``None``: no bound
     """
 
     host_bytes: int = 1 << 30
@@ -103,6 +108,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_pin_ttl: float | None = None
     max_pinned_bytes: int | None = None
     max_pinned_bytes_per_tenant: int | None = None
+    max_lost_records: int | None = 100_000
 
 
 _KEYS = tuple(ConnectorConfig.__struct_fields__)
@@ -240,6 +246,6 @@ def _check_retention(extra: Mapping[str, Any]) -> None:
             f"kv_connector_extra_config['max_pin_ttl'] must be a finite number of seconds "
             f"> 0, or null (no cap), not {ttl!r}"
         )
-    for key in ("max_pinned_bytes", "max_pinned_bytes_per_tenant"):
+    for key in ("max_pinned_bytes", "max_pinned_bytes_per_tenant", "max_lost_records"):
         if extra.get(key) is not None:
             _positive_int(key, extra[key], 0)

@@ -163,6 +163,7 @@ class WorkerStore:
             token_dim=1,
             max_pinned_bytes=config.max_pinned_bytes,
             max_pinned_bytes_per_group=config.max_pinned_bytes_per_tenant,
+            max_lost_records=config.max_lost_records,
         )
         self.layers: dict[str, torch.Tensor] = {}
         self._split = 1  # kernel blocks per vLLM block
