@@ -50,7 +50,9 @@ acknowledged, the inherited part byte for byte, or a miss. A drop is, for the lo
 like a manifest the server lost: the conversation's earlier histories may be gone after it.
 
 Replicas are local-first (inclusive mode): an append is acknowledged when it returns; a
-``flush()`` that returns acknowledges it to the fleet.
+``flush()`` that returns acknowledges it to the fleet. Half the appends whose history the
+replica knows pass ``expected_tokens`` (its tokens): one stored must then have extended
+exactly that many, and a refusal (``HistoryLengthError``) is a failed append like any other.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ from tieredkv.backends.redis import conversation_tag  # noqa: E402
 ALLOWED = {
     "SessionNotFoundError",  # a miss: the history could not be found or proven current
     "HistoryLostError",  # the history an append extends was lost since (told once)
+    "HistoryLengthError",  # expected_tokens: the cache holds another history than the view
     "TierIOError",  # the server away or stalled: nothing happened, or the turn waits here
     "CommitDelayedError",
     "StaleWriterError",  # another replica took the conversation over
@@ -175,6 +178,9 @@ class Result:
     drops: int = 0
     refused: int = 0
     unproven: int = 0
+    expecting: set[int] = field(default_factory=set)
+    """Tags of the appends that passed ``expected_tokens``."""
+    expecting_stored: int = 0
     fsck: str = ""
 
     @property
@@ -190,7 +196,8 @@ class Result:
             f"faults: {sum(self.faults.values())} ({faults}); lease expiries: "
             f"{self.lease_expiries}",
             f"forks made: {self.forks}; loads of a fork served: {self.fork_loads}; drops: "
-            f"{self.drops}",
+            f"{self.drops}; appends with expected_tokens: {len(self.expecting):,} "
+            f"({self.expecting_stored:,} stored)",
             f"errors callers saw: {errors}; refused turns reported: {self.refused}; "
             f"unproven misses: {self.unproven}",
             f"wrong histories: {len(self.wrong)}",
@@ -500,11 +507,29 @@ async def replica(args: dict[str, Any]) -> None:
                 counter += 1
                 tag = (rid * 1000 + inc) * 100000 + counter
                 tokens = rng.choice(TOKENS)
-                log(op="append", ph="begin", t0=t0, conv=conv, tag=tag, tokens=tokens, base=view)
+                # half the appends say how long the history they extend is, where this
+                # replica knows it (its view's tokens): the cache must then refuse a turn
+                # after any other history (HistoryLengthError), not only a lost one
+                shape = shapes.get(conv) if view else []
+                expected: int | None = None
+                if shape is not None and [t for t, _ in shape] == view and rng.random() < 0.5:
+                    expected = sum(n for _, n in shape)
+                log(
+                    op="append",
+                    ph="begin",
+                    t0=t0,
+                    conv=conv,
+                    tag=tag,
+                    tokens=tokens,
+                    base=view,
+                    expected=expected,
+                )
                 ticket = watchdog.begin("append")
                 try:
                     with anyio.fail_after(BOUND):
-                        await cache.append(conv, turn(tag, tokens), answer_tokens=1)
+                        stored = await cache.append(
+                            conv, turn(tag, tokens), answer_tokens=1, expected_tokens=expected
+                        )
                 except Exception as exc:
                     failed(exc, op="append", ph="end", t0=t0, conv=conv, tag=tag)
                     views[conv] = None
@@ -516,6 +541,8 @@ async def replica(args: dict[str, Any]) -> None:
                     meta = cache.channel.get(conv)
                     if meta is None or meta.turns != len(view) + 1:
                         log(op="inconsistent", conv=conv, base=view, turns=meta and meta.turns)
+                    elif expected is not None and stored.tokens != expected + tokens:
+                        log(op="inconsistent", conv=conv, base=view, tokens=stored.tokens)
                     views[conv] = [*view, tag]
                     if not view:
                         since[conv] = t0
@@ -837,6 +864,10 @@ def check(records: list[dict[str, Any]], faults: list[dict[str, Any]], opts: Opt
             result.unexpected["failed append said kept"] += 1
         elif op == "stats" and r.get("damaged", 0) > 0 and r.get("r") != unkeyed:
             result.unexpected["damaged history"] += r["damaged"]
+        if op == "append" and r["ph"] == "begin" and r.get("expected") is not None:
+            result.expecting.add(r["tag"])
+        elif op == "append" and r["ph"] == "end" and r["ok"] and r["tag"] in result.expecting:
+            result.expecting_stored += 1
         if op == "append" and r["ph"] == "begin":
             tags[r["tag"]] = (r["conv"], r["tokens"])
             if r["base"] is not None:
