@@ -79,7 +79,11 @@ def test_every_planned_saves_hashes_are_let_go_once_every_rank_reported_it(
     fp = fingerprint(
         model="m", identity="id:m", dtype="float32", kv_dtype="auto", block_size=bs, layout="L"
     )
-    cfg = parse_config({"ssd_path": str(tmp_path), "host_bytes": 1 << 20})
+    # exclusive: no background copy into the SSD tier, whose end (before or after a rank's
+    # report) would decide whether a BlockStored of the SSD joins the host's (inclusive,
+    # the default, failed here once in .ci/run on 7 December 2026: both ranks' copies had
+    # landed before their reports)
+    cfg = parse_config({"ssd_path": str(tmp_path), "host_bytes": 1 << 20, "mode": "exclusive"})
     side = SchedulerSide(cfg, fp, bs, workers=2)
     ev = KVEvents(block_size=bs)
     ranks = []
