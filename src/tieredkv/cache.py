@@ -455,8 +455,10 @@ class TieredKVCache:
             counts it (0: the turn starts the conversation; for a fork, the tokens it
             inherits). The turn is stored only if the cache holds exactly that many tokens
             of the conversation, checked under its lock: a caller that passes it never has
-            a turn stored after a history other than its own, even one lost before this
-            cache was opened, of which the cache keeps no record. With 0, a conversation
+            a turn stored after a history of another length than the one it counts (one
+            lost, even before this cache was opened, of which the cache keeps no record;
+            one another append extended meanwhile). The check is of the length only: two
+            histories of the same length are not told apart. With 0, a conversation
             lost since the caller last heard of it starts afresh without
             :class:`~tieredkv.errors.HistoryLostError`. ``None`` (default): not checked
         :returns: the session's metadata after the append
