@@ -126,7 +126,8 @@ class HistoryLengthError(TieredKVError, RuntimeError):
             )
         super().__init__(
             f"session {_shown(session)!r} holds {held} tokens in this cache, but this turn "
-            f"extends {expected} (expected_tokens): it was not stored; {fix}"
+            f"extends a history of {expected} (expected_tokens={expected}): it was not "
+            f"stored; {fix}"
         )
 
 

@@ -46,8 +46,8 @@ async def test_a_turn_extends_the_history_it_names_and_nothing_else() -> None:
         assert (meta.turns, meta.tokens) == (2, 16)
         before = cache.channel["a"]
         for expected, match in [
-            (8, "holds 16 tokens in this cache, but this turn extends 8"),
-            (24, "holds 16 tokens in this cache, but this turn extends 24"),
+            (8, "holds 16 tokens in this cache, but this turn extends a history of 8 "),
+            (24, "holds 16 tokens in this cache, but this turn extends a history of 24 "),
             (0, "already stored: append only the tokens after its 16"),
         ]:
             with pytest.raises(HistoryLengthError, match=match) as caught:
