@@ -145,22 +145,14 @@ async def _fork_locked(
 
 
 def _check_expected(
-    core: Core, s: Session, expected: int, fork: tuple[Session, list[tuple[Seg, int]]] | None
+    s: Session, expected: int, fork: tuple[Session, list[tuple[Seg, int]]] | None
 ) -> None:
     """Refuse ``s``'s next turn (planned: a lost history is unlisted) unless the history it
-    extends holds ``expected`` tokens (a fork's: those it inherits). A loss not yet told
-    is told here: an ``expected`` of 0 starts the conversation afresh, any other raises
-    :class:`HistoryLostError`.
+    extends holds ``expected`` tokens (a fork's: those it inherits).
 
-    :raises HistoryLostError: the history was lost since the caller last heard of it, and
-        ``expected`` is not 0
     :raises HistoryLengthError: the history holds another number of tokens
     """
     held = s.tokens() if fork is None else sum(n for _, n in fork[1])
-    if s.key in core.unreported:
-        core.told(s.key)
-        if expected:
-            raise HistoryLostError(s.key, _LOSS)
     if held != expected:
         raise HistoryLengthError(s.key, held=held, expected=expected)
 
@@ -209,11 +201,12 @@ async def _append_locked(
 ) -> KVMeta:
     began = core.clock()
     plan = plan_turn(core, s, tensors, answer_tokens, dim, codec, fork)
+    if s.key in core.unreported:  # the history this turn extends is gone: told once (a
+        core.told(s.key)  # first turn, expected 0, starts the conversation afresh)
+        if expected != 0:
+            raise HistoryLostError(s.key, _LOSS)
     if expected is not None:
-        _check_expected(core, s, expected, fork)
-    elif s.key in core.unreported:  # the history this turn extends is gone: told once
-        core.told(s.key)
-        raise HistoryLostError(s.key, _LOSS)
+        _check_expected(s, expected, fork)
     start, parent = (None, "") if fork is None else (fork[0].primary, fork[0].key)
     try:
         t, cancel = await settle(lambda: store(core, s, plan, start, parent))
