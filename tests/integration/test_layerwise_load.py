@@ -269,7 +269,8 @@ async def test_cancelled_at_random_points_leaves_no_trace(ssd_dir: Path, kind: s
                 cancelled += scope.cancelled_caught
             assert problems(cache) == [], step
         assert cancelled >= 3
-        assert cache.stats().cancelled >= cancelled
+        # each, wherever it landed (a deadline may pass before the load takes its lock)
+        assert cache.stats().cancelled == cancelled
         for s in range(1, 5):
             await stream_checked(cache, s)
         assert problems(cache) == []

@@ -178,6 +178,48 @@ async def test_cancelled_append_cannot_land_after_a_later_acknowledged_one(
 
 
 @pytest.mark.parametrize("kind", [*NATIVE, "anyio"])
+@pytest.mark.parametrize("call", ["append", "load", "drop"])
+async def test_a_call_cancelled_while_it_waits_for_the_lock_is_counted_once(
+    ssd_dir: Path, monkeypatch: pytest.MonkeyPatch, kind: str, call: str
+) -> None:
+    """A call cancelled while another one holds the conversation's lock does nothing, and
+    counts in stats().cancelled like a call rolled back mid-move (the .ci/run of
+    fbd3e06 had a layer-wise load whose deadline passed before it took the lock go
+    uncounted)."""
+    async with ssd_only(ssd_dir) as cache:
+        calls: dict[str, Callable[[], Any]] = {
+            "append": lambda: cache.append("s", kv(2, 3), answer_tokens=1),
+            "load": lambda: cache.load("s"),
+            "drop": lambda: cache.drop("s"),
+        }
+        await cache.append("s", kv(2, 1), answer_tokens=1)
+        with slow(monkeypatch, 0.3, "replace", calls=1):  # the holder's rename is slow
+            holder = asyncio.get_running_loop().create_task(
+                cache.append("s", kv(2, 2), answer_tokens=1)
+            )
+            await asyncio.sleep(0.05)  # the holder has the lock, in its rename
+            if kind == "anyio":
+                with anyio.move_on_after(0.05) as scope:
+                    await calls[call]()
+                assert scope.cancelled_caught
+            else:
+                await cancel_natively(kind, calls[call], after=0.05)
+            assert not holder.done()
+            await holder
+        assert cache.stats().cancelled == 1
+        assert cache.channel["s"].turns == 2
+        want = torch.cat([kv(2, 1)["kv"], kv(2, 2)["kv"]])
+        assert torch.equal((await cache.load("s"))["kv"], want)
+        with anyio.CancelScope() as scope:  # a deadline already passed: it cannot begin
+            scope.cancel()
+            await calls[call]()
+        assert scope.cancelled_caught
+        assert cache.stats().cancelled == 2
+        assert cache.channel["s"].turns == 2
+        assert problems(cache) == []
+
+
+@pytest.mark.parametrize("kind", [*NATIVE, "anyio"])
 async def test_cancelled_drop_in_inclusive_mode_leaves_the_session_whole(
     ssd_dir: Path, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
@@ -194,6 +236,7 @@ async def test_cancelled_drop_in_inclusive_mode_leaves_the_session_whole(
                 assert scope.cancelled_caught
             else:
                 await cancel_natively(kind, lambda: cache.drop("s"), after=0.02)
+            assert cache.stats().cancelled == 1  # (it did nothing)
             want = torch.cat([kv(2, i)["kv"] for i in range(3)])
             assert torch.equal((await cache.load("s"))["kv"], want)
             await cache.flush()

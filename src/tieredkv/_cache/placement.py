@@ -204,6 +204,7 @@ async def drop(
     core.residency.announced(Dropped(session=s.key, time=core.clock(), nbytes=nbytes))
     pending = first if first is not None else cancel
     if pending is not None:
+        core.completed_despite_cancel()
         raise pending
 
 

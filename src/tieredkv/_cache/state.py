@@ -21,6 +21,7 @@ checked by ``tests/invariants.py`` after every fault campaign:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
@@ -82,8 +83,11 @@ class CacheStats(msgspec.Struct, kw_only=True):
     :param corrupt: segments that failed verification (never served)
     :param write_through: segments copied down in the background (inclusive mode)
     :param errors: I/O errors reported while moving data (the data stayed where it was)
-    :param cancelled: operations cancelled by their caller (each rolled back, or, for a
-        move that had begun, completed: a prefetch's promotion is then counted too)
+    :param cancelled: operations cancelled by their caller, wherever the cancellation
+        landed (in a move, or while the operation waited for a conversation's lock or a
+        shared tier): each rolled back, or, a prefetch whose promotion had begun,
+        completed (counted too). An append or drop that had passed its point of no return
+        completes and raises the cancellation after it: not counted
     :param orphans: segments whose cleanup failed, awaiting deletion
     :param truncated: sessions whose history an open brought back shorter than the tiers
         had stored it (a damaged turn, or one after a gap), or not at all, summed over
@@ -568,15 +572,41 @@ class Core:
 
     @contextlib.contextmanager
     def operation(self) -> Iterator[None]:
-        """``with``: a public operation is under way (:meth:`wait_operations`)."""
+        """``with``: a public operation is under way (:meth:`wait_operations`). A
+        cancellation that leaves it is counted in ``stats.cancelled`` once, wherever it
+        landed (while the operation waited for a lock, say), unless the operation said
+        what it came to first (:meth:`cancelled`, :meth:`completed_despite_cancel`)."""
         self.operations += 1
+        outer = _operation.get()
+        op = _Operation()
+        _operation.set(op)
         try:
             yield
+        except anyio.get_cancelled_exc_class():
+            if not op.settled:
+                self.stats.cancelled += 1
+            raise
         finally:
+            _operation.set(outer)
             self.operations -= 1
             if not self.operations and self._no_operations is not None:
                 self._no_operations.set()
                 self._no_operations = None
+
+    def cancelled(self) -> None:
+        """The operation under way was cancelled, and rolled back (or, a prefetch, its
+        promotion completed): counted once."""
+        self.stats.cancelled += 1
+        op = _operation.get()
+        if op is not None:
+            op.settled = True
+
+    def completed_despite_cancel(self) -> None:
+        """The operation under way went past its point of no return and completed; the
+        cancellation raised after it is not counted (nothing was cancelled)."""
+        op = _operation.get()
+        if op is not None:
+            op.settled = True
 
     async def wait_operations(self) -> None:
         """Wait until no public operation is under way."""
@@ -706,6 +736,21 @@ class Core:
         """``s``'s whole history became resident in tier ``t`` (without an access)."""
         now = self.clock()
         return self.residency.admitted(self.meta(s, now), now, t, event)
+
+
+class _Operation:
+    """A public operation under way (:meth:`Core.operation`): whether what a cancellation
+    came to is already counted (or was nothing: the operation completed)."""
+
+    __slots__ = ("settled",)
+
+    def __init__(self) -> None:
+        self.settled = False
+
+
+_operation: contextvars.ContextVar[_Operation | None] = contextvars.ContextVar(
+    "tieredkv_operation", default=None
+)
 
 
 class Held:

@@ -212,7 +212,7 @@ async def _append_locked(
         t, cancel = await settle(lambda: store(core, s, plan, start, parent))
         if cancel is not None and core.io[t].shared is None:  # roll back: it never happened
             await settle(lambda: delete_or_orphan(core, t, (s.key, plan.header.seq)))
-            core.stats.cancelled += 1
+            core.cancelled()
             raise cancel
     finally:
         s.outdated.clear()  # (from the commit below on, the index says it)
@@ -225,6 +225,7 @@ async def _append_locked(
     if core.mode == "inclusive":
         pumps.start(s)
     if cancel is not None:
+        core.completed_despite_cancel()
         raise cancel
     return meta
 
@@ -250,7 +251,7 @@ async def load(core: Core, s: Session, target: Target) -> int:
             raise SessionNotFoundError(s.key, damaged(exc)) from None
         break
     if cancel is not None:
-        core.stats.cancelled += 1
+        core.cancelled()
         raise cancel
     commit_load(core, s, hit, began)
     return s.tokens()
