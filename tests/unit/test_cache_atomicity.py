@@ -193,7 +193,7 @@ async def test_a_call_cancelled_while_it_waits_for_the_lock_is_counted_once(
             "drop": lambda: cache.drop("s"),
         }
         await cache.append("s", kv(2, 1), answer_tokens=1)
-        with slow(monkeypatch, 0.3, "replace", calls=1):  # the holder's rename is slow
+        with slow(monkeypatch, 0.6, "replace", calls=1):  # the holder's rename is slow
             holder = asyncio.get_running_loop().create_task(
                 cache.append("s", kv(2, 2), answer_tokens=1)
             )
