@@ -86,8 +86,9 @@ class CacheStats(msgspec.Struct, kw_only=True):
     :param cancelled: operations cancelled by their caller, wherever the cancellation
         landed (in a move, or while the operation waited for a conversation's lock or a
         shared tier): each rolled back, or, a prefetch whose promotion had begun,
-        completed (counted too). An append or drop that had passed its point of no return
-        completes and raises the cancellation after it: not counted
+        completed (counted too). An append into a shared tier or a drop that had passed
+        its point of no return completes and raises the cancellation after it: not
+        counted
     :param orphans: segments whose cleanup failed, awaiting deletion
     :param truncated: sessions whose history an open brought back shorter than the tiers
         had stored it (a damaged turn, or one after a gap), or not at all, summed over
