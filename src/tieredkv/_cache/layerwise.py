@@ -238,8 +238,6 @@ async def layerwise(
         yield load
     except BaseException as exc:
         error, cancel = await settle(load._outcome)
-        if isinstance(exc, anyio.get_cancelled_exc_class()) or cancel is not None:
-            core.cancelled()
         if isinstance(error, CorruptSegmentError):
             await missed(core, s)  # (it cannot start again from a whole copy elsewhere)
         if cancel is not None:
@@ -251,7 +249,6 @@ async def layerwise(
     if isinstance(error, CorruptSegmentError):
         await missed(core, s)
     if cancel is not None:
-        core.cancelled()
         raise cancel
     if error is not None:
         raise reported(s.key, error) from None

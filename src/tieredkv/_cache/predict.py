@@ -90,7 +90,6 @@ async def prefetch(core: Core, s: Session) -> bool | None:
     if moved:  # (kept, even if the caller was cancelled meanwhile)
         core.stats.prefetches += 1
     if cancel is not None:
-        core.cancelled()
         raise cancel
     return moved
 

@@ -574,9 +574,9 @@ class Core:
     @contextlib.contextmanager
     def operation(self) -> Iterator[None]:
         """``with``: a public operation is under way (:meth:`wait_operations`). A
-        cancellation that leaves it is counted in ``stats.cancelled`` once, wherever it
-        landed (while the operation waited for a lock, say), unless the operation said
-        what it came to first (:meth:`cancelled`, :meth:`completed_despite_cancel`)."""
+        cancellation that leaves it is counted in ``stats.cancelled``, wherever it landed
+        (in a move that rolled back, or while the operation waited for a lock, say), unless
+        the operation completed anyway (:meth:`completed_despite_cancel`)."""
         self.operations += 1
         outer = _operation.get()
         op = _Operation()
@@ -584,7 +584,7 @@ class Core:
         try:
             yield
         except anyio.get_cancelled_exc_class():
-            if not op.settled:
+            if not op.completed:
                 self.stats.cancelled += 1
             raise
         finally:
@@ -594,20 +594,12 @@ class Core:
                 self._no_operations.set()
                 self._no_operations = None
 
-    def cancelled(self) -> None:
-        """The operation under way was cancelled, and rolled back (or, a prefetch, its
-        promotion completed): counted once."""
-        self.stats.cancelled += 1
-        op = _operation.get()
-        if op is not None:
-            op.settled = True
-
     def completed_despite_cancel(self) -> None:
         """The operation under way went past its point of no return and completed; the
         cancellation raised after it is not counted (nothing was cancelled)."""
         op = _operation.get()
         if op is not None:
-            op.settled = True
+            op.completed = True
 
     async def wait_operations(self) -> None:
         """Wait until no public operation is under way."""
@@ -740,13 +732,13 @@ class Core:
 
 
 class _Operation:
-    """A public operation under way (:meth:`Core.operation`): whether what a cancellation
-    came to is already counted (or was nothing: the operation completed)."""
+    """A public operation under way (:meth:`Core.operation`): whether it completed though
+    a cancellation arrived (then that cancellation is not counted)."""
 
-    __slots__ = ("settled",)
+    __slots__ = ("completed",)
 
     def __init__(self) -> None:
-        self.settled = False
+        self.completed = False
 
 
 _operation: contextvars.ContextVar[_Operation | None] = contextvars.ContextVar(

@@ -212,7 +212,6 @@ async def _append_locked(
         t, cancel = await settle(lambda: store(core, s, plan, start, parent))
         if cancel is not None and core.io[t].shared is None:  # roll back: it never happened
             await settle(lambda: delete_or_orphan(core, t, (s.key, plan.header.seq)))
-            core.cancelled()
             raise cancel
     finally:
         s.outdated.clear()  # (from the commit below on, the index says it)
@@ -251,7 +250,6 @@ async def load(core: Core, s: Session, target: Target) -> int:
             raise SessionNotFoundError(s.key, damaged(exc)) from None
         break
     if cancel is not None:
-        core.cancelled()
         raise cancel
     commit_load(core, s, hit, began)
     return s.tokens()
