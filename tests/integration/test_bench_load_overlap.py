@@ -72,3 +72,20 @@ def test_load_timeline_times_both_readers_within_their_calls(tmp_path: Path) -> 
         assert 0 <= after < call, (mode, rows[mode])
         assert 0 < in_flight <= call, (mode, rows[mode])
         assert 1 <= mean <= 8, (mode, rows[mode])  # --depth 8 raw reads, READ_DEPTH 8 loads
+
+
+def test_scatter_pieces_reads_every_layout_and_checks_its_bytes(tmp_path: Path) -> None:
+    """``benchmarks/_scatter_pieces.py`` (what the pieces a read lands in cost it): a row per
+    layout, the contiguous one the reference (its own ratio 1), every read byte-checked."""
+    done = run(
+        "_scatter_pieces.py", ["--reps", "1", "--files", "2", "--dir", str(tmp_path)], tmp_path
+    )
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("2 files of 8 MiB, 8 reads in flight, 1 reps;"), done.stdout
+    rows = {line[:14].strip(): line for line in lines[1:]}
+    layouts = ["contig 8M", "2M pieces", "512K pieces", "128K pieces", "128K strided"]
+    assert list(rows) == layouts, done.stdout
+    assert rows["contig 8M"].endswith("(paired median) 1.000"), done.stdout
+    for line in rows.values():
+        assert float(line.rsplit(" ", 1)[1]) > 0, line
+    assert list(tmp_path.iterdir()) == [], "the files it wrote are left behind"
