@@ -285,8 +285,11 @@ class TieredKVCache:
 
         First, within the same ``close_timeout``, the operations already under way (an
         append, a load, an open :meth:`load_layerwise`, a prefetch, a drop) finish: what
-        they move stays kept (one still running at the timeout is logged). Operations
-        started after the close began raise :class:`~tieredkv.errors.ClosedError`.
+        they move stays kept. One still under way at the timeout is cancelled (logged),
+        and the close waits for it (up to 30 s more) before it closes the tiers: it is
+        undone as a cancelled call is, or completes past its point of no return, and
+        raises :class:`~tieredkv.errors.ClosedError` saying which. Operations started
+        after the close began raise :class:`~tieredkv.errors.ClosedError`.
         Cancelling it (any kind) does not interrupt it: the close completes, then the
         cancellation is raised.
 
@@ -492,6 +495,8 @@ class TieredKVCache:
             raise InvalidArgumentError("parent_tokens needs parent (the conversation to fork)")
         if expected_tokens is not None:
             check_int("expected_tokens", expected_tokens)
+        if hint is not None and not isinstance(hint, RetentionHint):  # (before anything is stored)
+            raise InvalidTypeError(f"hint must be a RetentionHint, not {type(hint).__name__}")
         dim = self._token_dim if token_dim is None else token_dim
         with self._core.operation():
             meta = await append(
@@ -618,6 +623,7 @@ class TieredKVCache:
 
     async def _load(self, session: str, target: Target) -> int:
         self._check_open()
+        check_key(session)
         with self._core.operation(), _telling(self._core, session):
             async with locked_stored(self._core, session, load=True) as s:
                 return await load(self._core, s, target)
@@ -656,6 +662,7 @@ class TieredKVCache:
         :raises TierIOError: reading failed (the history stays where it was)
         """
         self._check_open()
+        check_key(session)
         core = self._core
         with core.operation(), _telling(core, session):
             async with (
@@ -675,6 +682,7 @@ class TieredKVCache:
         :raises SessionNotFoundError: if the session has no KV in any tier
         """
         self._check_open()
+        check_key(session)
         with self._core.operation(), _telling(self._core, session):
             async with locked_stored(self._core, session, load=False) as s:
                 if await prefetch(self._core, s) is None:
@@ -752,22 +760,30 @@ class TieredKVCache:
         :raises SessionNotFoundError: if the cache does not know the session
         """
         self._check_open()
+        check_key(session)
         core = self._core
-        core.told(session)  # (its loss, if any, is no news to the caller now)
         s = core.sessions.get(session)
         meta = self.channel.get(session)
         if s is None and (meta is None or meta.tier is not None):
+            core.told(session)
             raise SessionNotFoundError(session)
         with core.operation():
+            # its loss, if any, is no news to the caller once the drop is done (or found
+            # nothing); one that was cancelled or failed first leaves it to be told
+            ended = False
             if s is None:  # lost: only the channel's record is left (Core.discard_lost)
                 s = await core.session(session)
             try:
                 async with core.hold(s):
                     if core.sessions.get(session) is not s:  # dropped while this one waited
+                        ended = True
                         raise SessionNotFoundError(session)
                     await drop(core, s, self._pumps.stop, self._pumps.unstop)
+                    ended = True
             finally:
                 core.discard_lost(s)  # (a drop that failed leaves no empty entry)
+                if ended or core.operation_completed():
+                    core.told(session)
 
 
 @contextlib.contextmanager

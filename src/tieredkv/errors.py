@@ -246,10 +246,18 @@ class UnknownFormatError(CorruptSegmentError):
 
 
 class ClosedError(TieredKVError, RuntimeError):
-    """The cache or tier was used outside ``async with`` (not opened yet, or already closed)."""
+    """The cache or tier was used outside ``async with`` (not opened yet, or already closed),
+    or (``during``) it closed while the call was under way: the close's ``close_timeout``
+    passed first and it cancelled the call, which was undone as a cancelled call is (or, past
+    its point of no return, completed: ``during`` says which)."""
 
-    def __init__(self, what: str) -> None:
-        super().__init__(f"{what} is not open: use it inside 'async with' (or call open() first)")
+    def __init__(self, what: str, *, during: str | None = None) -> None:
+        if during is not None:
+            super().__init__(f"{what} closed while this call was under way: {during}")
+        else:
+            super().__init__(
+                f"{what} is not open: use it inside 'async with' (or call open() first)"
+            )
 
 
 class ForkedError(TieredKVError, RuntimeError):

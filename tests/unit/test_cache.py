@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from tieredkv import (
     ClosedError,
     HostMemoryTier,
     InvalidArgumentError,
+    InvalidTypeError,
     MmapTier,
     SchemaMismatchError,
     SessionNotFoundError,
@@ -560,6 +561,72 @@ async def test_a_tier_object_serves_one_open_cache_at_a_time(ssd_dir: Path, kind
             assert_same(await second.load("s"), joined([a, kv(8, 2)]))
         await second.append("t", a, answer_tokens=1)
         assert_same(await second.load("t"), a)
+
+
+async def test_outputs_that_cannot_hold_a_history_are_refused_before_anything_moves(
+    cache: TieredKVCache,
+) -> None:
+    """A tensor that overlaps itself (``expand()``'s stride 0: positions sharing memory), one
+    on the meta device (no data), a numpy array and a list got through, or got a misleading
+    message: ``load_into`` returned 8 with the history not in ``out``, or said two tensors
+    overlapped. Each is refused with what to pass instead; a permuted tensor still serves."""
+    a = kv(8, 1)
+    await cache.append("s", a, answer_tokens=1)
+    z = torch.zeros(1, 4, 64, dtype=torch.float16)
+    cases: list[tuple[Any, type[Exception], str]] = [
+        ({n: z.expand(8, 4, 64) for n in a}, InvalidArgumentError, r"out\['k'\] overlaps itself"),
+        (
+            {n: torch.empty(8, 4, 64, dtype=torch.float16, device="meta") for n in a},
+            InvalidArgumentError,
+            "meta device",
+        ),
+        ({n: t.numpy() for n, t in a.items()}, InvalidTypeError, "pass torch tensors"),
+        ([1, 2], InvalidTypeError, "out must map the session's tensor names to tensors"),
+    ]
+    for out, error, message in cases:
+        with pytest.raises(error, match=message):
+            await cache.load_into("s", out)
+    assert bool((z == 0).all())  # nothing moved
+    k, v = (torch.zeros(64, 8, 4, dtype=torch.float16).permute(1, 2, 0) for _ in "kv")
+    assert await cache.load_into("s", {"k": k, "v": v}) == 8
+    assert_same({"k": k, "v": v}, a)
+
+
+@pytest.mark.parametrize("call", ["load", "load_into", "load_layerwise", "prefetch", "drop"])
+async def test_a_session_key_that_is_not_text_is_refused_by_every_call(
+    cache: TieredKVCache, call: str
+) -> None:
+    """``load``, ``load_into``, ``load_layerwise``, ``prefetch`` and ``drop`` raised a bare
+    ``TypeError`` from building their miss for a key that is not a ``str``; now the
+    ``InvalidTypeError`` ``append`` gives, and nothing stored changes."""
+    a = kv(8, 1)
+    await cache.append("s", a, answer_tokens=1)
+    out = {n: torch.zeros_like(t) for n, t in a.items()}
+
+    async def layerwise() -> None:
+        async with cache.load_layerwise(7, out, [["k"], ["v"]]):  # type: ignore[arg-type]
+            pass
+
+    calls: dict[str, Callable[[], Awaitable[object]]] = {
+        "load": lambda: cache.load(7),  # type: ignore[arg-type]
+        "load_into": lambda: cache.load_into(7, out),  # type: ignore[arg-type]
+        "load_layerwise": layerwise,
+        "prefetch": lambda: cache.prefetch(7),  # type: ignore[arg-type]
+        "drop": lambda: cache.drop(7),  # type: ignore[arg-type]
+    }
+    with pytest.raises(InvalidTypeError, match="session keys are str, not int"):
+        await calls[call]()
+    assert_same(await cache.load("s"), a)
+
+
+async def test_an_append_with_a_hint_that_is_not_one_stores_nothing(cache: TieredKVCache) -> None:
+    """The hint's type was checked after the turn was stored (an ``AttributeError`` then:
+    a caller that retried stored the turn twice); now before anything is."""
+    await cache.append("s", kv(8, 1), answer_tokens=1)
+    with pytest.raises(InvalidTypeError, match="hint must be a RetentionHint, not dict"):
+        await cache.append("s", kv(8, 2), answer_tokens=1, hint={"pin": True})  # type: ignore[arg-type]
+    assert cache.channel["s"].tokens == 8
+    assert_same(await cache.load("s"), kv(8, 1))
 
 
 async def test_load_into_refuses_outputs_that_overlap_in_memory(cache: TieredKVCache) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from tests.faults import SSD_MODULES
 from tests.invariants import problems
-from tieredkv import HostMemoryTier, SSDTier, TieredKVCache, TierIOError
+from tieredkv import ClosedError, HostMemoryTier, SSDTier, TieredKVCache, TierIOError
 from tieredkv.backends.ssd import segment_file_name
 
 KIB = 1024
@@ -441,3 +441,61 @@ async def test_close_does_not_rewrite_a_copy_the_policy_evicted(tmp_path: Path) 
         assert set(reopened.sessions()) == on_ssd
         got = await reopened.load("c")
         assert torch.equal(got["kv"], turn(4)["kv"])
+
+
+@pytest.mark.parametrize(
+    ("call", "names"), [("append", ("replace", "fsync")), ("load", ("pread", "preadv"))]
+)
+async def test_a_call_still_under_way_when_the_close_times_out_is_undone_or_done_whole(
+    ssd_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    call: str,
+    names: tuple[str, ...],
+) -> None:
+    """A close whose ``close_timeout`` passes while a call is in the SSD tier's worker thread
+    (a slow disk) used to close the tier's directory under the thread: the append's rename
+    landed, its fsync and clean-up failed, and the caller got a bare ``KeyError('tmp')``
+    for a turn a reopen then served. Now the close cancels what is still under way and
+    waits for it before closing the tiers: the call completes, or raises ClosedError and
+    is undone, and a reopen serves exactly the acknowledged history."""
+
+    def cache() -> TieredKVCache:
+        return TieredKVCache([SSDTier(ssd_dir, 64 << 20)], close_timeout=0.05)
+
+    async with cache() as first:
+        await first.append("s", kv(2, 1), answer_tokens=1)
+    closing = cache()
+    await closing.open()
+    outcome: list[BaseException | None] = []
+
+    async def under_way() -> None:
+        try:
+            if call == "append":
+                await closing.append("s", kv(2, 2), answer_tokens=1)
+            else:
+                assert torch.equal((await closing.load("s"))["kv"], kv(2, 1)["kv"])
+            outcome.append(None)
+        except BaseException as exc:  # (what the caller sees is what is tested)
+            outcome.append(exc)
+
+    with slow(monkeypatch, 0.5, *names), caplog.at_level("WARNING", logger="tieredkv.cache"):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(under_way)
+            await anyio.sleep(0.1)  # in the slowed call
+            await closing.aclose()
+    [exc] = outcome
+    if exc is not None:
+        assert isinstance(exc, ClosedError), repr(exc)
+        assert "closed while this call was under way" in str(exc)
+    assert closing.stats().cancelled == 0  # (not cancelled by its caller)
+    acknowledged = [kv(2, 1)] + ([kv(2, 2)] if call == "append" and exc is None else [])
+    async with cache() as reopened:
+        got = await reopened.load("s")
+        assert torch.equal(got["kv"], torch.cat([t["kv"] for t in acknowledged]))
+        assert problems(reopened) == []
+    left = [
+        p for p in ssd_dir.rglob("*") if p.is_file() and p.relative_to(ssd_dir).parts[0] == "tmp"
+    ]
+    assert left == []
+    assert "still under way after close_timeout (0.05 s): cancelling them" in caplog.text

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import anyio
 import pytest
 
 from tieredkv import HistoryLostError, HostMemoryTier, SessionNotFoundError, SSDTier, TieredKVCache
@@ -90,6 +91,29 @@ async def test_a_fork_under_the_key_of_a_lost_history_starts_afresh() -> None:
         meta = await cache.append("a", kv(8, 3), answer_tokens=4)
         assert meta.turns == 3
         assert_same(await cache.load("a"), joined([kv(8, 50), kv(8, 2), kv(8, 3)]))
+
+
+@pytest.mark.parametrize("how", ["cancelled drop", "failed fork"])
+async def test_a_drop_or_fork_that_did_not_happen_leaves_the_loss_to_be_told(how: str) -> None:
+    """A drop cancelled before it did anything, or a fork whose parent is not stored, told
+    the caller nothing: the loss is still raised by the next plain append (it used to be
+    consumed, and the append stored its turn as the whole history: a splice)."""
+    async with TieredKVCache([HostMemoryTier(64 * KIB)]) as cache:
+        await _evicted(cache)
+        if how == "cancelled drop":
+            with anyio.move_on_after(0) as scope:
+                await cache.drop("a")
+            assert scope.cancelled_caught
+            assert cache.stats().cancelled == 1
+        else:
+            with pytest.raises(SessionNotFoundError, match="nope"):
+                await cache.append("a", kv(8, 2), answer_tokens=4, parent="nope")
+        with pytest.raises(HistoryLostError, match="'a' lost its history"):
+            await cache.append("a", kv(8, 3), answer_tokens=4)
+        assert not cache.contains("a")
+        assert problems(cache) == []
+        meta = await cache.append("a", kv(8, 3), answer_tokens=4)  # told: a new history
+        assert (meta.turns, meta.tokens) == (1, 8)
 
 
 async def test_a_history_a_load_found_damaged_is_reported_by_that_load(tmp_path: Path) -> None:

@@ -31,6 +31,10 @@ _log = logging.getLogger("tieredkv.cache")
 PROGRESS_EVERY = 5.0
 """Seconds between progress lines of a long write-down."""
 
+UNDO_WAIT = 30.0
+"""Seconds a close waits for the operations it cancelled (out of ``close_timeout``) to be
+undone before it closes the tiers under them."""
+
 
 def check_timeout(what: str, value: object) -> float:
     """``value`` as seconds if it is a number from 0 (``math.inf`` allowed), else a
@@ -56,12 +60,25 @@ async def close(core: Core, pumps: WriteThrough, budget: float) -> None:
         with anyio.move_on_after(budget):
             await core.wait_operations()
         if core.operations:
+            # closing the tiers under them would cut their moves in half (an SSD write's
+            # rename done, its fsync and clean-up failing): each is undone, as a cancelled
+            # call is, or completes past its point of no return; either raises ClosedError
             _log.warning(
-                "closing: %d operation(s) still under way after close_timeout (%g s); "
-                "what they move from now on may be lost with this close",
-                core.operations,
+                "closing: %d operation(s) still under way after close_timeout (%g s): "
+                "cancelling them (each is undone, or completes past its point of no "
+                "return, and raises ClosedError)",
+                core.cancel_operations(),
                 budget,
             )
+            with anyio.move_on_after(UNDO_WAIT):
+                await core.wait_operations()
+            if core.operations:
+                _log.error(
+                    "closing: %d operation(s) still under way %g s after they were "
+                    "cancelled; closing the tiers under them: what they move may be lost",
+                    core.operations,
+                    UNDO_WAIT,
+                )
         pumps.retry_failed()
         with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
             await pumps.flush()

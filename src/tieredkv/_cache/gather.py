@@ -16,7 +16,7 @@ import torch
 from .._copy import copy_tensor, memmove, plain_cpu
 from ..backends._buffers import address, anonymous, close_mapping
 from ..backends._hugepages import huge_aligned, huge_page_size
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, InvalidTypeError
 from ..payload import (
     ALIGN,
     Schema,
@@ -60,6 +60,10 @@ def fresh(out: dict[str, torch.Tensor], pool: OutputPool) -> Target:
 
 def check_into(out: Mapping[str, torch.Tensor]) -> Target:
     """A target that checks caller-provided tensors fit the history (raises ``ValueError``)."""
+    if not isinstance(out, Mapping):
+        raise InvalidTypeError(
+            f"out must map the session's tensor names to tensors, not a {type(out).__name__}"
+        )
 
     def check(schema: Schema, tokens: int) -> dict[str, torch.Tensor]:
         if set(out) != set(schema.names):
@@ -68,6 +72,13 @@ def check_into(out: Mapping[str, torch.Tensor]) -> Target:
             )
         for name, dt, shape in zip(schema.names, schema.dtypes, schema.shapes, strict=True):
             t = out[name]
+            if not isinstance(t, torch.Tensor):
+                raise InvalidTypeError(f"out[{name!r}] is a {type(t).__name__}: pass torch tensors")
+            if t.device.type == "meta":
+                raise InvalidArgumentError(
+                    f"out[{name!r}] is on the meta device, which holds no data: pass "
+                    f"tensors on the CPU or a CUDA device"
+                )
             want = dtype_of(dt)
             if t.dtype != want:
                 raise InvalidArgumentError(f"out[{name!r}] is {t.dtype}, the session stores {want}")
@@ -79,10 +90,30 @@ def check_into(out: Mapping[str, torch.Tensor]) -> Target:
                     f"{tuple(tokens if d == -1 else d for d in shape)} or more positions "
                     f"along dim {dim}"
                 )
+            if overlaps_itself(t, dim, tokens):
+                raise InvalidArgumentError(
+                    f"out[{name!r}] overlaps itself in memory (strides {t.stride()} for shape "
+                    f"{tuple(t.shape)}, as expand() makes): its positions would overwrite "
+                    f"each other; pass a tensor with memory of its own for each position"
+                )
         check_apart(out, schema.token_dim, tokens)
         return dict(out)
 
     return check
+
+
+def overlaps_itself(t: torch.Tensor, dim: int, tokens: int) -> bool:
+    """Whether two of ``t``'s leading ``tokens`` positions along ``dim`` may share memory.
+    Exact for the layouts views make (dense, permuted, sliced: each dimension's stride
+    beyond the reach of the smaller ones); one that interleaves dimensions otherwise is
+    counted as overlapping."""
+    extent = [tokens if i == dim % max(t.dim(), 1) else n for i, n in enumerate(t.shape)]
+    reach = 0
+    for stride, n in sorted((st, n) for n, st in zip(extent, t.stride(), strict=True) if n > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (n - 1)
+    return False
 
 
 def check_apart(out: Mapping[str, torch.Tensor], dim: int, tokens: int) -> None:

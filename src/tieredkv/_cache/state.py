@@ -32,7 +32,7 @@ import anyio
 import msgspec
 
 from ..backends.base import SegmentKey, TierStats
-from ..errors import InvalidArgumentError, InvalidTypeError
+from ..errors import ClosedError, InvalidArgumentError, InvalidTypeError
 from ..meta import Event, Forgotten, KVMeta, MetadataChannel, Transfer, advance_meta
 from ..payload import Schema, SegmentHeader
 from ..policies.base import Eviction
@@ -505,6 +505,8 @@ class Core:
         self.operations = 0
         """Public operations under way (a close waits for them: :meth:`operation`)."""
         self._no_operations: anyio.Event | None = None
+        self._under_way: set[_Operation] = set()
+        """The operations under way (:meth:`cancel_operations` cancels them)."""
         self.closing = False
         """Set when a close begins (what loops over conversations stops there)."""
 
@@ -581,18 +583,45 @@ class Core:
         outer = _operation.get()
         op = _Operation()
         _operation.set(op)
+        self._under_way.add(op)
         try:
-            yield
+            with op.scope:  # (cancelled by a close that stopped waiting for it)
+                yield
         except anyio.get_cancelled_exc_class():
             if not op.completed:
                 self.stats.cancelled += 1
             raise
         finally:
             _operation.set(outer)
+            self._under_way.discard(op)
             self.operations -= 1
             if not self.operations and self._no_operations is not None:
                 self._no_operations.set()
                 self._no_operations = None
+        if op.scope.cancelled_caught:  # the close cancelled it: never a silent return
+            raise ClosedError(
+                "TieredKVCache",
+                during=(
+                    "the close's close_timeout passed first; the call had gone past its "
+                    "point of no return and completed (what it stored or deleted stays so)"
+                    if op.completed
+                    else "the close's close_timeout passed first and it cancelled the call, "
+                    "which was undone as a cancelled call is (nothing it did is kept)"
+                ),
+            )
+
+    def cancel_operations(self) -> int:
+        """Cancel every operation under way (a close out of time: each is undone, or
+        completes past its point of no return, then raises
+        :class:`~tieredkv.errors.ClosedError`); how many."""
+        for op in self._under_way:
+            op.scope.cancel()
+        return len(self._under_way)
+
+    def operation_completed(self) -> bool:
+        """Whether the operation under way said it completed despite a cancellation."""
+        op = _operation.get()
+        return op is not None and op.completed
 
     def completed_despite_cancel(self) -> None:
         """The operation under way went past its point of no return and completed; the
@@ -733,12 +762,14 @@ class Core:
 
 class _Operation:
     """A public operation under way (:meth:`Core.operation`): whether it completed though
-    a cancellation arrived (then that cancellation is not counted)."""
+    a cancellation arrived (then that cancellation is not counted), and the scope a close
+    cancels it with."""
 
-    __slots__ = ("completed",)
+    __slots__ = ("completed", "scope")
 
     def __init__(self) -> None:
         self.completed = False
+        self.scope = anyio.CancelScope()
 
 
 _operation: contextvars.ContextVar[_Operation | None] = contextvars.ContextVar(

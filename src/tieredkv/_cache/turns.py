@@ -92,10 +92,19 @@ async def append(
                 if sessions.get(session) is not s:  # dropped while we waited
                     continue
                 if parent is not None:
-                    core.told(session)  # (a fork's first turn starts afresh)
-                    return await _fork_locked(
-                        core, pumps, s, parent, tensors, answer_tokens, dim, codec, expected
-                    )
+                    # a fork's first turn starts afresh: a loss of ``session`` is no news
+                    # once it is stored, and stays to be told if it is not
+                    since = core.unreported.pop(session, None)
+                    try:
+                        return await _fork_locked(
+                            core, pumps, s, parent, tensors, answer_tokens, dim, codec, expected
+                        )
+                    except BaseException:
+                        meta = core.channel.get(session)  # (still recorded as lost)
+                        lost = meta is not None and meta.tier is None
+                        if since is not None and lost and not core.operation_completed():
+                            core.unreported.setdefault(session, since)
+                        raise
                 if core.sharing:  # one writer per conversation across replicas
                     await check_writer(core, session, commits=_commits_into(core, s))
                 return await _append_locked(

@@ -190,11 +190,17 @@ class SSDTier(Tier):
         return self._recovery.set_aside(session)
 
     async def aclose(self) -> None:
-        if self._limiter is None:
+        limiter = self._limiter
+        if limiter is None:
             return
         self._limiter = None
         if self._opened_in != os.getpid():  # a forked child's copy: the parent's files
             return
+        # a call still in a worker thread (its caller gone, say, or a cache's close out of
+        # time) uses the directory's descriptors and the readers: it ends first
+        with anyio.CancelScope(shield=True):
+            for _ in range(int(limiter.total_tokens)):  # (every thread's token, once free)
+                await limiter.acquire_on_behalf_of(object())
         self._workers.stop()
         self._stream.close(self.name)
         if self._writer.doomed:
