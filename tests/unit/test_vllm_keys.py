@@ -310,3 +310,79 @@ def test_the_connector_checks_its_config_where_vllm_first_asks_its_class() -> No
         TieredKVConnector.requires_piecewise_for_cudagraph({"host_byte": 1})
     assert TieredKVConnector.requires_piecewise_for_cudagraph({}) is True
     assert TieredKVConnector.requires_piecewise_for_cudagraph({"layerwise": False}) is False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["SlidingWindowSpec", "ChunkedLocalAttentionSpec", "RSWASpec"])
+def test_a_model_whose_kv_cache_frees_blocks_out_of_its_window_is_refused(spec: str) -> None:
+    """A sliding window's blocks that leave the window are vLLM's null block by the time a
+    request finishes: a stored turn held its bytes, and a prompt sharing part of it was
+    served them (a tiny Mistral with a 64-token window answered otherwise than recompute).
+    The connector now refuses such a model when it starts, saying why; full attention and
+    MLA are served."""
+    from vllm.v1 import kv_cache_interface as kvi
+
+    from tieredkv.integrations.vllm.connector import model_fingerprint
+
+    base = {"block_size": 32, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
+    extra = {
+        "SlidingWindowSpec": {"sliding_window": 64},
+        "ChunkedLocalAttentionSpec": {"attention_chunk_size": 64},
+        "RSWASpec": {"rswa_window": 64},
+    }[spec]
+    kv_spec = getattr(kvi, spec)(**base, **extra)
+    group = kvi.KVCacheGroupSpec(layer_names=["model.layers.0.self_attn"], kv_cache_spec=kv_spec)
+    config = kvi.KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[group])
+    with pytest.raises(InvalidArgumentError, match=f"keeps every block.*this one's is {spec}"):
+        model_fingerprint(None, config)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_a_streaming_request_is_keyed_again_when_a_later_chunk_extends_it() -> None:
+    """vLLM's streaming-input requests (realtime audio, say) keep one request id while later
+    chunks extend the prompt and its multimodal inputs. The connector computed a request's
+    keys once, at its first match: the turn it stored at the end keyed a later chunk's
+    blocks without that chunk's media, and another stream with other media in the same
+    place was offered them. Keys now follow the request's prompt as it grows."""
+    from dataclasses import replace
+
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    from tieredkv.integrations.vllm.connector import KeysByRequest, request_keys
+
+    def audio(name: str, offset: int) -> MultiModalFeatureSpec:
+        return MultiModalFeatureSpec(
+            data=None, modality="audio", identifier=name, mm_position=PlaceholderRange(offset, 4)
+        )
+
+    def extend(request: Any, tokens: list[int], feature: MultiModalFeatureSpec) -> None:
+        """A later chunk, as vLLM's ``Scheduler._update_request_as_session`` adds it."""
+        feature.mm_position = replace(
+            feature.mm_position, offset=feature.mm_position.offset + request.num_tokens
+        )
+        request.mm_features.append(feature)
+        request._all_token_ids.extend(tokens)
+        request.prompt_token_ids.extend(tokens)
+        request.num_prompt_tokens = len(request.prompt_token_ids)
+
+    first = [1, 2, 3, 4, 7, 7, 7, 7, 5, 6, 8, 9]  # audio A in block 1
+    later = [10, 11, 12, 13, 7, 7, 7, 7]  # audio B (or C) in block 4
+    cache = KeysByRequest(BS, FilesDigests())
+    stream = vllm_request("stream-1", list(first), mm_features=[audio("A", 4)])
+    before = cache.get(stream)
+    assert before is not None
+    assert len(before.extra) == 2
+    extend(stream, later, audio("B", 4))
+    now = cache.get(stream)
+    assert now == request_keys(stream, BS, FilesDigests())
+    assert now is not None
+    assert now.extra[:2] == before.extra
+    assert now.extra[4]  # block 4 keyed by audio B
+    other = vllm_request("stream-2", list(first), mm_features=[audio("A", 4)])
+    extend(other, later, audio("C", 4))
+    theirs = cache.get(other)
+    assert theirs is not None
+    assert theirs.extra[:4] == now.extra[:4]
+    assert theirs.extra[4] != now.extra[4]  # another stream's block 4 is never matched
+    cache.pop("stream-1")
+    assert len(cache) == 1

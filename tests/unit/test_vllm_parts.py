@@ -9,6 +9,7 @@ back in other blocks, after a restart, and that a damaged segment is refused.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -392,6 +393,50 @@ def test_worker_restart_catches_up_a_sidecar_that_lags_the_stored_kv(tmp_path: P
         assert s2.cache.channel["vllm-x-7"].tokens == 16
     finally:
         s2.close()
+
+
+def test_a_stored_turn_whose_index_entry_cannot_be_written_is_logged_and_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The sidecar (what a restart rebuilds the index from) is written after the turn is
+    stored; a write that failed (a full disk) was silent: nothing logged, no counter, and
+    the restart dropped the conversation without a word before it. Now it is logged and
+    counted (``index_errors``), the turn still reported stored. A removal that fails raised
+    from the step's report, on the model's thread; now it is logged and counted too."""
+    import errno
+
+    from tieredkv.integrations.vllm import worker as worker_module
+    from tieredkv.integrations.vllm.ops import SaveOp
+
+    s, _, _, tokens = saved_turn(tmp_path, "vllm-x-8")
+    try:
+        s.take_counters()
+
+        def full(*args: object) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(worker_module, "write_sidecar", full)
+        more = (*tokens, *range(200, 204))
+        s.save(SaveOp("r2", "vllm-x-8", (3, 5, 6, 7), 3, 4, more, answer_tokens=1))
+        s.wait_idle()
+        assert [ok for _, ok in s.finished_saves()] == [True]
+        assert s.take_counters().get("index_errors") == 1
+        assert "writing vllm-x-8's index entry failed" in caplog.text
+        assert s.cache.channel["vllm-x-8"].tokens == 16
+
+        def unremovable(*args: object) -> None:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        # nor does one that cannot be removed stop the step's report (the model's thread)
+        monkeypatch.setattr(worker_module, "remove_sidecar", unremovable)
+        assert s._portal is not None
+        s._portal.call(s.cache.drop, "vllm-x-8")
+        report = s.report([], [])
+        assert report.gone == {"vllm-x-8"}
+        assert s.take_counters().get("index_errors") == 1
+        assert "removing vllm-x-8's index entry failed" in caplog.text
+    finally:
+        s.close()
 
 
 def test_worker_loads_layer_by_layer_while_the_model_computes(tmp_path: Path) -> None:

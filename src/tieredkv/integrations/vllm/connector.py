@@ -78,6 +78,7 @@ STAT_KEYS = (
     "saved_tokens",
     "saved_bytes",
     "save_errors",
+    "index_errors",
     "forks",
     "pins_refused",
 )
@@ -157,6 +158,10 @@ class TieredKVPromMetrics(KVConnectorPromMetrics):
                 per_engine[engine_idx].inc(value)
 
 
+_KEPT_WHOLE = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
+"""The KV cache specs whose blocks hold every token's KV until the request finishes."""
+
+
 def model_fingerprint(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_id: str | None = None
 ) -> str:
@@ -171,6 +176,16 @@ def model_fingerprint(
             f"{len(groups)} (hybrid attention)"
         )
     spec = groups[0].kv_cache_spec
+    if type(spec).__name__ not in _KEPT_WHOLE:
+        # a sliding window's (or R-SWA's, a chunked-local's) blocks that fall out of the
+        # window are given back as vLLM's null block before a request finishes: a stored
+        # turn would hold the null block's bytes where its KV was, and a prompt sharing
+        # part of it would be served them (its answer changed)
+        raise InvalidArgumentError(
+            f"the TieredKVConnector serves models whose KV cache keeps every block (full "
+            f"attention); this one's is {type(spec).__name__}, which frees the blocks that "
+            f"leave its window"
+        )
     parallel = vllm_config.parallel_config
     layout = (
         f"{type(spec).__name__}:{len(groups[0].layer_names)}L:"
@@ -247,6 +262,34 @@ def request_keys(request: Request, block_size: int, digests: FilesDigests) -> Re
     return RequestKeys(identity_digest(whole), tuple(extra))
 
 
+class KeysByRequest:
+    """Each request's keys (:func:`request_keys`), computed once per prompt: a
+    streaming-input request (one request id whose later chunks extend its prompt and its
+    multimodal inputs, as vLLM's resumable requests do) gets them again once its prompt
+    grew, so that the blocks of a later chunk are stored and matched under their own
+    media's keys, never under the first chunk's."""
+
+    def __init__(self, block_size: int, digests: FilesDigests) -> None:
+        self._block_size = block_size
+        self._digests = digests
+        self._keys: dict[str, tuple[tuple[int, int], RequestKeys | None]] = {}
+
+    def get(self, request: Request) -> RequestKeys | None:
+        stamp = (request.num_prompt_tokens, len(request.mm_features or ()))
+        got = self._keys.get(request.request_id)
+        if got is None or got[0] != stamp:
+            got = (stamp, request_keys(request, self._block_size, self._digests))
+            self._keys[request.request_id] = got
+        return got[1]
+
+    def pop(self, request_id: str) -> None:
+        """Forget a finished request's keys."""
+        self._keys.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
 def _adapter_path(path: str) -> str:
     """A LoRA adapter's local directory (vLLM resolves a hub name to its download)."""
     from vllm.lora.utils import get_adapter_absolute_path
@@ -271,7 +314,7 @@ class TieredKVConnector(KVConnectorBase_V1):
         self.block_size: int = vllm_config.cache_config.block_size
         self.fp = model_fingerprint(vllm_config, kv_cache_config, self.config.model_id)
         self._digests = FilesDigests()
-        self._keys: dict[str, RequestKeys | None] = {}
+        self._keys = KeysByRequest(self.block_size, self._digests)
         events = vllm_config.kv_events_config
         self._events: KVEvents | None = None
         if role == KVConnectorRole.SCHEDULER and events and events.enable_kv_cache_events:
@@ -312,16 +355,18 @@ class TieredKVConnector(KVConnectorBase_V1):
             )
 
             tp_rank = get_tensor_model_parallel_rank()
+            # one rank per worker, each with its own shard (a directory and Redis keys of its
+            # own: with pipeline stages, the tensor-parallel rank alone would repeat); the
+            # scheduler side counts every worker's report under it
+            self._report_rank = (
+                get_pp_group().rank_in_group * get_tensor_model_parallel_world_size() + tp_rank
+            )
             self._store = WorkerStore(
                 self.config,
                 self.fp,
                 self.block_size,
-                rank=tp_rank,
+                rank=self._report_rank,
                 per_block_keys=vllm_config.model_config.is_multimodal_model,
-            )
-            # the scheduler side counts every worker's report: one rank each
-            self._report_rank = (
-                get_pp_group().rank_in_group * get_tensor_model_parallel_world_size() + tp_rank
             )
 
     @classmethod
@@ -347,11 +392,9 @@ class TieredKVConnector(KVConnectorBase_V1):
         )
 
     def _request_keys(self, request: Request) -> RequestKeys | None:
-        """The request's keys besides its tokens (computed once per request), ``None``
-        if it cannot be keyed safely (then nothing of it is stored or served)."""
-        if request.request_id not in self._keys:
-            self._keys[request.request_id] = request_keys(request, self.block_size, self._digests)
-        return self._keys[request.request_id]
+        """The request's keys besides its tokens, ``None`` if it cannot be keyed safely
+        (then nothing of it is stored or served); see :class:`KeysByRequest`."""
+        return self._keys.get(request)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -463,7 +506,7 @@ class TieredKVConnector(KVConnectorBase_V1):
         # a request still waiting for its KV stores nothing and is reported once)
         assert self._scheduler is not None
         keys = self._request_keys(request)
-        self._keys.pop(request.request_id, None)
+        self._keys.pop(request.request_id)
         hint, echo = None, None
         if request.kv_transfer_params:
             hint, echo = read_hint(

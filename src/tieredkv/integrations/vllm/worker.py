@@ -83,7 +83,10 @@ a load within the step (layer by layer, during the forward pass) does not wait."
 
 
 def make_tiers(config: ConnectorConfig, rank: int) -> list[Tier]:
-    """The tiers a worker of tensor-parallel rank ``rank`` stores into."""
+    """The tiers the worker of rank ``rank`` (among the engine's tensor- and
+    pipeline-parallel workers) stores into: each rank holds its own shard of every
+    conversation, in a directory and under Redis keys of its own (rank 0's keys are those
+    of a single-worker engine), so that no rank is ever served another's shard."""
     tiers: list[Tier] = [HostMemoryTier(config.host_bytes, name=HOST)]
     if config.ssd_path is not None:
         path = Path(config.ssd_path) / f"rank{rank}"
@@ -93,10 +96,19 @@ def make_tiers(config: ConnectorConfig, rank: int) -> list[Tier]:
 
         tiers.append(
             RedisTier(
-                config.redis_url, config.redis_bytes, name=REDIS, timeout=config.redis_timeout
+                config.redis_url,
+                config.redis_bytes,
+                name=REDIS,
+                timeout=config.redis_timeout,
+                prefix=redis_prefix(rank),
             )
         )
     return tiers
+
+
+def redis_prefix(rank: int) -> str:
+    """The Redis key prefix of rank ``rank``'s shards."""
+    return "tieredkv" if rank == 0 else f"tieredkv-rank{rank}"
 
 
 def sidecar_dir(config: ConnectorConfig) -> Path | None:
@@ -133,7 +145,8 @@ class WorkerStore:
     :param config: the connector's settings
     :param fp: the model/dtype/layout fingerprint (session keys start with it)
     :param block_size: tokens per vLLM block
-    :param rank: the tensor-parallel rank (rank 0 writes the index sidecars)
+    :param rank: the worker's rank among the engine's tensor- and pipeline-parallel workers
+        (rank 0 writes the index sidecars)
     :param tiers: the tiers (default: :func:`make_tiers`)
     :param per_block_keys: requests may carry per-block keys (a multimodal model): a
         sidecar that lags its stored KV cannot then be rebuilt from the stored token ids
@@ -576,10 +589,19 @@ class WorkerStore:
                 extra=list(keys.extra),
             )
             lock = self._sidecar_locks.setdefault(op.session, anyio.Lock())
-            async with lock:  # in the order the turns were stored (anyio's lock is fair)
-                await anyio.to_thread.run_sync(write_sidecar, self._sidecars, sidecar)
-            if not lock.statistics().tasks_waiting:
-                self._sidecar_locks.pop(op.session, None)
+            try:
+                async with lock:  # in the order the turns were stored (anyio's lock is fair)
+                    await anyio.to_thread.run_sync(write_sidecar, self._sidecars, sidecar)
+            except Exception:  # (the turn is stored: served until a restart drops it)
+                self._count("index_errors")
+                _log.exception(
+                    "writing %s's index entry failed: its turns are served until a restart, "
+                    "which drops them",
+                    op.session,
+                )
+            finally:
+                if not lock.statistics().tasks_waiting:
+                    self._sidecar_locks.pop(op.session, None)
 
     def _task_done(self, task: concurrent.futures.Future[None]) -> None:
         with self._lock:
@@ -716,7 +738,14 @@ class WorkerStore:
             out.gone, self._gone = self._gone, set()
         if self._sidecars is not None:  # here, off the event loop's thread
             for session in out.gone:
-                remove_sidecar(self._sidecars, session)
+                try:
+                    remove_sidecar(self._sidecars, session)
+                except OSError:  # (never on the model's path: a restart removes it then)
+                    self._count("index_errors")
+                    _log.exception(
+                        "removing %s's index entry failed: the next restart removes it",
+                        session,
+                    )
         for session in touched:
             meta = self.cache.channel.get(session)
             out.metas[session] = None if meta is None else msgspec.msgpack.encode(meta)
