@@ -45,6 +45,11 @@ __all__ = [
 
 INSTALL_HINT = "install it with: apt-get install -y redis-server (or your OS's package)"
 
+UP_FOR_FIRST_COMMITS = 4.0
+"""Seconds a fixture's server has been up when a test gets it: a tier's default liveness (3
+s), past which a conversation's first commit no longer waits, and a second for the server's
+uptime being counted in whole seconds."""
+
 
 def require_redis_server() -> str:
     """The path of ``redis-server``; skips the test (fails it under ``CI=true``) if absent."""
@@ -144,6 +149,16 @@ class RedisServer:
         finally:
             client.close()
 
+    def wait_up(self, seconds: float = UP_FOR_FIRST_COMMITS) -> None:
+        """Wait until the server has been up ``seconds`` (by its own uptime, in whole
+        seconds): on a server up for less than a tier's liveness period, a conversation's
+        first commit waits (after an empty restart, another replica may still be serving
+        its own copy)."""
+        with self.client() as client:
+            up = client.info("server")["uptime_in_seconds"]
+        if up < seconds:
+            time.sleep(seconds - up)
+
     def client(self) -> redis.Redis:
         """A synchronous client, for tests to inspect or damage what a tier stored."""
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
@@ -207,6 +222,7 @@ def redis_server() -> Iterator[RedisServer]:
         if server is None:
             server = RedisServer(Path(d))
             server.start()
+        server.wait_up()
         current = server
         try:
             yield server
@@ -233,6 +249,7 @@ def _own(directory: Path, *, persistent: bool) -> Iterator[RedisServer]:
     if server is None:
         server = RedisServer(directory, persistent=persistent)
         server.start()
+    server.wait_up()
     try:
         yield server
     finally:

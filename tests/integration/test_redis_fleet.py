@@ -268,6 +268,94 @@ async def test_case04_no_replica_serves_its_older_copy_once_the_server_lost_the_
             await fresh.load("chat")
 
 
+async def test_case04c_after_an_empty_restart_an_old_writer_serves_no_older_copy(
+    server: RedisServer,
+) -> None:
+    """Case 4c. A appends [t0 t1] (flushed: A writes it, its lease live); the server restarts
+    empty; B's load is a counted miss, B starts the conversation afresh with t7 (flushed:
+    the acknowledged history is [t7]); then the server stalls. A's load used to serve its
+    own [t0 t1]: its lease lived only in the manifest the restart lost. Now A's heartbeat
+    finds its liveness key gone and drops its leases, and a conversation's first commit
+    waits until the server has been up a liveness period (so that a replica which could not
+    beat meanwhile has stopped serving): A's load is a counted miss."""
+    prefix = new_prefix()
+    options: dict[str, Any] = {"lease_ttl": 10.0, "liveness": 2.0, "secret": b"s" * 32}
+    async with (
+        replica(server.url, prefix, **options) as a,
+        replica(server.url, prefix, **options) as b,
+    ):
+        await append(a, "chat", 0, 1)
+        await a.flush()
+        await anyio.to_thread.run_sync(lambda: server.restart(empty=True))
+        with pytest.raises(SessionNotFoundError):
+            await b.load("chat")
+        await append(b, "chat", 7)
+        await b.flush()
+        assert tags(await b.load("chat")) == [7]
+        await stalled_load_is_a_miss(server, a)
+
+
+@pytest.mark.parametrize("evicted", ["manifest", "liveness"])
+async def test_case04d_on_a_server_that_evicts_no_lease_serves_a_copy_through_an_outage(
+    own_redis_server: RedisServer, evicted: str
+) -> None:
+    """Case 4d. On a server with maxmemory and an eviction policy (the how-to's
+    ``allkeys-lru``), the server may forget a conversation's manifest (and the lease in it)
+    or a live replica's liveness key. A appends [t0 t1] (flushed, its lease live); the
+    server evicts one of them (deleted here, as eviction does); B commits t2 (after taking
+    the conversation over, or afresh). Before, B's commit went through at once (a missing
+    liveness key counted as a dead writer) and A, still holding its lease by its own
+    clock, served [t0 t1] while the server stalled. Now a replica serves no copy of its
+    own while an evicting server is away, and a takeover waits out the lease it meets."""
+    server = own_redis_server
+    with server.client() as client:
+        client.config_set("maxmemory", str(1 << 30))
+        client.config_set("maxmemory-policy", "allkeys-lru")
+    prefix = new_prefix()
+    options: dict[str, Any] = {"lease_ttl": 3.0, "liveness": 1.5, "secret": b"s" * 32}
+    async with (
+        replica(server.url, prefix, **options) as a,
+        replica(server.url, prefix, **options) as b,
+    ):
+        await append(a, "chat", 0, 1)
+        await a.flush()
+        await anyio.sleep(0.6)  # a heartbeat has seen the server's policy
+        with server.client() as client:
+            key = manifest(prefix, "chat") if evicted == "manifest" else ""
+            if evicted == "liveness":
+                key = f"{prefix}:live:{a_tier(a).owner}"
+            assert client.delete(key) == 1
+        if evicted == "manifest":
+            with pytest.raises(SessionNotFoundError):
+                await b.load("chat")
+            await append(b, "chat", 2)
+            acknowledged = [2]
+        else:
+            assert tags(await b.load("chat")) == [0, 1]
+            await append(b, "chat", 2)
+            acknowledged = [0, 1, 2]
+        await b.flush()
+        assert tags(await b.load("chat")) == acknowledged
+        await stalled_load_is_a_miss(server, a)
+
+
+async def stalled_load_is_a_miss(server: RedisServer, cache: TieredKVCache) -> None:
+    """With the server stalled (SIGSTOP), ``cache``'s load of "chat" is a counted miss."""
+    server.pause()
+    try:
+        with pytest.raises(SessionNotFoundError):
+            await cache.load("chat")
+    finally:
+        server.resume()
+    assert cache.stats().unproven == 1
+
+
+def a_tier(cache: TieredKVCache) -> RedisTier:
+    """``cache``'s Redis tier."""
+    [shared] = [t for t in cache.tiers if isinstance(t, RedisTier)]
+    return shared
+
+
 def _forged(value: bytes, tag: int) -> bytes:
     """The first value of a one-value segment of :func:`tests.fleet.turn`, with its first
     turn element changed to ``tag`` and its unkeyed checks (xxh3, CRC) made right again, as

@@ -22,7 +22,7 @@ from tests.redis_server import RedisServer, new_prefix, own_redis_server, redis_
 from tests.segments import Segment, SegmentFactory, read_back, store
 from tieredkv.backends.redis import RedisTier
 from tieredkv.backends.shared import plain_header
-from tieredkv.errors import TierIOError
+from tieredkv.errors import CommitDelayedError, TierIOError
 from tieredkv.payload import parse_header
 
 __all__ = ["own_redis_server", "redis_server"]  # fixtures used below
@@ -202,7 +202,8 @@ async def test_a_commit_that_could_not_connect_is_not_reported_as_maybe_made(
     """The server is dead when the write goes out (connection refused): nothing reached it,
     so the write raises a TierIOError that does not say the commit may have been made, at
     once (it does not ask the server whether its commit was made for 2 s), and stores
-    nothing; once the server is back the same write commits."""
+    nothing; once the server is back (empty) and has been up a liveness period (a history's
+    first commit on a server that restarted waits that long), the same write commits."""
     s = seg(tokens=64, seed=5)
     async with _tier(own_redis_server.port, new_prefix(), "A") as a:
         await a.acquire("s")  # (the lease: the write goes straight to its commit)
@@ -216,6 +217,9 @@ async def test_a_commit_that_could_not_connect_is_not_reported_as_maybe_made(
         assert "may have been made" not in str(caught.value)
         assert not a.contains(s.key)
         own_redis_server.start()
+        with pytest.raises(CommitDelayedError, match="up for less than a liveness period"):
+            await a.write(s.key, s.view)
+        await anyio.sleep(3.0 + 1.0)  # (the default liveness; the server counts whole seconds)
         with anyio.fail_after(10):
             await a.write(s.key, s.view)
         assert _body(await read_back(a, s)) == _body(s.data)

@@ -54,6 +54,16 @@ from .shared import plain_header as plain
 
 __all__ = ["Commits", "cut"]
 
+_SETTLING = {
+    -10: "this replica has no secret, and the server has not known the prefix (unmarked) for "
+    "a liveness period yet: it restarted empty, or the prefix is new; replicas with the "
+    "secret, if any, mark it again meanwhile",
+    -11: "the server has been up for less than a liveness period (it restarted): a replica "
+    "whose lease it forgot may still serve its own copy of this conversation until its "
+    "heartbeat finds the restart",
+}
+"""Why COMMIT asked a commit to wait (its codes -10 and -11, with the milliseconds left)."""
+
 _RESOLVE_TIMEOUT = 2.0
 """At most this long (each try at most ``timeout``) to learn whether a commit whose reply was
 lost was made."""
@@ -498,14 +508,9 @@ class Commits(Leases):
             if len(reply) > 3 and await self.reclaim(session, text(reply[3])):
                 retry_in = 0.0  # the replica it waited for is gone: commit at once
             raise CommitDelayedError(self.name, session, retry_in)
-        if code == -10:
+        if code in _SETTLING:
             raise CommitDelayedError(
-                self.name,
-                session,
-                max(0, to_int(reply[2])) / 1000,
-                why="this replica has no secret, and the server has not known the prefix "
-                "(unmarked) for a liveness period yet: it restarted empty, or the prefix is new; "
-                "replicas with the secret, if any, mark it again meanwhile",
+                self.name, session, max(0, to_int(reply[2])) / 1000, why=_SETTLING[code]
             )
         if code == -4:
             raise _Vanished

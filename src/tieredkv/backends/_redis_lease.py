@@ -249,7 +249,12 @@ class Leases(Replica):
     def may_serve_local(self, session: str) -> bool:
         writer = self._writers.get(session)
         now = time.monotonic()
-        return writer is not None and now < writer.lease_until and now < self._alive_until
+        return (
+            writer is not None
+            and now < writer.lease_until
+            and now < self._alive_until
+            and not self._evicting  # (a server that evicts may have forgotten the lease)
+        )
 
     async def beat(self) -> bool:
         """Renew this replica's liveness key (it expires ``liveness`` seconds after the
@@ -262,7 +267,8 @@ class Leases(Replica):
         ms = max(1, round(self._liveness * 1000))
         try:
             with anyio.fail_after(min(self._timeout, self._liveness)):
-                await client.set(self._live_key(self.owner), b"1", px=ms)
+                before = await client.set(self._live_key(self.owner), b"1", px=ms, get=True)
+                memory = await client.info("memory")
                 if self._key is None and not self._marked:
                     self._marked = bool(await client.exists(self._marker))
                 elif self._key is not None:  # (again: a server restarted empty forgot it)
@@ -282,11 +288,56 @@ class Leases(Replica):
                     left,
                 )
             return False
+        if before is None and sent < self._alive_until:
+            self._lost_liveness()
+        self._check_eviction(memory)
         self._alive_until = max(self._alive_until, sent + self._liveness)
         if not self._beating:
             self._beating = True
             _log.info("%s: heartbeat to %s answered again", self.name, self.url)
         return True
+
+    def _lost_liveness(self) -> None:
+        """The server no longer held this replica's liveness key, which it should have
+        (it restarted empty, or evicted it): with it went what kept another replica from
+        committing over this one's leases. No lease held now proves a copy current: each
+        is renewed by the next commit, load or takeover (until then, loads while the
+        server is away are counted misses)."""
+        held = [w for w in self._writers.values() if w.lease_until > 0]
+        for writer in held:
+            writer.lease_until = 0.0
+        _log.warning(
+            "%s: the server at %s lost this replica's liveness key (it restarted empty, or "
+            "evicted it): the %d writer lease(s) held no longer let this replica serve its "
+            "own copies while the server is away, until each is renewed",
+            self.name,
+            self.url,
+            len(held),
+        )
+
+    def _check_eviction(self, memory: object) -> None:
+        """Note whether the server evicts keys (``INFO memory``: a ``maxmemory`` with a
+        policy other than ``noeviction``; for a Cluster, any node that does), logging a
+        change."""
+        infos = [memory] if isinstance(memory, dict) and "maxmemory" in memory else []
+        if not infos and isinstance(memory, dict):  # (a Cluster's: per node)
+            infos = [v for v in memory.values() if isinstance(v, dict)]
+        evicting = any(
+            to_int(info.get("maxmemory", 0) or 0) > 0
+            and str(info.get("maxmemory_policy", "noeviction")) != "noeviction"
+            for info in infos
+        )
+        if evicting != self._evicting:
+            self._evicting = evicting
+            if evicting:
+                _log.warning(
+                    "%s: the server at %s evicts keys (maxmemory with an eviction policy): "
+                    "it may forget a writer lease or a replica's liveness, so this replica "
+                    "serves no copy of its own while the server is away (such loads are "
+                    "counted misses), and a takeover waits out the lease it meets",
+                    self.name,
+                    self.url,
+                )
 
     async def beat_forever(self, stop: anyio.Event) -> None:
         """:meth:`beat` every third of ``liveness`` until ``stop`` is set (not by
@@ -300,7 +351,7 @@ class Leases(Replica):
         """End the takeover delay of ``session`` if ``holder``, the replica whose lease it
         waits for, is dead (no liveness key); whether it ended."""
         client = self._conn.client
-        if client is None or not holder:
+        if client is None or not holder or self._evicting:  # (an evicted key proves nothing)
             return False
         try:
             with anyio.fail_after(self._timeout):

@@ -127,6 +127,11 @@ elseif ARGV[11] ~= '' and ARGV[14 + 2 * bn] ~= '' then
   redis.call('SET', ARGV[11], ARGV[14 + 2 * bn], 'NX')
   redis.call('DEL', ARGV[11] .. ':unmarked')
 end
+if f[4] == '0' then
+  local up = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)')) or 0
+  local wait = math.floor(num(ARGV[15 + 2 * bn]) / 3) - up * 1000
+  if wait > 0 then return {-11, now, wait} end
+end
 local next_seq = seq
 if bn > 0 then
   if tonumber(seq) ~= bn or f[7] then next_seq = '' else next_seq = '0' end
@@ -198,7 +203,11 @@ commit behind the writer's back). Returns {0, now, v} (committed), {1, now, v} (
 segment was committed before: a retry), or a refusal: {-1, now, fence, dmg} (another
 writer; ``dmg`` 1: it then found the history damaged),
 {-2, now, id, v, n} (another history), {-3, now, ms, holder} (takeover delay, until the
-lease of ``holder`` would have ended), {-10, now, ms} (settling, above), {-4, now} (no
+lease of ``holder`` would have ended), {-10, now, ms} (settling, above), {-11, now, ms} (a
+history's first commit on a server up for less than a liveness period, a third of the
+settling period: after an empty restart, a replica whose lease the server forgot may still
+serve its own copy until its heartbeat, which then finds its liveness key gone, or its
+liveness runs out), {-4, now} (no
 manifest), {-5, now} (past the deadline), {-6, now, part} (a part is missing), {-7, now}
 (a writer without a MAC, ``ARGV[8]`` empty, extending an authenticated history, or
 writing under a prefix marked authenticated), -8 and -9 (above). Refusals

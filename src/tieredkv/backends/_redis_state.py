@@ -105,6 +105,11 @@ class Replica:
         replica's liveness key, by its last heartbeat that came back."""
         self._beating = True
         """Whether the last heartbeat came back (a change either way is logged)."""
+        self._evicting = False
+        """Whether the server evicts keys (a ``maxmemory`` and a policy other than
+        ``noeviction``, as the last heartbeat found): it may forget a lease or a liveness
+        key, so no lease proves this replica's copy current (see
+        :meth:`Leases.may_serve_local`)."""
         self._part_ms = round(part_ttl * 1000)
         self._batch = read_batch
         self._recover = recover

@@ -118,7 +118,10 @@ class RedisTier(Reads, Commits, SharedTier):
         every third of this). A replica serves its own copy through an outage only while
         its last heartbeat may still be alive, so a takeover of a replica that is gone
         waits about this long, not the rest of its lease: the longest a conversation
-        stalls when its replica dies (at most ``lease_ttl``)
+        stalls when its replica dies (at most ``lease_ttl``). After the server restarted
+        empty, a conversation's first commit waits until it has been up this long; on a
+        server that evicts keys no replica serves its own copy through an outage (see
+        docs/how-to/share-kv-with-redis.md)
     :param part_ttl: seconds a written but uncommitted part lives (a writer that dies
         half-way leaves nothing longer than this)
     :param read_batch: values fetched per round trip while reading
