@@ -278,14 +278,7 @@ async def test_case04c_after_an_empty_restart_an_old_writer_serves_no_older_copy
     finds its liveness key gone and drops its leases, and a conversation's first commit
     waits until the server has been up a liveness period (so that a replica which could not
     beat meanwhile has stopped serving): A's load is a counted miss."""
-    prefix = new_prefix()
-    options: dict[str, Any] = {"lease_ttl": 10.0, "liveness": 2.0, "secret": b"s" * 32}
-    async with (
-        replica(server.url, prefix, **options) as a,
-        replica(server.url, prefix, **options) as b,
-    ):
-        await append(a, "chat", 0, 1)
-        await a.flush()
+    async with written_by_a(server, lease_ttl=10.0, liveness=2.0) as (a, b):
         await anyio.to_thread.run_sync(lambda: server.restart(empty=True))
         with pytest.raises(SessionNotFoundError):
             await b.load("chat")
@@ -311,19 +304,15 @@ async def test_case04d_on_a_server_that_evicts_no_lease_serves_a_copy_through_an
     with server.client() as client:
         client.config_set("maxmemory", str(1 << 30))
         client.config_set("maxmemory-policy", "allkeys-lru")
-    prefix = new_prefix()
-    options: dict[str, Any] = {"lease_ttl": 3.0, "liveness": 1.5, "secret": b"s" * 32}
-    async with (
-        replica(server.url, prefix, **options) as a,
-        replica(server.url, prefix, **options) as b,
-    ):
-        await append(a, "chat", 0, 1)
-        await a.flush()
+    async with written_by_a(server, lease_ttl=3.0, liveness=1.5) as (a, b):
         await anyio.sleep(0.6)  # a heartbeat has seen the server's policy
+        shared = a_tier(a)
+        key = (
+            manifest(shared.prefix, "chat")
+            if evicted == "manifest"
+            else f"{shared.prefix}:live:{shared.owner}"
+        )
         with server.client() as client:
-            key = manifest(prefix, "chat") if evicted == "manifest" else ""
-            if evicted == "liveness":
-                key = f"{prefix}:live:{a_tier(a).owner}"
             assert client.delete(key) == 1
         if evicted == "manifest":
             with pytest.raises(SessionNotFoundError):
@@ -337,6 +326,23 @@ async def test_case04d_on_a_server_that_evicts_no_lease_serves_a_copy_through_an
         await b.flush()
         assert tags(await b.load("chat")) == acknowledged
         await stalled_load_is_a_miss(server, a)
+
+
+@asynccontextmanager
+async def written_by_a(
+    server: RedisServer, *, lease_ttl: float, liveness: float
+) -> AsyncIterator[tuple[TieredKVCache, TieredKVCache]]:
+    """Replicas A and B on a new prefix (with a secret: no settling wait), A having
+    appended [t0 t1] to "chat" and flushed it (A writes it, its lease live)."""
+    prefix = new_prefix()
+    options: dict[str, Any] = {"lease_ttl": lease_ttl, "liveness": liveness, "secret": b"s" * 32}
+    async with (
+        replica(server.url, prefix, **options) as a,
+        replica(server.url, prefix, **options) as b,
+    ):
+        await append(a, "chat", 0, 1)
+        await a.flush()
+        yield a, b
 
 
 async def stalled_load_is_a_miss(server: RedisServer, cache: TieredKVCache) -> None:

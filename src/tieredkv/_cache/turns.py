@@ -92,19 +92,9 @@ async def append(
                 if sessions.get(session) is not s:  # dropped while we waited
                     continue
                 if parent is not None:
-                    # a fork's first turn starts afresh: a loss of ``session`` is no news
-                    # once it is stored, and stays to be told if it is not
-                    since = core.unreported.pop(session, None)
-                    try:
-                        return await _fork_locked(
-                            core, pumps, s, parent, tensors, answer_tokens, dim, codec, expected
-                        )
-                    except BaseException:
-                        meta = core.channel.get(session)  # (still recorded as lost)
-                        lost = meta is not None and meta.tier is None
-                        if since is not None and lost and not core.operation_completed():
-                            core.unreported.setdefault(session, since)
-                        raise
+                    return await _fork_locked(
+                        core, pumps, s, parent, tensors, answer_tokens, dim, codec, expected
+                    )
                 if core.sharing:  # one writer per conversation across replicas
                     await check_writer(core, session, commits=_commits_into(core, s))
                 return await _append_locked(
@@ -210,8 +200,9 @@ async def _append_locked(
 ) -> KVMeta:
     began = core.clock()
     plan = plan_turn(core, s, tensors, answer_tokens, dim, codec, fork)
-    if s.key in core.unreported:  # the history this turn extends is gone: told once (a
-        core.told(s.key)  # first turn, expected 0, starts the conversation afresh)
+    since = core.unreported.get(s.key)
+    if since is not None and fork is None:  # the history this turn extends is gone: told
+        core.told(s.key)  # once (a first turn, expected 0, starts the conversation afresh)
         if expected != 0:
             raise HistoryLostError(s.key, _LOSS)
     if expected is not None:
@@ -229,6 +220,8 @@ async def _append_locked(
     # completes, and a cancellation that arrived meanwhile is raised after it
     if fork is not None:
         inherit(core, s, fork[0], fork[1])
+        if since is not None:  # (a fork's first turn starts afresh: its loss is no news now
+            core.told(s.key, since)  # it is stored, and stays to be told if it is not)
     meta = commit_append(core, s, plan, t, answer_tokens, began)
     if core.mode == "inclusive":
         pumps.start(s)
