@@ -58,6 +58,7 @@ exactly that many, and a refusal (``HistoryLengthError``) is a failed append lik
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import shutil
@@ -182,6 +183,9 @@ class Result:
     """Tags of the appends that passed ``expected_tokens``."""
     expecting_stored: int = 0
     fsck: str = ""
+    story: list[str] = field(default_factory=list)
+    """What the logs say of the first wrong history's turns (each append of them, begun and
+    ended, and the faults meanwhile): a failure in CI, whose logs are gone, can be read."""
 
     @property
     def clean(self) -> bool:
@@ -211,6 +215,7 @@ class Result:
             + (f" ({dict(self.unexpected)})" if self.unexpected else ""),
             *([f"fsck of the prefix afterwards: {self.fsck}"] if self.fsck else []),
             *(f"  wrong: {w}" for w in self.wrong[:10]),
+            *(f"    {line}" for line in self.story),
             *(f"  older: {w}" for w in self.lost[:10]),
             *(f"  unexpected: {t}" for t in self.tracebacks[:3]),
         ]
@@ -454,9 +459,11 @@ async def replica(args: dict[str, Any]) -> None:
             return
         finally:
             watchdog.end(ticket)
-        log(op="fork-checked", tag=tag)  # (a fork not checked: see _unchecked_forks)
-        if got[:-1] != [tuple(x) for x in inherited] and got[-1:] == [(tag, tokens)]:
-            log(op="rebase", conv=conv, tag=tag, fork=parent, inherited=got[:-1])
+        now = time.monotonic()
+        log(op="fork-checked", t0=now, tag=tag)  # (a fork not checked: _unchecked_forks)
+        took = rebased(got, (tag, tokens), inherited)
+        if took is not None:
+            log(op="rebase", t0=now, conv=conv, tag=tag, fork=parent, inherited=took)
         # (another replica's history of the key may have replaced the fork meanwhile: its
         # turn is then refused, and reported by a later call)
         views[conv], shapes[conv] = [t for t, _ in got], got
@@ -660,14 +667,16 @@ async def campaign(opts: Options, workdir: Path) -> Result:
                 record["conv"] = conv
             else:  # replica-kill
                 rid = rng.randrange(len(procs))
-                procs[rid].send_signal(signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # (ended by itself)
+                    procs[rid].send_signal(signal.SIGKILL)
                 await procs[rid].wait()
                 await anyio.sleep(rng.uniform(0.2, 1.0))
                 await spawn(rid)
             record["t1"] = time.monotonic()
             faults.append(record)
         for proc in procs.values():
-            proc.terminate()
+            with contextlib.suppress(ProcessLookupError):  # (one that ended by itself:
+                proc.terminate()  # its status is reported below)
         ends: list[dict[str, Any]] = []
         for rid, proc in procs.items():
             with anyio.move_on_after(120):
@@ -927,6 +936,8 @@ def check(records: list[dict[str, Any]], faults: list[dict[str, Any]], opts: Opt
             result.wrong.append(f"{where}: turns of another conversation or size {wrong}")
         elif served not in possible[conv]:
             result.wrong.append(f"{where}: not a history any append acknowledged")
+        if result.wrong and not result.story:
+            result.story = _story(records, faults, set(served), r)
         before = [a for a in acked[conv] if a[0] < r["t0"]]
         if before:
             t, began, floor = max(before)
@@ -941,6 +952,52 @@ def check(records: list[dict[str, Any]], faults: list[dict[str, Any]], opts: Opt
             if before:
                 result.lost_to_server.update((conv, tag) for tag in max(before)[2])
     return result
+
+
+def rebased(
+    got: list[tuple[int, int]], own: tuple[int, int], inherited: list[tuple[int, int]]
+) -> list[tuple[int, int]] | None:
+    """What a fork whose turn is ``own`` inherited, by the history its check loaded
+    (``got``), if not ``inherited`` (the replica's view of its parent): the cache forked
+    the parent's current history. Found wherever the fork's turn is in ``got``: another
+    replica may have taken the fork over and appended after it before the check."""
+    if own not in got:
+        return None  # (another history of the key replaced the fork: its turn is refused)
+    took = got[: got.index(own)]
+    return None if took == [tuple(x) for x in inherited] else took
+
+
+def _story(
+    records: list[dict[str, Any]],
+    faults: list[dict[str, Any]],
+    tags: set[int],
+    load: dict[str, Any],
+) -> list[str]:
+    """The records of the appends of ``tags`` (begun, ended, failed), of the loads and drops
+    of their conversations that came before ``load``, and the faults up to it, in time
+    order, one line each: enough to tell which step made a wrong history."""
+    convs = {r["conv"] for r in records if r.get("tag") in tags and "conv" in r}
+    keep = ("r", "i", "op", "ph", "conv", "tag", "base", "fork", "inherited", "ok", "err")
+    lines: list[tuple[float, str]] = []
+    for r in records:
+        about = r.get("tag") in tags or (
+            r.get("op") in ("load", "drop", "rebase") and r.get("conv") in convs
+        )
+        if not about or r.get("t0", 0.0) > load["t0"]:
+            continue
+        brief = {k: r[k] for k in keep if k in r}
+        if r.get("op") == "load" and r.get("ok"):
+            brief["turns"] = [t for t, _ in r["turns"]]
+        if not r.get("ok", True):
+            brief["msg"] = r.get("msg", "")[:120]
+        when = r.get("t1", r.get("t0", 0.0))
+        lines.append((when, f"{when:.3f} {json.dumps(brief)}"))
+    lines.extend(
+        (f["t0"], f"{f['t0']:.3f}-{f['t1']:.3f} fault {json.dumps(f)}")
+        for f in faults
+        if f["t0"] <= load["t0"]
+    )
+    return [line for _, line in sorted(lines)][-60:]
 
 
 def _allowed_for_forks(r: dict[str, Any]) -> bool:

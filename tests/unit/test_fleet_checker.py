@@ -43,3 +43,31 @@ def test_an_unchecked_fork_may_hold_any_history_of_its_parent_at_its_fork_point(
         wrong = campaign.check(_logs(checked=True), [], campaign.Options()).wrong
     assert wrong
     assert all("f2" in w for w in wrong)
+
+
+def test_the_report_tells_the_story_of_the_first_wrong_history() -> None:
+    """With a wrong history, the report prints the log records of its turns' appends (and
+    of its conversation's loads) in time order: a CI failure, whose logs are gone, can be
+    read from its output alone."""
+    with benchmark_script("fleet_campaign") as campaign:
+        result = campaign.check(_logs(checked=True), [], campaign.Options())
+    story = "\n".join(result.lines())
+    assert len(result.wrong) == 1
+    begins = [line for line in result.story if '"ph": "begin"' in line]
+    assert [int(line.split('"tag": ')[1].split(",")[0]) for line in begins] == [11, 13, 290]
+    assert '"fork": "c7"' in begins[-1]
+    assert all(line in story for line in (f"    {line}" for line in result.story))
+
+
+def test_a_fork_checked_after_another_replica_appended_to_it_is_still_seen_rebased() -> None:
+    """The check's load finds the fork's turn wherever it is: last, or followed by a turn
+    another replica appended after taking the fork over (what the fork inherited is then
+    still known); a history without the fork's turn says nothing of it."""
+    inherited = [(71, 56)]
+    current = [(11, 16), (13, 40)]
+    with benchmark_script("fleet_campaign") as campaign:
+        assert campaign.rebased([*current, (290, 256)], (290, 256), inherited) == current
+        after = [*current, (290, 256), (100005, 16)]
+        assert campaign.rebased(after, (290, 256), inherited) == current
+        assert campaign.rebased([(71, 56), (290, 256), (5, 16)], (290, 256), inherited) is None
+        assert campaign.rebased([(11, 16), (7, 256)], (290, 256), inherited) is None
