@@ -77,6 +77,15 @@ def tier(url: str, prefix: str, **options: Any) -> RedisTier:
     return RedisTier(url, 512 * MiB, prefix=prefix, **options)
 
 
+A_RUNS = ["in-process", "own process"]
+"""Where replica A of cases 4c and 4d runs: in the test's process, or in a process of its own
+(:class:`tests.fleet.ReplicaProcess`)."""
+
+A_OWNER = "replica-a"
+"""Replica A's id in leases (:func:`written_by_a`): its liveness key is
+``<prefix>:live:replica-a``."""
+
+
 FRESH = 1.0
 """``liveness`` of a replica opened on a server just (re)started, in tests that do not depend
 on it: it opens once the server has been up 3 s (thrice this), not 6 (thrice the lease)."""
@@ -268,8 +277,9 @@ async def test_case04_no_replica_serves_its_older_copy_once_the_server_lost_the_
             await fresh.load("chat")
 
 
+@pytest.mark.parametrize("a_runs", A_RUNS)
 async def test_case04c_after_an_empty_restart_an_old_writer_serves_no_older_copy(
-    server: RedisServer,
+    server: RedisServer, a_runs: str
 ) -> None:
     """Case 4c. A appends [t0 t1] (flushed: A writes it, its lease live); the server restarts
     empty; B's load is a counted miss, B starts the conversation afresh with t7 (flushed:
@@ -277,8 +287,9 @@ async def test_case04c_after_an_empty_restart_an_old_writer_serves_no_older_copy
     own [t0 t1]: its lease lived only in the manifest the restart lost. Now A's heartbeat
     finds its liveness key gone and drops its leases, and a conversation's first commit
     waits until the server has been up a liveness period (so that a replica which could not
-    beat meanwhile has stopped serving): A's load is a counted miss."""
-    async with written_by_a(server, lease_ttl=10.0, liveness=2.0) as (a, b):
+    beat meanwhile has stopped serving): A's load is a counted miss, whether A runs in this
+    process or in its own (its heartbeat and clock another process's)."""
+    async with written_by_a(server, a_runs, lease_ttl=10.0, liveness=2.0) as (a, b):
         await anyio.to_thread.run_sync(lambda: server.restart(empty=True))
         with pytest.raises(SessionNotFoundError):
             await b.load("chat")
@@ -289,8 +300,9 @@ async def test_case04c_after_an_empty_restart_an_old_writer_serves_no_older_copy
 
 
 @pytest.mark.parametrize("evicted", ["manifest", "liveness"])
+@pytest.mark.parametrize("a_runs", A_RUNS)
 async def test_case04d_on_a_server_that_evicts_no_lease_serves_a_copy_through_an_outage(
-    own_redis_server: RedisServer, evicted: str
+    own_redis_server: RedisServer, a_runs: str, evicted: str
 ) -> None:
     """Case 4d. On a server with maxmemory and an eviction policy (the how-to's
     ``allkeys-lru``), the server may forget a conversation's manifest (and the lease in it)
@@ -299,19 +311,16 @@ async def test_case04d_on_a_server_that_evicts_no_lease_serves_a_copy_through_an
     the conversation over, or afresh). Before, B's commit went through at once (a missing
     liveness key counted as a dead writer) and A, still holding its lease by its own
     clock, served [t0 t1] while the server stalled. Now a replica serves no copy of its
-    own while an evicting server is away, and a takeover waits out the lease it meets."""
+    own while an evicting server is away, and a takeover waits out the lease it meets;
+    whether A runs in this process or in its own."""
     server = own_redis_server
     with server.client() as client:
         client.config_set("maxmemory", str(1 << 30))
         client.config_set("maxmemory-policy", "allkeys-lru")
-    async with written_by_a(server, lease_ttl=3.0, liveness=1.5) as (a, b):
+    async with written_by_a(server, a_runs, lease_ttl=3.0, liveness=1.5) as (a, b):
         await anyio.sleep(0.6)  # a heartbeat has seen the server's policy
-        shared = a_tier(a)
-        key = (
-            manifest(shared.prefix, "chat")
-            if evicted == "manifest"
-            else f"{shared.prefix}:live:{shared.owner}"
-        )
+        prefix = a_tier(b).prefix  # (A's too)
+        key = manifest(prefix, "chat") if evicted == "manifest" else f"{prefix}:live:{A_OWNER}"
         with server.client() as client:
             assert client.delete(key) == 1
         if evicted == "manifest":
@@ -330,30 +339,51 @@ async def test_case04d_on_a_server_that_evicts_no_lease_serves_a_copy_through_an
 
 @asynccontextmanager
 async def written_by_a(
-    server: RedisServer, *, lease_ttl: float, liveness: float
-) -> AsyncIterator[tuple[TieredKVCache, TieredKVCache]]:
-    """Replicas A and B on a new prefix (with a secret: no settling wait), A having
-    appended [t0 t1] to "chat" and flushed it (A writes it, its lease live)."""
+    server: RedisServer, a_runs: str, *, lease_ttl: float, liveness: float
+) -> AsyncIterator[tuple[TieredKVCache | ReplicaProcess, TieredKVCache]]:
+    """Replicas A (owner :data:`A_OWNER`; in this process, or with ``a_runs`` "own process"
+    in a :class:`tests.fleet.ReplicaProcess`, with :func:`tier`'s timeout) and B (in this
+    process) on a new prefix (with a secret: no settling wait), A having appended [t0 t1]
+    to "chat" and flushed it (A writes it, its lease live)."""
     prefix = new_prefix()
-    options: dict[str, Any] = {"lease_ttl": lease_ttl, "liveness": liveness, "secret": b"s" * 32}
-    async with (
-        replica(server.url, prefix, **options) as a,
-        replica(server.url, prefix, **options) as b,
-    ):
-        await append(a, "chat", 0, 1)
-        await a.flush()
+    secret = b"s" * 32
+    options: dict[str, Any] = {"lease_ttl": lease_ttl, "liveness": liveness, "secret": secret}
+    a: TieredKVCache | ReplicaProcess
+    if a_runs == "in-process":
+        a = replica(server.url, prefix, owner=A_OWNER, **options)
+    else:
+        redis = {"liveness": liveness, "owner": A_OWNER}
+        a = ReplicaProcess(
+            server.url, prefix, lease_ttl=lease_ttl, timeout=1.0, secret=secret.hex(), redis=redis
+        )
+    async with a, replica(server.url, prefix, **options) as b:
+        if isinstance(a, ReplicaProcess):
+            for tag in (0, 1):
+                assert (await a.append("chat", tag))["ok"]
+            assert (await a.flush())["ok"]
+        else:
+            await append(a, "chat", 0, 1)
+            await a.flush()
         yield a, b
 
 
-async def stalled_load_is_a_miss(server: RedisServer, cache: TieredKVCache) -> None:
-    """With the server stalled (SIGSTOP), ``cache``'s load of "chat" is a counted miss."""
+async def stalled_load_is_a_miss(server: RedisServer, a: TieredKVCache | ReplicaProcess) -> None:
+    """With the server stalled (SIGSTOP), A's load of "chat" is a counted miss (A in this
+    process, or in its own)."""
     server.pause()
     try:
-        with pytest.raises(SessionNotFoundError):
-            await cache.load("chat")
+        if isinstance(a, ReplicaProcess):
+            answer = await a.load("chat")
+            assert answer.get("error") == "SessionNotFoundError", answer
+        else:
+            with pytest.raises(SessionNotFoundError):
+                await a.load("chat")
     finally:
         server.resume()
-    assert cache.stats().unproven == 1
+    if isinstance(a, ReplicaProcess):
+        assert (await a.call("stats"))["unproven"] == 1
+    else:
+        assert a.stats().unproven == 1
 
 
 def a_tier(cache: TieredKVCache) -> RedisTier:
