@@ -337,6 +337,48 @@ async def test_case04d_on_a_server_that_evicts_no_lease_serves_a_copy_through_an
         await stalled_load_is_a_miss(server, a)
 
 
+async def test_case04e_a_look_up_the_cache_did_not_take_in_lets_no_turn_extend_another_history(
+    server: RedisServer,
+) -> None:
+    """Case 4e (CI's fleet campaign, seed 22: f0 served as [7 20 21 16], which no caller
+    appended). R1 forks f0 from c0 and appends 6 (flushed: [7 5 6]); R0 takes f0 over,
+    drops it and forks it again ([7 20 21], flushed). R1, which never read f0 again, takes
+    c0, drops it and starts it again: refused, as a fork still lists c0's turn, but before
+    that its tier looked up the forks listing c0 and so learned f0's new manifest. Once
+    R0's lease has run out, R1's append to f0 (to its own [7 5 6]) used to take the lease
+    with that manifest's version, and its turn 16 was committed after R0's 21. A look-up
+    the cache did not take in is no proof of the history it extends: the append is a
+    conflict (load first), and every replica serves [7 20 21]."""
+    options: dict[str, Any] = {"lease_ttl": 1.0, "secret": b"s" * 32}
+    prefix = new_prefix()
+    async with (
+        replica(server.url, prefix, **options) as r0,
+        replica(server.url, prefix, **options) as r1,
+        replica(server.url, prefix, **options) as r2,
+    ):
+        await append(r2, "c0", 7)
+        await r2.flush()
+        assert tags(await r1.load("c0")) == [7]
+        await r1.append("f0", turn(5), answer_tokens=1, parent="c0")
+        await append(r1, "f0", 6)
+        await r1.flush()
+        assert tags(await r0.load("f0")) == [7, 5, 6]
+        await r0.drop("f0")
+        await r0.append("f0", turn(20), answer_tokens=1, parent="c0")
+        await append(r0, "f0", 21)
+        await r0.flush()
+        assert tags(await r1.load("c0")) == [7]
+        await r1.drop("c0")
+        with pytest.raises(InvalidArgumentError, match="forks still list its history"):
+            await append(r1, "c0", 15)
+        await anyio.sleep(1.2)  # R0's lease on f0 runs out
+        with pytest.raises(HistoryConflictError, match="which this replica has not read"):
+            await append(r1, "f0", 16)
+        await r1.flush()
+        for r in (r0, r1, r2):
+            assert tags(await r.load("f0")) == [7, 20, 21]
+
+
 @asynccontextmanager
 async def written_by_a(
     server: RedisServer, a_runs: str, *, lease_ttl: float, liveness: float

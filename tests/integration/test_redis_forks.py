@@ -890,9 +890,10 @@ async def test_a_fork_over_a_key_another_history_holds_here_is_a_conflict(
 ) -> None:
     """B forks ``c`` from A's conversation and leaves; A's shared tier indexes that fork
     (a look-up, as a load's) without A taking it in. A then forks B's other conversation
-    ``q`` (served from the shared tier) under ``c``: its first own turn falls on a turn of
-    the history A's tier indexes under ``c``. Refused as a conflict, leaving no trace; the
-    fork B made is served as committed."""
+    ``q`` (served from the shared tier) under ``c``: its first own turn would fall on a
+    turn of the history A's tier indexes under ``c``. Refused as a conflict (a look-up is
+    no read of the history that lets A take ``c``'s lease), leaving no trace; the fork B
+    made is served as committed."""
     async with _cache(redis_server, prefix) as a:
         async with _cache(redis_server, prefix) as b:
             await _parent_on_a_fork_on_b(a, b)
@@ -902,7 +903,7 @@ async def test_a_fork_over_a_key_another_history_holds_here_is_a_conflict(
         shared = a.tiers[1]
         assert isinstance(shared, RedisTier)
         assert len(await shared.lookup("c")) == 3
-        with pytest.raises(HistoryConflictError, match="another history"):
+        with pytest.raises(HistoryConflictError, match="which this replica has not read"):
             await a.append("c", C, answer_tokens=4, parent="q")
         assert not a.contains("c")
         await a.flush()

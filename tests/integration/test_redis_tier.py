@@ -365,9 +365,9 @@ async def test_lease_expires_and_a_replica_that_read_the_history_takes_over(
     redis_server: RedisServer, prefix: str, seg: SegmentFactory
 ) -> None:
     """With a short lease, a second replica may acquire without force once the first has
-    been idle past the lease, but only after it has read the conversation's history (a
-    replica that never did is refused: HistoryConflictError); the first's next write is
-    refused."""
+    been idle past the lease, but only after it has read the conversation's history with
+    refresh() (a replica that never did is refused: HistoryConflictError; a look-up, which
+    the cache does not take in, is no such read); the first's next write is refused."""
     async with (
         RedisTier(redis_server.url, CAPACITY, prefix=prefix, lease_ttl=2.0) as a,
         RedisTier(redis_server.url, CAPACITY, prefix=prefix, lease_ttl=2.0) as b,
@@ -381,6 +381,9 @@ async def test_lease_expires_and_a_replica_that_read_the_history_takes_over(
         token = a.token("s")
         assert token is not None
         assert [h.seq for h in await b.lookup("s")] == [0]
+        with pytest.raises(HistoryConflictError, match="this replica has not read"):
+            await b.acquire("s")
+        assert [h.seq for h in (await b.refresh("s")).headers] == [0]
         assert await b.acquire("s") > token
         late = seg(seq=1, seed=2)
         assert a.reserve(late.key, late.length)

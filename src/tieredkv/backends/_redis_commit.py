@@ -461,16 +461,24 @@ class Commits(Leases):
         code = int(reply[0])
         if code >= 0:
             v = to_int(reply[2])
-            if v == known.v + 1 and self._known.get(session) is known:
+            current = self._known.get(session) is known
+            # the cache's history was the one this extended: it is the new one now
+            adopted = self._adopted.get(session)
+            carried = adopted is not None and (adopted.id, adopted.v) == (known.id, known.v)
+            if v == known.v + 1 and (current or carried):
                 head, _ = parse_header(entry.head, "a committed segment")
                 for ref in refs or ():
                     known.base.append(ref)
                     known.base_headers.append(parse_header(ref.entry.head, "a reference")[0])
-                    self._hold((ref.owner, ref.seq), ref.entry, ref.owner_id, session)
+                    if current:
+                        self._hold((ref.owner, ref.seq), ref.entry, ref.owner_id, session)
                 known.entries.append(entry)
                 known.headers.append(head)
                 known.v = v
-            else:  # the version moved on, or another call changed the view: read it again
+                if carried:
+                    self._adopted[session] = known
+            if not (v == known.v and current):
+                # the version moved on, or another call changed the view: read it again
                 self._stale.add(session)  # (before the next commit)
             writer.lease_until = self._lease_from(start)
             writer.history = True
@@ -493,6 +501,7 @@ class Commits(Leases):
         if code == -2:
             if self._known.get(session) is known:
                 del self._known[session]
+            self._adopted.pop(session, None)  # (another history there: read it first)
             self._counters.conflicts += 1
             raise HistoryConflictError(
                 self.name,
@@ -561,6 +570,8 @@ class Commits(Leases):
             m = None
         if m is None:
             self._known.pop(session, None)
+            self._adopted.pop(session, None)
         else:
             self._reconcile(session, m)
             self._known[session] = m
+            self._adopt_fenced(session, m)

@@ -45,6 +45,18 @@ class Leases(Replica):
     """The sharing half of :class:`~tieredkv.backends.shared.SharedTier` for Redis."""
 
     async def refresh(self, session: str, *, take: bool = False) -> SharedState:
+        # the cache's read: it makes its copies agree with what this finds (sharing._adopt)
+        state = await self._refresh(session, take=take)
+        known = self._known.get(session)
+        if known is None:
+            self._adopted.pop(session, None)
+        else:
+            self._adopted[session] = known
+        return state
+
+    async def _refresh(self, session: str, *, take: bool = False) -> SharedState:
+        """Read ``session``'s manifest into what this tier knows, not into what the cache
+        adopted (see ``_adopted``)."""
         self._check_open()
         manifest = self._manifest(session)
         writer = self._writers.get(session)
@@ -100,6 +112,7 @@ class Leases(Replica):
             self._writers[session] = Writer(token, self._lease_from(sent))
         elif (w := self._writers.get(session)) is not None and m.fence != w.token:
             self._drop_writer(session, w)  # another replica took it over
+        self._adopt_fenced(session, m)
         if (w := self._writers.get(session)) is not None and m.history:
             w.history = True
         if prev is not None and prev.id == m.id and m.v < prev.v:
@@ -113,7 +126,7 @@ class Leases(Replica):
         return SharedState(status="current" if same else "changed", headers=tuple(m.history))
 
     async def lookup(self, session: str) -> list[SegmentHeader]:
-        state = await self.refresh(session)
+        state = await self._refresh(session)  # (not the cache's read: nothing adopted)
         return list(state.headers)
 
     async def check_unmarked(self, session: str, *, ask: bool) -> None:
@@ -138,7 +151,11 @@ class Leases(Replica):
     async def acquire(self, session: str, *, force: bool = False) -> int:
         self._check_open()
         await self.check_unmarked(session, ask=True)
-        prev = self._known.get(session)
+        # the history the cache's copy is: a newer one this tier learned by a look-up the
+        # cache did not reconcile is not proof that this replica extends it (its next turn
+        # would be committed after another replica's turns: a splice)
+        adopted = self._adopted.get(session)
+        prev = adopted if adopted is not None and adopted.n else None
         new_id = secrets.token_hex(16)
         sent = time.monotonic()
         reply = await self._conn.call(
@@ -169,9 +186,9 @@ class Leases(Replica):
                 f"({to_int(reply[4])} turn(s)), which this replica has not read",
             )
         token, turns = to_int(reply[2]), to_int(reply[5])
-        if turns == 0 and (prev is None or prev.n == 0):
+        if turns == 0 and prev is None:
             # an empty history (this call may have created it): known as a whole
-            self._known[session] = Manifest(
+            self._known[session] = self._adopted[session] = Manifest(
                 session=session, id=text(reply[3]), v=to_int(reply[4]), fence=token
             )
         self._writers[session] = Writer(token, self._lease_from(sent), history=turns > 0)
@@ -192,7 +209,7 @@ class Leases(Replica):
         forks = {by for key, by_ in self._holders.items() if key[0] == session for by in by_}
         for fork in sorted(forks - {session}):
             try:
-                await self.refresh(fork)
+                await self._refresh(fork)  # (not the cache's read: nothing adopted)
             except TierIOError:
                 return
 
@@ -226,6 +243,7 @@ class Leases(Replica):
             prev = self._known.get(session)
             if prev is None or not prev.n:
                 self._known.pop(session, None)
+                self._adopted.pop(session, None)
                 return await self.acquire(session)  # nothing was committed yet: start again
             raise self._lost(session)
         if code == -1:
@@ -373,6 +391,7 @@ class Leases(Replica):
         self._check_open()
         writer = self._writers.get(session)
         self._forget(session)
+        self._adopted.pop(session, None)  # (the cache holds no copy of it now)
         if writer is None:
             return False
         new_id = secrets.token_hex(16)

@@ -130,6 +130,14 @@ class Replica:
         """Indexed segments this tier committed itself (not learned from a manifest read)."""
         self._known: dict[str, Manifest] = {}
         """Per conversation, the manifest as this tier last committed or read it."""
+        self._adopted: dict[str, Manifest] = {}
+        """Per conversation, the manifest whose history the cache's copy is (the cache
+        read it through :meth:`Leases.refresh` and made its copies agree, this tier found
+        it at open, or it is one fenced by this replica's token: the cache's own turns
+        since): the only proof :meth:`Leases.acquire` offers the server. ``_known`` may be
+        newer: a look-up the cache did not reconcile (a fork's owner, the forks listing a
+        key, a commit's reread) learns another replica's history there, which this
+        replica's copy is not."""
         self._writers: dict[str, Writer] = {}
         self._attempts: dict[SegmentKey, Attempt] = {}
         self._stale: set[str] = set()
@@ -251,10 +259,19 @@ class Replica:
 
     def _drop_view(self, session: str, *, keep_writer: bool = False) -> None:
         self._known.pop(session, None)
+        self._adopted.pop(session, None)
         self._stale.discard(session)
         self._forget(session)
         if not keep_writer:
             self._writers.pop(session, None)
+
+    def _adopt_fenced(self, session: str, m: Manifest) -> None:
+        """``m`` was just read: fenced with this replica's token, it holds what the cache
+        adopted when this replica took the lease and the turns this tier committed since
+        (no other replica can commit under the fence), so it is the cache's history."""
+        writer = self._writers.get(session)
+        if writer is not None and m.fence == writer.token:
+            self._adopted[session] = m
 
     def _drop_writer(self, session: str, writer: Writer) -> None:
         """This replica is not ``session``'s writer any more, if ``writer`` still says it is

@@ -362,6 +362,7 @@ class RedisTier(Reads, Commits, SharedTier):
                 if m is None or self._manifest(m.session) != text(name):
                     continue
                 self._absorb(m, inherited=False)  # (its parent's: through the parent's)
+                self._adopted[m.session] = m  # (the cache's index starts from it)
                 headers.extend(m.headers)
         except (RedisError, OSError) as exc:
             raise self._io_error("list conversations", exc) from exc
@@ -388,6 +389,7 @@ class RedisTier(Reads, Commits, SharedTier):
         self._reserved.clear()
         self._writers.clear()
         self._known.clear()
+        self._adopted.clear()
         self._attempts.clear()
         self._stale.clear()
         self._used = 0

@@ -83,6 +83,9 @@ class SharedTier(Tier, Protocol):
         """The headers of ``session``'s committed segments (``refresh`` without ``take``);
         empty if the store holds none, or an unusable set.
 
+        A look only: the cache does not make its copies agree with what it finds, so it is
+        not a read of the history that :meth:`acquire` accepts as proof.
+
         :raises TierIOError: if the store cannot be reached
         """
         ...
@@ -90,9 +93,12 @@ class SharedTier(Tier, Protocol):
     async def acquire(self, session: str, *, force: bool = False) -> int:
         """Take ``session``'s writer lease; later writes to it carry the returned token.
 
-        Without ``force`` the store grants it only to a replica that knows the current
-        history (the version it last committed or read, or none for a conversation it does
-        not hold).
+        Without ``force`` the store grants it only to a replica whose copy is the current
+        history: the version this replica last committed, or last read with
+        :meth:`refresh` (which the cache makes its copies agree with), or none for a
+        conversation it does not hold. A newer version that only a :meth:`lookup` (or
+        another look the cache did not take in) found is not proof: the cache's copy is
+        the older one, and a turn after it must not be committed after the newer one.
 
         :param force: take the conversation over even while another replica's lease is
             live (its next write is then refused)
