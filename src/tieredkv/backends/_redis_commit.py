@@ -461,11 +461,12 @@ class Commits(Leases):
         code = int(reply[0])
         if code >= 0:
             v = to_int(reply[2])
+            extended = v == known.v + 1  # (this commit alone moved the version on)
             current = self._known.get(session) is known
             # the cache's history was the one this extended: it is the new one now
             adopted = self._adopted.get(session)
             carried = adopted is not None and (adopted.id, adopted.v) == (known.id, known.v)
-            if v == known.v + 1 and (current or carried):
+            if extended and (current or carried):
                 head, _ = parse_header(entry.head, "a committed segment")
                 for ref in refs or ():
                     known.base.append(ref)
@@ -477,7 +478,7 @@ class Commits(Leases):
                 known.v = v
                 if carried:
                     self._adopted[session] = known
-            if not (v == known.v and current):
+            if not (extended and current):
                 # the version moved on, or another call changed the view: read it again
                 self._stale.add(session)  # (before the next commit)
             writer.lease_until = self._lease_from(start)
