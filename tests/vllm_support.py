@@ -140,12 +140,16 @@ class Result(msgspec.Struct, kw_only=True):
 
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 """``run_engine``'s ``env`` for a reference run (no connector: vLLM alone), and for every
-row of the quick vLLM benchmark but LMCache's (``bench_vllm.py --in-process``): vLLM's
-engine core and its worker run in the runner's own process instead of two more it spawns,
-each importing torch and vLLM again, which is most of an engine's start (the quick model's
-engine: 14.6 s in all instead of 39.3 s, 7 December 2026). The connector tests' runs keep
-vLLM's processes (its scheduler side in the engine core, its worker in a worker process):
-their split is part of what those tests check."""
+row of the quick vLLM benchmark but LMCache's (``bench_vllm.py --in-process``), and for
+the identity tests' four engines (``test_vllm_identity.py``: which identity is served does
+not depend on where the connector's two sides run): vLLM's engine core and its worker run
+in the runner's own process instead of two more it spawns, each importing torch and vLLM
+again, which is most of an engine's start (the quick model's engine: 14.6 s in all instead
+of 39.3 s, 7 December 2026; the identity file: 95 s instead of 199 s alone, 7 December
+2026, late evening). The other connector tests' runs keep vLLM's processes (its scheduler
+side in the engine core, its worker in a worker process): their split is part of what
+those tests check (what passes from one side to the other: loads, saves, forks, events,
+hints, a rank's shard)."""
 
 
 def free_port() -> int:
