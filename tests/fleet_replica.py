@@ -8,7 +8,8 @@ that overruns answers ``{"ok": false, "error": "TimeoutError"}``, one that canno
 cancelled does not answer).
 The process opens one cache (its tiers over a :class:`~tieredkv.backends.redis.RedisTier`
 on ``URL`` and ``PREFIX``), answers ``{"ok": true}`` once open, then runs the commands it
-reads from stdin, one JSON line each (``append`` session tag, ``load`` session, ``flush``,
+reads from stdin, one JSON line each (``append`` session tag, and parent for a fork's first
+turn; ``load`` session, ``flush``,
 ``contains`` session, ``discover`` session, ``drop`` session, ``stats``, ``where`` session,
 ``close``), answering each with one JSON line on stdout.
 """
@@ -27,11 +28,15 @@ from tieredkv.backends.base import Tier
 from tieredkv.backends.redis import RedisTier
 
 
-async def _run(cache: TieredKVCache, command: dict[str, Any]) -> dict[str, Any]:
+async def run_command(cache: TieredKVCache, command: dict[str, Any]) -> dict[str, Any]:
+    """Run one command on ``cache``; its answer (what it raises, :func:`answer` answers)."""
     op = command["op"]
     if op == "append":
         tokens = command.get("tokens", TOKENS)
-        await cache.append(command["session"], turn(command["tag"], tokens), answer_tokens=1)
+        tensors = turn(command["tag"], tokens)
+        await cache.append(
+            command["session"], tensors, answer_tokens=1, parent=command.get("parent")
+        )
         return {"ok": True}
     if op == "load":
         history = await cache.load(command["session"])
@@ -52,6 +57,20 @@ async def _run(cache: TieredKVCache, command: dict[str, Any]) -> dict[str, Any]:
         st = cache.stats()
         return {"ok": True, "refused": st.refused, "unproven": st.unproven, "errors": st.errors}
     raise ValueError(f"unknown command {op!r}")
+
+
+def failure(exc: Exception) -> dict[str, Any]:
+    """A command's answer when it raised ``exc``."""
+    return {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+
+
+async def answer(cache: TieredKVCache, command: dict[str, Any]) -> dict[str, Any]:
+    """Run one command on ``cache``: its answer, what it raised as :func:`failure` says
+    (this process's answer to each line, and a test's to a replica in its own process)."""
+    try:
+        return await run_command(cache, command)
+    except Exception as exc:
+        return failure(exc)
 
 
 def tiers(url: str, prefix: str, options: dict[str, Any]) -> list[Tier]:
@@ -90,10 +109,10 @@ async def main(url: str, prefix: str, options: dict[str, Any]) -> None:
                 break
             try:
                 with anyio.fail_after(deadline):
-                    answer = await _run(cache, command)
-            except Exception as exc:
-                answer = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
-            await out.write(json.dumps(answer) + "\n")
+                    reply = await answer(cache, command)
+            except TimeoutError as exc:
+                reply = failure(exc)
+            await out.write(json.dumps(reply) + "\n")
             await out.flush()
     await out.write(json.dumps({"ok": True}) + "\n")
     await out.flush()

@@ -25,6 +25,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
+from tests import fleet_replica
 from tests.cancellation import CANCELS, cancellable
 from tests.faults import FaultInjector
 from tests.fleet import ReplicaProcess, tags, turn
@@ -78,8 +79,8 @@ def tier(url: str, prefix: str, **options: Any) -> RedisTier:
 
 
 A_RUNS = ["in-process", "own process"]
-"""Where replica A of cases 4c and 4d runs: in the test's process, or in a process of its own
-(:class:`tests.fleet.ReplicaProcess`)."""
+"""Where replica A of cases 4c and 4d (R1 of case 4e) runs: in the test's process, or in a
+process of its own (:class:`tests.fleet.ReplicaProcess`)."""
 
 A_OWNER = "replica-a"
 """Replica A's id in leases (:func:`written_by_a`): its liveness key is
@@ -337,8 +338,9 @@ async def test_case04d_on_a_server_that_evicts_no_lease_serves_a_copy_through_an
         await stalled_load_is_a_miss(server, a)
 
 
+@pytest.mark.parametrize("r1_runs", A_RUNS)
 async def test_case04e_a_look_up_the_cache_did_not_take_in_lets_no_turn_extend_another_history(
-    server: RedisServer,
+    server: RedisServer, r1_runs: str
 ) -> None:
     """Case 4e (CI's fleet campaign, seed 22: f0 served as [7 20 21 16], which no caller
     appended). R1 forks f0 from c0 and appends 6 (flushed: [7 5 6]); R0 takes f0 over,
@@ -348,34 +350,50 @@ async def test_case04e_a_look_up_the_cache_did_not_take_in_lets_no_turn_extend_a
     R0's lease has run out, R1's append to f0 (to its own [7 5 6]) used to take the lease
     with that manifest's version, and its turn 16 was committed after R0's 21. A look-up
     the cache did not take in is no proof of the history it extends: the append is a
-    conflict (load first), and every replica serves [7 20 21]."""
-    options: dict[str, Any] = {"lease_ttl": 1.0, "secret": b"s" * 32}
+    conflict (load first), and every replica serves [7 20 21]. R1 runs in this process,
+    or in a process of its own (as the campaign's replicas do)."""
+    secret = b"s" * 32
+    options: dict[str, Any] = {"lease_ttl": 1.0, "secret": secret}
     prefix = new_prefix()
+    r1_replica: TieredKVCache | ReplicaProcess = (
+        replica(server.url, prefix, **options)
+        if r1_runs == "in-process"
+        else ReplicaProcess(server.url, prefix, lease_ttl=1.0, timeout=1.0, secret=secret.hex())
+    )
+
+    async def r1(op: str, **args: Any) -> dict[str, Any]:
+        if isinstance(r1_replica, ReplicaProcess):
+            return await r1_replica.call(op, **args)
+        return await fleet_replica.answer(r1_replica, {"op": op, **args})
+
     async with (
         replica(server.url, prefix, **options) as r0,
-        replica(server.url, prefix, **options) as r1,
+        r1_replica,
         replica(server.url, prefix, **options) as r2,
     ):
         await append(r2, "c0", 7)
         await r2.flush()
-        assert tags(await r1.load("c0")) == [7]
-        await r1.append("f0", turn(5), answer_tokens=1, parent="c0")
-        await append(r1, "f0", 6)
-        await r1.flush()
+        assert await r1("load", session="c0") == {"ok": True, "turns": [7]}
+        assert (await r1("append", session="f0", tag=5, parent="c0"))["ok"]
+        assert (await r1("append", session="f0", tag=6))["ok"]
+        assert (await r1("flush"))["ok"]
         assert tags(await r0.load("f0")) == [7, 5, 6]
         await r0.drop("f0")
         await r0.append("f0", turn(20), answer_tokens=1, parent="c0")
         await append(r0, "f0", 21)
         await r0.flush()
-        assert tags(await r1.load("c0")) == [7]
-        await r1.drop("c0")
-        with pytest.raises(InvalidArgumentError, match="forks still list its history"):
-            await append(r1, "c0", 15)
+        assert await r1("load", session="c0") == {"ok": True, "turns": [7]}
+        assert (await r1("drop", session="c0"))["ok"]
+        refused = await r1("append", session="c0", tag=15)
+        assert refused.get("error") == "InvalidArgumentError", refused
+        assert "forks still list its history" in refused["message"]
         await anyio.sleep(1.2)  # R0's lease on f0 runs out
-        with pytest.raises(HistoryConflictError, match="which this replica has not read"):
-            await append(r1, "f0", 16)
-        await r1.flush()
-        for r in (r0, r1, r2):
+        conflict = await r1("append", session="f0", tag=16)
+        assert conflict.get("error") == "HistoryConflictError", conflict
+        assert "which this replica has not read" in conflict["message"]
+        assert (await r1("flush"))["ok"]
+        assert await r1("load", session="f0") == {"ok": True, "turns": [7, 20, 21]}
+        for r in (r0, r2):
             assert tags(await r.load("f0")) == [7, 20, 21]
 
 
