@@ -159,12 +159,8 @@ class ReplicaProcess:
         self.hung = f"{op} {args} gave no answer in {within:.0f} s"
         raise AssertionError(f"the replica's {self.hung}")
 
-    async def append(
-        self, session: str, tag: int, tokens: int = TOKENS, *, parent: str | None = None
-    ) -> dict[str, Any]:
-        """Append turn ``tag`` (with ``parent``: as the first turn of a fork of it)."""
-        args: dict[str, Any] = {} if parent is None else {"parent": parent}
-        return await self.call("append", session=session, tag=tag, tokens=tokens, **args)
+    async def append(self, session: str, tag: int, tokens: int = TOKENS) -> dict[str, Any]:
+        return await self.call("append", session=session, tag=tag, tokens=tokens)
 
     async def load(self, session: str, tokens: int = TOKENS) -> dict[str, Any]:
         return await self.call("load", session=session, tokens=tokens)

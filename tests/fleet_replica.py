@@ -8,10 +8,10 @@ that overruns answers ``{"ok": false, "error": "TimeoutError"}``, one that canno
 cancelled does not answer).
 The process opens one cache (its tiers over a :class:`~tieredkv.backends.redis.RedisTier`
 on ``URL`` and ``PREFIX``), answers ``{"ok": true}`` once open, then runs the commands it
-reads from stdin, one JSON line each (``append`` session tag, and parent for a fork's first
-turn; ``load`` session, ``flush``,
-``contains`` session, ``discover`` session, ``drop`` session, ``stats``, ``where`` session,
-``close``), answering each with one JSON line on stdout.
+reads from stdin, one JSON line each (``append`` session tag, and parent for a fork's
+first turn; ``load`` session, ``flush``, ``contains`` session, ``discover`` session,
+``drop`` session, ``stats``, ``where`` session, ``close``), answering each with one JSON
+line on stdout (:func:`answer`).
 """
 
 from __future__ import annotations

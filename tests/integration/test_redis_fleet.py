@@ -355,44 +355,38 @@ async def test_case04e_a_look_up_the_cache_did_not_take_in_lets_no_turn_extend_a
     secret = b"s" * 32
     options: dict[str, Any] = {"lease_ttl": 1.0, "secret": secret}
     prefix = new_prefix()
-    r1_replica: TieredKVCache | ReplicaProcess = (
+    r1: TieredKVCache | ReplicaProcess = (
         replica(server.url, prefix, **options)
         if r1_runs == "in-process"
         else ReplicaProcess(server.url, prefix, lease_ttl=1.0, timeout=1.0, secret=secret.hex())
     )
-
-    async def r1(op: str, **args: Any) -> dict[str, Any]:
-        if isinstance(r1_replica, ReplicaProcess):
-            return await r1_replica.call(op, **args)
-        return await fleet_replica.answer(r1_replica, {"op": op, **args})
-
     async with (
         replica(server.url, prefix, **options) as r0,
-        r1_replica,
+        r1,
         replica(server.url, prefix, **options) as r2,
     ):
         await append(r2, "c0", 7)
         await r2.flush()
-        assert await r1("load", session="c0") == {"ok": True, "turns": [7]}
-        assert (await r1("append", session="f0", tag=5, parent="c0"))["ok"]
-        assert (await r1("append", session="f0", tag=6))["ok"]
-        assert (await r1("flush"))["ok"]
+        assert await ask(r1, "load", session="c0") == {"ok": True, "turns": [7]}
+        assert (await ask(r1, "append", session="f0", tag=5, parent="c0"))["ok"]
+        assert (await ask(r1, "append", session="f0", tag=6))["ok"]
+        assert (await ask(r1, "flush"))["ok"]
         assert tags(await r0.load("f0")) == [7, 5, 6]
         await r0.drop("f0")
         await r0.append("f0", turn(20), answer_tokens=1, parent="c0")
         await append(r0, "f0", 21)
         await r0.flush()
-        assert await r1("load", session="c0") == {"ok": True, "turns": [7]}
-        assert (await r1("drop", session="c0"))["ok"]
-        refused = await r1("append", session="c0", tag=15)
+        assert await ask(r1, "load", session="c0") == {"ok": True, "turns": [7]}
+        assert (await ask(r1, "drop", session="c0"))["ok"]
+        refused = await ask(r1, "append", session="c0", tag=15)
         assert refused.get("error") == "InvalidArgumentError", refused
         assert "forks still list its history" in refused["message"]
         await anyio.sleep(1.2)  # R0's lease on f0 runs out
-        conflict = await r1("append", session="f0", tag=16)
+        conflict = await ask(r1, "append", session="f0", tag=16)
         assert conflict.get("error") == "HistoryConflictError", conflict
         assert "which this replica has not read" in conflict["message"]
-        assert (await r1("flush"))["ok"]
-        assert await r1("load", session="f0") == {"ok": True, "turns": [7, 20, 21]}
+        assert (await ask(r1, "flush"))["ok"]
+        assert await ask(r1, "load", session="f0") == {"ok": True, "turns": [7, 20, 21]}
         for r in (r0, r2):
             assert tags(await r.load("f0")) == [7, 20, 21]
 
@@ -417,14 +411,18 @@ async def written_by_a(
             server.url, prefix, lease_ttl=lease_ttl, timeout=1.0, secret=secret.hex(), redis=redis
         )
     async with a, replica(server.url, prefix, **options) as b:
-        if isinstance(a, ReplicaProcess):
-            for tag in (0, 1):
-                assert (await a.append("chat", tag))["ok"]
-            assert (await a.flush())["ok"]
-        else:
-            await append(a, "chat", 0, 1)
-            await a.flush()
+        for tag in (0, 1):
+            assert (await ask(a, "append", session="chat", tag=tag))["ok"]
+        assert (await ask(a, "flush"))["ok"]
         yield a, b
+
+
+async def ask(r: TieredKVCache | ReplicaProcess, op: str, **args: Any) -> dict[str, Any]:
+    """One of :mod:`tests.fleet_replica`'s commands to replica ``r``, in this process or
+    in its own: its answer either way (what it raised as ``{"ok": False, "error": ...}``)."""
+    if isinstance(r, ReplicaProcess):
+        return await r.call(op, **args)
+    return await fleet_replica.answer(r, {"op": op, **args})
 
 
 async def stalled_load_is_a_miss(server: RedisServer, a: TieredKVCache | ReplicaProcess) -> None:
@@ -432,18 +430,11 @@ async def stalled_load_is_a_miss(server: RedisServer, a: TieredKVCache | Replica
     process, or in its own)."""
     server.pause()
     try:
-        if isinstance(a, ReplicaProcess):
-            answer = await a.load("chat")
-            assert answer.get("error") == "SessionNotFoundError", answer
-        else:
-            with pytest.raises(SessionNotFoundError):
-                await a.load("chat")
+        answer = await ask(a, "load", session="chat")
+        assert answer.get("error") == "SessionNotFoundError", answer
     finally:
         server.resume()
-    if isinstance(a, ReplicaProcess):
-        assert (await a.call("stats"))["unproven"] == 1
-    else:
-        assert a.stats().unproven == 1
+    assert (await ask(a, "stats"))["unproven"] == 1
 
 
 def a_tier(cache: TieredKVCache) -> RedisTier:
