@@ -346,7 +346,7 @@ def physical_runs(regions: list[tuple[int, int]]) -> float:
 
 def parser(doc: str, reps: int) -> argparse.ArgumentParser:
     """The options of a history's shape, the raw reads in flight and the directory (this
-    benchmark's, and ``_load_timeline.py``'s)."""
+    benchmark's, ``_load_timeline.py``'s and ``_stream_ab.py``'s, which reads no raw files)."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=reps)
     p.add_argument("--mib", type=int, default=8, help="turn size")

@@ -89,3 +89,45 @@ def test_scatter_pieces_reads_every_layout_and_checks_its_bytes(tmp_path: Path) 
     for line in rows.values():
         assert float(line.rsplit(" ", 1)[1]) > 0, line
     assert list(tmp_path.iterdir()) == [], "the files it wrote are left behind"
+
+
+def test_stream_ab_loads_with_both_streams_and_prints_a_paired_ratio(tmp_path: Path) -> None:
+    """``benchmarks/_stream_ab.py`` (this tree's span stream against another's, in one
+    process), with this very tree as the other: a row per tree, each figure inside its
+    call (every load is compared byte for byte: the script fails otherwise), and the
+    paired ratio over both reps. A tree without the stream is refused, saying where it
+    looked."""
+    flags = ["--reps", "2", "--turns", "10", "--mib", "1", "--tensors", "2", "--dir"]
+    done = run("_stream_ab.py", [*flags, str(tmp_path), "--other", str(ROOT)], tmp_path)
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("10 turns x 2 tensors = 1 MiB turns; 2 reps"), done.stdout
+    assert lines[1].split() == [
+        "median",
+        "of",
+        "2",
+        "call",
+        "first",
+        "read",
+        "next",
+        "read",
+        "after",
+        "last",
+    ], done.stdout
+    for line, tree in zip(lines[2:4], ("this", "other"), strict=True):
+        name, call, first, later, after = line.split()
+        assert name == tree, done.stdout
+        assert 0 < float(first) < float(call), line
+        assert 0 < float(later) < float(call), line  # (10 reads: two after a slot freed)
+        assert 0 <= float(after) < float(call), line
+    assert "median of the reps' ratios" in lines[4], done.stdout
+    assert lines[4].endswith("of 2)"), done.stdout
+    assert list(tmp_path.iterdir()) == [], "the files it wrote are left behind"
+    refused = subprocess.run(
+        [sys.executable, ROOT / "benchmarks" / "_stream_ab.py", "--other", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert refused.returncode != 0
+    assert f"--other {tmp_path}: no src/tieredkv/backends/ssd/stream.py there" in refused.stderr
