@@ -43,9 +43,9 @@ __all__ = ["READ_DEPTH", "VERIFYING", "Failure", "SegmentReader", "Workers", "ch
 READ_DEPTH = 8
 """Chunk (or span) reads in flight at once. With 4, an open cache's load of 8 turns of
 64 MiB read at 0.72-0.91x raw O_DIRECT reads with 4 in flight (in one process, alternating,
-5 reps each: ``/tmp`` probe); with 8, at 0.90-1.0x: a stream issues its next read only when
-the oldest one is in and handled, so it keeps fewer in flight than a pool of readers that
-never wait for each other."""
+5 reps each: ``/tmp`` probe); with 8, at 0.90-1.0x. (That was measured when a stream issued
+its next read only once the oldest one was in and handled; a span stream's reader threads
+now start the next read themselves as each read returns: ``stream._Flight``.)"""
 
 VERIFYING = 8
 """Segments read whole, beyond the :data:`READ_DEPTH` reads in flight, that a span stream
