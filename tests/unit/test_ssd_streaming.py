@@ -10,17 +10,13 @@ every failure.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import itertools
 import mmap
-import os
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 import torch
 
@@ -31,7 +27,7 @@ from tests.segments import SegmentFactory, read_back, store
 from tieredkv import SSDTier, TieredKVCache
 from tieredkv._cache.gather import fill_cuts, span_plan
 from tieredkv.backends.base import Consumer, SegmentKey, Spans, StreamingTier
-from tieredkv.backends.ssd import segment_file_name, stream
+from tieredkv.backends.ssd import segment_file_name
 from tieredkv.errors import CorruptSegmentError, SessionNotFoundError, TierIOError
 from tieredkv.payload import ALIGN, PartWriter, align_up, plan_segment
 
@@ -503,66 +499,6 @@ async def test_damage_found_in_layer_order_names_the_segment(
         assert tier.contains(segs[0].key)
         assert tier.contains(segs[2].key)
         assert await read_back(tier, segs[2]) == segs[2].data
-
-
-async def test_a_stream_that_stops_early_starts_none_of_the_reads_left_waiting(
-    ssd_dir: Path, seg: SegmentFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Twenty segments of one span each, read into buffers: the stream plans its jobs ahead
-    of the read slots, and the reader thread whose read returns starts the next one waiting.
-    A flipped byte in the second segment stops the stream while the reads after the second
-    are held (until the stream has stopped its flight): the jobs still waiting for a slot
-    never start (at most 10 reads happen: the eight slots and the two the first reads freed),
-    no segment file is left open, and every other segment reads back whole."""
-    segs = [seg(seq=i, tokens=2000, seed=60 + i) for i in range(20)]
-    stopped = threading.Event()
-    reads = itertools.count(1)
-    calls: list[int] = []
-    preadv_full, close = stream.preadv_full, stream._Flight.close
-
-    def held(fd: int, views: list[memoryview], offset: int) -> int:
-        calls.append(next(reads))
-        if calls[-1] > 2:
-            stopped.wait(10)
-        return preadv_full(fd, views, offset)
-
-    def stop(flight: Any) -> None:
-        close(flight)
-        stopped.set()
-
-    def open_segments() -> list[str]:
-        """The segment files this process has open."""
-        found = []
-        for fd in Path("/proc/self/fd").iterdir():
-            with contextlib.suppress(OSError):  # (closed meanwhile)
-                target = os.readlink(fd)
-                if target.startswith(str(ssd_dir.resolve())) and target.endswith(".seg"):
-                    found.append(target)
-        return found
-
-    async with SSDTier(ssd_dir, CAPACITY) as tier:
-        await store_and_damage(tier, ssd_dir, segs, 1)
-        with (ssd_dir / "segments" / segment_file_name(segs[0].key)).open("rb"):
-            assert open_segments()  # (it sees a segment file open)
-        monkeypatch.setattr(stream, "preadv_full", held)
-        monkeypatch.setattr(stream._Flight, "close", stop)
-        with pytest.raises(CorruptSegmentError, match="checksum"):
-            await read_spans(
-                tier,
-                [(s.key, [(0, s.length)]) for s in segs],
-                lambda *a: None,
-                into=[memoryview(aligned(s.length)) for s in segs],
-            )
-        started = len(calls)
-        await anyio.sleep(0.1)
-        assert len(calls) == started
-        assert 8 <= started <= 10, started
-        assert open_segments() == []
-        monkeypatch.undo()
-        assert not tier.contains(segs[1].key)
-        for s in segs[:1] + segs[2:]:
-            assert await read_back(tier, s) == s.data
-        assert open_segments() == []
 
 
 async def test_bad_order_and_buffers_are_refused(ssd_dir: Path, seg: SegmentFactory) -> None:

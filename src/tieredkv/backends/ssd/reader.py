@@ -44,8 +44,10 @@ READ_DEPTH = 8
 """Chunk (or span) reads in flight at once. With 4, an open cache's load of 8 turns of
 64 MiB read at 0.72-0.91x raw O_DIRECT reads with 4 in flight (in one process, alternating,
 5 reps each: ``/tmp`` probe); with 8, at 0.90-1.0x. (That was measured when a stream issued
-its next read only once the oldest one was in and handled; a span stream's reader threads
-now start the next read themselves as each read returns: ``stream._Flight``.)"""
+its next read only once the oldest one was in and handled; it now issues one as soon as a
+read returns. Having the reader thread whose read returned start the next one itself, with
+no hand-off back to the stream's thread, did not speed a load:
+``docs/explanation/api-performance.md``, 8 December 2026.)"""
 
 VERIFYING = 8
 """Segments read whole, beyond the :data:`READ_DEPTH` reads in flight, that a span stream

@@ -30,7 +30,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
 import xxhash
 
@@ -217,14 +217,10 @@ class SpanStream:
         reading: dict[int, _SegmentRead] = {}
         verified: list[int] = []
         issued = 0
-        # the jobs are planned ahead (up to ``limit``) and each starts as soon as a read slot
-        # is free: the reader thread whose read returned starts the next, without a hand-off
-        # back to this thread (see :class:`_Flight`)
-        flight = _Flight(readers, reader)
+        flight = _Flight()
         try:
             while True:
-                while issued < len(jobs) and len(inflight) < limit:
-                    flight.settle()  # let the reads started begin before planning the next
+                while issued < len(jobs) and len(inflight) < limit and flight.room():
                     if into is None and not free and len(ring) < ring_size:
                         copied = lands is None or limit == READ_DEPTH
                         ring.append(self._span_buffer(size, copied))
@@ -262,20 +258,33 @@ class SpanStream:
                             assert into is not None
                             view = into[i][start:end]
                         pieces = [view]
-                    if len(spans) == 1:  # the whole segment: read and verified in one job
-                        rel = segment_file_name(key)
-                        length = self._index.lengths[key]
-                        fd = fds.pop(i)  # the job closes it (or the flight, if it never runs)
-                        whole = (fd, pieces, key, rel, length, flight.end)
-                        read = flight.issue(self._read_whole, whole, closes=fd)
-                    elif landed:  # straight into the consumer's memory
-                        read = flight.issue(preadv_full, (fds[i], pieces, start))
-                    else:  # pread_full releases the view it is given: its own one
-                        read = flight.issue(pread_full, (fds[i], pieces[0][:], start))
+                    flight.begin()
+                    try:
+                        if len(spans) == 1:  # the whole segment: read and verified in one job
+                            rel = segment_file_name(key)
+                            length = self._index.lengths[key]
+                            read = readers.submit(
+                                self._read_whole, fds[i], pieces, key, rel, length, flight.end
+                            )
+                            fds.pop(i)  # the job closes it
+                            read.add_done_callback(flight.job_done)
+                        else:
+                            if landed:  # straight into the consumer's memory
+                                read = readers.submit(preadv_full, fds[i], pieces, start)
+                            else:  # pread_full releases the view it is given: its own one
+                                read = readers.submit(pread_full, fds[i], pieces[0][:], start)
+                            read.add_done_callback(flight.read_done)
+                    except BaseException:  # not submitted (the pool is shut down)
+                        flight.end()
+                        raise
                     inflight.append((i, k, buf, pieces, landed, read))
                     issued += 1
                 if not inflight:
                     return verified, None
+                # with more to issue, wait for the oldest job or a read slot, whichever first
+                more = issued < len(jobs) and len(inflight) < limit
+                if more and not flight.wait(inflight[0][-1]):
+                    continue
                 i, k, buf, pieces, landed, future = inflight.popleft()
                 key, spans = items[i]
                 start, end = spans[k]
@@ -328,7 +337,6 @@ class SpanStream:
                     reader.close_segment(fds.pop(i))
                     verified.append(i)
         finally:
-            flight.close()  # the jobs not started yet never start
             # let every read, hash and copy finish before a buffer is reused
             for *_, future in inflight:
                 with contextlib.suppress(Exception):
@@ -425,115 +433,44 @@ class SpanStream:
 
 
 class _Flight:
-    """One stream's jobs and the reads they have in flight: at most :data:`READ_DEPTH`.
+    """The reads one stream has in flight, counted apart from its jobs: a job that reads a
+    segment whole frees its read's slot as soon as its read returns, and goes on to verify
+    the segment; any other job frees it when it finishes."""
 
-    The stream plans its jobs ahead (the segment opened, the span's pieces placed) and hands
-    each to :meth:`issue`, which starts it at once if a read slot is free, and otherwise
-    queues it: the reader thread whose read returns next starts it (:meth:`end`), so a slot
-    is taken again without a hand-off back to the stream's thread. Before 8 December 2026
-    the stream's thread planned and submitted each later read itself once it woke to a freed
-    slot, and a load's reads after its first eight were issued 1.1-1.7 ms after a slot
-    freed (raw O_DIRECT reads: 0.17 ms; ``docs/explanation/api-performance.md``).
-
-    A job that reads a segment whole frees its slot as soon as its read returns and goes on
-    to verify the segment (it calls :meth:`end` itself); any other job's slot is freed when
-    it returns.
-    """
-
-    def __init__(self, pool: ThreadPoolExecutor, reader: SegmentReader) -> None:
-        self._lock = threading.Lock()
-        self._pool = pool
-        self._reader = reader
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
         self._reads = 0
-        self._waiting: deque[_Job] = deque()
-        self._closed = False
-        self._started = 0
-        self._running = threading.Semaphore(0)
-        """Released by each job as it begins to run (see :meth:`settle`)."""
 
-    def issue(
-        self, run: Callable[..., int], args: tuple[Any, ...], closes: int | None = None
-    ) -> Future[int]:
-        """Start ``run(*args)`` in a reader thread now, or once a read slot frees, in the
-        order issued; its future. ``closes``: a segment's descriptor the job closes itself,
-        closed here if it never starts (the stream ended first)."""
-        job = _Job(Future(), run, args, closes)
-        with self._lock:
-            if self._reads >= READ_DEPTH:
-                self._waiting.append(job)
-                return job.future
+    def room(self) -> bool:
+        """Whether another read may be issued."""
+        with self._cond:
+            return self._reads < READ_DEPTH
+
+    def begin(self) -> None:
+        """A read is about to be issued."""
+        with self._cond:
             self._reads += 1
-        self._start(job)
-        return job.future
-
-    def settle(self) -> None:
-        """Wait until every job started so far runs in its reader thread. The stream calls
-        it before it plans each job: planning is Python, and a reader thread just woken to
-        begin its read waits for the interpreter meanwhile (the first read of a load began
-        0.4-2.6 ms after it was submitted, while the stream planned the next ones; with
-        this, 0.05-0.7 ms)."""
-        with self._lock:
-            started, self._started = self._started, 0
-        for _ in range(started):
-            self._running.acquire()
 
     def end(self) -> None:
-        """A read returned (or failed): its slot starts the next job waiting, if any."""
-        with self._lock:
-            if not self._waiting or self._closed:
-                self._reads -= 1
-                return
-            job = self._waiting.popleft()
-        self._start(job)
+        """A read returned (or failed, or was never issued): its slot is free."""
+        with self._cond:
+            self._reads -= 1
+            self._cond.notify_all()
 
-    def close(self) -> None:
-        """Start no more jobs: those waiting are cancelled (their descriptors closed)."""
-        with self._lock:
-            self._closed = True
-            dropped = list(self._waiting)
-            self._waiting.clear()
-        for job in dropped:
-            job.future.cancel()
-            self._drop(job)
+    def job_done(self, future: Future[int]) -> None:
+        """A job that frees its slot itself (:meth:`end`) finished."""
+        with self._cond:
+            self._cond.notify_all()
 
-    def _start(self, job: _Job) -> None:
-        with self._lock:
-            self._started += 1
-        try:
-            self._pool.submit(self._run, job)
-        except BaseException as exc:  # not submitted (the pool is shut down)
-            self._running.release()  # (as if it ran: see settle)
-            self._drop(job)
-            job.future.set_exception(exc)
-            self.end()
+    def read_done(self, future: Future[int]) -> None:
+        """A job that is only a read finished."""
+        self.end()
 
-    def _drop(self, job: _Job) -> None:
-        """A job that never ran: close the descriptor it would have closed."""
-        if job.closes is not None:
-            self._reader.close_segment(job.closes)
-
-    def _run(self, job: _Job) -> None:
-        self._running.release()
-        job.future.set_running_or_notify_cancel()
-        try:
-            n = job.run(*job.args)
-        except BaseException as exc:
-            if job.closes is None:
-                self.end()
-            job.future.set_exception(exc)
-        else:
-            if job.closes is None:
-                self.end()
-            job.future.set_result(n)
-
-
-class _Job(NamedTuple):
-    """A read job of a stream (:class:`_Flight`)."""
-
-    future: Future[int]
-    run: Callable[..., int]
-    args: tuple[Any, ...]
-    closes: int | None
+    def wait(self, oldest: Future[int]) -> bool:
+        """Wait until ``oldest`` is done (``True``) or a read slot is free (``False``)."""
+        with self._cond:
+            self._cond.wait_for(lambda: oldest.done() or self._reads < READ_DEPTH)
+            return oldest.done()
 
 
 def _update(hasher: Any, parts: list[memoryview]) -> None:
