@@ -38,7 +38,10 @@ _opens: list[Span] = []
 _lock = threading.Lock()
 
 
-def _timed(real: Callable[..., Any], into: list[Span]) -> Callable[..., Any]:
+def timed(real: Callable[..., Any], into: list[Span]) -> Callable[..., Any]:
+    """``real``, recording when each call began and ended in ``into`` (also
+    ``_stream_ab.py``'s)."""
+
     def call(*args: Any, **kwargs: Any) -> Any:
         began = time.perf_counter()
         out = real(*args, **kwargs)
@@ -82,8 +85,8 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, list[dict[str, 
             places, pieces = await overlap.load_places(cache, files)
             want = {k: v.clone() for k, v in places.items()}
             real_preadv, real_open = os.preadv, os.open
-            os.preadv = _timed(real_preadv, _reads)
-            os.open = _timed(real_open, _opens)
+            os.preadv = timed(real_preadv, _reads)
+            os.open = timed(real_open, _opens)
             try:
                 for rep in range(args.reps):
                     modes = list(out) if rep % 2 else list(out)[::-1]

@@ -29,23 +29,20 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import bench_api as api
 import bench_load_overlap as overlap
+from _load_timeline import Span, timed
 from _measure import cold
 from tieredkv.backends.ssd import reader, stream
 
-Span = tuple[float, float]
 FIGURES = ("call", "first read", "next read", "after last")
 
 _reads: list[Span] = []
-_lock = threading.Lock()
 
 
 def other_stream(checkout: Path) -> ModuleType:
@@ -65,19 +62,6 @@ def other_stream(checkout: Path) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def _timed(real: Callable[..., Any]) -> Callable[..., Any]:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        began = time.perf_counter()
-        try:
-            return real(*args, **kwargs)
-        finally:
-            ended = time.perf_counter()
-            with _lock:
-                _reads.append((began, ended))
-
-    return call
 
 
 def summary(t0: float, t1: float, reads: list[Span]) -> dict[str, float]:
@@ -104,7 +88,7 @@ async def run(args: argparse.Namespace, root: Path, other: ModuleType) -> dict[s
     async with api.new_cache(root) as cache:
         await api.append_turns(cache, "user", turns)
         await cache.load("user")  # its buffers and outputs exist, as in bench_api
-        os.preadv = _timed(real)
+        os.preadv = timed(real, _reads)
         try:
             for rep in range(args.reps):
                 took: dict[str, float] = {}
